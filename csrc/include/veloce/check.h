@@ -1,0 +1,51 @@
+// Argument checks for the op boundary. Every message names the op, the argument and
+// what was found, e.g. "veloce::find: ids must be int64, got Float".
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+namespace veloce {
+
+inline void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType want) {
+  TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must be ", c10::toString(want), ", got ",
+              c10::toString(t.scalar_type()));
+}
+
+inline void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got a ", t.dim(), "-D tensor of shape ",
+              t.sizes());
+}
+
+inline void check_floating(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), op, ": ", name,
+              " must be a floating-point tensor, got ", c10::toString(t.scalar_type()));
+}
+
+inline void check_same_device(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                              const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
+              ref.device(), "; move them to the same device");
+}
+
+inline void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim, int64_t want,
+                       const char* what) {
+  TORCH_CHECK(t.size(dim) == want, op, ": ", name, ".size(", dim, ") must equal ", what, " (", want,
+              "), got ", t.size(dim));
+}
+
+// The table tensors: keys (C,) int64, digests (C,) uint8, scores (C,) int64, with C a
+// positive multiple of kBucketSize whose bucket count is a power of two.
+void check_table(const char* op, const at::Tensor& keys, const at::Tensor& digests, const at::Tensor& scores);
+void check_table_keys(const char* op, const at::Tensor& keys, const at::Tensor& digests);
+
+// Rows tensor (C, D) whose first dimension matches the table.
+void check_rows(const char* op, const char* name, const at::Tensor& rows, const at::Tensor& keys);
+
+// A bag layout: offsets (B,) or (B+1,) int64, starting at 0, non-decreasing, ending at
+// most at n. Returns the number of bags B. Reads offsets on the host.
+int64_t check_offsets(const char* op, const at::Tensor& offsets, int64_t n, bool include_last_offset);
+
+}  // namespace veloce

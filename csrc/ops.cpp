@@ -1,0 +1,85 @@
+// The whole op surface of veloce on one screen: every schema of torch.ops.veloce.
+//
+// Kernels live in csrc/cpu/<family>.cpp and csrc/cuda/<family>.cu, each ending with its
+// TORCH_LIBRARY_IMPL block; fake (meta) kernels and autograd are registered in Python
+// (veloce/ops/<family>.py). docs/ops.md documents shapes and semantics.
+//
+// Conventions:
+//   * Table state is a set of tensors of C = num_buckets * 32 slots (see veloce/hash.h):
+//       keys (C,) int64, digests (C,) uint8 (0 = empty), scores (C,) int64,
+//       weights (C, D) float, opt_state (C, S) float (S = 0 for SGD).
+//   * A "slot" indexes those tensors; ops that take slots also accept the codes
+//     -1 (padding: skipped, not counted by mean) and -2 (a zero row, counted by mean).
+//   * Mutated arguments are marked (a!) and never returned.
+//   * Ops that insert return counts = [num_inserted, num_failed]. num_failed > 0 means the
+//     table had no room (eviction off) and the op changed nothing; the caller grows the
+//     table and calls again.
+
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// An empty module: importing veloce._C loads the shared library, whose static
+// initializers register the ops. No pybind, so the op surface stays ABI-stable.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(veloce, m) {
+  // ---- hash_table: ids -> slots over tensor state -------------------------------------
+  // slots (N,) int64: the slot of each id, -1 where the id is absent. Never inserts.
+  m.def("find(Tensor keys, Tensor digests, Tensor ids) -> Tensor");
+  // Looks every id up, inserting the missing ones (rows initialised from (seed, id),
+  // optimizer state zeroed) and updating scores (policy: 0 none, 1 LRU = set to
+  // score_value, 2 LFU = add 1). Positions whose id equals padding_id get slot -1 and
+  // are neither inserted nor scored. With allow_evict, a key whose two buckets are full
+  // replaces the lowest-scored key there that this call did not touch (evicted_keys).
+  m.def(
+      "find_or_insert(Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, Tensor(d!) weights, "
+      "Tensor(e!) opt_state, Tensor ids, int score_policy, int score_value, bool allow_evict, "
+      "int seed, int init_kind, float init_a, float init_b, int? padding_id=None) "
+      "-> (Tensor slots, Tensor counts, Tensor evicted_keys)");
+  // Writes values (N, D) to the rows of ids, inserting missing ids. opt_values (N, S)
+  // and score_values (N,) are written when given; otherwise new rows get zero state and
+  // scores follow score_policy. With duplicate ids the last occurrence wins.
+  m.def(
+      "insert_or_assign(Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, Tensor(d!) weights, "
+      "Tensor(e!) opt_state, Tensor ids, Tensor values, Tensor? opt_values, Tensor? score_values, "
+      "int score_policy, int score_value, bool allow_evict) "
+      "-> (Tensor slots, Tensor counts, Tensor evicted_keys)");
+  // Removes ids; returns a (N,) bool mask, true at the first position of each erased id.
+  m.def("erase(Tensor keys, Tensor(a!) digests, Tensor ids) -> Tensor");
+  // The entries of the occupied slots in [start, end), in slot order:
+  // keys (M,), weights (M, D), opt_state (M, S), scores (M,).
+  m.def(
+      "export(Tensor keys, Tensor digests, Tensor scores, Tensor weights, Tensor opt_state, int start, "
+      "int end) -> (Tensor keys, Tensor weights, Tensor opt_state, Tensor scores)");
+  // The initializer's rows for ids: (N, dim) of dtype on ids' device. kind: 0 zeros,
+  // 1 constant(a), 2 uniform(a, b), 3 normal(mean=a, std=b).
+  m.def(
+      "initialize(Tensor ids, int dim, int seed, int init_kind, float init_a, float init_b, "
+      "ScalarType dtype) -> Tensor");
+
+  // ---- embedding: pooled lookup and the sparse gradient accumulate ----------------------
+  // out (B, D): per bag b, the sum (mode 0) or mean (mode 1) of rows slots[i] for i in
+  // the bag, scaled by per_sample_weights[i] (sum only). Slots >= weights.size(0) index
+  // extra_rows (M, D). Empty bags give zeros.
+  m.def(
+      "pooled_lookup(Tensor weights, Tensor slots, Tensor offsets, Tensor? per_sample_weights, int mode, "
+      "bool include_last_offset, Tensor? extra_rows=None) -> Tensor");
+  // The backward of pooled_lookup w.r.t. weights, reduced per unique row: unique_slots
+  // (U,) sorted ascending over slots in [0, num_rows), grad_rows (U, D). Deterministic.
+  m.def(
+      "accumulate_grad(Tensor grad_output, Tensor slots, Tensor offsets, Tensor? per_sample_weights, "
+      "int mode, bool include_last_offset, int num_rows) -> (Tensor unique_slots, Tensor grad_rows)");
+
+  // ---- optimizer: fused sparse update ---------------------------------------------------
+  // In place on rows slots (U,) (unique) of weights (C, D) and opt_state (C, S), with
+  // gradients grads (U, D). optimizer: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam.
+  // step is the 1-based step count (Adam's bias correction).
+  m.def(
+      "sparse_update(Tensor(a!) weights, Tensor(b!) opt_state, Tensor slots, Tensor grads, int optimizer, "
+      "float lr, float eps, float beta1, float beta2, float weight_decay, int step) -> ()");
+}
