@@ -33,7 +33,7 @@ TORCH_LIBRARY(veloce, m) {
   m.def("find(Tensor keys, Tensor digests, Tensor ids) -> Tensor");
   // Looks every id up, inserting the missing ones (rows initialised from (seed, id),
   // optimizer state zeroed) and updating scores (policy: 0 none, 1 LRU = set to
-  // score_value, 2 LFU = add 1). Positions whose id equals padding_id get slot -1 and
+  // score_value, 2 LFU = add 1 per occurrence). Positions whose id equals padding_id get slot -1 and
   // are neither inserted nor scored. With allow_evict, a key whose two buckets are full
   // replaces the lowest-scored key there that this call did not touch (evicted_keys).
   m.def(
