@@ -2,11 +2,21 @@
 
 Importing veloce never hard-fails: if the compiled extension is missing or was built
 against another torch, the first use of an op raises an error that says how to rebuild.
+
+Example::
+
+    import torch, veloce
+    emb = veloce.DynamicEmbedding(16, mode="sum")            # no num_embeddings
+    out = emb(torch.tensor([[42, -7], [2**62, 42]]))         # any int64 id; (2, 16)
 """
 
 from veloce import _ext
+from veloce import init
 from veloce import ops
+from veloce import optim
+from veloce.embedding import DynamicEmbedding
+from veloce.table import HashTable, TableFullError
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "__version__"]
+__all__ = ["DynamicEmbedding", "HashTable", "TableFullError", "init", "ops", "optim", "__version__"]

@@ -1,0 +1,171 @@
+"""One training step of DynamicEmbedding vs nn.EmbeddingBag(sparse=True) (BENCHMARKS.md, config 6).
+
+    python benchmarks/bench_embedding.py                       # CPU defaults: batch 2048, dim 64
+    python benchmarks/bench_embedding.py --device cuda --batch 65536 --dim 128 --json out.json
+
+A step = forward (pooled lookup over B * F bags of `--bag` ids) + backward + sparse
+optimizer update, on one table holding every feature's ids. Side by side, same ids:
+
+* ``EmbeddingBag``: ``nn.EmbeddingBag(F * ids_per_feature, sparse=True)`` with the
+  matching torch optimizer (SGD, Adagrad, SparseAdam) — a pre-sized table.
+* ``EmbeddingBag+dict``: the same, with raw ids remapped through a Python dict every
+  step — what users do today for dynamic ids.
+* ``DynamicEmbedding``: raw int64 ids, no vocabulary, warm table (every id inserted).
+
+Prints a Markdown table (median ms/step and the ratio to EmbeddingBag) headed by the
+device, torch version, dtype and configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+import veloce
+
+SCRAMBLE = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd int64: id -> id * SCRAMBLE is a bijection
+
+
+def make_ids(args, gen) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per step: (table index (N,), offsets (B*F,)). Index = feature * ids_per_feature + local id."""
+    n_bags = args.batch * args.features
+    n = n_bags * args.bag
+    if args.dist == "zipf":
+        probs = 1.0 / torch.arange(1, args.ids_per_feature + 1, dtype=torch.float64) ** args.alpha
+        perm = torch.randperm(args.ids_per_feature, generator=gen)
+    steps = []
+    for _ in range(args.warmup + args.steps):
+        if args.dist == "zipf":
+            local = perm[torch.multinomial(probs, n, replacement=True, generator=gen)]
+        else:
+            local = torch.randint(0, args.ids_per_feature, (n,), generator=gen)
+        feature = torch.arange(n_bags).repeat_interleave(args.bag) % args.features
+        offsets = torch.arange(0, n, args.bag)
+        steps.append((feature * args.ids_per_feature + local, offsets))
+    return steps
+
+
+def torch_optimizer(name, params, lr):
+    return {
+        "sgd": lambda: torch.optim.SGD(params, lr=lr),
+        "adagrad": lambda: torch.optim.Adagrad(params, lr=lr),
+        "adam": lambda: torch.optim.SparseAdam(params, lr=lr),
+    }[name]()
+
+
+def veloce_optimizer(name, lr):
+    return {
+        "sgd": veloce.optim.SGD(lr=lr),
+        "adagrad": veloce.optim.Adagrad(lr=lr),
+        "adam": veloce.optim.Adam(lr=lr),
+        "rowwise": veloce.optim.RowWiseAdagrad(lr=lr),
+    }[name]
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step_fn, steps, warmup, device) -> list[float]:
+    times = []
+    for i, batch in enumerate(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        step_fn(*batch)
+        sync(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch", type=int, default=2048)
+    p.add_argument("--features", type=int, default=32)
+    p.add_argument("--ids-per-feature", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--bag", type=int, default=20)
+    p.add_argument("--dist", choices=["uniform", "zipf"], default="uniform")
+    p.add_argument("--alpha", type=float, default=1.15)
+    p.add_argument("--optimizers", default="sgd,adagrad,adam")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-dict", action="store_true", help="skip the Python-dict remapping baseline")
+    p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    gen = torch.Generator().manual_seed(0)
+    steps_cpu = make_ids(args, gen)
+    rows_total = args.features * args.ids_per_feature
+    steps = [(i.to(device), o.to(device)) for i, o in steps_cpu]
+    raw_steps = [((i * SCRAMBLE), o) for i, o in steps]  # raw int64 ids, spread over the int64 range
+    grad = torch.randn(args.batch * args.features, args.dim, device=device) * 1e-3
+    results = []
+
+    for opt_name in args.optimizers.split(","):
+        row = {"optimizer": opt_name}
+        if opt_name != "rowwise":
+            bag = torch.nn.EmbeddingBag(rows_total, args.dim, mode="sum", sparse=True).to(device)
+            topt = torch_optimizer(opt_name, bag.parameters(), args.lr)
+
+            def eb_step(idx, offsets, bag=bag, topt=topt):
+                bag(idx, offsets).backward(grad)
+                topt.step()
+                topt.zero_grad()
+
+            row["EmbeddingBag"] = statistics.median(time_steps(eb_step, steps, args.warmup, device))
+            if not args.no_dict:
+                vocab: dict[int, int] = {}
+
+                def dict_step(raw, offsets, bag=bag, topt=topt, vocab=vocab):
+                    idx = [vocab.setdefault(k, len(vocab)) for k in raw.tolist()]
+                    eb_step(torch.tensor(idx, device=device), offsets)
+
+                row["EmbeddingBag+dict"] = statistics.median(time_steps(dict_step, raw_steps, args.warmup, device))
+            del bag, topt
+        emb = veloce.DynamicEmbedding(
+            args.dim, mode="sum", capacity=2 * rows_total, optimizer=veloce_optimizer(opt_name, args.lr),
+            device=device,
+        )
+        emb(torch.arange(rows_total, device=device) * SCRAMBLE, torch.arange(rows_total, device=device))  # warm
+
+        def dyn_step(raw, offsets, emb=emb):
+            emb(raw, offsets).backward(grad)
+            emb.step()
+            emb.zero_grad()
+
+        row["DynamicEmbedding"] = statistics.median(time_steps(dyn_step, raw_steps, args.warmup, device))
+        del emb
+        results.append(row)
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+    n_ids = args.batch * args.features * args.bag
+    print(f"\n### One training step: {name}, torch {torch.__version__}, fp32")
+    print(
+        f"batch {args.batch}, {args.features} features, {args.ids_per_feature:,} ids/feature "
+        f"(one table, {rows_total:,} rows), dim {args.dim}, bag {args.bag} ({n_ids:,} ids/step), sum, "
+        f"{args.dist}{f' alpha {args.alpha}' if args.dist == 'zipf' else ''}; median of {args.steps} steps\n"
+    )
+    cols = ["EmbeddingBag", "EmbeddingBag+dict", "DynamicEmbedding"]
+    print("| optimizer | " + " | ".join(f"{c} ms" for c in cols) + " | speedup vs EmbeddingBag | vs +dict |")
+    print("|---" * (len(cols) + 3) + "|")
+    for r in results:
+        cells = [f"{r[c]:.1f}" if c in r else "-" for c in cols]
+        su = f"{r['EmbeddingBag'] / r['DynamicEmbedding']:.2f}x" if "EmbeddingBag" in r else "-"
+        sd = f"{r['EmbeddingBag+dict'] / r['DynamicEmbedding']:.2f}x" if "EmbeddingBag+dict" in r else "-"
+        print(f"| {r['optimizer']} | " + " | ".join(cells) + f" | {su} | {sd} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": name, "torch": torch.__version__, "config": vars(args), "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

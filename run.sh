@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# veloce's two entry points on a fresh machine; each sets up, builds and runs.
+#
+#   ./run.sh train   build, then train the example DLRM on built-in synthetic data (CPU, ~2 min)
+#   ./run.sh test    build, then run the test suite (what CI runs)
+#
+# Set-up: a virtualenv in .venv that also sees system packages, so a torch you already
+# have (any version >= 2.4, CPU or CUDA) is used; with no torch at all, the CPU build of
+# torch 2.13.0 is installed. VELOCE_PYTHON picks the interpreter (default python3).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+setup() {
+  local py="${VELOCE_PYTHON:-python3}"
+  if [ ! -x .venv/bin/python ]; then
+    "$py" -m venv --system-site-packages .venv
+  fi
+  # shellcheck disable=SC1091
+  source .venv/bin/activate
+  if ! python -c "import torch" 2>/dev/null; then
+    echo "[veloce] no torch found: installing torch==2.13.0 (CPU build)"
+    python -m pip install -q "torch==2.13.0"
+  fi
+  python -m pip install -q numpy safetensors pyyaml tqdm ninja "pytest>=7" "hypothesis>=6" setuptools wheel
+  echo "[veloce] building against torch $(python -c 'import torch; print(torch.__version__)')"
+  MAX_JOBS="${MAX_JOBS:-$(nproc)}" python -m pip install -q --no-build-isolation -e . \
+    || { echo "[veloce] build failed"; exit 1; }
+}
+
+case "${1:-}" in
+  train)
+    setup
+    shift
+    python examples/dlrm_synthetic.py "$@"
+    ;;
+  test)
+    setup
+    shift
+    python -m pytest -q tests "$@"
+    ;;
+  *)
+    echo "usage: ./run.sh train|test [extra args]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,76 @@
+"""Shared test fixtures: devices, data location, a pure-Python reference of the initializer."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import veloce
+
+MASK = (1 << 64) - 1
+
+
+def devices() -> list:
+    """cpu always; cuda when a GPU and veloce's CUDA kernels exist (else skipped with a reason)."""
+    reason = None
+    if not torch.cuda.is_available():
+        reason = "no CUDA device on this machine"
+    elif not veloce._ext.has_cuda_kernels():
+        reason = "veloce was built without CUDA kernels"
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(reason is not None, reason=reason or ""))]
+
+
+DEVICES = devices()
+
+
+def data_dir() -> Path:
+    """../shared/data beside the repository (VELOCE_DATA_DIR overrides)."""
+    env = os.environ.get("VELOCE_DATA_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def _fmix64(k: int) -> int:
+    k ^= k >> 33
+    k = (k * 0xFF51AFD7ED558CCD) & MASK
+    k ^= k >> 33
+    k = (k * 0xC4CEB9FE1A85EC53) & MASK
+    k ^= k >> 33
+    return k
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+def _unit(bits: int) -> float:
+    return ((bits >> 11) + 0.5) * (1.0 / 9007199254740992.0)
+
+
+def ref_init_value(seed: int, key: int, col: int, kind: int, a: float, b: float) -> float:
+    """Pure-Python reference of init_value (csrc/include/veloce/init.h)."""
+    if kind == 0:
+        return 0.0
+    if kind == 1:
+        return a
+    row = _splitmix64((seed & MASK) ^ _fmix64(key & MASK))
+    if kind == 2:
+        return a + (b - a) * _unit(_splitmix64((row + col) & MASK))
+    pair = col >> 1
+    u1 = _unit(_splitmix64((row + 2 * pair) & MASK))
+    u2 = _unit(_splitmix64((row + 2 * pair + 1) & MASK))
+    r = math.sqrt(-2.0 * math.log(u1))
+    t = 6.283185307179586 * u2
+    return a + b * (r * math.sin(t) if col & 1 else r * math.cos(t))
+
+
+def ref_init_rows(ids, dim: int, init: veloce.init.Initializer, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """(len(ids), dim) initial rows computed in pure Python."""
+    rows = [[ref_init_value(seed, int(i), j, init.kind, init.a, init.b) for j in range(dim)] for i in ids]
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(rows), dim).to(dtype)

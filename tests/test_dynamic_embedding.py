@@ -1,0 +1,435 @@
+"""DynamicEmbedding against nn.EmbeddingBag + torch optimizers, and the table's contract."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import veloce
+from conftest import DEVICES, ref_init_rows
+
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+EXTREME = [I64_MIN, I64_MAX, -1, 0, 1, 2**31, -(2**31), 2**62]
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def snapshot(emb: veloce.DynamicEmbedding) -> dict:
+    """Everything observable about a table, for 'unchanged' checks."""
+    out = {k: v.clone() for k, v in emb.export().items()}
+    out["len"] = len(emb)
+    out["capacity"] = emb.capacity
+    return out
+
+
+def assert_same_snapshot(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def sorted_table(emb):
+    e = emb.export()
+    order = torch.argsort(e["keys"])
+    return {k: (v[order] if v.dim() else v) for k, v in e.items()}
+
+
+ids_st = st.lists(st.one_of(st.sampled_from(EXTREME), st.integers(-50, 50), st.integers(I64_MIN, I64_MAX)), max_size=40)
+
+
+@st.composite
+def bag_batches(draw):
+    ids = draw(ids_st)
+    n = len(ids)
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=8)))
+    offsets = [0] + cuts
+    return ids, offsets
+
+
+# ---- forward ----------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@SETTINGS
+@given(
+    batch=bag_batches(),
+    dim=st.sampled_from([1, 4, 16, 33]),
+    mode=st.sampled_from(["sum", "mean"]),
+    use_psw=st.booleans(),
+    use_pad=st.booleans(),
+    ilo=st.booleans(),
+)
+def test_forward_matches_embedding_bag(device, batch, dim, mode, use_psw, use_pad, ilo):
+    ids, offsets = batch
+    use_psw = use_psw and mode == "sum"
+    pad = (ids[0] if ids else 7) if use_pad else None
+    init = veloce.init.uniform(-1, 1)
+    emb = veloce.DynamicEmbedding(dim, mode=mode, initializer=init, padding_idx=pad, include_last_offset=ilo,
+                                  capacity=16, device=device, seed=3)
+    if ilo:
+        offsets = offsets + [len(ids)]
+    ids_t = torch.tensor(ids, dtype=torch.long, device=device)
+    off_t = torch.tensor(offsets, dtype=torch.long, device=device)
+    psw = torch.rand(len(ids), device=device) if use_psw else None
+    out = emb(ids_t, off_t, psw)
+
+    uniq = sorted(set(ids))
+    index = {k: i for i, k in enumerate(uniq)}
+    w = ref_init_rows(uniq, dim, init, seed=3).to(device) if uniq else torch.zeros(0, dim, device=device)
+    w = torch.cat([w, torch.zeros(1, dim, device=device)])  # a row for the padding index if absent
+    idx = torch.tensor([index[k] for k in ids], dtype=torch.long, device=device)
+    pad_idx = index.get(pad, len(uniq)) if use_pad else None
+    ref = F.embedding_bag(idx, w, off_t, mode=mode, per_sample_weights=psw, padding_idx=pad_idx,
+                          include_last_offset=ilo)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # training inserts every non-padding id exactly once
+    assert len(emb) == len({k for k in ids if k != pad})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_2d_input_and_eval_never_inserts(device):
+    emb = veloce.DynamicEmbedding(8, mode="mean", device=device)
+    x = torch.tensor([[5, -9, 5], [2**62, I64_MIN, 0]], device=device)
+    out = emb(x)
+    flat = emb(x.reshape(-1), torch.tensor([0, 3], device=device))
+    torch.testing.assert_close(out, flat)
+    assert len(emb) == 4
+    emb.eval()
+    before = snapshot(emb)
+    unseen = torch.tensor([[123456789, 5]], device=device)
+    got = emb(unseen)
+    assert_same_snapshot(before, snapshot(emb))
+    init_rows = ref_init_rows([123456789], 8, emb.table.initializer).to(device)
+    row5, found = emb.find(torch.tensor([5], device=device))
+    assert bool(found.all())
+    torch.testing.assert_close(got, (init_rows + row5) / 2)
+    emb.unknown = "zeros"
+    torch.testing.assert_close(emb(unseen), row5 / 2)
+
+
+# ---- training vs torch optimizers --------------------------------------------------------
+def _torch_reference(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(params, lr=0.1, eps=1e-10)
+    if kind == "adam":
+        return torch.optim.SparseAdam(params, lr=0.01, betas=(0.8, 0.95), eps=1e-8)
+    raise AssertionError(kind)
+
+
+OPTS = {
+    "sgd": veloce.optim.SGD(lr=0.1),
+    "adagrad": veloce.optim.Adagrad(lr=0.1, eps=1e-10),
+    "adam": veloce.optim.Adam(lr=0.01, betas=(0.8, 0.95), eps=1e-8),
+    "rowwise": veloce.optim.RowWiseAdagrad(lr=0.1, eps=1e-8),
+}
+
+
+def _batches(seed, steps=10, n=60, bags=12, space=200, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(-space, space, (n,), generator=g) * 7919 + 2**40
+        cuts = torch.sort(torch.randint(0, n + 1, (bags - 1,), generator=g)).values
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), cuts])
+        target = torch.randn(bags, 1, generator=g)
+        out.append((ids.to(device), offsets.to(device), target.to(device)))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt_name", list(OPTS))
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("dim", [4, 33])
+def test_ten_steps_match_torch(device, opt_name, mode, dim):
+    batches = _batches(seed=dim, device=device)
+    init = veloce.init.normal(std=0.1)
+    emb = veloce.DynamicEmbedding(dim, mode=mode, initializer=init, optimizer=OPTS[opt_name], capacity=32,
+                                  device=device)
+    all_ids = sorted(set(torch.cat([b[0] for b in batches]).tolist()))
+    index = {k: i for i, k in enumerate(all_ids)}
+    ref = torch.nn.EmbeddingBag(len(all_ids), dim, mode=mode, sparse=True).to(device)
+    with torch.no_grad():
+        ref.weight.copy_(ref_init_rows(all_ids, dim, init))
+    state = torch.zeros(len(all_ids), device=device)
+    topt = None if opt_name == "rowwise" else _torch_reference(opt_name, ref.parameters())
+    for ids, offsets, target in batches:
+        loss = ((emb(ids, offsets) - target) ** 2).sum()
+        loss.backward()
+        emb.step()
+        emb.zero_grad()
+        ridx = torch.tensor([index[k] for k in ids.tolist()], device=device)
+        rloss = ((ref(ridx, offsets) - target) ** 2).sum()
+        rloss.backward()
+        if topt is not None:
+            topt.step()
+            topt.zero_grad()
+        else:  # FBGEMM row-wise Adagrad reference
+            g = ref.weight.grad.coalesce()
+            rows, vals = g.indices()[0], g.values()
+            with torch.no_grad():
+                state[rows] += (vals * vals).mean(1)
+                ref.weight[rows] -= 0.1 * vals / (state[rows].sqrt() + 1e-8).unsqueeze(1)
+            ref.weight.grad = None
+    table = sorted_table(emb)
+    assert table["keys"].tolist() == all_ids
+    torch.testing.assert_close(table["weights"], ref.weight.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_accumulation_across_backward_calls(device):
+    (ids1, off1, t1), (ids2, off2, t2) = _batches(seed=1, steps=2, device=device)
+    a = veloce.DynamicEmbedding(8, mode="sum", optimizer=veloce.optim.Adagrad(lr=0.1), device=device)
+    b = copy.deepcopy(a)
+    # a: two forward/backward passes, one step; b: one pass over both batches at once
+    (a(ids1, off1) * t1).sum().backward()
+    (a(ids2, off2) * t2).sum().backward()
+    a.step()
+    ids = torch.cat([ids1, ids2])
+    off = torch.cat([off1, off2 + ids1.numel()])
+    (b(ids, off) * torch.cat([t1, t2])).sum().backward()
+    b.step()
+    ta, tb = sorted_table(a), sorted_table(b)
+    assert torch.equal(ta["keys"], tb["keys"])
+    torch.testing.assert_close(ta["weights"], tb["weights"], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_sample_weights_gradient(device):
+    emb = veloce.DynamicEmbedding(4, mode="sum", device=device)
+    ids = torch.tensor([1, 2, 3, 1], device=device)
+    off = torch.tensor([0, 2], device=device)
+    psw = torch.rand(4, device=device, requires_grad=True)
+    emb(ids, off, psw).sum().backward()
+    rows, _ = emb.find(ids)
+    torch.testing.assert_close(psw.grad, rows.sum(1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_combined_optimizer_and_lr_scheduler(device):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {"emb": veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=1.0), device=device),
+         "lin": torch.nn.Linear(4, 1).to(device)}
+    )
+    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(model["lin"].parameters(), lr=0.1), model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ids = torch.tensor([[11, 12]], device=device)
+    lrs = []
+    for _ in range(3):
+        before, _ = model["emb"].find(torch.tensor([11], device=device))
+        out = model["emb"](ids)
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+        after, _ = model["emb"].find(torch.tensor([11], device=device))
+        lrs.append(float((before - after)[0, 0]))  # SGD: step = lr * grad (grad = 1)
+        sched.step()
+    assert lrs == pytest.approx([1.0, 0.5, 0.25])
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.125)
+
+
+# ---- growth, eviction, determinism ----------------------------------------------------------
+def test_growth_from_16_to_200k():
+    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=16, initializer=veloce.init.uniform(-1, 1))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(I64_MIN, I64_MAX, (200_000,), generator=g, dtype=torch.long).unique()
+    for chunk in ids.split(20_000):
+        emb(chunk.view(-1, 1))
+    assert len(emb) == ids.numel()
+    assert emb.capacity >= ids.numel()
+    rows, found = emb.find(ids)
+    assert bool(found.all())
+    sample = ids[:50]
+    torch.testing.assert_close(rows[:50], ref_init_rows(sample.tolist(), 4, emb.table.initializer))
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_eviction_keeps_hot_ids(policy):
+    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=1024, max_capacity=1024, eviction=policy)
+    hot = torch.arange(100) * 1_000_003
+    g = torch.Generator().manual_seed(0)
+    for step in range(300):
+        cold = torch.randint(2**40, 2**41, (200,), generator=g)
+        batch = torch.cat([hot, cold]) if policy == "lru" or step % 2 == 0 else cold
+        emb(batch.view(-1, 1))
+        assert len(emb) <= 1024
+    assert emb.table.num_evicted > 0
+    _, found = emb.find(hot)
+    assert found.float().mean() >= 0.99
+    keys = emb.export()["keys"]
+    assert keys.unique().numel() == keys.numel()
+
+
+def test_eviction_none_raises_and_leaves_table_unchanged():
+    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=32, max_capacity=32, eviction="none")
+    emb(torch.arange(20).view(-1, 1))
+    before = snapshot(emb)
+    with pytest.raises(veloce.TableFullError, match="max_capacity 32"):
+        emb(torch.arange(100, 200).view(-1, 1))
+    assert_same_snapshot(before, snapshot(emb))
+
+
+def test_gradient_of_evicted_row_is_dropped():
+    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=32, max_capacity=32, eviction="lru",
+                                  optimizer=veloce.optim.SGD(lr=1.0))
+    first = torch.arange(32).view(-1, 1)
+    out = emb(first)
+    out.sum().backward()  # gradients pending for ids 0..31
+    emb(torch.arange(1000, 1032).view(-1, 1))  # evicts rows of ids 0..31 (no backward for this one)
+    before = sorted_table(emb)
+    emb.step()
+    after = sorted_table(emb)
+    survivors = torch.isin(before["keys"], first.view(-1))
+    # rows of new ids are untouched (gradient of old ids never applied to them)
+    torch.testing.assert_close(after["weights"][~survivors], before["weights"][~survivors])
+    # surviving old ids did get their update
+    if bool(survivors.any()):
+        torch.testing.assert_close(after["weights"][survivors], before["weights"][survivors] - 1.0)
+
+
+def test_deterministic_five_runs():
+    def run():
+        torch.manual_seed(0)
+        emb = veloce.DynamicEmbedding(16, mode="mean", capacity=64, optimizer=veloce.optim.Adam(lr=0.01))
+        for ids, offsets, target in _batches(seed=5, steps=5, n=500, bags=50, space=10_000):
+            ((emb(ids, offsets) - target) ** 2).mean().backward()
+            emb.step()
+            emb.zero_grad()
+        return emb.export()
+
+    runs = [run() for _ in range(5)]
+    for other in runs[1:]:
+        for k in runs[0]:
+            assert torch.equal(runs[0][k], other[k]), k
+
+
+# ---- state ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_dict_round_trip_any_size(device):
+    src = veloce.DynamicEmbedding(8, mode="sum", capacity=32, optimizer=veloce.optim.Adam(), device=device)
+    for ids, offsets, target in _batches(seed=2, steps=3, device=device):
+        (src(ids, offsets) * target).sum().backward()
+        src.step()
+        src.zero_grad()
+    dst = veloce.DynamicEmbedding(8, mode="sum", capacity=4096, optimizer=veloce.optim.Adam(), device=device)
+    dst.load_state_dict(src.state_dict())
+    a, b = sorted_table(src), sorted_table(dst)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # and training continues identically
+    for ids, offsets, target in _batches(seed=9, steps=2, device=device):
+        for m in (src, dst):
+            (m(ids, offsets) * target).sum().backward()
+            m.step()
+            m.zero_grad()
+    a, b = sorted_table(src), sorted_table(dst)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_state_dict_wrong_dim_is_refused():
+    src = veloce.DynamicEmbedding(8)
+    src(torch.tensor([[1, 2]]))
+    dst = veloce.DynamicEmbedding(4)
+    with pytest.raises(RuntimeError, match=r"weights must be \(N, 4\)"):
+        dst.load_state_dict(src.state_dict())
+
+
+def test_nonfinite_gradient_policy():
+    emb = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=1.0))
+    ids = torch.tensor([[1, 2]])
+    (emb(ids) * float("nan")).sum().backward()
+    before = snapshot(emb)
+    with pytest.raises(FloatingPointError, match="NaN or Inf"):
+        emb.step()
+    assert_same_snapshot(before, snapshot(emb))
+    emb.zero_grad()
+    emb.nonfinite_grad = "skip"
+    (emb(ids) * float("inf")).sum().backward()
+    emb.step()
+    assert torch.isfinite(emb.export()["weights"]).all()
+
+
+# ---- bad input: a clear error naming the argument, table unchanged ------------------------------
+def _bad_cases():
+    L = torch.long
+    return [
+        ("float ids", lambda e: e(torch.tensor([1.0, 2.0]), torch.tensor([0])), TypeError, "input must hold int64"),
+        ("3-D input", lambda e: e(torch.zeros(2, 2, 2, dtype=L)), ValueError, r"1-D \(with offsets\) or 2-D"),
+        ("missing offsets", lambda e: e(torch.tensor([1, 2])), ValueError, "offsets is required"),
+        ("2-D with offsets", lambda e: e(torch.tensor([[1, 2]]), torch.tensor([0])), ValueError, "offsets must be None"),
+        ("float offsets", lambda e: e(torch.tensor([1, 2]), torch.tensor([0.0])), TypeError, "offsets must be an int64"),
+        ("2-D offsets", lambda e: e(torch.tensor([1, 2]), torch.tensor([[0]])), ValueError, "offsets must be 1-D"),
+        ("offsets not at 0", lambda e: e(torch.tensor([1, 2]), torch.tensor([1])), ValueError, r"offsets\[0\] = 1"),
+        ("decreasing offsets", lambda e: e(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1])), ValueError,
+         r"offsets\[1\] = 2 > offsets\[2\] = 1"),
+        ("offsets past end", lambda e: e(torch.tensor([1, 2]), torch.tensor([0, 5])), ValueError, "past the end"),
+        ("last offset wrong", lambda e: _ilo(e)(torch.tensor([1, 2]), torch.tensor([0, 1])),
+         ValueError, "must equal the number of ids"),
+        ("empty offsets with ids", lambda e: e(torch.tensor([1, 2]), torch.zeros(0, dtype=L)), ValueError,
+         "0 bags"),
+        ("psw wrong length", lambda e: e(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(3)), ValueError,
+         "per_sample_weights must have shape"),
+        ("psw with mean", lambda e: _mean(e)(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2)), ValueError,
+         "only supported with mode='sum'"),
+        ("psw integer", lambda e: e(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(2, dtype=L)), TypeError,
+         "per_sample_weights must be a floating"),
+        ("psw 2-D shape", lambda e: e(torch.tensor([[1, 2]]), None, torch.ones(1, 3)), ValueError,
+         "per_sample_weights must have the shape of input"),
+        ("not a tensor", lambda e: e([1, 2], torch.tensor([0])), TypeError, "input must be a tensor"),
+        ("find float ids", lambda e: e.find(torch.tensor([1.5])), TypeError, "ids must be an int64"),
+        ("find 2-D ids", lambda e: e.find(torch.tensor([[1]])), ValueError, "ids must be 1-D"),
+        ("insert wrong shape", lambda e: e.insert(torch.tensor([1, 2]), torch.ones(2, 3)), ValueError,
+         r"weights must have shape \(2, 8\)"),
+        ("insert float ids", lambda e: e.insert(torch.tensor([1.0]), torch.ones(1, 8)), TypeError,
+         "ids must be an int64"),
+        ("erase 2-D ids", lambda e: e.erase(torch.tensor([[1]])), ValueError, "ids must be 1-D"),
+        ("bad state dict", lambda e: e.load_state_dict({**e.state_dict(), "weights": torch.ones(1, 3)}),
+         RuntimeError, "weights must be"),
+        ("state dict missing key", lambda e: e.load_state_dict({"keys": torch.zeros(0, dtype=L)}), RuntimeError,
+         "Missing key"),
+    ]
+
+
+def _ilo(e):
+    e.include_last_offset = True
+    return e
+
+
+def _mean(e):
+    e.mode = "mean"
+    return e
+
+
+@pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
+def test_bad_input_is_refused_and_table_unchanged(case):
+    _, fn, exc, pattern = case
+    emb = veloce.DynamicEmbedding(8, mode="sum", capacity=64)
+    emb(torch.tensor([[1, 2, 3]]))
+    (emb(torch.tensor([[1, 5]])).sum()).backward()  # a pending gradient too
+    before = snapshot(emb)
+    with pytest.raises(exc, match=pattern):
+        fn(emb)
+    assert_same_snapshot(before, snapshot(emb))
+
+
+def test_constructor_errors_name_the_argument():
+    with pytest.raises(ValueError, match="embedding_dim"):
+        veloce.DynamicEmbedding(0)
+    with pytest.raises(ValueError, match="mode must be"):
+        veloce.DynamicEmbedding(4, mode="max")
+    with pytest.raises(ValueError, match="eviction must be"):
+        veloce.DynamicEmbedding(4, eviction="fifo")
+    with pytest.raises(TypeError, match="optimizer must come from veloce.optim"):
+        veloce.DynamicEmbedding(4, optimizer=torch.optim.SGD)
+    with pytest.raises(ValueError, match="lr must be a positive"):
+        veloce.optim.SGD(lr=-1)
+    with pytest.raises(ValueError, match="betas"):
+        veloce.optim.Adam(betas=(1.5, 0.9))

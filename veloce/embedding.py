@@ -1,0 +1,435 @@
+"""``DynamicEmbedding``: a drop-in ``nn.EmbeddingBag`` whose rows live in a hash table.
+
+Shapes (as ``nn.EmbeddingBag``): ``N`` ids, ``B`` bags, ``L`` ids per bag for 2-D
+input, ``D`` embedding dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from veloce import _ext
+from veloce import init as _init
+from veloce import optim as _optim
+from veloce.table import HashTable
+
+__all__ = ["DynamicEmbedding"]
+
+_MODES = {"sum": 0, "mean": 1}
+_NONFINITE = ("raise", "skip", "apply")
+_UNKNOWN = ("init", "zeros")
+
+
+class DynamicEmbedding(nn.Module):
+    """A pooled embedding over raw int64 ids with no vocabulary: ``nn.EmbeddingBag`` without
+    ``num_embeddings``.
+
+    Rows are created on first sight in training mode (initialised from ``(seed, id)``),
+    trained by a fused sparse optimizer on :meth:`step` (or through
+    :class:`veloce.optim.CombinedOptimizer`), and the table grows as needed up to
+    ``max_capacity``, where it evicts by ``eviction`` policy. In eval mode
+    (``module.eval()``) lookups never insert: unknown ids read the initializer's value
+    (``unknown="init"``) or zeros (``unknown="zeros"``).
+
+    Args:
+        embedding_dim: D.
+        mode: "sum" or "mean" (default "mean", like ``nn.EmbeddingBag``).
+        capacity: initial slots (rounded up to a power of two >= 32).
+        max_capacity: most slots the table may grow to; None = no bound.
+        eviction: "lru", "lfu" or "none" (a full table raises
+            :class:`veloce.table.TableFullError`).
+        initializer: a :mod:`veloce.init` spec; default ``normal(std=0.01)``.
+        optimizer: a :mod:`veloce.optim` sparse optimizer; default ``Adagrad(lr=0.05)``.
+        padding_idx: an id that is skipped (contributes nothing, not counted by mean,
+            never inserted), like ``nn.EmbeddingBag``'s ``padding_idx``.
+        include_last_offset: as ``nn.EmbeddingBag``.
+        seed: initializer seed.
+        dtype: row dtype (float32; float64, float16, bfloat16 also work).
+        device: where the table lives.
+        unknown: eval-mode value of ids not in the table: "init" or "zeros".
+        nonfinite_grad: what :meth:`step` does with NaN/Inf gradient rows: "raise"
+            (default; nothing is applied), "skip" (those rows are not updated) or "apply".
+
+    Shape:
+        - input: (N,) with ``offsets`` (B,) (or (B+1,) with ``include_last_offset``),
+          or (B, L) with ``offsets=None``.
+        - per_sample_weights: like input (sum mode only).
+        - output: (B, D).
+
+    Example::
+
+        emb = veloce.DynamicEmbedding(16, mode="sum", optimizer=veloce.optim.Adagrad(lr=0.05))
+        out = emb(torch.tensor([3, -7, 2**62, 3]), offsets=torch.tensor([0, 2]))  # (2, 16)
+        out.sum().backward()
+        emb.step(); emb.zero_grad()
+    """
+
+    def __init__(
+        self,
+        embedding_dim: int,
+        mode: str = "mean",
+        capacity: int = 1024,
+        max_capacity: Optional[int] = None,
+        eviction: str = "lru",
+        initializer: Optional[_init.Initializer] = None,
+        optimizer: Optional[_optim.SparseOptimizer] = None,
+        padding_idx: Optional[int] = None,
+        include_last_offset: bool = False,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        unknown: str = "init",
+        nonfinite_grad: str = "raise",
+    ) -> None:
+        super().__init__()
+        if not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        if unknown not in _UNKNOWN:
+            raise ValueError(f"unknown must be 'init' or 'zeros', got {unknown!r}")
+        if nonfinite_grad not in _NONFINITE:
+            raise ValueError(f"nonfinite_grad must be one of {_NONFINITE}, got {nonfinite_grad!r}")
+        if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be a floating dtype (float32, float64, float16, bfloat16), got {dtype}")
+        if padding_idx is not None and not isinstance(padding_idx, int):
+            raise ValueError(f"padding_idx must be an int id or None, got {padding_idx!r}")
+        initializer = _init.normal(std=0.01) if initializer is None else initializer
+        optimizer = _optim.Adagrad(lr=0.05) if optimizer is None else optimizer
+        if not isinstance(initializer, _init.Initializer):
+            raise TypeError(f"initializer must come from veloce.init, got {type(initializer).__name__}")
+        if not isinstance(optimizer, _optim.SparseOptimizer):
+            raise TypeError(f"optimizer must come from veloce.optim (SGD, Adagrad, ...), got {type(optimizer).__name__}")
+        self.embedding_dim = embedding_dim
+        self.mode = mode
+        self.padding_idx = padding_idx
+        self.include_last_offset = include_last_offset
+        self.optimizer = optimizer
+        self.unknown = unknown
+        self.nonfinite_grad = nonfinite_grad
+        self.table = HashTable(
+            embedding_dim, optimizer.state_dim(embedding_dim), capacity=capacity, max_capacity=max_capacity,
+            eviction=eviction, initializer=initializer, seed=seed, dtype=dtype, device=device,
+        )  # fmt: skip
+        self.step_count = 0  # sparse optimizer steps applied (Adam's t)
+        # Gradients accumulated by backward() until step(): (slots, keys, rows, table version).
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+
+    # ---- nn.EmbeddingBag-compatible forward -------------------------------------------
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: Optional[torch.Tensor] = None,
+        per_sample_weights: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Pooled embeddings of ``input`` bags; see the class docstring for shapes."""
+        _ext.require()
+        ids, offsets, psw = self._bags(input, offsets, per_sample_weights)
+        table = self.table
+        mode = _MODES[self.mode]
+        if self.training:
+            slots = table.find_or_insert(ids, self.padding_idx)
+            anchor = torch.empty(0, device=ids.device, requires_grad=True)
+            return _SparseLookup.apply(anchor, psw, self, ids, slots, offsets, mode)
+        slots, extra = self._eval_slots(ids)
+        return torch.ops.veloce.pooled_lookup(table.weights, slots, offsets, psw, mode, self.include_last_offset, extra)
+
+    def _eval_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        table = self.table
+        slots = table.find(ids)
+        missing = slots < 0
+        if self.padding_idx is not None:
+            pad = ids == self.padding_idx
+            missing &= ~pad
+            slots = slots.masked_fill(pad, -1)
+        if not bool(missing.any()):
+            return slots, None
+        if self.unknown == "zeros":
+            return slots.masked_fill(missing, -2), None
+        idx = missing.nonzero().squeeze(1)
+        init = table.initializer
+        extra = torch.ops.veloce.initialize(
+            ids[idx], self.embedding_dim, table.seed, init.kind, init.a, init.b, table.weights.dtype
+        )
+        slots = slots.index_put((idx,), torch.arange(idx.numel(), device=ids.device) + table.capacity)
+        return slots, extra
+
+    def _bags(
+        self, input: torch.Tensor, offsets: Optional[torch.Tensor], psw: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Validates nn.EmbeddingBag-style input and returns (ids (N,), offsets, psw (N,)).
+
+        Checked here, before any lookup, so bad input leaves the table unchanged."""
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"input must be a tensor of int64 ids, got {type(input).__name__}")
+        if input.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input must hold int64 (or int32) ids, got dtype {input.dtype}")
+        device = self.table.device
+        if input.device != device:
+            raise ValueError(f"input is on {input.device} but the table is on {device}; move one of them")
+        ids = input.long()
+        if ids.dim() == 2:
+            if offsets is not None:
+                raise ValueError("offsets must be None when input is 2-D (B, L): each row is one bag")
+            b, bag_len = ids.shape
+            num_offsets = b + int(self.include_last_offset)
+            if bag_len:
+                offsets = torch.arange(0, num_offsets * bag_len, bag_len, device=device)
+            else:
+                offsets = torch.zeros(num_offsets, dtype=torch.long, device=device)
+            if psw is not None and psw.shape != input.shape:
+                raise ValueError(
+                    f"per_sample_weights must have the shape of input {tuple(input.shape)}, got {tuple(psw.shape)}"
+                )
+            ids = ids.reshape(-1)
+            psw = None if psw is None else psw.reshape(-1)
+        elif ids.dim() == 1:
+            if offsets is None:
+                raise ValueError("offsets is required when input is 1-D (the start of each bag in input)")
+            if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32):
+                got = offsets.dtype if isinstance(offsets, torch.Tensor) else type(offsets).__name__
+                raise TypeError(f"offsets must be an int64 (or int32) tensor, got {got}")
+            if offsets.dim() != 1:
+                raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
+            if offsets.device != device:
+                raise ValueError(f"offsets is on {offsets.device} but the table is on {device}")
+            offsets = offsets.long()
+            _check_offsets(offsets, ids.numel(), self.include_last_offset)
+        else:
+            raise ValueError(f"input must be 1-D (with offsets) or 2-D (B, L), got shape {tuple(input.shape)}")
+        if psw is not None:
+            if self.mode != "sum":
+                raise ValueError(f"per_sample_weights is only supported with mode='sum', got mode={self.mode!r}")
+            if not isinstance(psw, torch.Tensor) or not psw.is_floating_point():
+                raise TypeError("per_sample_weights must be a floating-point tensor")
+            if psw.shape != ids.shape:
+                raise ValueError(f"per_sample_weights must have shape ({ids.numel()},) like input, got {tuple(psw.shape)}")
+            if psw.device != device:
+                raise ValueError(f"per_sample_weights is on {psw.device} but the table is on {device}")
+            psw = psw.to(self.table.weights.dtype)
+        return ids, offsets, psw
+
+    # ---- the sparse optimizer ---------------------------------------------------------
+    def _accumulate(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Adds a batch of per-unique-slot gradients to the pending gradient."""
+        if slots.numel():
+            self._pending.append((slots, self.table.keys[slots], rows, self.table.version))
+
+    def _pending_gradient(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merges pending gradients into (unique slots, rows), re-resolving slots whose
+        table changed (growth, eviction) by key; rows of evicted keys are dropped."""
+        table = self.table
+        slots_l, rows_l = [], []
+        for slots, keys, rows, version in self._pending:
+            if version != table.version:
+                slots = table.find(keys)
+                keep = slots >= 0
+                if not bool(keep.all()):
+                    slots, rows = slots[keep], rows[keep]
+            slots_l.append(slots)
+            rows_l.append(rows)
+        if len(slots_l) == 1 and self._pending[0][3] == table.version:
+            return slots_l[0], rows_l[0]
+        slots = torch.cat(slots_l)
+        rows = torch.cat(rows_l)
+        offsets = torch.arange(slots.numel(), device=slots.device)
+        return torch.ops.veloce.accumulate_grad(rows, slots, offsets, None, 0, False, table.capacity)
+
+    @torch.no_grad()
+    def step(self, lr: Optional[float] = None) -> None:
+        """Applies the sparse optimizer to every row with a pending gradient, then
+        forgets the gradient. ``lr`` overrides the configured learning rate (an LR
+        scheduler sets it through :class:`veloce.optim.CombinedOptimizer`)."""
+        if not self._pending:
+            return
+        _ext.require()
+        slots, grads = self._pending_gradient()
+        if self.nonfinite_grad != "apply":
+            finite = torch.isfinite(grads).all(dim=1)
+            if not bool(finite.all()):
+                if self.nonfinite_grad == "raise":
+                    bad = (~finite).nonzero().squeeze(1)
+                    ids = self.table.keys[slots[bad[:5]]].tolist()
+                    raise FloatingPointError(
+                        f"DynamicEmbedding.step: {bad.numel()} gradient row(s) hold NaN or Inf (ids {ids}...); "
+                        f"nothing was applied. Call zero_grad() to drop them, or construct with "
+                        f"nonfinite_grad='skip' to skip such rows."
+                    )
+                slots, grads = slots[finite], grads[finite]
+        self.step_count += 1
+        opt = self.optimizer
+        kind, eps, beta1, beta2 = opt.kernel_args()
+        t = self.table
+        torch.ops.veloce.sparse_update(
+            t.weights, t.opt_state, slots, grads, kind, float(opt.lr if lr is None else lr), eps, beta1, beta2,
+            opt.weight_decay, self.step_count,
+        )  # fmt: skip
+        self._pending.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the pending sparse gradient (and dense grads of submodules, if any)."""
+        self._pending.clear()
+        super().zero_grad(set_to_none=set_to_none)
+
+    # ---- table access -----------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @property
+    def capacity(self) -> int:
+        """Slots currently allocated."""
+        return self.table.capacity
+
+    @property
+    def max_capacity(self) -> Optional[int]:
+        """Upper bound on slots (rounded to a power of two >= 32), or None."""
+        return self.table.max_capacity
+
+    @property
+    def load_factor(self) -> float:
+        """len(self) / capacity."""
+        return self.table.load_factor
+
+    @torch.no_grad()
+    def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``ids`` without inserting: weights (N, D) (zeros where absent) and found (N,) bool."""
+        ids = self._check_ids(ids, "ids")
+        slots = self.table.find(ids)
+        found = slots >= 0
+        rows = self.table.weights[slots.clamp(min=0)]
+        return rows.masked_fill(~found.unsqueeze(1), 0), found
+
+    @torch.no_grad()
+    def insert(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Writes rows (insert_or_assign): ``weights`` (N, D) for ``ids`` (N,). New rows get
+        zero optimizer state; existing rows keep theirs."""
+        ids = self._check_ids(ids, "ids")
+        if weights.shape != (ids.numel(), self.embedding_dim):
+            raise ValueError(f"weights must have shape ({ids.numel()}, {self.embedding_dim}), got {tuple(weights.shape)}")
+        self.table.insert(ids, weights.to(self.table.device, self.table.weights.dtype))
+
+    @torch.no_grad()
+    def erase(self, ids: torch.Tensor) -> int:
+        """Removes ``ids`` from the table; returns how many were present."""
+        return self.table.erase(self._check_ids(ids, "ids"))
+
+    @torch.no_grad()
+    def export(self) -> dict[str, torch.Tensor]:
+        """All that restores the table: keys (M,), weights (M, D), optimizer_state (M, S),
+        scores (M,), in slot order, plus step (the sparse optimizer's step count)."""
+        out = self.table.export()
+        out["step"] = torch.tensor(self.step_count, dtype=torch.long)
+        return out
+
+    def _check_ids(self, ids: torch.Tensor, name: str) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise TypeError(f"{name} must be an int64 tensor of ids, got {got}")
+        if ids.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
+        return ids.to(self.table.device, torch.long)
+
+    # ---- state_dict: compact entries, any table size ----------------------------------
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, value in self.export().items():
+            destination[prefix + name] = value
+        destination[prefix + "clock"] = torch.tensor(self.table.clock, dtype=torch.long)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        names = ("keys", "weights", "optimizer_state", "scores", "step", "clock")
+        missing = [prefix + n for n in names if prefix + n not in state_dict]
+        if missing:
+            missing_keys.extend(missing)
+            return
+        entries = {n: state_dict[prefix + n] for n in names[:4]}
+        try:
+            self.table.load_entries(entries)
+        except ValueError as exc:
+            error_msgs.append(f"while loading DynamicEmbedding {prefix!r}: {exc}")
+            return
+        self.step_count = int(state_dict[prefix + "step"])
+        self.table.clock = int(state_dict[prefix + "clock"])
+        self._pending.clear()
+
+    def extra_repr(self) -> str:
+        return f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, size={len(self)}"
+
+
+def _check_offsets(offsets: torch.Tensor, n: int, include_last_offset: bool) -> None:
+    """nn.EmbeddingBag's bag layout rules, checked before the table is touched."""
+    if offsets.numel() == 0:
+        if include_last_offset:
+            raise ValueError("offsets must hold at least one entry with include_last_offset=True, got 0")
+        if n:
+            raise ValueError(f"offsets is empty (0 bags) but input holds {n} ids")
+        return
+    first = int(offsets[0])
+    if first != 0:
+        raise ValueError(f"offsets must start at 0, got offsets[0] = {first}")
+    if offsets.numel() > 1:
+        dec = (offsets[1:] < offsets[:-1]).nonzero()
+        if dec.numel():
+            i = int(dec[0, 0])
+            raise ValueError(
+                f"offsets must be non-decreasing, got offsets[{i}] = {int(offsets[i])} > "
+                f"offsets[{i + 1}] = {int(offsets[i + 1])}"
+            )
+    last = int(offsets[-1])
+    if last > n:
+        raise ValueError(f"offsets[-1] = {last} is past the end of input ({n} ids)")
+    if include_last_offset and last != n:
+        raise ValueError(f"with include_last_offset=True, offsets[-1] must equal the number of ids ({n}), got {last}")
+
+
+class _SparseLookup(torch.autograd.Function):
+    """Pooled lookup whose backward sends the sparse gradient to the table, not to autograd.
+
+    ``anchor`` is an empty tensor that requires grad so that backward runs;
+    ``per_sample_weights`` gets a real gradient when it requires one.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, psw, module, ids, slots, offsets, mode):  # type: ignore[override]
+        table = module.table
+        out = torch.ops.veloce.pooled_lookup(table.weights, slots, offsets, psw, mode, module.include_last_offset)
+        ctx.module = module
+        ctx.version = table.version
+        ctx.mode = mode
+        ctx.save_for_backward(ids, slots, offsets, psw)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        ids, slots, offsets, psw = ctx.saved_tensors
+        module = ctx.module
+        table = module.table
+        grad_out = grad_out.contiguous().to(table.weights.dtype)
+        if ctx.version != table.version:
+            # The table grew or evicted since forward: re-resolve slots by id. Evicted ids
+            # become -2 (still counted by mean, no gradient); padding stays -1.
+            fresh = table.find(ids)
+            fresh = fresh.masked_fill(fresh < 0, -2).masked_fill(slots == -1, -1)
+            slots = fresh
+        ilo = module.include_last_offset
+        uniq, rows = torch.ops.veloce.accumulate_grad(grad_out, slots, offsets, psw, ctx.mode, ilo, table.capacity)
+        module._accumulate(uniq, rows)
+        grad_psw = None
+        if psw is not None and ctx.needs_input_grad[1]:
+            grad_psw = _psw_grad(table.weights, slots, offsets, grad_out, ilo)
+        return None, grad_psw, None, None, None, None, None
+
+
+def _psw_grad(weights, slots, offsets, grad_out, include_last_offset) -> torch.Tensor:
+    """d out[bag(i)] / d psw[i] = <row(i), grad_out[bag(i)]>; zero for codes -1 / -2."""
+    n = slots.numel()
+    bounds = offsets[:-1] if include_last_offset else offsets
+    bag = torch.bucketize(torch.arange(n, device=slots.device), bounds, right=True) - 1
+    valid = slots >= 0
+    rows = weights[slots.clamp(min=0)]
+    return ((rows * grad_out[bag]).sum(1) * valid).to(grad_out.dtype)

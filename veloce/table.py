@@ -1,0 +1,305 @@
+"""The hash table behind a :class:`veloce.DynamicEmbedding`: state as tensors, and growth.
+
+A :class:`HashTable` owns five buffers (``keys``, ``digests``, ``scores``, ``weights``,
+``opt_state``; layout in ``docs/ops.md``) and drives the ``torch.ops.veloce`` hash-table
+ops over them. The ops never allocate table state; growth happens here: when an insert
+finds no room, the table rehashes into twice the slots (up to ``max_capacity``) and the
+call is retried. At ``max_capacity`` it evicts by score (LRU or LFU) or, with
+``eviction="none"``, raises an error that says how full it is and what to change.
+
+Every change of the id -> slot mapping of keys already present (growth, eviction,
+erase) bumps :attr:`HashTable.version`; holders of slots (pending gradients, saved
+autograd contexts) compare versions and re-resolve their slots by key.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from veloce import _ext
+from veloce.init import Initializer
+
+__all__ = ["HashTable", "TableFullError", "BUCKET_SIZE", "round_capacity"]
+
+BUCKET_SIZE = 32  # slots per bucket; csrc/include/veloce/hash.h kBucketSize
+_SCORE_POLICY = {"lru": 1, "lfu": 2, "none": 1}  # "none" keeps LRU scores (informative only)
+_EXPORT_CHUNK = 1 << 20
+
+
+class TableFullError(RuntimeError):
+    """Raised when a table at ``max_capacity`` with ``eviction="none"`` has no room."""
+
+
+def round_capacity(capacity: int) -> int:
+    """The smallest valid capacity >= ``capacity``: a power-of-two number of 32-slot buckets."""
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    buckets = 1
+    while buckets * BUCKET_SIZE < capacity:
+        buckets *= 2
+    return buckets * BUCKET_SIZE
+
+
+class HashTable(nn.Module):
+    """A growable hash table from int64 ids to embedding rows and optimizer state.
+
+    Args:
+        dim: embedding dimension D.
+        state_dim: optimizer state width S per row.
+        capacity: initial number of slots (rounded up by :func:`round_capacity`).
+        max_capacity: upper bound on slots (rounded up likewise); None = unbounded.
+        eviction: "lru", "lfu" or "none" (what happens at ``max_capacity``).
+        initializer: the initial value of new rows, a function of (seed, id).
+        seed: initializer seed.
+        dtype: dtype of the rows.
+        device: where the state lives.
+        grow_at: load factor beyond which the table grows before an insert.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        state_dim: int,
+        capacity: int = 1024,
+        max_capacity: Optional[int] = None,
+        eviction: str = "lru",
+        initializer: Initializer = Initializer(0),
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        grow_at: float = 0.9,
+    ) -> None:
+        super().__init__()
+        if eviction not in _SCORE_POLICY:
+            raise ValueError(f"eviction must be 'lru', 'lfu' or 'none', got {eviction!r}")
+        if not 0.0 < grow_at <= 1.0:
+            raise ValueError(f"grow_at must be in (0, 1], got {grow_at}")
+        self.dim = int(dim)
+        self.state_dim = int(state_dim)
+        self.eviction = eviction
+        self.score_policy = _SCORE_POLICY[eviction]
+        self.initializer = initializer
+        self.seed = int(seed)
+        self.grow_at = grow_at
+        cap = round_capacity(int(capacity))
+        self.max_capacity = None if max_capacity is None else round_capacity(int(max_capacity))
+        if self.max_capacity is not None and cap > self.max_capacity:
+            cap = self.max_capacity
+        self.size = 0  # number of occupied slots
+        self.version = 0  # bumped whenever a present key may change slot
+        self.clock = 0  # LRU time: one tick per training lookup
+        self.num_evicted = 0
+        self.last_evicted = torch.empty(0, dtype=torch.long)
+        self._allocate(cap, dtype, torch.device(device) if device is not None else torch.device("cpu"))
+
+    # ---- state ------------------------------------------------------------------------
+    def _allocate(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        opt_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.register_buffer("keys", torch.zeros(capacity, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("digests", torch.zeros(capacity, dtype=torch.uint8, device=device), persistent=False)
+        self.register_buffer("scores", torch.zeros(capacity, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("weights", torch.zeros(capacity, self.dim, dtype=dtype, device=device), persistent=False)
+        self.register_buffer(
+            "opt_state", torch.zeros(capacity, self.state_dim, dtype=opt_dtype, device=device), persistent=False
+        )
+
+    def _state(self) -> tuple[torch.Tensor, ...]:
+        return (self.keys, self.digests, self.scores, self.weights, self.opt_state)
+
+    @property
+    def capacity(self) -> int:
+        """Number of slots currently allocated."""
+        return self.keys.numel()
+
+    @property
+    def load_factor(self) -> float:
+        """size / capacity."""
+        return self.size / self.capacity
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    def __len__(self) -> int:
+        return self.size
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, size={self.size}, capacity={self.capacity}, max_capacity={self.max_capacity}, "
+            f"eviction={self.eviction!r}, initializer={self.initializer!r}"
+        )
+
+    # ---- lookups ----------------------------------------------------------------------
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slots of ``ids`` (N,), -1 where absent. Never inserts, never scores."""
+        _ext.require()
+        return torch.ops.veloce.find(self.keys, self.digests, ids)
+
+    def find_or_insert(self, ids: torch.Tensor, padding_id: Optional[int] = None) -> torch.Tensor:
+        """Slots of ``ids``, inserting missing ids (growing or evicting as needed).
+
+        Scores are updated (one LRU tick per call). Positions equal to ``padding_id``
+        get slot -1. Raises :class:`TableFullError` when there is no room and the
+        table may neither grow nor evict; the table is then unchanged.
+        """
+        _ext.require()
+        self.clock += 1
+        init = self.initializer
+        self._maybe_grow(ids.numel())
+        while True:
+            allow_evict = self._at_max() and self.eviction != "none"
+            slots, counts, evicted = torch.ops.veloce.find_or_insert(
+                *self._state(), ids, self.score_policy, self.clock, allow_evict,
+                self.seed, init.kind, init.a, init.b, padding_id,
+            )  # fmt: skip
+            inserted, failed = (int(v) for v in counts.tolist())
+            if failed == 0:
+                break
+            self._no_room(failed, ids)
+        self.size += inserted - evicted.numel()
+        self._note_evicted(evicted)
+        return slots
+
+    def insert(
+        self,
+        ids: torch.Tensor,
+        values: torch.Tensor,
+        opt_values: Optional[torch.Tensor] = None,
+        score_values: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """insert_or_assign: writes ``values`` (N, D) to the rows of ``ids``; returns slots."""
+        _ext.require()
+        self._maybe_grow(ids.numel())
+        while True:
+            allow_evict = self._at_max() and self.eviction != "none"
+            slots, counts, evicted = torch.ops.veloce.insert_or_assign(
+                *self._state(), ids, values, opt_values, score_values, self.score_policy, self.clock, allow_evict
+            )
+            inserted, failed = (int(v) for v in counts.tolist())
+            if failed == 0:
+                break
+            self._no_room(failed, ids)
+        self.size += inserted - evicted.numel()
+        self._note_evicted(evicted)
+        return slots
+
+    def erase(self, ids: torch.Tensor) -> int:
+        """Removes ``ids``; returns how many were present."""
+        _ext.require()
+        erased = int(torch.ops.veloce.erase(self.keys, self.digests, ids).sum())
+        if erased:
+            self.size -= erased
+            self.version += 1
+        return erased
+
+    def export(self, start: int = 0, end: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """The occupied entries of slots [start, end): keys, weights, optimizer_state, scores."""
+        _ext.require()
+        end = self.capacity if end is None else end
+        parts = [
+            torch.ops.veloce.export(*self._state(), s, min(s + _EXPORT_CHUNK, end))
+            for s in range(start, end, _EXPORT_CHUNK)
+        ] or [torch.ops.veloce.export(*self._state(), start, end)]
+        names = ("keys", "weights", "optimizer_state", "scores")
+        return {name: torch.cat([p[i] for p in parts]) for i, name in enumerate(names)}
+
+    def clear(self) -> None:
+        """Removes every entry (keeps the capacity)."""
+        self.digests.zero_()
+        self.size = 0
+        self.version += 1
+
+    # ---- growth -----------------------------------------------------------------------
+    def _at_max(self) -> bool:
+        return self.max_capacity is not None and self.capacity >= self.max_capacity
+
+    def _maybe_grow(self, incoming: int) -> None:
+        # Grow ahead of time when the table is already past grow_at; inserts that still
+        # find no room trigger growth reactively (_no_room).
+        if self.size > self.grow_at * self.capacity and not self._at_max():
+            self.resize(self.capacity * 2)
+
+    def _no_room(self, failed: int, ids: torch.Tensor) -> None:
+        if not self._at_max():
+            self.resize(self.capacity * 2)
+            return
+        if self.eviction == "none":
+            raise TableFullError(
+                f"DynamicEmbedding table is full: {failed} new id(s) found no free slot at size {self.size} of "
+                f"max_capacity {self.max_capacity} (load factor {self.load_factor:.3f}) with eviction='none'. "
+                f"Raise max_capacity, or set eviction='lru' or 'lfu' to evict cold rows. The table is unchanged."
+            )
+        raise TableFullError(
+            f"DynamicEmbedding table cannot hold this batch: {failed} new id(s) found only rows touched by the "
+            f"same batch to evict (size {self.size}, max_capacity {self.max_capacity}). The batch holds too many "
+            f"distinct ids for max_capacity; raise max_capacity. The table is unchanged."
+        )
+
+    def resize(self, capacity: int) -> None:
+        """Rehashes every entry into a table of ``capacity`` slots (rounded; capped at
+        ``max_capacity``). Bumps :attr:`version`."""
+        _ext.require()
+        new_cap = round_capacity(max(int(capacity), 1))
+        if self.max_capacity is not None:
+            new_cap = min(new_cap, self.max_capacity)
+        entries = self.export()
+        if entries["keys"].numel() > new_cap:
+            raise ValueError(f"cannot resize to {new_cap} slots: the table holds {entries['keys'].numel()} entries")
+        dtype, device = self.weights.dtype, self.device
+        while True:
+            self._allocate(new_cap, dtype, device)
+            _, counts, _ = torch.ops.veloce.insert_or_assign(
+                *self._state(), entries["keys"], entries["weights"], entries["optimizer_state"],
+                entries["scores"], 0, 0, False,
+            )  # fmt: skip
+            if int(counts[1]) == 0:
+                break
+            # Two-choice placement overflowed a bucket pair: rare; use more slots.
+            if self.max_capacity is not None and new_cap >= self.max_capacity:
+                raise RuntimeError(
+                    f"rehash into max_capacity {self.max_capacity} slots overflowed a bucket; raise max_capacity"
+                )
+            new_cap *= 2
+        self.version += 1
+
+    def _note_evicted(self, evicted: torch.Tensor) -> None:
+        self.last_evicted = evicted
+        if evicted.numel():
+            self.num_evicted += evicted.numel()
+            self.version += 1
+
+    # ---- serialization ----------------------------------------------------------------
+    def load_entries(self, entries: dict[str, torch.Tensor]) -> None:
+        """Replaces the contents with exported ``entries`` (keys, weights,
+        optimizer_state, scores), growing as needed. Checks shapes first."""
+        keys, weights = entries["keys"], entries["weights"]
+        opt, scores = entries["optimizer_state"], entries["scores"]
+        n = keys.numel()
+        if weights.dim() != 2 or weights.size(1) != self.dim:
+            raise ValueError(f"weights must be (N, {self.dim}), got {tuple(weights.shape)}")
+        if weights.size(0) != n or scores.numel() != n or opt.size(0) != n:
+            raise ValueError(
+                f"entries disagree on N: keys {n}, weights {weights.size(0)}, optimizer_state {opt.size(0)}, "
+                f"scores {scores.numel()}"
+            )
+        if opt.dim() != 2 or opt.size(1) != self.state_dim:
+            raise ValueError(
+                f"optimizer_state must be (N, {self.state_dim}) for this table's optimizer, got {tuple(opt.shape)}"
+            )
+        if self.max_capacity is not None and n > self.max_capacity:
+            raise ValueError(f"{n} entries do not fit max_capacity {self.max_capacity}")
+        cap = self.capacity
+        while n > self.grow_at * cap and (self.max_capacity is None or cap < self.max_capacity):
+            cap *= 2
+        dev = self.device
+        self._allocate(cap if self.max_capacity is None else min(cap, self.max_capacity), self.weights.dtype, dev)
+        self.size = 0
+        self.version += 1
+        if n:
+            self.insert(
+                keys.to(dev, torch.long), weights.to(dev, self.weights.dtype), opt.to(dev, self.opt_state.dtype),
+                scores.to(dev, torch.long),
+            )  # fmt: skip
