@@ -1,3 +1,7 @@
 """Typed wrappers over ``torch.ops.veloce``, with fake kernels and autograd registrations.
 
 One module per op family (the same names as ``csrc/cpu/<family>.cpp``)."""
+
+from veloce.ops import hash_table
+
+__all__ = ["hash_table"]
