@@ -68,9 +68,10 @@ class SlotMap {
   std::vector<int64_t> entries_;
 };
 
-// One phase-2 change: `slot` held (old_key, old_digest) and now holds a key of this call.
+// One phase-2 change: `slot` held (old_key, old_digest) and now holds new_key.
 struct Change {
   int64_t slot;
+  int64_t new_key;  // kept here so phase 3 need not read keys[slot] back (a cache miss)
   int64_t old_key;
   uint8_t old_digest;
 };
@@ -84,19 +85,46 @@ TableRef table_ref(const at::Tensor& keys, const at::Tensor& digests) {
   return {keys.data_ptr<int64_t>(), digests.data_ptr<uint8_t>(), keys.numel() / kBucketSize};
 }
 
+// The first slot of bucket whose digest matches, or -1: where a lookup will read a key.
+int64_t first_digest_match(const TableRef& t, int64_t bucket, uint8_t digest) {
+  const int64_t base = bucket * kBucketSize;
+  for (int64_t w = 0; w < kBucketSize; w += 8) {
+    const uint64_t m = zero_bytes(load_word(t.digests + base + w) ^ (kByteOnes * digest));
+    if (m != 0) return base + w + lowest_byte(m);
+  }
+  return -1;
+}
+
 // Phase 1: slots[i] = the slot of ids[i], `absent` where it is not in the table, and -1
-// where ids[i] == *padding_id.
+// where ids[i] == *padding_id. Lookups are memory-latency bound, so each block of ids is
+// looked up in three passes: prefetch the digests of both buckets, prefetch the first
+// candidate key, then the real lookup on (mostly) cached lines.
 void find_all(const TableRef& t, const int64_t* ids, int64_t n, int64_t* slots, int64_t absent,
               std::optional<int64_t> padding_id) {
+  constexpr int64_t kBlock = 16;
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t id = ids[i];
-      if (padding_id && id == *padding_id) {
-        slots[i] = kPaddingSlot;
-        continue;
+    Probe p[kBlock];
+    for (int64_t i0 = begin; i0 < end; i0 += kBlock) {
+      const int64_t m = std::min(kBlock, end - i0);
+      for (int64_t k = 0; k < m; ++k) {
+        p[k] = probe_of(ids[i0 + k], t.num_buckets);
+        __builtin_prefetch(t.digests + p[k].bucket_a * kBucketSize);
+        __builtin_prefetch(t.digests + p[k].bucket_b * kBucketSize);
       }
-      const int64_t s = find_slot(t, probe_of(id, t.num_buckets), id);
-      slots[i] = s >= 0 ? s : absent;
+      for (int64_t k = 0; k < m; ++k) {
+        int64_t c = first_digest_match(t, p[k].bucket_a, p[k].digest);
+        if (c < 0) c = first_digest_match(t, p[k].bucket_b, p[k].digest);
+        if (c >= 0) __builtin_prefetch(t.keys + c);
+      }
+      for (int64_t k = 0; k < m; ++k) {
+        const int64_t i = i0 + k, id = ids[i];
+        if (padding_id && id == *padding_id) {
+          slots[i] = kPaddingSlot;
+          continue;
+        }
+        const int64_t s = find_slot(t, p[k], id);
+        slots[i] = s >= 0 ? s : absent;
+      }
     }
   });
 }
@@ -122,10 +150,28 @@ InsertOutcome insert_missing(const TableRef& t, const int64_t* scores, const int
   InsertOutcome out;
   std::unique_ptr<SlotMap> touched;  // slots found or inserted by this call; built on the first eviction
   std::vector<int64_t> failed;
+  std::vector<int64_t> todo;
   for (int64_t i = 0; i < n; ++i) {
-    if (slots[i] != kMissing) continue;
-    const int64_t id = ids[i];
-    const Probe p = probe_of(id, t.num_buckets);
+    if (slots[i] == kMissing) todo.push_back(i);
+  }
+  std::vector<Probe> probes(todo.size());
+  at::parallel_for(0, static_cast<int64_t>(todo.size()), kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) probes[j] = probe_of(ids[todo[j]], t.num_buckets);
+  });
+  const int64_t num_todo = static_cast<int64_t>(todo.size());
+  out.changes.reserve(todo.size());
+  for (int64_t j = 0; j < num_todo; ++j) {
+    // Prefetch ahead: the digests 16 ids on, and the likely key slot 8 ids on.
+    if (j + 16 < num_todo) {
+      __builtin_prefetch(t.digests + probes[j + 16].bucket_a * kBucketSize);
+      __builtin_prefetch(t.digests + probes[j + 16].bucket_b * kBucketSize);
+    }
+    if (j + 8 < num_todo) {
+      const int64_t guess = insert_slot(t, probes[j + 8]);
+      if (guess >= 0) __builtin_prefetch(t.keys + guess, 1);
+    }
+    const int64_t i = todo[j], id = ids[i];
+    const Probe& p = probes[j];
     int64_t s = find_slot(t, p, id);  // an earlier position may have inserted it
     if (s < 0) {
       s = insert_slot(t, p);
@@ -143,7 +189,7 @@ InsertOutcome insert_missing(const TableRef& t, const int64_t* scores, const int
         slots[i] = kPaddingSlot;
         continue;
       }
-      out.changes.push_back({s, t.keys[s], t.digests[s]});
+      out.changes.push_back({s, id, t.keys[s], t.digests[s]});
       t.keys[s] = id;
       t.digests[s] = p.digest;
       if (touched) (*touched)[s];
@@ -168,7 +214,9 @@ InsertOutcome insert_missing(const TableRef& t, const int64_t* scores, const int
 void update_scores(int64_t* scores, const int64_t* slots, int64_t n, const std::vector<Change>& changes,
                    int64_t policy, int64_t score_value) {
   const int64_t start = policy == kScoreLRU ? score_value : 0;
-  for (const Change& c : changes) scores[c.slot] = start;
+  at::parallel_for(0, static_cast<int64_t>(changes.size()), kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) scores[changes[k].slot] = start;
+  });
   if (policy == kScoreNone) return;
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -271,8 +319,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cpu(
     const int64_t m = static_cast<int64_t>(r.changes.size());
     at::parallel_for(0, m, std::max<int64_t>(1, kGrain / std::max<int64_t>(dim, 1)), [&](int64_t b, int64_t e) {
       for (int64_t k = b; k < e; ++k) {
+        if (k + 4 < e) __builtin_prefetch(w + r.changes[k + 4].slot * dim, 1);
         const int64_t s = r.changes[k].slot;
-        init_row(w + s * dim, dim, seed, t.keys[s], init_kind, init_a, init_b);
+        init_row(w + s * dim, dim, seed, r.changes[k].new_key, init_kind, init_a, init_b);
         if (state_bytes > 0) std::memset(state + s * state_bytes, 0, state_bytes);
       }
     });
