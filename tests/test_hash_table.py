@@ -122,8 +122,9 @@ class Ref:
         self.where = {k: s for s, (k, d) in enumerate(zip(self.keys, self.digests)) if d}
 
     def table(self, device) -> Table:
-        return Table(ids_tensor(self.keys, device), torch.tensor(self.digests, dtype=torch.uint8, device=device),
-                     ids_tensor(self.scores, device), self.weights.to(device), self.opt_state.to(device))
+        digests = torch.tensor(self.digests, dtype=torch.uint8, device=device)
+        return Table(ids_tensor(self.keys, device), digests, ids_tensor(self.scores, device),
+                     self.weights.to(device), self.opt_state.to(device))
 
     def _insert_all(self, ids, allow_evict, pad=None):
         """Phase 2; returns (slots, changes) or (None, num_failed) after undoing."""
@@ -174,14 +175,17 @@ class Ref:
     def find(self, ids):
         return [self.where.get(i, -1) for i in ids]
 
-    def find_or_insert(self, ids, policy=0, value=0, allow_evict=False, seed=0, kind=0, a=0.0, b=0.0, pad=None):
+    def find_or_insert(self, ids, policy=0, value=0, allow_evict=False, seed=0, kind=0, a=0.0, b=0.0,
+                       pad=None):
         slots, changes = self._insert_all(ids, allow_evict, pad)
         if slots is None:
             return None, [0, changes], []
         for s, _, _ in changes:
             row = [init_value(seed, self.keys[s], j, kind, a, b) for j in range(self.weights.shape[1])]
             row = torch.tensor(row, dtype=torch.float64)  # rounded to float first, as the kernels do
-            self.weights[s] = row if self.weights.dtype == torch.float64 else row.float().to(self.weights.dtype)
+            if self.weights.dtype != torch.float64:
+                row = row.float().to(self.weights.dtype)
+            self.weights[s] = row
             self.opt_state[s] = 0
         self._scores(slots, changes, policy, value)
         return [-1 if s is None else s for s in slots], [len(changes), 0], [k for _, k, d in changes if d]
@@ -244,8 +248,9 @@ def test_matches_reference(device, capacity, ops, seed, fill):
     ref = Ref(t)
     # Start (nearly) full, so that later ops meet full buckets: evictions and failures.
     fill_ids = [(i * 0x9E3779B97F4A7C15) % 2**64 - 2**63 for i in range(fill)]
-    got = ht.find_or_insert(*t.tensors(), ids_tensor(fill_ids, device), 2, 0, fill % 2 == 0, seed, 2, 0.0, 1.0)
-    check_insert_result(got, ref.find_or_insert(fill_ids, 2, 0, fill % 2 == 0, seed, 2, 0.0, 1.0))
+    evict = fill % 2 == 0
+    got = ht.find_or_insert(*t.tensors(), ids_tensor(fill_ids, device), 2, 0, evict, seed, 2, 0.0, 1.0)
+    check_insert_result(got, ref.find_or_insert(fill_ids, 2, 0, evict, seed, 2, 0.0, 1.0))
     if fill % 3 == 0:  # spread the LFU scores
         got = ht.find_or_insert(*t.tensors(), ids_tensor(fill_ids[::3], device), 2, 0, False)
         check_insert_result(got, ref.find_or_insert(fill_ids[::3], 2, 0, False))
@@ -258,7 +263,8 @@ def test_matches_reference(device, capacity, ops, seed, fill):
         elif op == "find_or_insert":
             pad = ids[0] if (ids and kind == 3) else None
             got = ht.find_or_insert(*t.tensors(), x, policy, step + 7, evict, seed, kind, -0.5, 0.5, pad)
-            check_insert_result(got, ref.find_or_insert(ids, policy, step + 7, evict, seed, kind, -0.5, 0.5, pad))
+            want = ref.find_or_insert(ids, policy, step + 7, evict, seed, kind, -0.5, 0.5, pad)
+            check_insert_result(got, want)
         else:
             gen = torch.Generator().manual_seed(step)
             values = torch.randn(len(ids), 3, generator=gen)
@@ -277,7 +283,8 @@ def test_initialize_matches_formula(device, kind):
     ids = EXTREME_IDS + list(range(-5, 5))
     a, b = (0.25, 2.0) if kind == 3 else (-0.1, 0.3)
     got = ht.initialize(ids_tensor(ids, device), 7, 1234, kind, a, b, torch.float64).cpu()
-    want = torch.tensor([[init_value(1234, i, j, kind, a, b) for j in range(7)] for i in ids], dtype=torch.float64)
+    want = [[init_value(1234, i, j, kind, a, b) for j in range(7)] for i in ids]
+    want = torch.tensor(want, dtype=torch.float64)
     torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
 
 
@@ -470,52 +477,64 @@ def test_opcheck(device):
 # ---- bad input -----------------------------------------------------------------------------
 
 
-def _fi(t, ids, **kw):
+def _fi(t, ids, weights=None, opt_state=None, **kw):
+    """find_or_insert on t, optionally with replaced row tensors."""
     args = dict(score_policy=0, score_value=0, allow_evict=False, seed=0, init_kind=0, init_a=0.0, init_b=0.0)
     args.update(kw)
-    return ht.find_or_insert(*t.tensors(), ids, **args)
+    w = t.weights if weights is None else weights
+    s = t.opt_state if opt_state is None else opt_state
+    return ht.find_or_insert(t.keys, t.digests, t.scores, w, s, ids, **args)
 
 
+def _ia(t, n, values_shape=None, dtype=torch.float32, opt_values=None, score_values=None):
+    """insert_or_assign of ids 1..n on t."""
+    d = t.keys.device
+    values = torch.ones(values_shape or (n, 4), dtype=dtype, device=d)
+    return ht.insert_or_assign(*t.tensors(), ids_tensor(range(1, n + 1), d), values, opt_values, score_values)
+
+
+def _one(d):
+    return ids_tensor([1], d)
+
+
+# (name, call(table, device), regex the message must match)
 BAD_INPUTS = [
-    ("ids float", lambda t, d: _fi(t, torch.ones(3, device=d)), r"find_or_insert: ids must be Long, got Float"),
+    ("ids float", lambda t, d: _fi(t, torch.ones(3, device=d)),
+     r"find_or_insert: ids must be Long, got Float"),
     ("ids 2-D", lambda t, d: _fi(t, torch.ones(2, 2, dtype=torch.long, device=d)), r"ids must be 1-D"),
     ("ids device", lambda t, d: ht.find(t.keys, t.digests, torch.ones(2, dtype=torch.long, device="meta")),
      r"veloce::find: ids is on meta but keys is on"),
     ("find ids int32", lambda t, d: ht.find(t.keys, t.digests, torch.ones(2, dtype=torch.int32, device=d)),
      r"veloce::find: ids must be Long, got Int"),
-    ("weights rows", lambda t, d: ht.find_or_insert(t.keys, t.digests, t.scores, t.weights[:32], t.opt_state,
-                                                    ids_tensor([1], d)), r"weights.size\(0\) must equal .*64.*got 32"),
-    ("opt_state rows", lambda t, d: ht.find_or_insert(t.keys, t.digests, t.scores, t.weights, t.opt_state[:5],
-                                                      ids_tensor([1], d)), r"opt_state.size\(0\) must equal"),
-    ("opt_state dtype", lambda t, d: ht.find_or_insert(t.keys, t.digests, t.scores, t.weights,
-                                                       t.opt_state.double(), ids_tensor([1], d)),
+    ("weights rows", lambda t, d: _fi(t, _one(d), weights=t.weights[:32]),
+     r"weights.size\(0\) must equal .*64.*got 32"),
+    ("opt_state rows", lambda t, d: _fi(t, _one(d), opt_state=t.opt_state[:5]),
+     r"opt_state.size\(0\) must equal"),
+    ("opt_state dtype", lambda t, d: _fi(t, _one(d), opt_state=t.opt_state.double()),
      r"opt_state must be Float .*got Double"),
-    ("weights int", lambda t, d: ht.find_or_insert(t.keys, t.digests, t.scores, t.weights.int(), t.opt_state,
-                                                   ids_tensor([1], d)), r"weights must be Float, Double, .*got Int"),
-    ("digests dtype", lambda t, d: ht.find(t.keys, t.digests.int(), ids_tensor([1], d)),
+    ("weights int", lambda t, d: _fi(t, _one(d), weights=t.weights.int()),
+     r"weights must be Float, Double, .*got Int"),
+    ("digests dtype", lambda t, d: ht.find(t.keys, t.digests.int(), _one(d)),
      r"digests must be Byte, got Int"),
-    ("capacity", lambda t, d: ht.find(t.keys[:48], t.digests[:48], ids_tensor([1], d)), r"capacity.*got 48"),
-    ("score_policy", lambda t, d: _fi(t, ids_tensor([1], d), score_policy=3), r"score_policy must be one of .*got 3"),
-    ("init_kind", lambda t, d: _fi(t, ids_tensor([1], d), init_kind=7), r"init_kind must be one of .*got 7"),
-    ("uniform bounds", lambda t, d: _fi(t, ids_tensor([1], d), init_kind=2, init_a=1.0, init_b=0.0),
+    ("capacity", lambda t, d: ht.find(t.keys[:48], t.digests[:48], _one(d)), r"capacity.*got 48"),
+    ("score_policy", lambda t, d: _fi(t, _one(d), score_policy=3), r"score_policy must be one of .*got 3"),
+    ("init_kind", lambda t, d: _fi(t, _one(d), init_kind=7), r"init_kind must be one of .*got 7"),
+    ("uniform bounds", lambda t, d: _fi(t, _one(d), init_kind=2, init_a=1.0, init_b=0.0),
      r"init_a <= init_b"),
-    ("values shape", lambda t, d: ht.insert_or_assign(*t.tensors(), ids_tensor([1, 2], d), torch.ones(2, 3, device=d)),
+    ("values dim", lambda t, d: _ia(t, 2, (2, 3)),
      r"values.size\(1\) must equal the embedding dim .*4.*got 3"),
-    ("values rows", lambda t, d: ht.insert_or_assign(*t.tensors(), ids_tensor([1, 2], d), torch.ones(3, 4, device=d)),
-     r"values.size\(0\) must equal the number of ids"),
-    ("values dtype", lambda t, d: ht.insert_or_assign(*t.tensors(), ids_tensor([1], d),
-                                                      torch.ones(1, 4, dtype=torch.float64, device=d)),
-     r"values must be Float, got Double"),
-    ("opt_values width", lambda t, d: ht.insert_or_assign(*t.tensors(), ids_tensor([1], d), torch.ones(1, 4, device=d),
-                                                          torch.ones(1, 3, device=d)), r"opt_values.size\(1\)"),
-    ("score_values dtype", lambda t, d: ht.insert_or_assign(*t.tensors(), ids_tensor([1], d),
-                                                            torch.ones(1, 4, device=d), None, torch.ones(1, device=d)),
+    ("values rows", lambda t, d: _ia(t, 2, (3, 4)), r"values.size\(0\) must equal the number of ids"),
+    ("values dtype", lambda t, d: _ia(t, 1, dtype=torch.float64), r"values must be Float, got Double"),
+    ("opt_values width", lambda t, d: _ia(t, 1, opt_values=torch.ones(1, 3, device=d)),
+     r"opt_values.size\(1\)"),
+    ("score_values dtype", lambda t, d: _ia(t, 1, score_values=torch.ones(1, device=d)),
      r"score_values must be Long, got Float"),
-    ("erase ids dtype", lambda t, d: ht.erase(t.keys, t.digests, torch.ones(1, device=d)), r"erase: ids must be Long"),
+    ("erase ids dtype", lambda t, d: ht.erase(t.keys, t.digests, torch.ones(1, device=d)),
+     r"erase: ids must be Long"),
     ("export range", lambda t, d: ht.export(*t.tensors(), 10, 65), r"start <= end <= capacity.*end = 65"),
     ("export reversed", lambda t, d: ht.export(*t.tensors(), 20, 10), r"start = 20, end = 10"),
-    ("initialize dim", lambda t, d: ht.initialize(ids_tensor([1], d), -2), r"dim must be >= 0, got -2"),
-    ("initialize dtype", lambda t, d: ht.initialize(ids_tensor([1], d), 2, dtype=torch.int32), r"dtype must be"),
+    ("initialize dim", lambda t, d: ht.initialize(_one(d), -2), r"dim must be >= 0, got -2"),
+    ("initialize dtype", lambda t, d: ht.initialize(_one(d), 2, dtype=torch.int32), r"dtype must be"),
 ]
 
 

@@ -51,7 +51,10 @@ def find(keys: Tensor, digests: Tensor, ids: Tensor) -> Tensor:
         ids: (N,) int64 ids, any value.
 
     Returns:
-        slots: (N,) int64, the slot of each id, -1 where the id is absent.
+        slots: the slot of each id, -1 where the id is absent.
+
+    Shape:
+        keys (C,), digests (C,), ids (N,) -> slots (N,) int64.
 
     Example::
 
@@ -97,6 +100,16 @@ def find_or_insert(
         ``(slots, counts, evicted_keys)``: slots (N,) int64; counts (2,) int64 =
         ``[num_inserted, num_failed]`` (when ``num_failed > 0`` the table is unchanged and
         slots are undefined); evicted_keys (E,) int64.
+
+    Shape:
+        ids (N,) -> slots (N,), counts (2,), evicted_keys (E,) with E <= num_inserted.
+
+    Example::
+
+        t = [torch.zeros(64, dtype=torch.int64), torch.zeros(64, dtype=torch.uint8),
+             torch.zeros(64, dtype=torch.int64), torch.zeros(64, 8), torch.zeros(64, 0)]
+        slots, counts, evicted = find_or_insert(*t, torch.tensor([5, -1, 5]), seed=1,
+                                                init_kind=INIT_NORMAL, init_b=0.01)
     """
     _ext.require()
     return torch.ops.veloce.find_or_insert(
@@ -134,6 +147,10 @@ def insert_or_assign(
 
     Returns:
         ``(slots, counts, evicted_keys)`` as in :func:`find_or_insert`.
+
+    Shape:
+        ids (N,), values (N, D), opt_values (N, S), score_values (N,) -> slots (N,),
+        counts (2,), evicted_keys (E,).
     """
     _ext.require()
     return torch.ops.veloce.insert_or_assign(

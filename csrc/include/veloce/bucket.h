@@ -87,7 +87,8 @@ VELOCE_HD int64_t find_slot(const TableRef& t, const Probe& p, int64_t key) {
 
 VELOCE_HD int count_empty(const TableRef& t, int64_t bucket) {
   int n = 0;
-  for (int64_t w = 0; w < kBucketSize; w += 8) n += count_flagged(zero_bytes(load_word(t.digests + bucket * kBucketSize + w)));
+  const uint8_t* d = t.digests + bucket * kBucketSize;
+  for (int64_t w = 0; w < kBucketSize; w += 8) n += count_flagged(zero_bytes(load_word(d + w)));
   return n;
 }
 
