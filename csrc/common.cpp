@@ -40,6 +40,24 @@ void check_rows(const char* op, const char* name, const at::Tensor& rows, const 
   TORCH_CHECK(rows.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
+void check_table_rows(const char* op, const at::Tensor& weights, const at::Tensor& opt_state, const at::Tensor& keys) {
+  check_rows(op, "weights", weights, keys);
+  check_rows(op, "opt_state", opt_state, keys);
+  const at::ScalarType wt = weights.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kDouble || wt == at::kHalf || wt == at::kBFloat16, op,
+              ": weights must be Float, Double, Half or BFloat16, got ", c10::toString(wt));
+  const at::ScalarType st = opt_state.scalar_type();
+  const at::ScalarType want = wt == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(st == want, op, ": opt_state must be ", c10::toString(want), " for ", c10::toString(wt),
+              " weights, got ", c10::toString(st));
+}
+
+void check_ids(const char* op, const at::Tensor& ids, const at::Tensor& keys) {
+  check_dtype(op, "ids", ids, at::kLong);
+  check_dim(op, "ids", ids, 1);
+  check_same_device(op, "ids", ids, "keys", keys);
+}
+
 int64_t check_offsets(const char* op, const at::Tensor& offsets, int64_t n, bool include_last_offset) {
   check_dtype(op, "offsets", offsets, at::kLong);
   check_dim(op, "offsets", offsets, 1);

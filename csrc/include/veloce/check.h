@@ -44,6 +44,19 @@ void check_table_keys(const char* op, const at::Tensor& keys, const at::Tensor& 
 // Rows tensor (C, D) whose first dimension matches the table.
 void check_rows(const char* op, const char* name, const at::Tensor& rows, const at::Tensor& keys);
 
+// The row tensors of a table: weights (C, D) float32, float64, float16 or bfloat16, and
+// opt_state (C, S) float32 (float64 when weights are float64); S may be 0.
+void check_table_rows(const char* op, const at::Tensor& weights, const at::Tensor& opt_state, const at::Tensor& keys);
+
+// ids (N,) int64 on keys' device.
+void check_ids(const char* op, const at::Tensor& ids, const at::Tensor& keys);
+
+// An integer argument in [lo, hi]; `meaning` lists the accepted values, e.g. "0 none, 1 LRU, 2 LFU".
+inline void check_int_arg(const char* op, const char* name, int64_t value, int64_t lo, int64_t hi,
+                          const char* meaning) {
+  TORCH_CHECK(value >= lo && value <= hi, op, ": ", name, " must be one of ", meaning, ", got ", value);
+}
+
 // A bag layout: offsets (B,) or (B+1,) int64, starting at 0, non-decreasing, ending at
 // most at n. Returns the number of bags B. Reads offsets on the host.
 int64_t check_offsets(const char* op, const at::Tensor& offsets, int64_t n, bool include_last_offset);

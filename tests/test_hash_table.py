@@ -1,0 +1,550 @@
+"""Tests of the hash_table ops against a slot-exact plain-Python reference (docs/ops.md)."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, fields
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import veloce
+from veloce.ops import hash_table as ht
+
+pytestmark = pytest.mark.skipif(not veloce._ext.loaded, reason="veloce._C is not built")
+
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+EXTREME_IDS = [I64_MIN, I64_MAX, -1, 0, 1, I64_MIN + 1, I64_MAX - 1]
+M64 = (1 << 64) - 1
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not (torch.cuda.is_available() and veloce._ext.has_cuda_kernels()),
+            reason="needs a CUDA device and veloce built with CUDA kernels",
+        ),
+    ),
+]
+HYP = settings(deadline=None, max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@dataclass
+class Table:
+    keys: torch.Tensor
+    digests: torch.Tensor
+    scores: torch.Tensor
+    weights: torch.Tensor
+    opt_state: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def clone(self) -> Table:
+        return Table(*(t.clone() for t in self.tensors()))
+
+    def assert_equal(self, other: Table) -> None:
+        for f in fields(self):
+            a, b = getattr(self, f.name).cpu(), getattr(other, f.name).cpu()
+            assert a.dtype == b.dtype and a.shape == b.shape, f.name
+            assert torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
+                               b.view(torch.uint8) if b.is_floating_point() else b), f"{f.name} differs"
+
+
+def make_table(capacity: int, dim: int = 4, state: int = 2, dtype=torch.float32, device="cpu") -> Table:
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return Table(
+        keys=torch.zeros(capacity, dtype=torch.int64, device=device),
+        digests=torch.zeros(capacity, dtype=torch.uint8, device=device),
+        scores=torch.zeros(capacity, dtype=torch.int64, device=device),
+        weights=torch.zeros(capacity, dim, dtype=dtype, device=device),
+        opt_state=torch.zeros(capacity, state, dtype=state_dtype, device=device),
+    )
+
+
+def ids_tensor(ids, device="cpu") -> torch.Tensor:
+    return torch.tensor(list(ids), dtype=torch.int64, device=device)
+
+
+# ---- the reference: hashing, init and table semantics in plain Python ----------------
+
+
+def fmix64(k: int) -> int:
+    k ^= k >> 33
+    k = (k * 0xFF51AFD7ED558CCD) & M64
+    k ^= k >> 33
+    k = (k * 0xC4CEB9FE1A85EC53) & M64
+    return k ^ (k >> 33)
+
+
+def probe(key: int, num_buckets: int) -> tuple[int, int, int]:
+    h = fmix64(key & M64)
+    b = fmix64(((h >> 32) | (h << 32)) & M64) & (num_buckets - 1)
+    return h & (num_buckets - 1), b, (h >> 56) or 1
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
+def init_value(seed: int, id_: int, col: int, kind: int, a: float, b: float) -> float:
+    if kind == 0:
+        return 0.0
+    if kind == 1:
+        return a
+    row = splitmix64((seed & M64) ^ fmix64(id_ & M64))
+
+    def unit(bits):
+        return ((bits >> 11) + 0.5) * (1.0 / 9007199254740992.0)
+
+    if kind == 2:
+        return a + (b - a) * unit(splitmix64((row + col) & M64))
+    pair = col >> 1
+    u1, u2 = unit(splitmix64((row + 2 * pair) & M64)), unit(splitmix64((row + 2 * pair + 1) & M64))
+    r, theta = math.sqrt(-2.0 * math.log(u1)), 6.283185307179586 * u2
+    return a + b * (r * math.sin(theta) if col & 1 else r * math.cos(theta))
+
+
+class Ref:
+    """A slot-exact model of the table: lists for keys/digests/scores, a dict key -> slot."""
+
+    def __init__(self, t: Table):
+        self.keys, self.digests, self.scores = t.keys.tolist(), t.digests.tolist(), t.scores.tolist()
+        self.weights, self.opt_state = t.weights.cpu().clone(), t.opt_state.cpu().clone()
+        self.nb = len(self.keys) // 32
+        self.where = {k: s for s, (k, d) in enumerate(zip(self.keys, self.digests)) if d}
+
+    def table(self, device) -> Table:
+        digests = torch.tensor(self.digests, dtype=torch.uint8, device=device)
+        return Table(ids_tensor(self.keys, device), digests, ids_tensor(self.scores, device),
+                     self.weights.to(device), self.opt_state.to(device))
+
+    def _insert_all(self, ids, allow_evict, pad=None):
+        """Phase 2; returns (slots, changes) or (None, num_failed) after undoing."""
+        slots = [None if i == pad else self.where.get(i, -3) for i in ids]
+        touched = {s for s in slots if s is not None and s >= 0}
+        changes, failed = [], set()
+        for i, id_ in enumerate(ids):
+            if slots[i] != -3:
+                continue
+            s = self.where.get(id_)
+            if s is None:
+                a, b, d = probe(id_, self.nb)
+                ea, eb = ([s for s in range(k * 32, k * 32 + 32) if not self.digests[s]] for k in (a, b))
+                if a == b:
+                    eb = []
+                if ea or eb:
+                    s = (ea if len(ea) >= len(eb) else eb)[0]
+                elif allow_evict:
+                    cands = [s for k in ((a,) if a == b else (a, b)) for s in range(k * 32, k * 32 + 32)
+                             if s not in touched]
+                    s = min(cands, key=lambda s: self.scores[s]) if cands else None  # min keeps the first
+                if s is None:
+                    failed.add(id_)
+                    continue
+                changes.append((s, self.keys[s], self.digests[s]))
+                if self.digests[s]:
+                    del self.where[self.keys[s]]
+                self.keys[s], self.digests[s], self.where[id_] = id_, d, s
+                touched.add(s)
+            slots[i] = s
+        if failed:
+            for s, k, d in reversed(changes):
+                if self.digests[s]:
+                    del self.where[self.keys[s]]
+                self.keys[s], self.digests[s] = k, d
+                if d:
+                    self.where[k] = s
+            return None, len(failed)
+        return slots, changes
+
+    def _scores(self, slots, changes, policy, value):
+        for s, _, _ in changes:
+            self.scores[s] = value if policy == 1 else 0
+        for s in slots:
+            if s is not None:
+                self.scores[s] = value if policy == 1 else self.scores[s] + (policy == 2)
+
+    def find(self, ids):
+        return [self.where.get(i, -1) for i in ids]
+
+    def find_or_insert(self, ids, policy=0, value=0, allow_evict=False, seed=0, kind=0, a=0.0, b=0.0,
+                       pad=None):
+        slots, changes = self._insert_all(ids, allow_evict, pad)
+        if slots is None:
+            return None, [0, changes], []
+        for s, _, _ in changes:
+            row = [init_value(seed, self.keys[s], j, kind, a, b) for j in range(self.weights.shape[1])]
+            row = torch.tensor(row, dtype=torch.float64)  # rounded to float first, as the kernels do
+            if self.weights.dtype != torch.float64:
+                row = row.float().to(self.weights.dtype)
+            self.weights[s] = row
+            self.opt_state[s] = 0
+        self._scores(slots, changes, policy, value)
+        return [-1 if s is None else s for s in slots], [len(changes), 0], [k for _, k, d in changes if d]
+
+    def insert_or_assign(self, ids, values, opt_values=None, score_values=None, policy=0, value=0,
+                         allow_evict=False):
+        slots, changes = self._insert_all(ids, allow_evict)
+        if slots is None:
+            return None, [0, changes], []
+        if opt_values is None:
+            for s, _, _ in changes:
+                self.opt_state[s] = 0
+        for i, s in enumerate(slots):  # in order: the last occurrence wins
+            self.weights[s] = values[i]
+            if opt_values is not None:
+                self.opt_state[s] = opt_values[i]
+            if score_values is not None:
+                self.scores[s] = int(score_values[i])
+        if score_values is None:
+            self._scores(slots, changes, policy, value)
+        return slots, [len(changes), 0], [k for _, k, d in changes if d]
+
+    def erase(self, ids):
+        out = []
+        for i in ids:
+            s = self.where.pop(i, None)
+            if s is not None:
+                self.digests[s] = 0
+            out.append(s is not None)
+        return out
+
+
+def check_insert_result(result, expected):
+    slots, counts, evicted = result
+    exp_slots, exp_counts, exp_evicted = expected
+    assert counts.tolist() == exp_counts
+    assert evicted.tolist() == exp_evicted
+    if exp_slots is not None:
+        assert slots.tolist() == exp_slots
+
+
+# ---- reference equivalence ---------------------------------------------------------------
+
+id_values = st.one_of(st.integers(-40, 40), st.sampled_from(EXTREME_IDS), st.integers(I64_MIN, I64_MAX))
+op_strategy = st.tuples(
+    st.sampled_from(["find_or_insert", "insert_or_assign", "erase", "find"]),
+    st.lists(id_values, max_size=80),
+    st.integers(0, 2),  # score policy
+    st.booleans(),  # allow_evict
+    st.integers(0, 3),  # init kind / which optional inputs
+)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@HYP
+@given(capacity=st.sampled_from([32, 64, 128]), ops=st.lists(op_strategy, min_size=1, max_size=10),
+       seed=st.integers(I64_MIN, I64_MAX), fill=st.integers(0, 160))
+def test_matches_reference(device, capacity, ops, seed, fill):
+    t = make_table(capacity, dim=3, state=2, device=device)
+    ref = Ref(t)
+    # Start (nearly) full, so that later ops meet full buckets: evictions and failures.
+    fill_ids = [(i * 0x9E3779B97F4A7C15) % 2**64 - 2**63 for i in range(fill)]
+    evict = fill % 2 == 0
+    got = ht.find_or_insert(*t.tensors(), ids_tensor(fill_ids, device), 2, 0, evict, seed, 2, 0.0, 1.0)
+    check_insert_result(got, ref.find_or_insert(fill_ids, 2, 0, evict, seed, 2, 0.0, 1.0))
+    if fill % 3 == 0:  # spread the LFU scores
+        got = ht.find_or_insert(*t.tensors(), ids_tensor(fill_ids[::3], device), 2, 0, False)
+        check_insert_result(got, ref.find_or_insert(fill_ids[::3], 2, 0, False))
+    for step, (op, ids, policy, evict, kind) in enumerate(ops):
+        x = ids_tensor(ids, device)
+        if op == "find":
+            assert ht.find(t.keys, t.digests, x).tolist() == ref.find(ids)
+        elif op == "erase":
+            assert ht.erase(t.keys, t.digests, x).tolist() == ref.erase(ids)
+        elif op == "find_or_insert":
+            pad = ids[0] if (ids and kind == 3) else None
+            got = ht.find_or_insert(*t.tensors(), x, policy, step + 7, evict, seed, kind, -0.5, 0.5, pad)
+            want = ref.find_or_insert(ids, policy, step + 7, evict, seed, kind, -0.5, 0.5, pad)
+            check_insert_result(got, want)
+        else:
+            gen = torch.Generator().manual_seed(step)
+            values = torch.randn(len(ids), 3, generator=gen)
+            opt_values = torch.randn(len(ids), 2, generator=gen) if kind & 1 else None
+            score_values = torch.randint(0, 100, (len(ids),), generator=gen) if kind & 2 else None
+            dev = [None if v is None else v.to(device) for v in (values, opt_values, score_values)]
+            got = ht.insert_or_assign(*t.tensors(), x, *dev, policy, step + 7, evict)
+            check_insert_result(got, ref.insert_or_assign(ids, values, opt_values, score_values, policy,
+                                                          step + 7, evict))
+        t.assert_equal(ref.table(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", [0, 1, 2, 3])
+def test_initialize_matches_formula(device, kind):
+    ids = EXTREME_IDS + list(range(-5, 5))
+    a, b = (0.25, 2.0) if kind == 3 else (-0.1, 0.3)
+    got = ht.initialize(ids_tensor(ids, device), 7, 1234, kind, a, b, torch.float64).cpu()
+    want = [[init_value(1234, i, j, kind, a, b) for j in range(7)] for i in ids]
+    want = torch.tensor(want, dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_dtypes(device, dtype):
+    t = make_table(256, dim=5, state=0, dtype=dtype, device=device)
+    ids = ids_tensor(EXTREME_IDS + list(range(2, 102)), device)
+    slots, counts, _ = ht.find_or_insert(*t.tensors(), ids, 0, 0, False, 9, 3, 0.0, 1.0)
+    assert counts.tolist() == [len(ids), 0]
+    assert torch.equal(t.weights[slots], ht.initialize(ids, 5, 9, 3, 0.0, 1.0, dtype))
+    values = torch.randn(len(ids), 5, device=device).to(dtype)
+    ht.insert_or_assign(*t.tensors(), ids, values)
+    assert torch.equal(t.weights[ht.find(t.keys, t.digests, ids)], values)
+    k, w, s, sc = ht.export(*t.tensors(), 0, 256)
+    assert w.dtype == dtype and s.shape == (len(ids), 0) and sorted(k.tolist()) == sorted(ids.tolist())
+
+
+# ---- focused semantics -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trip_extreme_and_duplicate_ids(device):
+    t = make_table(64, device=device)
+    ids = ids_tensor([I64_MIN, 5, I64_MAX, -1, 0, 5, I64_MIN, 0], device)
+    slots, counts, evicted = ht.find_or_insert(*t.tensors(), ids, 2, 0, False, 1, 2, -1.0, 1.0)
+    assert counts.tolist() == [5, 0] and evicted.numel() == 0
+    s = slots.tolist()
+    assert s[1] == s[5] and s[0] == s[6] and s[4] == s[7] and len(set(s)) == 5
+    assert torch.equal(ht.find(t.keys, t.digests, ids), slots)
+    assert t.keys[slots].tolist() == ids.tolist()
+    keys, weights, opt_state, scores = ht.export(*t.tensors(), 0, 64)
+    assert sorted(keys.tolist()) == sorted(set(ids.tolist()))
+    assert torch.equal(weights, ht.initialize(keys, 4, 1, 2, -1.0, 1.0, torch.float32))
+    assert not opt_state.any()
+    counts_by_key = {k: ids.tolist().count(k) for k in keys.tolist()}
+    assert scores.tolist() == [counts_by_key[k] for k in keys.tolist()]  # LFU: one per occurrence
+    assert ht.find(t.keys, t.digests, ids_tensor([7, -2, I64_MAX - 1], device)).tolist() == [-1, -1, -1]
+    erased = ht.erase(t.keys, t.digests, ids)
+    assert erased.tolist() == [True, True, True, True, True, False, False, False]
+    assert ht.find(t.keys, t.digests, ids).tolist() == [-1] * 8
+    assert ht.export(*t.tensors(), 0, 64)[0].numel() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_init_is_independent_of_order_batch_and_capacity(device):
+    ids = EXTREME_IDS + list(range(-50, 50, 3))
+    rows = []
+    for capacity, order in [(64, ids), (1024, ids[::-1]), (256, sorted(ids, key=lambda i: (i * 7919) % 101))]:
+        t = make_table(capacity, dim=6, device=device)
+        for chunk in (order[:5], order[5:]):  # two batches
+            ht.find_or_insert(*t.tensors(), ids_tensor(chunk, device), 0, 0, False, 42, 3, 0.0, 0.1)
+        k, w, _, _ = ht.export(*t.tensors(), 0, capacity)
+        rows.append(w[k.argsort()])
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lru_and_lfu_scores(device):
+    t = make_table(64, device=device)
+    ht.find_or_insert(*t.tensors(), ids_tensor([1, 2], device), 1, 10)
+    slots, _, _ = ht.find_or_insert(*t.tensors(), ids_tensor([2, 3, 3], device), 1, 11)
+    s1 = ht.find(t.keys, t.digests, ids_tensor([1], device))
+    assert t.scores[s1].tolist() == [10] and t.scores[slots].tolist() == [11, 11, 11]
+    ht.find_or_insert(*t.tensors(), ids_tensor([1, 1, 1, 4], device), 2, 99)  # LFU adds, ignores value
+    assert t.scores[ht.find(t.keys, t.digests, ids_tensor([1, 4, 2], device))].tolist() == [13, 1, 11]
+    ht.find_or_insert(*t.tensors(), ids_tensor([4, 5], device), 0, 99)  # none: leaves, new start at 0
+    assert t.scores[ht.find(t.keys, t.digests, ids_tensor([4, 5], device))].tolist() == [1, 0]
+
+
+def full_one_bucket_table(device, scores):
+    """A 32-slot table (one bucket) holding keys 100.. with the given scores."""
+    t = make_table(32, device=device)
+    ht.insert_or_assign(*t.tensors(), ids_tensor(range(100, 132), device), torch.zeros(32, 4, device=device),
+                        score_values=ids_tensor(scores, device))
+    return t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eviction_keeps_high_scores(device):
+    scores = [50 + i for i in range(32)]
+    scores[7], scores[20], scores[3] = 1, 2, 1
+    t = full_one_bucket_table(device, scores)
+    # key 107 (score 1, slot 7) is touched by this call: protected; 103 (1) goes, then 120 (2).
+    slots, counts, evicted = ht.find_or_insert(*t.tensors(), ids_tensor([500, 107, 501], device), 2, 0, True)
+    assert counts.tolist() == [2, 0] and evicted.tolist() == [103, 120]
+    assert slots.tolist() == [3, 7, 20]
+    k = set(ht.export(*t.tensors(), 0, 32)[0].tolist())
+    assert {500, 501, 107} <= k and not {103, 120} & k and len(k) == 32
+    # Ties go to the lowest slot.
+    t = full_one_bucket_table(device, [5] * 32)
+    _, _, evicted = ht.find_or_insert(*t.tensors(), ids_tensor([600, 601], device), 0, 0, True)
+    assert evicted.tolist() == [100, 101]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("allow_evict", [False, True])
+@pytest.mark.parametrize("op", ["find_or_insert", "insert_or_assign"])
+def test_no_room_leaves_table_bit_identical(device, allow_evict, op):
+    t = full_one_bucket_table(device, list(range(32)))
+    ht.erase(t.keys, t.digests, ids_tensor([110], device))  # one free slot, stale key inside
+    before = t.clone()
+    # 33 distinct ids: with eviction every candidate is touched before the last one.
+    ids = ids_tensor([105] + list(range(1000, 1032)), device)
+    if op == "find_or_insert":
+        slots, counts, evicted = ht.find_or_insert(*t.tensors(), ids, 1, 5, allow_evict, 3, 2, 0.0, 1.0)
+    else:
+        values = torch.ones(len(ids), 4, device=device)
+        slots, counts, evicted = ht.insert_or_assign(*t.tensors(), ids, values, None, None, 2, 0, allow_evict)
+    assert counts[0] == 0 and counts[1] > 0 and evicted.numel() == 0
+    assert counts[1] == (1 if allow_evict else 31)
+    t.assert_equal(before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padding_id(device):
+    t = make_table(64, device=device)
+    ids = ids_tensor([-1, 3, -1, 4], device)
+    slots, counts, _ = ht.find_or_insert(*t.tensors(), ids, 2, 0, False, padding_id=-1)
+    assert counts.tolist() == [2, 0] and slots[0] == -1 and slots[2] == -1
+    assert ht.find(t.keys, t.digests, ids_tensor([-1], device)).tolist() == [-1]
+    assert t.scores.sum() == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deterministic(device):
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(-3000, 3000, (2000,), generator=gen) for _ in range(4)]
+    results = []
+    for _ in range(5):
+        t = make_table(2048, dim=8, device=device)
+        outs = [ht.find_or_insert(*t.tensors(), b.to(device), 2, 0, True, 7, 3, 0.0, 1.0) for b in batches]
+        results.append((t, outs))
+    for t, outs in results[1:]:
+        t.assert_equal(results[0][0])
+        for a, b in zip(outs, results[0][1]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_high_load_factor(device):
+    capacity = 1 << 14
+    rng = random.Random(1)
+    ids = list({rng.getrandbits(64) - 2**63 for _ in range(int(capacity * 0.92))})
+    ids = ids_tensor(ids, device)
+    t = make_table(capacity, dim=2, state=0, device=device)
+    for chunk in ids.split(4096):
+        _, counts, _ = ht.find_or_insert(*t.tensors(), chunk)
+        assert counts[1] == 0
+    slots = ht.find(t.keys, t.digests, ids)
+    assert (slots >= 0).all() and torch.equal(t.keys[slots], ids)
+    assert int((t.digests != 0).sum()) == len(ids)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_export_in_chunks(device):
+    t = make_table(256, device=device)
+    ht.find_or_insert(*t.tensors(), ids_tensor(range(-90, 90), device), 1, 3, False, 0, 2, 0.0, 1.0)
+    full = ht.export(*t.tensors(), 0, 256)
+    parts = [ht.export(*t.tensors(), s, min(s + 48, 256)) for s in range(0, 256, 48)]
+    for i in range(4):
+        assert torch.equal(full[i], torch.cat([p[i] for p in parts]))
+    assert torch.equal(full[0], t.keys[t.digests != 0])
+    assert ht.export(*t.tensors(), 256, 256)[0].numel() == 0
+
+
+# ---- opcheck ------------------------------------------------------------------------------
+
+
+def opcheck_samples(device):
+    t = full_one_bucket_table(device, list(range(32)))
+    ids = ids_tensor([105, 2000, 2001, 105, I64_MIN], device)
+    values = torch.randn(5, 4, device=device)
+    yield "find", (t.keys, t.digests, ids)
+    yield "find_or_insert", (*t.clone().tensors(), ids, 2, 0, True, 1, 2, -1.0, 1.0, 2001)  # evicts
+    yield "find_or_insert", (*t.clone().tensors(), ids, 1, 4, False, 1, 3, 0.0, 1.0, None)  # fails
+    yield "insert_or_assign", (*t.clone().tensors(), ids, values, torch.ones(5, 2, device=device),
+                               ids_tensor(range(5), device), 0, 0, True)
+    yield "erase", (t.keys, t.digests.clone(), ids)
+    yield "export", (*t.tensors(), 8, 40 - 8)
+    yield "initialize", (ids, 6, 3, 3, 0.0, 1.0, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    for name, args in opcheck_samples(device):
+        torch.library.opcheck(getattr(torch.ops.veloce, name).default, args)
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+
+def _fi(t, ids, weights=None, opt_state=None, **kw):
+    """find_or_insert on t, optionally with replaced row tensors."""
+    args = dict(score_policy=0, score_value=0, allow_evict=False, seed=0, init_kind=0, init_a=0.0, init_b=0.0)
+    args.update(kw)
+    w = t.weights if weights is None else weights
+    s = t.opt_state if opt_state is None else opt_state
+    return ht.find_or_insert(t.keys, t.digests, t.scores, w, s, ids, **args)
+
+
+def _ia(t, n, values_shape=None, dtype=torch.float32, opt_values=None, score_values=None):
+    """insert_or_assign of ids 1..n on t."""
+    d = t.keys.device
+    values = torch.ones(values_shape or (n, 4), dtype=dtype, device=d)
+    return ht.insert_or_assign(*t.tensors(), ids_tensor(range(1, n + 1), d), values, opt_values, score_values)
+
+
+def _one(d):
+    return ids_tensor([1], d)
+
+
+# (name, call(table, device), regex the message must match)
+BAD_INPUTS = [
+    ("ids float", lambda t, d: _fi(t, torch.ones(3, device=d)),
+     r"find_or_insert: ids must be Long, got Float"),
+    ("ids 2-D", lambda t, d: _fi(t, torch.ones(2, 2, dtype=torch.long, device=d)), r"ids must be 1-D"),
+    ("ids device", lambda t, d: ht.find(t.keys, t.digests, torch.ones(2, dtype=torch.long, device="meta")),
+     r"veloce::find: ids is on meta but keys is on"),
+    ("find ids int32", lambda t, d: ht.find(t.keys, t.digests, torch.ones(2, dtype=torch.int32, device=d)),
+     r"veloce::find: ids must be Long, got Int"),
+    ("weights rows", lambda t, d: _fi(t, _one(d), weights=t.weights[:32]),
+     r"weights.size\(0\) must equal .*64.*got 32"),
+    ("opt_state rows", lambda t, d: _fi(t, _one(d), opt_state=t.opt_state[:5]),
+     r"opt_state.size\(0\) must equal"),
+    ("opt_state dtype", lambda t, d: _fi(t, _one(d), opt_state=t.opt_state.double()),
+     r"opt_state must be Float .*got Double"),
+    ("weights int", lambda t, d: _fi(t, _one(d), weights=t.weights.int()),
+     r"weights must be Float, Double, .*got Int"),
+    ("digests dtype", lambda t, d: ht.find(t.keys, t.digests.int(), _one(d)),
+     r"digests must be Byte, got Int"),
+    ("capacity", lambda t, d: ht.find(t.keys[:48], t.digests[:48], _one(d)), r"capacity.*got 48"),
+    ("score_policy", lambda t, d: _fi(t, _one(d), score_policy=3), r"score_policy must be one of .*got 3"),
+    ("init_kind", lambda t, d: _fi(t, _one(d), init_kind=7), r"init_kind must be one of .*got 7"),
+    ("uniform bounds", lambda t, d: _fi(t, _one(d), init_kind=2, init_a=1.0, init_b=0.0),
+     r"init_a <= init_b"),
+    ("values dim", lambda t, d: _ia(t, 2, (2, 3)),
+     r"values.size\(1\) must equal the embedding dim .*4.*got 3"),
+    ("values rows", lambda t, d: _ia(t, 2, (3, 4)), r"values.size\(0\) must equal the number of ids"),
+    ("values dtype", lambda t, d: _ia(t, 1, dtype=torch.float64), r"values must be Float, got Double"),
+    ("opt_values width", lambda t, d: _ia(t, 1, opt_values=torch.ones(1, 3, device=d)),
+     r"opt_values.size\(1\)"),
+    ("score_values dtype", lambda t, d: _ia(t, 1, score_values=torch.ones(1, device=d)),
+     r"score_values must be Long, got Float"),
+    ("erase ids dtype", lambda t, d: ht.erase(t.keys, t.digests, torch.ones(1, device=d)),
+     r"erase: ids must be Long"),
+    ("export range", lambda t, d: ht.export(*t.tensors(), 10, 65), r"start <= end <= capacity.*end = 65"),
+    ("export reversed", lambda t, d: ht.export(*t.tensors(), 20, 10), r"start = 20, end = 10"),
+    ("initialize dim", lambda t, d: ht.initialize(_one(d), -2), r"dim must be >= 0, got -2"),
+    ("initialize dtype", lambda t, d: ht.initialize(_one(d), 2, dtype=torch.int32), r"dtype must be"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name,call,match", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input(device, name, call, match):
+    t = make_table(64, device=device)
+    ht.find_or_insert(*t.tensors(), ids_tensor(range(20), device), 2, 0, False, 0, 2, 0.0, 1.0)
+    before = t.clone()
+    with pytest.raises(RuntimeError, match=match):
+        call(t, device)
+    t.assert_equal(before)
+

@@ -1,0 +1,264 @@
+"""Typed wrappers and fake kernels for the hash_table ops (``csrc/cpu/hash_table.cpp``).
+
+A table is a set of tensors of ``C = num_buckets * 32`` slots (docs/ops.md, "Table layout"):
+
+Shape:
+    - keys: (C,) int64, the id stored in each slot.
+    - digests: (C,) uint8, 0 = empty slot.
+    - scores: (C,) int64, eviction score (LRU last-seen step or LFU count).
+    - weights: (C, D) float32, float64, float16 or bfloat16.
+    - opt_state: (C, S) float32 (float64 with float64 weights); S may be 0.
+
+Every int64 value is a valid id. Ops that insert return ``counts = [num_inserted,
+num_failed]``; ``num_failed > 0`` means the table had no room and nothing was changed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from veloce import _ext
+
+__all__ = [
+    "SCORE_NONE",
+    "SCORE_LRU",
+    "SCORE_LFU",
+    "INIT_ZEROS",
+    "INIT_CONSTANT",
+    "INIT_UNIFORM",
+    "INIT_NORMAL",
+    "find",
+    "find_or_insert",
+    "insert_or_assign",
+    "erase",
+    "export",
+    "initialize",
+]
+
+SCORE_NONE, SCORE_LRU, SCORE_LFU = 0, 1, 2
+INIT_ZEROS, INIT_CONSTANT, INIT_UNIFORM, INIT_NORMAL = 0, 1, 2, 3
+
+
+def find(keys: Tensor, digests: Tensor, ids: Tensor) -> Tensor:
+    """Looks ids up without inserting.
+
+    Args:
+        keys: (C,) int64 table keys.
+        digests: (C,) uint8 table digests.
+        ids: (N,) int64 ids, any value.
+
+    Returns:
+        slots: the slot of each id, -1 where the id is absent.
+
+    Shape:
+        keys (C,), digests (C,), ids (N,) -> slots (N,) int64.
+
+    Example::
+
+        slots = find(keys, digests, torch.tensor([3, -7]))
+    """
+    _ext.require()
+    return torch.ops.veloce.find(keys, digests, ids)
+
+
+def find_or_insert(
+    keys: Tensor,
+    digests: Tensor,
+    scores: Tensor,
+    weights: Tensor,
+    opt_state: Tensor,
+    ids: Tensor,
+    score_policy: int = SCORE_NONE,
+    score_value: int = 0,
+    allow_evict: bool = False,
+    seed: int = 0,
+    init_kind: int = INIT_ZEROS,
+    init_a: float = 0.0,
+    init_b: float = 0.0,
+    padding_id: Optional[int] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Looks ids up, inserting the missing ones; mutates the table tensors in place.
+
+    New rows get ``initialize(id, ...)`` values and zero optimizer state. Scores follow
+    ``score_policy`` (0 none, 1 LRU: set to ``score_value``, 2 LFU: +1 per occurrence).
+    With ``allow_evict``, a key whose two buckets are full replaces the lowest-scored key
+    there that this call did not touch.
+
+    Args:
+        keys, digests, scores, weights, opt_state: the table (mutated).
+        ids: (N,) int64 ids.
+        score_policy: 0 none, 1 LRU, 2 LFU.
+        score_value: the LRU score (e.g. the step number).
+        allow_evict: evict instead of failing when both buckets are full.
+        seed, init_kind, init_a, init_b: the initializer (see :func:`initialize`).
+        padding_id: positions holding this id get slot -1 and are ignored.
+
+    Returns:
+        ``(slots, counts, evicted_keys)``: slots (N,) int64; counts (2,) int64 =
+        ``[num_inserted, num_failed]`` (when ``num_failed > 0`` the table is unchanged and
+        slots are undefined); evicted_keys (E,) int64.
+
+    Shape:
+        ids (N,) -> slots (N,), counts (2,), evicted_keys (E,) with E <= num_inserted.
+
+    Example::
+
+        t = [torch.zeros(64, dtype=torch.int64), torch.zeros(64, dtype=torch.uint8),
+             torch.zeros(64, dtype=torch.int64), torch.zeros(64, 8), torch.zeros(64, 0)]
+        slots, counts, evicted = find_or_insert(*t, torch.tensor([5, -1, 5]), seed=1,
+                                                init_kind=INIT_NORMAL, init_b=0.01)
+    """
+    _ext.require()
+    return torch.ops.veloce.find_or_insert(
+        keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict,
+        seed, init_kind, init_a, init_b, padding_id,
+    )
+
+
+def insert_or_assign(
+    keys: Tensor,
+    digests: Tensor,
+    scores: Tensor,
+    weights: Tensor,
+    opt_state: Tensor,
+    ids: Tensor,
+    values: Tensor,
+    opt_values: Optional[Tensor] = None,
+    score_values: Optional[Tensor] = None,
+    score_policy: int = SCORE_NONE,
+    score_value: int = 0,
+    allow_evict: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Writes rows for ids, inserting the missing ones; mutates the table tensors in place.
+
+    With duplicate ids the last occurrence wins. ``opt_values`` and ``score_values`` are
+    written when given; otherwise new rows get zero state and scores follow the policy.
+
+    Args:
+        keys, digests, scores, weights, opt_state: the table (mutated).
+        ids: (N,) int64 ids.
+        values: (N, D) rows, same dtype as weights.
+        opt_values: optional (N, S) optimizer state, same dtype as opt_state.
+        score_values: optional (N,) int64 scores.
+        score_policy, score_value, allow_evict: as in :func:`find_or_insert`.
+
+    Returns:
+        ``(slots, counts, evicted_keys)`` as in :func:`find_or_insert`.
+
+    Shape:
+        ids (N,), values (N, D), opt_values (N, S), score_values (N,) -> slots (N,),
+        counts (2,), evicted_keys (E,).
+    """
+    _ext.require()
+    return torch.ops.veloce.insert_or_assign(
+        keys, digests, scores, weights, opt_state, ids, values, opt_values, score_values,
+        score_policy, score_value, allow_evict,
+    )
+
+
+def erase(keys: Tensor, digests: Tensor, ids: Tensor) -> Tensor:
+    """Removes ids from the table (clears their digests in place).
+
+    Shape:
+        ids: (N,) int64. Returns erased: (N,) bool, true at the first position of each
+        id that was present.
+    """
+    _ext.require()
+    return torch.ops.veloce.erase(keys, digests, ids)
+
+
+def export(
+    keys: Tensor, digests: Tensor, scores: Tensor, weights: Tensor, opt_state: Tensor, start: int, end: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The entries of the occupied slots in ``[start, end)``, in slot order.
+
+    Shape:
+        Returns keys (M,), weights (M, D), opt_state (M, S), scores (M,).
+    """
+    _ext.require()
+    return torch.ops.veloce.export(keys, digests, scores, weights, opt_state, start, end)
+
+
+def initialize(
+    ids: Tensor,
+    dim: int,
+    seed: int = 0,
+    init_kind: int = INIT_ZEROS,
+    init_a: float = 0.0,
+    init_b: float = 0.0,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """The initializer's rows for ids: a deterministic function of ``(seed, id, column)``.
+
+    Args:
+        ids: (N,) int64.
+        dim: row width D.
+        init_kind: 0 zeros, 1 constant ``init_a``, 2 uniform(``init_a``, ``init_b``),
+            3 normal(mean ``init_a``, std ``init_b``).
+
+    Shape:
+        Returns (N, dim) of ``dtype`` on ids' device.
+    """
+    _ext.require()
+    return torch.ops.veloce.initialize(ids, dim, seed, init_kind, init_a, init_b, dtype)
+
+
+# ---- fake (meta) kernels ---------------------------------------------------------------
+
+
+def _check_table_fake(op: str, keys: Tensor, ids: Tensor) -> None:
+    torch._check(ids.dtype == torch.int64, lambda: f"veloce::{op}: ids must be int64, got {ids.dtype}")
+    torch._check(ids.dim() == 1, lambda: f"veloce::{op}: ids must be 1-D, got {ids.dim()}-D")
+    torch._check(
+        ids.device == keys.device,
+        lambda: f"veloce::{op}: ids is on {ids.device} but keys is on {keys.device}",
+    )
+
+
+def _insert_fake(op: str, keys: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    _check_table_fake(op, keys, ids)
+    num_evicted = torch.library.get_ctx().new_dynamic_size()
+    return ids.new_empty(ids.shape), keys.new_empty(2), keys.new_empty(num_evicted)
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("veloce::find")
+    def _(keys, digests, ids):
+        _check_table_fake("find", keys, ids)
+        return ids.new_empty(ids.shape)
+
+    @torch.library.register_fake("veloce::find_or_insert")
+    def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
+          init_kind, init_a, init_b, padding_id=None):
+        return _insert_fake("find_or_insert", keys, ids)
+
+    @torch.library.register_fake("veloce::insert_or_assign")
+    def _(keys, digests, scores, weights, opt_state, ids, values, opt_values, score_values, score_policy,
+          score_value, allow_evict):
+        return _insert_fake("insert_or_assign", keys, ids)
+
+    @torch.library.register_fake("veloce::erase")
+    def _(keys, digests, ids):
+        _check_table_fake("erase", keys, ids)
+        return ids.new_empty(ids.shape, dtype=torch.bool)
+
+    @torch.library.register_fake("veloce::export")
+    def _(keys, digests, scores, weights, opt_state, start, end):
+        m = torch.library.get_ctx().new_dynamic_size()
+        return (
+            keys.new_empty(m),
+            weights.new_empty(m, weights.shape[1]),
+            opt_state.new_empty(m, opt_state.shape[1]),
+            scores.new_empty(m),
+        )
+
+    @torch.library.register_fake("veloce::initialize")
+    def _(ids, dim, seed, init_kind, init_a, init_b, dtype):
+        return ids.new_empty(ids.shape[0], dim, dtype=dtype)
+
+
+if _ext.loaded:  # without the extension the ops do not exist; require() explains on first use
+    _register_fakes()
