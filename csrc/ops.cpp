@@ -21,7 +21,7 @@
 extern "C" {
 // An empty module: importing veloce._C loads the shared library, whose static
 // initializers register the ops. No pybind, so the op surface stays ABI-stable.
-PyObject* PyInit__C(void) {
+PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module_def);
 }
