@@ -1,3 +1,5 @@
 """Typed wrappers over ``torch.ops.veloce``, with fake kernels and autograd registrations.
 
 One module per op family (the same names as ``csrc/cpu/<family>.cpp``)."""
+
+from veloce.ops import embedding, optimizer  # noqa: F401  (registers fake kernels and autograd)
