@@ -13,19 +13,17 @@ mean), ``slot >= C`` reads ``extra_rows[slot - C]``.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
-
 import torch
 
 from veloce import _ext
 
-__all__ = ["pooled_lookup", "accumulate_grad", "MODES"]
+__all__ = ["MODES", "accumulate_grad", "pooled_lookup"]
 
 #: Pooling modes by name, as in ``nn.EmbeddingBag``.
 MODES = {"sum": 0, "mean": 1}
 
 
-def _mode_id(mode: Union[int, str]) -> int:
+def _mode_id(mode: int | str) -> int:
     if isinstance(mode, str):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {sorted(MODES)} (or 0 / 1), got {mode!r}")
@@ -37,10 +35,10 @@ def pooled_lookup(
     weights: torch.Tensor,
     slots: torch.Tensor,
     offsets: torch.Tensor,
-    per_sample_weights: Optional[torch.Tensor] = None,
-    mode: Union[int, str] = "sum",
+    per_sample_weights: torch.Tensor | None = None,
+    mode: int | str = "sum",
     include_last_offset: bool = False,
-    extra_rows: Optional[torch.Tensor] = None,
+    extra_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pools rows of ``weights`` per bag, like ``torch.nn.functional.embedding_bag``.
 
@@ -81,11 +79,11 @@ def accumulate_grad(
     grad_output: torch.Tensor,
     slots: torch.Tensor,
     offsets: torch.Tensor,
-    per_sample_weights: Optional[torch.Tensor] = None,
-    mode: Union[int, str] = "sum",
+    per_sample_weights: torch.Tensor | None = None,
+    mode: int | str = "sum",
     include_last_offset: bool = False,
     num_rows: int = 0,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradient of :func:`pooled_lookup` w.r.t. ``weights``, reduced per unique slot.
 
     Each position ``i`` of bag ``b`` with ``0 <= slots[i] < num_rows`` contributes
@@ -131,7 +129,9 @@ def _num_bags(offsets: torch.Tensor, include_last_offset: bool) -> int:
     return n
 
 
-def _fake_pooled_lookup(weights, slots, offsets, per_sample_weights, mode, include_last_offset, extra_rows=None):
+def _fake_pooled_lookup(
+    weights, slots, offsets, per_sample_weights, mode, include_last_offset, extra_rows=None
+):
     torch._check(weights.dim() == 2, lambda: f"weights must be 2-D, got {weights.dim()}-D")
     torch._check(slots.dim() == 1, lambda: f"slots must be 1-D, got {slots.dim()}-D")
     torch._check(slots.dtype == torch.int64, lambda: f"slots must be int64, got {slots.dtype}")
@@ -139,7 +139,9 @@ def _fake_pooled_lookup(weights, slots, offsets, per_sample_weights, mode, inclu
     return weights.new_empty((_num_bags(offsets, include_last_offset), weights.shape[1]))
 
 
-def _fake_accumulate_grad(grad_output, slots, offsets, per_sample_weights, mode, include_last_offset, num_rows):
+def _fake_accumulate_grad(
+    grad_output, slots, offsets, per_sample_weights, mode, include_last_offset, num_rows
+):
     torch._check(grad_output.dim() == 2, lambda: f"grad_output must be 2-D, got {grad_output.dim()}-D")
     torch._check(slots.dtype == torch.int64, lambda: f"slots must be int64, got {slots.dtype}")
     num_unique = torch.library.get_ctx().new_dynamic_size()
@@ -159,7 +161,13 @@ def _backward(ctx, grad_output: torch.Tensor):
     grad_weights = grad_psw = None
     if ctx.needs_input_grad[0]:
         unique_slots, grad_rows = torch.ops.veloce.accumulate_grad(
-            grad_output, slots, offsets, per_sample_weights, ctx.mode, ctx.include_last_offset, weights.shape[0]
+            grad_output,
+            slots,
+            offsets,
+            per_sample_weights,
+            ctx.mode,
+            ctx.include_last_offset,
+            weights.shape[0],
         )
         grad_weights = weights.new_zeros(weights.shape).index_add(0, unique_slots, grad_rows)
     if per_sample_weights is not None and ctx.needs_input_grad[3]:

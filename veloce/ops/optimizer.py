@@ -9,19 +9,17 @@ width (0 SGD, D Adagrad, 1 RowWiseAdagrad, 2D Adam), ``U`` updated rows.
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 
 from veloce import _ext
 
-__all__ = ["sparse_update", "OPTIMIZERS", "state_width"]
+__all__ = ["OPTIMIZERS", "sparse_update", "state_width"]
 
 #: Optimizer ids by name.
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
 
 
-def _optimizer_id(optimizer: Union[int, str]) -> int:
+def _optimizer_id(optimizer: int | str) -> int:
     if isinstance(optimizer, str):
         key = optimizer.lower()
         if key not in OPTIMIZERS:
@@ -30,7 +28,7 @@ def _optimizer_id(optimizer: Union[int, str]) -> int:
     return int(optimizer)
 
 
-def state_width(optimizer: Union[int, str], dim: int) -> int:
+def state_width(optimizer: int | str, dim: int) -> int:
     """The optimizer state width ``S`` of ``optimizer`` for embedding dim ``dim``.
 
     Example::
@@ -49,7 +47,7 @@ def sparse_update(
     opt_state: torch.Tensor,
     slots: torch.Tensor,
     grads: torch.Tensor,
-    optimizer: Union[int, str],
+    optimizer: int | str,
     lr: float,
     eps: float = 1e-10,
     beta1: float = 0.9,
@@ -99,10 +97,11 @@ def sparse_update(
     )
 
 
-def _fake_sparse_update(weights, opt_state, slots, grads, optimizer, lr, eps, beta1, beta2, weight_decay, step):
+def _fake_sparse_update(
+    weights, opt_state, slots, grads, optimizer, lr, eps, beta1, beta2, weight_decay, step
+):
     torch._check(weights.dim() == 2, lambda: f"weights must be 2-D, got {weights.dim()}-D")
     torch._check(grads.dim() == 2, lambda: f"grads must be 2-D, got {grads.dim()}-D")
-    return None
 
 
 if _ext.loaded:
