@@ -22,6 +22,7 @@ namespace veloce {
 namespace {
 
 constexpr int64_t kSum = 0;
+constexpr int64_t kPrefetch = 8;  // positions (rows) ahead to prefetch in random row accesses
 constexpr int64_t kMean = 1;
 
 void check_mode(const char* op, int64_t mode) {
@@ -95,8 +96,8 @@ void pooled_lookup_kernel(const scalar_t* weights,  // (C, D)
       int64_t count = 0;
       for (int64_t i = start; i < stop; ++i) {
         // Prefetch a row a few positions ahead: the table is much larger than the cache.
-        if (i + 4 < stop) {
-          const int64_t sp = slots[i + 4];
+        if (i + kPrefetch < N) {
+          const int64_t sp = slots[i + kPrefetch];
           if (sp >= 0) {
             const char* p = reinterpret_cast<const char*>(row_of(sp));
             for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) __builtin_prefetch(p + off);

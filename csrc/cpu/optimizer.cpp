@@ -16,6 +16,8 @@
 namespace veloce {
 namespace {
 
+constexpr int64_t kPrefetch = 8;  // rows ahead to prefetch
+
 enum Optimizer : int64_t { kSGD = 0, kAdagrad = 1, kRowWiseAdagrad = 2, kAdam = 3 };
 
 const char* optimizer_name(int64_t opt) {
@@ -73,10 +75,11 @@ void sparse_update_kernel(scalar_t* weights,                  // (C, D)
       scalar_t* __restrict__ w = weights + slot * D;
       acc_t* __restrict__ st = state + slot * S;
       const scalar_t* __restrict__ gin = grads + u * D;
-      if (u + 1 < end) {  // the next row and state are random accesses into a large table
-        const char* pw = reinterpret_cast<const char*>(weights + slots[u + 1] * D);
+      if (u + kPrefetch < end) {  // rows and states are random accesses into a large table
+        const int64_t next = slots[u + kPrefetch];
+        const char* pw = reinterpret_cast<const char*>(weights + next * D);
         for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) __builtin_prefetch(pw + off, 1);
-        const char* ps = reinterpret_cast<const char*>(state + slots[u + 1] * S);
+        const char* ps = reinterpret_cast<const char*>(state + next * S);
         for (int64_t off = 0; off < S * (int64_t)sizeof(acc_t); off += 64) __builtin_prefetch(ps + off, 1);
       }
       if (decay) {
