@@ -152,7 +152,6 @@ def _setup_context(ctx, inputs, output) -> None:
     weights, slots, offsets, per_sample_weights, mode, include_last_offset, extra_rows = inputs
     ctx.mode = mode
     ctx.include_last_offset = include_last_offset
-    ctx.weights_shape = weights.shape
     ctx.save_for_backward(weights, slots, offsets, per_sample_weights, extra_rows)
 
 
