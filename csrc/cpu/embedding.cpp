@@ -233,7 +233,8 @@ void accumulate_kernel(const scalar_t* grad_output,  // (B, D)
                        const at::opmath_type<scalar_t>* bag_scale,  // (B,) or null (mean)
                        scalar_t* grad_rows) {  // (U, D)
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t avg = U > 0 ? std::max<int64_t>(1, seg_starts[U] / U) : 1;
+  const int64_t num_entries = seg_starts[U];
+  const int64_t avg = U > 0 ? std::max<int64_t>(1, num_entries / U) : 1;
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, avg * D));
   at::parallel_for(0, U, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> acc(D);
@@ -241,6 +242,11 @@ void accumulate_kernel(const scalar_t* grad_output,  // (B, D)
     for (int64_t u = begin; u < end; ++u) {
       std::fill(a, a + D, acc_t(0));
       for (int64_t k = seg_starts[u]; k < seg_starts[u + 1]; ++k) {
+        if (k + kPrefetch < num_entries) {  // gradient rows are read in slot order: random
+          const int64_t bp = bag_of[static_cast<int64_t>(entries[k + kPrefetch] & pos_mask)];
+          const char* p = reinterpret_cast<const char*>(grad_output + bp * D);
+          for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) __builtin_prefetch(p + off);
+        }
         const int64_t pos = static_cast<int64_t>(entries[k] & pos_mask);
         const int64_t b = bag_of[pos];
         const scalar_t* __restrict__ g = grad_output + b * D;
