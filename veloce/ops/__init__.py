@@ -2,4 +2,4 @@
 
 One module per op family (the same names as ``csrc/cpu/<family>.cpp``)."""
 
-from veloce.ops import hash_table  # noqa: F401  (registers fake kernels)
+from veloce.ops import embedding, hash_table, optimizer  # noqa: F401  (registers fake kernels and autograd)

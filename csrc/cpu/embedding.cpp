@@ -1,0 +1,361 @@
+// CPU kernels of the embedding family: pooled_lookup (forward) and accumulate_grad
+// (the backward w.r.t. the table rows, reduced per unique slot). Semantics: docs/ops.md.
+//
+// Data enters as slots (N,) + offsets (B,) or (B+1,); rows are read from weights (C, D)
+// or extra_rows (M, D). pooled_lookup writes (B, D); accumulate_grad sorts the valid
+// (slot, position) pairs with a stable radix sort and sums each slot's segment in
+// position order, so its result does not depend on the number of threads.
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "veloce/check.h"
+#include "veloce/hash.h"
+
+namespace veloce {
+namespace {
+
+constexpr int64_t kSum = 0;
+constexpr int64_t kPrefetch = 8;  // positions (rows) ahead to prefetch in random row accesses
+constexpr int64_t kMean = 1;
+
+void check_mode(const char* op, int64_t mode) {
+  TORCH_CHECK(mode == kSum || mode == kMean, op, ": mode must be 0 (sum) or 1 (mean), got ", mode);
+}
+
+void check_row_dtype(const char* op, const char* name, const at::Tensor& t) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16, op, ": ", name,
+              " must be float32, float64, float16 or bfloat16, got ", c10::toString(st));
+}
+
+// per_sample_weights (N,) of dtype `want`, only with sum pooling.
+void check_psw(const char* op, const c10::optional<at::Tensor>& psw, const at::Tensor& slots, int64_t mode,
+               at::ScalarType want) {
+  if (!psw.has_value()) return;
+  TORCH_CHECK(mode == kSum, op, ": per_sample_weights is only supported with mode 0 (sum), got mode ", mode,
+              " (mean)");
+  check_dim(op, "per_sample_weights", *psw, 1);
+  check_same_device(op, "per_sample_weights", *psw, "slots", slots);
+  TORCH_CHECK(psw->scalar_type() == want, op, ": per_sample_weights must have the dtype of the rows (",
+              c10::toString(want), "), got ", c10::toString(psw->scalar_type()));
+  TORCH_CHECK(psw->numel() == slots.numel(), op, ": per_sample_weights must have one entry per slot (",
+              slots.numel(), "), got ", psw->numel());
+}
+
+// Every slot must be -1, -2 or in [0, limit) (limit < 0: no upper bound).
+void check_slot_values(const char* op, const int64_t* s, int64_t n, int64_t limit, const char* limit_what) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = s[i];
+    if (C10_UNLIKELY(v < kZeroSlot || (limit >= 0 && v >= limit))) {
+      if (limit >= 0) {
+        TORCH_CHECK(false, op, ": slots[", i, "] = ", v, " is not a valid slot; expected -1 (padding), -2 (zero ",
+                    "row) or 0 <= slot < ", limit, " (", limit_what, ")");
+      }
+      TORCH_CHECK(false, op, ": slots[", i, "] = ", v, " is not a valid slot; expected -1 (padding), -2 (zero ",
+                  "row) or a slot >= 0");
+    }
+  }
+}
+
+// End (exclusive) of bag b: offsets[b + 1], or n for the last bag without include_last_offset.
+inline int64_t bag_end(const int64_t* offsets, int64_t num_offsets, int64_t b, int64_t n) {
+  return b + 1 < num_offsets ? offsets[b + 1] : n;
+}
+
+// ---- pooled_lookup -------------------------------------------------------------------
+
+template <typename scalar_t>
+void pooled_lookup_kernel(const scalar_t* weights,  // (C, D)
+                          int64_t C,
+                          const scalar_t* extra,  // (M, D) or null
+                          int64_t D,
+                          const int64_t* slots,    // (N,)
+                          const int64_t* offsets,  // (num_offsets,)
+                          int64_t num_offsets, int64_t B, int64_t N,
+                          const scalar_t* psw,  // (N,) or null
+                          bool mean,
+                          scalar_t* out) {  // (B, D)
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t avg = B > 0 ? std::max<int64_t>(1, N / B) : 1;
+  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, avg * D));
+  at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(D);
+    acc_t* a = acc.data();
+    auto row_of = [&](int64_t s) -> const scalar_t* { return s < C ? weights + s * D : extra + (s - C) * D; };
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t start = offsets[b];
+      const int64_t stop = bag_end(offsets, num_offsets, b, N);
+      std::fill(a, a + D, acc_t(0));
+      int64_t count = 0;
+      for (int64_t i = start; i < stop; ++i) {
+        // Prefetch a row a few positions ahead: the table is much larger than the cache.
+        if (i + kPrefetch < N) {
+          const int64_t sp = slots[i + kPrefetch];
+          if (sp >= 0) {
+            const char* p = reinterpret_cast<const char*>(row_of(sp));
+            for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) __builtin_prefetch(p + off);
+          }
+        }
+        const int64_t s = slots[i];
+        if (s == kPaddingSlot) continue;
+        ++count;
+        if (s == kZeroSlot) continue;
+        const scalar_t* __restrict__ row = row_of(s);
+        if (psw != nullptr) {
+          const acc_t w = static_cast<acc_t>(psw[i]);
+          for (int64_t j = 0; j < D; ++j) a[j] += w * static_cast<acc_t>(row[j]);
+        } else {
+          for (int64_t j = 0; j < D; ++j) a[j] += static_cast<acc_t>(row[j]);
+        }
+      }
+      scalar_t* __restrict__ o = out + b * D;
+      if (mean && count > 0) {
+        const acc_t c = static_cast<acc_t>(count);
+        for (int64_t j = 0; j < D; ++j) o[j] = static_cast<scalar_t>(a[j] / c);
+      } else {
+        for (int64_t j = 0; j < D; ++j) o[j] = static_cast<scalar_t>(a[j]);
+      }
+    }
+  });
+}
+
+at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& slots, const at::Tensor& offsets,
+                             const c10::optional<at::Tensor>& per_sample_weights, int64_t mode,
+                             bool include_last_offset, const c10::optional<at::Tensor>& extra_rows) {
+  constexpr const char* op = "veloce::pooled_lookup";
+  check_row_dtype(op, "weights", weights);
+  check_dim(op, "weights", weights, 2);
+  check_dtype(op, "slots", slots, at::kLong);
+  check_dim(op, "slots", slots, 1);
+  check_same_device(op, "slots", slots, "weights", weights);
+  check_same_device(op, "offsets", offsets, "weights", weights);
+  check_mode(op, mode);
+  check_psw(op, per_sample_weights, slots, mode, weights.scalar_type());
+  const int64_t C = weights.size(0);
+  const int64_t D = weights.size(1);
+  int64_t M = 0;
+  if (extra_rows.has_value()) {
+    check_dim(op, "extra_rows", *extra_rows, 2);
+    check_same_device(op, "extra_rows", *extra_rows, "weights", weights);
+    TORCH_CHECK(extra_rows->scalar_type() == weights.scalar_type(), op,
+                ": extra_rows must have the dtype of weights (", c10::toString(weights.scalar_type()), "), got ",
+                c10::toString(extra_rows->scalar_type()));
+    check_size(op, "extra_rows", *extra_rows, 1, D, "weights.size(1)");
+    M = extra_rows->size(0);
+  }
+  const int64_t N = slots.numel();
+  const int64_t B = check_offsets(op, offsets, N, include_last_offset);
+
+  const at::Tensor s = slots.contiguous();
+  const at::Tensor o = offsets.contiguous();
+  check_slot_values(op, s.data_ptr<int64_t>(), N, C + M,
+                    M > 0 ? "weights.size(0) + extra_rows.size(0)" : "weights.size(0)");
+  const at::Tensor w = weights.contiguous();
+  const at::Tensor e = extra_rows.has_value() ? extra_rows->contiguous() : at::Tensor();
+  const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({B, D}, weights.options());
+  if (B == 0 || D == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "pooled_lookup_cpu", [&] {
+    pooled_lookup_kernel<scalar_t>(w.data_ptr<scalar_t>(), C, e.defined() ? e.data_ptr<scalar_t>() : nullptr, D,
+                                   s.data_ptr<int64_t>(), o.data_ptr<int64_t>(), o.numel(), B, N,
+                                   p.defined() ? p.data_ptr<scalar_t>() : nullptr, mode == kMean,
+                                   out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+// ---- accumulate_grad -----------------------------------------------------------------
+
+int bit_width(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); }
+
+// Stable LSD radix sort of `a` on bits [lo, lo + bits). `tmp` is scratch of the same size.
+// Parallel over contiguous chunks: per-chunk histograms, then each chunk scatters into
+// its precomputed ranges, so the output is the same for any number of threads.
+void radix_sort(std::vector<uint64_t>& a, std::vector<uint64_t>& tmp, int lo, int bits) {
+  const int64_t n = static_cast<int64_t>(a.size());
+  if (bits <= 0 || n <= 1) return;
+  const int passes = (bits + 10) / 11;
+  const int digit = (bits + passes - 1) / passes;
+  const int64_t radix = int64_t{1} << digit;
+  const int64_t chunk_min = 1 << 16;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / chunk_min));
+  const int64_t chunk = (n + chunks - 1) / chunks;
+  std::vector<int64_t> hist(chunks * radix);
+  for (int pass = 0; pass < passes; ++pass) {
+    const int shift = lo + pass * digit;
+    const uint64_t mask = static_cast<uint64_t>(radix - 1);
+    const uint64_t* src = a.data();
+    uint64_t* dst = tmp.data();
+    std::fill(hist.begin(), hist.end(), 0);
+    at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c) {
+        int64_t* h = hist.data() + c * radix;
+        const int64_t e = std::min(n, (c + 1) * chunk);
+        for (int64_t i = c * chunk; i < e; ++i) ++h[(src[i] >> shift) & mask];
+      }
+    });
+    // Exclusive scan in (digit, chunk) order: stable across chunks.
+    int64_t sum = 0;
+    for (int64_t d = 0; d < radix; ++d) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t v = hist[c * radix + d];
+        hist[c * radix + d] = sum;
+        sum += v;
+      }
+    }
+    at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c) {
+        int64_t* h = hist.data() + c * radix;
+        const int64_t e = std::min(n, (c + 1) * chunk);
+        for (int64_t i = c * chunk; i < e; ++i) dst[h[(src[i] >> shift) & mask]++] = src[i];
+      }
+    });
+    a.swap(tmp);
+  }
+}
+
+template <typename scalar_t>
+void accumulate_kernel(const scalar_t* grad_output,  // (B, D)
+                       int64_t D,
+                       const uint64_t* entries,  // (K,) packed slot << pos_bits | position, sorted
+                       uint64_t pos_mask,
+                       const int64_t* seg_starts,  // (U + 1,)
+                       int64_t U,
+                       const int64_t* bag_of,  // (N,)
+                       const scalar_t* psw,    // (N,) or null
+                       const at::opmath_type<scalar_t>* bag_scale,  // (B,) or null (mean)
+                       scalar_t* grad_rows) {  // (U, D)
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t num_entries = seg_starts[U];
+  const int64_t avg = U > 0 ? std::max<int64_t>(1, num_entries / U) : 1;
+  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, avg * D));
+  at::parallel_for(0, U, grain, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(D);
+    acc_t* a = acc.data();
+    for (int64_t u = begin; u < end; ++u) {
+      std::fill(a, a + D, acc_t(0));
+      for (int64_t k = seg_starts[u]; k < seg_starts[u + 1]; ++k) {
+        if (k + kPrefetch < num_entries) {  // gradient rows are read in slot order: random
+          const int64_t bp = bag_of[static_cast<int64_t>(entries[k + kPrefetch] & pos_mask)];
+          const char* p = reinterpret_cast<const char*>(grad_output + bp * D);
+          for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) __builtin_prefetch(p + off);
+        }
+        const int64_t pos = static_cast<int64_t>(entries[k] & pos_mask);
+        const int64_t b = bag_of[pos];
+        const scalar_t* __restrict__ g = grad_output + b * D;
+        if (psw != nullptr || bag_scale != nullptr) {
+          const acc_t w = psw != nullptr ? static_cast<acc_t>(psw[pos]) : bag_scale[b];
+          for (int64_t j = 0; j < D; ++j) a[j] += w * static_cast<acc_t>(g[j]);
+        } else {
+          for (int64_t j = 0; j < D; ++j) a[j] += static_cast<acc_t>(g[j]);
+        }
+      }
+      scalar_t* __restrict__ o = grad_rows + u * D;
+      for (int64_t j = 0; j < D; ++j) o[j] = static_cast<scalar_t>(a[j]);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> accumulate_grad_cpu(const at::Tensor& grad_output, const at::Tensor& slots,
+                                                       const at::Tensor& offsets,
+                                                       const c10::optional<at::Tensor>& per_sample_weights,
+                                                       int64_t mode, bool include_last_offset, int64_t num_rows) {
+  constexpr const char* op = "veloce::accumulate_grad";
+  check_row_dtype(op, "grad_output", grad_output);
+  check_dim(op, "grad_output", grad_output, 2);
+  check_dtype(op, "slots", slots, at::kLong);
+  check_dim(op, "slots", slots, 1);
+  check_same_device(op, "slots", slots, "grad_output", grad_output);
+  check_same_device(op, "offsets", offsets, "grad_output", grad_output);
+  check_mode(op, mode);
+  check_psw(op, per_sample_weights, slots, mode, grad_output.scalar_type());
+  TORCH_CHECK(num_rows >= 0, op, ": num_rows must be >= 0, got ", num_rows);
+  const int64_t N = slots.numel();
+  const int64_t B = check_offsets(op, offsets, N, include_last_offset);
+  TORCH_CHECK(grad_output.size(0) == B, op, ": grad_output must have one row per bag (", B, " bags), got ",
+              grad_output.size(0), " rows");
+  const int64_t D = grad_output.size(1);
+
+  const at::Tensor s_t = slots.contiguous();
+  const at::Tensor o_t = offsets.contiguous();
+  const int64_t* s = s_t.data_ptr<int64_t>();
+  const int64_t* o = o_t.data_ptr<int64_t>();
+  const int64_t num_offsets = o_t.numel();
+  check_slot_values(op, s, N, -1, "");
+
+  // Bag of each position, and 1 / (non-padding count) per bag for mean.
+  std::vector<int64_t> bag_of(N);
+  at::parallel_for(0, B, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t stop = bag_end(o, num_offsets, b, N);
+      for (int64_t i = o[b]; i < stop; ++i) bag_of[i] = b;
+    }
+  });
+
+  // Packed entries slot << pos_bits | position, in position order; sorted stably by slot.
+  const int pos_bits = std::max(1, bit_width(static_cast<uint64_t>(N)));
+  const int slot_bits = bit_width(static_cast<uint64_t>(std::max<int64_t>(num_rows - 1, 0)));
+  TORCH_CHECK(pos_bits + slot_bits <= 64, op, ": too many ids (", N, ") for a table of ", num_rows,
+              " rows; split the batch");
+  const uint64_t pos_mask = (uint64_t{1} << pos_bits) - 1;
+  int64_t K = 0;
+  for (int64_t i = 0; i < N; ++i) K += (s[i] >= 0 && s[i] < num_rows);
+  std::vector<uint64_t> entries(K), scratch(K);
+  {
+    int64_t k = 0;
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t v = s[i];
+      if (v >= 0 && v < num_rows) entries[k++] = (static_cast<uint64_t>(v) << pos_bits) | static_cast<uint64_t>(i);
+    }
+  }
+  radix_sort(entries, scratch, pos_bits, slot_bits);
+
+  std::vector<int64_t> seg_starts;
+  seg_starts.reserve(K + 1);
+  for (int64_t k = 0; k < K; ++k) {
+    if (k == 0 || (entries[k] >> pos_bits) != (entries[k - 1] >> pos_bits)) seg_starts.push_back(k);
+  }
+  const int64_t U = static_cast<int64_t>(seg_starts.size());
+  seg_starts.push_back(K);
+
+  at::Tensor unique_slots = at::empty({U}, slots.options());
+  int64_t* us = unique_slots.data_ptr<int64_t>();
+  for (int64_t u = 0; u < U; ++u) us[u] = static_cast<int64_t>(entries[seg_starts[u]] >> pos_bits);
+  at::Tensor grad_rows = at::empty({U, D}, grad_output.options());
+  if (U == 0 || D == 0) return {unique_slots, grad_rows};
+
+  const at::Tensor g = grad_output.contiguous();
+  const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_output.scalar_type(), "accumulate_grad_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    std::vector<acc_t> bag_scale;
+    if (mode == kMean) {
+      bag_scale.resize(B);
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t stop = bag_end(o, num_offsets, b, N);
+        int64_t count = 0;
+        for (int64_t i = o[b]; i < stop; ++i) count += (s[i] != kPaddingSlot);
+        bag_scale[b] = count > 0 ? acc_t(1) / static_cast<acc_t>(count) : acc_t(0);
+      }
+    }
+    accumulate_kernel<scalar_t>(g.data_ptr<scalar_t>(), D, entries.data(), pos_mask, seg_starts.data(), U,
+                                bag_of.data(), p.defined() ? p.data_ptr<scalar_t>() : nullptr,
+                                mode == kMean ? bag_scale.data() : nullptr, grad_rows.data_ptr<scalar_t>());
+  });
+  return {unique_slots, grad_rows};
+}
+
+}  // namespace
+}  // namespace veloce
+
+TORCH_LIBRARY_IMPL(veloce, CPU, m) {
+  m.impl("pooled_lookup", &veloce::pooled_lookup_cpu);
+  m.impl("accumulate_grad", &veloce::accumulate_grad_cpu);
+}

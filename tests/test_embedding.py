@@ -1,0 +1,338 @@
+"""Tests of the embedding op family (pooled_lookup, accumulate_grad) against F.embedding_bag."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import veloce
+from veloce import _ext
+from veloce.ops.embedding import accumulate_grad, pooled_lookup
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.skipif(not _ext.loaded, reason="veloce._C is not built")
+
+DIMS = [1, 4, 16, 33, 128]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available() or not _ext.has_cuda_kernels(),
+            reason="needs a CUDA device and veloce built with its CUDA kernels",
+        ),
+    ),
+]
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float64: {"rtol": 1e-10, "atol": 1e-10}}
+
+
+@st.composite
+def bag_cases(draw):
+    """A random batch: table (C, D), extra rows (M, D), bags with duplicates, -1, -2, extra slots."""
+    dim = draw(st.sampled_from(DIMS))
+    num_rows = draw(st.integers(1, 40))
+    num_extra = draw(st.integers(0, 4))
+    lengths = draw(st.lists(st.integers(0, 7), min_size=0, max_size=8))
+    choices = [st.integers(0, num_rows - 1), st.integers(0, min(num_rows, 3) - 1), st.sampled_from([-1, -2])]
+    if num_extra:
+        choices.append(st.integers(num_rows, num_rows + num_extra - 1))
+    slots = [draw(st.one_of(*choices)) for _ in range(sum(lengths))]
+    mode = draw(st.sampled_from([0, 1]))
+    use_psw = mode == 0 and draw(st.booleans())
+    include_last_offset = draw(st.booleans())
+    seed = draw(st.integers(0, 2**16))
+    return dim, num_rows, num_extra, lengths, slots, mode, use_psw, include_last_offset, seed
+
+
+def make_inputs(case, device, dtype=torch.float32):
+    dim, num_rows, num_extra, lengths, slots, mode, use_psw, include_last_offset, seed = case
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.randn(num_rows, dim, generator=g, dtype=torch.float64).to(device, dtype)
+    extra = (
+        torch.randn(num_extra, dim, generator=g, dtype=torch.float64).to(device, dtype) if num_extra else None
+    )
+    slots_t = torch.tensor(slots, dtype=torch.int64, device=device)
+    starts = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+    offsets = (starts if include_last_offset else starts[:-1]).to(device)
+    psw = torch.rand(len(slots), generator=g, dtype=torch.float64).to(device, dtype) if use_psw else None
+    return weights, slots_t, offsets, psw, mode, include_last_offset, extra
+
+
+def reference_inputs(weights, slots, extra):
+    """Maps veloce slot codes onto one table for F.embedding_bag: [weights; extra; zero row; padding row]."""
+    dim = weights.shape[1]
+    parts = [weights] + ([extra] if extra is not None else []) + [weights.new_zeros(2, dim)]
+    table = torch.cat(parts).detach()
+    zero_row, pad_row = table.shape[0] - 2, table.shape[0] - 1
+    ids = torch.where(slots == -2, zero_row, torch.where(slots == -1, pad_row, slots))
+    return table, ids, pad_row
+
+
+def reference_lookup(weights, slots, offsets, psw, mode, include_last_offset, extra):
+    table, ids, pad = reference_inputs(weights, slots, extra)
+    return F.embedding_bag(
+        ids,
+        table,
+        offsets,
+        mode=["sum", "mean"][mode],
+        per_sample_weights=psw,
+        include_last_offset=include_last_offset,
+        padding_idx=pad,
+    )
+
+
+def reference_dense_grad(grad_output, weights, slots, offsets, psw, mode, include_last_offset, extra):
+    table, ids, pad = reference_inputs(weights, slots, extra)
+    table.requires_grad_(True)
+    out = F.embedding_bag(
+        ids,
+        table,
+        offsets,
+        mode=["sum", "mean"][mode],
+        per_sample_weights=psw,
+        include_last_offset=include_last_offset,
+        padding_idx=pad,
+    )
+    out.backward(grad_output)
+    return table.grad[: weights.shape[0]]
+
+
+def dense_from_sparse(unique_slots, grad_rows, num_rows):
+    return grad_rows.new_zeros(num_rows, grad_rows.shape[1]).index_add_(0, unique_slots, grad_rows)
+
+
+# ---- reference equivalence ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=60, deadline=None)
+@given(case=bag_cases())
+def test_pooled_lookup_matches_embedding_bag(device, case):
+    args = make_inputs(case, device)
+    torch.testing.assert_close(pooled_lookup(*args), reference_lookup(*args), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=60, deadline=None)
+@given(case=bag_cases())
+def test_accumulate_grad_matches_embedding_bag_backward(device, case):
+    weights, slots, offsets, psw, mode, ilo, extra = make_inputs(case, device)
+    num_bags = offsets.numel() - (1 if ilo else 0)
+    grad_output = torch.randn(num_bags, weights.shape[1], device=device)
+    unique_slots, grad_rows = accumulate_grad(grad_output, slots, offsets, psw, mode, ilo, weights.shape[0])
+    want = sorted({s for s in slots.tolist() if 0 <= s < weights.shape[0]})
+    assert unique_slots.tolist() == want
+    assert grad_rows.shape == (len(want), weights.shape[1]) and grad_rows.dtype == grad_output.dtype
+    ref = reference_dense_grad(grad_output, weights, slots, offsets, psw, mode, ilo, extra)
+    torch.testing.assert_close(
+        dense_from_sparse(unique_slots, grad_rows, weights.shape[0]), ref, **TOL[torch.float32]
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+@settings(max_examples=15, deadline=None)
+@given(case=bag_cases())
+def test_other_dtypes(device, dtype, case):
+    args = make_inputs(case, device, dtype)
+    out = pooled_lookup(*args)
+    assert out.dtype == dtype
+    weights, slots, offsets, psw, mode, ilo, extra = args
+    up = lambda t: None if t is None else t.double()
+    ref = reference_lookup(weights.double(), slots, offsets, up(psw), mode, ilo, up(extra))
+    tol = TOL[torch.float64] if dtype == torch.float64 else {"rtol": 2e-2, "atol": 5e-2}
+    torch.testing.assert_close(out.double(), ref, **tol)
+    grad_output = torch.randn(out.shape, device=device, dtype=torch.float64)
+    us, gr = accumulate_grad(grad_output.to(dtype), slots, offsets, psw, mode, ilo, weights.shape[0])
+    assert gr.dtype == dtype
+    ref = reference_dense_grad(grad_output, weights.double(), slots, offsets, up(psw), mode, ilo, up(extra))
+    torch.testing.assert_close(dense_from_sparse(us, gr.double(), weights.shape[0]), ref, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accumulate_grad_merges_gradient_batches(device):
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randint(0, 1000, (5000,), generator=g).to(device)
+    rows = torch.randn(5000, 16, generator=g).to(device)
+    us, gr = accumulate_grad(rows, slots, torch.arange(5000, device=device), None, "sum", False, 1000)
+    torch.testing.assert_close(us, torch.unique(slots))
+    ref = torch.zeros(1000, 16, device=device).index_add_(0, slots, rows)[us]
+    torch.testing.assert_close(gr, ref, **TOL[torch.float32])
+
+
+def test_accumulate_grad_is_deterministic_across_thread_counts():
+    g = torch.Generator().manual_seed(1)
+    n = 300_000  # large enough for the parallel radix sort
+    slots = torch.randint(0, 50, (n,), generator=g)
+    rows = torch.randn(n, 4, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        us1, gr1 = accumulate_grad(rows, slots, torch.arange(n), None, 0, False, 50)
+        torch.set_num_threads(max(2, threads))
+        us2, gr2 = accumulate_grad(rows, slots, torch.arange(n), None, 0, False, 50)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(us1, us2) and torch.equal(gr1, gr2)
+    # Sums run in position order: the same as a sequential float32 sum of each slot's rows.
+    mask = slots == int(us1[7])
+    want = torch.zeros(4)
+    for r in rows[mask][:2000]:
+        want += r
+    _, part = accumulate_grad(rows[mask][:2000], slots[mask][:2000], torch.arange(2000), None, 0, False, 50)
+    assert torch.equal(part[0], want)
+
+
+def test_empty_inputs():
+    w = torch.randn(5, 3)
+    out = pooled_lookup(w, torch.empty(0, dtype=torch.long), torch.zeros(3, dtype=torch.long))
+    assert torch.equal(out, torch.zeros(3, 3))
+    out = pooled_lookup(w, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+    assert out.shape == (0, 3)
+    us, gr = accumulate_grad(
+        torch.randn(3, 3), torch.tensor([-1, -2, 9]), torch.tensor([0, 1, 3]), num_rows=5
+    )
+    assert us.numel() == 0 and gr.shape == (0, 3)
+
+
+# ---- opcheck and gradcheck ------------------------------------------------------------
+
+
+def sample_inputs(device, dtype=torch.float64):
+    weights = torch.randn(12, 5, device=device, dtype=dtype)
+    extra = torch.randn(2, 5, device=device, dtype=dtype)
+    slots = torch.tensor([3, 3, -1, 0, 12, -2, 7, 13, 11, 3], device=device)
+    offsets = torch.tensor([0, 3, 3, 6, 10], device=device)
+    psw = torch.rand(10, device=device, dtype=dtype)
+    return weights, slots, offsets, psw, extra
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_opcheck(device, mode, include_last_offset):
+    weights, slots, offsets, psw, extra = sample_inputs(device)
+    psw = psw if mode == 0 else None
+    num_bags = offsets.numel() - int(include_last_offset)
+    torch.library.opcheck(
+        torch.ops.veloce.pooled_lookup.default,
+        (weights, slots, offsets, psw, mode, include_last_offset, extra),
+    )
+    weights.requires_grad_(True)
+    torch.library.opcheck(
+        torch.ops.veloce.pooled_lookup.default,
+        (weights, slots, offsets, psw, mode, include_last_offset, extra),
+    )
+    grad_output = torch.randn(num_bags, 5, device=device, dtype=torch.float64)
+    torch.library.opcheck(
+        torch.ops.veloce.accumulate_grad.default,
+        (grad_output, slots, offsets, psw, mode, include_last_offset, 12),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_gradcheck(device, include_last_offset):
+    weights, slots, offsets, psw, extra = sample_inputs(device)
+    weights.requires_grad_(True)
+    psw.requires_grad_(True)
+    fn = lambda w, p: pooled_lookup(w, slots, offsets, p, "sum", include_last_offset, extra)
+    assert torch.autograd.gradcheck(fn, (weights, psw))
+    fn = lambda w: pooled_lookup(w, slots, offsets, None, "mean", include_last_offset, extra)
+    assert torch.autograd.gradcheck(fn, (weights,))
+
+
+# ---- bad input ------------------------------------------------------------------------
+
+
+def test_bad_inputs_name_the_argument():
+    w, s, o, p, e = sample_inputs("cpu", torch.float32)
+    L = torch.long
+    cases = [
+        (
+            lambda: pooled_lookup(w.long(), s, o),
+            r"weights must be float32, float64, float16 or bfloat16, got Long",
+        ),
+        (lambda: pooled_lookup(w, s.float(), o), r"slots must be Long, got Float"),
+        (lambda: pooled_lookup(w, s.view(2, 5), o), r"slots must be 1-D, got a 2-D"),
+        (lambda: pooled_lookup(w, s.view(1, 2, 5), o), r"slots must be 1-D, got a 3-D"),
+        (lambda: pooled_lookup(w.view(1, 12, 5), s, o), r"weights must be 2-D, got a 3-D"),
+        (lambda: pooled_lookup(w, s, o.int()), r"offsets must be Long, got Int"),
+        (
+            lambda: pooled_lookup(w, s, torch.tensor([1, 3], dtype=L)),
+            r"offsets must start at 0, got offsets\[0\] = 1",
+        ),
+        (
+            lambda: pooled_lookup(w, s, torch.tensor([0, 5, 3], dtype=L)),
+            r"offsets must be non-decreasing.*5.*3",
+        ),
+        (
+            lambda: pooled_lookup(w, s, torch.tensor([0, 11], dtype=L)),
+            r"offsets\[1\] = 11 is past the end of the 10",
+        ),
+        (
+            lambda: pooled_lookup(w, s, torch.tensor([0, 4], dtype=L), None, 0, True),
+            r"last offset must equal",
+        ),
+        (
+            lambda: pooled_lookup(w, s, o, p[:9]),
+            r"per_sample_weights must have one entry per slot \(10\), got 9",
+        ),
+        (lambda: pooled_lookup(w, s, o, p, "mean"), r"per_sample_weights is only supported with mode 0"),
+        (lambda: pooled_lookup(w, s, o, p.double()), r"per_sample_weights must have the dtype"),
+        (lambda: pooled_lookup(w, s, o, None, 2), r"mode must be 0 \(sum\) or 1 \(mean\), got 2"),
+        (
+            lambda: pooled_lookup(w, torch.tensor([0, -3]), torch.tensor([0])),
+            r"slots\[1\] = -3 is not a valid slot",
+        ),
+        (
+            lambda: pooled_lookup(w, torch.tensor([12]), torch.tensor([0])),
+            r"slots\[0\] = 12 is not a valid slot",
+        ),
+        (
+            lambda: pooled_lookup(w, torch.tensor([14]), torch.tensor([0]), extra_rows=e),
+            r"slots\[0\] = 14 .*< 14",
+        ),
+        (
+            lambda: pooled_lookup(w, s, o, extra_rows=e[:, :4]),
+            r"extra_rows.size\(1\) must equal weights.size\(1\)",
+        ),
+        (
+            lambda: accumulate_grad(torch.randn(3, 5), s, o, num_rows=12),
+            r"grad_output must have one row per bag \(5 bags\), got 3 rows",
+        ),
+        (
+            lambda: accumulate_grad(torch.randn(5, 5).long(), s, o, num_rows=12),
+            r"grad_output must be float32",
+        ),
+        (
+            lambda: accumulate_grad(torch.randn(4, 5, 1), s, o, num_rows=12),
+            r"grad_output must be 2-D, got a 3-D",
+        ),
+        (
+            lambda: accumulate_grad(torch.randn(5, 5), s, o, p, 1, num_rows=12),
+            r"per_sample_weights is only supported",
+        ),
+        (
+            lambda: accumulate_grad(torch.randn(5, 5), s, o, p[:3], num_rows=12),
+            r"per_sample_weights must have one",
+        ),
+        (
+            lambda: accumulate_grad(torch.randn(1, 5), torch.tensor([-5]), torch.tensor([0]), num_rows=12),
+            r"slots\[0\] = -5 is not a valid slot",
+        ),
+        (lambda: accumulate_grad(torch.randn(5, 5), s, o, num_rows=-1), r"num_rows must be >= 0, got -1"),
+    ]
+    for fn, pattern in cases:
+        with pytest.raises(RuntimeError, match=pattern):
+            fn()
+    with pytest.raises(ValueError, match="mode must be one of"):
+        pooled_lookup(w, s, o, mode="max")
+
+
+def test_veloce_exposes_ops():
+    assert veloce.ops.embedding.pooled_lookup is pooled_lookup

@@ -1,0 +1,247 @@
+"""Tests of the optimizer op family (sparse_update) against torch optimizers, 10 steps each."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from veloce import _ext
+from veloce.ops.optimizer import sparse_update, state_width
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.skipif(not _ext.loaded, reason="veloce._C is not built")
+
+DIMS = [1, 4, 16, 33, 128]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available() or not _ext.has_cuda_kernels(),
+            reason="needs a CUDA device and veloce built with its CUDA kernels",
+        ),
+    ),
+]
+STEPS = 10
+NUM_ROWS = 24
+
+
+def batches(seed, dim, device, dtype):
+    """STEPS batches of (unique unsorted slots, grads)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS):
+        k = int(torch.randint(0, NUM_ROWS + 1, (1,), generator=g))
+        slots = torch.randperm(NUM_ROWS, generator=g)[:k]
+        grads = torch.randn(k, dim, generator=g, dtype=torch.float64)
+        out.append((slots.to(device), grads.to(device, dtype)))
+    return out
+
+
+def run_ours(optimizer, weights, batches_, lr, weight_decay, eps=1e-10, beta1=0.9, beta2=0.999):
+    w = weights.clone()
+    state = torch.zeros(
+        w.shape[0],
+        state_width(optimizer, w.shape[1]),
+        device=w.device,
+        dtype=torch.float64 if w.dtype == torch.float64 else torch.float32,
+    )
+    for t, (slots, grads) in enumerate(batches_, start=1):
+        sparse_update(w, state, slots, grads, optimizer, lr, eps, beta1, beta2, weight_decay, t)
+    return w, state
+
+
+def run_torch_dense(make_opt, weights, batches_, weight_decay):
+    """A dense parameter whose gradient is zero outside the touched rows (lazy L2 added by hand)."""
+    p = torch.nn.Parameter(weights.clone())
+    opt = make_opt([p])
+    for slots, grads in batches_:
+        grad = torch.zeros_like(p)
+        grad[slots] = grads + weight_decay * p.detach()[slots]
+        p.grad = grad
+        opt.step()
+    return p.detach(), opt
+
+
+def tol(dtype):
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@settings(max_examples=6, deadline=None)
+@given(dim=st.sampled_from(DIMS), seed=st.integers(0, 2**16), weight_decay=st.sampled_from([0.0, 0.01]))
+def test_sgd_matches_torch(device, dtype, dim, seed, weight_decay):
+    weights = torch.randn(NUM_ROWS, dim, dtype=dtype, device=device)
+    data = batches(seed, dim, device, dtype)
+    ours, state = run_ours("sgd", weights, data, 0.05, weight_decay)
+    assert state.shape == (NUM_ROWS, 0)
+    ref, _ = run_torch_dense(lambda ps: torch.optim.SGD(ps, lr=0.05), weights, data, weight_decay)
+    torch.testing.assert_close(ours, ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@settings(max_examples=6, deadline=None)
+@given(dim=st.sampled_from(DIMS), seed=st.integers(0, 2**16), weight_decay=st.sampled_from([0.0, 0.01]))
+def test_adagrad_matches_torch(device, dtype, dim, seed, weight_decay):
+    weights = torch.randn(NUM_ROWS, dim, dtype=dtype, device=device)
+    data = batches(seed, dim, device, dtype)
+    ours, state = run_ours("adagrad", weights, data, 0.1, weight_decay, eps=1e-10)
+    ref, opt = run_torch_dense(
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1, eps=1e-10), weights, data, weight_decay
+    )
+    torch.testing.assert_close(ours, ref, **tol(dtype))
+    torch.testing.assert_close(state.to(dtype), next(iter(opt.state.values()))["sum"], **tol(dtype))
+
+
+def rowwise_adagrad_reference(weights, batches_, lr, eps, weight_decay):
+    """FBGEMM's row-wise Adagrad: one accumulator per row, the mean of the squared gradient."""
+    w = weights.clone().double()
+    acc = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device)
+    for slots, grads in batches_:
+        for slot, grad in zip(slots.tolist(), grads.double()):
+            g = grad + weight_decay * w[slot]
+            acc[slot] += (g * g).mean()
+            w[slot] -= lr * g / (acc[slot].sqrt() + eps)
+    return w.to(weights.dtype), acc
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@settings(max_examples=6, deadline=None)
+@given(dim=st.sampled_from(DIMS), seed=st.integers(0, 2**16), weight_decay=st.sampled_from([0.0, 0.01]))
+def test_rowwise_adagrad_matches_reference(device, dtype, dim, seed, weight_decay):
+    weights = torch.randn(NUM_ROWS, dim, dtype=dtype, device=device)
+    data = batches(seed, dim, device, dtype)
+    ours, state = run_ours("rowwise_adagrad", weights, data, 0.1, weight_decay, eps=1e-8)
+    ref, acc = rowwise_adagrad_reference(weights, data, 0.1, 1e-8, weight_decay)
+    torch.testing.assert_close(ours, ref, **tol(dtype))
+    torch.testing.assert_close(state[:, 0].double(), acc, **tol(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@settings(max_examples=6, deadline=None)
+@given(dim=st.sampled_from(DIMS), seed=st.integers(0, 2**16))
+def test_adam_matches_sparse_adam(device, dtype, dim, seed):
+    weights = torch.randn(NUM_ROWS, dim, dtype=dtype, device=device)
+    data = batches(seed, dim, device, dtype)
+    ours, state = run_ours("adam", weights, data, 0.01, 0.0, eps=1e-8, beta1=0.8, beta2=0.99)
+    p = torch.nn.Parameter(weights.clone())
+    opt = torch.optim.SparseAdam([p], lr=0.01, betas=(0.8, 0.99), eps=1e-8)
+    for slots, grads in data:
+        p.grad = torch.sparse_coo_tensor(slots.unsqueeze(0), grads, p.shape, check_invariants=True)
+        opt.step()
+    torch.testing.assert_close(ours, p.detach(), **tol(dtype))
+    if opt.state:  # SparseAdam creates its state on the first non-empty gradient
+        s = opt.state[p]
+        torch.testing.assert_close(state[:, :dim].to(dtype), s["exp_avg"], **tol(dtype))
+        torch.testing.assert_close(state[:, dim:].to(dtype), s["exp_avg_sq"], **tol(dtype))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_weights_follow_float32(optimizer, dtype):
+    weights = torch.randn(NUM_ROWS, 16)
+    data = batches(3, 16, "cpu", torch.float32)
+    ref, _ref_state = run_ours(optimizer, weights, data, 0.01, 0.0, eps=1e-8)
+    low = [(s, g.to(dtype)) for s, g in data]
+    ours, state = run_ours(optimizer, weights.to(dtype), low, 0.01, 0.0, eps=1e-8)
+    assert ours.dtype == dtype and state.dtype == torch.float32
+    torch.testing.assert_close(ours.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_adam_bias_correction_uses_step():
+    w = torch.zeros(4, 2)
+    state = torch.zeros(4, 4)
+    sparse_update(w, state, torch.tensor([1]), torch.ones(1, 2), "adam", 0.1, 1e-8, 0.9, 0.999, 0.0, 1)
+    # First step: m = 0.1, v = 0.001; step_size = lr * sqrt(1 - b2) / (1 - b1).
+    want = -0.1 * math.sqrt(0.001) / 0.1 * 0.1 / (math.sqrt(0.001) + 1e-8)
+    assert w[1, 0].item() == pytest.approx(want, rel=1e-6)
+    assert torch.equal(w[0], torch.zeros(2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", [0, 1, 2, 3])
+def test_opcheck(device, optimizer):
+    weights = torch.randn(10, 6, device=device)
+    state = torch.rand(10, state_width(optimizer, 6), device=device)
+    args = (
+        weights,
+        state,
+        torch.tensor([7, 1, 4], device=device),
+        torch.randn(3, 6, device=device),
+        optimizer,
+        0.1,
+        1e-8,
+        0.9,
+        0.999,
+        0.01,
+        3,
+    )
+    torch.library.opcheck(torch.ops.veloce.sparse_update.default, args)
+
+
+def test_bad_inputs_name_the_argument_and_change_nothing():
+    w = torch.randn(10, 4)
+    s = torch.rand(10, 4)
+    slots = torch.tensor([1, 5])
+    g = torch.randn(2, 4)
+    cases = [
+        (
+            {"optimizer": 7},
+            r"optimizer must be 0 \(SGD\), 1 \(Adagrad\), 2 \(RowWiseAdagrad\) or 3 \(Adam\), got 7",
+        ),
+        (
+            {"opt_state": torch.rand(10, 1)},
+            r"opt_state.size\(1\) must be the state width of Adagrad \(S = D = 4",
+        ),
+        (
+            {"opt_state": torch.rand(10, 4), "optimizer": 3},
+            r"state width of Adam \(S = 2 \* D = 8 for D = 4\), got 4",
+        ),
+        ({"opt_state": torch.rand(9, 4)}, r"opt_state.size\(0\) must equal weights.size\(0\) \(10\), got 9"),
+        ({"opt_state": s.double()}, r"opt_state must be Float, got Double"),
+        ({"slots": torch.tensor([1, 10])}, r"slots\[1\] = 10 is out of range for weights with 10 rows"),
+        ({"slots": torch.tensor([-1, 3])}, r"slots\[0\] = -1 is out of range"),
+        ({"slots": torch.tensor([5, 5])}, r"slots must be unique, got slot 5 more than once"),
+        ({"slots": torch.tensor([1.0, 5.0])}, r"slots must be Long, got Float"),
+        ({"grads": torch.randn(2, 5)}, r"grads.size\(1\) must equal weights.size\(1\) \(4\), got 5"),
+        ({"grads": torch.randn(3, 4)}, r"grads.size\(0\) must equal slots.numel\(\) \(2\), got 3"),
+        ({"grads": g.double()}, r"grads must have the dtype of weights \(Float\), got Double"),
+        ({"grads": g.view(2, 4, 1)}, r"grads must be 2-D, got a 3-D"),
+        ({"optimizer": 3, "opt_state": torch.rand(10, 8), "step": 0}, r"step must be >= 1 for Adam.*got 0"),
+        ({"optimizer": 3, "opt_state": torch.rand(10, 8), "beta1": 1.0}, r"beta1 must be in \[0, 1\)"),
+        ({"lr": float("nan")}, r"lr must be a finite number >= 0, got nan"),
+    ]
+    for override, pattern in cases:
+        args = {
+            "weights": w.clone(),
+            "opt_state": s.clone(),
+            "slots": slots,
+            "grads": g,
+            "optimizer": 1,
+            "lr": 0.1,
+            "eps": 1e-8,
+            "beta1": 0.9,
+            "beta2": 0.999,
+            "weight_decay": 0.0,
+            "step": 1,
+        }
+        args.update(override)
+        before = (args["weights"].clone(), args["opt_state"].clone())
+        with pytest.raises(RuntimeError, match=pattern):
+            torch.ops.veloce.sparse_update(*args.values())
+        assert torch.equal(args["weights"], before[0]) and torch.equal(args["opt_state"], before[1])
+    with pytest.raises(RuntimeError, match="weights must be contiguous"):
+        sparse_update(w.t().contiguous().t(), s, slots, g, "adagrad", 0.1)
+    with pytest.raises(RuntimeError, match="weights must be float32, float64, float16 or bfloat16, got Long"):
+        sparse_update(w.long(), s, slots, g, "adagrad", 0.1)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        sparse_update(w, s, slots, g, "lamb", 0.1)

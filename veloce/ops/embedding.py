@@ -1,0 +1,189 @@
+"""The embedding op family: pooled lookups over table rows and the sparse gradient accumulate.
+
+Typed wrappers over ``torch.ops.veloce.pooled_lookup`` and
+``torch.ops.veloce.accumulate_grad`` (kernels: ``csrc/cpu/embedding.cpp``), their fake
+kernels, and the autograd registration of ``pooled_lookup``. Semantics: docs/ops.md.
+
+Shape glossary: ``C`` rows of the table, ``D`` embedding dim, ``N`` slots (ids),
+``B`` bags, ``M`` extra rows, ``U`` unique slots.
+
+Slot codes: ``-1`` padding (skipped, not counted by mean), ``-2`` a zero row (counted by
+mean), ``slot >= C`` reads ``extra_rows[slot - C]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from veloce import _ext
+
+__all__ = ["MODES", "accumulate_grad", "pooled_lookup"]
+
+#: Pooling modes by name, as in ``nn.EmbeddingBag``.
+MODES = {"sum": 0, "mean": 1}
+
+
+def _mode_id(mode: int | str) -> int:
+    if isinstance(mode, str):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)} (or 0 / 1), got {mode!r}")
+        return MODES[mode]
+    return int(mode)
+
+
+def pooled_lookup(
+    weights: torch.Tensor,
+    slots: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None = None,
+    mode: int | str = "sum",
+    include_last_offset: bool = False,
+    extra_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pools rows of ``weights`` per bag, like ``torch.nn.functional.embedding_bag``.
+
+    Differentiable w.r.t. ``weights`` (a dense gradient, for gradcheck; modules route
+    sparse gradients with :func:`accumulate_grad` themselves) and ``per_sample_weights``.
+
+    Args:
+        weights: the table rows; float32, float64, float16 or bfloat16.
+        slots: int64 row of each position, or -1 (padding) / -2 (zero row).
+        offsets: int64 start of each bag, starting at 0, non-decreasing.
+        per_sample_weights: optional scale of each position (sum mode only), dtype of ``weights``.
+        mode: ``"sum"`` / 0 or ``"mean"`` / 1 (divides by the bag's non-padding count).
+        include_last_offset: offsets has ``B + 1`` entries, the last equal to ``N``.
+        extra_rows: rows read by slots ``>= C`` (e.g. initializer rows of unknown ids).
+
+    Returns:
+        The pooled rows; empty bags give zeros.
+
+    Shape:
+        - weights: ``(C, D)``; slots: ``(N,)``; offsets: ``(B,)`` or ``(B + 1,)``
+        - per_sample_weights: ``(N,)``; extra_rows: ``(M, D)``
+        - output: ``(B, D)``, dtype of ``weights``
+
+    Example::
+
+        >>> w = torch.randn(10, 4)
+        >>> out = pooled_lookup(w, torch.tensor([1, 2, -1, 7]), torch.tensor([0, 2]), mode="mean")
+        >>> out.shape
+        torch.Size([2, 4])
+    """
+    _ext.require()
+    return torch.ops.veloce.pooled_lookup(
+        weights, slots, offsets, per_sample_weights, _mode_id(mode), include_last_offset, extra_rows
+    )
+
+
+def accumulate_grad(
+    grad_output: torch.Tensor,
+    slots: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None = None,
+    mode: int | str = "sum",
+    include_last_offset: bool = False,
+    num_rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of :func:`pooled_lookup` w.r.t. ``weights``, reduced per unique slot.
+
+    Each position ``i`` of bag ``b`` with ``0 <= slots[i] < num_rows`` contributes
+    ``grad_output[b] * per_sample_weights[i]`` (sum) or ``grad_output[b] / count(b)``
+    (mean); contributions are summed per slot in position order (deterministic).
+    Padding, -2 and slots ``>= num_rows`` (extra rows) contribute nothing. Also merges
+    gradient batches: pass concatenated slots, ``offsets = arange(n)``, mode sum.
+
+    Args:
+        grad_output: gradient of the pooled output.
+        slots: int64 slots as given to :func:`pooled_lookup`.
+        offsets: int64 bag offsets as given to :func:`pooled_lookup`.
+        per_sample_weights: optional per-position scales (sum mode only).
+        mode: ``"sum"`` / 0 or ``"mean"`` / 1.
+        include_last_offset: as in :func:`pooled_lookup`.
+        num_rows: the number of table rows ``C``; larger slots get no gradient.
+
+    Returns:
+        ``(unique_slots, grad_rows)``: the touched slots in ascending order and their summed gradients.
+
+    Shape:
+        - grad_output: ``(B, D)``; slots: ``(N,)``; offsets: ``(B,)`` or ``(B + 1,)``
+        - unique_slots: ``(U,)`` int64; grad_rows: ``(U, D)``, dtype of ``grad_output``
+
+    Example::
+
+        >>> slots, grads = accumulate_grad(torch.ones(2, 4), torch.tensor([3, 3, 1]),
+        ...                                torch.tensor([0, 2]), num_rows=10)
+        >>> slots.tolist()
+        [1, 3]
+    """
+    _ext.require()
+    return torch.ops.veloce.accumulate_grad(
+        grad_output, slots, offsets, per_sample_weights, _mode_id(mode), include_last_offset, num_rows
+    )
+
+
+def _num_bags(offsets: torch.Tensor, include_last_offset: bool) -> int:
+    n = offsets.shape[0]
+    if include_last_offset:
+        torch._check(n >= 1, lambda: "offsets must hold at least one entry with include_last_offset=True")
+        return n - 1
+    return n
+
+
+def _fake_pooled_lookup(
+    weights, slots, offsets, per_sample_weights, mode, include_last_offset, extra_rows=None
+):
+    torch._check(weights.dim() == 2, lambda: f"weights must be 2-D, got {weights.dim()}-D")
+    torch._check(slots.dim() == 1, lambda: f"slots must be 1-D, got {slots.dim()}-D")
+    torch._check(slots.dtype == torch.int64, lambda: f"slots must be int64, got {slots.dtype}")
+    torch._check(mode in (0, 1), lambda: f"mode must be 0 (sum) or 1 (mean), got {mode}")
+    return weights.new_empty((_num_bags(offsets, include_last_offset), weights.shape[1]))
+
+
+def _fake_accumulate_grad(
+    grad_output, slots, offsets, per_sample_weights, mode, include_last_offset, num_rows
+):
+    torch._check(grad_output.dim() == 2, lambda: f"grad_output must be 2-D, got {grad_output.dim()}-D")
+    torch._check(slots.dtype == torch.int64, lambda: f"slots must be int64, got {slots.dtype}")
+    num_unique = torch.library.get_ctx().new_dynamic_size()
+    return slots.new_empty((num_unique,)), grad_output.new_empty((num_unique, grad_output.shape[1]))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    weights, slots, offsets, per_sample_weights, mode, include_last_offset, extra_rows = inputs
+    ctx.mode = mode
+    ctx.include_last_offset = include_last_offset
+    ctx.save_for_backward(weights, slots, offsets, per_sample_weights, extra_rows)
+
+
+def _backward(ctx, grad_output: torch.Tensor):
+    weights, slots, offsets, per_sample_weights, extra_rows = ctx.saved_tensors
+    grad_weights = grad_psw = None
+    if ctx.needs_input_grad[0]:
+        unique_slots, grad_rows = torch.ops.veloce.accumulate_grad(
+            grad_output,
+            slots,
+            offsets,
+            per_sample_weights,
+            ctx.mode,
+            ctx.include_last_offset,
+            weights.shape[0],
+        )
+        grad_weights = weights.new_zeros(weights.shape).index_add(0, unique_slots, grad_rows)
+    if per_sample_weights is not None and ctx.needs_input_grad[3]:
+        # d out[b] / d psw[i] = row(i) for i in bag b: the dot of grad_output[bag(i)] and row(i).
+        num_bags = _num_bags(offsets, ctx.include_last_offset)
+        positions = torch.arange(slots.shape[0], device=slots.device)
+        bag = torch.searchsorted(offsets[:num_bags], positions, right=True) - 1
+        table = weights if extra_rows is None else torch.cat([weights, extra_rows])
+        if table.shape[0] == 0:  # every slot is then -1 or -2
+            rows = table.new_zeros((slots.shape[0], table.shape[1]))
+        else:
+            rows = table[slots.clamp(min=0)] * (slots >= 0).unsqueeze(1).to(table.dtype)
+        grad_psw = (grad_output[bag] * rows).sum(1)
+    return grad_weights, None, None, grad_psw, None, None, None
+
+
+if _ext.loaded:
+    torch.library.register_fake("veloce::pooled_lookup")(_fake_pooled_lookup)
+    torch.library.register_fake("veloce::accumulate_grad")(_fake_accumulate_grad)
+    torch.library.register_autograd("veloce::pooled_lookup", _backward, setup_context=_setup_context)

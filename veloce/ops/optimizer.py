@@ -1,0 +1,108 @@
+"""The optimizer op family: the fused sparse optimizer step over table rows.
+
+Typed wrapper over ``torch.ops.veloce.sparse_update`` (kernel: ``csrc/cpu/optimizer.cpp``)
+and its fake kernel. Semantics: docs/ops.md, section "optimizer".
+
+Shape glossary: ``C`` rows of the table, ``D`` embedding dim, ``S`` optimizer state
+width (0 SGD, D Adagrad, 1 RowWiseAdagrad, 2D Adam), ``U`` updated rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from veloce import _ext
+
+__all__ = ["OPTIMIZERS", "sparse_update", "state_width"]
+
+#: Optimizer ids by name.
+OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
+
+
+def _optimizer_id(optimizer: int | str) -> int:
+    if isinstance(optimizer, str):
+        key = optimizer.lower()
+        if key not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)} (or 0-3), got {optimizer!r}")
+        return OPTIMIZERS[key]
+    return int(optimizer)
+
+
+def state_width(optimizer: int | str, dim: int) -> int:
+    """The optimizer state width ``S`` of ``optimizer`` for embedding dim ``dim``.
+
+    Example::
+
+        >>> state_width("adam", 64)
+        128
+    """
+    opt = _optimizer_id(optimizer)
+    if opt not in (0, 1, 2, 3):
+        raise ValueError(f"optimizer must be 0 (SGD), 1 (Adagrad), 2 (RowWiseAdagrad) or 3 (Adam), got {opt}")
+    return (0, dim, 1, 2 * dim)[opt]
+
+
+def sparse_update(
+    weights: torch.Tensor,
+    opt_state: torch.Tensor,
+    slots: torch.Tensor,
+    grads: torch.Tensor,
+    optimizer: int | str,
+    lr: float,
+    eps: float = 1e-10,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    weight_decay: float = 0.0,
+    step: int = 1,
+) -> None:
+    """Applies one optimizer step, in place, to the rows ``slots`` of ``weights`` and ``opt_state``.
+
+    One fused pass per row reads the row and its state and writes both back.
+    ``weight_decay`` adds ``weight_decay * w`` to the gradient of the touched rows only.
+    Rules (g the gradient, s / m / v the state):
+
+    - ``"sgd"`` (0): ``w -= lr * g`` (``torch.optim.SGD``)
+    - ``"adagrad"`` (1): ``s += g^2; w -= lr * g / (sqrt(s) + eps)`` (``torch.optim.Adagrad``)
+    - ``"rowwise_adagrad"`` (2): ``s += mean(g^2); w -= lr * g / (sqrt(s) + eps)`` (FBGEMM)
+    - ``"adam"`` (3): ``torch.optim.SparseAdam``, state ``[m, v]``, ``step`` 1-based.
+
+    Every argument is checked before anything is written: a bad call changes nothing.
+
+    Args:
+        weights: the table rows; float32, float64, float16 or bfloat16, contiguous.
+        opt_state: the optimizer state; float32 (float64 with float64 weights), contiguous.
+        slots: int64 unique rows to update.
+        grads: the gradient of each updated row, dtype of ``weights``.
+        optimizer: a name of :data:`OPTIMIZERS` or its id.
+        lr: learning rate.
+        eps: added to the denominator (Adagrad, RowWiseAdagrad, Adam).
+        beta1: Adam's first-moment decay.
+        beta2: Adam's second-moment decay.
+        weight_decay: L2 penalty applied to touched rows.
+        step: the 1-based step count (Adam's bias correction).
+
+    Shape:
+        - weights: ``(C, D)``; opt_state: ``(C, S)``; slots: ``(U,)``; grads: ``(U, D)``
+
+    Example::
+
+        >>> w, s = torch.zeros(8, 4), torch.zeros(8, 4)
+        >>> sparse_update(w, s, torch.tensor([2, 5]), torch.ones(2, 4), "adagrad", lr=0.1)
+        >>> w[2, 0].item()
+        -0.10000000149011612
+    """
+    _ext.require()
+    torch.ops.veloce.sparse_update(
+        weights, opt_state, slots, grads, _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step
+    )
+
+
+def _fake_sparse_update(
+    weights, opt_state, slots, grads, optimizer, lr, eps, beta1, beta2, weight_decay, step
+):
+    torch._check(weights.dim() == 2, lambda: f"weights must be 2-D, got {weights.dim()}-D")
+    torch._check(grads.dim() == 2, lambda: f"grads must be 2-D, got {grads.dim()}-D")
+
+
+if _ext.loaded:
+    torch.library.register_fake("veloce::sparse_update")(_fake_sparse_update)
