@@ -98,7 +98,7 @@ def test_2d_input_and_eval_never_inserts(device):
     out = emb(x)
     flat = emb(x.reshape(-1), torch.tensor([0, 3], device=device))
     torch.testing.assert_close(out, flat)
-    assert len(emb) == 4
+    assert len(emb) == 5
     emb.eval()
     before = snapshot(emb)
     unseen = torch.tensor([[123456789, 5]], device=device)
@@ -215,7 +215,8 @@ def test_per_sample_weights_gradient(device):
 def test_combined_optimizer_and_lr_scheduler(device):
     torch.manual_seed(0)
     model = torch.nn.ModuleDict(
-        {"emb": veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=1.0), device=device),
+        {"emb": veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=1.0), device=device,
+                                         initializer=veloce.init.zeros()),
          "lin": torch.nn.Linear(4, 1).to(device)}
     )
     opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(model["lin"].parameters(), lr=0.1), model)
