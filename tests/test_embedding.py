@@ -255,13 +255,13 @@ def test_bad_inputs_name_the_argument():
     cases = [
         (
             lambda: pooled_lookup(w.long(), s, o),
-            r"weights must be float32, float64, float16 or bfloat16, got Long",
+            r"weights must be float32, float64, float16 or bfloat16, got torch.int64",
         ),
-        (lambda: pooled_lookup(w, s.float(), o), r"slots must be Long, got Float"),
+        (lambda: pooled_lookup(w, s.float(), o), r"slots must be torch.int64, got torch.float32"),
         (lambda: pooled_lookup(w, s.view(2, 5), o), r"slots must be 1-D, got a 2-D"),
         (lambda: pooled_lookup(w, s.view(1, 2, 5), o), r"slots must be 1-D, got a 3-D"),
         (lambda: pooled_lookup(w.view(1, 12, 5), s, o), r"weights must be 2-D, got a 3-D"),
-        (lambda: pooled_lookup(w, s, o.int()), r"offsets must be Long, got Int"),
+        (lambda: pooled_lookup(w, s, o.int()), r"offsets must be torch.int64, got torch.int32"),
         (
             lambda: pooled_lookup(w, s, torch.tensor([1, 3], dtype=L)),
             r"offsets must start at 0, got offsets\[0\] = 1",

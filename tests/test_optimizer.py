@@ -207,14 +207,14 @@ def test_bad_inputs_name_the_argument_and_change_nothing():
             r"state width of Adam \(S = 2 \* D = 8 for D = 4\), got 4",
         ),
         ({"opt_state": torch.rand(9, 4)}, r"opt_state.size\(0\) must equal weights.size\(0\) \(10\), got 9"),
-        ({"opt_state": s.double()}, r"opt_state must be Float, got Double"),
+        ({"opt_state": s.double()}, r"opt_state must be torch.float32, got torch.float64"),
         ({"slots": torch.tensor([1, 10])}, r"slots\[1\] = 10 is out of range for weights with 10 rows"),
         ({"slots": torch.tensor([-1, 3])}, r"slots\[0\] = -1 is out of range"),
         ({"slots": torch.tensor([5, 5])}, r"slots must be unique, got slot 5 more than once"),
-        ({"slots": torch.tensor([1.0, 5.0])}, r"slots must be Long, got Float"),
+        ({"slots": torch.tensor([1.0, 5.0])}, r"slots must be torch.int64, got torch.float32"),
         ({"grads": torch.randn(2, 5)}, r"grads.size\(1\) must equal weights.size\(1\) \(4\), got 5"),
         ({"grads": torch.randn(3, 4)}, r"grads.size\(0\) must equal slots.numel\(\) \(2\), got 3"),
-        ({"grads": g.double()}, r"grads must have the dtype of weights \(Float\), got Double"),
+        ({"grads": g.double()}, r"grads must have the dtype of weights \(torch.float32\), got torch.float64"),
         ({"grads": g.view(2, 4, 1)}, r"grads must be 2-D, got a 3-D"),
         ({"optimizer": 3, "opt_state": torch.rand(10, 8), "step": 0}, r"step must be >= 1 for Adam.*got 0"),
         ({"optimizer": 3, "opt_state": torch.rand(10, 8), "beta1": 1.0}, r"beta1 must be in \[0, 1\)"),
@@ -241,7 +241,7 @@ def test_bad_inputs_name_the_argument_and_change_nothing():
         assert torch.equal(args["weights"], before[0]) and torch.equal(args["opt_state"], before[1])
     with pytest.raises(RuntimeError, match="weights must be contiguous"):
         sparse_update(w.t().contiguous().t(), s, slots, g, "adagrad", 0.1)
-    with pytest.raises(RuntimeError, match="weights must be float32, float64, float16 or bfloat16, got Long"):
+    with pytest.raises(RuntimeError, match="weights must be float32, float64, float16 or bfloat16, got torch.int64"):
         sparse_update(w.long(), s, slots, g, "adagrad", 0.1)
     with pytest.raises(ValueError, match="optimizer must be one of"):
         sparse_update(w, s, slots, g, "lamb", 0.1)

@@ -9,9 +9,12 @@
 
 namespace veloce {
 
+// The Python name of a dtype ("int64", "float32", ...), as users write it.
+inline std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+
 inline void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType want) {
-  TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must be ", c10::toString(want), ", got ",
-              c10::toString(t.scalar_type()));
+  TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must be ", dtype_name(want), ", got ",
+              dtype_name(t.scalar_type()));
 }
 
 inline void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
@@ -21,7 +24,7 @@ inline void check_dim(const char* op, const char* name, const at::Tensor& t, int
 
 inline void check_floating(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(at::isFloatingType(t.scalar_type()), op, ": ", name,
-              " must be a floating-point tensor, got ", c10::toString(t.scalar_type()));
+              " must be a floating-point tensor, got ", dtype_name(t.scalar_type()));
 }
 
 inline void check_same_device(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
