@@ -18,213 +18,30 @@
 //   4. if any id found no room: every claimed slot gets its saved key and digest back
 //      (nothing else was written yet) and counts = [0, failed];
 //   5. on success only: new rows are initialised, scores updated, slots mapped back.
-// Slot placement can differ from the CPU kernel's sequential order when ids race for a
-// bucket; found/missing sets, values and counts agree.
+//
+// Same placement as the CPU kernel (which inserts in order of first occurrence): a new id
+// that shares neither bucket with another new id of the call meets the same buckets in
+// any order, so 3a/3b place it exactly as the CPU does. The new ids that do share a
+// bucket ("conflicted") are inserted by one thread in order of first occurrence, when
+// there are at most kSequentialMax of them (always the case in small batches and in
+// large, sparsely filled tables); beyond that they race in 3a/3b too, and only their
+// placement (not the found/missing sets, values or counts) may differ from the CPU's.
 
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
-#include <cooperative_groups.h>
+#include <thrust/iterator/counting_iterator.h>
+
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
+#include <cub/device/device_select.cuh>
 
+#include "hash_table_device.cuh"
 #include "veloce/cuda_utils.cuh"
 
 namespace veloce {
 namespace cuda {
 namespace {
-
-// The mutable columns of a table.
-struct Table {
-  int64_t* keys;     // (C,)
-  uint8_t* digests;  // (C,)
-  int64_t* scores;   // (C,) (null where unused)
-  int64_t num_buckets;
-};
-
-// Per distinct id of a call (U entries).
-enum UniqueState : int8_t { kPresent = 0, kClaimed = 1, kEvicted = 2, kFailed = 3 };
-
-struct Uniques {
-  const int64_t* id;    // (U,)
-  int64_t* slot;        // (U,) -1 until placed
-  int8_t* state;        // (U,) UniqueState
-  int64_t* old_key;     // (U,) what the claimed slot held (for rollback / evicted_keys)
-  uint8_t* old_digest;  // (U,)
-  int64_t n;
-};
-
-Table table_of(const at::Tensor& keys, const at::Tensor& digests, int64_t* scores) {
-  return {keys.data_ptr<int64_t>(), digests.data_ptr<uint8_t>(), scores, keys.numel() / kBucketSize};
-}
-
-__device__ __forceinline__ int64_t thread_index() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-
-// Reserves one index per calling thread from *counter with one atomic per coalesced
-// group of threads (same-address atomics from every thread would serialise in L2).
-__device__ __forceinline__ int32_t aggregated_inc(int32_t* counter) {
-  namespace cg = cooperative_groups;
-  const cg::coalesced_group g = cg::coalesced_threads();
-  int32_t base = 0;
-  if (g.thread_rank() == 0) base = atomicAdd(counter, static_cast<int32_t>(g.size()));
-  return g.shfl(base, 0) + static_cast<int32_t>(g.thread_rank());
-}
-
-__device__ __forceinline__ void mark_touched(uint32_t* touched, int64_t slot) {
-  atomicOr(touched + slot / kBucketSize, 1u << (slot % kBucketSize));
-}
-
-// ---- kernels ---------------------------------------------------------------------------
-
-__global__ void find_kernel(Table t, const int64_t* __restrict__ ids, int64_t n, int64_t* __restrict__ slots) {
-  const int64_t i = thread_index();
-  if (i < n) slots[i] = find_slot_device(t.keys, t.digests, t.num_buckets, ids[i]);
-}
-
-// Phase 1 of find_or_insert: slots of present ids (-1 for padding and misses), touched
-// marks (when evicting), and the misses compacted into (miss_ids, miss_pos).
-__global__ void probe_kernel(Table t, const int64_t* __restrict__ ids, int64_t n, bool has_pad, int64_t pad,
-                             int64_t* __restrict__ slots, uint32_t* touched, int64_t* __restrict__ miss_ids,
-                             int32_t* __restrict__ miss_pos, int32_t* miss_count) {
-  const int64_t i = thread_index();
-  bool missing = false;
-  int64_t id = 0;
-  if (i < n) {
-    id = ids[i];
-    int64_t s = kPaddingSlot;
-    if (!(has_pad && id == pad)) {
-      s = find_slot_device(t.keys, t.digests, t.num_buckets, id);
-      missing = s < 0;
-      if (s >= 0 && touched != nullptr) mark_touched(touched, s);
-    }
-    slots[i] = s;
-  }
-  // Warp-aggregated append (every lane of the warp reaches the ballot).
-  const unsigned mask = __ballot_sync(0xffffffffu, missing);
-  if (mask == 0) return;
-  const int lane = threadIdx.x & 31;
-  const int leader = __ffs(mask) - 1;
-  int base = 0;
-  if (lane == leader) base = atomicAdd(miss_count, __popc(mask));
-  base = __shfl_sync(0xffffffffu, base, leader);
-  if (missing) {
-    const int at = base + __popc(mask & ((1u << lane) - 1));
-    miss_ids[at] = id;
-    miss_pos[at] = static_cast<int32_t>(i);
-  }
-}
-
-// Slots of distinct ids (insert_or_assign, erase), touched marks when evicting.
-__global__ void find_uniques_kernel(Table t, Uniques u, uint32_t* touched) {
-  const int64_t k = thread_index();
-  if (k >= u.n) return;
-  const int64_t s = find_slot_device(t.keys, t.digests, t.num_buckets, u.id[k]);
-  u.slot[k] = s;
-  if (s >= 0 && touched != nullptr) mark_touched(touched, s);
-}
-
-// Word w of a bucket's digests, w uniform across unrolled compares (no local memory).
-__device__ __forceinline__ uint32_t digest_word(const BucketDigests& d, int w) {
-  uint32_t x = 0;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) x = (k == w) ? d.w[k] : x;
-  return x;
-}
-
-// Phase 3a: each distinct id not in the table claims an empty slot by CAS on the digest
-// word; both buckets full -> queued in `overflow`. counters: [0] queued, [1] attempted.
-__global__ void claim_kernel(Table t, Uniques u, uint32_t* touched, int32_t* __restrict__ overflow,
-                             int32_t* counters) {
-  const int64_t k = thread_index();
-  if (k >= u.n || u.slot[k] >= 0) return;
-  aggregated_inc(counters + 1);
-  const int64_t key = u.id[k];
-  const DeviceProbe p = device_probe(key, t.num_buckets);
-  for (;;) {
-    const BucketDigests da = load_bucket<true>(t.digests, p.a);
-    const BucketDigests db = p.b != p.a ? load_bucket<true>(t.digests, p.b) : da;
-    const uint32_t ea = empty_mask(da);
-    const uint32_t eb = p.b != p.a ? empty_mask(db) : 0u;
-    if ((ea | eb) == 0) {
-      overflow[aggregated_inc(counters)] = static_cast<int32_t>(k);
-      return;
-    }
-    const bool use_a = __popc(ea) >= __popc(eb);
-    const int64_t bucket = use_a ? p.a : p.b;
-    const int i = __ffs(use_a ? ea : eb) - 1;
-    const uint32_t wa = digest_word(da, i >> 2), wb = digest_word(db, i >> 2);
-    const uint32_t expected = use_a ? wa : wb;
-    const uint32_t desired = expected | (p.digest << (8 * (i & 3)));
-    uint32_t* word = reinterpret_cast<uint32_t*>(t.digests + bucket * kBucketSize) + (i >> 2);
-    if (atomicCAS(word, expected, desired) == expected) {
-      const int64_t s = bucket * kBucketSize + i;
-      u.old_key[k] = t.keys[s];
-      u.old_digest[k] = kEmptyDigest;
-      t.keys[s] = key;
-      u.slot[k] = s;
-      u.state[k] = kClaimed;
-      if (touched != nullptr) mark_touched(touched, s);
-      return;
-    }
-    // Another id changed this word first: reload and choose again.
-  }
-}
-
-// Phase 3b: queued ids (both buckets full) evict the lowest-score untouched candidate,
-// ties to the lowest slot of bucket_a, then bucket_b. Only touched bits change
-// concurrently here; scores are not written until the call succeeds.
-__global__ void evict_kernel(Table t, Uniques u, uint32_t* touched, const int32_t* __restrict__ overflow,
-                             int32_t n_overflow, int32_t* n_failed) {
-  const int64_t j = thread_index();
-  if (j >= n_overflow) return;
-  const int64_t k = overflow[j];
-  const int64_t key = u.id[k];
-  const DeviceProbe p = device_probe(key, t.num_buckets);
-  for (;;) {
-    int64_t best = -1;
-    int64_t best_score = 0;
-    for (int side = 0; side < (p.b != p.a ? 2 : 1); ++side) {
-      const int64_t bucket = side == 0 ? p.a : p.b;
-      uint32_t free = ~*reinterpret_cast<volatile uint32_t*>(touched + bucket);
-      while (free != 0) {
-        const int64_t s = bucket * kBucketSize + (__ffs(free) - 1);
-        const int64_t sc = t.scores[s];
-        if (best < 0 || sc < best_score) {
-          best = s;
-          best_score = sc;
-        }
-        free &= free - 1;
-      }
-    }
-    if (best < 0) {  // every candidate was touched by this call
-      u.state[k] = kFailed;
-      aggregated_inc(n_failed);
-      return;
-    }
-    const uint32_t bit = 1u << (best % kBucketSize);
-    if (atomicOr(touched + best / kBucketSize, bit) & bit) continue;  // lost it to another id
-    u.old_key[k] = t.keys[best];
-    u.old_digest[k] = t.digests[best];
-    t.keys[best] = key;
-    t.digests[best] = static_cast<uint8_t>(p.digest);
-    u.slot[k] = best;
-    u.state[k] = kEvicted;
-    return;
-  }
-}
-
-// Phase 4 (failure): restore every slot this call claimed. Slots are distinct.
-__global__ void rollback_kernel(Table t, Uniques u) {
-  const int64_t k = thread_index();
-  if (k >= u.n) return;
-  const int8_t st = u.state[k];
-  if (st != kClaimed && st != kEvicted) return;
-  const int64_t s = u.slot[k];
-  t.keys[s] = u.old_key[k];
-  t.digests[s] = u.old_digest[k];
-}
 
 // find_or_insert success: initial rows, zero state, starting score of the new ids.
 // Block (32, 8): one row per threadIdx.y, columns over threadIdx.x.
@@ -381,6 +198,10 @@ Runs group_ids(const at::Tensor& ids, const at::Tensor& pos) {  // (m,) int64, (
   return r;
 }
 
+// First position of each run: positions ascend within a run (stable sort of ascending
+// positions).
+at::Tensor first_positions(const Runs& r) { return r.sorted_pos.index_select(0, r.begin.narrow(0, 0, r.num)); }
+
 // Owns the per-distinct-id state of one call.
 struct UniqueTensors {
   at::Tensor id, slot, state, old_key, old_digest;
@@ -403,36 +224,61 @@ struct InsertOutcome {
   at::Tensor evicted;  // (E,) int64
 };
 
-// Phases 3a, 3b and 4 over the distinct ids whose slot is still -1.
-InsertOutcome insert_uniques(const Table& t, UniqueTensors& ut, uint32_t* touched, bool allow_evict) {
+// Phases 3a, 3b and 4 over the distinct ids whose slot is still -1. first_pos (U,) int32:
+// the first position of each id in the call (the CPU kernel's insertion order).
+InsertOutcome insert_uniques(const Table& t, UniqueTensors& ut, const at::Tensor& first_pos, uint32_t* touched,
+                             bool allow_evict) {
   Uniques u = ut.view();
   InsertOutcome out;
   out.evicted = at::empty({0}, ut.id.options());
-  at::Tensor counters = at::zeros({3}, ut.id.options().dtype(at::kInt));
-  at::Tensor overflow = at::empty({u.n}, ut.id.options().dtype(at::kInt));
+  const auto int_opts = ut.id.options().dtype(at::kInt);
+  // counters: [0] queued by 3a, [1] new ids, [2] failed, [3] conflicted new ids.
+  at::Tensor counters = at::zeros({4}, int_opts);
   int32_t* ctr = counters.data_ptr<int32_t>();
-  claim_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, touched, overflow.data_ptr<int32_t>(), ctr);
+  at::Tensor use = at::zeros({t.num_buckets}, int_opts);
+  at::Tensor conflicted = at::empty({u.n}, ut.id.options().dtype(at::kByte));
+  bucket_use_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, use.data_ptr<int32_t>(), ctr + 1);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const at::Tensor host = counters.cpu();  // sync: queued and attempted counts
-  const int32_t n_overflow = host.data_ptr<int32_t>()[0];
+  conflict_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, use.data_ptr<int32_t>(),
+                                                            conflicted.data_ptr<uint8_t>(), ctr + 3);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const at::Tensor host = counters.cpu();  // sync
   out.inserted = host.data_ptr<int32_t>()[1];
-  if (n_overflow > 0) {
-    if (!allow_evict) {
-      out.failed = n_overflow;
-    } else {
-      evict_kernel<<<grid_for(n_overflow), kThreads, 0, stream()>>>(t, u, touched, overflow.data_ptr<int32_t>(),
-                                                                    n_overflow, ctr + 2);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      out.failed = counters[2].item<int32_t>();  // sync
-    }
+  if (out.inserted == 0) return out;
+  const int64_t n_conflicted = host.data_ptr<int32_t>()[3];
+  const bool sequential = n_conflicted > 0 && n_conflicted <= kSequentialMax;
+
+  at::Tensor overflow = at::empty({u.n}, int_opts);
+  claim_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, sequential ? conflicted.data_ptr<uint8_t>() : nullptr,
+                                                         touched, overflow.data_ptr<int32_t>(), ctr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int32_t n_overflow = counters[0].item<int32_t>();  // sync
+  if (n_overflow > 0 && allow_evict) {
+    evict_kernel<<<grid_for(n_overflow), kThreads, 0, stream()>>>(t, u, touched, overflow.data_ptr<int32_t>(),
+                                                                  n_overflow, ctr + 2);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+  if (sequential) {
+    const at::Tensor idx = conflicted.nonzero().squeeze(1);
+    const at::Tensor order = idx.index_select(0, first_pos.index_select(0, idx).argsort());
+    sequential_insert_kernel<<<1, 1, 0, stream()>>>(t, u, order.data_ptr<int64_t>(), order.numel(), allow_evict,
+                                                   touched, ctr + 2);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // Without eviction every queued id failed; sequential failures are in ctr[2] either way.
+  out.failed = counters[2].item<int32_t>() + (allow_evict ? 0 : n_overflow);  // sync
   if (out.failed > 0) {
     rollback_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     out.inserted = 0;
     return out;
   }
-  if (allow_evict && n_overflow > 0) out.evicted = ut.old_key.masked_select(ut.state == kEvicted);
+  if (allow_evict) {  // in insertion order, as the CPU kernel reports them
+    const at::Tensor idx = (ut.state == kEvicted).nonzero().squeeze(1);
+    if (idx.numel() > 0) {
+      out.evicted = ut.old_key.index_select(0, idx.index_select(0, first_pos.index_select(0, idx).argsort()));
+    }
+  }
   return out;
 }
 
@@ -497,21 +343,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
   const Table t = table_of(keys, digests, scores.data_ptr<int64_t>());
   const at::Tensor touched = touched_bitmap(allow_evict, keys);
 
-  // Phase 1: find all, compact the misses.
-  at::Tensor miss_ids = at::empty({n}, ids.options());
-  at::Tensor miss_pos = at::empty({n}, ids.options().dtype(at::kInt));
-  at::Tensor miss_count = at::zeros({1}, ids.options().dtype(at::kInt));
-  probe_kernel<<<grid_for(n), kThreads, 0, stream()>>>(
-      t, ids.data_ptr<int64_t>(), n, padding_id.has_value(), padding_id.value_or(0), slots.data_ptr<int64_t>(),
-      words(touched), miss_ids.data_ptr<int64_t>(), miss_pos.data_ptr<int32_t>(), miss_count.data_ptr<int32_t>());
+  // Phase 1: find all, then compact the missing positions in order (CUB select is stable).
+  at::Tensor missing = at::empty({n}, ids.options().dtype(at::kByte));
+  probe_kernel<<<grid_for(n), kThreads, 0, stream()>>>(t, ids.data_ptr<int64_t>(), n, padding_id.has_value(),
+                                                       padding_id.value_or(0), slots.data_ptr<int64_t>(),
+                                                       words(touched), missing.data_ptr<uint8_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor miss_pos = at::empty({n}, ids.options().dtype(at::kInt));
+  at::Tensor miss_count = at::empty({1}, ids.options().dtype(at::kInt));
+  cub_call(ids, [&](void* temp, size_t& bytes) {
+    return cub::DeviceSelect::Flagged(temp, bytes, thrust::counting_iterator<int32_t>(0), missing.data_ptr<uint8_t>(),
+                                      miss_pos.data_ptr<int32_t>(), miss_count.data_ptr<int32_t>(),
+                                      static_cast<int>(n), stream());
+  });
   const int64_t m = miss_count.item<int32_t>();  // sync: sizes the grouping sort
 
   if (m > 0) {
     // Phases 2-4: one thread per distinct new id.
-    const Runs runs = group_ids(miss_ids.narrow(0, 0, m), miss_pos.narrow(0, 0, m));
+    const at::Tensor pos = miss_pos.narrow(0, 0, m);
+    const Runs runs = group_ids(ids.index_select(0, pos), pos);
     UniqueTensors ut(runs.uniq_id);
-    r = insert_uniques(t, ut, words(touched), allow_evict);
+    r = insert_uniques(t, ut, first_positions(runs), words(touched), allow_evict);
     if (r.failed > 0) {
       slots.fill_(kPaddingSlot);
       return result(slots, r, keys);
@@ -581,7 +433,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
   Uniques u = ut.view();
   find_uniques_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, words(touched));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  r = insert_uniques(t, ut, words(touched), allow_evict);
+  r = insert_uniques(t, ut, first_positions(runs), words(touched), allow_evict);
   if (r.failed > 0) {
     slots.fill_(kPaddingSlot);
     return result(slots, r, keys);
