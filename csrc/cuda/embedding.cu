@@ -1,0 +1,434 @@
+// CUDA kernels of the embedding family: pooled_lookup (forward) and accumulate_grad (the
+// backward w.r.t. the table rows, reduced per unique slot). Semantics: docs/ops.md;
+// CPU reference csrc/cpu/embedding.cpp (same checks, same messages).
+//
+// pooled_lookup: a group of `lanes` threads (a power of two <= 32) per bag; each lane
+// owns V consecutive columns (one 16-byte load per row), accumulates in float (double
+// for float64) over the bag's positions with 4 rows in flight, and writes its columns.
+//
+// accumulate_grad: keys = slot (or a sentinel num_rows for slots that get no gradient),
+// stable CUB radix sort of (key, position) on the key's significant bits, run-length
+// encode -> unique slots and run lengths, exclusive scan -> run starts; then one group
+// of lanes per unique slot sums the gradients of its positions in position order
+// (deterministic: no atomics, a fixed summation order).
+
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_run_length_encode.cuh>
+#include <cub/device/device_scan.cuh>
+
+#include "veloce/cuda_utils.cuh"
+
+namespace veloce {
+namespace cuda {
+namespace {
+
+constexpr int64_t kSum = 0;
+constexpr int64_t kMean = 1;
+constexpr int kUnroll = 4;  // rows in flight per lane
+
+// ---- checks (messages as in csrc/cpu/embedding.cpp) -------------------------------------
+
+void check_mode(const char* op, int64_t mode) {
+  TORCH_CHECK(mode == kSum || mode == kMean, op, ": mode must be 0 (sum) or 1 (mean), got ", mode);
+}
+
+void check_row_dtype(const char* op, const char* name, const at::Tensor& t) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16, op, ": ", name,
+              " must be float32, float64, float16 or bfloat16, got ", c10::toString(st));
+}
+
+void check_psw(const char* op, const std::optional<at::Tensor>& psw, const at::Tensor& slots, int64_t mode,
+               at::ScalarType want) {
+  if (!psw.has_value()) return;
+  TORCH_CHECK(mode == kSum, op, ": per_sample_weights is only supported with mode 0 (sum), got mode ", mode,
+              " (mean)");
+  check_dim(op, "per_sample_weights", *psw, 1);
+  check_same_device(op, "per_sample_weights", *psw, "slots", slots);
+  TORCH_CHECK(psw->scalar_type() == want, op, ": per_sample_weights must have the dtype of the rows (",
+              c10::toString(want), "), got ", c10::toString(psw->scalar_type()));
+  TORCH_CHECK(psw->numel() == slots.numel(), op, ": per_sample_weights must have one entry per slot (",
+              slots.numel(), "), got ", psw->numel());
+}
+
+// Every slot must be -1, -2 or in [0, limit) (limit < 0: no upper bound). One reduction
+// and one small device-to-host copy (a sync); the message is built from a host copy only
+// when a slot is bad.
+void check_slot_values(const char* op, const at::Tensor& slots, int64_t limit, const char* limit_what) {
+  if (slots.numel() == 0) return;
+  const auto mm = at::aminmax(slots);
+  const at::Tensor host = at::stack({std::get<0>(mm), std::get<1>(mm)}).cpu();
+  const int64_t lo = host.data_ptr<int64_t>()[0], hi = host.data_ptr<int64_t>()[1];
+  if (lo >= kZeroSlot && (limit < 0 || hi < limit)) return;
+  const at::Tensor all = slots.cpu();
+  const int64_t* s = all.data_ptr<int64_t>();
+  for (int64_t i = 0; i < all.numel(); ++i) {
+    const int64_t v = s[i];
+    if (v < kZeroSlot || (limit >= 0 && v >= limit)) {
+      if (limit >= 0) {
+        TORCH_CHECK(false, op, ": slots[", i, "] = ", v, " is not a valid slot; expected -1 (padding), -2 (zero ",
+                    "row) or 0 <= slot < ", limit, " (", limit_what, ")");
+      }
+      TORCH_CHECK(false, op, ": slots[", i, "] = ", v, " is not a valid slot; expected -1 (padding), -2 (zero ",
+                  "row) or a slot >= 0");
+    }
+  }
+}
+
+// V = 16 bytes of elements when D allows it and every row pointer is 16-byte aligned.
+template <typename scalar_t>
+bool can_vectorize(int64_t D, std::initializer_list<const void*> ptrs) {
+  if (D % vec16<scalar_t>() != 0) return false;
+  for (const void* p : ptrs) {
+    if (p != nullptr && !aligned16(p)) return false;
+  }
+  return true;
+}
+
+// ---- pooled_lookup ----------------------------------------------------------------------
+
+template <typename scalar_t, int V>
+__global__ void pooled_lookup_kernel(const scalar_t* __restrict__ weights,  // (C, D)
+                                     int64_t C,
+                                     const scalar_t* __restrict__ extra,  // (M, D) or null
+                                     int64_t D,
+                                     const int64_t* __restrict__ slots,    // (N,)
+                                     const int64_t* __restrict__ offsets,  // (num_offsets,)
+                                     int64_t num_offsets, int64_t B, int64_t N,
+                                     const scalar_t* __restrict__ psw,  // (N,) or null
+                                     bool mean, int lanes,
+                                     scalar_t* __restrict__ out) {  // (B, D)
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t b = t / lanes;
+  if (b >= B) return;
+  const int lane = static_cast<int>(t % lanes);
+  const int64_t start = offsets[b];
+  const int64_t stop = b + 1 < num_offsets ? offsets[b + 1] : N;
+  for (int64_t c = static_cast<int64_t>(lane) * V; c < D; c += static_cast<int64_t>(lanes) * V) {
+    acc_t acc[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = 0;
+    int64_t count = 0;
+    auto add = [&](int64_t i, int64_t s, const Pack<scalar_t, V>& p) {
+      if (s == kPaddingSlot) return;
+      ++count;
+      if (s == kZeroSlot) return;
+      if (psw != nullptr) {
+        const acc_t w = static_cast<acc_t>(psw[i]);
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] += w * static_cast<acc_t>(p.v[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] += static_cast<acc_t>(p.v[j]);
+      }
+    };
+    auto row = [&](int64_t s) { return s < C ? weights + s * D : extra + (s - C) * D; };
+    int64_t i = start;
+    for (; i + kUnroll <= stop; i += kUnroll) {
+      int64_t s[kUnroll];
+      Pack<scalar_t, V> p[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) s[k] = slots[i + k];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (s[k] >= 0) p[k] = load_pack<scalar_t, V>(row(s[k]) + c);
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) add(i + k, s[k], p[k]);
+    }
+    for (; i < stop; ++i) {
+      const int64_t s = slots[i];
+      Pack<scalar_t, V> p;
+      if (s >= 0) p = load_pack<scalar_t, V>(row(s) + c);
+      add(i, s, p);
+    }
+    Pack<scalar_t, V> o;
+    const acc_t n = static_cast<acc_t>(count);
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = static_cast<scalar_t>(mean && count > 0 ? acc[j] / n : acc[j]);
+    store_pack<scalar_t, V>(out + b * D + c, o);
+  }
+}
+
+at::Tensor pooled_lookup_cuda(const at::Tensor& weights, const at::Tensor& slots, const at::Tensor& offsets,
+                              const std::optional<at::Tensor>& per_sample_weights, int64_t mode,
+                              bool include_last_offset, const std::optional<at::Tensor>& extra_rows) {
+  constexpr const char* op = "veloce::pooled_lookup";
+  check_row_dtype(op, "weights", weights);
+  check_dim(op, "weights", weights, 2);
+  check_dtype(op, "slots", slots, at::kLong);
+  check_dim(op, "slots", slots, 1);
+  check_same_device(op, "slots", slots, "weights", weights);
+  check_same_device(op, "offsets", offsets, "weights", weights);
+  check_mode(op, mode);
+  check_psw(op, per_sample_weights, slots, mode, weights.scalar_type());
+  const int64_t C = weights.size(0);
+  const int64_t D = weights.size(1);
+  int64_t M = 0;
+  if (extra_rows.has_value()) {
+    check_dim(op, "extra_rows", *extra_rows, 2);
+    check_same_device(op, "extra_rows", *extra_rows, "weights", weights);
+    TORCH_CHECK(extra_rows->scalar_type() == weights.scalar_type(), op,
+                ": extra_rows must have the dtype of weights (", c10::toString(weights.scalar_type()), "), got ",
+                c10::toString(extra_rows->scalar_type()));
+    check_size(op, "extra_rows", *extra_rows, 1, D, "weights.size(1)");
+    M = extra_rows->size(0);
+  }
+  const c10::cuda::CUDAGuard guard(weights.device());
+  const int64_t N = slots.numel();
+  // check_offsets reads offsets on the host (a device-to-host copy and a sync).
+  const int64_t B = check_offsets(op, offsets, N, include_last_offset);
+  const at::Tensor s = slots.contiguous();
+  const at::Tensor o = offsets.contiguous();
+  check_slot_values(op, s, C + M, M > 0 ? "weights.size(0) + extra_rows.size(0)" : "weights.size(0)");
+  const at::Tensor w = weights.contiguous();
+  const at::Tensor e = extra_rows.has_value() ? extra_rows->contiguous() : at::Tensor();
+  const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({B, D}, weights.options());
+  if (B == 0 || D == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "pooled_lookup_cuda", [&] {
+    const scalar_t* ep = e.defined() ? e.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* pp = p.defined() ? p.data_ptr<scalar_t>() : nullptr;
+    auto launch = [&](auto vec) {
+      constexpr int V = decltype(vec)::value;
+      const int lanes = lanes_for(D, V);
+      pooled_lookup_kernel<scalar_t, V><<<grid_for(B * lanes), kThreads, 0, stream()>>>(
+          w.data_ptr<scalar_t>(), C, ep, D, s.data_ptr<int64_t>(), o.data_ptr<int64_t>(), o.numel(), B, N, pp,
+          mode == kMean, lanes, out.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (can_vectorize<scalar_t>(D, {w.data_ptr(), ep, out.data_ptr()})) {
+      launch(std::integral_constant<int, vec16<scalar_t>()>());
+    } else {
+      launch(std::integral_constant<int, 1>());
+    }
+  });
+  return out;
+}
+
+// ---- accumulate_grad --------------------------------------------------------------------
+
+// Per position: sort key (slot, or num_rows where it gets no gradient), position, bag.
+template <typename key_t>
+__global__ void keys_kernel(const int64_t* __restrict__ slots, int64_t N, int64_t num_rows,
+                            const int64_t* __restrict__ offsets, int64_t B, key_t* __restrict__ keys,
+                            int32_t* __restrict__ pos, int32_t* __restrict__ bag_of,
+                            unsigned long long* num_skipped) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= N) return;
+  const int64_t s = slots[i];
+  const bool valid = s >= 0 && s < num_rows;
+  keys[i] = static_cast<key_t>(valid ? s : num_rows);
+  pos[i] = static_cast<int32_t>(i);
+  if (!valid) atomicAdd(num_skipped, 1ull);
+  // The bag of i: the largest b < B with offsets[b] <= i (offsets[0] = 0 <= i).
+  int64_t lo = 0, hi = B;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (offsets[mid] <= i) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  bag_of[i] = static_cast<int32_t>(lo);
+}
+
+// Mean pooling: 1 / (non-padding positions) per bag, 0 for bags with none. A warp per bag.
+template <typename acc_t>
+__global__ void bag_scale_kernel(const int64_t* __restrict__ slots, const int64_t* __restrict__ offsets,
+                                 int64_t num_offsets, int64_t B, int64_t N, acc_t* __restrict__ scale) {
+  const int64_t b = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (b >= B) return;  // whole warps exit together
+  const int64_t start = offsets[b];
+  const int64_t stop = b + 1 < num_offsets ? offsets[b + 1] : N;
+  unsigned count = 0;
+  for (int64_t i = start + lane; i < stop; i += 32) count += slots[i] != kPaddingSlot;
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) count += __shfl_xor_sync(0xffffffffu, count, d);
+  if (lane == 0) scale[b] = count > 0 ? acc_t(1) / static_cast<acc_t>(count) : acc_t(0);
+}
+
+template <typename scalar_t, typename key_t, int V>
+__global__ void segment_sum_kernel(const scalar_t* __restrict__ grad_output,  // (B, D)
+                                   int64_t D,
+                                   const key_t* __restrict__ uniq,         // (U,) sorted slots
+                                   const int32_t* __restrict__ run_start,  // (U,)
+                                   const int32_t* __restrict__ run_len,    // (U,)
+                                   int64_t U,
+                                   const int32_t* __restrict__ sorted_pos,  // (K,)
+                                   const int32_t* __restrict__ bag_of,      // (N,)
+                                   const scalar_t* __restrict__ psw,        // (N,) or null
+                                   const at::opmath_type<scalar_t>* __restrict__ bag_scale,  // (B,) or null
+                                   int lanes,
+                                   int64_t* __restrict__ unique_slots,  // (U,)
+                                   scalar_t* __restrict__ grad_rows) {  // (U, D)
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t u = t / lanes;
+  if (u >= U) return;
+  const int lane = static_cast<int>(t % lanes);
+  if (lane == 0) unique_slots[u] = static_cast<int64_t>(uniq[u]);
+  const int64_t start = run_start[u];
+  const int64_t stop = start + run_len[u];
+  const bool scaled = psw != nullptr || bag_scale != nullptr;
+  for (int64_t c = static_cast<int64_t>(lane) * V; c < D; c += static_cast<int64_t>(lanes) * V) {
+    acc_t acc[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = 0;
+    auto add = [&](int32_t pos, int32_t b, const Pack<scalar_t, V>& g) {
+      if (scaled) {
+        const acc_t w = psw != nullptr ? static_cast<acc_t>(psw[pos]) : bag_scale[b];
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] += w * static_cast<acc_t>(g.v[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] += static_cast<acc_t>(g.v[j]);
+      }
+    };
+    int64_t k = start;
+    for (; k + kUnroll <= stop; k += kUnroll) {
+      int32_t pos[kUnroll], b[kUnroll];
+      Pack<scalar_t, V> g[kUnroll];
+#pragma unroll
+      for (int q = 0; q < kUnroll; ++q) pos[q] = sorted_pos[k + q];
+#pragma unroll
+      for (int q = 0; q < kUnroll; ++q) b[q] = bag_of[pos[q]];
+#pragma unroll
+      for (int q = 0; q < kUnroll; ++q) g[q] = load_pack<scalar_t, V>(grad_output + b[q] * D + c);
+#pragma unroll
+      for (int q = 0; q < kUnroll; ++q) add(pos[q], b[q], g[q]);
+    }
+    for (; k < stop; ++k) {
+      const int32_t pos = sorted_pos[k];
+      const int32_t b = bag_of[pos];
+      add(pos, b, load_pack<scalar_t, V>(grad_output + b * D + c));
+    }
+    Pack<scalar_t, V> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = static_cast<scalar_t>(acc[j]);
+    store_pack<scalar_t, V>(grad_rows + u * D + c, o);
+  }
+}
+
+int bit_width(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); }
+
+template <typename key_t>
+std::tuple<at::Tensor, at::Tensor> accumulate(const at::Tensor& g, const at::Tensor& s, const at::Tensor& o,
+                                              const at::Tensor& p, int64_t mode, int64_t B, int64_t num_rows) {
+  const int64_t N = s.numel();
+  const int64_t D = g.size(1);
+  const int n = static_cast<int>(N);
+  const auto opts = s.options();
+  at::Tensor keys = at::empty({N}, opts.dtype(sizeof(key_t) == 4 ? at::kInt : at::kLong));
+  at::Tensor pos = at::empty({N}, opts.dtype(at::kInt));
+  at::Tensor bag_of = at::empty({N}, opts.dtype(at::kInt));
+  // info[0]: number of runs (written by CUB), info[1]: positions without a gradient.
+  at::Tensor info = at::zeros({2}, opts);
+  key_t* kp = reinterpret_cast<key_t*>(keys.data_ptr());
+  keys_kernel<key_t><<<grid_for(N), kThreads, 0, stream()>>>(
+      s.data_ptr<int64_t>(), N, num_rows, o.data_ptr<int64_t>(), B, kp, pos.data_ptr<int32_t>(),
+      bag_of.data_ptr<int32_t>(), reinterpret_cast<unsigned long long*>(info.data_ptr<int64_t>() + 1));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  // Stable sort on the key's significant bits: within a slot, positions stay ascending.
+  at::Tensor sorted_keys = at::empty_like(keys);
+  at::Tensor sorted_pos = at::empty_like(pos);
+  key_t* skp = reinterpret_cast<key_t*>(sorted_keys.data_ptr());
+  const int end_bit = std::max(1, bit_width(static_cast<uint64_t>(num_rows)));
+  cub_call(s, [&](void* temp, size_t& bytes) {
+    return cub::DeviceRadixSort::SortPairs(temp, bytes, kp, skp, pos.data_ptr<int32_t>(),
+                                           sorted_pos.data_ptr<int32_t>(), n, 0, end_bit, stream());
+  });
+  at::Tensor uniq = at::empty_like(keys);
+  at::Tensor run_len = at::empty({N}, opts.dtype(at::kInt));
+  key_t* up = reinterpret_cast<key_t*>(uniq.data_ptr());
+  cub_call(s, [&](void* temp, size_t& bytes) {
+    return cub::DeviceRunLengthEncode::Encode(temp, bytes, skp, up, run_len.data_ptr<int32_t>(),
+                                              info.data_ptr<int64_t>(), n, stream());
+  });
+  const at::Tensor host = info.cpu();  // sync: sizes the outputs
+  const int64_t U = host.data_ptr<int64_t>()[0] - (host.data_ptr<int64_t>()[1] > 0 ? 1 : 0);  // sentinel run last
+
+  at::Tensor unique_slots = at::empty({U}, opts);
+  at::Tensor grad_rows = at::empty({U, D}, g.options());
+  if (U == 0) return {unique_slots, grad_rows};
+  at::Tensor run_start = at::empty({U}, opts.dtype(at::kInt));
+  cub_call(s, [&](void* temp, size_t& bytes) {
+    return cub::DeviceScan::ExclusiveSum(temp, bytes, run_len.data_ptr<int32_t>(), run_start.data_ptr<int32_t>(),
+                                         static_cast<int>(U), stream());
+  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "accumulate_grad_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    at::Tensor scale;
+    if (mode == kMean) {
+      scale = at::empty({B}, g.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+      bag_scale_kernel<acc_t><<<grid_for(B * 32), kThreads, 0, stream()>>>(
+          s.data_ptr<int64_t>(), o.data_ptr<int64_t>(), o.numel(), B, N, scale.data_ptr<acc_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    auto launch = [&](auto vec) {
+      constexpr int V = decltype(vec)::value;
+      const int lanes = lanes_for(D, V);
+      segment_sum_kernel<scalar_t, key_t, V><<<grid_for(U * lanes), kThreads, 0, stream()>>>(
+          g.data_ptr<scalar_t>(), D, up, run_start.data_ptr<int32_t>(), run_len.data_ptr<int32_t>(), U,
+          sorted_pos.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(), p.defined() ? p.data_ptr<scalar_t>() : nullptr,
+          scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes, unique_slots.data_ptr<int64_t>(),
+          grad_rows.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (can_vectorize<scalar_t>(D, {g.data_ptr(), grad_rows.data_ptr()})) {
+      launch(std::integral_constant<int, vec16<scalar_t>()>());
+    } else {
+      launch(std::integral_constant<int, 1>());
+    }
+  });
+  return {unique_slots, grad_rows};
+}
+
+std::tuple<at::Tensor, at::Tensor> accumulate_grad_cuda(const at::Tensor& grad_output, const at::Tensor& slots,
+                                                        const at::Tensor& offsets,
+                                                        const std::optional<at::Tensor>& per_sample_weights,
+                                                        int64_t mode, bool include_last_offset, int64_t num_rows) {
+  constexpr const char* op = "veloce::accumulate_grad";
+  check_row_dtype(op, "grad_output", grad_output);
+  check_dim(op, "grad_output", grad_output, 2);
+  check_dtype(op, "slots", slots, at::kLong);
+  check_dim(op, "slots", slots, 1);
+  check_same_device(op, "slots", slots, "grad_output", grad_output);
+  check_same_device(op, "offsets", offsets, "grad_output", grad_output);
+  check_mode(op, mode);
+  check_psw(op, per_sample_weights, slots, mode, grad_output.scalar_type());
+  TORCH_CHECK(num_rows >= 0, op, ": num_rows must be >= 0, got ", num_rows);
+  const c10::cuda::CUDAGuard guard(grad_output.device());
+  const int64_t N = slots.numel();
+  check_num_ids(op, N);
+  // check_offsets reads offsets on the host (a device-to-host copy and a sync).
+  const int64_t B = check_offsets(op, offsets, N, include_last_offset);
+  TORCH_CHECK(grad_output.size(0) == B, op, ": grad_output must have one row per bag (", B, " bags), got ",
+              grad_output.size(0), " rows");
+  TORCH_CHECK(B <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 bags on CUDA, got ", B);
+  const at::Tensor s = slots.contiguous();
+  const at::Tensor o = offsets.contiguous();
+  check_slot_values(op, s, -1, "");
+  const at::Tensor g = grad_output.contiguous();
+  const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
+  if (N == 0) return {at::empty({0}, s.options()), at::empty({0, g.size(1)}, g.options())};
+  // 32-bit sort keys while the sentinel num_rows fits.
+  if (num_rows < (int64_t{1} << 32)) return accumulate<uint32_t>(g, s, o, p, mode, B, num_rows);
+  return accumulate<uint64_t>(g, s, o, p, mode, B, num_rows);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace veloce
+
+TORCH_LIBRARY_IMPL(veloce, CUDA, m) {
+  m.impl("pooled_lookup", &veloce::cuda::pooled_lookup_cuda);
+  m.impl("accumulate_grad", &veloce::cuda::accumulate_grad_cuda);
+}

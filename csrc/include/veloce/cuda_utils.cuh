@@ -1,0 +1,217 @@
+// Helpers shared by the CUDA kernels (csrc/cuda/*.cu): launch plumbing, CUB temporary
+// storage, 16-byte vector packs, the SWAR digest match of a 32-slot bucket, and the
+// argument checks that the CUDA kernels share with the CPU ones (same messages).
+//
+// Device-side table layout: a bucket's 32 digests are 32 bytes (one sector), loaded as
+// two 16-byte vectors and compared 4 bytes at a time with __vcmpeq4; keys are confirmed
+// only on a digest match (keys live in their own array).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+
+#include "veloce/check.h"
+#include "veloce/hash.h"
+#include "veloce/init.h"
+
+namespace veloce {
+namespace cuda {
+
+constexpr int kThreads = 256;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Blocks of kThreads covering n threads (n > 0).
+inline unsigned grid_for(int64_t n, int threads = kThreads) {
+  return static_cast<unsigned>(ceil_div(n, threads));
+}
+
+// The current stream (what at::cuda::getCurrentCUDAStream returns; the c10 header avoids
+// ATen/cuda/CUDAContext.h, which needs the cuSPARSE/cuBLAS headers).
+inline cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
+
+// Runs a CUB device-wide algorithm twice (size query, then work), its temporary storage
+// taken from the caching allocator. f(void* temp, size_t& bytes) -> cudaError_t.
+template <typename F>
+void cub_call(const at::Tensor& like, F&& f) {
+  size_t bytes = 0;
+  C10_CUDA_CHECK(f(nullptr, bytes));
+  at::Tensor temp = at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, like.options().dtype(at::kByte));
+  C10_CUDA_CHECK(f(temp.data_ptr(), bytes));
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// n ids are indexed with int32 positions (CUB sorts, compaction).
+inline void check_num_ids(const char* op, int64_t n) {
+  TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 ids per call on CUDA, got ", n,
+              "; split the batch");
+}
+
+// Lanes given to one row of D elements read V at a time: a power of two <= 32.
+inline int lanes_for(int64_t D, int V) {
+  const int64_t need = ceil_div(std::max<int64_t>(D, 1), V);
+  int g = 1;
+  while (g < 32 && g < need) g <<= 1;
+  return g;
+}
+
+// ---- vector packs --------------------------------------------------------------------
+
+// V elements of T read or written as one (or, above 16 bytes, several) wide access.
+template <typename T, int V>
+struct alignas(sizeof(T) * V <= 16 ? sizeof(T) * V : 16) Pack {
+  T v[V];
+};
+
+template <typename T, int V>
+__device__ __forceinline__ Pack<T, V> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, V>*>(p);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, V>& x) {
+  *reinterpret_cast<Pack<T, V>*>(p) = x;
+}
+
+// Elements per 16-byte access.
+template <typename T>
+constexpr int vec16() {
+  return static_cast<int>(16 / sizeof(T));
+}
+
+// ---- bucket probing (device) ---------------------------------------------------------
+
+// The 32 digests of one bucket as 8 little-endian words (byte i of word k = slot 4k + i).
+struct BucketDigests {
+  uint32_t w[8];
+};
+
+// kFresh: read from L2 every time (the insert path, where other threads CAS digests).
+template <bool kFresh>
+__device__ __forceinline__ BucketDigests load_bucket(const uint8_t* digests, int64_t bucket) {
+  const uint4* p = reinterpret_cast<const uint4*>(digests + bucket * kBucketSize);
+  const uint4 a = kFresh ? __ldcv(p) : __ldg(p);
+  const uint4 b = kFresh ? __ldcv(p + 1) : __ldg(p + 1);
+  return {{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}};
+}
+
+// One bit per byte: bit i set where byte i of eq is 0xff (eq from __vcmpeq4).
+__device__ __forceinline__ uint32_t byte_bits(uint32_t eq) {
+  // Bits 7, 15, 23, 31 land on 28..31 without carries: 2^21 + 2^14 + 2^7 + 1.
+  return ((eq & 0x80808080u) * 0x00204081u) >> 28;
+}
+
+// Bit s of the result is set where slot s of the bucket holds `digest`.
+__device__ __forceinline__ uint32_t match_mask(const BucketDigests& d, uint32_t digest) {
+  const uint32_t pattern = 0x01010101u * digest;
+  uint32_t m = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) m |= byte_bits(__vcmpeq4(d.w[k], pattern)) << (4 * k);
+  return m;
+}
+
+__device__ __forceinline__ uint32_t empty_mask(const BucketDigests& d) { return match_mask(d, kEmptyDigest); }
+
+struct DeviceProbe {
+  int64_t a, b;  // buckets (b may equal a)
+  uint32_t digest;
+};
+
+__device__ __forceinline__ DeviceProbe device_probe(int64_t key, int64_t num_buckets) {
+  const uint64_t h = table_hash(key);
+  return {bucket_a(h, num_buckets), bucket_b(h, num_buckets), digest_of(h)};
+}
+
+// The slot of key among the digest matches `m` of bucket, or -1.
+__device__ __forceinline__ int64_t confirm(const int64_t* __restrict__ keys, int64_t bucket, uint32_t m,
+                                          int64_t key) {
+  const int64_t base = bucket * kBucketSize;
+  while (m != 0) {
+    const int i = __ffs(m) - 1;
+    if (__ldg(keys + base + i) == key) return base + i;
+    m &= m - 1;
+  }
+  return -1;
+}
+
+// The slot of key, or -1. Both buckets' digests are requested before either is used, so
+// the two 32-byte reads overlap; keys are read only on a digest match.
+__device__ __forceinline__ int64_t find_slot_device(const int64_t* __restrict__ keys,
+                                                    const uint8_t* __restrict__ digests, int64_t num_buckets,
+                                                    int64_t key) {
+  const DeviceProbe p = device_probe(key, num_buckets);
+  const BucketDigests da = load_bucket<false>(digests, p.a);
+  const BucketDigests db = load_bucket<false>(digests, p.b);
+  const int64_t s = confirm(keys, p.a, match_mask(da, p.digest), key);
+  if (s >= 0 || p.b == p.a) return s;
+  return confirm(keys, p.b, match_mask(db, p.digest), key);
+}
+
+// ---- initial values ------------------------------------------------------------------
+
+// Computed in double, rounded to float, then to the weight dtype (as on CPU).
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t to_weight(double v) {
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return v;
+  } else {
+    return static_cast<scalar_t>(static_cast<float>(v));
+  }
+}
+
+// ---- argument checks (same messages as the CPU kernels) ------------------------------
+
+inline void check_int_arg(const char* op, const char* name, int64_t value, int64_t lo, int64_t hi,
+                          const char* meaning) {
+  TORCH_CHECK(value >= lo && value <= hi, op, ": ", name, " must be one of ", meaning, ", got ", value);
+}
+
+inline void check_ids(const char* op, const at::Tensor& ids, const at::Tensor& keys) {
+  check_dtype(op, "ids", ids, at::kLong);
+  check_dim(op, "ids", ids, 1);
+  check_same_device(op, "ids", ids, "keys", keys);
+}
+
+inline void check_table_rows(const char* op, const at::Tensor& weights, const at::Tensor& opt_state,
+                             const at::Tensor& keys) {
+  check_rows(op, "weights", weights, keys);
+  check_rows(op, "opt_state", opt_state, keys);
+  const at::ScalarType wt = weights.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kDouble || wt == at::kHalf || wt == at::kBFloat16, op,
+              ": weights must be Float, Double, Half or BFloat16, got ", c10::toString(wt));
+  const at::ScalarType st = opt_state.scalar_type();
+  const at::ScalarType want = wt == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(st == want, op, ": opt_state must be ", c10::toString(want), " for ", c10::toString(wt),
+              " weights, got ", c10::toString(st));
+}
+
+inline void check_init(const char* op, int64_t kind, double a, double b) {
+  check_int_arg(op, "init_kind", kind, 0, 3, "0 zeros, 1 constant, 2 uniform, 3 normal");
+  TORCH_CHECK(std::isfinite(a) && std::isfinite(b), op, ": init_a and init_b must be finite, got ", a, " and ",
+              b);
+  if (kind == kInitUniform) {
+    TORCH_CHECK(a <= b, op, ": uniform init needs init_a <= init_b, got init_a = ", a, ", init_b = ", b);
+  }
+  if (kind == kInitNormal) TORCH_CHECK(b >= 0, op, ": normal init needs init_b (std) >= 0, got ", b);
+}
+
+// The table's digests are read 16 bytes at a time and CAS'd 4 bytes at a time.
+inline void check_cuda_table(const char* op, const at::Tensor& keys, const at::Tensor& digests) {
+  TORCH_CHECK(keys.is_cuda(), op, ": keys must be a CUDA tensor here, got one on ", keys.device());
+  TORCH_CHECK(aligned16(digests.data_ptr()), op,
+              ": digests must start on a 16-byte boundary on CUDA (pass the whole table tensor, not a view "
+              "at an offset)");
+}
+
+}  // namespace cuda
+}  // namespace veloce

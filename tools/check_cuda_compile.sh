@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Compiles every csrc/cuda/*.cu for sm_90 into /tmp, so the CUDA kernels can be checked on
+# a machine without a GPU (CPU-only torch is enough: its headers include c10/cuda). Fails
+# on any compiler warning and on register spills in veloce's kernels. With -v prints
+# ptxas' registers / stack frame / spills per kernel.
+#
+#   tools/check_cuda_compile.sh          # compile, warnings are errors
+#   tools/check_cuda_compile.sh -v       # also print the ptxas resource usage per kernel
+#
+# Environment: PYTHON (default: python3 that imports torch), NVCC (default: nvcc on PATH
+# or /usr/local/cuda/bin/nvcc), ARCH (default 90), OUT_DIR (default /tmp/veloce_cuda_check).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VERBOSE=0
+[ "${1:-}" = "-v" ] && VERBOSE=1
+
+PYTHON="${PYTHON:-}"
+if [ -z "$PYTHON" ]; then
+  for p in python3 /work/venv/bin/python python; do
+    if command -v "$p" >/dev/null 2>&1 && "$p" -c "import torch" 2>/dev/null; then PYTHON="$p"; break; fi
+  done
+fi
+[ -n "$PYTHON" ] || { echo "no python with torch found; set PYTHON" >&2; exit 2; }
+NVCC="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
+[ -x "$NVCC" ] || { echo "nvcc not found; set NVCC" >&2; exit 2; }
+ARCH="${ARCH:-90}"
+OUT_DIR="${OUT_DIR:-/tmp/veloce_cuda_check}"
+mkdir -p "$OUT_DIR"
+
+read -r TORCH_INC TORCH_API_INC PY_INC ABI < <("$PYTHON" - <<'PY'
+import os, sysconfig, torch
+inc = os.path.join(os.path.dirname(torch.__file__), "include")
+print(inc, os.path.join(inc, "torch", "csrc", "api", "include"), sysconfig.get_paths()["include"],
+      int(torch._C._GLIBCXX_USE_CXX11_ABI))
+PY
+)
+
+FLAGS=(-c -std=c++17 -O3 --expt-relaxed-constexpr --extended-lambda
+       -gencode "arch=compute_${ARCH},code=sm_${ARCH}"
+       -I csrc/include -isystem "$TORCH_INC" -isystem "$TORCH_API_INC" -isystem "$PY_INC"
+       -D_GLIBCXX_USE_CXX11_ABI="$ABI" -DVELOCE_WITH_CUDA=1 -DTORCH_EXTENSION_NAME=_C
+       -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE  # a CPU-only torch lacks the generated c10/cuda/impl/cuda_cmake_macros.h
+       -Xcompiler -Wall -Xptxas -warn-spills)
+[ "$VERBOSE" = 1 ] && FLAGS+=(-Xptxas -v)
+
+status=0
+for src in csrc/cuda/*.cu; do
+  obj="$OUT_DIR/$(basename "${src%.cu}").o"
+  log="$OUT_DIR/$(basename "${src%.cu}").log"
+  echo "== $src"
+  if "$NVCC" "${FLAGS[@]}" "$src" -o "$obj" >"$log" 2>&1; then
+    if [ "$VERBOSE" = 1 ]; then
+      # One line per kernel: demangled name, registers, spills, stack frame.
+      "$PYTHON" - "$log" <<'PY'
+import re, subprocess, sys
+lines = open(sys.argv[1]).read().splitlines()
+name = None
+for i, line in enumerate(lines):
+    m = re.search(r"Compiling entry function '(\w+)'", line)
+    if m:
+        name = m.group(1)
+    m = re.search(r"Used (\d+) registers", line)
+    if m and name:
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                          " ".join(lines[max(0, i - 2):i + 1]))
+        dem = subprocess.run(["c++filt", name], capture_output=True, text=True).stdout.strip()
+        dem = dem.replace("veloce::cuda::(anonymous namespace)::", "").replace("void ", "")
+        dem = re.sub(r"\(.*", "", dem)
+        print(f"   {m.group(1):>3} regs  frame/spill-st/spill-ld {'/'.join(frame.groups()) if frame else '?'}  {dem}")
+        name = None
+PY
+    fi
+    # Any compiler warning fails the check, except ptxas spill warnings inside CUB's own
+    # kernels (not ours to fix).
+    if grep -i -E "warning|error" "$log" | grep -v -E "_ZN3cub|^ptxas info"; then
+      status=1
+    fi
+  else
+    cat "$log"
+    status=1
+  fi
+done
+[ "$status" = 0 ] && echo "all CUDA sources compiled" || echo "CUDA compile FAILED"
+exit "$status"
