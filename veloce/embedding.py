@@ -247,7 +247,8 @@ class DynamicEmbedding(nn.Module):
             return
         _ext.require()
         slots, grads = self._pending_gradient()
-        if self.nonfinite_grad != "apply":
+        if self.nonfinite_grad != "apply" and not bool(torch.isfinite(grads.sum()).item()):
+            # One reduction is the fast check; only a non-finite sum pays for the exact scan.
             finite = torch.isfinite(grads).all(dim=1)
             if not bool(finite.all()):
                 if self.nonfinite_grad == "raise":

@@ -38,7 +38,7 @@ void check_mode(const char* op, int64_t mode) {
 void check_row_dtype(const char* op, const char* name, const at::Tensor& t) {
   const auto st = t.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16, op, ": ", name,
-              " must be float32, float64, float16 or bfloat16, got ", c10::toString(st));
+              " must be float32, float64, float16 or bfloat16, got ", dtype_name(st));
 }
 
 void check_psw(const char* op, const std::optional<at::Tensor>& psw, const at::Tensor& slots, int64_t mode,
@@ -49,7 +49,7 @@ void check_psw(const char* op, const std::optional<at::Tensor>& psw, const at::T
   check_dim(op, "per_sample_weights", *psw, 1);
   check_same_device(op, "per_sample_weights", *psw, "slots", slots);
   TORCH_CHECK(psw->scalar_type() == want, op, ": per_sample_weights must have the dtype of the rows (",
-              c10::toString(want), "), got ", c10::toString(psw->scalar_type()));
+              dtype_name(want), "), got ", dtype_name(psw->scalar_type()));
   TORCH_CHECK(psw->numel() == slots.numel(), op, ": per_sample_weights must have one entry per slot (",
               slots.numel(), "), got ", psw->numel());
 }
@@ -173,8 +173,8 @@ at::Tensor pooled_lookup_cuda(const at::Tensor& weights, const at::Tensor& slots
     check_dim(op, "extra_rows", *extra_rows, 2);
     check_same_device(op, "extra_rows", *extra_rows, "weights", weights);
     TORCH_CHECK(extra_rows->scalar_type() == weights.scalar_type(), op,
-                ": extra_rows must have the dtype of weights (", c10::toString(weights.scalar_type()), "), got ",
-                c10::toString(extra_rows->scalar_type()));
+                ": extra_rows must have the dtype of weights (", dtype_name(weights.scalar_type()), "), got ",
+                dtype_name(extra_rows->scalar_type()));
     check_size(op, "extra_rows", *extra_rows, 1, D, "weights.size(1)");
     M = extra_rows->size(0);
   }

@@ -506,7 +506,7 @@ at::Tensor initialize_cuda(const at::Tensor& ids_in, int64_t dim, int64_t seed, 
   check_dim(op, "ids", ids_in, 1);
   TORCH_CHECK(dim >= 0, op, ": dim must be >= 0, got ", dim);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16, op,
-              ": dtype must be Float, Double, Half or BFloat16, got ", c10::toString(dtype));
+              ": dtype must be float32, float64, float16 or bfloat16, got ", dtype_name(dtype));
   check_init(op, init_kind, init_a, init_b);
   const c10::cuda::CUDAGuard guard(ids_in.device());
   const at::Tensor ids = ids_in.contiguous();

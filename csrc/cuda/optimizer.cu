@@ -168,7 +168,7 @@ void sparse_update_cuda(const at::Tensor& weights, const at::Tensor& opt_state, 
               ": optimizer must be 0 (SGD), 1 (Adagrad), 2 (RowWiseAdagrad) or 3 (Adam), got ", optimizer);
   const auto st = weights.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16, op,
-              ": weights must be float32, float64, float16 or bfloat16, got ", c10::toString(st));
+              ": weights must be float32, float64, float16 or bfloat16, got ", dtype_name(st));
   check_dim(op, "weights", weights, 2);
   TORCH_CHECK(weights.is_contiguous(), op, ": weights must be contiguous (it is updated in place)");
   const int64_t C = weights.size(0);
@@ -187,8 +187,8 @@ void sparse_update_cuda(const at::Tensor& weights, const at::Tensor& opt_state, 
   check_dim(op, "slots", slots, 1);
   check_same_device(op, "slots", slots, "weights", weights);
   const int64_t U = slots.numel();
-  TORCH_CHECK(grads.scalar_type() == st, op, ": grads must have the dtype of weights (", c10::toString(st),
-              "), got ", c10::toString(grads.scalar_type()));
+  TORCH_CHECK(grads.scalar_type() == st, op, ": grads must have the dtype of weights (", dtype_name(st),
+              "), got ", dtype_name(grads.scalar_type()));
   check_dim(op, "grads", grads, 2);
   check_same_device(op, "grads", grads, "weights", weights);
   check_size(op, "grads", grads, 0, U, "slots.numel()");

@@ -188,11 +188,11 @@ inline void check_table_rows(const char* op, const at::Tensor& weights, const at
   check_rows(op, "opt_state", opt_state, keys);
   const at::ScalarType wt = weights.scalar_type();
   TORCH_CHECK(wt == at::kFloat || wt == at::kDouble || wt == at::kHalf || wt == at::kBFloat16, op,
-              ": weights must be Float, Double, Half or BFloat16, got ", c10::toString(wt));
+              ": weights must be float32, float64, float16 or bfloat16, got ", dtype_name(wt));
   const at::ScalarType st = opt_state.scalar_type();
   const at::ScalarType want = wt == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(st == want, op, ": opt_state must be ", c10::toString(want), " for ", c10::toString(wt),
-              " weights, got ", c10::toString(st));
+  TORCH_CHECK(st == want, op, ": opt_state must be ", dtype_name(want), " for ", dtype_name(wt),
+              " weights, got ", dtype_name(st));
 }
 
 inline void check_init(const char* op, int64_t kind, double a, double b) {
