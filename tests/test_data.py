@@ -150,7 +150,9 @@ def test_criteo_reads_gzip(tmp_path):
     gz = tmp_path / "part.tsv.gz"
     with gzip.open(gz, "wb") as f:
         f.write(b"\n".join(lines) + b"\n")
-    for g, w in zip(read_all(CriteoTSV(gz, batch_size=64)), read_all(CriteoTSV(TRAIN, batch_size=64, stop=50))):
+    for g, w in zip(
+        read_all(CriteoTSV(gz, batch_size=64)), read_all(CriteoTSV(TRAIN, batch_size=64, stop=50))
+    ):
         assert torch.equal(g, w)
 
 
@@ -172,7 +174,7 @@ GOOD = "0\t1\t\t-3\t" + "\t" * 10 + "\t".join(["0a1b2c3d"] * 26)
 )
 def test_criteo_malformed_line_names_file_line_and_field(tmp_path, bad, message):
     path = tmp_path / "bad.tsv"
-    path.write_text("\n".join([GOOD, GOOD, bad, GOOD]) + "\n")
+    path.write_text(f"{GOOD}\n{GOOD}\n{bad}\n{GOOD}" + "\n")
     assert len(list(CriteoTSV(path, batch_size=2, stop=2))) == 1  # the good lines parse
     with pytest.raises(ValueError, match=message):
         list(CriteoTSV(path, batch_size=2))

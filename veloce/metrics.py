@@ -29,7 +29,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Metric", "AUC", "LogLoss", "Accuracy"]
+__all__ = ["AUC", "Accuracy", "LogLoss", "Metric"]
 
 
 class Metric:
@@ -47,7 +47,9 @@ class Metric:
     def __call__(self, preds: torch.Tensor, target: torch.Tensor) -> None:
         self.update(preds, target)
 
-    def _inputs(self, preds: torch.Tensor, target: torch.Tensor, binary: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(
+        self, preds: torch.Tensor, target: torch.Tensor, binary: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         name = type(self).__name__
         if not isinstance(preds, torch.Tensor) or not isinstance(target, torch.Tensor):
             raise TypeError(
@@ -161,7 +163,9 @@ class LogLoss(Metric):
             loss = F.binary_cross_entropy_with_logits(p, t, reduction="sum")
         else:
             if ((p < 0) | (p > 1)).any():
-                raise ValueError("LogLoss.update: preds must be probabilities in [0, 1] with from_logits=False")
+                raise ValueError(
+                    "LogLoss.update: preds must be probabilities in [0, 1] with from_logits=False"
+                )
             loss = F.binary_cross_entropy(p, t, reduction="sum")
         self._sum += float(loss)
         self._count += p.numel()

@@ -12,10 +12,10 @@ from veloce.data.criteo import DENSE_NAMES, MISSING_ID, SPARSE_NAMES, CriteoTSV
 from veloce.data.synthetic import SyntheticClicks, expected_auc, raw_ids
 
 __all__ = [
-    "CriteoTSV",
     "DENSE_NAMES",
     "MISSING_ID",
     "SPARSE_NAMES",
+    "CriteoTSV",
     "SyntheticClicks",
     "expected_auc",
     "raw_ids",

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import gzip
 import os
-from typing import IO, Iterator, Optional, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import IO, Optional, Union
 
 import numpy as np
 import torch
@@ -92,11 +93,11 @@ class CriteoTSV(IterableDataset):
 
     def __init__(
         self,
-        paths: Union[PathLike, Sequence[PathLike]],
+        paths: PathLike | Sequence[PathLike],
         batch_size: int = 4096,
         has_label: bool = True,
         start: int = 0,
-        stop: Optional[int] = None,
+        stop: int | None = None,
         log_dense: bool = True,
         drop_last: bool = False,
         rank: int = 0,

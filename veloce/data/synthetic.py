@@ -30,7 +30,7 @@ same whatever the batch size, the number of DataLoader workers or of ranks.
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sequence, Union
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -118,7 +118,7 @@ def expected_auc(logits: np.ndarray | torch.Tensor) -> float:
     s, p = s[order], p[order]
     q = 1.0 - p
     # group ties: pairs inside a group count one half
-    _, first, counts = np.unique(s, return_index=True, return_counts=True)
+    _, first = np.unique(s, return_index=True)
     p_grp = np.add.reduceat(p, first)
     q_grp = np.add.reduceat(q, first)
     q_below = np.cumsum(q_grp) - q_grp
@@ -177,7 +177,7 @@ class SyntheticClicks(IterableDataset):
         batch_size: int = 1024,
         num_dense: int = 13,
         num_sparse: int = 26,
-        id_space: Union[int, Sequence[int]] = 10**6,
+        id_space: int | Sequence[int] = 10**6,
         zipf_alpha: float = 1.15,
         seed: int = 0,
         start: int = 0,
