@@ -84,7 +84,8 @@ class AUC(Metric):
 
     Rank-based (Mann-Whitney): tied scores share their average rank, so a tie between a
     positive and a negative counts one half, as in ``sklearn.metrics.roc_auc_score``.
-    Keeps every prediction (16 bytes a sample); ``compute`` sorts them, O(n log n).
+    Keeps every prediction (9 bytes a sample: a float64 score and a bool label); ``compute``
+    sorts them, O(n log n).
     AUC is the same for logits and probabilities up to ties that rounding a sigmoid
     creates, so no ``from_logits`` is needed.
 
