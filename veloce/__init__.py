@@ -10,13 +10,13 @@ Example::
     out = emb(torch.tensor([[42, -7], [2**62, 42]]))         # any int64 id; (2, 16)
 """
 
-from veloce import _ext
-from veloce import init
-from veloce import ops
-from veloce import optim
+from veloce import _ext, data, init, metrics, models, ops, optim
 from veloce.embedding import DynamicEmbedding
 from veloce.table import HashTable, TableFullError
 
 __version__ = "0.1.0"
 
-__all__ = ["DynamicEmbedding", "HashTable", "TableFullError", "init", "ops", "optim", "__version__"]
+__all__ = [
+    "DynamicEmbedding", "HashTable", "TableFullError",
+    "data", "init", "metrics", "models", "ops", "optim", "__version__",
+]
