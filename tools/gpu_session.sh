@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Build veloce on the GPU machine and run the chosen stages; logs go to $OUT.
+#   tools/gpu_session.sh build test checks bench
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/veloce-out}"; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+for stage in "$@"; do
+  case "$stage" in
+    build)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+      python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+      start=$(date +%s)
+      TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 \
+        || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
+      echo "build: $(( $(date +%s) - start )) s"
+      python3 -c "import veloce; assert veloce._ext.has_cuda_kernels(), 'no CUDA kernels'; print('CUDA kernels: yes')"
+      ;;
+    test)
+      timeout 900 python3 -m pytest tests -q -p no:cacheprovider -k "cuda" 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25
+      ;;
+    testall)
+      timeout 900 python3 -m pytest tests -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_all.log" | tail -25
+      ;;
+    checks)
+      timeout 300 python3 tools/cuda_checks.py 2>&1 | tee "$OUT/cuda_checks.log" | tail -30
+      ;;
+    sanitize)
+      timeout 600 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_hash_table.py \
+        tests/test_embedding.py tests/test_optimizer.py -q -p no:cacheprovider -k "cuda and not hypothesis" -x 2>&1 \
+        | tee "$OUT/sanitizer.log" | tail -15
+      ;;
+    bench)
+      timeout 600 python3 benchmarks/bench_hash_table.py --json "$OUT/bench_hash_table.json" 2>&1 | tee "$OUT/bench_hash_table.log" | tail -20
+      timeout 600 python3 benchmarks/bench_embedding.py --device cuda --json "$OUT/bench_embedding.json" 2>&1 | tee "$OUT/bench_embedding.log" | tail -12
+      ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
