@@ -2,8 +2,47 @@
 #include "veloce/check.h"
 
 #include "veloce/hash.h"
+#include "veloce/init.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
 
 namespace veloce {
+
+std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+
+void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType want) {
+  TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must be ", dtype_name(want), ", got ",
+              dtype_name(t.scalar_type()));
+}
+
+void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got a ", t.dim(), "-D tensor of shape ",
+              t.sizes());
+}
+
+void check_floating(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), op, ": ", name, " must be a floating-point tensor, got ",
+              dtype_name(t.scalar_type()));
+}
+
+void check_same_device(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                       const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
+              ref.device(), "; move them to the same device");
+}
+
+void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim, int64_t want,
+                const char* what) {
+  TORCH_CHECK(t.size(dim) == want, op, ": ", name, ".size(", dim, ") must equal ", what, " (", want, "), got ",
+              t.size(dim));
+}
+
+void check_int_arg(const char* op, const char* name, int64_t value, int64_t lo, int64_t hi, const char* meaning) {
+  TORCH_CHECK(value >= lo && value <= hi, op, ": ", name, " must be one of ", meaning, ", got ", value);
+}
+
 
 void check_table_keys(const char* op, const at::Tensor& keys, const at::Tensor& digests) {
   check_dtype(op, "keys", keys, at::kLong);
@@ -84,6 +123,28 @@ int64_t check_offsets(const char* op, const at::Tensor& offsets, int64_t n, bool
                 n, "), got ", o[len - 1]);
   }
   return num_bags;
+}
+
+void check_init(const char* op, int64_t kind, double a, double b) {
+  check_int_arg(op, "init_kind", kind, 0, 3, "0 zeros, 1 constant, 2 uniform, 3 normal");
+  TORCH_CHECK(std::isfinite(a) && std::isfinite(b), op, ": init_a and init_b must be finite, got ", a, " and ",
+              b);
+  if (kind == kInitUniform) {
+    TORCH_CHECK(a <= b, op, ": uniform init needs init_a <= init_b, got init_a = ", a, ", init_b = ", b);
+  }
+  if (kind == kInitNormal) TORCH_CHECK(b >= 0, op, ": normal init needs init_b (std) >= 0, got ", b);
+}
+
+void check_num_ids_cuda(const char* op, int64_t n) {
+  TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 ids per call on CUDA, got ", n,
+              "; split the batch");
+}
+
+void check_cuda_table(const char* op, const at::Tensor& keys, const at::Tensor& digests) {
+  TORCH_CHECK(keys.is_cuda(), op, ": keys must be a CUDA tensor here, got one on ", keys.device());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(digests.data_ptr()) % 16 == 0, op,
+              ": digests must start on a 16-byte boundary on CUDA (pass the whole table tensor, not a view "
+              "at an offset)");
 }
 
 }  // namespace veloce

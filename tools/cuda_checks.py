@@ -49,7 +49,15 @@ def rand_ids(n: int, lo: int = -(1 << 63), hi: int = (1 << 63) - 1) -> torch.Ten
 
 
 def same_table(a, b) -> bool:
-    return all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(as_dict(a), as_dict(b)))
+    """Keys, scores and state exactly; initial rows to within an ulp (CUDA's double
+    log/cos may differ from glibc's in the last bit before rounding to the row dtype)."""
+    def same(x, y):
+        x, y = x.cpu(), y.cpu()
+        if not x.is_floating_point():
+            return torch.equal(x, y)
+        eps = torch.finfo(x.dtype).eps
+        return x.shape == y.shape and torch.allclose(x.double(), y.double(), rtol=2 * eps, atol=2 * eps)
+    return all(same(x, y) for x, y in zip(as_dict(a), as_dict(b)))
 
 
 def main() -> None:

@@ -247,16 +247,6 @@ void init_row(scalar_t* row, int64_t dim, int64_t seed, int64_t id, int64_t kind
   for (int64_t j = 0; j < dim; ++j) row[j] = to_weight<scalar_t>(init_value(seed, id, j, kind, a, b));
 }
 
-void check_init(const char* op, int64_t kind, double a, double b) {
-  check_int_arg(op, "init_kind", kind, 0, 3, "0 zeros, 1 constant, 2 uniform, 3 normal");
-  TORCH_CHECK(std::isfinite(a) && std::isfinite(b), op, ": init_a and init_b must be finite, got ", a, " and ",
-              b);
-  if (kind == kInitUniform) {
-    TORCH_CHECK(a <= b, op, ": uniform init needs init_a <= init_b, got init_a = ", a, ", init_b = ", b);
-  }
-  if (kind == kInitNormal) TORCH_CHECK(b >= 0, op, ": normal init needs init_b (std) >= 0, got ", b);
-}
-
 // Checks shared by the inserting ops; returns the contiguous ids.
 at::Tensor check_insert_args(const char* op, const at::Tensor& keys, const at::Tensor& digests,
                              const at::Tensor& scores, const at::Tensor& weights, const at::Tensor& opt_state,

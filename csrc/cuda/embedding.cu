@@ -407,7 +407,7 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cuda(const at::Tensor& grad_o
   TORCH_CHECK(num_rows >= 0, op, ": num_rows must be >= 0, got ", num_rows);
   const c10::cuda::CUDAGuard guard(grad_output.device());
   const int64_t N = slots.numel();
-  check_num_ids(op, N);
+  check_num_ids_cuda(op, N);
   // check_offsets reads offsets on the host (a device-to-host copy and a sync).
   const int64_t B = check_offsets(op, offsets, N, include_last_offset);
   TORCH_CHECK(grad_output.size(0) == B, op, ": grad_output must have one row per bag (", B, " bags), got ",

@@ -246,7 +246,10 @@ InsertOutcome insert_uniques(const Table& t, UniqueTensors& ut, const at::Tensor
   out.inserted = host.data_ptr<int32_t>()[1];
   if (out.inserted == 0) return out;
   const int64_t n_conflicted = host.data_ptr<int32_t>()[3];
-  const bool sequential = n_conflicted > 0 && n_conflicted <= kSequentialMax;
+  // Deterministic mode (torch.use_deterministic_algorithms) always places conflicting ids
+  // in order, whatever their number, so placement (and hence eviction) repeats exactly.
+  const bool sequential = n_conflicted > 0 && (n_conflicted <= kSequentialMax ||
+                                               at::globalContext().deterministicAlgorithms());
 
   at::Tensor overflow = at::empty({u.n}, int_opts);
   claim_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, sequential ? conflicted.data_ptr<uint8_t>() : nullptr,
@@ -296,7 +299,7 @@ at::Tensor check_insert_args(const char* op, const at::Tensor& keys, const at::T
   check_ids(op, ids, keys);
   check_int_arg(op, "score_policy", score_policy, 0, 2, "0 none, 1 LRU, 2 LFU");
   check_cuda_table(op, keys, digests);
-  check_num_ids(op, ids.numel());
+  check_num_ids_cuda(op, ids.numel());
   return ids.contiguous();
 }
 
@@ -460,7 +463,7 @@ at::Tensor erase_cuda(const at::Tensor& keys, at::Tensor& digests, const at::Ten
   check_table_keys(op, keys, digests);
   check_ids(op, ids_in, keys);
   check_cuda_table(op, keys, digests);
-  check_num_ids(op, ids_in.numel());
+  check_num_ids_cuda(op, ids_in.numel());
   const c10::cuda::CUDAGuard guard(keys.device());
   const at::Tensor ids = ids_in.contiguous();
   const int64_t n = ids.numel();

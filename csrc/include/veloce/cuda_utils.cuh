@@ -51,12 +51,6 @@ void cub_call(const at::Tensor& like, F&& f) {
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// n ids are indexed with int32 positions (CUB sorts, compaction).
-inline void check_num_ids(const char* op, int64_t n) {
-  TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 ids per call on CUDA, got ", n,
-              "; split the batch");
-}
-
 // Lanes given to one row of D elements read V at a time: a power of two <= 32.
 inline int lanes_for(int64_t D, int V) {
   const int64_t need = ceil_div(std::max<int64_t>(D, 1), V);
@@ -167,50 +161,6 @@ __device__ __forceinline__ scalar_t to_weight(double v) {
   } else {
     return static_cast<scalar_t>(static_cast<float>(v));
   }
-}
-
-// ---- argument checks (same messages as the CPU kernels) ------------------------------
-
-inline void check_int_arg(const char* op, const char* name, int64_t value, int64_t lo, int64_t hi,
-                          const char* meaning) {
-  TORCH_CHECK(value >= lo && value <= hi, op, ": ", name, " must be one of ", meaning, ", got ", value);
-}
-
-inline void check_ids(const char* op, const at::Tensor& ids, const at::Tensor& keys) {
-  check_dtype(op, "ids", ids, at::kLong);
-  check_dim(op, "ids", ids, 1);
-  check_same_device(op, "ids", ids, "keys", keys);
-}
-
-inline void check_table_rows(const char* op, const at::Tensor& weights, const at::Tensor& opt_state,
-                             const at::Tensor& keys) {
-  check_rows(op, "weights", weights, keys);
-  check_rows(op, "opt_state", opt_state, keys);
-  const at::ScalarType wt = weights.scalar_type();
-  TORCH_CHECK(wt == at::kFloat || wt == at::kDouble || wt == at::kHalf || wt == at::kBFloat16, op,
-              ": weights must be float32, float64, float16 or bfloat16, got ", dtype_name(wt));
-  const at::ScalarType st = opt_state.scalar_type();
-  const at::ScalarType want = wt == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(st == want, op, ": opt_state must be ", dtype_name(want), " for ", dtype_name(wt),
-              " weights, got ", dtype_name(st));
-}
-
-inline void check_init(const char* op, int64_t kind, double a, double b) {
-  check_int_arg(op, "init_kind", kind, 0, 3, "0 zeros, 1 constant, 2 uniform, 3 normal");
-  TORCH_CHECK(std::isfinite(a) && std::isfinite(b), op, ": init_a and init_b must be finite, got ", a, " and ",
-              b);
-  if (kind == kInitUniform) {
-    TORCH_CHECK(a <= b, op, ": uniform init needs init_a <= init_b, got init_a = ", a, ", init_b = ", b);
-  }
-  if (kind == kInitNormal) TORCH_CHECK(b >= 0, op, ": normal init needs init_b (std) >= 0, got ", b);
-}
-
-// The table's digests are read 16 bytes at a time and CAS'd 4 bytes at a time.
-inline void check_cuda_table(const char* op, const at::Tensor& keys, const at::Tensor& digests) {
-  TORCH_CHECK(keys.is_cuda(), op, ": keys must be a CUDA tensor here, got one on ", keys.device());
-  TORCH_CHECK(aligned16(digests.data_ptr()), op,
-              ": digests must start on a 16-byte boundary on CUDA (pass the whole table tensor, not a view "
-              "at an offset)");
 }
 
 }  // namespace cuda
