@@ -17,9 +17,17 @@ void check_dtype(const char* op, const char* name, const at::Tensor& t, at::Scal
               dtype_name(t.scalar_type()));
 }
 
+// "[2, 5]". Formatted by hand: streaming IntArrayRef into TORCH_CHECK crashed inside
+// c10::str with torch 2.11 on the GPU machine.
+std::string shape_str(const at::Tensor& t) {
+  std::string out = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  return out + "]";
+}
+
 void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
   TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got a ", t.dim(), "-D tensor of shape ",
-              t.sizes());
+              shape_str(t));
 }
 
 void check_floating(const char* op, const char* name, const at::Tensor& t) {
