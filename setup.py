@@ -53,16 +53,18 @@ def extensions():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     cxx = ["-O0", "-g"] if debug else ["-O3"]
     # -fno-math-errno: sqrt never sets errno, so loops with sqrt vectorize (we never read errno).
-    cxx += ["-std=c++17", "-fvisibility=hidden", "-fno-math-errno"]
-    # Py_LIMITED_API keeps the empty _C module ABI-stable across Python versions.
-    define_macros = [("Py_LIMITED_API", "0x03090000")]
+    # No -std flag: BuildExtension adds the standard this torch was built with (C++17 for
+    # older torch, C++20 for newer); compiling its headers under another one breaks the ABI
+    # (seen: a crash formatting an error message with torch 2.11 under -std=c++17).
+    cxx += ["-fvisibility=hidden", "-fno-math-errno"]
+    # py_limited_api=True (below) makes BuildExtension define Py_LIMITED_API itself.
+    define_macros = []
     extra = {"cxx": cxx}
     ext_cls = CppExtension
     if use_cuda:
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         define_macros.append(("VELOCE_WITH_CUDA", "1"))
         extra["nvcc"] = (["-O0", "-g", "-G"] if debug else ["-O3", "-lineinfo"]) + [
-            "-std=c++17",
             "--expt-relaxed-constexpr",
             "--extended-lambda",
         ]

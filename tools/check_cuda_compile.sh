@@ -36,7 +36,8 @@ print(inc, os.path.join(inc, "torch", "csrc", "api", "include"), sysconfig.get_p
 PY
 )
 
-FLAGS=(-c -std=c++17 -O3 --expt-relaxed-constexpr --extended-lambda
+STD=$("$PYTHON" -c "import torch; from packaging.version import Version as V; print('c++20' if V(torch.__version__.split('+')[0]) >= V('2.10') else 'c++17')" 2>/dev/null || echo c++17)
+FLAGS=(-c -std="$STD" -O3 --expt-relaxed-constexpr --extended-lambda
        -gencode "arch=compute_${ARCH},code=sm_${ARCH}"
        -I csrc/include -isystem "$TORCH_INC" -isystem "$TORCH_API_INC" -isystem "$PY_INC"
        -D_GLIBCXX_USE_CXX11_ABI="$ABI" -DVELOCE_WITH_CUDA=1 -DTORCH_EXTENSION_NAME=_C
