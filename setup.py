@@ -56,7 +56,10 @@ def extensions():
     # No -std flag: BuildExtension adds the standard this torch was built with (C++17 for
     # older torch, C++20 for newer); compiling its headers under another one breaks the ABI
     # (seen: a crash formatting an error message with torch 2.11 under -std=c++17).
-    cxx += ["-fvisibility=hidden", "-fno-math-errno"]
+    # No -fvisibility=hidden: with the CUDA objects it made the library bind its own copy
+    # of libstdc++'s ostream code (instantiated in an nvcc-compiled file) whose locale
+    # facets were never registered, and formatting any error message crashed.
+    cxx += ["-fno-math-errno"]
     # py_limited_api=True (below) makes BuildExtension define Py_LIMITED_API itself.
     define_macros = []
     extra = {"cxx": cxx}

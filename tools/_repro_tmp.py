@@ -1,13 +1,12 @@
-import torch, veloce
-ops=torch.ops.veloce
-C=64
-t=[torch.zeros(C,dtype=torch.long,device="cuda"),torch.zeros(C,dtype=torch.uint8,device="cuda"),torch.zeros(C,dtype=torch.long,device="cuda"),torch.zeros(C,4,device="cuda"),torch.zeros(C,2,device="cuda")]
-for bad in [torch.ones(2,2,dtype=torch.long,device="cuda"), torch.ones(3,device="cuda")]:
+import sys, torch, veloce
+ops = torch.ops.veloce
+dev = sys.argv[1]
+w = torch.randn(12, 5, device=dev); s = torch.arange(10, device=dev) % 12; o = torch.tensor([0, 4], device=dev)
+for name, f in [("dtype", lambda: ops.pooled_lookup(w, s.float(), o, None, 0, False)),
+                ("dim", lambda: ops.pooled_lookup(w, s.view(2, 5), o, None, 0, False)),
+                ("device", lambda: ops.find(torch.zeros(32, dtype=torch.long, device=dev), torch.zeros(32, dtype=torch.uint8, device=dev), torch.ones(2, dtype=torch.long)))]:
     try:
-        ops.find_or_insert(*t, bad, 0,0,False,0,0,0.0,0.0,None)
+        f(); print(name, "no error")
     except RuntimeError as e:
-        print("raised:", str(e)[:200])
-try:
-    ops.find(t[0], t[1], torch.ones(2,2,dtype=torch.long,device="cuda"))
-except RuntimeError as e: print("find raised:", str(e)[:200])
+        print(name, "raised:", str(e).splitlines()[0][:150], flush=True)
 print("done")
