@@ -16,6 +16,10 @@ for stage in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
       python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
       start=$(date +%s)
+      # The machine's Python was built with /opt/gcc, whose g++ links libstdc++ statically:
+      # a private libstdc++ inside _C crashed while formatting any error message. Build
+      # with the system toolchain, which links the shared libstdc++ that torch uses.
+      export CC=gcc CXX=g++ LDSHARED="g++ -shared"
       TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 \
         || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
       echo "build: $(( $(date +%s) - start )) s"
