@@ -82,4 +82,12 @@ TORCH_LIBRARY(veloce, m) {
   m.def(
       "sparse_update(Tensor(a!) weights, Tensor(b!) opt_state, Tensor slots, Tensor grads, int optimizer, "
       "float lr, float eps, float beta1, float beta2, float weight_decay, int step) -> ()");
+  // accumulate_grad then sparse_update on its output, fused: the gradient of each unique
+  // row is summed and applied in one pass (what DynamicEmbedding.step() runs). Same
+  // arguments as the two ops, same result as calling them in turn. (`pooling` is `mode`
+  // renamed: torch's functionalization of mutable ops reserves an argument named `mode`.)
+  m.def(
+      "accumulate_and_update(Tensor(a!) weights, Tensor(b!) opt_state, Tensor grad_output, Tensor slots, "
+      "Tensor offsets, Tensor? per_sample_weights, int pooling, bool include_last_offset, int optimizer, float lr, "
+      "float eps, float beta1, float beta2, float weight_decay, int step) -> ()");
 }

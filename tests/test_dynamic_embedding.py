@@ -183,9 +183,12 @@ def test_ten_steps_match_torch(device, opt_name, mode, dim):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gradient_accumulation_across_backward_calls(device):
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_gradient_accumulation_across_backward_calls(device, mode):
     (ids1, off1, t1), (ids2, off2, t2) = _batches(seed=1, steps=2, device=device)
-    a = veloce.DynamicEmbedding(8, mode="sum", optimizer=veloce.optim.Adagrad(lr=0.1), device=device)
+    pad = int(ids1[0])  # a padding id, present in the first batch
+    a = veloce.DynamicEmbedding(8, mode=mode, optimizer=veloce.optim.Adagrad(lr=0.1), device=device,
+                                padding_idx=pad)
     b = copy.deepcopy(a)
     # a: two forward/backward passes, one step; b: one pass over both batches at once
     (a(ids1, off1) * t1).sum().backward()

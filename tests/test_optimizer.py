@@ -245,3 +245,52 @@ def test_bad_inputs_name_the_argument_and_change_nothing():
         sparse_update(w.long(), s, slots, g, "adagrad", 0.1)
     with pytest.raises(ValueError, match="optimizer must be one of"):
         sparse_update(w, s, slots, g, "lamb", 0.1)
+
+
+# ---- accumulate_and_update: the fused backward + step -------------------------------------
+def _fused_case(device, dim, mode, with_psw, seed):
+    g = torch.Generator().manual_seed(seed)
+    C, n, bags = 64, 80, 9
+    slots = torch.randint(-2, C, (n,), generator=g)  # duplicates, padding (-1) and zero rows (-2)
+    cuts = torch.sort(torch.randint(0, n + 1, (bags - 1,), generator=g)).values
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), cuts])
+    psw = torch.rand(n, generator=g) if with_psw else None
+    grad_out = torch.randn(bags, dim, generator=g)
+    w = torch.randn(C, dim, generator=g)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(slots), to(offsets), to(psw), to(grad_out), to(w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("mode,with_psw", [(0, False), (0, True), (1, False)])
+@pytest.mark.parametrize("dim", [1, 16, 33])
+def test_accumulate_and_update_equals_the_two_ops(device, optimizer, mode, with_psw, dim):
+    from veloce.ops.embedding import accumulate_grad
+    from veloce.ops.optimizer import accumulate_and_update
+
+    slots, offsets, psw, grad_out, w = _fused_case(device, dim, mode, with_psw, seed=dim)
+    S = state_width(optimizer, dim)
+    fused_w, fused_s = w.clone(), torch.rand(w.size(0), S, device=device)
+    ref_w, ref_s = fused_w.clone(), fused_s.clone()
+    for step in (1, 2):
+        accumulate_and_update(fused_w, fused_s, grad_out, slots, offsets, psw, mode, False, optimizer, 0.1,
+                              1e-8, 0.9, 0.99, 0.01, step)
+        uniq, rows = accumulate_grad(grad_out, slots, offsets, psw, mode, False, w.size(0))
+        sparse_update(ref_w, ref_s, uniq, rows, optimizer, 0.1, 1e-8, 0.9, 0.99, 0.01, step)
+    torch.testing.assert_close(fused_w, ref_w, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(fused_s, ref_s, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accumulate_and_update_opcheck_and_bad_input(device):
+    slots, offsets, psw, grad_out, w = _fused_case(device, 8, 0, True, seed=0)
+    s = torch.zeros(w.size(0), 8, device=device)
+    args = (w, s, grad_out, slots, offsets, psw, 0, False, 1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1)
+    torch.library.opcheck(torch.ops.veloce.accumulate_and_update.default, args)
+    before = (w.clone(), s.clone())
+    with pytest.raises(RuntimeError, match=r"grad_output must have one row per bag"):
+        torch.ops.veloce.accumulate_and_update(w, s, grad_out[:3], *args[3:])
+    with pytest.raises(RuntimeError, match=r"opt_state.size\(1\) must be the state width of Adagrad"):
+        torch.ops.veloce.accumulate_and_update(w, s[:, :3].contiguous(), *args[2:])
+    assert torch.equal(w, before[0]) and torch.equal(s, before[1])

@@ -6,7 +6,7 @@ input, ``D`` embedding dim.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -115,8 +115,8 @@ class DynamicEmbedding(nn.Module):
             eviction=eviction, initializer=initializer, seed=seed, dtype=dtype, device=device,
         )  # fmt: skip
         self.step_count = 0  # sparse optimizer steps applied (Adam's t)
-        # Gradients accumulated by backward() until step(): (slots, keys, rows, table version).
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+        # Inputs of the backward passes since the last step (gradient accumulation).
+        self._pending: list[_Pending] = []
 
     # ---- nn.EmbeddingBag-compatible forward -------------------------------------------
     def forward(
@@ -213,62 +213,87 @@ class DynamicEmbedding(nn.Module):
         return ids, offsets, psw
 
     # ---- the sparse optimizer ---------------------------------------------------------
-    def _accumulate(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Adds a batch of per-unique-slot gradients to the pending gradient."""
-        if slots.numel():
-            self._pending.append((slots, self.table.keys[slots], rows, self.table.version))
+    def _accumulate(self, entry: "_Pending") -> None:
+        """Keeps one backward pass's inputs until step() (gradient accumulation)."""
+        if entry.slots.numel():
+            self._pending.append(entry)
 
-    def _pending_gradient(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merges pending gradients into (unique slots, rows), re-resolving slots whose
-        table changed (growth, eviction) by key; rows of evicted keys are dropped."""
-        table = self.table
-        slots_l, rows_l = [], []
-        for slots, keys, rows, version in self._pending:
-            if version != table.version:
-                slots = table.find(keys)
-                keep = slots >= 0
-                if not bool(keep.all()):
-                    slots, rows = slots[keep], rows[keep]
-            slots_l.append(slots)
-            rows_l.append(rows)
-        if len(slots_l) == 1 and self._pending[0][3] == table.version:
-            return slots_l[0], rows_l[0]
-        slots = torch.cat(slots_l)
-        rows = torch.cat(rows_l)
-        offsets = torch.arange(slots.numel(), device=slots.device)
-        return torch.ops.veloce.accumulate_grad(rows, slots, offsets, None, 0, False, table.capacity)
+    def _resolved(self, entry: "_Pending") -> torch.Tensor:
+        """The entry's slots under the current table: re-resolved by id if the table grew,
+        evicted or erased since; evicted ids become -2 (no gradient), padding stays -1."""
+        if entry.version == self.table.version:
+            return entry.slots
+        fresh = self.table.find(entry.ids)
+        return fresh.masked_fill(fresh < 0, -2).masked_fill(entry.slots == -1, -1)
+
+    def _merged(self) -> "_Pending":
+        """One batch equivalent to all pending ones: mean bags become sum bags with
+        per-position weights 1 / len(bag), offsets are shifted and concatenated."""
+        if len(self._pending) == 1:
+            return self._pending[0]
+        slots, offsets, psw, grads = [], [], [], []
+        base = 0
+        for e in self._pending:
+            s = self._resolved(e)
+            o = e.offsets[:-1] if e.include_last_offset else e.offsets
+            w = e.psw if e.psw is not None else torch.ones(s.numel(), dtype=e.grad.dtype, device=s.device)
+            if e.mode == _MODES["mean"]:
+                bag = _bag_of(o, s.numel())
+                counts = torch.zeros(o.numel(), dtype=e.grad.dtype, device=s.device)
+                counts.index_add_(0, bag, (s != -1).to(e.grad.dtype))
+                w = w / counts.clamp(min=1)[bag]
+            slots.append(s)
+            offsets.append(o + base)
+            psw.append(w)
+            grads.append(e.grad)
+            base += s.numel()
+        return _Pending(
+            ids=None, slots=torch.cat(slots), offsets=torch.cat(offsets), psw=torch.cat(psw),
+            grad=torch.cat(grads), mode=_MODES["sum"], include_last_offset=False, version=self.table.version,
+        )  # fmt: skip
 
     @torch.no_grad()
     def step(self, lr: Optional[float] = None) -> None:
         """Applies the sparse optimizer to every row with a pending gradient, then
         forgets the gradient. ``lr`` overrides the configured learning rate (an LR
-        scheduler sets it through :class:`veloce.optim.CombinedOptimizer`)."""
+        scheduler sets it through :class:`veloce.optim.CombinedOptimizer`).
+
+        The gradient of each touched row is summed and applied in one fused pass
+        (``torch.ops.veloce.accumulate_and_update``); rows evicted since their forward
+        pass get nothing, and a row that moved (growth) is found by its id."""
         if not self._pending:
             return
         _ext.require()
-        slots, grads = self._pending_gradient()
-        if self.nonfinite_grad != "apply" and not bool(torch.isfinite(grads.sum()).item()):
-            # One reduction is the fast check; only a non-finite sum pays for the exact scan.
-            finite = torch.isfinite(grads).all(dim=1)
-            if not bool(finite.all()):
-                if self.nonfinite_grad == "raise":
-                    bad = (~finite).nonzero().squeeze(1)
-                    ids = self.table.keys[slots[bad[:5]]].tolist()
-                    raise FloatingPointError(
-                        f"DynamicEmbedding.step: {bad.numel()} gradient row(s) hold NaN or Inf (ids {ids}...); "
-                        f"nothing was applied. Call zero_grad() to drop them, or construct with "
-                        f"nonfinite_grad='skip' to skip such rows."
-                    )
-                slots, grads = slots[finite], grads[finite]
+        self._check_finite()
+        e = self._merged()
+        slots = self._resolved(e) if e.ids is not None else e.slots
         self.step_count += 1
         opt = self.optimizer
         kind, eps, beta1, beta2 = opt.kernel_args()
         t = self.table
-        torch.ops.veloce.sparse_update(
-            t.weights, t.opt_state, slots, grads, kind, float(opt.lr if lr is None else lr), eps, beta1, beta2,
-            opt.weight_decay, self.step_count,
+        torch.ops.veloce.accumulate_and_update(
+            t.weights, t.opt_state, e.grad, slots, e.offsets, e.psw, e.mode, e.include_last_offset, kind,
+            float(opt.lr if lr is None else lr), eps, beta1, beta2, opt.weight_decay, self.step_count,
         )  # fmt: skip
         self._pending.clear()
+
+    def _check_finite(self) -> None:
+        """The nonfinite_grad policy, applied to the pooled gradients (one reduction each)."""
+        if self.nonfinite_grad == "apply":
+            return
+        for i, e in enumerate(self._pending):
+            if bool(torch.isfinite(e.grad.sum()).item()):
+                continue
+            bad_bags = ~torch.isfinite(e.grad).all(dim=1)
+            if not bool(bad_bags.any()):
+                continue  # the sum overflowed; every element is finite
+            if self.nonfinite_grad == "raise":
+                raise FloatingPointError(
+                    f"DynamicEmbedding.step: the gradient of {int(bad_bags.sum())} bag(s) holds NaN or Inf; "
+                    f"nothing was applied. Call zero_grad() to drop it, or construct with "
+                    f"nonfinite_grad='skip' to drop such bags' gradients."
+                )
+            self._pending[i] = e._replace(grad=e.grad.masked_fill(bad_bags.unsqueeze(1), 0))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the pending sparse gradient (and dense grads of submodules, if any)."""
@@ -388,6 +413,20 @@ def _check_offsets(offsets: torch.Tensor, n: int, include_last_offset: bool) -> 
         raise ValueError(f"with include_last_offset=True, offsets[-1] must equal the number of ids ({n}), got {last}")
 
 
+class _Pending(NamedTuple):
+    """The inputs of one backward pass, kept until step(): the gradient is summed per row
+    and applied by one fused kernel then (never materialised per row)."""
+
+    ids: Optional[torch.Tensor]  # (N,) for re-resolving slots if the table changes
+    slots: torch.Tensor  # (N,) slots at forward time (codes -1 / -2 allowed)
+    offsets: torch.Tensor  # (B,) or (B + 1,)
+    psw: Optional[torch.Tensor]  # (N,) or None
+    grad: torch.Tensor  # (B, D) gradient of the pooled output
+    mode: int
+    include_last_offset: bool
+    version: int  # table version the slots belong to
+
+
 class _SparseLookup(torch.autograd.Function):
     """Pooled lookup whose backward sends the sparse gradient to the table, not to autograd.
 
@@ -415,22 +454,23 @@ class _SparseLookup(torch.autograd.Function):
             # The table grew or evicted since forward: re-resolve slots by id. Evicted ids
             # become -2 (still counted by mean, no gradient); padding stays -1.
             fresh = table.find(ids)
-            fresh = fresh.masked_fill(fresh < 0, -2).masked_fill(slots == -1, -1)
-            slots = fresh
+            slots = fresh.masked_fill(fresh < 0, -2).masked_fill(slots == -1, -1)
         ilo = module.include_last_offset
-        uniq, rows = torch.ops.veloce.accumulate_grad(grad_out, slots, offsets, psw, ctx.mode, ilo, table.capacity)
-        module._accumulate(uniq, rows)
+        module._accumulate(_Pending(ids, slots, offsets, psw, grad_out, ctx.mode, ilo, table.version))
         grad_psw = None
         if psw is not None and ctx.needs_input_grad[1]:
             grad_psw = _psw_grad(table.weights, slots, offsets, grad_out, ilo)
         return None, grad_psw, None, None, None, None, None
 
 
+def _bag_of(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """(n,) bag index of each position, for bag starts ``offsets`` (B,)."""
+    return torch.bucketize(torch.arange(n, device=offsets.device), offsets, right=True) - 1
+
+
 def _psw_grad(weights, slots, offsets, grad_out, include_last_offset) -> torch.Tensor:
     """d out[bag(i)] / d psw[i] = <row(i), grad_out[bag(i)]>; zero for codes -1 / -2."""
-    n = slots.numel()
-    bounds = offsets[:-1] if include_last_offset else offsets
-    bag = torch.bucketize(torch.arange(n, device=slots.device), bounds, right=True) - 1
+    bag = _bag_of(offsets[:-1] if include_last_offset else offsets, slots.numel())
     valid = slots >= 0
     rows = weights[slots.clamp(min=0)]
     return ((rows * grad_out[bag]).sum(1) * valid).to(grad_out.dtype)

@@ -11,11 +11,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cstring>
 #include <utility>
 #include <vector>
 
 #include "veloce/check.h"
+#include "veloce/optimizer.h"
 #include "veloce/hash.h"
 
 namespace veloce {
@@ -221,19 +223,96 @@ void radix_sort(std::vector<uint64_t>& a, std::vector<uint64_t>& tmp, int lo, in
   }
 }
 
-template <typename scalar_t>
-void accumulate_kernel(const scalar_t* grad_output,  // (B, D)
-                       int64_t D,
-                       const uint64_t* entries,  // (K,) packed slot << pos_bits | position, sorted
-                       uint64_t pos_mask,
-                       const int64_t* seg_starts,  // (U + 1,)
-                       int64_t U,
-                       const int64_t* bag_of,  // (N,)
-                       const scalar_t* psw,    // (N,) or null
-                       const at::opmath_type<scalar_t>* bag_scale,  // (B,) or null (mean)
-                       scalar_t* grad_rows) {  // (U, D)
+// The positions of a backward pass grouped by slot: entries (slot << pos_bits | position)
+// sorted stably by slot, so each slot's positions are in position order.
+struct Segments {
+  std::vector<uint64_t> entries;   // (K,) valid positions only
+  std::vector<int64_t> starts;     // (U + 1,) segment bounds in entries
+  std::vector<int64_t> bag_of;     // (N,) bag of each position
+  int pos_bits = 0;
+  uint64_t pos_mask = 0;
+  int64_t U = 0;
+  int64_t slot(int64_t u) const { return static_cast<int64_t>(entries[starts[u]] >> pos_bits); }
+};
+
+// Validated bag layout of a backward pass: the checks shared by accumulate_grad and
+// accumulate_and_update. Returns the number of bags.
+int64_t check_backward_args(const char* op, const at::Tensor& grad_output, const at::Tensor& slots,
+                            const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
+                            int64_t mode, bool include_last_offset) {
+  check_row_dtype(op, "grad_output", grad_output);
+  check_dim(op, "grad_output", grad_output, 2);
+  check_dtype(op, "slots", slots, at::kLong);
+  check_dim(op, "slots", slots, 1);
+  check_same_device(op, "slots", slots, "grad_output", grad_output);
+  check_same_device(op, "offsets", offsets, "grad_output", grad_output);
+  check_mode(op, mode);
+  check_psw(op, per_sample_weights, slots, mode, grad_output.scalar_type());
+  const int64_t B = check_offsets(op, offsets, slots.numel(), include_last_offset);
+  TORCH_CHECK(grad_output.size(0) == B, op, ": grad_output must have one row per bag (", B, " bags), got ",
+              grad_output.size(0), " rows");
+  return B;
+}
+
+Segments build_segments(const char* op, const int64_t* s, int64_t N, const int64_t* o, int64_t num_offsets,
+                        int64_t B, int64_t num_rows) {
+  Segments seg;
+  seg.bag_of.resize(N);
+  at::parallel_for(0, B, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t stop = bag_end(o, num_offsets, b, N);
+      for (int64_t i = o[b]; i < stop; ++i) seg.bag_of[i] = b;
+    }
+  });
+  seg.pos_bits = std::max(1, bit_width(static_cast<uint64_t>(N)));
+  const int slot_bits = bit_width(static_cast<uint64_t>(std::max<int64_t>(num_rows - 1, 0)));
+  TORCH_CHECK(seg.pos_bits + slot_bits <= 64, op, ": too many ids (", N, ") for a table of ", num_rows,
+              " rows; split the batch");
+  seg.pos_mask = (uint64_t{1} << seg.pos_bits) - 1;
+  int64_t K = 0;
+  for (int64_t i = 0; i < N; ++i) K += (s[i] >= 0 && s[i] < num_rows);
+  seg.entries.resize(K);
+  std::vector<uint64_t> scratch(K);
+  for (int64_t i = 0, k = 0; i < N; ++i) {
+    const int64_t v = s[i];
+    if (v >= 0 && v < num_rows) seg.entries[k++] = (static_cast<uint64_t>(v) << seg.pos_bits) | static_cast<uint64_t>(i);
+  }
+  radix_sort(seg.entries, scratch, seg.pos_bits, slot_bits);
+  seg.starts.reserve(K + 1);
+  for (int64_t k = 0; k < K; ++k) {
+    if (k == 0 || (seg.entries[k] >> seg.pos_bits) != (seg.entries[k - 1] >> seg.pos_bits)) seg.starts.push_back(k);
+  }
+  seg.U = static_cast<int64_t>(seg.starts.size());
+  seg.starts.push_back(K);
+  return seg;
+}
+
+// 1 / (non-padding count) of each bag, for mean pooling.
+template <typename acc_t>
+std::vector<acc_t> mean_scales(const int64_t* s, const int64_t* o, int64_t num_offsets, int64_t B, int64_t N) {
+  std::vector<acc_t> scale(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t stop = bag_end(o, num_offsets, b, N);
+    int64_t count = 0;
+    for (int64_t i = o[b]; i < stop; ++i) count += (s[i] != kPaddingSlot);
+    scale[b] = count > 0 ? acc_t(1) / static_cast<acc_t>(count) : acc_t(0);
+  }
+  return scale;
+}
+
+// For each segment u (in parallel): a = the summed gradient of its slot, in position
+// order; then sink(u, a). Deterministic for any number of threads.
+template <typename scalar_t, typename Sink>
+void reduce_segments(const Segments& seg, const scalar_t* grad_output,  // (B, D)
+                     int64_t D, const scalar_t* psw,                     // (N,) or null
+                     const at::opmath_type<scalar_t>* bag_scale,         // (B,) or null (mean)
+                     const Sink& sink) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t num_entries = seg_starts[U];
+  const int64_t U = seg.U;
+  const int64_t num_entries = seg.starts[U];
+  const uint64_t* entries = seg.entries.data();
+  const int64_t* starts = seg.starts.data();
+  const int64_t* bag_of = seg.bag_of.data();
   const int64_t avg = U > 0 ? std::max<int64_t>(1, num_entries / U) : 1;
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, avg * D));
   at::parallel_for(0, U, grain, [&](int64_t begin, int64_t end) {
@@ -241,13 +320,13 @@ void accumulate_kernel(const scalar_t* grad_output,  // (B, D)
     acc_t* a = acc.data();
     for (int64_t u = begin; u < end; ++u) {
       std::fill(a, a + D, acc_t(0));
-      for (int64_t k = seg_starts[u]; k < seg_starts[u + 1]; ++k) {
+      for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
         if (k + kPrefetch < num_entries) {  // gradient rows are read in slot order: random
-          const int64_t bp = bag_of[static_cast<int64_t>(entries[k + kPrefetch] & pos_mask)];
+          const int64_t bp = bag_of[static_cast<int64_t>(entries[k + kPrefetch] & seg.pos_mask)];
           const char* p = reinterpret_cast<const char*>(grad_output + bp * D);
           for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) __builtin_prefetch(p + off);
         }
-        const int64_t pos = static_cast<int64_t>(entries[k] & pos_mask);
+        const int64_t pos = static_cast<int64_t>(entries[k] & seg.pos_mask);
         const int64_t b = bag_of[pos];
         const scalar_t* __restrict__ g = grad_output + b * D;
         if (psw != nullptr || bag_scale != nullptr) {
@@ -257,9 +336,31 @@ void accumulate_kernel(const scalar_t* grad_output,  // (B, D)
           for (int64_t j = 0; j < D; ++j) a[j] += static_cast<acc_t>(g[j]);
         }
       }
-      scalar_t* __restrict__ o = grad_rows + u * D;
-      for (int64_t j = 0; j < D; ++j) o[j] = static_cast<scalar_t>(a[j]);
+      sink(u, a);
     }
+  });
+}
+
+// Runs fn.template operator()<scalar_t>(seg, g, psw, scale) over the backward inputs.
+template <typename Fn>
+void with_backward(const char* op, const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
+                   const c10::optional<at::Tensor>& per_sample_weights, int64_t mode, int64_t B, int64_t num_rows,
+                   const Fn& fn) {
+  const at::Tensor s_t = slots.contiguous();
+  const at::Tensor o_t = offsets.contiguous();
+  const int64_t* s = s_t.data_ptr<int64_t>();
+  const int64_t* o = o_t.data_ptr<int64_t>();
+  const int64_t N = s_t.numel();
+  check_slot_values(op, s, N, -1, "");
+  const Segments seg = build_segments(op, s, N, o, o_t.numel(), B, num_rows);
+  const at::Tensor g = grad_output.contiguous();
+  const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_output.scalar_type(), "veloce_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    std::vector<acc_t> scale;
+    if (mode == kMean) scale = mean_scales<acc_t>(s, o, o_t.numel(), B, N);
+    fn(seg, g.data_ptr<scalar_t>(), p.defined() ? p.data_ptr<scalar_t>() : nullptr,
+       mode == kMean ? scale.data() : nullptr);
   });
 }
 
@@ -268,88 +369,55 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cpu(const at::Tensor& grad_ou
                                                        const c10::optional<at::Tensor>& per_sample_weights,
                                                        int64_t mode, bool include_last_offset, int64_t num_rows) {
   constexpr const char* op = "veloce::accumulate_grad";
-  check_row_dtype(op, "grad_output", grad_output);
-  check_dim(op, "grad_output", grad_output, 2);
-  check_dtype(op, "slots", slots, at::kLong);
-  check_dim(op, "slots", slots, 1);
-  check_same_device(op, "slots", slots, "grad_output", grad_output);
-  check_same_device(op, "offsets", offsets, "grad_output", grad_output);
-  check_mode(op, mode);
-  check_psw(op, per_sample_weights, slots, mode, grad_output.scalar_type());
+  const int64_t B = check_backward_args(op, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset);
   TORCH_CHECK(num_rows >= 0, op, ": num_rows must be >= 0, got ", num_rows);
-  const int64_t N = slots.numel();
-  const int64_t B = check_offsets(op, offsets, N, include_last_offset);
-  TORCH_CHECK(grad_output.size(0) == B, op, ": grad_output must have one row per bag (", B, " bags), got ",
-              grad_output.size(0), " rows");
   const int64_t D = grad_output.size(1);
-
-  const at::Tensor s_t = slots.contiguous();
-  const at::Tensor o_t = offsets.contiguous();
-  const int64_t* s = s_t.data_ptr<int64_t>();
-  const int64_t* o = o_t.data_ptr<int64_t>();
-  const int64_t num_offsets = o_t.numel();
-  check_slot_values(op, s, N, -1, "");
-
-  // Bag of each position, and 1 / (non-padding count) per bag for mean.
-  std::vector<int64_t> bag_of(N);
-  at::parallel_for(0, B, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t stop = bag_end(o, num_offsets, b, N);
-      for (int64_t i = o[b]; i < stop; ++i) bag_of[i] = b;
-    }
-  });
-
-  // Packed entries slot << pos_bits | position, in position order; sorted stably by slot.
-  const int pos_bits = std::max(1, bit_width(static_cast<uint64_t>(N)));
-  const int slot_bits = bit_width(static_cast<uint64_t>(std::max<int64_t>(num_rows - 1, 0)));
-  TORCH_CHECK(pos_bits + slot_bits <= 64, op, ": too many ids (", N, ") for a table of ", num_rows,
-              " rows; split the batch");
-  const uint64_t pos_mask = (uint64_t{1} << pos_bits) - 1;
-  int64_t K = 0;
-  for (int64_t i = 0; i < N; ++i) K += (s[i] >= 0 && s[i] < num_rows);
-  std::vector<uint64_t> entries(K), scratch(K);
-  {
-    int64_t k = 0;
-    for (int64_t i = 0; i < N; ++i) {
-      const int64_t v = s[i];
-      if (v >= 0 && v < num_rows) entries[k++] = (static_cast<uint64_t>(v) << pos_bits) | static_cast<uint64_t>(i);
-    }
-  }
-  radix_sort(entries, scratch, pos_bits, slot_bits);
-
-  std::vector<int64_t> seg_starts;
-  seg_starts.reserve(K + 1);
-  for (int64_t k = 0; k < K; ++k) {
-    if (k == 0 || (entries[k] >> pos_bits) != (entries[k - 1] >> pos_bits)) seg_starts.push_back(k);
-  }
-  const int64_t U = static_cast<int64_t>(seg_starts.size());
-  seg_starts.push_back(K);
-
-  at::Tensor unique_slots = at::empty({U}, slots.options());
-  int64_t* us = unique_slots.data_ptr<int64_t>();
-  for (int64_t u = 0; u < U; ++u) us[u] = static_cast<int64_t>(entries[seg_starts[u]] >> pos_bits);
-  at::Tensor grad_rows = at::empty({U, D}, grad_output.options());
-  if (U == 0 || D == 0) return {unique_slots, grad_rows};
-
-  const at::Tensor g = grad_output.contiguous();
-  const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_output.scalar_type(), "accumulate_grad_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    std::vector<acc_t> bag_scale;
-    if (mode == kMean) {
-      bag_scale.resize(B);
-      for (int64_t b = 0; b < B; ++b) {
-        const int64_t stop = bag_end(o, num_offsets, b, N);
-        int64_t count = 0;
-        for (int64_t i = o[b]; i < stop; ++i) count += (s[i] != kPaddingSlot);
-        bag_scale[b] = count > 0 ? acc_t(1) / static_cast<acc_t>(count) : acc_t(0);
-      }
-    }
-    accumulate_kernel<scalar_t>(g.data_ptr<scalar_t>(), D, entries.data(), pos_mask, seg_starts.data(), U,
-                                bag_of.data(), p.defined() ? p.data_ptr<scalar_t>() : nullptr,
-                                mode == kMean ? bag_scale.data() : nullptr, grad_rows.data_ptr<scalar_t>());
-  });
+  at::Tensor unique_slots, grad_rows;
+  with_backward(op, grad_output, slots, offsets, per_sample_weights, mode, B, num_rows,
+                [&](const Segments& seg, const auto* g, const auto* psw, const auto* scale) {
+                  using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+                  unique_slots = at::empty({seg.U}, slots.options());
+                  int64_t* us = unique_slots.data_ptr<int64_t>();
+                  for (int64_t u = 0; u < seg.U; ++u) us[u] = seg.slot(u);
+                  grad_rows = at::empty({seg.U, D}, grad_output.options());
+                  if (seg.U == 0 || D == 0) return;
+                  scalar_t* out = grad_rows.data_ptr<scalar_t>();
+                  reduce_segments<scalar_t>(seg, g, D, psw, scale, [&](int64_t u, const auto* a) {
+                    scalar_t* __restrict__ row = out + u * D;
+                    for (int64_t j = 0; j < D; ++j) row[j] = static_cast<scalar_t>(a[j]);
+                  });
+                });
   return {unique_slots, grad_rows};
+}
+
+// accumulate_grad and sparse_update in one pass: each unique row's gradient is summed in
+// registers and applied at once, never written out (no (U, D) buffer).
+void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state,
+                               const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
+                               const c10::optional<at::Tensor>& per_sample_weights, int64_t mode,
+                               bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
+                               double beta2, double weight_decay, int64_t step) {
+  constexpr const char* op = "veloce::accumulate_and_update";
+  const int64_t S = check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
+  const int64_t B = check_backward_args(op, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset);
+  check_same_device(op, "grad_output", grad_output, "weights", weights);
+  TORCH_CHECK(grad_output.scalar_type() == weights.scalar_type(), op, ": grad_output must have the dtype of weights (",
+              dtype_name(weights.scalar_type()), "), got ", dtype_name(grad_output.scalar_type()));
+  const int64_t D = weights.size(1);
+  check_size(op, "grad_output", grad_output, 1, D, "weights.size(1)");
+  with_backward(op, grad_output, slots, offsets, per_sample_weights, mode, B, weights.size(0),
+                [&](const Segments& seg, const auto* g, const auto* psw, const auto* scale) {
+                  using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+                  using acc_t = at::opmath_type<scalar_t>;
+                  if (seg.U == 0 || D == 0) return;
+                  const auto rule = UpdateRule<acc_t>::make(optimizer, lr, eps, beta1, beta2, weight_decay, step);
+                  scalar_t* w = weights.data_ptr<scalar_t>();
+                  acc_t* st = opt_state.data_ptr<acc_t>();
+                  reduce_segments<scalar_t>(seg, g, D, psw, scale, [&](int64_t u, acc_t* a) {
+                    const int64_t slot = seg.slot(u);
+                    rule.apply(w + slot * D, st + slot * S, a, D);
+                  });
+                });
 }
 
 }  // namespace
@@ -358,4 +426,5 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cpu(const at::Tensor& grad_ou
 TORCH_LIBRARY_IMPL(veloce, CPU, m) {
   m.impl("pooled_lookup", &veloce::pooled_lookup_cpu);
   m.impl("accumulate_grad", &veloce::accumulate_grad_cpu);
+  m.impl("accumulate_and_update", &veloce::accumulate_and_update_cpu);
 }

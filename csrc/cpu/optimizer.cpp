@@ -12,13 +12,12 @@
 #include <vector>
 
 #include "veloce/check.h"
+#include "veloce/optimizer.h"
 
 namespace veloce {
 namespace {
 
 constexpr int64_t kPrefetch = 8;  // rows ahead to prefetch
-
-enum Optimizer : int64_t { kSGD = 0, kAdagrad = 1, kRowWiseAdagrad = 2, kAdam = 3 };
 
 const char* optimizer_name(int64_t opt) {
   switch (opt) {
@@ -26,16 +25,6 @@ const char* optimizer_name(int64_t opt) {
     case kAdagrad: return "Adagrad";
     case kRowWiseAdagrad: return "RowWiseAdagrad";
     default: return "Adam";
-  }
-}
-
-// Optimizer state width S for dim D, and how it is written in messages.
-int64_t state_width(int64_t opt, int64_t D) {
-  switch (opt) {
-    case kSGD: return 0;
-    case kAdagrad: return D;
-    case kRowWiseAdagrad: return 1;
-    default: return 2 * D;
   }
 }
 
@@ -48,33 +37,19 @@ const char* state_formula(int64_t opt) {
   }
 }
 
-struct Hyper {
-  double lr, eps, beta1, beta2, weight_decay, adam_step_size;
-};
-
 template <typename scalar_t>
 void sparse_update_kernel(scalar_t* weights,                  // (C, D)
                           at::opmath_type<scalar_t>* state,   // (C, S)
                           const int64_t* slots,               // (U,)
                           const scalar_t* grads,              // (U, D)
-                          int64_t U, int64_t D, int64_t S, int64_t opt, const Hyper& h) {
+                          int64_t U, int64_t D, int64_t S, const UpdateRule<at::opmath_type<scalar_t>>& rule) {
   using acc_t = at::opmath_type<scalar_t>;
-  const acc_t lr = static_cast<acc_t>(h.lr);
-  const acc_t eps = static_cast<acc_t>(h.eps);
-  const acc_t wd = static_cast<acc_t>(h.weight_decay);
-  const acc_t b1c = static_cast<acc_t>(1.0 - h.beta1);  // SparseAdam: m += (g - m) * (1 - b1)
-  const acc_t b2c = static_cast<acc_t>(1.0 - h.beta2);
-  const acc_t step_size = static_cast<acc_t>(h.adam_step_size);
-  const bool decay = h.weight_decay != 0.0;
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, 4 * D));
   at::parallel_for(0, U, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> gbuf(D);
     acc_t* __restrict__ g = gbuf.data();
     for (int64_t u = begin; u < end; ++u) {
       const int64_t slot = slots[u];
-      scalar_t* __restrict__ w = weights + slot * D;
-      acc_t* __restrict__ st = state + slot * S;
-      const scalar_t* __restrict__ gin = grads + u * D;
       if (u + kPrefetch < end) {  // rows and states are random accesses into a large table
         const int64_t next = slots[u + kPrefetch];
         const char* pw = reinterpret_cast<const char*>(weights + next * D);
@@ -82,51 +57,17 @@ void sparse_update_kernel(scalar_t* weights,                  // (C, D)
         const char* ps = reinterpret_cast<const char*>(state + next * S);
         for (int64_t off = 0; off < S * (int64_t)sizeof(acc_t); off += 64) __builtin_prefetch(ps + off, 1);
       }
-      if (decay) {
-        for (int64_t j = 0; j < D; ++j) g[j] = static_cast<acc_t>(gin[j]) + wd * static_cast<acc_t>(w[j]);
-      } else {
-        for (int64_t j = 0; j < D; ++j) g[j] = static_cast<acc_t>(gin[j]);
-      }
-      switch (opt) {
-        case kSGD:
-          for (int64_t j = 0; j < D; ++j) w[j] = static_cast<scalar_t>(static_cast<acc_t>(w[j]) - lr * g[j]);
-          break;
-        case kAdagrad:
-          for (int64_t j = 0; j < D; ++j) {
-            const acc_t s = st[j] + g[j] * g[j];
-            st[j] = s;
-            w[j] = static_cast<scalar_t>(static_cast<acc_t>(w[j]) - lr * (g[j] / (std::sqrt(s) + eps)));
-          }
-          break;
-        case kRowWiseAdagrad: {
-          acc_t sq = 0;
-          for (int64_t j = 0; j < D; ++j) sq += g[j] * g[j];
-          const acc_t s = st[0] + (D > 0 ? sq / static_cast<acc_t>(D) : acc_t(0));
-          st[0] = s;
-          const acc_t mult = lr / (std::sqrt(s) + eps);
-          for (int64_t j = 0; j < D; ++j) w[j] = static_cast<scalar_t>(static_cast<acc_t>(w[j]) - mult * g[j]);
-          break;
-        }
-        default: {  // Adam, state [m (D), v (D)]
-          acc_t* __restrict__ m = st;
-          acc_t* __restrict__ v = st + D;
-          for (int64_t j = 0; j < D; ++j) {
-            const acc_t mj = m[j] + (g[j] - m[j]) * b1c;
-            const acc_t vj = v[j] + (g[j] * g[j] - v[j]) * b2c;
-            m[j] = mj;
-            v[j] = vj;
-            w[j] = static_cast<scalar_t>(static_cast<acc_t>(w[j]) - step_size * (mj / (std::sqrt(vj) + eps)));
-          }
-        }
-      }
+      const scalar_t* __restrict__ gin = grads + u * D;
+      for (int64_t j = 0; j < D; ++j) g[j] = static_cast<acc_t>(gin[j]);
+      rule.apply(weights + slot * D, state + slot * S, g, D);
     }
   });
 }
 
-void sparse_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state, const at::Tensor& slots,
-                       const at::Tensor& grads, int64_t optimizer, double lr, double eps, double beta1,
-                       double beta2, double weight_decay, int64_t step) {
-  constexpr const char* op = "veloce::sparse_update";
+}  // namespace
+
+int64_t check_update_args(const char* op, const at::Tensor& weights, const at::Tensor& opt_state, int64_t optimizer,
+                          double lr, double eps, double beta1, double beta2, int64_t step) {
   TORCH_CHECK(optimizer >= kSGD && optimizer <= kAdam, op,
               ": optimizer must be 0 (SGD), 1 (Adagrad), 2 (RowWiseAdagrad) or 3 (Adam), got ", optimizer);
   const auto st = weights.scalar_type();
@@ -146,6 +87,26 @@ void sparse_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state, c
   TORCH_CHECK(opt_state.size(1) == S, op, ": opt_state.size(1) must be the state width of ",
               optimizer_name(optimizer), " (S = ", state_formula(optimizer), " = ", S, " for D = ", D, "), got ",
               opt_state.size(1));
+  if (optimizer == kAdam) {
+    TORCH_CHECK(step >= 1, op, ": step must be >= 1 for Adam (it is the 1-based step count), got ", step);
+    TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1) for Adam, got ", beta1);
+    TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1) for Adam, got ", beta2);
+  }
+  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, op, ": lr must be a finite number >= 0, got ", lr);
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0, got ", eps);
+  return S;
+}
+
+namespace {
+
+void sparse_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state, const at::Tensor& slots,
+                       const at::Tensor& grads, int64_t optimizer, double lr, double eps, double beta1,
+                       double beta2, double weight_decay, int64_t step) {
+  constexpr const char* op = "veloce::sparse_update";
+  const int64_t S = check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
+  const auto st = weights.scalar_type();
+  const int64_t C = weights.size(0);
+  const int64_t D = weights.size(1);
   check_dtype(op, "slots", slots, at::kLong);
   check_dim(op, "slots", slots, 1);
   check_same_device(op, "slots", slots, "weights", weights);
@@ -156,14 +117,6 @@ void sparse_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state, c
   check_same_device(op, "grads", grads, "weights", weights);
   check_size(op, "grads", grads, 0, U, "slots.numel()");
   check_size(op, "grads", grads, 1, D, "weights.size(1)");
-  if (optimizer == kAdam) {
-    TORCH_CHECK(step >= 1, op, ": step must be >= 1 for Adam (it is the 1-based step count), got ", step);
-    TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1) for Adam, got ", beta1);
-    TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1) for Adam, got ", beta2);
-  }
-  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, op, ": lr must be a finite number >= 0, got ", lr);
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0, got ", eps);
-
   const at::Tensor s_t = slots.contiguous();
   const int64_t* s = s_t.data_ptr<int64_t>();
   bool increasing = true;
@@ -181,17 +134,12 @@ void sparse_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state, c
   }
   if (U == 0 || D == 0) return;
 
-  Hyper h{lr, eps, beta1, beta2, weight_decay, 0.0};
-  if (optimizer == kAdam) {
-    const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-    const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-    h.adam_step_size = lr * std::sqrt(bc2) / bc1;
-  }
   const at::Tensor g = grads.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "sparse_update_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    const auto rule = UpdateRule<acc_t>::make(optimizer, lr, eps, beta1, beta2, weight_decay, step);
     sparse_update_kernel<scalar_t>(weights.data_ptr<scalar_t>(), opt_state.data_ptr<acc_t>(), s,
-                                   g.data_ptr<scalar_t>(), U, D, S, optimizer, h);
+                                   g.data_ptr<scalar_t>(), U, D, S, rule);
   });
 }
 

@@ -13,7 +13,7 @@ import torch
 
 from veloce import _ext
 
-__all__ = ["OPTIMIZERS", "sparse_update", "state_width"]
+__all__ = ["OPTIMIZERS", "accumulate_and_update", "sparse_update", "state_width"]
 
 #: Optimizer ids by name.
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
@@ -97,6 +97,57 @@ def sparse_update(
     )
 
 
+def accumulate_and_update(
+    weights: torch.Tensor,
+    opt_state: torch.Tensor,
+    grad_output: torch.Tensor,
+    slots: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    mode: int,
+    include_last_offset: bool,
+    optimizer: int | str,
+    lr: float,
+    eps: float = 1e-10,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    weight_decay: float = 0.0,
+    step: int = 1,
+) -> None:
+    """The backward of ``pooled_lookup`` and the optimizer step in one pass, in place.
+
+    Same result as ``accumulate_grad(grad_output, slots, offsets, per_sample_weights, mode,
+    include_last_offset, C)`` followed by :func:`sparse_update` on its output, but each
+    unique row's gradient is summed and applied at once and never written out (no
+    ``(U, D)`` buffer). This is what ``DynamicEmbedding.step()`` runs.
+
+    Args:
+        weights: the table rows (updated in place).
+        opt_state: the optimizer state (updated in place).
+        grad_output: the gradient of the pooled output, dtype of ``weights``.
+        slots: int64 slots of each position (codes -1 / -2 get no gradient).
+        offsets: int64 bag starts, as ``pooled_lookup``.
+        per_sample_weights: per-position scales (sum mode), or None.
+        mode: 0 sum, 1 mean.
+        include_last_offset: as ``pooled_lookup``.
+        optimizer, lr, eps, beta1, beta2, weight_decay, step: as :func:`sparse_update`.
+
+    Shape:
+        - weights: ``(C, D)``; opt_state: ``(C, S)``; grad_output: ``(B, D)``; slots: ``(N,)``;
+          offsets: ``(B,)`` or ``(B + 1,)``; per_sample_weights: ``(N,)``
+    """
+    _ext.require()
+    torch.ops.veloce.accumulate_and_update(
+        weights, opt_state, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset,
+        _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step,
+    )  # fmt: skip
+
+
+def _fake_accumulate_and_update(weights, opt_state, grad_output, slots, offsets, psw, mode, ilo, *hyper):
+    torch._check(weights.dim() == 2, lambda: f"weights must be 2-D, got {weights.dim()}-D")
+    torch._check(grad_output.dim() == 2, lambda: f"grad_output must be 2-D, got {grad_output.dim()}-D")
+
+
 def _fake_sparse_update(
     weights, opt_state, slots, grads, optimizer, lr, eps, beta1, beta2, weight_decay, step
 ):
@@ -106,3 +157,4 @@ def _fake_sparse_update(
 
 if _ext.loaded:
     torch.library.register_fake("veloce::sparse_update")(_fake_sparse_update)
+    torch.library.register_fake("veloce::accumulate_and_update")(_fake_accumulate_and_update)
