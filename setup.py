@@ -62,6 +62,12 @@ def extensions():
     cxx += ["-fno-math-errno"]
     # py_limited_api=True (below) makes BuildExtension define Py_LIMITED_API itself.
     define_macros = []
+    link = []
+    if torch.backends.openmp.is_available() and sys.platform.startswith("linux"):
+        # at::parallel_for is a header template: with torch's OpenMP backend it only runs
+        # in parallel if this extension is compiled with OpenMP too (else it is serial).
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
     extra = {"cxx": cxx}
     ext_cls = CppExtension
     if use_cuda:
@@ -79,6 +85,7 @@ def extensions():
             include_dirs=[os.path.join(ROOT, "csrc", "include")],
             define_macros=define_macros,
             extra_compile_args=extra,
+            extra_link_args=link,
             py_limited_api=True,
         )
     ]

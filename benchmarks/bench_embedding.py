@@ -132,7 +132,7 @@ def main() -> None:
                 row["EmbeddingBag+dict"] = statistics.median(time_steps(dict_step, raw_steps, args.warmup, device))
             del bag, topt
         emb = veloce.DynamicEmbedding(
-            args.dim, mode="sum", capacity=2 * rows_total, optimizer=veloce_optimizer(opt_name, args.lr),
+            args.dim, mode="sum", capacity=rows_total, optimizer=veloce_optimizer(opt_name, args.lr),
             device=device,
         )
         emb(torch.arange(rows_total, device=device) * SCRAMBLE, torch.arange(rows_total, device=device))  # warm

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from veloce import _ext
+from veloce._memory import empty_table
 from veloce.init import Initializer
 
 __all__ = ["HashTable", "TableFullError", "BUCKET_SIZE", "round_capacity"]
@@ -98,13 +99,15 @@ class HashTable(nn.Module):
     # ---- state ------------------------------------------------------------------------
     def _allocate(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         opt_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        self.register_buffer("keys", torch.zeros(capacity, dtype=torch.long, device=device), persistent=False)
-        self.register_buffer("digests", torch.zeros(capacity, dtype=torch.uint8, device=device), persistent=False)
-        self.register_buffer("scores", torch.zeros(capacity, dtype=torch.long, device=device), persistent=False)
-        self.register_buffer("weights", torch.zeros(capacity, self.dim, dtype=dtype, device=device), persistent=False)
-        self.register_buffer(
-            "opt_state", torch.zeros(capacity, self.state_dim, dtype=opt_dtype, device=device), persistent=False
-        )
+        shapes = {
+            "keys": ((capacity,), torch.long),
+            "digests": ((capacity,), torch.uint8),
+            "scores": ((capacity,), torch.long),
+            "weights": ((capacity, self.dim), dtype),
+            "opt_state": ((capacity, self.state_dim), opt_dtype),
+        }
+        for name, (shape, dt) in shapes.items():
+            self.register_buffer(name, empty_table(shape, dt, device), persistent=False)
 
     def _state(self) -> tuple[torch.Tensor, ...]:
         return (self.keys, self.digests, self.scores, self.weights, self.opt_state)

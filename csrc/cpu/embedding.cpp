@@ -223,7 +223,15 @@ void radix_sort(std::vector<uint64_t>& a, std::vector<uint64_t>& tmp, int lo, in
   }
 }
 
-// The positions of a backward pass grouped by slot: entries (slot << pos_bits | position)
+inline void prefetch_rows(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 1);
+}
+
+// The positions of a backward pass grouped by slot: entries (slot << pos_bits | low)
+// where low is the position, or, when no per-sample weight needs the position
+// (by_bag), directly the position's bag, which saves a dependent random read per entry.
+// Either way bags grow with positions, so a slot's entries are summed in position order
 // sorted stably by slot, so each slot's positions are in position order.
 struct Segments {
   std::vector<uint64_t> entries;   // (K,) valid positions only
@@ -231,6 +239,7 @@ struct Segments {
   std::vector<int64_t> bag_of;     // (N,) bag of each position
   int pos_bits = 0;
   uint64_t pos_mask = 0;
+  bool by_bag = false;
   int64_t U = 0;
   int64_t slot(int64_t u) const { return static_cast<int64_t>(entries[starts[u]] >> pos_bits); }
 };
@@ -255,8 +264,9 @@ int64_t check_backward_args(const char* op, const at::Tensor& grad_output, const
 }
 
 Segments build_segments(const char* op, const int64_t* s, int64_t N, const int64_t* o, int64_t num_offsets,
-                        int64_t B, int64_t num_rows) {
+                        int64_t B, int64_t num_rows, bool by_bag) {
   Segments seg;
+  seg.by_bag = by_bag;
   seg.bag_of.resize(N);
   at::parallel_for(0, B, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
@@ -264,26 +274,48 @@ Segments build_segments(const char* op, const int64_t* s, int64_t N, const int64
       for (int64_t i = o[b]; i < stop; ++i) seg.bag_of[i] = b;
     }
   });
-  seg.pos_bits = std::max(1, bit_width(static_cast<uint64_t>(N)));
+  seg.pos_bits = std::max(1, bit_width(static_cast<uint64_t>(by_bag ? B : N)));
   const int slot_bits = bit_width(static_cast<uint64_t>(std::max<int64_t>(num_rows - 1, 0)));
   TORCH_CHECK(seg.pos_bits + slot_bits <= 64, op, ": too many ids (", N, ") for a table of ", num_rows,
               " rows; split the batch");
   seg.pos_mask = (uint64_t{1} << seg.pos_bits) - 1;
-  int64_t K = 0;
-  for (int64_t i = 0; i < N; ++i) K += (s[i] >= 0 && s[i] < num_rows);
+  // Pack valid positions in position order: per-chunk counts, then parallel writes.
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N >> 16));
+  const int64_t chunk = (N + chunks - 1) / std::max<int64_t>(chunks, 1);
+  std::vector<int64_t> base(chunks + 1, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c) {
+      int64_t k = 0;
+      for (int64_t i = c * chunk, e = std::min(N, (c + 1) * chunk); i < e; ++i) k += (s[i] >= 0 && s[i] < num_rows);
+      base[c + 1] = k;
+    }
+  });
+  for (int64_t c = 0; c < chunks; ++c) base[c + 1] += base[c];
+  const int64_t K = base[chunks];
   seg.entries.resize(K);
   std::vector<uint64_t> scratch(K);
-  for (int64_t i = 0, k = 0; i < N; ++i) {
-    const int64_t v = s[i];
-    if (v >= 0 && v < num_rows) seg.entries[k++] = (static_cast<uint64_t>(v) << seg.pos_bits) | static_cast<uint64_t>(i);
-  }
+  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c) {
+      uint64_t* out = seg.entries.data() + base[c];
+      for (int64_t i = c * chunk, e = std::min(N, (c + 1) * chunk); i < e; ++i) {
+        const int64_t v = s[i];
+        const uint64_t low = static_cast<uint64_t>(by_bag ? seg.bag_of[i] : i);
+        if (v >= 0 && v < num_rows) *out++ = (static_cast<uint64_t>(v) << seg.pos_bits) | low;
+      }
+    }
+  });
   radix_sort(seg.entries, scratch, seg.pos_bits, slot_bits);
-  seg.starts.reserve(K + 1);
+  // Segment starts: where the slot changes.
+  const uint64_t* e = seg.entries.data();
+  const int pb = seg.pos_bits;
+  seg.starts.resize(K + 1);
+  int64_t U = 0;
   for (int64_t k = 0; k < K; ++k) {
-    if (k == 0 || (seg.entries[k] >> seg.pos_bits) != (seg.entries[k - 1] >> seg.pos_bits)) seg.starts.push_back(k);
+    if (k == 0 || (e[k] >> pb) != (e[k - 1] >> pb)) seg.starts[U++] = k;
   }
-  seg.U = static_cast<int64_t>(seg.starts.size());
-  seg.starts.push_back(K);
+  seg.starts.resize(U + 1);
+  seg.U = U;
+  seg.starts[U] = K;
   return seg;
 }
 
@@ -301,12 +333,13 @@ std::vector<acc_t> mean_scales(const int64_t* s, const int64_t* o, int64_t num_o
 }
 
 // For each segment u (in parallel): a = the summed gradient of its slot, in position
-// order; then sink(u, a). Deterministic for any number of threads.
-template <typename scalar_t, typename Sink>
+// order; then sink(u, a). Deterministic for any number of threads. ahead(v) is called
+// kPrefetch segments before segment v is reduced (to prefetch what sink(v) touches).
+template <typename scalar_t, typename Sink, typename Ahead>
 void reduce_segments(const Segments& seg, const scalar_t* grad_output,  // (B, D)
                      int64_t D, const scalar_t* psw,                     // (N,) or null
                      const at::opmath_type<scalar_t>* bag_scale,         // (B,) or null (mean)
-                     const Sink& sink) {
+                     const Sink& sink, const Ahead& ahead) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t U = seg.U;
   const int64_t num_entries = seg.starts[U];
@@ -319,15 +352,17 @@ void reduce_segments(const Segments& seg, const scalar_t* grad_output,  // (B, D
     std::vector<acc_t> acc(D);
     acc_t* a = acc.data();
     for (int64_t u = begin; u < end; ++u) {
+      if (u + kPrefetch < end) ahead(u + kPrefetch);
       std::fill(a, a + D, acc_t(0));
       for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
         if (k + kPrefetch < num_entries) {  // gradient rows are read in slot order: random
-          const int64_t bp = bag_of[static_cast<int64_t>(entries[k + kPrefetch] & seg.pos_mask)];
+          const int64_t lp = static_cast<int64_t>(entries[k + kPrefetch] & seg.pos_mask);
+          const int64_t bp = seg.by_bag ? lp : bag_of[lp];
           const char* p = reinterpret_cast<const char*>(grad_output + bp * D);
           for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) __builtin_prefetch(p + off);
         }
-        const int64_t pos = static_cast<int64_t>(entries[k] & seg.pos_mask);
-        const int64_t b = bag_of[pos];
+        const int64_t pos = static_cast<int64_t>(entries[k] & seg.pos_mask);  // a bag if by_bag
+        const int64_t b = seg.by_bag ? pos : bag_of[pos];
         const scalar_t* __restrict__ g = grad_output + b * D;
         if (psw != nullptr || bag_scale != nullptr) {
           const acc_t w = psw != nullptr ? static_cast<acc_t>(psw[pos]) : bag_scale[b];
@@ -352,7 +387,7 @@ void with_backward(const char* op, const at::Tensor& grad_output, const at::Tens
   const int64_t* o = o_t.data_ptr<int64_t>();
   const int64_t N = s_t.numel();
   check_slot_values(op, s, N, -1, "");
-  const Segments seg = build_segments(op, s, N, o, o_t.numel(), B, num_rows);
+  const Segments seg = build_segments(op, s, N, o, o_t.numel(), B, num_rows, !per_sample_weights.has_value());
   const at::Tensor g = grad_output.contiguous();
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_output.scalar_type(), "veloce_backward", [&] {
@@ -382,10 +417,13 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cpu(const at::Tensor& grad_ou
                   grad_rows = at::empty({seg.U, D}, grad_output.options());
                   if (seg.U == 0 || D == 0) return;
                   scalar_t* out = grad_rows.data_ptr<scalar_t>();
-                  reduce_segments<scalar_t>(seg, g, D, psw, scale, [&](int64_t u, const auto* a) {
-                    scalar_t* __restrict__ row = out + u * D;
-                    for (int64_t j = 0; j < D; ++j) row[j] = static_cast<scalar_t>(a[j]);
-                  });
+                  reduce_segments<scalar_t>(
+                      seg, g, D, psw, scale,
+                      [&](int64_t u, const auto* a) {
+                        scalar_t* __restrict__ row = out + u * D;
+                        for (int64_t j = 0; j < D; ++j) row[j] = static_cast<scalar_t>(a[j]);
+                      },
+                      [](int64_t) {});
                 });
   return {unique_slots, grad_rows};
 }
@@ -413,10 +451,17 @@ void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_
                   const auto rule = UpdateRule<acc_t>::make(optimizer, lr, eps, beta1, beta2, weight_decay, step);
                   scalar_t* w = weights.data_ptr<scalar_t>();
                   acc_t* st = opt_state.data_ptr<acc_t>();
-                  reduce_segments<scalar_t>(seg, g, D, psw, scale, [&](int64_t u, acc_t* a) {
-                    const int64_t slot = seg.slot(u);
-                    rule.apply(w + slot * D, st + slot * S, a, D);
-                  });
+                  reduce_segments<scalar_t>(
+                      seg, g, D, psw, scale,
+                      [&](int64_t u, acc_t* a) {
+                        const int64_t slot = seg.slot(u);
+                        rule.apply(w + slot * D, st + slot * S, a, D);
+                      },
+                      [&](int64_t v) {  // the rows the update of segment v reads and writes
+                        const int64_t slot = seg.slot(v);
+                        prefetch_rows(w + slot * D, D * sizeof(scalar_t));
+                        prefetch_rows(st + slot * S, S * sizeof(acc_t));
+                      });
                 });
 }
 

@@ -219,7 +219,9 @@ void update_scores(int64_t* scores, const int64_t* slots, int64_t n, const std::
   });
   if (policy == kScoreNone) return;
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    constexpr int64_t kAhead = 16;  // score stores are random: prefetch their lines
     for (int64_t i = begin; i < end; ++i) {
+      if (i + kAhead < end && slots[i + kAhead] >= 0) __builtin_prefetch(scores + slots[i + kAhead], 1);
       const int64_t s = slots[i];
       if (s < 0) continue;
       if (policy == kScoreLRU) {
