@@ -131,7 +131,9 @@ def main() -> None:
                     eb_step(torch.tensor(idx, device=device), offsets)
 
                 row["EmbeddingBag+dict"] = statistics.median(time_steps(dict_step, raw_steps, args.warmup, device))
-            del bag, topt
+            del bag, topt, eb_step  # eb_step's defaults hold the table and optimizer state
+            if not args.no_dict:
+                del dict_step
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -149,7 +151,7 @@ def main() -> None:
             emb.zero_grad()
 
         row["DynamicEmbedding"] = statistics.median(time_steps(dyn_step, raw_steps, args.warmup, device))
-        del emb
+        del emb, dyn_step
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
