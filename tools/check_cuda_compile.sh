@@ -36,7 +36,7 @@ print(inc, os.path.join(inc, "torch", "csrc", "api", "include"), sysconfig.get_p
 PY
 )
 
-STD=$("$PYTHON" -c "import torch; from packaging.version import Version as V; print('c++20' if V(torch.__version__.split('+')[0]) >= V('2.10') else 'c++17')" 2>/dev/null || echo c++17)
+STD=$("$PYTHON" -c "import torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); print('c++20' if v >= (2, 10) else 'c++17')")
 FLAGS=(-c -std="$STD" -O3 --expt-relaxed-constexpr --extended-lambda
        -gencode "arch=compute_${ARCH},code=sm_${ARCH}"
        -I csrc/include -isystem "$TORCH_INC" -isystem "$TORCH_API_INC" -isystem "$PY_INC"
