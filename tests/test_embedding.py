@@ -17,16 +17,7 @@ from hypothesis import strategies as st
 pytestmark = pytest.mark.skipif(not _ext.loaded, reason="veloce._C is not built")
 
 DIMS = [1, 4, 16, 33, 128]
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(
-            not torch.cuda.is_available() or not _ext.has_cuda_kernels(),
-            reason="needs a CUDA device and veloce built with its CUDA kernels",
-        ),
-    ),
-]
+from conftest import DEVICES  # noqa: E402  (cpu, and cuda where it exists)
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float64: {"rtol": 1e-10, "atol": 1e-10}}
 
 

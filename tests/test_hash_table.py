@@ -20,16 +20,7 @@ I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 EXTREME_IDS = [I64_MIN, I64_MAX, -1, 0, 1, I64_MIN + 1, I64_MAX - 1]
 M64 = (1 << 64) - 1
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(
-            not (torch.cuda.is_available() and veloce._ext.has_cuda_kernels()),
-            reason="needs a CUDA device and veloce built with CUDA kernels",
-        ),
-    ),
-]
+from conftest import DEVICES  # noqa: E402  (cpu, and cuda where it exists)
 HYP = settings(deadline=None, max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 

@@ -17,16 +17,7 @@ from hypothesis import strategies as st
 pytestmark = pytest.mark.skipif(not _ext.loaded, reason="veloce._C is not built")
 
 DIMS = [1, 4, 16, 33, 128]
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(
-            not torch.cuda.is_available() or not _ext.has_cuda_kernels(),
-            reason="needs a CUDA device and veloce built with its CUDA kernels",
-        ),
-    ),
-]
+from conftest import DEVICES  # noqa: E402  (cpu, and cuda where it exists)
 STEPS = 10
 NUM_ROWS = 24
 
