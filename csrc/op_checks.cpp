@@ -125,17 +125,29 @@ void check_psw(const char* op, const std::optional<at::Tensor>& psw, const at::T
               slots.numel(), "), got ", psw->numel());
 }
 
+namespace {
+
+// The bag inputs of pooled_lookup and the backward ops: rows (named `rows_name`, (R, D)
+// float rows), slots (N,) int64 and offsets on rows' device, mode and per_sample_weights.
+void check_bag_inputs(const char* op, const char* rows_name, const at::Tensor& rows, const at::Tensor& slots,
+                      const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
+                      int64_t mode) {
+  check_row_dtype(op, rows_name, rows);
+  check_dim(op, rows_name, rows, 2);
+  check_dtype(op, "slots", slots, at::kLong);
+  check_dim(op, "slots", slots, 1);
+  check_same_device(op, "slots", slots, rows_name, rows);
+  check_same_device(op, "offsets", offsets, rows_name, rows);
+  check_mode(op, mode);
+  check_psw(op, per_sample_weights, slots, mode, rows.scalar_type());
+}
+
+}  // namespace
+
 int64_t check_pooled_lookup_args(const char* op, const at::Tensor& weights, const at::Tensor& slots,
                                  const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
                                  int64_t mode, const std::optional<at::Tensor>& extra_rows) {
-  check_row_dtype(op, "weights", weights);
-  check_dim(op, "weights", weights, 2);
-  check_dtype(op, "slots", slots, at::kLong);
-  check_dim(op, "slots", slots, 1);
-  check_same_device(op, "slots", slots, "weights", weights);
-  check_same_device(op, "offsets", offsets, "weights", weights);
-  check_mode(op, mode);
-  check_psw(op, per_sample_weights, slots, mode, weights.scalar_type());
+  check_bag_inputs(op, "weights", weights, slots, offsets, per_sample_weights, mode);
   if (!extra_rows.has_value()) return 0;
   check_dim(op, "extra_rows", *extra_rows, 2);
   check_same_device(op, "extra_rows", *extra_rows, "weights", weights);
@@ -149,14 +161,7 @@ int64_t check_pooled_lookup_args(const char* op, const at::Tensor& weights, cons
 void check_backward_inputs(const char* op, const at::Tensor& grad_output, const at::Tensor& slots,
                            const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
                            int64_t mode) {
-  check_row_dtype(op, "grad_output", grad_output);
-  check_dim(op, "grad_output", grad_output, 2);
-  check_dtype(op, "slots", slots, at::kLong);
-  check_dim(op, "slots", slots, 1);
-  check_same_device(op, "slots", slots, "grad_output", grad_output);
-  check_same_device(op, "offsets", offsets, "grad_output", grad_output);
-  check_mode(op, mode);
-  check_psw(op, per_sample_weights, slots, mode, grad_output.scalar_type());
+  check_bag_inputs(op, "grad_output", grad_output, slots, offsets, per_sample_weights, mode);
 }
 
 int64_t check_backward_bags(const char* op, const at::Tensor& grad_output, const at::Tensor& offsets, int64_t n,
