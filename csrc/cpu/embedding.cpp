@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "veloce/check.h"
+#include "veloce/op_checks.h"
 #include "veloce/optimizer.h"
 #include "veloce/hash.h"
 
@@ -26,45 +27,6 @@ namespace {
 constexpr int64_t kSum = 0;
 constexpr int64_t kPrefetch = 8;  // positions (rows) ahead to prefetch in random row accesses
 constexpr int64_t kMean = 1;
-
-void check_mode(const char* op, int64_t mode) {
-  TORCH_CHECK(mode == kSum || mode == kMean, op, ": mode must be 0 (sum) or 1 (mean), got ", mode);
-}
-
-void check_row_dtype(const char* op, const char* name, const at::Tensor& t) {
-  const auto st = t.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16, op, ": ", name,
-              " must be float32, float64, float16 or bfloat16, got ", dtype_name(st));
-}
-
-// per_sample_weights (N,) of dtype `want`, only with sum pooling.
-void check_psw(const char* op, const c10::optional<at::Tensor>& psw, const at::Tensor& slots, int64_t mode,
-               at::ScalarType want) {
-  if (!psw.has_value()) return;
-  TORCH_CHECK(mode == kSum, op, ": per_sample_weights is only supported with mode 0 (sum), got mode ", mode,
-              " (mean)");
-  check_dim(op, "per_sample_weights", *psw, 1);
-  check_same_device(op, "per_sample_weights", *psw, "slots", slots);
-  TORCH_CHECK(psw->scalar_type() == want, op, ": per_sample_weights must have the dtype of the rows (",
-              dtype_name(want), "), got ", dtype_name(psw->scalar_type()));
-  TORCH_CHECK(psw->numel() == slots.numel(), op, ": per_sample_weights must have one entry per slot (",
-              slots.numel(), "), got ", psw->numel());
-}
-
-// Every slot must be -1, -2 or in [0, limit) (limit < 0: no upper bound).
-void check_slot_values(const char* op, const int64_t* s, int64_t n, int64_t limit, const char* limit_what) {
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t v = s[i];
-    if (C10_UNLIKELY(v < kZeroSlot || (limit >= 0 && v >= limit))) {
-      if (limit >= 0) {
-        TORCH_CHECK(false, op, ": slots[", i, "] = ", v, " is not a valid slot; expected -1 (padding), -2 (zero ",
-                    "row) or 0 <= slot < ", limit, " (", limit_what, ")");
-      }
-      TORCH_CHECK(false, op, ": slots[", i, "] = ", v, " is not a valid slot; expected -1 (padding), -2 (zero ",
-                  "row) or a slot >= 0");
-    }
-  }
-}
 
 // End (exclusive) of bag b: offsets[b + 1], or n for the last bag without include_last_offset.
 inline int64_t bag_end(const int64_t* offsets, int64_t num_offsets, int64_t b, int64_t n) {
@@ -132,26 +94,9 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& slots,
                              const c10::optional<at::Tensor>& per_sample_weights, int64_t mode,
                              bool include_last_offset, const c10::optional<at::Tensor>& extra_rows) {
   constexpr const char* op = "veloce::pooled_lookup";
-  check_row_dtype(op, "weights", weights);
-  check_dim(op, "weights", weights, 2);
-  check_dtype(op, "slots", slots, at::kLong);
-  check_dim(op, "slots", slots, 1);
-  check_same_device(op, "slots", slots, "weights", weights);
-  check_same_device(op, "offsets", offsets, "weights", weights);
-  check_mode(op, mode);
-  check_psw(op, per_sample_weights, slots, mode, weights.scalar_type());
+  const int64_t M = check_pooled_lookup_args(op, weights, slots, offsets, per_sample_weights, mode, extra_rows);
   const int64_t C = weights.size(0);
   const int64_t D = weights.size(1);
-  int64_t M = 0;
-  if (extra_rows.has_value()) {
-    check_dim(op, "extra_rows", *extra_rows, 2);
-    check_same_device(op, "extra_rows", *extra_rows, "weights", weights);
-    TORCH_CHECK(extra_rows->scalar_type() == weights.scalar_type(), op,
-                ": extra_rows must have the dtype of weights (", dtype_name(weights.scalar_type()), "), got ",
-                dtype_name(extra_rows->scalar_type()));
-    check_size(op, "extra_rows", *extra_rows, 1, D, "weights.size(1)");
-    M = extra_rows->size(0);
-  }
   const int64_t N = slots.numel();
   const int64_t B = check_offsets(op, offsets, N, include_last_offset);
 
@@ -243,25 +188,6 @@ struct Segments {
   int64_t U = 0;
   int64_t slot(int64_t u) const { return static_cast<int64_t>(entries[starts[u]] >> pos_bits); }
 };
-
-// Validated bag layout of a backward pass: the checks shared by accumulate_grad and
-// accumulate_and_update. Returns the number of bags.
-int64_t check_backward_args(const char* op, const at::Tensor& grad_output, const at::Tensor& slots,
-                            const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
-                            int64_t mode, bool include_last_offset) {
-  check_row_dtype(op, "grad_output", grad_output);
-  check_dim(op, "grad_output", grad_output, 2);
-  check_dtype(op, "slots", slots, at::kLong);
-  check_dim(op, "slots", slots, 1);
-  check_same_device(op, "slots", slots, "grad_output", grad_output);
-  check_same_device(op, "offsets", offsets, "grad_output", grad_output);
-  check_mode(op, mode);
-  check_psw(op, per_sample_weights, slots, mode, grad_output.scalar_type());
-  const int64_t B = check_offsets(op, offsets, slots.numel(), include_last_offset);
-  TORCH_CHECK(grad_output.size(0) == B, op, ": grad_output must have one row per bag (", B, " bags), got ",
-              grad_output.size(0), " rows");
-  return B;
-}
 
 Segments build_segments(const char* op, const int64_t* s, int64_t N, const int64_t* o, int64_t num_offsets,
                         int64_t B, int64_t num_rows, bool by_bag) {
@@ -405,7 +331,7 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cpu(const at::Tensor& grad_ou
                                                        int64_t mode, bool include_last_offset, int64_t num_rows) {
   constexpr const char* op = "veloce::accumulate_grad";
   const int64_t B = check_backward_args(op, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset);
-  TORCH_CHECK(num_rows >= 0, op, ": num_rows must be >= 0, got ", num_rows);
+  check_num_rows(op, num_rows);
   const int64_t D = grad_output.size(1);
   at::Tensor unique_slots, grad_rows;
   with_backward(op, grad_output, slots, offsets, per_sample_weights, mode, B, num_rows,
@@ -438,11 +364,8 @@ void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_
   constexpr const char* op = "veloce::accumulate_and_update";
   const int64_t S = check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
   const int64_t B = check_backward_args(op, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset);
-  check_same_device(op, "grad_output", grad_output, "weights", weights);
-  TORCH_CHECK(grad_output.scalar_type() == weights.scalar_type(), op, ": grad_output must have the dtype of weights (",
-              dtype_name(weights.scalar_type()), "), got ", dtype_name(grad_output.scalar_type()));
+  check_grad_output_for_weights(op, grad_output, weights);
   const int64_t D = weights.size(1);
-  check_size(op, "grad_output", grad_output, 1, D, "weights.size(1)");
   with_backward(op, grad_output, slots, offsets, per_sample_weights, mode, B, weights.size(0),
                 [&](const Segments& seg, const auto* g, const auto* psw, const auto* scale) {
                   using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;

@@ -1,6 +1,6 @@
 // CUDA kernels of the embedding family: pooled_lookup (forward) and accumulate_grad (the
 // backward w.r.t. the table rows, reduced per unique slot). Semantics: docs/ops.md;
-// CPU reference csrc/cpu/embedding.cpp (same checks, same messages).
+// CPU reference csrc/cpu/embedding.cpp; argument checks shared with it (veloce/op_checks.h).
 //
 // pooled_lookup: a group of `lanes` threads (a power of two <= 32) per bag; each lane
 // owns V consecutive columns (one 16-byte load per row), accumulates in float (double
@@ -20,62 +20,26 @@
 #include <cub/device/device_scan.cuh>
 
 #include "veloce/cuda_utils.cuh"
+#include "veloce/op_checks.h"
 
 namespace veloce {
 namespace cuda {
 namespace {
 
-constexpr int64_t kSum = 0;
 constexpr int64_t kMean = 1;
 constexpr int kUnroll = 4;  // rows in flight per lane
-
-// ---- checks (messages as in csrc/cpu/embedding.cpp) -------------------------------------
-
-void check_mode(const char* op, int64_t mode) {
-  TORCH_CHECK(mode == kSum || mode == kMean, op, ": mode must be 0 (sum) or 1 (mean), got ", mode);
-}
-
-void check_row_dtype(const char* op, const char* name, const at::Tensor& t) {
-  const auto st = t.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16, op, ": ", name,
-              " must be float32, float64, float16 or bfloat16, got ", dtype_name(st));
-}
-
-void check_psw(const char* op, const std::optional<at::Tensor>& psw, const at::Tensor& slots, int64_t mode,
-               at::ScalarType want) {
-  if (!psw.has_value()) return;
-  TORCH_CHECK(mode == kSum, op, ": per_sample_weights is only supported with mode 0 (sum), got mode ", mode,
-              " (mean)");
-  check_dim(op, "per_sample_weights", *psw, 1);
-  check_same_device(op, "per_sample_weights", *psw, "slots", slots);
-  TORCH_CHECK(psw->scalar_type() == want, op, ": per_sample_weights must have the dtype of the rows (",
-              dtype_name(want), "), got ", dtype_name(psw->scalar_type()));
-  TORCH_CHECK(psw->numel() == slots.numel(), op, ": per_sample_weights must have one entry per slot (",
-              slots.numel(), "), got ", psw->numel());
-}
 
 // Every slot must be -1, -2 or in [0, limit) (limit < 0: no upper bound). One reduction
 // and one small device-to-host copy (a sync); the message is built from a host copy only
 // when a slot is bad.
-void check_slot_values(const char* op, const at::Tensor& slots, int64_t limit, const char* limit_what) {
+void check_slot_values_cuda(const char* op, const at::Tensor& slots, int64_t limit, const char* limit_what) {
   if (slots.numel() == 0) return;
   const auto mm = at::aminmax(slots);
   const at::Tensor host = at::stack({std::get<0>(mm), std::get<1>(mm)}).cpu();
   const int64_t lo = host.data_ptr<int64_t>()[0], hi = host.data_ptr<int64_t>()[1];
   if (lo >= kZeroSlot && (limit < 0 || hi < limit)) return;
   const at::Tensor all = slots.cpu();
-  const int64_t* s = all.data_ptr<int64_t>();
-  for (int64_t i = 0; i < all.numel(); ++i) {
-    const int64_t v = s[i];
-    if (v < kZeroSlot || (limit >= 0 && v >= limit)) {
-      if (limit >= 0) {
-        TORCH_CHECK(false, op, ": slots[", i, "] = ", v, " is not a valid slot; expected -1 (padding), -2 (zero ",
-                    "row) or 0 <= slot < ", limit, " (", limit_what, ")");
-      }
-      TORCH_CHECK(false, op, ": slots[", i, "] = ", v, " is not a valid slot; expected -1 (padding), -2 (zero ",
-                  "row) or a slot >= 0");
-    }
-  }
+  check_slot_values(op, all.data_ptr<int64_t>(), all.numel(), limit, limit_what);
 }
 
 // V = 16 bytes of elements when D allows it and every row pointer is 16-byte aligned.
@@ -158,33 +122,16 @@ at::Tensor pooled_lookup_cuda(const at::Tensor& weights, const at::Tensor& slots
                               const std::optional<at::Tensor>& per_sample_weights, int64_t mode,
                               bool include_last_offset, const std::optional<at::Tensor>& extra_rows) {
   constexpr const char* op = "veloce::pooled_lookup";
-  check_row_dtype(op, "weights", weights);
-  check_dim(op, "weights", weights, 2);
-  check_dtype(op, "slots", slots, at::kLong);
-  check_dim(op, "slots", slots, 1);
-  check_same_device(op, "slots", slots, "weights", weights);
-  check_same_device(op, "offsets", offsets, "weights", weights);
-  check_mode(op, mode);
-  check_psw(op, per_sample_weights, slots, mode, weights.scalar_type());
+  const int64_t M = check_pooled_lookup_args(op, weights, slots, offsets, per_sample_weights, mode, extra_rows);
   const int64_t C = weights.size(0);
   const int64_t D = weights.size(1);
-  int64_t M = 0;
-  if (extra_rows.has_value()) {
-    check_dim(op, "extra_rows", *extra_rows, 2);
-    check_same_device(op, "extra_rows", *extra_rows, "weights", weights);
-    TORCH_CHECK(extra_rows->scalar_type() == weights.scalar_type(), op,
-                ": extra_rows must have the dtype of weights (", dtype_name(weights.scalar_type()), "), got ",
-                dtype_name(extra_rows->scalar_type()));
-    check_size(op, "extra_rows", *extra_rows, 1, D, "weights.size(1)");
-    M = extra_rows->size(0);
-  }
   const c10::cuda::CUDAGuard guard(weights.device());
   const int64_t N = slots.numel();
   // check_offsets reads offsets on the host (a device-to-host copy and a sync).
   const int64_t B = check_offsets(op, offsets, N, include_last_offset);
   const at::Tensor s = slots.contiguous();
   const at::Tensor o = offsets.contiguous();
-  check_slot_values(op, s, C + M, M > 0 ? "weights.size(0) + extra_rows.size(0)" : "weights.size(0)");
+  check_slot_values_cuda(op, s, C + M, M > 0 ? "weights.size(0) + extra_rows.size(0)" : "weights.size(0)");
   const at::Tensor w = weights.contiguous();
   const at::Tensor e = extra_rows.has_value() ? extra_rows->contiguous() : at::Tensor();
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
@@ -396,26 +343,17 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cuda(const at::Tensor& grad_o
                                                         const std::optional<at::Tensor>& per_sample_weights,
                                                         int64_t mode, bool include_last_offset, int64_t num_rows) {
   constexpr const char* op = "veloce::accumulate_grad";
-  check_row_dtype(op, "grad_output", grad_output);
-  check_dim(op, "grad_output", grad_output, 2);
-  check_dtype(op, "slots", slots, at::kLong);
-  check_dim(op, "slots", slots, 1);
-  check_same_device(op, "slots", slots, "grad_output", grad_output);
-  check_same_device(op, "offsets", offsets, "grad_output", grad_output);
-  check_mode(op, mode);
-  check_psw(op, per_sample_weights, slots, mode, grad_output.scalar_type());
-  TORCH_CHECK(num_rows >= 0, op, ": num_rows must be >= 0, got ", num_rows);
+  check_backward_inputs(op, grad_output, slots, offsets, per_sample_weights, mode);
+  check_num_rows(op, num_rows);
   const c10::cuda::CUDAGuard guard(grad_output.device());
   const int64_t N = slots.numel();
   check_num_ids_cuda(op, N);
   // check_offsets reads offsets on the host (a device-to-host copy and a sync).
-  const int64_t B = check_offsets(op, offsets, N, include_last_offset);
-  TORCH_CHECK(grad_output.size(0) == B, op, ": grad_output must have one row per bag (", B, " bags), got ",
-              grad_output.size(0), " rows");
-  TORCH_CHECK(B <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 bags on CUDA, got ", B);
+  const int64_t B = check_backward_bags(op, grad_output, offsets, N, include_last_offset);
+  check_num_bags_cuda(op, B);
   const at::Tensor s = slots.contiguous();
   const at::Tensor o = offsets.contiguous();
-  check_slot_values(op, s, -1, "");
+  check_slot_values_cuda(op, s, -1, "");
   const at::Tensor g = grad_output.contiguous();
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
   if (N == 0) return {at::empty({0}, s.options()), at::empty({0, g.size(1)}, g.options())};

@@ -38,6 +38,7 @@
 
 #include "hash_table_device.cuh"
 #include "veloce/cuda_utils.cuh"
+#include "veloce/op_checks.h"
 
 namespace veloce {
 namespace cuda {
@@ -291,13 +292,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> result(at::Tensor slots, const In
   return {slots, counts, r.evicted.defined() ? r.evicted : at::empty({0}, keys.options())};
 }
 
-at::Tensor check_insert_args(const char* op, const at::Tensor& keys, const at::Tensor& digests,
-                             const at::Tensor& scores, const at::Tensor& weights, const at::Tensor& opt_state,
-                             const at::Tensor& ids, int64_t score_policy) {
-  check_table(op, keys, digests, scores);
-  check_table_rows(op, weights, opt_state, keys);
-  check_ids(op, ids, keys);
-  check_int_arg(op, "score_policy", score_policy, 0, 2, "0 none, 1 LRU, 2 LFU");
+// The shared checks of the inserting ops plus the CUDA-only ones; returns the contiguous ids.
+at::Tensor check_insert_args_cuda(const char* op, const at::Tensor& keys, const at::Tensor& digests,
+                                  const at::Tensor& scores, const at::Tensor& weights, const at::Tensor& opt_state,
+                                  const at::Tensor& ids, int64_t score_policy) {
+  check_insert_args(op, keys, digests, scores, weights, opt_state, ids, score_policy);
   check_cuda_table(op, keys, digests);
   check_num_ids_cuda(op, ids.numel());
   return ids.contiguous();
@@ -317,8 +316,7 @@ constexpr dim3 kRowBlock(32, 8);
 
 at::Tensor find_cuda(const at::Tensor& keys, const at::Tensor& digests, const at::Tensor& ids_in) {
   constexpr const char* op = "veloce::find";
-  check_table_keys(op, keys, digests);
-  check_ids(op, ids_in, keys);
+  check_find_args(op, keys, digests, ids_in);
   check_cuda_table(op, keys, digests);
   const c10::cuda::CUDAGuard guard(keys.device());
   const at::Tensor ids = ids_in.contiguous();
@@ -336,7 +334,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
     const at::Tensor& ids_in, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id) {
   constexpr const char* op = "veloce::find_or_insert";
-  const at::Tensor ids = check_insert_args(op, keys, digests, scores, weights, opt_state, ids_in, score_policy);
+  const at::Tensor ids = check_insert_args_cuda(op, keys, digests, scores, weights, opt_state, ids_in, score_policy);
   check_init(op, init_kind, init_a, init_b);
   const c10::cuda::CUDAGuard guard(keys.device());
   const int64_t n = ids.numel();
@@ -400,30 +398,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
     const at::Tensor& ids_in, const at::Tensor& values_in, const std::optional<at::Tensor>& opt_values_in,
     const std::optional<at::Tensor>& score_values_in, int64_t score_policy, int64_t score_value, bool allow_evict) {
   constexpr const char* op = "veloce::insert_or_assign";
-  const at::Tensor ids = check_insert_args(op, keys, digests, scores, weights, opt_state, ids_in, score_policy);
+  const at::Tensor ids = check_insert_args_cuda(op, keys, digests, scores, weights, opt_state, ids_in, score_policy);
   const int64_t n = ids.numel();
-  check_dim(op, "values", values_in, 2);
-  check_same_device(op, "values", values_in, "keys", keys);
-  check_size(op, "values", values_in, 0, n, "the number of ids");
-  check_size(op, "values", values_in, 1, weights.size(1), "the embedding dim of weights");
-  check_dtype(op, "values", values_in, weights.scalar_type());
+  check_assign_values(op, keys, weights, opt_state, n, values_in, opt_values_in, score_values_in);
   const at::Tensor values = values_in.contiguous();
-  at::Tensor opt_values, score_values;
-  if (opt_values_in) {
-    check_dim(op, "opt_values", *opt_values_in, 2);
-    check_same_device(op, "opt_values", *opt_values_in, "keys", keys);
-    check_size(op, "opt_values", *opt_values_in, 0, n, "the number of ids");
-    check_size(op, "opt_values", *opt_values_in, 1, opt_state.size(1), "the state width of opt_state");
-    check_dtype(op, "opt_values", *opt_values_in, opt_state.scalar_type());
-    opt_values = opt_values_in->contiguous();
-  }
-  if (score_values_in) {
-    check_dtype(op, "score_values", *score_values_in, at::kLong);
-    check_dim(op, "score_values", *score_values_in, 1);
-    check_same_device(op, "score_values", *score_values_in, "keys", keys);
-    check_size(op, "score_values", *score_values_in, 0, n, "the number of ids");
-    score_values = score_values_in->contiguous();
-  }
+  const at::Tensor opt_values = opt_values_in ? opt_values_in->contiguous() : at::Tensor();
+  const at::Tensor score_values = score_values_in ? score_values_in->contiguous() : at::Tensor();
   const c10::cuda::CUDAGuard guard(keys.device());
   at::Tensor slots = at::empty_like(ids);
   InsertOutcome r;
@@ -460,8 +440,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
 
 at::Tensor erase_cuda(const at::Tensor& keys, at::Tensor& digests, const at::Tensor& ids_in) {
   constexpr const char* op = "veloce::erase";
-  check_table_keys(op, keys, digests);
-  check_ids(op, ids_in, keys);
+  check_find_args(op, keys, digests, ids_in);
   check_cuda_table(op, keys, digests);
   check_num_ids_cuda(op, ids_in.numel());
   const c10::cuda::CUDAGuard guard(keys.device());
@@ -489,12 +468,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> export_cuda(const at:
                                                                         const at::Tensor& opt_state, int64_t start,
                                                                         int64_t end) {
   constexpr const char* op = "veloce::export";
-  check_table(op, keys, digests, scores);
-  check_table_rows(op, weights, opt_state, keys);
-  const int64_t capacity = keys.numel();
-  TORCH_CHECK(0 <= start && start <= end && end <= capacity, op,
-              ": need 0 <= start <= end <= capacity, got start = ", start, ", end = ", end, ", capacity = ",
-              capacity);
+  check_export_args(op, keys, digests, scores, weights, opt_state, start, end);
   const c10::cuda::CUDAGuard guard(keys.device());
   // nonzero syncs to size its output; slot order is preserved.
   const at::Tensor occupied = digests.slice(0, start, end).nonzero().squeeze(1).add_(start);
@@ -505,12 +479,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> export_cuda(const at:
 at::Tensor initialize_cuda(const at::Tensor& ids_in, int64_t dim, int64_t seed, int64_t init_kind, double init_a,
                            double init_b, at::ScalarType dtype) {
   constexpr const char* op = "veloce::initialize";
-  check_dtype(op, "ids", ids_in, at::kLong);
-  check_dim(op, "ids", ids_in, 1);
-  TORCH_CHECK(dim >= 0, op, ": dim must be >= 0, got ", dim);
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16, op,
-              ": dtype must be float32, float64, float16 or bfloat16, got ", dtype_name(dtype));
-  check_init(op, init_kind, init_a, init_b);
+  check_initialize_args(op, ids_in, dim, dtype, init_kind, init_a, init_b);
   const c10::cuda::CUDAGuard guard(ids_in.device());
   const at::Tensor ids = ids_in.contiguous();
   const int64_t n = ids.numel();

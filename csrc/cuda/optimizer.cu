@@ -1,6 +1,6 @@
 // CUDA kernel of the optimizer family: sparse_update, the fused sparse optimizer step.
-// Semantics (docs/ops.md, "optimizer"); CPU reference csrc/cpu/optimizer.cpp (same
-// checks, same messages, same arithmetic per element).
+// Semantics (docs/ops.md, "optimizer"); CPU reference csrc/cpu/optimizer.cpp (argument
+// checks shared with it in veloce/op_checks.h, same arithmetic per element).
 //
 // A group of `lanes` threads (a power of two <= 32) per updated row; each lane owns V
 // consecutive columns and reads the row, its gradient and its state with 16-byte loads,
@@ -11,39 +11,13 @@
 #include <torch/library.h>
 
 #include "veloce/cuda_utils.cuh"
+#include "veloce/op_checks.h"
 
 namespace veloce {
 namespace cuda {
 namespace {
 
 enum Optimizer : int64_t { kSGD = 0, kAdagrad = 1, kRowWiseAdagrad = 2, kAdam = 3 };
-
-const char* optimizer_name(int64_t opt) {
-  switch (opt) {
-    case kSGD: return "SGD";
-    case kAdagrad: return "Adagrad";
-    case kRowWiseAdagrad: return "RowWiseAdagrad";
-    default: return "Adam";
-  }
-}
-
-int64_t state_width(int64_t opt, int64_t D) {
-  switch (opt) {
-    case kSGD: return 0;
-    case kAdagrad: return D;
-    case kRowWiseAdagrad: return 1;
-    default: return 2 * D;
-  }
-}
-
-const char* state_formula(int64_t opt) {
-  switch (opt) {
-    case kSGD: return "0";
-    case kAdagrad: return "D";
-    case kRowWiseAdagrad: return "1";
-    default: return "2 * D";
-  }
-}
 
 template <typename acc_t>
 struct Hyper {
@@ -147,59 +121,25 @@ void check_update_slots(const char* op, const at::Tensor& s, int64_t C) {
   const int64_t* v = host.data_ptr<int64_t>();
   if (v[0] < 0 || v[1] >= C) {
     const at::Tensor all = s.cpu();
-    const int64_t* a = all.data_ptr<int64_t>();
-    for (int64_t u = 0; u < U; ++u) {
-      TORCH_CHECK(a[u] >= 0 && a[u] < C, op, ": slots[", u, "] = ", a[u], " is out of range for weights with ", C,
-                  " rows");
-    }
+    check_update_slot_range(op, all.data_ptr<int64_t>(), U, C);
   }
   if (v[2] == 0) return;  // strictly increasing: unique
   const at::Tensor sorted = std::get<0>(s.sort());
   const at::Tensor dup = (sorted.slice(0, 1) == sorted.slice(0, 0, U - 1)).nonzero();  // sync
-  TORCH_CHECK(dup.numel() == 0, op, ": slots must be unique, got slot ",
-              dup.numel() ? sorted[dup[0][0]].item<int64_t>() : 0, " more than once");
+  check_update_slots_unique(op, dup.numel() == 0, dup.numel() ? sorted[dup[0][0]].item<int64_t>() : 0);
 }
 
 void sparse_update_cuda(const at::Tensor& weights, const at::Tensor& opt_state, const at::Tensor& slots,
                         const at::Tensor& grads, int64_t optimizer, double lr, double eps, double beta1,
                         double beta2, double weight_decay, int64_t step) {
   constexpr const char* op = "veloce::sparse_update";
-  TORCH_CHECK(optimizer >= kSGD && optimizer <= kAdam, op,
-              ": optimizer must be 0 (SGD), 1 (Adagrad), 2 (RowWiseAdagrad) or 3 (Adam), got ", optimizer);
+  const int64_t S = check_update_rows(op, weights, opt_state, optimizer);
+  check_update_grads(op, weights, slots, grads);
+  check_update_hyper(op, optimizer, lr, eps, beta1, beta2, step);
   const auto st = weights.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16, op,
-              ": weights must be float32, float64, float16 or bfloat16, got ", dtype_name(st));
-  check_dim(op, "weights", weights, 2);
-  TORCH_CHECK(weights.is_contiguous(), op, ": weights must be contiguous (it is updated in place)");
   const int64_t C = weights.size(0);
   const int64_t D = weights.size(1);
-  const at::ScalarType state_dtype = st == at::kDouble ? at::kDouble : at::kFloat;
-  check_dtype(op, "opt_state", opt_state, state_dtype);
-  check_dim(op, "opt_state", opt_state, 2);
-  check_same_device(op, "opt_state", opt_state, "weights", weights);
-  TORCH_CHECK(opt_state.is_contiguous(), op, ": opt_state must be contiguous (it is updated in place)");
-  check_size(op, "opt_state", opt_state, 0, C, "weights.size(0)");
-  const int64_t S = state_width(optimizer, D);
-  TORCH_CHECK(opt_state.size(1) == S, op, ": opt_state.size(1) must be the state width of ",
-              optimizer_name(optimizer), " (S = ", state_formula(optimizer), " = ", S, " for D = ", D, "), got ",
-              opt_state.size(1));
-  check_dtype(op, "slots", slots, at::kLong);
-  check_dim(op, "slots", slots, 1);
-  check_same_device(op, "slots", slots, "weights", weights);
   const int64_t U = slots.numel();
-  TORCH_CHECK(grads.scalar_type() == st, op, ": grads must have the dtype of weights (", dtype_name(st),
-              "), got ", dtype_name(grads.scalar_type()));
-  check_dim(op, "grads", grads, 2);
-  check_same_device(op, "grads", grads, "weights", weights);
-  check_size(op, "grads", grads, 0, U, "slots.numel()");
-  check_size(op, "grads", grads, 1, D, "weights.size(1)");
-  if (optimizer == kAdam) {
-    TORCH_CHECK(step >= 1, op, ": step must be >= 1 for Adam (it is the 1-based step count), got ", step);
-    TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1) for Adam, got ", beta1);
-    TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1) for Adam, got ", beta2);
-  }
-  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, op, ": lr must be a finite number >= 0, got ", lr);
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0, got ", eps);
   const c10::cuda::CUDAGuard guard(weights.device());
   const at::Tensor s = slots.contiguous();
   check_update_slots(op, s, C);

@@ -19,10 +19,7 @@ VELOCE_HD int64_t state_width(int64_t opt, int64_t D) {
   return opt == kSGD ? 0 : opt == kAdagrad ? D : opt == kRowWiseAdagrad ? 1 : 2 * D;
 }
 
-// Validates the table rows and hyperparameters of an update; returns S. Shared by every
-// op that updates rows (messages name `op`).
-int64_t check_update_args(const char* op, const at::Tensor& weights, const at::Tensor& opt_state, int64_t optimizer,
-                          double lr, double eps, double beta1, double beta2, int64_t step);
+// Argument checks of the updating ops (check_update_args, ...): veloce/op_checks.h.
 
 template <typename acc_t>
 struct UpdateRule {

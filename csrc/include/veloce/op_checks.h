@@ -1,0 +1,105 @@
+// Per-op argument validation shared by the CPU and CUDA kernels: one function per op (or
+// per group of ops) checks dtypes, dims, sizes, devices, enum ranges and hyperparameters,
+// with the same messages on every backend. Defined in csrc/op_checks.cpp, compiled by the
+// host compiler only (see veloce/check.h for why no .cu file formats TORCH_CHECK messages).
+// The CUDA kernels add their own CUDA-only checks (check_cuda_table, check_num_ids_cuda).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "veloce/check.h"
+
+namespace veloce {
+
+// ---- hash_table ------------------------------------------------------------------------
+
+// find, erase: the table keys/digests and ids (N,) int64 on keys' device.
+void check_find_args(const char* op, const at::Tensor& keys, const at::Tensor& digests, const at::Tensor& ids);
+
+// find_or_insert, insert_or_assign: the whole table, its rows, ids and score_policy.
+void check_insert_args(const char* op, const at::Tensor& keys, const at::Tensor& digests, const at::Tensor& scores,
+                       const at::Tensor& weights, const at::Tensor& opt_state, const at::Tensor& ids,
+                       int64_t score_policy);
+
+// insert_or_assign: values (n, D) of weights' dtype, optional opt_values (n, S) and
+// score_values (n,) int64, all on keys' device.
+void check_assign_values(const char* op, const at::Tensor& keys, const at::Tensor& weights,
+                         const at::Tensor& opt_state, int64_t n, const at::Tensor& values,
+                         const std::optional<at::Tensor>& opt_values,
+                         const std::optional<at::Tensor>& score_values);
+
+// export: the table, its rows and 0 <= start <= end <= capacity.
+void check_export_args(const char* op, const at::Tensor& keys, const at::Tensor& digests, const at::Tensor& scores,
+                       const at::Tensor& weights, const at::Tensor& opt_state, int64_t start, int64_t end);
+
+// initialize: ids (N,) int64, dim >= 0, a floating dtype and the initializer.
+void check_initialize_args(const char* op, const at::Tensor& ids, int64_t dim, at::ScalarType dtype,
+                           int64_t init_kind, double init_a, double init_b);
+
+// ---- embedding -------------------------------------------------------------------------
+
+// mode 0 (sum) or 1 (mean).
+void check_mode(const char* op, int64_t mode);
+// t is float32, float64, float16 or bfloat16.
+void check_row_dtype(const char* op, const char* name, const at::Tensor& t);
+// per_sample_weights (N,) of dtype `want`, only with sum pooling.
+void check_psw(const char* op, const std::optional<at::Tensor>& psw, const at::Tensor& slots, int64_t mode,
+               at::ScalarType want);
+
+// pooled_lookup, everything but offsets and slot values; returns M = extra_rows.size(0)
+// (0 without extra_rows).
+int64_t check_pooled_lookup_args(const char* op, const at::Tensor& weights, const at::Tensor& slots,
+                                 const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
+                                 int64_t mode, const std::optional<at::Tensor>& extra_rows);
+
+// The backward inputs (accumulate_grad, accumulate_and_update) before the bag layout:
+// grad_output (B, D) rows, slots (N,) int64, devices, mode and per_sample_weights.
+void check_backward_inputs(const char* op, const at::Tensor& grad_output, const at::Tensor& slots,
+                           const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
+                           int64_t mode);
+// The bag layout of a backward pass (check_offsets) and one grad_output row per bag;
+// returns the number of bags B. Reads offsets on the host.
+int64_t check_backward_bags(const char* op, const at::Tensor& grad_output, const at::Tensor& offsets, int64_t n,
+                            bool include_last_offset);
+// check_backward_inputs, then check_backward_bags.
+int64_t check_backward_args(const char* op, const at::Tensor& grad_output, const at::Tensor& slots,
+                            const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
+                            int64_t mode, bool include_last_offset);
+
+// accumulate_grad: num_rows >= 0.
+void check_num_rows(const char* op, int64_t num_rows);
+// CUDA kernels index bags with int32.
+void check_num_bags_cuda(const char* op, int64_t num_bags);
+
+// accumulate_and_update: grad_output on weights' device, of its dtype and width.
+void check_grad_output_for_weights(const char* op, const at::Tensor& grad_output, const at::Tensor& weights);
+
+// Every slot s[0..n) must be -1, -2 or in [0, limit) (limit < 0: no upper bound). Host
+// pointer; the CUDA kernels call it on a host copy once a device reduction found a bad slot.
+void check_slot_values(const char* op, const int64_t* s, int64_t n, int64_t limit, const char* limit_what);
+
+// ---- optimizer -------------------------------------------------------------------------
+
+// The table rows of an update (optimizer, weights, opt_state); returns S.
+int64_t check_update_rows(const char* op, const at::Tensor& weights, const at::Tensor& opt_state,
+                          int64_t optimizer);
+// The hyperparameters of an update (Adam's step and betas, lr, eps).
+void check_update_hyper(const char* op, int64_t optimizer, double lr, double eps, double beta1, double beta2,
+                        int64_t step);
+// check_update_rows, then check_update_hyper; returns S. Shared by every op that updates
+// rows (messages name `op`).
+int64_t check_update_args(const char* op, const at::Tensor& weights, const at::Tensor& opt_state, int64_t optimizer,
+                          double lr, double eps, double beta1, double beta2, int64_t step);
+
+// sparse_update: slots (U,) int64 and grads (U, D) of weights' dtype, on weights' device.
+void check_update_grads(const char* op, const at::Tensor& weights, const at::Tensor& slots,
+                        const at::Tensor& grads);
+
+// Every slot s[0..U) is in [0, C); returns whether they are strictly increasing (hence unique).
+bool check_update_slot_range(const char* op, const int64_t* s, int64_t U, int64_t C);
+// Fails with "slots must be unique" naming dup_slot unless `unique`.
+void check_update_slots_unique(const char* op, bool unique, int64_t dup_slot);
+
+}  // namespace veloce

@@ -1,0 +1,285 @@
+// Per-op argument validation shared by the CPU and CUDA kernels (see veloce/op_checks.h).
+// Host-compiled only: every TORCH_CHECK message of the ops is formatted here or in
+// common.cpp, never in a .cu file.
+#include "veloce/op_checks.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "veloce/hash.h"
+#include "veloce/optimizer.h"
+
+namespace veloce {
+namespace {
+
+constexpr int64_t kSum = 0;
+constexpr int64_t kMean = 1;
+
+bool is_row_dtype(at::ScalarType st) {
+  return st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16;
+}
+
+const char* optimizer_name(int64_t opt) {
+  switch (opt) {
+    case kSGD: return "SGD";
+    case kAdagrad: return "Adagrad";
+    case kRowWiseAdagrad: return "RowWiseAdagrad";
+    default: return "Adam";
+  }
+}
+
+const char* state_formula(int64_t opt) {
+  switch (opt) {
+    case kSGD: return "0";
+    case kAdagrad: return "D";
+    case kRowWiseAdagrad: return "1";
+    default: return "2 * D";
+  }
+}
+
+}  // namespace
+
+// ---- hash_table ------------------------------------------------------------------------
+
+void check_find_args(const char* op, const at::Tensor& keys, const at::Tensor& digests, const at::Tensor& ids) {
+  check_table_keys(op, keys, digests);
+  check_ids(op, ids, keys);
+}
+
+void check_insert_args(const char* op, const at::Tensor& keys, const at::Tensor& digests, const at::Tensor& scores,
+                       const at::Tensor& weights, const at::Tensor& opt_state, const at::Tensor& ids,
+                       int64_t score_policy) {
+  check_table(op, keys, digests, scores);
+  check_table_rows(op, weights, opt_state, keys);
+  check_ids(op, ids, keys);
+  check_int_arg(op, "score_policy", score_policy, 0, 2, "0 none, 1 LRU, 2 LFU");
+}
+
+void check_assign_values(const char* op, const at::Tensor& keys, const at::Tensor& weights,
+                         const at::Tensor& opt_state, int64_t n, const at::Tensor& values,
+                         const std::optional<at::Tensor>& opt_values,
+                         const std::optional<at::Tensor>& score_values) {
+  check_dim(op, "values", values, 2);
+  check_same_device(op, "values", values, "keys", keys);
+  check_size(op, "values", values, 0, n, "the number of ids");
+  check_size(op, "values", values, 1, weights.size(1), "the embedding dim of weights");
+  check_dtype(op, "values", values, weights.scalar_type());
+  if (opt_values) {
+    check_dim(op, "opt_values", *opt_values, 2);
+    check_same_device(op, "opt_values", *opt_values, "keys", keys);
+    check_size(op, "opt_values", *opt_values, 0, n, "the number of ids");
+    check_size(op, "opt_values", *opt_values, 1, opt_state.size(1), "the state width of opt_state");
+    check_dtype(op, "opt_values", *opt_values, opt_state.scalar_type());
+  }
+  if (score_values) {
+    check_dtype(op, "score_values", *score_values, at::kLong);
+    check_dim(op, "score_values", *score_values, 1);
+    check_same_device(op, "score_values", *score_values, "keys", keys);
+    check_size(op, "score_values", *score_values, 0, n, "the number of ids");
+  }
+}
+
+void check_export_args(const char* op, const at::Tensor& keys, const at::Tensor& digests, const at::Tensor& scores,
+                       const at::Tensor& weights, const at::Tensor& opt_state, int64_t start, int64_t end) {
+  check_table(op, keys, digests, scores);
+  check_table_rows(op, weights, opt_state, keys);
+  const int64_t capacity = keys.numel();
+  TORCH_CHECK(0 <= start && start <= end && end <= capacity, op,
+              ": need 0 <= start <= end <= capacity, got start = ", start, ", end = ", end, ", capacity = ",
+              capacity);
+}
+
+void check_initialize_args(const char* op, const at::Tensor& ids, int64_t dim, at::ScalarType dtype,
+                           int64_t init_kind, double init_a, double init_b) {
+  check_dtype(op, "ids", ids, at::kLong);
+  check_dim(op, "ids", ids, 1);
+  TORCH_CHECK(dim >= 0, op, ": dim must be >= 0, got ", dim);
+  TORCH_CHECK(is_row_dtype(dtype), op, ": dtype must be float32, float64, float16 or bfloat16, got ",
+              dtype_name(dtype));
+  check_init(op, init_kind, init_a, init_b);
+}
+
+// ---- embedding -------------------------------------------------------------------------
+
+void check_mode(const char* op, int64_t mode) {
+  TORCH_CHECK(mode == kSum || mode == kMean, op, ": mode must be 0 (sum) or 1 (mean), got ", mode);
+}
+
+void check_row_dtype(const char* op, const char* name, const at::Tensor& t) {
+  const auto st = t.scalar_type();
+  TORCH_CHECK(is_row_dtype(st), op, ": ", name, " must be float32, float64, float16 or bfloat16, got ",
+              dtype_name(st));
+}
+
+void check_psw(const char* op, const std::optional<at::Tensor>& psw, const at::Tensor& slots, int64_t mode,
+               at::ScalarType want) {
+  if (!psw.has_value()) return;
+  TORCH_CHECK(mode == kSum, op, ": per_sample_weights is only supported with mode 0 (sum), got mode ", mode,
+              " (mean)");
+  check_dim(op, "per_sample_weights", *psw, 1);
+  check_same_device(op, "per_sample_weights", *psw, "slots", slots);
+  TORCH_CHECK(psw->scalar_type() == want, op, ": per_sample_weights must have the dtype of the rows (",
+              dtype_name(want), "), got ", dtype_name(psw->scalar_type()));
+  TORCH_CHECK(psw->numel() == slots.numel(), op, ": per_sample_weights must have one entry per slot (",
+              slots.numel(), "), got ", psw->numel());
+}
+
+namespace {
+
+// The bag inputs of pooled_lookup and the backward ops: rows (named `rows_name`, (R, D)
+// float rows), slots (N,) int64 and offsets on rows' device, mode and per_sample_weights.
+void check_bag_inputs(const char* op, const char* rows_name, const at::Tensor& rows, const at::Tensor& slots,
+                      const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
+                      int64_t mode) {
+  check_row_dtype(op, rows_name, rows);
+  check_dim(op, rows_name, rows, 2);
+  check_dtype(op, "slots", slots, at::kLong);
+  check_dim(op, "slots", slots, 1);
+  check_same_device(op, "slots", slots, rows_name, rows);
+  check_same_device(op, "offsets", offsets, rows_name, rows);
+  check_mode(op, mode);
+  check_psw(op, per_sample_weights, slots, mode, rows.scalar_type());
+}
+
+}  // namespace
+
+int64_t check_pooled_lookup_args(const char* op, const at::Tensor& weights, const at::Tensor& slots,
+                                 const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
+                                 int64_t mode, const std::optional<at::Tensor>& extra_rows) {
+  check_bag_inputs(op, "weights", weights, slots, offsets, per_sample_weights, mode);
+  if (!extra_rows.has_value()) return 0;
+  check_dim(op, "extra_rows", *extra_rows, 2);
+  check_same_device(op, "extra_rows", *extra_rows, "weights", weights);
+  TORCH_CHECK(extra_rows->scalar_type() == weights.scalar_type(), op,
+              ": extra_rows must have the dtype of weights (", dtype_name(weights.scalar_type()), "), got ",
+              dtype_name(extra_rows->scalar_type()));
+  check_size(op, "extra_rows", *extra_rows, 1, weights.size(1), "weights.size(1)");
+  return extra_rows->size(0);
+}
+
+void check_backward_inputs(const char* op, const at::Tensor& grad_output, const at::Tensor& slots,
+                           const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
+                           int64_t mode) {
+  check_bag_inputs(op, "grad_output", grad_output, slots, offsets, per_sample_weights, mode);
+}
+
+int64_t check_backward_bags(const char* op, const at::Tensor& grad_output, const at::Tensor& offsets, int64_t n,
+                            bool include_last_offset) {
+  const int64_t B = check_offsets(op, offsets, n, include_last_offset);
+  TORCH_CHECK(grad_output.size(0) == B, op, ": grad_output must have one row per bag (", B, " bags), got ",
+              grad_output.size(0), " rows");
+  return B;
+}
+
+int64_t check_backward_args(const char* op, const at::Tensor& grad_output, const at::Tensor& slots,
+                            const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
+                            int64_t mode, bool include_last_offset) {
+  check_backward_inputs(op, grad_output, slots, offsets, per_sample_weights, mode);
+  return check_backward_bags(op, grad_output, offsets, slots.numel(), include_last_offset);
+}
+
+void check_num_rows(const char* op, int64_t num_rows) {
+  TORCH_CHECK(num_rows >= 0, op, ": num_rows must be >= 0, got ", num_rows);
+}
+
+void check_num_bags_cuda(const char* op, int64_t num_bags) {
+  TORCH_CHECK(num_bags <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 bags on CUDA, got ",
+              num_bags);
+}
+
+void check_grad_output_for_weights(const char* op, const at::Tensor& grad_output, const at::Tensor& weights) {
+  check_same_device(op, "grad_output", grad_output, "weights", weights);
+  TORCH_CHECK(grad_output.scalar_type() == weights.scalar_type(), op, ": grad_output must have the dtype of weights (",
+              dtype_name(weights.scalar_type()), "), got ", dtype_name(grad_output.scalar_type()));
+  check_size(op, "grad_output", grad_output, 1, weights.size(1), "weights.size(1)");
+}
+
+void check_slot_values(const char* op, const int64_t* s, int64_t n, int64_t limit, const char* limit_what) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = s[i];
+    if (C10_UNLIKELY(v < kZeroSlot || (limit >= 0 && v >= limit))) {
+      if (limit >= 0) {
+        TORCH_CHECK(false, op, ": slots[", i, "] = ", v, " is not a valid slot; expected -1 (padding), -2 (zero ",
+                    "row) or 0 <= slot < ", limit, " (", limit_what, ")");
+      }
+      TORCH_CHECK(false, op, ": slots[", i, "] = ", v, " is not a valid slot; expected -1 (padding), -2 (zero ",
+                  "row) or a slot >= 0");
+    }
+  }
+}
+
+// ---- optimizer -------------------------------------------------------------------------
+
+int64_t check_update_rows(const char* op, const at::Tensor& weights, const at::Tensor& opt_state,
+                          int64_t optimizer) {
+  TORCH_CHECK(optimizer >= kSGD && optimizer <= kAdam, op,
+              ": optimizer must be 0 (SGD), 1 (Adagrad), 2 (RowWiseAdagrad) or 3 (Adam), got ", optimizer);
+  const auto st = weights.scalar_type();
+  TORCH_CHECK(is_row_dtype(st), op, ": weights must be float32, float64, float16 or bfloat16, got ",
+              dtype_name(st));
+  check_dim(op, "weights", weights, 2);
+  TORCH_CHECK(weights.is_contiguous(), op, ": weights must be contiguous (it is updated in place)");
+  const int64_t C = weights.size(0);
+  const int64_t D = weights.size(1);
+  const at::ScalarType state_dtype = st == at::kDouble ? at::kDouble : at::kFloat;
+  check_dtype(op, "opt_state", opt_state, state_dtype);
+  check_dim(op, "opt_state", opt_state, 2);
+  check_same_device(op, "opt_state", opt_state, "weights", weights);
+  TORCH_CHECK(opt_state.is_contiguous(), op, ": opt_state must be contiguous (it is updated in place)");
+  check_size(op, "opt_state", opt_state, 0, C, "weights.size(0)");
+  const int64_t S = state_width(optimizer, D);
+  TORCH_CHECK(opt_state.size(1) == S, op, ": opt_state.size(1) must be the state width of ",
+              optimizer_name(optimizer), " (S = ", state_formula(optimizer), " = ", S, " for D = ", D, "), got ",
+              opt_state.size(1));
+  return S;
+}
+
+void check_update_hyper(const char* op, int64_t optimizer, double lr, double eps, double beta1, double beta2,
+                        int64_t step) {
+  if (optimizer == kAdam) {
+    TORCH_CHECK(step >= 1, op, ": step must be >= 1 for Adam (it is the 1-based step count), got ", step);
+    TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1) for Adam, got ", beta1);
+    TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1) for Adam, got ", beta2);
+  }
+  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, op, ": lr must be a finite number >= 0, got ", lr);
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0, got ", eps);
+}
+
+int64_t check_update_args(const char* op, const at::Tensor& weights, const at::Tensor& opt_state, int64_t optimizer,
+                          double lr, double eps, double beta1, double beta2, int64_t step) {
+  const int64_t S = check_update_rows(op, weights, opt_state, optimizer);
+  check_update_hyper(op, optimizer, lr, eps, beta1, beta2, step);
+  return S;
+}
+
+void check_update_grads(const char* op, const at::Tensor& weights, const at::Tensor& slots,
+                        const at::Tensor& grads) {
+  const auto st = weights.scalar_type();
+  check_dtype(op, "slots", slots, at::kLong);
+  check_dim(op, "slots", slots, 1);
+  check_same_device(op, "slots", slots, "weights", weights);
+  const int64_t U = slots.numel();
+  TORCH_CHECK(grads.scalar_type() == st, op, ": grads must have the dtype of weights (", dtype_name(st),
+              "), got ", dtype_name(grads.scalar_type()));
+  check_dim(op, "grads", grads, 2);
+  check_same_device(op, "grads", grads, "weights", weights);
+  check_size(op, "grads", grads, 0, U, "slots.numel()");
+  check_size(op, "grads", grads, 1, weights.size(1), "weights.size(1)");
+}
+
+bool check_update_slot_range(const char* op, const int64_t* s, int64_t U, int64_t C) {
+  bool increasing = true;
+  for (int64_t u = 0; u < U; ++u) {
+    TORCH_CHECK(s[u] >= 0 && s[u] < C, op, ": slots[", u, "] = ", s[u], " is out of range for weights with ", C,
+                " rows");
+    if (u > 0 && s[u] <= s[u - 1]) increasing = false;
+  }
+  return increasing;
+}
+
+void check_update_slots_unique(const char* op, bool unique, int64_t dup_slot) {
+  TORCH_CHECK(unique, op, ": slots must be unique, got slot ", dup_slot, " more than once");
+}
+
+}  // namespace veloce
