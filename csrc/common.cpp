@@ -117,6 +117,14 @@ int64_t check_offsets(const char* op, const at::Tensor& offsets, int64_t n, bool
     TORCH_CHECK(n == 0, op, ": offsets is empty (0 bags) but there are ", n, " ids");
     return 0;
   }
+  if (!offsets.device().is_cpu()) {
+    // On an accelerator, one fused device check and a single flag read; the full host
+    // copy (for the message) happens only when something is wrong.
+    at::Tensor bad = offsets.narrow(0, 0, 1).ne(0).logical_or(offsets.narrow(0, len - 1, 1).gt(n));
+    if (include_last_offset) bad = bad.logical_or(offsets.narrow(0, len - 1, 1).ne(n));
+    if (len > 1) bad = bad.logical_or(offsets.narrow(0, 1, len - 1).lt(offsets.narrow(0, 0, len - 1)).any());
+    if (!bad.item<bool>()) return num_bags;
+  }
   const at::Tensor host = offsets.device().is_cpu() ? offsets.contiguous() : offsets.to(at::kCPU).contiguous();
   const int64_t* o = host.data_ptr<int64_t>();
   TORCH_CHECK(o[0] == 0, op, ": offsets must start at 0, got offsets[0] = ", o[0]);

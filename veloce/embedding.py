@@ -395,6 +395,12 @@ def _check_offsets(offsets: torch.Tensor, n: int, include_last_offset: bool) -> 
         if n:
             raise ValueError(f"offsets is empty (0 bags) but input holds {n} ids")
         return
+    last_bad = (offsets[-1] != n) if include_last_offset else (offsets[-1] > n)
+    bad = (offsets[0] != 0) | last_bad
+    if offsets.numel() > 1:
+        bad = bad | (offsets[1:] < offsets[:-1]).any()
+    if not bool(bad):  # one device sync; the details below only run for bad input
+        return
     first = int(offsets[0])
     if first != 0:
         raise ValueError(f"offsets must start at 0, got offsets[0] = {first}")
@@ -409,9 +415,7 @@ def _check_offsets(offsets: torch.Tensor, n: int, include_last_offset: bool) -> 
     last = int(offsets[-1])
     if last > n:
         raise ValueError(f"offsets[-1] = {last} is past the end of input ({n} ids)")
-    if include_last_offset and last != n:
-        raise ValueError(f"with include_last_offset=True, offsets[-1] must equal the number of ids ({n}), got {last}")
-
+    raise ValueError(f"with include_last_offset=True, offsets[-1] must equal the number of ids ({n}), got {last}")
 
 class _Pending(NamedTuple):
     """The inputs of one backward pass, kept until step(): the gradient is summed per row
