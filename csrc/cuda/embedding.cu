@@ -201,6 +201,51 @@ __global__ void bag_scale_kernel(const int64_t* __restrict__ slots, const int64_
   if (lane == 0) scale[b] = count > 0 ? acc_t(1) / static_cast<acc_t>(count) : acc_t(0);
 }
 
+// Runs (the positions of one slot) longer than kLongRun are reduced in two levels, so a
+// hot id repeated 10^5 times in a batch is not one thread group's serial loop: fixed
+// chunks of kLongRun positions are summed in parallel, then each run's chunk sums are
+// added in chunk order. Both levels have a fixed order: the result is deterministic.
+constexpr int32_t kLongRun = 64;
+
+// acc += the (scaled) gradient rows of sorted positions [k, stop), columns [c, c + V).
+template <typename scalar_t, int V>
+__device__ __forceinline__ void add_rows(at::opmath_type<scalar_t> (&acc)[V], int64_t k, int64_t stop, int64_t c,
+                                         const scalar_t* __restrict__ grad_output, int64_t D,
+                                         const int32_t* __restrict__ sorted_pos, const int32_t* __restrict__ bag_of,
+                                         const scalar_t* __restrict__ psw,
+                                         const at::opmath_type<scalar_t>* __restrict__ bag_scale) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const bool scaled = psw != nullptr || bag_scale != nullptr;
+  auto add = [&](int32_t pos, int32_t b, const Pack<scalar_t, V>& g) {
+    if (scaled) {
+      const acc_t w = psw != nullptr ? static_cast<acc_t>(psw[pos]) : bag_scale[b];
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc[j] += w * static_cast<acc_t>(g.v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc[j] += static_cast<acc_t>(g.v[j]);
+    }
+  };
+  for (; k + kUnroll <= stop; k += kUnroll) {
+    int32_t pos[kUnroll], b[kUnroll];
+    Pack<scalar_t, V> g[kUnroll];
+#pragma unroll
+    for (int q = 0; q < kUnroll; ++q) pos[q] = sorted_pos[k + q];
+#pragma unroll
+    for (int q = 0; q < kUnroll; ++q) b[q] = bag_of[pos[q]];
+#pragma unroll
+    for (int q = 0; q < kUnroll; ++q) g[q] = load_pack<scalar_t, V>(grad_output + b[q] * D + c);
+#pragma unroll
+    for (int q = 0; q < kUnroll; ++q) add(pos[q], b[q], g[q]);
+  }
+  for (; k < stop; ++k) {
+    const int32_t pos = sorted_pos[k];
+    const int32_t b = bag_of[pos];
+    add(pos, b, load_pack<scalar_t, V>(grad_output + b * D + c));
+  }
+}
+
+// One thread group per run of at most kLongRun positions (longer runs: chunk kernels).
 template <typename scalar_t, typename key_t, int V>
 __global__ void segment_sum_kernel(const scalar_t* __restrict__ grad_output,  // (B, D)
                                    int64_t D,
@@ -221,46 +266,94 @@ __global__ void segment_sum_kernel(const scalar_t* __restrict__ grad_output,  //
   if (u >= U) return;
   const int lane = static_cast<int>(t % lanes);
   if (lane == 0) unique_slots[u] = static_cast<int64_t>(uniq[u]);
+  if (run_len[u] > kLongRun) return;
   const int64_t start = run_start[u];
   const int64_t stop = start + run_len[u];
-  const bool scaled = psw != nullptr || bag_scale != nullptr;
   for (int64_t c = static_cast<int64_t>(lane) * V; c < D; c += static_cast<int64_t>(lanes) * V) {
     acc_t acc[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) acc[j] = 0;
-    auto add = [&](int32_t pos, int32_t b, const Pack<scalar_t, V>& g) {
-      if (scaled) {
-        const acc_t w = psw != nullptr ? static_cast<acc_t>(psw[pos]) : bag_scale[b];
-#pragma unroll
-        for (int j = 0; j < V; ++j) acc[j] += w * static_cast<acc_t>(g.v[j]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < V; ++j) acc[j] += static_cast<acc_t>(g.v[j]);
-      }
-    };
-    int64_t k = start;
-    for (; k + kUnroll <= stop; k += kUnroll) {
-      int32_t pos[kUnroll], b[kUnroll];
-      Pack<scalar_t, V> g[kUnroll];
-#pragma unroll
-      for (int q = 0; q < kUnroll; ++q) pos[q] = sorted_pos[k + q];
-#pragma unroll
-      for (int q = 0; q < kUnroll; ++q) b[q] = bag_of[pos[q]];
-#pragma unroll
-      for (int q = 0; q < kUnroll; ++q) g[q] = load_pack<scalar_t, V>(grad_output + b[q] * D + c);
-#pragma unroll
-      for (int q = 0; q < kUnroll; ++q) add(pos[q], b[q], g[q]);
-    }
-    for (; k < stop; ++k) {
-      const int32_t pos = sorted_pos[k];
-      const int32_t b = bag_of[pos];
-      add(pos, b, load_pack<scalar_t, V>(grad_output + b * D + c));
-    }
+    add_rows<scalar_t, V>(acc, start, stop, c, grad_output, D, sorted_pos, bag_of, psw, bag_scale);
     Pack<scalar_t, V> o;
 #pragma unroll
     for (int j = 0; j < V; ++j) o.v[j] = static_cast<scalar_t>(acc[j]);
     store_pack<scalar_t, V>(grad_rows + u * D + c, o);
   }
+}
+
+// Counts the long runs and their chunks into info[2], info[3] (runs = info[0], the last
+// one the invalid-slot sentinel when info[1] > 0).
+__global__ void long_runs_count_kernel(const int32_t* __restrict__ run_len, int64_t N, int64_t* info) {
+  const int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t U = info[0] - (info[1] > 0 ? 1 : 0);
+  if (u >= U || u >= N || run_len[u] <= kLongRun) return;
+  atomicAdd(reinterpret_cast<unsigned long long*>(info + 2), 1ull);
+  atomicAdd(reinterpret_cast<unsigned long long*>(info + 3),
+            static_cast<unsigned long long>((run_len[u] + kLongRun - 1) / kLongRun));
+}
+
+// Lists the long runs; each gets a contiguous range of chunk slots (base). The list
+// order depends on scheduling, the arithmetic does not.
+__global__ void long_runs_list_kernel(const int32_t* __restrict__ run_len, int64_t U, int32_t* __restrict__ runs,
+                                      int32_t* __restrict__ base, int32_t* counters) {
+  const int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (u >= U || run_len[u] <= kLongRun) return;
+  const int32_t i = atomicAdd(counters, 1);
+  runs[i] = static_cast<int32_t>(u);
+  base[i] = atomicAdd(counters + 1, (run_len[u] + kLongRun - 1) / kLongRun);
+}
+
+// chunk_run[base[i] + c] = i for every chunk c of long run i (a block per run).
+__global__ void chunk_owner_kernel(const int32_t* __restrict__ runs, const int32_t* __restrict__ base,
+                                   const int32_t* __restrict__ run_len, int32_t* __restrict__ chunk_run) {
+  const int32_t i = blockIdx.x;
+  const int32_t chunks = (run_len[runs[i]] + kLongRun - 1) / kLongRun;
+  for (int32_t c = threadIdx.x; c < chunks; c += blockDim.x) chunk_run[base[i] + c] = i;
+}
+
+// partial[m] = the sum of chunk m (kLongRun positions of one long run), in acc_t.
+template <typename scalar_t, int V>
+__global__ void chunk_sum_kernel(const scalar_t* __restrict__ grad_output, int64_t D, int64_t M,
+                                 const int32_t* __restrict__ chunk_run, const int32_t* __restrict__ runs,
+                                 const int32_t* __restrict__ base, const int32_t* __restrict__ run_start,
+                                 const int32_t* __restrict__ run_len, const int32_t* __restrict__ sorted_pos,
+                                 const int32_t* __restrict__ bag_of, const scalar_t* __restrict__ psw,
+                                 const at::opmath_type<scalar_t>* __restrict__ bag_scale, int lanes,
+                                 at::opmath_type<scalar_t>* __restrict__ partial) {  // (M, D)
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t m = t / lanes;
+  if (m >= M) return;
+  const int lane = static_cast<int>(t % lanes);
+  const int32_t i = chunk_run[m];
+  const int32_t u = runs[i];
+  const int64_t start = run_start[u] + static_cast<int64_t>(m - base[i]) * kLongRun;
+  const int64_t stop = min(start + kLongRun, static_cast<int64_t>(run_start[u]) + run_len[u]);
+  for (int64_t c = static_cast<int64_t>(lane) * V; c < D; c += static_cast<int64_t>(lanes) * V) {
+    acc_t acc[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = 0;
+    add_rows<scalar_t, V>(acc, start, stop, c, grad_output, D, sorted_pos, bag_of, psw, bag_scale);
+#pragma unroll
+    for (int j = 0; j < V; ++j) partial[m * D + c + j] = acc[j];
+  }
+}
+
+// grad_rows[u] = the chunk sums of long run u, added in chunk order.
+template <typename scalar_t>
+__global__ void long_run_total_kernel(const at::opmath_type<scalar_t>* __restrict__ partial, int64_t D, int64_t L,
+                                      const int32_t* __restrict__ runs, const int32_t* __restrict__ base,
+                                      const int32_t* __restrict__ run_len, scalar_t* __restrict__ grad_rows) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t i = t / D;
+  if (i >= L) return;
+  const int64_t j = t % D;
+  const int32_t u = runs[i];
+  const int32_t chunks = (run_len[u] + kLongRun - 1) / kLongRun;
+  acc_t acc = 0;
+  for (int32_t c = 0; c < chunks; ++c) acc += partial[(static_cast<int64_t>(base[i]) + c) * D + j];
+  grad_rows[static_cast<int64_t>(u) * D + j] = static_cast<scalar_t>(acc);
 }
 
 int bit_width(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); }
@@ -275,8 +368,9 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const at::Tensor& g, const at::Ten
   at::Tensor keys = at::empty({N}, opts.dtype(sizeof(key_t) == 4 ? at::kInt : at::kLong));
   at::Tensor pos = at::empty({N}, opts.dtype(at::kInt));
   at::Tensor bag_of = at::empty({N}, opts.dtype(at::kInt));
-  // info[0]: number of runs (written by CUB), info[1]: positions without a gradient.
-  at::Tensor info = at::zeros({2}, opts);
+  // info[0]: number of runs (written by CUB), info[1]: positions without a gradient,
+  // info[2], info[3]: runs longer than kLongRun and their chunks.
+  at::Tensor info = at::zeros({4}, opts);
   key_t* kp = reinterpret_cast<key_t*>(keys.data_ptr());
   keys_kernel<key_t><<<grid_for(N), kThreads, 0, stream()>>>(
       s.data_ptr<int64_t>(), N, num_rows, o.data_ptr<int64_t>(), B, kp, pos.data_ptr<int32_t>(),
@@ -299,8 +393,13 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const at::Tensor& g, const at::Ten
     return cub::DeviceRunLengthEncode::Encode(temp, bytes, skp, up, run_len.data_ptr<int32_t>(),
                                               info.data_ptr<int64_t>(), n, stream());
   });
+  long_runs_count_kernel<<<grid_for(N), kThreads, 0, stream()>>>(run_len.data_ptr<int32_t>(), N,
+                                                                   info.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   const at::Tensor host = info.cpu();  // sync: sizes the outputs
-  const int64_t U = host.data_ptr<int64_t>()[0] - (host.data_ptr<int64_t>()[1] > 0 ? 1 : 0);  // sentinel run last
+  const int64_t* h = host.data_ptr<int64_t>();
+  const int64_t U = h[0] - (h[1] > 0 ? 1 : 0);  // the sentinel run (invalid slots) is last
+  const int64_t L = h[2], M = h[3];
 
   at::Tensor unique_slots = at::empty({U}, opts);
   at::Tensor grad_rows = at::empty({U, D}, g.options());
@@ -327,6 +426,30 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const at::Tensor& g, const at::Ten
           sorted_pos.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(), p.defined() ? p.data_ptr<scalar_t>() : nullptr,
           scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes, unique_slots.data_ptr<int64_t>(),
           grad_rows.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (L == 0) return;
+      at::Tensor runs = at::empty({L}, opts.dtype(at::kInt));
+      at::Tensor base = at::empty({L}, opts.dtype(at::kInt));
+      at::Tensor counters = at::zeros({2}, opts.dtype(at::kInt));
+      at::Tensor chunk_run = at::empty({M}, opts.dtype(at::kInt));
+      at::Tensor partial = at::empty({M, D}, g.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+      long_runs_list_kernel<<<grid_for(U), kThreads, 0, stream()>>>(
+          run_len.data_ptr<int32_t>(), U, runs.data_ptr<int32_t>(), base.data_ptr<int32_t>(),
+          counters.data_ptr<int32_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      chunk_owner_kernel<<<static_cast<unsigned>(L), kThreads, 0, stream()>>>(
+          runs.data_ptr<int32_t>(), base.data_ptr<int32_t>(), run_len.data_ptr<int32_t>(),
+          chunk_run.data_ptr<int32_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      chunk_sum_kernel<scalar_t, V><<<grid_for(M * lanes), kThreads, 0, stream()>>>(
+          g.data_ptr<scalar_t>(), D, M, chunk_run.data_ptr<int32_t>(), runs.data_ptr<int32_t>(),
+          base.data_ptr<int32_t>(), run_start.data_ptr<int32_t>(), run_len.data_ptr<int32_t>(),
+          sorted_pos.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(), p.defined() ? p.data_ptr<scalar_t>() : nullptr,
+          scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes, partial.data_ptr<acc_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      long_run_total_kernel<scalar_t><<<grid_for(L * D), kThreads, 0, stream()>>>(
+          partial.data_ptr<acc_t>(), D, L, runs.data_ptr<int32_t>(), base.data_ptr<int32_t>(),
+          run_len.data_ptr<int32_t>(), grad_rows.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (can_vectorize<scalar_t>(D, {g.data_ptr(), grad_rows.data_ptr()})) {
