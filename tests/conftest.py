@@ -33,7 +33,7 @@ def data_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def _fmix64(k: int) -> int:
+def fmix64(k: int) -> int:
     k ^= k >> 33
     k = (k * 0xFF51AFD7ED558CCD) & MASK
     k ^= k >> 33
@@ -42,7 +42,7 @@ def _fmix64(k: int) -> int:
     return k
 
 
-def _splitmix64(x: int) -> int:
+def splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & MASK
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
@@ -59,12 +59,12 @@ def ref_init_value(seed: int, key: int, col: int, kind: int, a: float, b: float)
         return 0.0
     if kind == 1:
         return a
-    row = _splitmix64((seed & MASK) ^ _fmix64(key & MASK))
+    row = splitmix64((seed & MASK) ^ fmix64(key & MASK))
     if kind == 2:
-        return a + (b - a) * _unit(_splitmix64((row + col) & MASK))
+        return a + (b - a) * _unit(splitmix64((row + col) & MASK))
     pair = col >> 1
-    u1 = _unit(_splitmix64((row + 2 * pair) & MASK))
-    u2 = _unit(_splitmix64((row + 2 * pair + 1) & MASK))
+    u1 = _unit(splitmix64((row + 2 * pair) & MASK))
+    u2 = _unit(splitmix64((row + 2 * pair + 1) & MASK))
     r = math.sqrt(-2.0 * math.log(u1))
     t = 6.283185307179586 * u2
     return a + b * (r * math.sin(t) if col & 1 else r * math.cos(t))

@@ -20,7 +20,8 @@ I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 EXTREME_IDS = [I64_MIN, I64_MAX, -1, 0, 1, I64_MIN + 1, I64_MAX - 1]
 M64 = (1 << 64) - 1
 
-from conftest import DEVICES  # noqa: E402  (cpu, and cuda where it exists)
+from conftest import DEVICES, fmix64  # noqa: E402  (cpu, and cuda where it exists)
+from conftest import ref_init_value as init_value  # noqa: E402  (the pure-Python initializer)
 HYP = settings(deadline=None, max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -64,43 +65,10 @@ def ids_tensor(ids, device="cpu") -> torch.Tensor:
 # ---- the reference: hashing, init and table semantics in plain Python ----------------
 
 
-def fmix64(k: int) -> int:
-    k ^= k >> 33
-    k = (k * 0xFF51AFD7ED558CCD) & M64
-    k ^= k >> 33
-    k = (k * 0xC4CEB9FE1A85EC53) & M64
-    return k ^ (k >> 33)
-
-
 def probe(key: int, num_buckets: int) -> tuple[int, int, int]:
     h = fmix64(key & M64)
     b = fmix64(((h >> 32) | (h << 32)) & M64) & (num_buckets - 1)
     return h & (num_buckets - 1), b, (h >> 56) or 1
-
-
-def splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
-
-
-def init_value(seed: int, id_: int, col: int, kind: int, a: float, b: float) -> float:
-    if kind == 0:
-        return 0.0
-    if kind == 1:
-        return a
-    row = splitmix64((seed & M64) ^ fmix64(id_ & M64))
-
-    def unit(bits):
-        return ((bits >> 11) + 0.5) * (1.0 / 9007199254740992.0)
-
-    if kind == 2:
-        return a + (b - a) * unit(splitmix64((row + col) & M64))
-    pair = col >> 1
-    u1, u2 = unit(splitmix64((row + 2 * pair) & M64)), unit(splitmix64((row + 2 * pair + 1) & M64))
-    r, theta = math.sqrt(-2.0 * math.log(u1)), 6.283185307179586 * u2
-    return a + b * (r * math.sin(theta) if col & 1 else r * math.cos(theta))
 
 
 class Ref:

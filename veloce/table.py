@@ -148,23 +148,14 @@ class HashTable(nn.Module):
         get slot -1. Raises :class:`TableFullError` when there is no room and the
         table may neither grow nor evict; the table is then unchanged.
         """
-        _ext.require()
         self.clock += 1
         init = self.initializer
-        self._maybe_grow(ids.numel())
-        while True:
-            allow_evict = self._at_max() and self.eviction != "none"
-            slots, counts, evicted = torch.ops.veloce.find_or_insert(
-                *self._state(), ids, self.score_policy, self.clock, allow_evict,
+        return self._insert(
+            lambda evict: torch.ops.veloce.find_or_insert(
+                *self._state(), ids, self.score_policy, self.clock, evict,
                 self.seed, init.kind, init.a, init.b, padding_id,
-            )  # fmt: skip
-            inserted, failed = (int(v) for v in counts.tolist())
-            if failed == 0:
-                break
-            self._no_room(failed, ids)
-        self.size += inserted - evicted.numel()
-        self._note_evicted(evicted)
-        return slots
+            )
+        )  # fmt: skip
 
     def insert(
         self,
@@ -172,19 +163,29 @@ class HashTable(nn.Module):
         values: torch.Tensor,
         opt_values: Optional[torch.Tensor] = None,
         score_values: Optional[torch.Tensor] = None,
+        evict: bool = True,
     ) -> torch.Tensor:
-        """insert_or_assign: writes ``values`` (N, D) to the rows of ``ids``; returns slots."""
-        _ext.require()
-        self._maybe_grow(ids.numel())
-        while True:
-            allow_evict = self._at_max() and self.eviction != "none"
-            slots, counts, evicted = torch.ops.veloce.insert_or_assign(
+        """insert_or_assign: writes ``values`` (N, D) to the rows of ``ids``; returns slots.
+        With ``evict=False`` a full table raises instead of evicting."""
+        return self._insert(
+            lambda allow_evict: torch.ops.veloce.insert_or_assign(
                 *self._state(), ids, values, opt_values, score_values, self.score_policy, self.clock, allow_evict
-            )
+            ),
+            evict=evict,
+        )
+
+    def _insert(self, call, evict: bool = True) -> torch.Tensor:
+        """Runs an inserting op ``call(allow_evict) -> (slots, counts, evicted)``; while it
+        reports no room (and changed nothing), grows the table and calls again."""
+        _ext.require()
+        self._maybe_grow()
+        while True:
+            allow_evict = evict and self._at_max() and self.eviction != "none"
+            slots, counts, evicted = call(allow_evict)
             inserted, failed = (int(v) for v in counts.tolist())
             if failed == 0:
                 break
-            self._no_room(failed, ids)
+            self._no_room(failed, evict)
         self.size += inserted - evicted.numel()
         self._note_evicted(evicted)
         return slots
@@ -219,13 +220,13 @@ class HashTable(nn.Module):
     def _at_max(self) -> bool:
         return self.max_capacity is not None and self.capacity >= self.max_capacity
 
-    def _maybe_grow(self, incoming: int) -> None:
+    def _maybe_grow(self) -> None:
         # Grow ahead of time when the table is already past grow_at; inserts that still
         # find no room trigger growth reactively (_no_room).
         if self.size > self.grow_at * self.capacity and not self._at_max():
             self.resize(self.capacity * 2)
 
-    def _no_room(self, failed: int, ids: torch.Tensor) -> None:
+    def _no_room(self, failed: int, evict: bool = True) -> None:
         if not self._at_max():
             self.resize(self.capacity * 2)
             return
@@ -234,6 +235,12 @@ class HashTable(nn.Module):
                 f"DynamicEmbedding table is full: {failed} new id(s) found no free slot at size {self.size} of "
                 f"max_capacity {self.max_capacity} (load factor {self.load_factor:.3f}) with eviction='none'. "
                 f"Raise max_capacity, or set eviction='lru' or 'lfu' to evict cold rows. The table is unchanged."
+            )
+        if not evict:
+            raise TableFullError(
+                f"DynamicEmbedding table is full: {failed} id(s) being loaded found no free slot at size "
+                f"{self.size} of max_capacity {self.max_capacity}; loading never evicts. Raise max_capacity. "
+                f"The table is unchanged."
             )
         raise TableFullError(
             f"DynamicEmbedding table cannot hold this batch: {failed} new id(s) found only rows touched by the "
@@ -298,11 +305,19 @@ class HashTable(nn.Module):
         while n > self.grow_at * cap and (self.max_capacity is None or cap < self.max_capacity):
             cap *= 2
         dev = self.device
+        saved = ({name: getattr(self, name) for name in ("keys", "digests", "scores", "weights", "opt_state")},
+                 self.size, self.version)  # fmt: skip
         self._allocate(cap if self.max_capacity is None else min(cap, self.max_capacity), self.weights.dtype, dev)
         self.size = 0
         self.version += 1
-        if n:
-            self.insert(
-                keys.to(dev, torch.long), weights.to(dev, self.weights.dtype), opt.to(dev, self.opt_state.dtype),
-                scores.to(dev, torch.long),
-            )  # fmt: skip
+        try:
+            if n:
+                self.insert(
+                    keys.to(dev, torch.long), weights.to(dev, self.weights.dtype), opt.to(dev, self.opt_state.dtype),
+                    scores.to(dev, torch.long), evict=False,
+                )  # fmt: skip
+        except Exception:
+            buffers, self.size, self.version = saved  # the table as it was before the load
+            for name, t in buffers.items():
+                self.register_buffer(name, t, persistent=False)
+            raise
