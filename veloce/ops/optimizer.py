@@ -104,7 +104,7 @@ def accumulate_and_update(
     slots: torch.Tensor,
     offsets: torch.Tensor,
     per_sample_weights: torch.Tensor | None,
-    mode: int,
+    mode: int | str,
     include_last_offset: bool,
     optimizer: int | str,
     lr: float,
@@ -128,7 +128,7 @@ def accumulate_and_update(
         slots: int64 slots of each position (codes -1 / -2 get no gradient).
         offsets: int64 bag starts, as ``pooled_lookup``.
         per_sample_weights: per-position scales (sum mode), or None.
-        mode: 0 sum, 1 mean.
+        mode: "sum" (0) or "mean" (1).
         include_last_offset: as ``pooled_lookup``.
         optimizer, lr, eps, beta1, beta2, weight_decay, step: as :func:`sparse_update`.
 
@@ -136,9 +136,11 @@ def accumulate_and_update(
         - weights: ``(C, D)``; opt_state: ``(C, S)``; grad_output: ``(B, D)``; slots: ``(N,)``;
           offsets: ``(B,)`` or ``(B + 1,)``; per_sample_weights: ``(N,)``
     """
+    from veloce.ops.embedding import _mode_id
+
     _ext.require()
     torch.ops.veloce.accumulate_and_update(
-        weights, opt_state, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset,
+        weights, opt_state, grad_output, slots, offsets, per_sample_weights, _mode_id(mode), include_last_offset,
         _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step,
     )  # fmt: skip
 
