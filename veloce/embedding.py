@@ -223,8 +223,7 @@ class DynamicEmbedding(nn.Module):
         evicted or erased since; evicted ids become -2 (no gradient), padding stays -1."""
         if entry.version == self.table.version:
             return entry.slots
-        fresh = self.table.find(entry.ids)
-        return fresh.masked_fill(fresh < 0, -2).masked_fill(entry.slots == -1, -1)
+        return _reresolve(self.table, entry.ids, entry.slots)
 
     def _merged(self) -> "_Pending":
         """One batch equivalent to all pending ones: mean bags become sum bags with
@@ -454,17 +453,21 @@ class _SparseLookup(torch.autograd.Function):
         module = ctx.module
         table = module.table
         grad_out = grad_out.contiguous().to(table.weights.dtype)
-        if ctx.version != table.version:
-            # The table grew or evicted since forward: re-resolve slots by id. Evicted ids
-            # become -2 (still counted by mean, no gradient); padding stays -1.
-            fresh = table.find(ids)
-            slots = fresh.masked_fill(fresh < 0, -2).masked_fill(slots == -1, -1)
+        if ctx.version != table.version:  # the table grew or evicted since forward
+            slots = _reresolve(table, ids, slots)
         ilo = module.include_last_offset
         module._accumulate(_Pending(ids, slots, offsets, psw, grad_out, ctx.mode, ilo, table.version))
         grad_psw = None
         if psw is not None and ctx.needs_input_grad[1]:
             grad_psw = _psw_grad(table.weights, slots, offsets, grad_out, ilo)
         return None, grad_psw, None, None, None, None, None
+
+
+def _reresolve(table: HashTable, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Slots of ``ids`` under the table's current mapping: evicted ids become -2 (still
+    counted by mean, no gradient), padding (-1 in ``slots``) stays -1."""
+    fresh = table.find(ids)
+    return fresh.masked_fill(fresh < 0, -2).masked_fill(slots == -1, -1)
 
 
 def _bag_of(offsets: torch.Tensor, n: int) -> torch.Tensor:

@@ -385,19 +385,6 @@ at::Tensor erase_cpu(const at::Tensor& keys, at::Tensor& digests, const at::Tens
   return erased;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> export_cpu(const at::Tensor& keys,
-                                                                       const at::Tensor& digests,
-                                                                       const at::Tensor& scores,
-                                                                       const at::Tensor& weights,
-                                                                       const at::Tensor& opt_state, int64_t start,
-                                                                       int64_t end) {
-  constexpr const char* op = "veloce::export";
-  check_export_args(op, keys, digests, scores, weights, opt_state, start, end);
-  const at::Tensor occupied = digests.slice(0, start, end).nonzero().squeeze(1).add_(start);
-  return {keys.index_select(0, occupied), weights.index_select(0, occupied), opt_state.index_select(0, occupied),
-          scores.index_select(0, occupied)};
-}
-
 at::Tensor initialize_cpu(const at::Tensor& ids_in, int64_t dim, int64_t seed, int64_t init_kind, double init_a,
                           double init_b, at::ScalarType dtype) {
   constexpr const char* op = "veloce::initialize";
@@ -423,6 +410,5 @@ TORCH_LIBRARY_IMPL(veloce, CPU, m) {
   m.impl("find_or_insert", &veloce::find_or_insert_cpu);
   m.impl("insert_or_assign", &veloce::insert_or_assign_cpu);
   m.impl("erase", &veloce::erase_cpu);
-  m.impl("export", &veloce::export_cpu);
   m.impl("initialize", &veloce::initialize_cpu);
 }

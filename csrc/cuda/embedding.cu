@@ -127,7 +127,7 @@ at::Tensor pooled_lookup_cuda(const at::Tensor& weights, const at::Tensor& slots
   const int64_t D = weights.size(1);
   const c10::cuda::CUDAGuard guard(weights.device());
   const int64_t N = slots.numel();
-  // check_offsets reads offsets on the host (a device-to-host copy and a sync).
+  // check_offsets validates offsets on the device and reads back one flag (a sync).
   const int64_t B = check_offsets(op, offsets, N, include_last_offset);
   const at::Tensor s = slots.contiguous();
   const at::Tensor o = offsets.contiguous();
@@ -471,7 +471,7 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cuda(const at::Tensor& grad_o
   const c10::cuda::CUDAGuard guard(grad_output.device());
   const int64_t N = slots.numel();
   check_num_ids_cuda(op, N);
-  // check_offsets reads offsets on the host (a device-to-host copy and a sync).
+  // check_offsets validates offsets on the device and reads back one flag (a sync).
   const int64_t B = check_backward_bags(op, grad_output, offsets, N, include_last_offset);
   check_num_bags_cuda(op, B);
   const at::Tensor s = slots.contiguous();

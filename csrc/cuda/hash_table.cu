@@ -461,21 +461,6 @@ at::Tensor erase_cuda(const at::Tensor& keys, at::Tensor& digests, const at::Ten
   return erased;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> export_cuda(const at::Tensor& keys,
-                                                                        const at::Tensor& digests,
-                                                                        const at::Tensor& scores,
-                                                                        const at::Tensor& weights,
-                                                                        const at::Tensor& opt_state, int64_t start,
-                                                                        int64_t end) {
-  constexpr const char* op = "veloce::export";
-  check_export_args(op, keys, digests, scores, weights, opt_state, start, end);
-  const c10::cuda::CUDAGuard guard(keys.device());
-  // nonzero syncs to size its output; slot order is preserved.
-  const at::Tensor occupied = digests.slice(0, start, end).nonzero().squeeze(1).add_(start);
-  return {keys.index_select(0, occupied), weights.index_select(0, occupied), opt_state.index_select(0, occupied),
-          scores.index_select(0, occupied)};
-}
-
 at::Tensor initialize_cuda(const at::Tensor& ids_in, int64_t dim, int64_t seed, int64_t init_kind, double init_a,
                            double init_b, at::ScalarType dtype) {
   constexpr const char* op = "veloce::initialize";
@@ -502,6 +487,5 @@ TORCH_LIBRARY_IMPL(veloce, CUDA, m) {
   m.impl("find_or_insert", &veloce::cuda::find_or_insert_cuda);
   m.impl("insert_or_assign", &veloce::cuda::insert_or_assign_cuda);
   m.impl("erase", &veloce::cuda::erase_cuda);
-  m.impl("export", &veloce::cuda::export_cuda);
   m.impl("initialize", &veloce::cuda::initialize_cuda);
 }
