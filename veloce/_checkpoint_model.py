@@ -1,0 +1,306 @@
+"""What of a model goes into a checkpoint and how it comes back (private to
+:mod:`veloce.checkpoint`): tables, dense tensors and optimizers of a model; the
+verified load :class:`Plan`; applying it, and rolling back.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from veloce import _checkpoint_io as _io
+from veloce._checkpoint_io import DENSE_FILE, ENTRIES, MANIFEST, CheckpointError
+from veloce.embedding import DynamicEmbedding
+from veloce.optim import CombinedOptimizer
+
+
+# ---- the model's pieces ---------------------------------------------------------------------
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user model inside DDP-style wrappers: while everything of ``model`` lives under
+    its ``.module``, use that (so names carry no ``module.`` prefix)."""
+    while isinstance(getattr(model, "module", None), nn.Module) and _all_under(model, "module."):
+        model = model.module
+    return model
+
+
+def _all_under(model: nn.Module, prefix: str) -> bool:
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    names += [n for n, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
+    return all(n.startswith(prefix) for n in names)
+
+
+def tables_of(model: nn.Module) -> dict[str, DynamicEmbedding]:
+    """The model's DynamicEmbedding modules by ``named_modules`` name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, DynamicEmbedding)}
+
+
+def dense_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers outside DynamicEmbedding tables, by state_dict name."""
+    tables = list(tables_of(model))
+    out = {}
+    for prefix, m in model.named_modules():
+        if any(prefix == t or prefix.startswith(t + ".") or t == "" for t in tables):
+            continue
+        pre = prefix + "." if prefix else ""
+        out.update({pre + n: p for n, p in m._parameters.items() if p is not None})
+        persistent = {n: b for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set}
+        out.update({pre + n: b for n, b in persistent.items()})
+    return out
+
+
+def shard_of(module: DynamicEmbedding) -> tuple[int, int]:
+    """(rank, world size) of the table's sharding; (0, 1) when it is not sharded."""
+    from veloce.distributed import table_shard
+
+    return tuple(table_shard(module))
+
+
+def split_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> tuple[Optional[torch.optim.Optimizer], dict]:
+    """(dense torch optimizer or None, sparse groups by table name)."""
+    if isinstance(optimizer, CombinedOptimizer):
+        return optimizer.dense, optimizer.state_dict()["sparse"]
+    return optimizer, {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32" for torch.float32."""
+    return str(dtype).removeprefix("torch.")
+
+
+# ---- reading and verifying ------------------------------------------------------------------
+@dataclass
+class Plan:
+    """Everything a load will change, read and verified; the model is not touched yet."""
+
+    info: dict[str, Any]
+    tables: dict[str, tuple[DynamicEmbedding, dict[str, torch.Tensor], int, int]]  # module, entries, step, clock
+    dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name: (target, value)
+    optimizer: Optional[dict] = None  # the state dict to load, or None to leave it
+
+
+def read(path: Path, model: nn.Module, optimizer, strict: bool) -> Plan:
+    """Reads and verifies everything a load of ``path`` into ``model`` would change; the
+    cheap checks (manifest, dims, files, dense shapes) come before the table shards."""
+    manifest = _io.open_manifest(path)
+    tables = _match_tables(manifest["tables"], tables_of(model), strict)
+    needed = {s["file"] for name in tables for s in manifest["tables"][name]["shards"]} | {DENSE_FILE}
+    for fname in sorted(needed):
+        _io.verify_file(path, fname, manifest["files"])
+    info = {"step": manifest["step"], "extra": manifest["extra"], "world_size": manifest["world_size"],
+            "format_version": manifest["format_version"]}  # fmt: skip
+    with safe_open(str(path / DENSE_FILE), "pt") as f:
+        dense = _match_dense(manifest["dense"]["tensors"], dense_of(model), f, strict)
+        opt = _match_optimizer(manifest["optimizer"], optimizer, f, strict)
+    return Plan(info, _read_tables(path, manifest["tables"], tables), dense, opt)
+
+
+def _match_tables(saved: dict, tables: dict[str, DynamicEmbedding], strict: bool) -> dict[str, DynamicEmbedding]:
+    """The model's tables that the checkpoint holds, after checking dims and state widths."""
+    if strict:
+        _refuse_one_sided("table", saved, tables, "DynamicEmbedding module names")
+    out = {}
+    for name in sorted(saved.keys() & tables.keys()):
+        m, meta = tables[name], saved[name]
+        if meta["dim"] != m.embedding_dim:
+            raise CheckpointError(
+                f"{MANIFEST}: table {name!r} has dim {meta['dim']} but the model's has embedding_dim "
+                f"{m.embedding_dim}; build the model with the dims it was trained with"
+            )
+        if meta["state_width"] != m.table.state_dim:
+            raise CheckpointError(
+                f"{MANIFEST}: table {name!r} has optimizer state width {meta['state_width']} (saved with "
+                f"{meta['optimizer']}) but the model's {type(m.optimizer).__name__} needs {m.table.state_dim}; "
+                f"use the sparse optimizer it was trained with"
+            )
+        out[name] = m
+    return out
+
+
+def _refuse_one_sided(what: str, saved: Iterable[str], model: Iterable[str], hint: str) -> None:
+    saved, model = set(saved), set(model)
+    if model - saved:
+        raise CheckpointError(
+            f"{MANIFEST}: {len(model - saved)} {what}(s) of the model are not in the checkpoint: "
+            f"{sorted(model - saved)[:5]}; check the {hint}, or load with strict=False to keep them as they are"
+        )
+    if saved - model:
+        raise CheckpointError(
+            f"{MANIFEST}: {len(saved - model)} {what}(s) of the checkpoint are not in the model: "
+            f"{sorted(saved - model)[:5]}; check the {hint}, or load with strict=False to skip them"
+        )
+
+
+def _read_tables(path: Path, saved: dict, tables: dict[str, DynamicEmbedding]) -> dict:
+    """Per table: (module, entries this rank owns, step, clock); one shard file at a time."""
+    by_file = defaultdict(list)
+    for name in tables:
+        for s in saved[name]["shards"]:
+            by_file[s["file"]].append(name)
+    parts = defaultdict(list)
+    rows = sum(s["rows"] for name in tables for s in saved[name]["shards"])
+    for fname in _io.progress(sorted(by_file), rows, "checkpoint: reading table shards"):
+        with safe_open(str(path / fname), "pt") as f:
+            for name in by_file[fname]:
+                parts[name].append(_owned(_entries(f, fname, name, saved[name]), shard_of(tables[name])))
+    out = {}
+    for name, m in tables.items():
+        entries = {k: torch.cat([p[k] for p in parts[name]]) for k in ENTRIES}
+        if entries["keys"].unique().numel() != entries["keys"].numel():
+            raise CheckpointError(f"table {name!r}: some keys appear in more than one shard file; the shards overlap")
+        out[name] = (m, entries, *_step_clock(saved[name], shard_of(m)))
+    return out
+
+
+def _entries(f, fname: str, name: str, meta: dict) -> dict[str, torch.Tensor]:
+    rows = next(s["rows"] for s in meta["shards"] if s["file"] == fname)
+    want = {"keys": (rows,), "weights": (rows, meta["dim"]), "optimizer_state": (rows, meta["state_width"]),
+            "scores": (rows,)}  # fmt: skip
+    entries = {}
+    for k, shape in want.items():
+        key = f"{name}/{k}"
+        if key not in f.keys():
+            raise CheckpointError(f"{fname}: tensor {key!r} is missing; the checkpoint is corrupt")
+        entries[k] = f.get_tensor(key)
+        if tuple(entries[k].shape) != shape:
+            raise CheckpointError(f"{fname}: {key!r} has shape {tuple(entries[k].shape)}, {MANIFEST} says {shape}")
+    return entries
+
+
+def _owned(entries: dict[str, torch.Tensor], shard: tuple[int, int]) -> dict[str, torch.Tensor]:
+    rank, world = shard
+    if world == 1:
+        return entries
+    from veloce.distributed import owner_of
+
+    keep = owner_of(entries["keys"], world) == rank
+    return {k: v[keep] for k, v in entries.items()}
+
+
+def _step_clock(meta: dict, shard: tuple[int, int]) -> tuple[int, int]:
+    """The shard's own step and clock when the sharding is unchanged, else the largest."""
+    same = [s for s in meta["shards"] if meta["shard_world"] == shard[1] and s["rank"] == shard[0]]
+    pick = same or meta["shards"]
+    return max(s["step"] for s in pick), max(s["clock"] for s in pick)
+
+
+def _match_dense(saved: dict, dense: dict[str, torch.Tensor], f, strict: bool) -> dict:
+    """(target, value) per dense tensor to load, after checking names and shapes."""
+    if strict:
+        _refuse_one_sided("dense tensor", saved, dense, "model's parameter and buffer names")
+    out = {}
+    for name in sorted(saved.keys() & dense.keys()):
+        shape = tuple(saved[name]["shape"])
+        if shape != tuple(dense[name].shape):
+            raise CheckpointError(
+                f"{DENSE_FILE}: dense tensor {name!r} has shape {shape} but the model's is "
+                f"{tuple(dense[name].shape)}; build the model with the sizes it was trained with"
+            )
+        out[name] = (dense[name], f.get_tensor(f"model/{name}"))
+    return out
+
+
+def _match_optimizer(saved: Optional[dict], optimizer, f, strict: bool) -> Optional[dict]:
+    """The optimizer state to load (decoded, checked against ``optimizer``), or None."""
+    if optimizer is None:
+        return None
+    if saved is None:
+        if strict:
+            raise CheckpointError(
+                f"{MANIFEST}: the checkpoint holds no optimizer state but an optimizer was passed; "
+                f"pass optimizer=None, or strict=False to keep the optimizer as it is"
+            )
+        return None
+    dense_opt, _ = split_optimizer(optimizer)
+    have, had = dense_opt is not None, saved["dense"] is not None
+    dense_class = type(dense_opt).__name__ if have else None
+    if (have and had and dense_class != saved["dense_class"]) or (strict and have != had):
+        raise CheckpointError(
+            f"{MANIFEST}: optimizer.dense_class is {saved['dense_class']!r} but the dense optimizer passed is "
+            f"{dense_class!r}; use the optimizer it was trained with"
+        )
+    state = None
+    if have and had:
+        state = _io.decode(saved["dense"], f)
+        _check_optimizer_state(state, dense_opt)
+    return {"dense": state, "sparse": saved["sparse"]}
+
+
+def _check_optimizer_state(state: dict, opt: torch.optim.Optimizer) -> None:
+    """Refuses a dense optimizer state of other parameter counts or shapes than ``opt``'s."""
+    groups = state.get("param_groups", [])
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in opt.param_groups]:
+        raise CheckpointError(
+            f"{MANIFEST}: optimizer param_groups hold {[len(g['params']) for g in groups]} parameters but the "
+            f"optimizer passed holds {[len(g['params']) for g in opt.param_groups]}; build it over the same parameters"
+        )
+    params = {i: p for g, mine in zip(groups, opt.param_groups) for i, p in zip(g["params"], mine["params"])}
+    for i, entry in state.get("state", {}).items():
+        if i not in params:
+            raise CheckpointError(f"{MANIFEST}: optimizer state for parameter {i!r}, which no param_group lists")
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != params[i].shape:
+                raise CheckpointError(
+                    f"{DENSE_FILE}: optimizer state {key!r} of parameter {i} has shape {tuple(value.shape)} but the "
+                    f"parameter is {tuple(params[i].shape)}; use the optimizer it was trained with"
+                )
+
+
+# ---- applying a verified plan ---------------------------------------------------------------
+@torch.no_grad()
+def apply(plan: Plan, optimizer) -> None:
+    """Loads a verified plan into the model's tables, dense tensors and the optimizer."""
+    for name, (m, entries, step, clock) in plan.tables.items():
+        try:
+            m.table.load_entries(entries)
+        except (ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"table {name!r}: cannot hold the checkpoint's {entries['keys'].numel()} rows: {exc}")
+        m.step_count, m.table.clock = step, clock
+        m._pending.clear()
+    for target, value in plan.dense.values():
+        target.copy_(value)
+    if plan.optimizer is not None:
+        dense_opt, _ = split_optimizer(optimizer)
+        if plan.optimizer["dense"] is not None:
+            dense_opt.load_state_dict(plan.optimizer["dense"])
+        if isinstance(optimizer, CombinedOptimizer):
+            optimizer.load_state_dict({"dense": None, "sparse": plan.optimizer["sparse"]})
+
+
+class Undo:
+    """What :func:`apply` may change, kept so a failed load can be rolled back (table
+    buffers are replaced, not overwritten, by a load: keeping references is enough)."""
+
+    _BUFFERS = ("keys", "digests", "scores", "weights", "opt_state")
+
+    @torch.no_grad()
+    def __init__(self, plan: Plan, optimizer) -> None:
+        self.tables = [
+            (m, {b: getattr(m.table, b) for b in self._BUFFERS}, m.table.size, m.table.version, m.table.clock,
+             m.step_count, list(m._pending))
+            for m, *_ in plan.tables.values()
+        ]  # fmt: skip
+        self.dense = [(target, target.detach().clone()) for target, _ in plan.dense.values()]
+        self.optimizer = optimizer
+        self.opt_state = copy.deepcopy(optimizer.state_dict()) if plan.optimizer is not None else None
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Puts back what was kept (idempotent)."""
+        for m, buffers, size, version, clock, step, pending in self.tables:
+            for b, t in buffers.items():
+                m.table.register_buffer(b, t, persistent=False)
+            m.table.size, m.table.version, m.table.clock, m.step_count = size, version, clock, step
+            m._pending[:] = pending
+        for target, value in self.dense:
+            target.copy_(value)
+        if self.opt_state is not None:
+            self.optimizer.load_state_dict(self.opt_state)
+
+
