@@ -157,14 +157,15 @@ def save_in(
     """:func:`save` to ``directory/step_<step:09d>``, then (rank 0) deletes committed
     checkpoints older than the newest ``keep_last`` and the debris of interrupted writes.
 
-    One writer per ``directory``. Collective. Returns the new checkpoint's path.
+    One writer per ``directory``. "Newest" is by step number, as in :func:`latest`; the
+    checkpoint just written is always kept. Collective. Returns the new checkpoint's path.
     """
     if not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
     directory = Path(directory)
     path = save(directory / f"step_{step:09d}", model, optimizer, step=step, extra=extra, overwrite=overwrite)
     rank, _ = _io.world()
-    _io.agree(lambda: _prune(directory, keep_last) if rank == 0 else None)
+    _io.agree(lambda: _prune(directory, keep_last, path) if rank == 0 else None)
     return path
 
 
@@ -310,11 +311,12 @@ def _uncommit(path: Path) -> None:
         _io.fsync(path)
 
 
-def _prune(directory: Path, keep_last: int) -> None:
-    """Rank 0: drops committed checkpoints beyond the newest ``keep_last``, uncommitted
-    ``step_*`` directories and temporary directories of interrupted saves."""
+def _prune(directory: Path, keep_last: int, new: Path) -> None:
+    """Rank 0: drops committed checkpoints beyond the newest ``keep_last`` (never ``new``),
+    uncommitted ``step_*`` directories and temporary directories of interrupted saves."""
     committed = [p for p in _step_dirs(directory) if _io.is_committed(p)]
-    doomed = committed[:-keep_last] + [p for p in _step_dirs(directory) if p not in committed]
+    doomed = [p for p in committed[:-keep_last] if p != new]
+    doomed += [p for p in _step_dirs(directory) if p not in committed]
     doomed += [p for p in directory.iterdir() if _DEBRIS.fullmatch(p.name)]
     for p in doomed:
         _uncommit(p)
