@@ -1,0 +1,19 @@
+"""Multi-process training: sparse tables sharded row-wise across ranks, dense data-parallel.
+
+- :class:`HybridParallel` wraps an unchanged model (launch with ``torchrun``; NCCL on
+  GPU, gloo on CPU).
+- :func:`owner_of` is the sharding: the rank that owns each id for a world size.
+- :func:`table_shard` tells a table's ``(rank, world_size)``; checkpoints use it to
+  re-route keys when the world size changes.
+- :func:`all_to_all` is the exchange primitive (split sizes checked before sending).
+"""
+
+from veloce.distributed._comm import ExchangeError, Group, all_to_all, exchange_headers
+from veloce.distributed.hybrid import HybridParallel
+from veloce.distributed.sharded import Shard, table_shard
+from veloce.ops.exchange import bucketize_bags, combine_parts, owner_of
+
+__all__ = [
+    "HybridParallel", "owner_of", "table_shard", "all_to_all", "exchange_headers", "ExchangeError", "Group",
+    "Shard", "bucketize_bags", "combine_parts",
+]
