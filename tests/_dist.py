@@ -1,0 +1,93 @@
+"""Runs a test function on several local ranks (gloo over TCP, or NCCL on GPUs), with a
+timeout that names the ranks that hung.
+
+    def body(rank, world_size, arg):     # module level, so spawned ranks can import it
+        ...                              # torch.distributed is initialised here
+        return something_picklable
+
+    results = run_ranks(body, 2, arg)    # [result of rank 0, result of rank 1]
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result: dict[str, Any]
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        result = {"ok": True, "value": fn(rank, world_size, *args)}
+    except BaseException:  # noqa: BLE001 - reported to the parent, whatever it is
+        result = {"ok": False, "error": traceback.format_exc()}
+    try:
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, backend: str = "gloo") -> list:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes with
+    torch.distributed initialised; returns their results in rank order.
+
+    Fails (AssertionError) naming every rank that raised (with its traceback) or did not
+    finish within ``timeout`` seconds (those are killed)."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="veloce_ranks_") as out:
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, out), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join()
+        results, failures = [], []
+        for r in range(world_size):
+            path = Path(out) / f"rank{r}.pt"
+            if r in hung:
+                failures.append(f"rank {r} hung (no result after {timeout:.0f} s; killed)")
+            elif not path.exists():
+                failures.append(f"rank {r} exited with code {procs[r].exitcode} without a result")
+            else:
+                res = torch.load(path, weights_only=False)
+                if res["ok"]:
+                    results.append(res["value"])
+                else:
+                    failures.append(f"rank {r} raised:\n{res['error']}")
+        if failures:
+            raise AssertionError(f"{fn.__name__} on {world_size} ranks failed:\n" + "\n".join(failures))
+        return results
+
+
+def env_world_sizes(default: tuple[int, ...] = (2,)) -> tuple[int, ...]:
+    """World sizes to test: VELOCE_TEST_WORLD_SIZES="2,3,4" on bigger machines."""
+    env = os.environ.get("VELOCE_TEST_WORLD_SIZES")
+    return tuple(int(x) for x in env.split(",")) if env else default
