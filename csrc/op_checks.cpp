@@ -209,6 +209,37 @@ void check_slot_values(const char* op, const int64_t* s, int64_t n, int64_t limi
   }
 }
 
+// ---- exchange --------------------------------------------------------------------------
+
+void check_exchange_ids(const char* op, const at::Tensor& ids, int64_t world_size) {
+  check_dtype(op, "ids", ids, at::kLong);
+  check_dim(op, "ids", ids, 1);
+  TORCH_CHECK(world_size >= 1, op, ": world_size must be >= 1, got ", world_size);
+}
+
+void check_world_size_cuda(const char* op, int64_t world_size) {
+  TORCH_CHECK(world_size < std::numeric_limits<int32_t>::max(), op, ": world_size must be < 2^31 - 1 on CUDA, got ",
+              world_size);
+}
+
+void check_combine_parts_args(const char* op, const at::Tensor& parts, const at::Tensor& bag_of_part,
+                              int64_t num_bags) {
+  check_dim(op, "parts", parts, 2);
+  check_row_dtype(op, "parts", parts);
+  check_dtype(op, "bag_of_part", bag_of_part, at::kLong);
+  check_dim(op, "bag_of_part", bag_of_part, 1);
+  check_same_device(op, "bag_of_part", bag_of_part, "parts", parts);
+  check_size(op, "bag_of_part", bag_of_part, 0, parts.size(0), "the number of parts (parts.size(0))");
+  TORCH_CHECK(num_bags >= 0, op, ": num_bags must be >= 0, got ", num_bags);
+}
+
+void check_bag_indices(const char* op, const int64_t* bag, int64_t P, int64_t num_bags) {
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(bag[p] >= 0 && bag[p] < num_bags, op, ": bag_of_part[", p, "] = ", bag[p],
+                " is not a bag index in [0, num_bags = ", num_bags, ")");
+  }
+}
+
 // ---- optimizer -------------------------------------------------------------------------
 
 int64_t check_update_rows(const char* op, const at::Tensor& weights, const at::Tensor& opt_state,

@@ -75,6 +75,23 @@ TORCH_LIBRARY(veloce, m) {
       "accumulate_grad(Tensor grad_output, Tensor slots, Tensor offsets, Tensor? per_sample_weights, "
       "int mode, bool include_last_offset, int num_rows) -> (Tensor unique_slots, Tensor grad_rows)");
 
+  // ---- exchange: sharding a batch of bags across ranks ------------------------------------
+  // owner (N,) int64: the rank owning each id, owner_hash(id) % world_size (a hash
+  // independent of the table's, so each shard still fills all of its buckets).
+  m.def("owner_of(Tensor ids, int world_size) -> Tensor");
+  // Groups the positions of a batch of bags by owner for an all-to-all. Positions equal to
+  // padding_id are dropped. perm (M,): the other positions, stably sorted by owner;
+  // id_splits (W,): how many go to each owner. Each bag is cut into parts, one per owner
+  // it has ids on, ordered by (owner, bag): bag_of_part (P,), part_lengths (P,) (the ids of
+  // part p are consecutive in perm) and part_splits (W,): parts per owner.
+  m.def(
+      "bucketize_bags(Tensor ids, Tensor offsets, bool include_last_offset, int world_size, "
+      "int? padding_id=None) -> (Tensor perm, Tensor id_splits, Tensor bag_of_part, Tensor part_lengths, "
+      "Tensor part_splits)");
+  // out (num_bags, D): out[b] = the sum of parts[p] over p with bag_of_part[p] == b, added in
+  // part order (deterministic); bags without parts are zero.
+  m.def("combine_parts(Tensor parts, Tensor bag_of_part, int num_bags) -> Tensor");
+
   // ---- optimizer: fused sparse update ---------------------------------------------------
   // In place on rows slots (U,) (unique) of weights (C, D) and opt_state (C, S), with
   // gradients grads (U, D). optimizer: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam.

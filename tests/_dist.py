@@ -1,31 +1,16 @@
-"""Run a test function on ``world_size`` processes joined in a gloo process group (CPU only).
+"""Runs a test function on several local ranks (gloo over TCP, or NCCL on GPUs), with a
+timeout that names the ranks that hung.
 
-Each rank is a fresh (spawned) process that joins ``init_process_group("gloo",
-init_method="tcp://127.0.0.1:<free port>")``, calls ``fn(rank, world_size, *args)`` and
-sends back its return value (pickled, so return tensors, dicts, lists). The parent waits
-at most ``timeout`` seconds; a rank that raised, or did not finish, fails the test with an
-AssertionError that names it and shows its traceback. Once one rank fails, the others get
-a few seconds to finish before they are killed (they are usually stuck in a collective).
+    def body(rank, world_size, arg):     # module level, so spawned ranks can import it
+        ...                              # torch.distributed is initialised here
+        return something_picklable
 
-``fn`` must be importable by a fresh process: a module-level function of a test module.
-
-Example::
-
-    def _check_sum(rank, world_size, scale):
-        t = torch.tensor([float(rank)])
-        torch.distributed.all_reduce(t)
-        return scale * t.item()
-
-    def test_sum():
-        assert run_ranks(_check_sum, 3, 60, 2.0) == [6.0, 6.0, 6.0]
+    results = run_ranks(body, 2, arg)    # [result of rank 0, result of rank 1]
 """
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing as mp
 import os
-import pickle
 import socket
 import tempfile
 import time
@@ -34,80 +19,75 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
-
-GRACE_S = 5.0  # how long the other ranks may still run once one rank has failed
+import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, timeout: float = 60, *args: Any) -> list[Any]:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns each rank's
-    result in rank order. Raises AssertionError naming the ranks that failed or hung."""
+def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result: dict[str, Any]
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        result = {"ok": True, "value": fn(rank, world_size, *args)}
+    except BaseException:  # noqa: BLE001 - reported to the parent, whatever it is
+        result = {"ok": False, "error": traceback.format_exc()}
+    try:
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, backend: str = "gloo") -> list:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes with
+    torch.distributed initialised; returns their results in rank order.
+
+    Fails (AssertionError) naming every rank that raised (with its traceback) or did not
+    finish within ``timeout`` seconds (those are killed)."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="veloce-ranks-") as out:
+    with tempfile.TemporaryDirectory(prefix="veloce_ranks_") as out:
         procs = [
-            ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, timeout, out, args), daemon=True)
-            for rank in range(world_size)
+            ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, out), daemon=True)
+            for r in range(world_size)
         ]
         for p in procs:
             p.start()
-        _wait(procs, timeout)
-        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        deadline = time.monotonic() + timeout
         for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        results, problems = [], []
-        for rank, p in enumerate(procs):
-            status, value = _result(Path(out), rank)
-            if rank in hung:
-                problems.append(f"rank {rank} did not finish within {timeout:g}s (hung; killed)")
-            elif status == "error":
-                problems.append(f"rank {rank} failed:\n{value}")
-            elif status is None:
-                problems.append(f"rank {rank} exited with code {p.exitcode} and reported nothing")
-            results.append(value)
-    if problems:
-        name = getattr(fn, "__name__", repr(fn))
-        raise AssertionError(f"run_ranks({name}, world_size={world_size}):\n" + "\n".join(problems))
-    return results
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join()
+        results, failures = [], []
+        for r in range(world_size):
+            path = Path(out) / f"rank{r}.pt"
+            if r in hung:
+                failures.append(f"rank {r} hung (no result after {timeout:.0f} s; killed)")
+            elif not path.exists():
+                failures.append(f"rank {r} exited with code {procs[r].exitcode} without a result")
+            else:
+                res = torch.load(path, weights_only=False)
+                if res["ok"]:
+                    results.append(res["value"])
+                else:
+                    failures.append(f"rank {r} raised:\n{res['error']}")
+        if failures:
+            raise AssertionError(f"{fn.__name__} on {world_size} ranks failed:\n" + "\n".join(failures))
+        return results
 
 
-def _wait(procs: list, timeout: float) -> None:
-    """Until all exit, ``timeout`` passes, or GRACE_S after the first failure."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-        if any(p.exitcode not in (None, 0) for p in procs):
-            deadline = min(deadline, time.monotonic() + GRACE_S)
-        time.sleep(0.05)
-
-
-def _result(out: Path, rank: int) -> tuple[Any, Any]:
-    f = out / f"rank{rank}.pkl"
-    return pickle.loads(f.read_bytes()) if f.exists() else (None, None)
-
-
-def _rank_main(fn, rank: int, world_size: int, port: int, timeout: float, out: str, args: tuple) -> None:
-    torch.set_num_threads(1)  # the ranks share the machine's cores
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )  # fmt: skip
-        report = ("ok", fn(rank, world_size, *args))
-    except BaseException:
-        report = ("error", traceback.format_exc())
-    tmp = Path(out) / f".rank{rank}.pkl"
-    tmp.write_bytes(pickle.dumps(report))
-    tmp.rename(Path(out) / f"rank{rank}.pkl")
-    if report[0] == "error":
-        os._exit(1)  # the others may be stuck in a collective with this rank; do not wait for them
-    dist.barrier()  # rank 0 hosts the store: nobody leaves while others still use it
-    dist.destroy_process_group()
+def env_world_sizes(default: tuple[int, ...] = (2,)) -> tuple[int, ...]:
+    """World sizes to test: VELOCE_TEST_WORLD_SIZES="2,3,4" on bigger machines."""
+    env = os.environ.get("VELOCE_TEST_WORLD_SIZES")
+    return tuple(int(x) for x in env.split(",")) if env else default

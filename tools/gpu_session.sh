@@ -47,6 +47,25 @@ for stage in "$@"; do
         --batch 104857 --bag 1 --dim 128 --dist zipf --alpha 1.05 --optimizers sgd,adam --no-dict --steps 20 \
         --warmup 5 --json "$OUT/bench_embedding_config3.json" 2>&1 | tee "$OUT/bench_embedding_config3.log" | tail -8
       ;;
+    nccl)
+      # The multi-process tests on every GPU count this machine has (2, 3, 4), with NCCL and gloo.
+      n=$(nvidia-smi -L | wc -l); sizes=$(seq -s, 2 "$n")
+      VELOCE_TEST_NCCL=1 VELOCE_TEST_WORLD_SIZES="$sizes" timeout 600 python3 -m pytest tests/test_distributed.py \
+        -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_distributed.log" | tail -15
+      ;;
+    dist)
+      # BENCHMARKS.md configuration 5 on 1, 2, 4 GPUs (as many as the machine has), sync and async.
+      n=$(nvidia-smi -L | wc -l)
+      for w in 1 2 4; do
+        [ "$w" -gt "$n" ] && continue
+        for mode in sync async; do
+          timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node="$w" \
+            benchmarks/bench_distributed.py --sparse "$mode" --json "$OUT/dist_w${w}_${mode}.json" \
+            >"$OUT/dist_w${w}_${mode}.log" 2>&1 || tail -20 "$OUT/dist_w${w}_${mode}.log"
+        done
+      done
+      python3 benchmarks/bench_distributed.py --summarize "$OUT"/dist_w*.json | tee "$OUT/bench_distributed.md"
+      ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -10,7 +10,7 @@ Example::
     out = emb(torch.tensor([[42, -7], [2**62, 42]]))         # any int64 id; (2, 16)
 """
 
-from veloce import _ext, checkpoint, data, init, metrics, models, ops, optim
+from veloce import _ext, checkpoint, data, distributed, init, metrics, models, ops, optim
 from veloce.embedding import DynamicEmbedding
 from veloce.table import HashTable, TableFullError
 
@@ -18,5 +18,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DynamicEmbedding", "HashTable", "TableFullError",
-    "checkpoint", "data", "init", "metrics", "models", "ops", "optim", "__version__",
+    "checkpoint", "data", "distributed", "init", "metrics", "models", "ops", "optim", "__version__",
 ]

@@ -117,6 +117,9 @@ class DynamicEmbedding(nn.Module):
         self.step_count = 0  # sparse optimizer steps applied (Adam's t)
         # Inputs of the backward passes since the last step (gradient accumulation).
         self._pending: list[_Pending] = []
+        self._last_lr: Optional[float] = None  # the learning rate of the last step()
+        # Row-wise sharding across ranks (set by veloce.distributed.HybridParallel).
+        self._shard: Optional[Any] = None
 
     # ---- nn.EmbeddingBag-compatible forward -------------------------------------------
     def forward(
@@ -128,6 +131,8 @@ class DynamicEmbedding(nn.Module):
         """Pooled embeddings of ``input`` bags; see the class docstring for shapes."""
         _ext.require()
         ids, offsets, psw = self._bags(input, offsets, per_sample_weights)
+        if self._shard is not None:
+            return self._shard.lookup(self, ids, offsets, psw)
         table = self.table
         mode = _MODES[self.mode]
         if self.training:
@@ -260,6 +265,11 @@ class DynamicEmbedding(nn.Module):
         The gradient of each touched row is summed and applied in one fused pass
         (``torch.ops.veloce.accumulate_and_update``); rows evicted since their forward
         pass get nothing, and a row that moved (growth) is found by its id."""
+        if self._shard is not None:
+            self._shard.collect(self)  # gradients other ranks sent for this shard's rows
+        self._apply_pending(lr)
+
+    def _apply_pending(self, lr: Optional[float]) -> None:
         if not self._pending:
             return
         _ext.require()
@@ -267,6 +277,7 @@ class DynamicEmbedding(nn.Module):
         e = self._merged()
         slots = self._resolved(e) if e.ids is not None else e.slots
         self.step_count += 1
+        self._last_lr = lr
         opt = self.optimizer
         kind, eps, beta1, beta2 = opt.kernel_args()
         t = self.table

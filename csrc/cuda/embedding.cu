@@ -172,17 +172,7 @@ __global__ void keys_kernel(const int64_t* __restrict__ slots, int64_t N, int64_
   keys[i] = static_cast<key_t>(valid ? s : num_rows);
   pos[i] = static_cast<int32_t>(i);
   if (!valid) atomicAdd(num_skipped, 1ull);
-  // The bag of i: the largest b < B with offsets[b] <= i (offsets[0] = 0 <= i).
-  int64_t lo = 0, hi = B;
-  while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) / 2;
-    if (offsets[mid] <= i) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  bag_of[i] = static_cast<int32_t>(lo);
+  bag_of[i] = static_cast<int32_t>(bag_of_position(offsets, B, i));
 }
 
 // Mean pooling: 1 / (non-padding positions) per bag, 0 for bags with none. A warp per bag.
@@ -356,7 +346,6 @@ __global__ void long_run_total_kernel(const at::opmath_type<scalar_t>* __restric
   grad_rows[static_cast<int64_t>(u) * D + j] = static_cast<scalar_t>(acc);
 }
 
-int bit_width(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); }
 
 template <typename key_t>
 std::tuple<at::Tensor, at::Tensor> accumulate(const at::Tensor& g, const at::Tensor& s, const at::Tensor& o,

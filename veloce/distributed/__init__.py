@@ -1,28 +1,19 @@
-"""Sharding contract of hybrid-parallel training (stand-in until the real module lands on main).
+"""Multi-process training: sparse tables sharded row-wise across ranks, dense data-parallel.
 
-- :func:`owner_of` maps ids to the rank that owns them under a world size.
-- :func:`table_shard` says how a ``DynamicEmbedding`` is sharded: ``(rank, world_size)``,
-  ``(0, 1)`` when it is not sharded (a replica or a single process).
+- :class:`HybridParallel` wraps an unchanged model (launch with ``torchrun``; NCCL on
+  GPU, gloo on CPU).
+- :func:`owner_of` is the sharding: the rank that owns each id for a world size.
+- :func:`table_shard` tells a table's ``(rank, world_size)``; checkpoints use it to
+  re-route keys when the world size changes.
+- :func:`all_to_all` is the exchange primitive (split sizes checked before sending).
 """
 
-from __future__ import annotations
+from veloce.distributed._comm import ExchangeError, Group, all_to_all, exchange_headers
+from veloce.distributed.hybrid import HybridParallel
+from veloce.distributed.sharded import Shard, table_shard
+from veloce.ops.exchange import bucketize_bags, combine_parts, owner_of
 
-import torch
-from torch import nn
-
-__all__ = ["owner_of", "table_shard"]
-
-_MIX = -49064778989728563  # 0xFF51AFD7ED558CCD as int64 (fmix64's first constant)
-
-
-def owner_of(ids: torch.Tensor, world_size: int) -> torch.Tensor:
-    """(N,) int64 owner rank of each id in ``ids`` (N,): a hash of the id mod ``world_size``."""
-    h = ids ^ (ids >> 33)
-    h = h * _MIX
-    h = h ^ (h >> 33)
-    return torch.remainder(h, world_size)
-
-
-def table_shard(module: nn.Module) -> tuple[int, int]:
-    """``(rank, world_size)`` of a ``DynamicEmbedding``'s sharding; ``(0, 1)`` when unsharded."""
-    return getattr(module, "_veloce_shard", (0, 1))
+__all__ = [
+    "HybridParallel", "owner_of", "table_shard", "all_to_all", "exchange_headers", "ExchangeError", "Group",
+    "Shard", "bucketize_bags", "combine_parts",
+]

@@ -49,6 +49,23 @@ void cub_call(const at::Tensor& like, F&& f) {
   C10_CUDA_CHECK(f(temp.data_ptr(), bytes));
 }
 
+// Bits needed to hold x (0 for 0): the end_bit of a radix sort of keys <= x.
+inline int bit_width(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); }
+
+// The bag of position i: the largest b < B with offsets[b] <= i (offsets[0] = 0 <= i, B > 0).
+__device__ __forceinline__ int64_t bag_of_position(const int64_t* __restrict__ offsets, int64_t B, int64_t i) {
+  int64_t lo = 0, hi = B;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (offsets[mid] <= i) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Lanes given to one row of D elements read V at a time: a power of two <= 32.

@@ -80,6 +80,19 @@ void check_grad_output_for_weights(const char* op, const at::Tensor& grad_output
 // pointer; the CUDA kernels call it on a host copy once a device reduction found a bad slot.
 void check_slot_values(const char* op, const int64_t* s, int64_t n, int64_t limit, const char* limit_what);
 
+// ---- exchange --------------------------------------------------------------------------
+
+// owner_of, bucketize_bags: ids (N,) int64 and world_size >= 1.
+void check_exchange_ids(const char* op, const at::Tensor& ids, int64_t world_size);
+// CUDA kernels sort owners as int32 keys.
+void check_world_size_cuda(const char* op, int64_t world_size);
+// combine_parts: parts (P, D) floating, bag_of_part (P,) int64 on parts' device, num_bags >= 0.
+void check_combine_parts_args(const char* op, const at::Tensor& parts, const at::Tensor& bag_of_part,
+                              int64_t num_bags);
+// Every bag index bag[0..P) is in [0, num_bags). Host pointer (CUDA: on a host copy, once a
+// device reduction found a bad index).
+void check_bag_indices(const char* op, const int64_t* bag, int64_t P, int64_t num_bags);
+
 // ---- optimizer -------------------------------------------------------------------------
 
 // The table rows of an update (optimizer, weights, opt_state); returns S.

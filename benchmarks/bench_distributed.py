@@ -1,0 +1,210 @@
+"""Multi-GPU DLRM training step with HybridParallel (BENCHMARKS.md, configuration 5).
+
+    torchrun --nproc_per_node=4 benchmarks/bench_distributed.py --sparse sync --json out/w4_sync.json
+    python benchmarks/bench_distributed.py --summarize out/*.json     # the table over 1, 2, 4 GPUs
+
+26 DynamicEmbedding tables (dim 128, bags of one id, RowWiseAdagrad) sharded row-wise
+over the ranks, a DLRM MLP stack trained with DDP, `--batch` samples per GPU (weak
+scaling: 16384 per GPU is a global batch of 65536 on 4 GPUs). Ids are Zipf(1.05)-like
+over 1e7 per feature.
+
+Reported per run (rank 0): median step time, global samples/s; then, in an
+instrumented pass (a sync around every collective), the time and bytes of veloce's
+exchanges per step against one `all_to_all_single` of the same bytes (bus bandwidth =
+bytes * (n - 1) / n / time). `--summarize` adds weak-scaling efficiency
+(samples/s per GPU over the 1-GPU figure) and async / sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import veloce
+from veloce.distributed import sharded as _sharded
+from veloce.models import DLRM
+
+
+def zipf_ids(n: int, alpha: float, space: int, gen: torch.Generator, device) -> torch.Tensor:
+    """Pareto-tailed ranks (rank k has probability ~ k^-alpha), clamped to the id space."""
+    u = torch.rand(n, generator=gen, device=device, dtype=torch.float64)
+    rank = torch.floor((1 - u) ** (-1.0 / (alpha - 1.0))).clamp(max=space).long()
+    return rank * 0x9E3779B97F4A7C1 + 12345  # spread ids over int64
+
+
+def batches(args, rank: int, device) -> list:
+    gen = torch.Generator(device=device).manual_seed(1000 + rank)
+    out = []
+    for _ in range(args.warmup + args.steps + args.profile_steps):
+        dense = torch.randn(args.batch, 13, generator=gen, device=device)
+        sparse = torch.stack(
+            [zipf_ids(args.batch, args.alpha, args.id_space, gen, device) + f for f in range(args.features)], 1
+        )
+        label = (torch.rand(args.batch, generator=gen, device=device) < 0.25).float()
+        out.append((dense, sparse, label))
+    return out
+
+
+def sync_all(device) -> None:
+    torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+class ExchangeMeter:
+    """Wraps veloce's exchange calls with a device sync and a clock (instrumented pass)."""
+
+    def __init__(self, device) -> None:
+        self.device, self.seconds, self.bytes, self.on = device, 0.0, 0, False
+        self._a2a, self._hdr = _sharded.all_to_all, _sharded.exchange_headers
+        _sharded.all_to_all = self._timed(self._a2a, count_bytes=True)
+        _sharded.exchange_headers = self._timed(self._hdr, count_bytes=False)
+
+    def _timed(self, fn, count_bytes: bool):
+        def wrapper(group, send, *rest, **kw):
+            if not self.on:
+                return fn(group, send, *rest, **kw)
+            torch.cuda.synchronize(self.device)
+            t = time.perf_counter()
+            out = fn(group, send, *rest, **kw)
+            if isinstance(out, tuple) and len(out) == 2 and hasattr(out[1], "wait"):
+                out[1].wait()
+            torch.cuda.synchronize(self.device)
+            self.seconds += time.perf_counter() - t
+            if count_bytes:
+                self.bytes += send.numel() * send.element_size()
+            return out
+
+        return wrapper
+
+
+def a2a_baseline(total_bytes: int, world: int, device, reps: int = 10) -> float:
+    """Median seconds of one all_to_all_single moving total_bytes from this rank."""
+    n = max(world, (total_bytes // 4) // world * world)
+    send = torch.randn(n, device=device)
+    recv = torch.empty_like(send)
+    times = []
+    for i in range(reps + 3):
+        sync_all(device)
+        t = time.perf_counter()
+        dist.all_to_all_single(recv, send)
+        torch.cuda.synchronize(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run(args) -> None:
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    torch.manual_seed(0)
+
+    def table(dim):
+        return veloce.DynamicEmbedding(
+            dim, mode="sum", capacity=args.capacity, optimizer=veloce.optim.RowWiseAdagrad(lr=0.01), device=device
+        )
+
+    model = DLRM(13, args.features, embedding_dim=args.dim, bottom_mlp=(512, 256, args.dim),
+                 top_mlp=(1024, 1024, 512, 256, 1), embedding_factory=table).to(device)  # fmt: skip
+    hp = veloce.distributed.HybridParallel(model, sparse=args.sparse, staleness=args.staleness)
+    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), hp)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    data = batches(args, rank, device)
+    meter = ExchangeMeter(device)
+
+    def step(b):
+        dense, sparse, label = b
+        loss = loss_fn(hp(dense, sparse), label)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    times = []
+    for i, b in enumerate(data[: args.warmup + args.steps]):
+        sync_all(device)
+        t = time.perf_counter()
+        step(b)
+        torch.cuda.synchronize(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    hp.flush()
+    # Instrumented pass: exchange time and bytes per step.
+    meter.on = True
+    for b in data[args.warmup + args.steps :]:
+        step(b)
+    meter.on = False
+    hp.flush()
+    ex_s = meter.seconds / args.profile_steps
+    ex_bytes = meter.bytes // args.profile_steps
+    base_s = a2a_baseline(ex_bytes, world, device) if world > 1 else 0.0
+    step_s = statistics.median(times)
+    row = {
+        "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "world_size": world,
+        "sparse": args.sparse, "staleness": args.staleness if args.sparse == "async" else 0,
+        "batch_per_gpu": args.batch, "features": args.features, "dim": args.dim,
+        "step_ms": step_s * 1e3, "samples_per_s": world * args.batch / step_s,
+        "exchange_ms": ex_s * 1e3, "exchange_MB": ex_bytes / 2**20,
+        "a2a_same_bytes_ms": base_s * 1e3,
+        "exchange_busbw_GBs": ex_bytes * (world - 1) / world / ex_s / 1e9 if world > 1 and ex_s else None,
+        "a2a_busbw_GBs": ex_bytes * (world - 1) / world / base_s / 1e9 if world > 1 and base_s else None,
+        "rows_per_rank": sum(len(m) for _, m in hp.tables),
+    }  # fmt: skip
+    if rank == 0:
+        print(json.dumps(row))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(row, f, indent=1)
+    dist.destroy_process_group()
+
+
+def summarize(paths: list[str]) -> None:
+    rows = [json.load(open(p)) for p in paths]
+    base = {r["sparse"]: r["samples_per_s"] for r in rows if r["world_size"] == 1}
+    sync = {r["world_size"]: r["samples_per_s"] for r in rows if r["sparse"] == "sync"}
+    r0 = rows[0]
+    print(f"device: {r0['device']}, torch {r0['torch']}, fp32, {r0['features']} tables, dim {r0['dim']}, "
+          f"bag 1, {r0['batch_per_gpu']} samples per GPU\n")  # fmt: skip
+    print("| GPUs | sparse | step ms | samples/s | weak-scaling eff. | async/sync | exchange ms | "
+          "exchange MB | a2a same bytes ms | exchange / a2a busbw |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["world_size"], r["sparse"])):
+        w, s = r["world_size"], r["sparse"]
+        eff = r["samples_per_s"] / (w * base[s]) if s in base else float("nan")
+        ratio = r["samples_per_s"] / sync[w] if s == "async" and w in sync else float("nan")
+        bw = (r["a2a_same_bytes_ms"] / r["exchange_ms"]) if w > 1 and r["exchange_ms"] else float("nan")
+        print(f"| {w} | {s} | {r['step_ms']:.2f} | {r['samples_per_s']:,.0f} | {eff:.1%} | {ratio:.2f} | "
+              f"{r['exchange_ms']:.2f} | {r['exchange_MB']:.1f} | {r['a2a_same_bytes_ms']:.2f} | {bw:.1%} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=16384, help="samples per GPU")
+    p.add_argument("--features", type=int, default=26)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--id-space", type=int, default=10**7)
+    p.add_argument("--capacity", type=int, default=1 << 20, help="initial slots per table (grows when needed)")
+    p.add_argument("--sparse", choices=("sync", "async"), default="sync")
+    p.add_argument("--staleness", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--json", default=None)
+    p.add_argument("--summarize", nargs="+", default=None, help="JSON files of earlier runs: print the table")
+    args = p.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

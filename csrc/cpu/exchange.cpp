@@ -1,0 +1,195 @@
+// CPU kernels of the exchange family: what a sharded lookup needs around its all-to-all.
+// Semantics: docs/ops.md ("exchange").
+//
+//   owner_of        the rank that owns each id: owner_hash(id) % world_size.
+//   bucketize_bags  groups the non-padding positions of a batch of bags by owner (a stable
+//                   counting sort) and cuts each bag into parts, one per owner it touches.
+//   combine_parts   sums each bag's parts in part order (deterministic), the inverse of the
+//                   cut: the requester's pooled rows from the owners' partial sums.
+//
+// bucketize_bags works on fixed chunks of bags: each chunk counts its ids and parts per
+// owner, an exclusive scan over (owner, chunk) gives every chunk its output positions, and
+// each chunk writes its own. The result is the same for any number of threads.
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
+#include "veloce/check.h"
+#include "veloce/hash.h"
+#include "veloce/op_checks.h"
+
+namespace veloce {
+namespace {
+
+at::Tensor owner_of_cpu(const at::Tensor& ids, int64_t world_size) {
+  constexpr const char* op = "veloce::owner_of";
+  check_exchange_ids(op, ids, world_size);
+  const at::Tensor in = ids.contiguous();
+  at::Tensor out = at::empty_like(in);
+  const int64_t* id = in.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const uint64_t w = static_cast<uint64_t>(world_size);
+  at::parallel_for(0, in.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) o[i] = static_cast<int64_t>(owner_hash(id[i]) % w);
+  });
+  return out;
+}
+
+// The chunks of bags that bucketize_bags counts and writes independently.
+struct Chunks {
+  int64_t count, size;  // number of chunks, bags per chunk
+  int64_t begin(int64_t c) const { return c * size; }
+};
+
+Chunks chunks_for(int64_t num_bags, int64_t num_ids, int64_t world_size) {
+  // Enough chunks to keep every thread busy, few enough that the (chunk, owner) tables
+  // stay small next to the ids.
+  const int64_t want = std::max<int64_t>(1, std::min<int64_t>(4 * at::get_num_threads(),
+                                                              num_ids / std::max<int64_t>(1, 8 * world_size)));
+  const int64_t size = std::max<int64_t>(1, (num_bags + want - 1) / want);
+  return {num_bags == 0 ? 0 : (num_bags + size - 1) / size, size};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize_bags_cpu(
+    const at::Tensor& ids, const at::Tensor& offsets, bool include_last_offset, int64_t world_size,
+    std::optional<int64_t> padding_id) {
+  constexpr const char* op = "veloce::bucketize_bags";
+  check_exchange_ids(op, ids, world_size);
+  check_same_device(op, "offsets", offsets, "ids", ids);
+  const int64_t N = ids.numel();
+  const int64_t B = check_offsets(op, offsets, N, include_last_offset);
+  const int64_t W = world_size;
+  const at::Tensor id_c = ids.contiguous(), off_c = offsets.contiguous();
+  const int64_t* id = id_c.data_ptr<int64_t>();
+  const int64_t* off = off_c.data_ptr<int64_t>();
+  const int64_t num_offsets = off_c.numel();
+  auto bag_end = [&](int64_t b) { return b + 1 < num_offsets ? off[b + 1] : N; };
+  const bool has_pad = padding_id.has_value();
+  const int64_t pad = has_pad ? *padding_id : 0;
+  auto owner = [&](int64_t i) -> int64_t {  // -1 for padding
+    if (has_pad && id[i] == pad) return -1;
+    return static_cast<int64_t>(owner_hash(id[i]) % static_cast<uint64_t>(W));
+  };
+
+  const Chunks ch = chunks_for(B, N, W);
+  // Pass 1: per chunk and owner, the number of ids and of parts (distinct (bag, owner)).
+  std::vector<int64_t> ids_at(ch.count * W, 0), parts_at(ch.count * W, 0);
+  at::parallel_for(0, ch.count, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<int64_t> last_bag(W);
+    for (int64_t c = c0; c < c1; ++c) {
+      std::fill(last_bag.begin(), last_bag.end(), -1);
+      int64_t* ni = ids_at.data() + c * W;
+      int64_t* np = parts_at.data() + c * W;
+      for (int64_t b = ch.begin(c); b < std::min(B, ch.begin(c + 1)); ++b) {
+        for (int64_t i = off[b]; i < bag_end(b); ++i) {
+          const int64_t w = owner(i);
+          if (w < 0) continue;
+          ++ni[w];
+          if (last_bag[w] != b) {
+            last_bag[w] = b;
+            ++np[w];
+          }
+        }
+      }
+    }
+  });
+  // Exclusive scan in (owner, chunk) order: where each chunk's ids and parts of owner w go.
+  at::Tensor id_splits = at::zeros({W}, ids.options());
+  at::Tensor part_splits = at::zeros({W}, ids.options());
+  int64_t* id_split = id_splits.data_ptr<int64_t>();
+  int64_t* part_split = part_splits.data_ptr<int64_t>();
+  int64_t M = 0, P = 0;
+  for (int64_t w = 0; w < W; ++w) {
+    for (int64_t c = 0; c < ch.count; ++c) {
+      const int64_t ni = ids_at[c * W + w], np = parts_at[c * W + w];
+      ids_at[c * W + w] = M;
+      parts_at[c * W + w] = P;
+      M += ni;
+      P += np;
+      id_split[w] += ni;
+      part_split[w] += np;
+    }
+  }
+  at::Tensor perm = at::empty({M}, ids.options());
+  at::Tensor bag_of_part = at::empty({P}, ids.options());
+  at::Tensor part_lengths = at::zeros({P}, ids.options());
+  int64_t* pm = perm.data_ptr<int64_t>();
+  int64_t* bp = bag_of_part.data_ptr<int64_t>();
+  int64_t* pl = part_lengths.data_ptr<int64_t>();
+  // Pass 2: every chunk writes its positions and parts, in bag order.
+  at::parallel_for(0, ch.count, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<int64_t> last_bag(W), cur_part(W);
+    for (int64_t c = c0; c < c1; ++c) {
+      std::fill(last_bag.begin(), last_bag.end(), -1);
+      int64_t* next_id = ids_at.data() + c * W;
+      int64_t* next_part = parts_at.data() + c * W;
+      for (int64_t b = ch.begin(c); b < std::min(B, ch.begin(c + 1)); ++b) {
+        for (int64_t i = off[b]; i < bag_end(b); ++i) {
+          const int64_t w = owner(i);
+          if (w < 0) continue;
+          pm[next_id[w]++] = i;
+          if (last_bag[w] != b) {
+            last_bag[w] = b;
+            cur_part[w] = next_part[w]++;
+            bp[cur_part[w]] = b;
+          }
+          ++pl[cur_part[w]];
+        }
+      }
+    }
+  });
+  return {perm, id_splits, bag_of_part, part_lengths, part_splits};
+}
+
+at::Tensor combine_parts_cpu(const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags) {
+  constexpr const char* op = "veloce::combine_parts";
+  check_combine_parts_args(op, parts, bag_of_part, num_bags);
+  const at::Tensor p_c = parts.contiguous(), b_c = bag_of_part.contiguous();
+  const int64_t P = p_c.size(0), D = p_c.size(1);
+  const int64_t* bag = b_c.data_ptr<int64_t>();
+  check_bag_indices(op, bag, P, num_bags);
+  at::Tensor out = at::zeros({num_bags, D}, parts.options());
+  if (P == 0 || D == 0) return out;
+  // Parts come as runs of strictly increasing bags (one run per owner): within a run every
+  // bag is distinct, so a run is added in parallel and runs in order, which keeps each
+  // bag's sum in part order.
+  std::vector<int64_t> run_starts{0};
+  for (int64_t p = 1; p < P; ++p) {
+    if (bag[p] <= bag[p - 1]) run_starts.push_back(p);
+  }
+  run_starts.push_back(P);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, parts.scalar_type(), "combine_parts_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* src = p_c.data_ptr<scalar_t>();
+    std::vector<acc_t> acc(static_cast<size_t>(num_bags * D), acc_t(0));
+    const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / D);
+    for (size_t r = 0; r + 1 < run_starts.size(); ++r) {
+      at::parallel_for(run_starts[r], run_starts[r + 1], grain, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p) {
+          acc_t* a = acc.data() + bag[p] * D;
+          const scalar_t* s = src + p * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += static_cast<acc_t>(s[d]);
+        }
+      });
+    }
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, num_bags * D, at::internal::GRAIN_SIZE, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) dst[i] = static_cast<scalar_t>(acc[i]);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace veloce
+
+TORCH_LIBRARY_IMPL(veloce, CPU, m) {
+  m.impl("owner_of", &veloce::owner_of_cpu);
+  m.impl("bucketize_bags", &veloce::bucketize_bags_cpu);
+  m.impl("combine_parts", &veloce::combine_parts_cpu);
+}

@@ -1,0 +1,254 @@
+// CUDA kernels of the exchange family: owner_of, bucketize_bags, combine_parts.
+// Semantics: docs/ops.md; CPU reference csrc/cpu/exchange.cpp; argument checks shared with
+// it (veloce/op_checks.h).
+//
+// bucketize_bags: key = owner of each position (world_size for padding), a stable CUB radix
+// sort of (key, position) on the key's significant bits gives perm; a flag marks the first
+// position of every part (a new owner or a new bag), an inclusive scan numbers the parts,
+// and W threads binary-search the sorted keys for the per-owner splits. One device-to-host
+// copy (the sizes) per call.
+//
+// combine_parts: a stable radix sort of the parts by bag gives each bag its parts in part
+// order; one thread per (bag, column) sums them in that order (deterministic, no atomics).
+
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+
+#include "veloce/cuda_utils.cuh"
+#include "veloce/op_checks.h"
+
+namespace veloce {
+namespace cuda {
+namespace {
+
+__global__ void owner_kernel(const int64_t* __restrict__ ids, int64_t n, uint64_t world_size,
+                             int64_t* __restrict__ owner) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) owner[i] = static_cast<int64_t>(owner_hash(ids[i]) % world_size);
+}
+
+at::Tensor owner_of_cuda(const at::Tensor& ids, int64_t world_size) {
+  constexpr const char* op = "veloce::owner_of";
+  check_exchange_ids(op, ids, world_size);
+  const c10::cuda::CUDAGuard guard(ids.device());
+  const at::Tensor in = ids.contiguous();
+  at::Tensor out = at::empty_like(in);
+  const int64_t n = in.numel();
+  if (n == 0) return out;
+  owner_kernel<<<grid_for(n), kThreads, 0, stream()>>>(in.data_ptr<int64_t>(), n,
+                                                      static_cast<uint64_t>(world_size), out.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+// key = owner of position i (world_size for padding), pos = i, bag = the bag of i.
+__global__ void owner_keys_kernel(const int64_t* __restrict__ ids, int64_t n, const int64_t* __restrict__ offsets,
+                                  int64_t B, int32_t world_size, bool has_pad, int64_t pad,
+                                  int32_t* __restrict__ keys, int32_t* __restrict__ pos,
+                                  int32_t* __restrict__ bag) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int64_t id = ids[i];
+  keys[i] = (has_pad && id == pad) ? world_size
+                                   : static_cast<int32_t>(owner_hash(id) % static_cast<uint64_t>(world_size));
+  pos[i] = static_cast<int32_t>(i);
+  bag[i] = static_cast<int32_t>(bag_of_position(offsets, B, i));
+}
+
+// flag[j] = 1 where sorted position j starts a part: a real owner, and a new owner or bag.
+__global__ void part_flags_kernel(const int32_t* __restrict__ skeys, const int32_t* __restrict__ spos,
+                                  const int32_t* __restrict__ bag, int64_t n, int32_t world_size,
+                                  int32_t* __restrict__ flag) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= n) return;
+  const int32_t k = skeys[j];
+  flag[j] = k < world_size && (j == 0 || skeys[j - 1] != k || bag[spos[j - 1]] != bag[spos[j]]);
+}
+
+// The first index j with skeys[j] >= k (skeys sorted ascending).
+__device__ __forceinline__ int64_t lower_bound_key(const int32_t* __restrict__ skeys, int64_t n, int32_t k) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (skeys[mid] < k) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// sizes = [id_splits (W), part_splits (W), M, P].
+__global__ void splits_kernel(const int32_t* __restrict__ skeys, const int32_t* __restrict__ part_id, int64_t n,
+                              int32_t world_size, int64_t* __restrict__ sizes) {
+  const int w = static_cast<int>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (w > world_size) return;
+  const int64_t lo = lower_bound_key(skeys, n, w);
+  if (w == world_size) {  // everything before the padding keys
+    sizes[2 * world_size] = lo;
+    sizes[2 * world_size + 1] = lo > 0 ? part_id[lo - 1] : 0;
+    return;
+  }
+  const int64_t hi = lower_bound_key(skeys, n, w + 1);
+  sizes[w] = hi - lo;
+  sizes[world_size + w] = (hi > 0 ? part_id[hi - 1] : 0) - (lo > 0 ? part_id[lo - 1] : 0);
+}
+
+// For every part start j: bag_of_part and part_start; perm[j] = the position at j.
+__global__ void parts_kernel(const int32_t* __restrict__ flag, const int32_t* __restrict__ part_id,
+                             const int32_t* __restrict__ spos, const int32_t* __restrict__ bag, int64_t m,
+                             int64_t* __restrict__ perm, int64_t* __restrict__ bag_of_part,
+                             int64_t* __restrict__ part_start) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= m) return;
+  const int32_t p = spos[j];
+  perm[j] = p;
+  if (flag[j]) {
+    const int64_t q = part_id[j] - 1;
+    bag_of_part[q] = bag[p];
+    part_start[q] = j;
+  }
+}
+
+__global__ void part_lengths_kernel(const int64_t* __restrict__ part_start, int64_t P, int64_t m,
+                                    int64_t* __restrict__ lengths) {
+  const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (q < P) lengths[q] = (q + 1 < P ? part_start[q + 1] : m) - part_start[q];
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize_bags_cuda(
+    const at::Tensor& ids, const at::Tensor& offsets, bool include_last_offset, int64_t world_size,
+    std::optional<int64_t> padding_id) {
+  constexpr const char* op = "veloce::bucketize_bags";
+  check_exchange_ids(op, ids, world_size);
+  check_same_device(op, "offsets", offsets, "ids", ids);
+  const c10::cuda::CUDAGuard guard(ids.device());
+  const int64_t N = ids.numel();
+  check_num_ids_cuda(op, N);
+  const int64_t B = check_offsets(op, offsets, N, include_last_offset);
+  check_num_bags_cuda(op, B);
+  check_world_size_cuda(op, world_size);
+  const auto opts = ids.options();
+  const int32_t W = static_cast<int32_t>(world_size);
+  if (N == 0) {
+    at::Tensor none = at::empty({0}, opts);
+    return {none, at::zeros({W}, opts), none.clone(), none.clone(), at::zeros({W}, opts)};
+  }
+  const at::Tensor id_c = ids.contiguous(), off_c = offsets.contiguous();
+  const auto iopts = opts.dtype(at::kInt);
+  at::Tensor keys = at::empty({N}, iopts), pos = at::empty({N}, iopts), bag = at::empty({N}, iopts);
+  owner_keys_kernel<<<grid_for(N), kThreads, 0, stream()>>>(
+      id_c.data_ptr<int64_t>(), N, off_c.data_ptr<int64_t>(), B, W, padding_id.has_value(),
+      padding_id.value_or(0), keys.data_ptr<int32_t>(), pos.data_ptr<int32_t>(), bag.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Stable: within an owner, positions (hence bags) stay ascending.
+  at::Tensor skeys = at::empty_like(keys), spos = at::empty_like(pos);
+  const int n = static_cast<int>(N);
+  const int end_bit = std::max(1, bit_width(static_cast<uint64_t>(W)));
+  cub_call(ids, [&](void* temp, size_t& bytes) {
+    return cub::DeviceRadixSort::SortPairs(temp, bytes, keys.data_ptr<int32_t>(), skeys.data_ptr<int32_t>(),
+                                           pos.data_ptr<int32_t>(), spos.data_ptr<int32_t>(), n, 0, end_bit,
+                                           stream());
+  });
+  at::Tensor flag = at::empty({N}, iopts), part_id = at::empty({N}, iopts);
+  part_flags_kernel<<<grid_for(N), kThreads, 0, stream()>>>(skeys.data_ptr<int32_t>(), spos.data_ptr<int32_t>(),
+                                                           bag.data_ptr<int32_t>(), N, W, flag.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cub_call(ids, [&](void* temp, size_t& bytes) {
+    return cub::DeviceScan::InclusiveSum(temp, bytes, flag.data_ptr<int32_t>(), part_id.data_ptr<int32_t>(), n,
+                                         stream());
+  });
+  at::Tensor sizes = at::empty({2 * world_size + 2}, opts);
+  splits_kernel<<<grid_for(world_size + 1), kThreads, 0, stream()>>>(skeys.data_ptr<int32_t>(),
+                                                                      part_id.data_ptr<int32_t>(), N, W,
+                                                                      sizes.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const at::Tensor host = sizes.narrow(0, 2 * world_size, 2).cpu();  // sync: sizes the outputs
+  const int64_t M = host.data_ptr<int64_t>()[0], P = host.data_ptr<int64_t>()[1];
+  at::Tensor perm = at::empty({M}, opts), bag_of_part = at::empty({P}, opts);
+  at::Tensor part_start = at::empty({P}, opts), part_lengths = at::empty({P}, opts);
+  if (M > 0) {
+    parts_kernel<<<grid_for(M), kThreads, 0, stream()>>>(flag.data_ptr<int32_t>(), part_id.data_ptr<int32_t>(),
+                                                        spos.data_ptr<int32_t>(), bag.data_ptr<int32_t>(), M,
+                                                        perm.data_ptr<int64_t>(), bag_of_part.data_ptr<int64_t>(),
+                                                        part_start.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    part_lengths_kernel<<<grid_for(P), kThreads, 0, stream()>>>(part_start.data_ptr<int64_t>(), P, M,
+                                                               part_lengths.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {perm, sizes.narrow(0, 0, world_size).clone(), bag_of_part, part_lengths,
+          sizes.narrow(0, world_size, world_size).clone()};
+}
+
+// first[b] = the first index of bag b in the sorted bags (P where none follows).
+__global__ void bag_starts_kernel(const int32_t* __restrict__ sbags, int64_t P, int64_t num_bags,
+                                  int32_t* __restrict__ first) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b <= num_bags) first[b] = static_cast<int32_t>(lower_bound_key(sbags, P, static_cast<int32_t>(b)));
+}
+
+template <typename scalar_t>
+__global__ void combine_kernel(const scalar_t* __restrict__ parts, const int32_t* __restrict__ order,
+                               const int32_t* __restrict__ first, int64_t num_bags, int64_t D,
+                               scalar_t* __restrict__ out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= num_bags * D) return;
+  const int64_t b = t / D, d = t - b * D;
+  acc_t a = 0;
+  for (int32_t k = first[b]; k < first[b + 1]; ++k) a += static_cast<acc_t>(parts[order[k] * D + d]);
+  out[t] = static_cast<scalar_t>(a);
+}
+
+at::Tensor combine_parts_cuda(const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags) {
+  constexpr const char* op = "veloce::combine_parts";
+  check_combine_parts_args(op, parts, bag_of_part, num_bags);
+  const c10::cuda::CUDAGuard guard(parts.device());
+  const int64_t P = parts.size(0), D = parts.size(1);
+  check_num_ids_cuda(op, P);
+  check_num_bags_cuda(op, num_bags);
+  at::Tensor out = at::zeros({num_bags, D}, parts.options());
+  if (P == 0 || D == 0) return out;
+  const at::Tensor bags = bag_of_part.contiguous();
+  const bool bad = bags.lt(0).logical_or(bags.ge(num_bags)).any().item<bool>();
+  if (bad) {
+    const at::Tensor host = bags.cpu();
+    check_bag_indices(op, host.data_ptr<int64_t>(), P, num_bags);
+  }
+  const at::Tensor p_c = parts.contiguous();
+  const auto iopts = bags.options().dtype(at::kInt);
+  at::Tensor keys = bags.to(at::kInt), order_in = at::arange(P, iopts);
+  at::Tensor skeys = at::empty_like(keys), order = at::empty_like(order_in);
+  const int end_bit = std::max(1, bit_width(static_cast<uint64_t>(num_bags)));
+  cub_call(parts, [&](void* temp, size_t& bytes) {
+    return cub::DeviceRadixSort::SortPairs(temp, bytes, keys.data_ptr<int32_t>(), skeys.data_ptr<int32_t>(),
+                                           order_in.data_ptr<int32_t>(), order.data_ptr<int32_t>(),
+                                           static_cast<int>(P), 0, end_bit, stream());
+  });
+  at::Tensor first = at::empty({num_bags + 1}, iopts);
+  bag_starts_kernel<<<grid_for(num_bags + 1), kThreads, 0, stream()>>>(skeys.data_ptr<int32_t>(), P, num_bags,
+                                                                       first.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, parts.scalar_type(), "combine_parts_cuda", [&] {
+    combine_kernel<scalar_t><<<grid_for(num_bags * D), kThreads, 0, stream()>>>(
+        p_c.data_ptr<scalar_t>(), order.data_ptr<int32_t>(), first.data_ptr<int32_t>(), num_bags, D,
+        out.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace veloce
+
+TORCH_LIBRARY_IMPL(veloce, CUDA, m) {
+  m.impl("owner_of", &veloce::cuda::owner_of_cuda);
+  m.impl("bucketize_bags", &veloce::cuda::bucketize_bags_cuda);
+  m.impl("combine_parts", &veloce::cuda::combine_parts_cuda);
+}

@@ -1,0 +1,83 @@
+"""All-to-all plumbing of the sparse exchange: split sizes first, then variable-size payloads.
+
+Every exchange starts with a small all-to-all of a header per peer (split sizes plus a
+signature of what is being exchanged), so the receiving side always knows how much comes
+from whom, and ranks that disagree (another table, another dim) fail with an error on
+every rank instead of hanging or reading garbage.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ExchangeError", "exchange_headers", "all_to_all", "Group"]
+
+
+class ExchangeError(RuntimeError):
+    """Ranks disagree on what they exchange (a different table, dim or call order)."""
+
+
+class Group:
+    """A process group with its size and this process's rank in it."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.backend = dist.get_backend(group)
+
+
+def exchange_headers(
+    group: Group, sizes: Sequence[torch.Tensor], signature: Sequence[int], what: str
+) -> list[list[int]]:
+    """Sends ``sizes[k][r]`` and ``signature`` to every rank ``r``; returns, per field ``k``,
+    what each peer sends to this rank (``recv[k][peer]``).
+
+    Every peer's signature must equal this rank's; otherwise every rank raises
+    :class:`ExchangeError` (each sees at least one disagreeing peer)."""
+    w = group.size
+    dev = sizes[0].device
+    sig = torch.tensor(list(signature), dtype=torch.long, device=dev).expand(w, len(signature))
+    header = torch.cat([torch.stack([s.to(dev, torch.long) for s in sizes], 1), sig], 1).contiguous()
+    recv = torch.empty_like(header)
+    dist.all_to_all_single(recv, header, group=group.group)
+    rows = recv.tolist()  # the one host sync of an exchange: sizes the payloads
+    k = len(sizes)
+    for peer, row in enumerate(rows):
+        if row[k:] != list(signature):
+            raise ExchangeError(
+                f"{what}: rank {peer} sent signature {row[k:]} to rank {group.rank}, which expected "
+                f"{list(signature)}. Every rank must call its sharded tables in the same order with the same "
+                f"configuration (embedding dim, per_sample_weights given or not)."
+            )
+    return [[row[j] for row in rows] for j in range(k)]
+
+
+def all_to_all(
+    group: Group,
+    send: torch.Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    async_op: bool = False,
+):
+    """``all_to_all_single`` of rows of ``send`` (split along dim 0) into a new tensor.
+
+    Returns the received tensor, or ``(tensor, work)`` with ``async_op=True``. Split
+    sizes are checked here, before any communication."""
+    if len(send_splits) != group.size or len(recv_splits) != group.size:
+        raise ValueError(
+            f"all_to_all: send_splits and recv_splits need one entry per rank ({group.size}), got "
+            f"{len(send_splits)} and {len(recv_splits)}"
+        )
+    if sum(send_splits) != send.shape[0]:
+        raise ValueError(f"all_to_all: send_splits sum to {sum(send_splits)} but send has {send.shape[0]} rows")
+    send = send.contiguous()
+    recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
+    work = dist.all_to_all_single(
+        recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group.group,
+        async_op=async_op,
+    )  # fmt: skip
+    return (recv, work) if async_op else recv

@@ -1,0 +1,146 @@
+"""``HybridParallel``: sparse tables sharded like a parameter server, dense parameters DDP."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from veloce.distributed._comm import Group
+from veloce.distributed.sharded import Shard
+
+__all__ = ["HybridParallel"]
+
+_SPARSE = ("sync", "async")
+_DENSE = ("ddp", "none")
+
+
+class HybridParallel(nn.Module):
+    """Wraps an unchanged model for multi-process training: its ``DynamicEmbedding``
+    tables are sharded row-wise across ranks, its dense parameters are data-parallel.
+
+    Every rank feeds its own batch. A table lookup sends each id to the rank that owns
+    it (``veloce.distributed.owner_of(id, world_size)``); owners look rows up (inserting
+    new ids in training), pool each bag's part, and send partial sums back. In backward,
+    each part's gradient goes back to its owner, which applies it in its ``step()``.
+    Gradients are averaged over ranks like DDP's, sparse ones too: with every rank
+    computing the mean loss of its own (equal-sized) batch, ``sparse="sync"`` trains
+    exactly like one process on the global batch.
+
+    Args:
+        model: the model; its ``DynamicEmbedding`` submodules become shards (each rank
+            keeps the rows it owns; ``len()``, ``find()``, ``export()`` and
+            ``state_dict()`` answer for that shard).
+        sparse: ``"sync"``: every update of step t is applied before step t + 1 starts.
+            ``"async"``: the gradient exchange of step t runs in the background and its
+            update is applied at step t + ``staleness`` (the exchange overlaps compute).
+        staleness: async only: how many steps late an update is applied (>= 0; 0 = sync).
+        dense: ``"ddp"`` (torch ``DistributedDataParallel`` over the dense parameters;
+            skipped when there are none) or ``"none"`` (you average dense gradients).
+        process_group: the ranks to shard over (default: the whole world).
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
+
+    Every rank must construct its tables with the same seed and initializer (rows start
+    as a function of (seed, id), so shards agree with a single process) and call them in
+    the same order. World size 1 is plain single-process training.
+
+    Example::
+
+        torch.distributed.init_process_group()          # torchrun sets the environment
+        model = veloce.distributed.HybridParallel(model, sparse="sync")
+        opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters()), model)
+        for inputs, target in loader:                   # this rank's batches
+            loss_fn(model(*inputs), target).backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sparse: str = "sync",
+        staleness: int = 1,
+        dense: str = "ddp",
+        process_group: Optional[dist.ProcessGroup] = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        from veloce.embedding import DynamicEmbedding
+
+        if sparse not in _SPARSE:
+            raise ValueError(f"HybridParallel: sparse must be 'sync' or 'async', got {sparse!r}")
+        if dense not in _DENSE:
+            raise ValueError(f"HybridParallel: dense must be 'ddp' or 'none', got {dense!r}")
+        if not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"HybridParallel: staleness must be an int >= 0, got {staleness!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "HybridParallel needs torch.distributed: call torch.distributed.init_process_group() first "
+                "(torchrun sets its environment), or train without the wrapper in a single process"
+            )
+        if isinstance(model, HybridParallel):
+            raise ValueError("HybridParallel: the model is already wrapped")
+        self.module = model
+        self.sparse = sparse
+        self.staleness = staleness if sparse == "async" else 0
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.tables = [(n, m) for n, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
+        if self.world_size > 1:
+            self._shard_tables(process_group)
+        dense_params = [p for p in model.parameters() if p.requires_grad]
+        ddp = None
+        if dense == "ddp" and self.world_size > 1 and dense_params:
+            ignored = [f"{name}.{b}" if name else b for name, m in self.tables for b, _ in m.named_buffers()]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+            devices = {p.device for p in dense_params}
+            device_ids = [next(iter(devices))] if len(devices) == 1 and next(iter(devices)).type == "cuda" else None
+            ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=process_group, **ddp_kwargs)
+        object.__setattr__(self, "_ddp", ddp)  # not a submodule: model's state appears once
+
+    def _shard_tables(self, process_group: Optional[dist.ProcessGroup]) -> None:
+        ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+        backend = dist.get_backend(process_group)
+        # Sparse exchanges get their own groups: they never queue behind DDP's all-reduces,
+        # and async gradient exchanges never queue behind the next step's lookups.
+        lookup_group = Group(dist.new_group(ranks=ranks, backend=backend))
+        grad_group = Group(dist.new_group(ranks=ranks, backend=backend)) if self.sparse == "async" else None
+        for tag, (name, m) in enumerate(self.tables):
+            if m._shard is not None:
+                raise ValueError(f"HybridParallel: table {name!r} is already sharded by another wrapper")
+            m._shard = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the wrapped model (through DDP when dense parameters are data-parallel)."""
+        return (self._ddp or self.module)(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "HybridParallel":
+        super().train(mode)
+        if self._ddp is not None:
+            self._ddp.train(mode)
+        return self
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Async mode: waits for every sparse gradient still in flight and applies it, so
+        the tables hold every update (call before evaluating, exporting or checkpointing
+        at the end of training). Collective: every rank calls it. A no-op in sync mode."""
+        for _, m in self.tables:
+            if m._shard is not None and m._shard.in_flight:
+                m._shard.flush(m)
+                m._apply_pending(m._last_lr)
+        if self.world_size > 1:
+            dist.barrier(group=self.tables[0][1]._shard.group.group if self.tables else None)
+
+    def unwrap(self) -> nn.Module:
+        """Removes the sharding hooks and returns the model (each table keeps its shard)."""
+        for _, m in self.tables:
+            m._shard = None
+        return self.module
+
+    def extra_repr(self) -> str:
+        return (
+            f"sparse={self.sparse!r}, staleness={self.staleness}, world_size={self.world_size}, "
+            f"tables={len(self.tables)}, dense={'ddp' if self._ddp is not None else 'none'}"
+        )

@@ -1,0 +1,121 @@
+"""The exchange op family: what a sharded lookup does around its all-to-all.
+
+Typed wrappers over ``torch.ops.veloce.owner_of``, ``bucketize_bags`` and
+``combine_parts`` (kernels: ``csrc/cpu/exchange.cpp``, ``csrc/cuda/exchange.cu``), their
+fake kernels, and the autograd registration of ``combine_parts``. Semantics: docs/ops.md.
+
+Shape glossary: ``N`` ids, ``B`` bags, ``W`` world size, ``M`` non-padding ids, ``P``
+parts (one per bag and owner it has ids on), ``D`` embedding dim.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from veloce import _ext
+
+__all__ = ["Buckets", "owner_of", "bucketize_bags", "combine_parts"]
+
+
+class Buckets(NamedTuple):
+    """A batch of bags cut by owner (what :func:`bucketize_bags` returns).
+
+    Attributes:
+        perm: (M,) positions of the non-padding ids, stably sorted by owner.
+        id_splits: (W,) ids per owner (``perm`` is their concatenation).
+        bag_of_part: (P,) the bag of each part; parts are ordered by (owner, bag).
+        part_lengths: (P,) ids per part; part ``p``'s ids are consecutive in ``perm``.
+        part_splits: (W,) parts per owner.
+    """
+
+    perm: torch.Tensor
+    id_splits: torch.Tensor
+    bag_of_part: torch.Tensor
+    part_lengths: torch.Tensor
+    part_splits: torch.Tensor
+
+
+def owner_of(ids: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The rank that owns each id: a hash of the id (independent of the table's) mod
+    ``world_size``. Any int64 id is valid.
+
+    Shape: ids ``(N,)`` int64 -> ``(N,)`` int64 in ``[0, world_size)``.
+
+    Example::
+
+        >>> owner_of(torch.tensor([0, -1, 2**63 - 1]), 4).tolist()  # doctest: +SKIP
+        [1, 3, 0]
+    """
+    _ext.require()
+    return torch.ops.veloce.owner_of(ids, world_size)
+
+
+def bucketize_bags(
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    world_size: int,
+    include_last_offset: bool = False,
+    padding_id: Optional[int] = None,
+) -> Buckets:
+    """Groups the ids of a batch of bags by owner and cuts each bag into per-owner parts.
+
+    Padding ids are dropped. Rank ``r`` receives ``ids[perm]``'s ``r``-th split and the
+    ``r``-th split of ``part_lengths``: it pools each part (a partial bag), and
+    :func:`combine_parts` adds the parts coming back into the bags.
+
+    Args:
+        ids: (N,) int64 ids.
+        offsets: start of each bag, as ``nn.EmbeddingBag`` (``(B,)``, or ``(B + 1,)`` with
+            ``include_last_offset``).
+        world_size: number of owners W >= 1.
+        include_last_offset: as ``nn.EmbeddingBag``.
+        padding_id: an id that is dropped.
+
+    Returns:
+        :class:`Buckets`.
+    """
+    _ext.require()
+    return Buckets(*torch.ops.veloce.bucketize_bags(ids, offsets, include_last_offset, world_size, padding_id))
+
+
+def combine_parts(parts: torch.Tensor, bag_of_part: torch.Tensor, num_bags: int) -> torch.Tensor:
+    """Sums parts into bags: ``out[b] = sum(parts[p] for p with bag_of_part[p] == b)``, in
+    part order (deterministic on every device). Differentiable w.r.t. ``parts``.
+
+    Shape: parts ``(P, D)``, bag_of_part ``(P,)`` int64 in ``[0, num_bags)`` -> ``(num_bags, D)``.
+    """
+    _ext.require()
+    return torch.ops.veloce.combine_parts(parts, bag_of_part, num_bags)
+
+
+def _fake_owner_of(ids, world_size):
+    return torch.empty_like(ids)
+
+
+def _fake_bucketize_bags(ids, offsets, include_last_offset, world_size, padding_id=None):
+    ctx = torch.library.get_ctx()
+    m, p = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    new = ids.new_empty
+    return new(m), new(world_size), new(p), new(p), new(world_size)
+
+
+def _fake_combine_parts(parts, bag_of_part, num_bags):
+    return parts.new_empty((num_bags, parts.shape[1]))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[1])
+
+
+def _backward(ctx, grad_out: torch.Tensor):
+    (bag_of_part,) = ctx.saved_tensors
+    return grad_out.index_select(0, bag_of_part), None, None
+
+
+if _ext.loaded:
+    torch.library.register_fake("veloce::owner_of")(_fake_owner_of)
+    torch.library.register_fake("veloce::bucketize_bags")(_fake_bucketize_bags)
+    torch.library.register_fake("veloce::combine_parts")(_fake_combine_parts)
+    torch.library.register_autograd("veloce::combine_parts", _backward, setup_context=_setup_context)
