@@ -21,6 +21,9 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+GRACE_S = 5.0  # once a rank has failed, how long the others may still run (they are
+# usually blocked in a collective with it and would otherwise hold the test until timeout)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -43,6 +46,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
     try:
         torch.save(result, Path(out) / f"rank{rank}.pt")
     finally:
+        if not result["ok"]:
+            os._exit(1)  # a non-zero exit tells the parent at once (see GRACE_S)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -52,7 +57,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
     torch.distributed initialised; returns their results in rank order.
 
     Fails (AssertionError) naming every rank that raised (with its traceback) or did not
-    finish within ``timeout`` seconds (those are killed)."""
+    finish within ``timeout`` seconds (those are killed). Once a rank has failed, the
+    others get ``GRACE_S`` seconds before they are killed and reported as hung."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="veloce_ranks_") as out:
@@ -62,9 +68,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
         ]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        _wait(procs, timeout)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for r in hung:
             procs[r].kill()
@@ -85,6 +89,15 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
         if failures:
             raise AssertionError(f"{fn.__name__} on {world_size} ranks failed:\n" + "\n".join(failures))
         return results
+
+
+def _wait(procs: list, timeout: float) -> None:
+    """Until every process exits, ``timeout`` passes, or ``GRACE_S`` after one failed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + GRACE_S)
+        time.sleep(0.05)
 
 
 def env_world_sizes(default: tuple[int, ...] = (2,)) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ import veloce
 from veloce import _checkpoint_io
 from veloce import checkpoint as ckpt
 from veloce.checkpoint import CheckpointError
-from veloce.distributed import owner_of
+from veloce.distributed import HybridParallel, owner_of, table_shard
 from veloce.optim import SGD, Adagrad, Adam, CombinedOptimizer, RowWiseAdagrad
 
 from _dist import run_ranks
@@ -552,31 +552,34 @@ def _random_entries(n: int, dim: int, width: int, seed: int) -> dict[str, torch.
 N_USER, N_ITEM = 3000, 500
 
 
-def _sharded_model(rank: int, world: int, fill: bool) -> Net:
-    """``user`` sharded over ``world`` ranks (this rank's keys), ``item`` a replica; with
-    ``fill`` the tables hold the reference entries (this rank's share of ``user``)."""
+def _sharded_model(rank: int, world: int, fill: bool) -> tuple[nn.Module, Net]:
+    """(model, net): ``net`` under ``HybridParallel`` on ``world`` > 1 ranks, with ``user``
+    sharded and ``item`` a replica; with ``fill`` the tables hold the reference entries
+    (``user``: this rank's share)."""
     torch.manual_seed(0)
-    model = Net()
-    model.emb["user"]._veloce_shard = (rank, world)
+    net = Net()
+    model = HybridParallel(net, dense="none") if world > 1 else net
+    net.emb["item"]._shard = None  # a replica on every rank, as after HybridParallel.unwrap()
+    assert table_shard(net.emb["user"]) == (rank, world)
     if fill:
         user = _random_entries(N_USER, 8, 16, seed=1)
         mine = owner_of(user["keys"], world) == rank
-        model.emb["user"].table.load_entries({k: v[mine] for k, v in user.items()})
-        model.emb["item"].table.load_entries(_random_entries(N_ITEM, 8, 8, seed=2))
-        model.emb["user"].step_count, model.emb["user"].table.clock = 5, 10 + rank
-        model.emb["item"].step_count, model.emb["item"].table.clock = 7, 20
-    return model
+        net.emb["user"].table.load_entries({k: v[mine] for k, v in user.items()})
+        net.emb["item"].table.load_entries(_random_entries(N_ITEM, 8, 8, seed=2))
+        net.emb["user"].step_count, net.emb["user"].table.clock = 5, 10 + rank
+        net.emb["item"].step_count, net.emb["item"].table.clock = 7, 20
+    return model, net
 
 
 def _load_rank(rank: int, world: int, path: str) -> dict:
-    model = _sharded_model(rank, world, fill=False)
-    info = ckpt.load(path, model, CombinedOptimizer(torch.optim.Adam(model.mlp.parameters()), model))
-    return {"info": info, **{n: table_state(model.emb[n]) for n in ("user", "item")}}
+    model, net = _sharded_model(rank, world, fill=False)
+    info = ckpt.load(path, model, CombinedOptimizer(torch.optim.Adam(net.mlp.parameters()), model))
+    return {"info": info, **{n: table_state(net.emb[n]) for n in ("user", "item")}}
 
 
 def _write_rank(rank: int, world: int, path: str) -> dict:
-    model = _sharded_model(rank, world, fill=True)
-    opt = CombinedOptimizer(torch.optim.Adam(model.mlp.parameters()), model)
+    model, net = _sharded_model(rank, world, fill=True)
+    opt = CombinedOptimizer(torch.optim.Adam(net.mlp.parameters()), model)
     ckpt.save(path, model, opt, step=11, extra={"writer": world})
     return _load_rank(rank, world, path)  # W -> W on the same ranks
 
@@ -603,19 +606,19 @@ def table_state_of(entries: dict, step, clock) -> dict:
 
 def test_written_by_two_ranks_loads_on_one_two_and_three(tmp_path):
     path = str(tmp_path / "c")
-    _check_sharded_load(run_ranks(_write_rank, 2, 60, path), world=2, written_by=2)
+    _check_sharded_load(run_ranks(_write_rank, 2, path, timeout=60), world=2, written_by=2)
     desc = ckpt.describe(path)
     assert desc["world_size"] == 2
     assert {t["name"]: (t["rows"], t["shards"]) for t in desc["tables"]} == {
         "emb.user": (N_USER, 2), "emb.item": (N_ITEM, 1),
     }  # fmt: skip
     _check_sharded_load([_load_rank(0, 1, path)], world=1, written_by=2)
-    _check_sharded_load(run_ranks(_load_rank, 3, 60, path), world=3, written_by=2)
+    _check_sharded_load(run_ranks(_load_rank, 3, path, timeout=60), world=3, written_by=2)
 
 
 def test_written_by_one_process_loads_on_two_ranks(tmp_path):
     path = str(tmp_path / "c")
-    model = _sharded_model(0, 1, fill=True)
+    model, _ = _sharded_model(0, 1, fill=True)
     ckpt.save(path, model, CombinedOptimizer(torch.optim.Adam(model.mlp.parameters()), model), step=11,
               extra={"writer": 1})  # fmt: skip
-    _check_sharded_load(run_ranks(_load_rank, 2, 60, path), world=2, written_by=1)
+    _check_sharded_load(run_ranks(_load_rank, 2, path, timeout=60), world=2, written_by=1)
