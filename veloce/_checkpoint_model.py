@@ -62,6 +62,17 @@ def shard_of(module: DynamicEmbedding) -> tuple[int, int]:
     return tuple(table_shard(module))
 
 
+def check_flushed(model: nn.Module) -> None:
+    """Refuses to save tables whose sparse gradients are still in flight (HybridParallel
+    with sparse="async"): the checkpoint would silently miss those updates."""
+    late = [n for n, m in tables_of(model).items() if getattr(getattr(m, "_shard", None), "in_flight", None)]
+    if late:
+        raise CheckpointError(
+            f"table(s) {late} have sparse gradients in flight (HybridParallel sparse='async'); call "
+            f"model.flush() on every rank before saving, or those updates are not in the checkpoint"
+        )
+
+
 def split_optimizer(optimizer: Optional[torch.optim.Optimizer]) -> tuple[Optional[torch.optim.Optimizer], dict]:
     """(dense torch optimizer or None, sparse groups by table name)."""
     if isinstance(optimizer, CombinedOptimizer):

@@ -85,6 +85,7 @@ def save(
     path, model = Path(path), _model.unwrap(model)
     rank, _ = _io.world()
     _check_save_args(step, extra)
+    _io.agree(lambda: _model.check_flushed(model))
     tmp = Path(_io.broadcast(_io.agree(lambda: str(_prepare(path, overwrite)) if rank == 0 else None)))
     try:
         written = _io.gather(_io.agree(lambda: _write_rank_files(tmp, rank, model, optimizer)))
