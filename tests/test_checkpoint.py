@@ -492,18 +492,22 @@ def _check_after_crash(directory: Path, states: dict) -> Path:
 
 def test_a_writer_dying_at_any_durability_point_leaves_the_previous_checkpoint(trained, tmp_path, monkeypatch):
     model, opt = trained
-    count = [0]
+    synced = []
     fsync = _checkpoint_io.fsync
-    monkeypatch.setattr(_checkpoint_io, "fsync", lambda p: (count.__setitem__(0, count[0] + 1), fsync(p)))
+    monkeypatch.setattr(_checkpoint_io, "fsync", lambda p: (synced.append(Path(p)), fsync(p)))
     ckpt.save(tmp_path / "probe", model, opt)
     monkeypatch.undo()
-    assert count[0] >= 6  # two files, manifest, temporary dir, rename, marker, parent dir
+    names = ["<parent>" if p == tmp_path else "<tmp>" if p.name.startswith(".probe.tmp-") else p.name for p in synced]
+    assert names == [  # the protocol: files, manifest, their directory, the rename, the marker last
+        "tables.rank00000.safetensors", "dense.safetensors", "manifest.json", "<tmp>", "<parent>",
+        "COMMITTED.tmp", "probe", "<parent>",
+    ]  # fmt: skip
     first = ckpt.save_in(tmp_path / "run", model, opt, step=1)
     states = {first.name: state(model, opt)}
     train(model, opt, batches(1, seed=4))
     states["step_000000002"] = state(model, opt)
     outcomes = set()
-    for k in range(1, count[0] + 1):
+    for k in range(1, len(synced) + 1):
         p = _fork(_save_and_die_at, k, tmp_path / "run", model, opt)
         p.join(60)
         assert p.exitcode == 17, f"fsync #{k}: the child exited with {p.exitcode}"
