@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -294,7 +295,7 @@ def _rewrite_manifest(path: Path, change) -> None:
     change(manifest)
     data = json.dumps(manifest).encode()
     (path / "manifest.json").write_bytes(data)
-    marker = {"manifest_sha256": __import__("hashlib").sha256(data).hexdigest(), "format_version": 1}
+    marker = {"manifest_sha256": hashlib.sha256(data).hexdigest(), "format_version": 1}
     (path / "COMMITTED").write_text(json.dumps(marker))
 
 
