@@ -43,7 +43,9 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
 def split_batch(batch: Any) -> tuple[Any, Any]:
     """A loader's batch as ``(inputs, target)``; anything else is an error that says what to yield."""
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        got = f"{type(batch).__name__} of length {len(batch)}" if isinstance(batch, (tuple, list)) else type(batch).__name__
+        got = type(batch).__name__
+        if isinstance(batch, (tuple, list)):
+            got += f" of length {len(batch)}"
         raise TypeError(f"Trainer: a loader must yield (inputs, target) pairs, got a {got}")
     return batch[0], batch[1]
 

@@ -97,8 +97,8 @@ class EarlyStopping(Callback):
     def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
         if self.monitor not in record:
             raise KeyError(
-                f"EarlyStopping: monitor {self.monitor!r} is not in the epoch record; it has {sorted(record)} "
-                "(validation metrics need val_loader)"
+                f"EarlyStopping: monitor {self.monitor!r} is not in the epoch record; it has "
+                f"{sorted(record)} (validation metrics need val_loader)"
             )
         value = float(record[self.monitor])
         if self._improved(value):
@@ -199,7 +199,8 @@ class ProgressBar(Callback):
 
     def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
         if self.bar is None:
-            print(f"step {record['step']}: loss {record['loss']:.4f}, {record['samples_per_s']:,.0f} samples/s")
+            loss, speed = record["loss"], record["samples_per_s"]
+            print(f"step {record['step']}: loss {loss:.4f}, {speed:,.0f} samples/s", file=sys.stderr)
             return
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:,.0f}")
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 __all__ = ["CheckpointError", "save_in", "latest", "load", "describe"]
@@ -34,7 +33,9 @@ def save_in(
     directory: str | os.PathLike, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
     step: int, extra: Optional[dict[str, Any]] = None, keep_last: int = 3,
 ) -> Path:  # fmt: skip
-    """Writes ``directory/step_<step>`` (replacing one of the same step) and keeps the newest ``keep_last``."""
+    """Writes ``directory/step_<step>`` (replacing one of that step); keeps the newest ``keep_last``."""
+    from safetensors.torch import save_file
+
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:010d}"
@@ -65,7 +66,10 @@ def latest(directory: str | os.PathLike) -> Optional[Path]:
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
          strict: bool = True) -> dict[str, Any]:  # fmt: skip
-    """Loads a checkpoint into ``model`` (and ``optimizer``); returns step, extra, world_size, format_version."""
+    """Loads a checkpoint into ``model`` (and ``optimizer``); returns step, extra, world_size,
+    format_version."""
+    from safetensors.torch import load_file
+
     manifest = _manifest(Path(path))
     state = load_file(str(Path(path) / "model.safetensors"))
     model.load_state_dict(state, strict=strict)

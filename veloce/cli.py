@@ -40,14 +40,21 @@ def build_model(cfg: Config, device: torch.device) -> nn.Module:
     from veloce.models import DLRM, DeepFM
 
     t, s = cfg.tables, cfg.optimizer.sparse
-    init = {"normal": lambda: veloce.init.normal(std=t.init_scale),
-            "uniform": lambda: veloce.init.uniform(-t.init_scale, t.init_scale), "zeros": veloce.init.zeros}[t.initializer]()  # fmt: skip
-    opt_cls = getattr(veloce.optim, _SPARSE_OPTIMIZERS[s.name])
-    sparse_opt = opt_cls(lr=s.lr, weight_decay=s.weight_decay, **({"eps": s.eps} if s.eps is not None else {}))
+    initializers = {
+        "normal": lambda: veloce.init.normal(std=t.init_scale),
+        "uniform": lambda: veloce.init.uniform(-t.init_scale, t.init_scale),
+        "zeros": veloce.init.zeros,
+    }
+    init = initializers[t.initializer]()
+    eps = {"eps": s.eps} if s.eps is not None else {}
+    sparse_cls = getattr(veloce.optim, _SPARSE_OPTIMIZERS[s.name])
+    sparse_opt = sparse_cls(lr=s.lr, weight_decay=s.weight_decay, **eps)
 
     def table(dim: int) -> veloce.DynamicEmbedding:
-        return veloce.DynamicEmbedding(dim, mode=t.mode, capacity=t.capacity, max_capacity=t.max_capacity,
-                                       eviction=t.eviction, initializer=init, optimizer=sparse_opt, device=device)  # fmt: skip
+        return veloce.DynamicEmbedding(
+            dim, mode=t.mode, capacity=t.capacity, max_capacity=t.max_capacity, eviction=t.eviction,
+            initializer=init, optimizer=sparse_opt, device=device,
+        )  # fmt: skip
 
     num_dense, num_sparse = _feature_counts(cfg)
     m = cfg.model
@@ -66,20 +73,24 @@ def build_loaders(cfg: Config, rank: int = 0, world_size: int = 1) -> tuple[Any,
 
     d = cfg.data
     if d.kind == "synthetic":
-        common = dict(num_dense=d.num_dense, num_sparse=d.num_sparse, id_space=d.id_space, zipf_alpha=d.zipf_alpha,
-                      seed=d.seed)  # fmt: skip
-        train = SyntheticClicks(d.samples, d.batch_size, rank=rank, world_size=world_size, **common)
-        val = SyntheticClicks(d.val_samples, d.val_batch_size, start=_VAL_START, rank=rank, world_size=world_size,
-                              **common)  # fmt: skip
+        common = dict(num_dense=d.num_dense, num_sparse=d.num_sparse, id_space=d.id_space,
+                      zipf_alpha=d.zipf_alpha, seed=d.seed, rank=rank, world_size=world_size)  # fmt: skip
+        train = SyntheticClicks(d.samples, d.batch_size, **common)
+        val = SyntheticClicks(d.val_samples, d.val_batch_size, start=_VAL_START, **common)
     else:
         path = os.path.expanduser(os.path.expandvars(d.path))
         if not Path(path).is_file():
-            raise ConfigError(f"config error: data.path is not a file: {path} (relative paths start at the current directory)")
+            raise ConfigError(
+                f"config error: data.path is not a file: {path} (relative to the current directory)"
+            )
         rows = d.rows or CriteoTSV(path).num_rows()
         split = int(rows * (1 - d.val_fraction))
         train = CriteoTSV(path, d.batch_size, stop=split, rank=rank, world_size=world_size)
         val = CriteoTSV(path, d.val_batch_size, start=split, stop=rows, rank=rank, world_size=world_size)
-    return tuple(DataLoader(ds, batch_size=None, num_workers=d.num_workers) for ds in (train, val))  # type: ignore
+    def loader(ds: Any) -> DataLoader:
+        return DataLoader(ds, batch_size=None, num_workers=d.num_workers)
+
+    return loader(train), loader(val)
 
 
 def build_trainer(cfg: Config, model: nn.Module, checkpoints: bool = True) -> Trainer:
@@ -196,9 +207,9 @@ def _parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help_)
         c.add_argument("config", help="YAML config (fields: docs/config.md)")
         c.add_argument("--set", action="append", default=[], metavar="KEY.SUB=VALUE",
-                       help="override a config field, e.g. --set trainer.max_epochs=2 (repeatable)")  # fmt: skip
+                       help="override a field, e.g. --set trainer.max_epochs=2 (repeatable)")  # fmt: skip
         if name == "evaluate":
-            c.add_argument("--checkpoint", required=True, help="a checkpoint, or a directory of them (newest)")
+            c.add_argument("--checkpoint", required=True, help="a checkpoint, or a folder of them (newest)")
     c = sub.add_parser("inspect", help="print a checkpoint's manifest: step, world size, tables, files")
     c.add_argument("checkpoint", help="a checkpoint directory")
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -73,10 +73,11 @@ class ModelConfig:
             sizes = getattr(self, name)
             _require(all(s >= 1 for s in sizes), name, "a list of layer sizes >= 1", list(sizes))
         if self.name == "dlrm":
-            _require(bool(self.bottom_mlp) and self.bottom_mlp[-1] == self.embedding_dim, "bottom_mlp",
-                     f"a list ending with embedding_dim ({self.embedding_dim})", list(self.bottom_mlp))  # fmt: skip
-            _require(bool(self.top_mlp) and self.top_mlp[-1] == 1, "top_mlp", "a list ending with 1 (the logit)",
-                     list(self.top_mlp))  # fmt: skip
+            ends = bool(self.bottom_mlp) and self.bottom_mlp[-1] == self.embedding_dim
+            what = f"a list ending with embedding_dim ({self.embedding_dim})"
+            _require(ends, "bottom_mlp", what, list(self.bottom_mlp))
+            ends = bool(self.top_mlp) and self.top_mlp[-1] == 1
+            _require(ends, "top_mlp", "a list ending with 1 (the logit)", list(self.top_mlp))
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,8 @@ class TablesConfig:
         _positive(self, "capacity", "max_capacity")
         _non_negative(self, "init_scale")
         if self.max_capacity is not None:
-            _require(self.max_capacity >= self.capacity, "max_capacity", f"null or >= capacity ({self.capacity})",
-                     self.max_capacity)  # fmt: skip
+            what = f"null or >= capacity ({self.capacity})"
+            _require(self.max_capacity >= self.capacity, "max_capacity", what, self.max_capacity)
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,8 @@ class TrainerConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        _positive(self, "max_epochs", "max_steps", "accumulate_steps", "log_every", "checkpoint_every", "keep_last")
+        _positive(self, "max_epochs", "max_steps", "accumulate_steps", "log_every", "checkpoint_every")
+        _positive(self, "keep_last")
         _non_negative(self, "seed")
         _require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"), "device",
                  "auto, cpu, cuda or cuda:N", self.device)  # fmt: skip
@@ -292,7 +294,8 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
         return _coerce(value, inner, path)
     if origin is Literal:
         if value not in get_args(hint):
-            raise ConfigError(f"config error: {path} must be one of {', '.join(get_args(hint))}, got {value!r}")
+            choices = ", ".join(get_args(hint))
+            raise ConfigError(f"config error: {path} must be one of {choices}, got {value!r}")
         return value
     if origin is tuple:
         if not isinstance(value, list) or not all(_is_int(v) for v in value):

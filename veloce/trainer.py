@@ -242,8 +242,8 @@ class Trainer:
 
     def _forward_backward(self, batch: Any, last: bool) -> None:
         inputs, target = move_to(split_batch(batch), self.device)
-        sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-        with sync:
+        skip_sync = not last and hasattr(self.model, "no_sync")  # DDP: all-reduce on the last micro-batch
+        with self.model.no_sync() if skip_sync else contextlib.nullcontext():
             with self._autocast():
                 loss = self.loss_fn(call_model(self.model, inputs), target)
             (loss / self.accumulate_steps).backward()
@@ -320,7 +320,8 @@ class Trainer:
     def _make_loggers(self, progress: bool) -> list[Callback]:
         loggers: list[Callback] = [ProgressBar()] if progress else []
         if self.log_dir is not None:
-            loggers += [JSONLinesLogger(self.log_dir / LOG_FILE), TensorBoardLogger(self.log_dir / "tensorboard")]
+            loggers.append(JSONLinesLogger(self.log_dir / LOG_FILE))
+            loggers.append(TensorBoardLogger(self.log_dir / "tensorboard"))
         return loggers
 
     def _call(self, hook: str, *args: Any) -> None:
@@ -360,7 +361,8 @@ class _Totals:
 
     def summary(self) -> dict[str, float]:
         """The epoch's record fields, summed over ranks."""
-        loss, batches, samples = (sum(x) for x in zip(*gather((float(self.loss_sum), self.batches, self.samples))))
+        per_rank = gather((float(self.loss_sum), self.batches, self.samples))
+        loss, batches, samples = (sum(x) for x in zip(*per_rank))
         seconds = time.perf_counter() - self.started
         return {"loss": loss / max(batches, 1), "samples": samples, "seconds": seconds,
                 "samples_per_s": samples / max(seconds, 1e-9)}  # fmt: skip
