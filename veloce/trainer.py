@@ -204,7 +204,7 @@ class Trainer:
         pending = 0
         for batch in batches:
             pending += 1
-            self._forward_backward(batch, last=pending == self.accumulate_steps)
+            self._forward_backward(batch)
             self.batches_in_epoch += 1
             if pending == self.accumulate_steps:
                 pending = 0
@@ -240,13 +240,11 @@ class Trainer:
         self._totals.start_clock()
         return it
 
-    def _forward_backward(self, batch: Any, last: bool) -> None:
+    def _forward_backward(self, batch: Any) -> None:
         inputs, target = move_to(split_batch(batch), self.device)
-        skip_sync = not last and hasattr(self.model, "no_sync")  # DDP: all-reduce on the last micro-batch
-        with self.model.no_sync() if skip_sync else contextlib.nullcontext():
-            with self._autocast():
-                loss = self.loss_fn(call_model(self.model, inputs), target)
-            (loss / self.accumulate_steps).backward()
+        with self._autocast():
+            loss = self.loss_fn(call_model(self.model, inputs), target)
+        (loss / self.accumulate_steps).backward()
         self._totals.add(loss.detach(), batch_size(target))
 
     def _optimizer_step(self) -> None:
