@@ -10,13 +10,15 @@ Example::
     out = emb(torch.tensor([[42, -7], [2**62, 42]]))         # any int64 id; (2, 16)
 """
 
-from veloce import _ext, checkpoint, data, distributed, init, metrics, models, ops, optim
+from veloce import _ext, callbacks, checkpoint, data, distributed, init, metrics, models, ops, optim
+from veloce.callbacks import Callback, EarlyStopping
 from veloce.embedding import DynamicEmbedding
 from veloce.table import HashTable, TableFullError
+from veloce.trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DynamicEmbedding", "HashTable", "TableFullError",
-    "checkpoint", "data", "distributed", "init", "metrics", "models", "ops", "optim", "__version__",
+    "Callback", "DynamicEmbedding", "EarlyStopping", "HashTable", "TableFullError", "Trainer",
+    "callbacks", "checkpoint", "data", "distributed", "init", "metrics", "models", "ops", "optim", "__version__",
 ]

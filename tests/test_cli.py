@@ -1,0 +1,127 @@
+"""The veloce command (train, evaluate, inspect) and its config validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from veloce import checkpoint, cli
+from veloce.config import Config, ConfigError, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = {
+    "model": {"embedding_dim": 4, "bottom_mlp": [8, 4], "top_mlp": [8, 1]},
+    "data": {"samples": 1024, "val_samples": 512, "batch_size": 128, "val_batch_size": 512, "num_dense": 4,
+             "num_sparse": 4, "id_space": 500},
+    "tables": {"capacity": 256},
+    "optimizer": {"dense": {"lr": 0.01}},
+    "trainer": {"max_epochs": 2, "checkpoint_every": 4, "log_every": 4, "progress": False},
+}  # fmt: skip
+
+
+def write_config(tmp_path: Path, raw: dict) -> str:
+    raw = json.loads(json.dumps(raw))
+    raw["trainer"]["run_dir"] = str(tmp_path / "run")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_train_evaluate_inspect(tmp_path, capsys):
+    config = write_config(tmp_path, TINY)
+    assert cli.main(["train", config]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"epoch 1: auc 0\.\d+, logloss", out)
+    summary = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [r["step"] for r in summary["history"]] == [8, 16]
+    assert (tmp_path / "run" / "log.jsonl").read_text().count('"event": "step"') == 4
+    latest = checkpoint.latest(tmp_path / "run" / "checkpoints")
+    assert latest is not None and checkpoint.describe(latest)["step"] == 16
+
+    # evaluate: loads the checkpoint into a fresh model; same data, same AUC as the last epoch
+    assert cli.main(["evaluate", config, "--checkpoint", str(tmp_path / "run" / "checkpoints")]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["step"] == 16 and result["auc"] == pytest.approx(summary["history"][-1]["val_auc"], abs=1e-12)
+
+    assert cli.main(["inspect", str(latest)]) == 0
+    text = capsys.readouterr().out
+    assert "step: 16" in text and re.search(r"embeddings\.sparse_3\s+\d+\s+4", text)
+    assert cli.main(["inspect", str(latest), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [t["name"] for t in info["tables"]] == [f"embeddings.sparse_{i}" for i in range(4)]
+    assert all(t["rows"] > 0 for t in info["tables"])
+
+
+def test_train_resumes_and_set_overrides(tmp_path, capsys):
+    config = write_config(tmp_path, TINY)
+    assert cli.main(["train", config, "--set", "trainer.max_epochs=1"]) == 0
+    assert cli.main(["train", config, "--set", "trainer.max_epochs=2"]) == 0  # resumes: trains epoch 1 only
+    history = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"]
+    assert [r["epoch"] for r in history] == [0, 1] and history[1]["step"] == 16
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer.sparse.lr=-1", "config error: optimizer.sparse.lr must be a positive number, got -1"),
+        ("trainer.max_epoch=2", "config error: unknown field trainer.max_epoch (did you mean max_epochs?)"),
+        ("model.name=resnet", "config error: model.name must be one of dlrm, deepfm, got 'resnet'"),
+        ("model.bottom_mlp=[8,8]", "config error: model.bottom_mlp must be a list ending with embedding_dim (4)"),
+        ("model.top_mlp=[8,x]", "config error: model.top_mlp must be a list of integers, got [8, 'x']"),
+        ("data.kind=criteo", "config error: data.path must be the Criteo TSV file when kind is criteo, got None"),
+        ("data.batch_size=big", "config error: data.batch_size must be an integer, got 'big'"),
+        ("trainer.precision=fp8", "config error: trainer.precision must be one of fp32, bf16, got 'fp8'"),
+        ("tables=5", "config error: tables must be a section (a mapping of fields), got 5"),
+        ("tables.max_capacity=16", "config error: tables.max_capacity must be null or >= capacity (256), got 16"),
+        ("strategy.sparse=eventually", "config error: strategy.sparse must be one of sync, async"),
+        ("trainer.progress=1", "config error: trainer.progress must be true or false, got 1"),
+        ("trainer", "config error: --set needs key.sub=value, got 'trainer'"),
+        ("colour=red", "config error: unknown field colour; known fields: model, data,"),
+    ],
+)
+def test_config_errors_name_the_field(tmp_path, capsys, override, message):
+    config = write_config(tmp_path, TINY)
+    with pytest.raises(ConfigError) as info:
+        load_config(config, [override])
+    assert str(info.value).startswith(message)
+    assert cli.main(["train", config, "--set", override]) == 2  # the command prints it and exits 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("model: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    assert parse_config({}) == Config()
+    assert load_config(write_config(tmp_path, TINY), ["optimizer.dense.lr=1e-3"]).optimizer.dense.lr == 1e-3
+
+
+def test_shipped_configs_load_and_every_field_is_documented():
+    for name in ("dlrm_synthetic", "dlrm_criteo"):
+        load_config(ROOT / "configs" / f"{name}.yaml")
+    doc = (ROOT / "docs" / "config.md").read_text()
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    assert all(f"## `{s}`" in doc for s in sections)
+
+    def documented(cls) -> None:
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+                documented(f.default_factory)
+            else:
+                assert f"| `{f.name}` |" in doc, f"{cls.__name__}.{f.name} is not in docs/config.md"
+
+    for f in dataclasses.fields(Config):
+        documented(f.default_factory)
+
+
+def test_inspect_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
+    assert cli.main(["inspect", str(tmp_path)]) == 1
+    assert "checkpoint error" in capsys.readouterr().err

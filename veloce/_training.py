@@ -1,0 +1,102 @@
+"""The small conventions the :class:`veloce.Trainer` (and the CLI) rely on, in one place.
+
+- batches are ``(inputs, target)``; :func:`move_to` moves nested tuples/lists/dicts of
+  tensors to a device and :func:`call_model` calls the model with ``inputs``;
+- :func:`model_device` finds where a model lives (dense parameters or embedding tables);
+- :func:`rng_state` / :func:`set_rng_state`: the torch RNG states as JSON-serialisable lists;
+- :func:`world` and :func:`gather`: ``torch.distributed`` when it is initialised, else
+  the one-process answers, so the Trainer has one code path for 1 and N ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def move_to(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor moved to ``device``; tuples, lists and dicts are walked
+    recursively (their type is kept), anything else is returned as is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, Mapping):
+        return type(obj)((k, move_to(v, device)) for k, v in obj.items())  # type: ignore[call-arg]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a NamedTuple
+        return type(obj)(*(move_to(v, device) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(move_to(v, device) for v in obj)
+    return obj
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model(*inputs)`` for a tuple or list, ``model(**inputs)`` for a dict, else ``model(inputs)``."""
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(inputs)
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """A loader's batch as ``(inputs, target)``; anything else is an error that says what to yield."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        got = type(batch).__name__
+        if isinstance(batch, (tuple, list)):
+            got += f" of length {len(batch)}"
+        raise TypeError(f"Trainer: a loader must yield (inputs, target) pairs, got a {got}")
+    return batch[0], batch[1]
+
+
+def batch_size(target: Any) -> int:
+    """Samples in a batch: the first dimension of ``target`` (1 for a scalar or a non-tensor)."""
+    if isinstance(target, torch.Tensor) and target.dim() > 0:
+        return int(target.shape[0])
+    return 1
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer; CPU for a model with neither.
+
+    ``DynamicEmbedding`` tables hold their rows in buffers, so a model made only of tables
+    is found too."""
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def rng_state() -> dict[str, list]:
+    """The torch CPU RNG state (and every CUDA device's, if CUDA is initialised) as lists of ints."""
+    state = {"cpu": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: Mapping[str, list]) -> None:
+    """Restores a state from :func:`rng_state` (the CUDA part only where CUDA is available)."""
+    torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process; ``(0, 1)`` without an initialised process group."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (``all_gather_object``); ``[obj]`` in one process."""
+    _, size = world()
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    torch.distributed.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,326 @@
+"""The YAML config of ``veloce train`` / ``veloce evaluate``: a small, explicit, validated schema.
+
+Six sections, each a frozen dataclass; every field has a default, so a config only states
+what it changes. ``docs/config.md`` documents every field. Loading checks types and
+ranges and names the offending field::
+
+    config error: optimizer.sparse.lr must be a positive number, got -1
+    config error: unknown field trainer.max_epoch (did you mean max_epochs?)
+
+Example::
+
+    cfg = load_config("configs/dlrm_synthetic.yaml", overrides=["trainer.max_epochs=2"])
+    cfg.optimizer.sparse.lr   # 0.05
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+__all__ = ["Config", "ConfigError", "load_config", "parse_config"]
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the field."""
+
+
+class _FieldError(Exception):
+    """Raised by a section's checks with the field's name; the loader adds the section's path."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(name, message)
+        self.name, self.message = name, message
+
+
+def _require(ok: bool, name: str, what: str, value: Any) -> None:
+    if not ok:
+        raise _FieldError(name, f"must be {what}, got {value!r}")
+
+
+def _positive(section: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        _require(value is None or (math.isfinite(value) and value > 0), name, "a positive number", value)
+
+
+def _non_negative(section: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        _require(value is None or (math.isfinite(value) and value >= 0), name, "a number >= 0", value)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """``model``: which network and its sizes."""
+
+    name: Literal["dlrm", "deepfm"] = "dlrm"
+    embedding_dim: int = 16
+    bottom_mlp: tuple[int, ...] = (64, 16)
+    top_mlp: tuple[int, ...] = (64, 32, 1)
+    deep_mlp: tuple[int, ...] = (64, 32)
+
+    def __post_init__(self) -> None:
+        _positive(self, "embedding_dim")
+        for name in ("bottom_mlp", "top_mlp", "deep_mlp"):
+            sizes = getattr(self, name)
+            _require(all(s >= 1 for s in sizes), name, "a list of layer sizes >= 1", list(sizes))
+        if self.name == "dlrm":
+            ends = bool(self.bottom_mlp) and self.bottom_mlp[-1] == self.embedding_dim
+            what = f"a list ending with embedding_dim ({self.embedding_dim})"
+            _require(ends, "bottom_mlp", what, list(self.bottom_mlp))
+            ends = bool(self.top_mlp) and self.top_mlp[-1] == 1
+            _require(ends, "top_mlp", "a list ending with 1 (the logit)", list(self.top_mlp))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``data``: where batches come from (synthetic clicks or a Criteo TSV file)."""
+
+    kind: Literal["synthetic", "criteo"] = "synthetic"
+    batch_size: int = 2048
+    val_batch_size: int = 8192
+    num_workers: int = 0
+    # synthetic
+    samples: int = 1_000_000
+    val_samples: int = 100_000
+    num_dense: int = 13
+    num_sparse: int = 26
+    id_space: int = 1_000_000
+    zipf_alpha: float = 1.15
+    seed: int = 0
+    # criteo
+    path: Optional[str] = None
+    rows: Optional[int] = None
+    val_fraction: float = 0.15
+
+    def __post_init__(self) -> None:
+        _positive(self, "batch_size", "val_batch_size", "samples", "val_samples", "num_sparse", "id_space",
+                  "zipf_alpha", "rows")  # fmt: skip
+        _non_negative(self, "num_workers", "num_dense", "seed")
+        _require(0 < self.val_fraction < 1, "val_fraction", "a number in (0, 1)", self.val_fraction)
+        if self.kind == "criteo":
+            _require(self.path is not None, "path", "the Criteo TSV file when kind is criteo", self.path)
+
+
+@dataclass(frozen=True)
+class TablesConfig:
+    """``tables``: the settings of every ``DynamicEmbedding``."""
+
+    capacity: int = 16384
+    max_capacity: Optional[int] = None
+    eviction: Literal["lru", "lfu", "none"] = "lru"
+    mode: Literal["sum", "mean"] = "sum"
+    initializer: Literal["normal", "uniform", "zeros"] = "normal"
+    init_scale: float = 0.01
+
+    def __post_init__(self) -> None:
+        _positive(self, "capacity", "max_capacity")
+        _non_negative(self, "init_scale")
+        if self.max_capacity is not None:
+            what = f"null or >= capacity ({self.capacity})"
+            _require(self.max_capacity >= self.capacity, "max_capacity", what, self.max_capacity)
+
+
+@dataclass(frozen=True)
+class DenseOptimizerConfig:
+    """``optimizer.dense``: the torch optimizer of the dense parameters."""
+
+    name: Literal["adam", "adagrad", "sgd"] = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "lr")
+        _non_negative(self, "weight_decay")
+
+
+@dataclass(frozen=True)
+class SparseOptimizerConfig:
+    """``optimizer.sparse``: the fused optimizer of the embedding tables."""
+
+    name: Literal["adagrad", "rowwise_adagrad", "sgd", "adam"] = "adagrad"
+    lr: float = 0.05
+    eps: Optional[float] = None
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "lr")
+        _non_negative(self, "eps", "weight_decay")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """``optimizer``: ``dense`` and ``sparse``."""
+
+    dense: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
+    sparse: SparseOptimizerConfig = field(default_factory=SparseOptimizerConfig)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """``trainer``: the :class:`veloce.Trainer`'s settings and where outputs go."""
+
+    max_epochs: int = 1
+    max_steps: Optional[int] = None
+    precision: Literal["fp32", "bf16"] = "fp32"
+    accumulate_steps: int = 1
+    log_every: int = 50
+    run_dir: str = "runs/veloce"
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: Optional[int] = None
+    keep_last: int = 3
+    seed: int = 0
+    device: str = "auto"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_epochs", "max_steps", "accumulate_steps", "log_every", "checkpoint_every")
+        _positive(self, "keep_last")
+        _non_negative(self, "seed")
+        _require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"), "device",
+                 "auto, cpu, cuda or cuda:N", self.device)  # fmt: skip
+
+    def checkpoints(self) -> Path:
+        """Where checkpoints go: ``checkpoint_dir``, else ``run_dir/checkpoints``."""
+        return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.run_dir) / "checkpoints"
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """``strategy``: ``HybridParallel``'s settings, used when training on several ranks."""
+
+    sparse: Literal["sync", "async"] = "sync"
+    staleness: int = 1
+    dense: Literal["ddp"] = "ddp"
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "staleness")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole ``veloce train`` config."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tables: TablesConfig = field(default_factory=TablesConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Reads a YAML config, applies ``key.sub=value`` overrides (values parsed as YAML), validates.
+
+    Raises:
+        ConfigError: naming the file, the override or the field that is wrong.
+    """
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"config error: cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config error: {path} is not valid YAML: {exc}") from None
+    return parse_config({} if raw is None else raw, overrides)
+
+
+def parse_config(raw: Any, overrides: Sequence[str] = ()) -> Config:
+    """Validates a config given as nested dicts (what YAML gives), after the overrides."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config error: the config must be a mapping of sections, got {type(raw).__name__}")
+    raw = _apply_overrides(raw, overrides)
+    return _build(Config, raw, "")
+
+
+def _apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    out = _copy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"config error: --set needs key.sub=value, got {item!r}")
+        *parents, leaf = key.strip().split(".")
+        node = out
+        for i, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config error: --set {key}: {'.'.join(parents[: i + 1])} is not a section")
+        node[leaf] = yaml.safe_load(text)
+    return out
+
+
+def _copy(raw: Any) -> Any:
+    return {k: _copy(v) for k, v in raw.items()} if isinstance(raw, Mapping) else raw
+
+
+def _build(cls: type, raw: Mapping[str, Any], path: str) -> Any:
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f"; known fields: {', '.join(names)}"
+            raise ConfigError(f"config error: unknown field {_join(path, key)}{hint}")
+    values = {k: _coerce(v, hints[k], _join(path, k)) for k, v in raw.items()}
+    try:
+        return cls(**values)
+    except _FieldError as exc:
+        raise ConfigError(f"config error: {_join(path, exc.name)} {exc.message}") from None
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    """``value`` checked against the field's type (ints stay ints where a float is allowed)."""
+    origin = get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"config error: {path} must be a section (a mapping of fields), got {value!r}")
+        return _build(hint, value, path)
+    if origin is Union:  # Optional[X]
+        if value is None:
+            return None
+        (inner,) = [a for a in get_args(hint) if a is not type(None)]
+        return _coerce(value, inner, path)
+    if origin is Literal:
+        if value not in get_args(hint):
+            choices = ", ".join(get_args(hint))
+            raise ConfigError(f"config error: {path} must be one of {choices}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list) or not all(_is_int(v) for v in value):
+            raise ConfigError(f"config error: {path} must be a list of integers, got {value!r}")
+        return tuple(value)
+    if hint is float and isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
+        value = _float_or_same(value)
+    checks = {bool: (lambda v: isinstance(v, bool), "true or false"), int: (_is_int, "an integer"),
+              float: (_is_number, "a number"), str: (lambda v: isinstance(v, str), "a string")}  # fmt: skip
+    ok, what = checks[hint]
+    if not ok(value):
+        raise ConfigError(f"config error: {path} must be {what}, got {value!r}")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _float_or_same(text: str) -> Any:
+    try:
+        return float(text)
+    except ValueError:
+        return text

@@ -1,0 +1,462 @@
+"""``veloce.Trainer``: the training loop of a recommendation model, checkpointed and resumable.
+
+Where data enters and leaves: a loader yields ``(inputs, target)``; the trainer moves both
+to the model's device, calls the model (``veloce/_training.py`` holds the conventions),
+applies ``loss_fn(preds, target)``, steps a :class:`veloce.optim.CombinedOptimizer` (dense
+parameters and every ``DynamicEmbedding`` table) and feeds ``preds`` to stateful metrics.
+Checkpoints go through :mod:`veloce.checkpoint`; records go to the callbacks
+(:mod:`veloce.callbacks`: progress bar, JSON lines, TensorBoard, early stopping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from veloce import checkpoint
+from veloce._training import batch_size, call_model, gather, model_device, move_to, rng_state, set_rng_state
+from veloce._training import split_batch, world
+from veloce.callbacks import Callback, JSONLinesLogger, ProgressBar, TensorBoardLogger
+from veloce.optim import CombinedOptimizer
+
+__all__ = ["Trainer"]
+
+PRECISIONS = ("fp32", "bf16")
+LOG_FILE = "log.jsonl"
+
+
+class Trainer:
+    """Trains and evaluates a model on loaders of ``(inputs, target)`` batches.
+
+    The model is called as ``model(*inputs)`` when ``inputs`` is a tuple or list,
+    ``model(**inputs)`` when it is a dict, else ``model(inputs)``; its output (``preds``,
+    logits for the built-in metrics) goes to ``loss_fn(preds, target)`` and to every metric's
+    ``update(preds, target)``. Inputs and targets (nested tuples, lists, dicts of tensors)
+    are moved to the model's device.
+
+    Under ``torch.distributed`` with more than one rank, the model is wrapped in
+    ``veloce.distributed.HybridParallel(model, **strategy)``, every rank trains on its own
+    batches, metrics are computed over all ranks, and only rank 0 logs.
+
+    Args:
+        model: the model; its ``DynamicEmbedding`` tables are stepped with their own sparse
+            optimizer.
+        loss_fn: ``loss_fn(preds, target) -> scalar``; default ``nn.BCEWithLogitsLoss()``.
+        optimizer: a :class:`~veloce.optim.CombinedOptimizer`, or a torch optimizer over the
+            dense parameters (wrapped in a ``CombinedOptimizer`` so the tables are stepped
+            too), or None for ``torch.optim.Adam(lr=1e-3)`` on the dense parameters.
+        metrics: name -> metric with ``update(preds, target)``, ``compute()``, ``reset()``
+            (``veloce.metrics`` or torchmetrics objects).
+        strategy: keyword arguments of ``HybridParallel`` (e.g. ``{"sparse": "async",
+            "staleness": 2}``); used only when the world size is > 1.
+        precision: ``"fp32"``, or ``"bf16"`` for autocast to bfloat16 around forward and
+            loss (the tables stay in their own dtype).
+        accumulate_steps: micro-batches per optimizer step; each micro-batch's loss is
+            divided by it. A last partial group of an epoch is stepped too.
+        max_epochs: epochs to train.
+        max_steps: stop after this many optimizer steps in total (None: no limit); a later
+            ``fit`` with a larger limit resumes from the checkpoint.
+        checkpoint_dir: where checkpoints go; ``fit`` resumes from the newest one there.
+        checkpoint_every: also checkpoint every this many optimizer steps (besides every
+            epoch's end); needs ``checkpoint_dir``.
+        keep_last: checkpoints kept in ``checkpoint_dir``.
+        log_every: optimizer steps between step records (progress bar, logs).
+        log_dir: where ``log.jsonl`` (and TensorBoard events, if installed) go; default
+            ``checkpoint_dir``; None for neither.
+        callbacks: :class:`veloce.Callback` objects (e.g. ``EarlyStopping``).
+        progress: show a progress bar on rank 0.
+        seed: ``torch.manual_seed(seed)`` when a fit starts from scratch (a resumed fit
+            restores the saved RNG state instead).
+        device: move the model there first; default: where the model already is.
+
+    Example::
+
+        trainer = veloce.Trainer(model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+                                 metrics={"auc": veloce.metrics.AUC()}, checkpoint_dir="runs/x")
+        history = trainer.fit(train_loader, val_loader)   # [{"epoch": 0, "loss": ..., "val_auc": ...}]
+        print(trainer.evaluate(test_loader))               # {"auc": 0.79}
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        metrics: Optional[Mapping[str, Any]] = None,
+        strategy: Optional[Mapping[str, Any]] = None,
+        precision: str = "fp32",
+        accumulate_steps: int = 1,
+        max_epochs: int = 1,
+        max_steps: Optional[int] = None,
+        checkpoint_dir: Optional[str | Path] = None,
+        checkpoint_every: Optional[int] = None,
+        keep_last: int = 3,
+        log_every: int = 50,
+        log_dir: Optional[str | Path] = None,
+        callbacks: Sequence[Callback] = (),
+        progress: bool = True,
+        seed: int = 0,
+        device: Optional[torch.device | str] = None,
+    ) -> None:
+        _check_args(model, loss_fn, metrics, strategy, precision, accumulate_steps, max_epochs, max_steps,
+                    checkpoint_dir, checkpoint_every, keep_last, log_every, callbacks, seed)  # fmt: skip
+        if device is not None:
+            model = model.to(device)
+        self.module = model
+        self.rank, self.world_size = world()
+        self.model = _wrap(model, strategy) if self.world_size > 1 else model
+        self.device = model_device(model)
+        self.optimizer = _combined(optimizer, self.model)
+        self.loss_fn = loss_fn if loss_fn is not None else nn.BCEWithLogitsLoss()
+        self.metrics = dict(metrics or {})
+        self.precision, self.accumulate_steps = precision, accumulate_steps
+        self.max_epochs, self.max_steps = max_epochs, max_steps
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every, self.keep_last, self.log_every = checkpoint_every, keep_last, log_every
+        self.seed = seed
+        self.callbacks = list(callbacks)
+        log_dir = log_dir if log_dir is not None else self.checkpoint_dir
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self._loggers = self._make_loggers(progress) if self.rank == 0 else []
+        # progress of the run; all of it is saved in checkpoints
+        self.epoch = 0  # current epoch (0-based)
+        self.global_step = 0  # optimizer steps over the run
+        self.batches_in_epoch = 0  # micro-batches of the current epoch consumed
+        self.steps_in_epoch = 0  # optimizer steps in the current epoch
+        self.history: list[dict[str, Any]] = []
+        self.should_stop = False
+        self._finished = False  # a callback stopped the run: a later fit does not train further
+        self._epoch_rng: Optional[dict[str, list]] = None  # RNG state when the epoch's iterator was made
+        self._totals = _Totals(self.device)
+        self._last_saved = -1
+        self._train_len: Optional[int] = None
+
+    # ---- public API -----------------------------------------------------------------------
+    def fit(self, train_loader: Iterable, val_loader: Optional[Iterable] = None) -> list[dict[str, Any]]:
+        """Trains for ``max_epochs`` (or until ``max_steps`` or a callback stops it).
+
+        Resumes from the newest checkpoint in ``checkpoint_dir`` if there is one: model,
+        optimizer, RNG, history and position in the epoch (the loader's first batches are
+        read and discarded, so any deterministic loader resumes exactly).
+
+        Args:
+            train_loader: yields ``(inputs, target)``.
+            val_loader: evaluated with the metrics at the end of every epoch (``val_<name>``).
+
+        Returns:
+            The history: one record per completed epoch (see :mod:`veloce.callbacks`).
+        """
+        self._start()
+        if self._finished or self._steps_exhausted():
+            return self.history
+        self._train_len = _len_or_none(train_loader)
+        self._call("on_fit_start")
+        while self.epoch < self.max_epochs and not self.should_stop:
+            completed = self._train_epoch(train_loader)
+            if not completed:
+                break
+            self._end_epoch(val_loader)
+        self._save()
+        self._call("on_fit_end", self.history)
+        return self.history
+
+    @torch.no_grad()
+    def evaluate(self, loader: Iterable) -> dict[str, float]:
+        """The metrics over every batch of ``loader`` (all ranks together), in eval mode.
+
+        Returns:
+            metric name -> float.
+        """
+        if not self.metrics:
+            raise ValueError("Trainer.evaluate: no metrics; pass metrics={'auc': veloce.metrics.AUC(), ...}")
+        was_training = self.model.training
+        self.model.eval()
+        sink = _MetricSink(self.metrics, self.world_size)
+        try:
+            for batch in loader:
+                inputs, target = move_to(split_batch(batch), self.device)
+                with self._autocast():
+                    preds = call_model(self.model, inputs)
+                sink.update(preds.float() if torch.is_tensor(preds) else preds, target)
+            return sink.compute()
+        finally:
+            self.model.train(was_training)
+
+    def steps_per_epoch(self) -> Optional[int]:
+        """Optimizer steps in one epoch of the current train loader (None if it has no length)."""
+        if self._train_len is None:
+            return None
+        return math.ceil(self._train_len / self.accumulate_steps)
+
+    # ---- one epoch ------------------------------------------------------------------------
+    def _train_epoch(self, loader: Iterable) -> bool:
+        """Trains the rest of the current epoch; False if it stopped early (max_steps, callback)."""
+        self.model.train()
+        batches = self._epoch_batches(loader)
+        self._call("on_epoch_start", self.epoch)
+        pending = 0
+        for batch in batches:
+            pending += 1
+            self._forward_backward(batch)
+            self.batches_in_epoch += 1
+            if pending == self.accumulate_steps:
+                pending = 0
+                self._optimizer_step()
+                if self.should_stop or self._steps_exhausted():
+                    return False
+        if pending:
+            self._optimizer_step()
+        return True
+
+    def _epoch_batches(self, loader: Iterable) -> Iterator:
+        """The loader's iterator for this epoch, past the batches a resumed run already consumed.
+
+        The iterator is made under the RNG state of the epoch's start, so a shuffling loader
+        draws the same order as the interrupted run; then the RNG state of the checkpoint
+        comes back."""
+        resuming = self.batches_in_epoch > 0
+        if not resuming:
+            self._epoch_rng = rng_state()
+            self._totals.reset(self.device)
+            it = iter(loader)
+        else:
+            at_checkpoint = rng_state()
+            set_rng_state(self._epoch_rng)
+            it = iter(loader)
+            for i in range(self.batches_in_epoch):
+                if next(it, None) is None:
+                    raise RuntimeError(
+                        f"Trainer: cannot resume: the checkpoint consumed {self.batches_in_epoch} batches of "
+                        f"epoch {self.epoch} but the loader has only {i}; resume with the same data"
+                    )
+            set_rng_state(at_checkpoint)
+        self._totals.start_clock()
+        return it
+
+    def _forward_backward(self, batch: Any) -> None:
+        inputs, target = move_to(split_batch(batch), self.device)
+        with self._autocast():
+            loss = self.loss_fn(call_model(self.model, inputs), target)
+        (loss / self.accumulate_steps).backward()
+        self._totals.add(loss.detach(), batch_size(target))
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.global_step += 1
+        self.steps_in_epoch += 1
+        if self.global_step % self.log_every == 0:
+            self._log_step()
+        self._call("on_step_end", self.global_step)
+        if self.checkpoint_every and self.global_step % self.checkpoint_every == 0:
+            self._save()
+
+    def _end_epoch(self, val_loader: Optional[Iterable]) -> None:
+        record = {"event": "epoch", "epoch": self.epoch, "step": self.global_step, **self._totals.summary()}
+        if val_loader is not None:
+            record.update({f"val_{k}": v for k, v in self.evaluate(val_loader).items()})
+        self.history.append(record)
+        self._call("on_epoch_end", record)
+        self.epoch += 1
+        self.batches_in_epoch = self.steps_in_epoch = 0
+        self._save()
+
+    def _log_step(self) -> None:
+        record = {"event": "step", "epoch": self.epoch, "step": self.global_step, **self._totals.window(),
+                  "lr": self.optimizer.param_groups[0]["lr"], "time": time.time()}  # fmt: skip
+        self._call("on_log", record)
+
+    # ---- checkpoints and resume -----------------------------------------------------------
+    def _start(self) -> None:
+        """Loads the newest checkpoint, or seeds the RNG for a fresh run."""
+        self.should_stop = False
+        path = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        if path is None:
+            if self.global_step == 0:
+                torch.manual_seed(self.seed)
+            return
+        extra = checkpoint.load(path, self.model, self.optimizer)["extra"]
+        self.epoch, self.global_step = extra["epoch"], extra["global_step"]
+        self.batches_in_epoch, self.steps_in_epoch = extra["batches_in_epoch"], extra["steps_in_epoch"]
+        self.history, self._finished = extra["history"], extra["finished"]
+        self._epoch_rng = extra["epoch_rng"]
+        self._totals.load(extra["totals"], self.device)
+        for cb, state in zip(self.callbacks, extra["callbacks"]):
+            cb.load_state_dict(state)
+        set_rng_state(extra["rng"])
+        self._last_saved = self.global_step
+
+    def _save(self) -> None:
+        if self.checkpoint_dir is None or self.global_step == self._last_saved:
+            return
+        extra = {
+            "epoch": self.epoch, "global_step": self.global_step, "batches_in_epoch": self.batches_in_epoch,
+            "steps_in_epoch": self.steps_in_epoch, "history": self.history, "finished": self.should_stop,
+            "totals": self._totals.state(), "rng": rng_state(), "epoch_rng": self._epoch_rng,
+            "callbacks": [cb.state_dict() for cb in self.callbacks],
+        }  # fmt: skip
+        checkpoint.save_in(self.checkpoint_dir, self.model, self.optimizer, step=self.global_step,
+                           extra=extra, keep_last=self.keep_last)  # fmt: skip
+        self._last_saved = self.global_step
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _steps_exhausted(self) -> bool:
+        return self.max_steps is not None and self.global_step >= self.max_steps
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _make_loggers(self, progress: bool) -> list[Callback]:
+        loggers: list[Callback] = [ProgressBar()] if progress else []
+        if self.log_dir is not None:
+            loggers.append(JSONLinesLogger(self.log_dir / LOG_FILE))
+            loggers.append(TensorBoardLogger(self.log_dir / "tensorboard"))
+        return loggers
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self._loggers + self.callbacks:
+            getattr(cb, hook)(self, *args)
+
+
+class _Totals:
+    """Loss, batches and samples of the current epoch; the loss stays on the device (no sync
+    per step) in float64 until a record needs it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.reset(device)
+
+    def reset(self, device: torch.device) -> None:
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.batches = self.samples = 0
+        self.start_clock()
+
+    def start_clock(self) -> None:
+        self.started = time.perf_counter()
+        # loss_sum, batches, samples, time at the last step record
+        self._mark = (float(self.loss_sum), self.batches, self.samples, self.started)
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        self.loss_sum += loss.to(torch.float64)
+        self.batches += 1
+        self.samples += samples
+
+    def window(self) -> dict[str, float]:
+        """Mean loss and samples/s since the previous call (or the epoch's start)."""
+        loss, now = float(self.loss_sum), time.perf_counter()
+        loss0, batches0, samples0, t0 = self._mark
+        self._mark = (loss, self.batches, self.samples, now)
+        return {"loss": (loss - loss0) / max(self.batches - batches0, 1),
+                "samples_per_s": (self.samples - samples0) / max(now - t0, 1e-9)}  # fmt: skip
+
+    def summary(self) -> dict[str, float]:
+        """The epoch's record fields, summed over ranks."""
+        per_rank = gather((float(self.loss_sum), self.batches, self.samples))
+        loss, batches, samples = (sum(x) for x in zip(*per_rank))
+        seconds = time.perf_counter() - self.started
+        return {"loss": loss / max(batches, 1), "samples": samples, "seconds": seconds,
+                "samples_per_s": samples / max(seconds, 1e-9)}  # fmt: skip
+
+    def state(self) -> dict[str, Any]:
+        return {"loss_sum": float(self.loss_sum), "batches": self.batches, "samples": self.samples}
+
+    def load(self, state: Mapping[str, Any], device: torch.device) -> None:
+        self.reset(device)
+        self.loss_sum.fill_(state["loss_sum"])
+        self.batches, self.samples = state["batches"], state["samples"]
+
+
+class _MetricSink:
+    """Feeds metrics batch by batch; with several ranks, metrics that do not synchronise
+    themselves (veloce's) get every rank's predictions, gathered once at the end.
+    torchmetrics objects (they have ``sync``) update locally and synchronise in ``compute``."""
+
+    def __init__(self, metrics: Mapping[str, Any], world_size: int) -> None:
+        self.metrics = metrics
+        for m in metrics.values():
+            m.reset()
+        self.local = {k: m for k, m in metrics.items() if world_size == 1 or hasattr(m, "sync")}
+        self.gathered = {k: m for k, m in metrics.items() if k not in self.local}
+        self.preds: list[torch.Tensor] = []
+        self.target: list[torch.Tensor] = []
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        for m in self.local.values():
+            m.update(preds, target)
+        if self.gathered:
+            self.preds.append(preds.detach().reshape(-1).cpu())
+            self.target.append(target.detach().reshape(-1).cpu())
+
+    def compute(self) -> dict[str, float]:
+        if self.gathered:
+            mine = (torch.cat(self.preds) if self.preds else torch.zeros(0),
+                    torch.cat(self.target) if self.target else torch.zeros(0))  # fmt: skip
+            everyone = gather(mine)
+            preds, target = torch.cat([p for p, _ in everyone]), torch.cat([t for _, t in everyone])
+            for m in self.gathered.values():
+                m.update(preds, target)
+        return {k: float(m.compute()) for k, m in self.metrics.items()}
+
+
+def _wrap(model: nn.Module, strategy: Optional[Mapping[str, Any]]) -> nn.Module:
+    from veloce.distributed import HybridParallel  # lazily: only multi-rank runs need it
+
+    return HybridParallel(model, **dict(strategy or {}))
+
+
+def _combined(optimizer: Optional[torch.optim.Optimizer], model: nn.Module) -> CombinedOptimizer:
+    if isinstance(optimizer, CombinedOptimizer):
+        return optimizer
+    if optimizer is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.Adam(params, lr=1e-3) if params else None
+    return CombinedOptimizer(optimizer, model)
+
+
+def _len_or_none(loader: Iterable) -> Optional[int]:
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _check_args(model, loss_fn, metrics, strategy, precision, accumulate_steps, max_epochs, max_steps,
+                checkpoint_dir, checkpoint_every, keep_last, log_every, callbacks, seed) -> None:  # fmt: skip
+    """Every constructor argument's check, each error naming the argument and the value."""
+    def need(ok: bool, name: str, value: Any, what: str) -> None:
+        if not ok:
+            raise ValueError(f"Trainer: {name} must be {what}, got {value!r}")
+
+    def positive_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Trainer: model must be a torch.nn.Module, got {type(model).__name__}")
+    need(loss_fn is None or callable(loss_fn), "loss_fn", loss_fn, "callable as loss_fn(preds, target)")
+    need(metrics is None or isinstance(metrics, Mapping), "metrics", metrics, "a dict of name -> metric")
+    for name, m in (metrics or {}).items():
+        need(all(hasattr(m, a) for a in ("update", "compute", "reset")), f"metrics[{name!r}]", m,
+             "an object with update(preds, target), compute() and reset()")  # fmt: skip
+    need(strategy is None or isinstance(strategy, Mapping), "strategy", strategy,
+         "None or a dict of HybridParallel keyword arguments")  # fmt: skip
+    need(precision in PRECISIONS, "precision", precision, f"one of {PRECISIONS}")
+    need(positive_int(accumulate_steps), "accumulate_steps", accumulate_steps, "an int >= 1")
+    need(positive_int(max_epochs), "max_epochs", max_epochs, "an int >= 1")
+    need(max_steps is None or positive_int(max_steps), "max_steps", max_steps, "None or an int >= 1")
+    need(checkpoint_every is None or positive_int(checkpoint_every), "checkpoint_every", checkpoint_every,
+         "None or an int >= 1")  # fmt: skip
+    need(checkpoint_every is None or checkpoint_dir is not None, "checkpoint_every", checkpoint_every,
+         "None when checkpoint_dir is None (set checkpoint_dir)")  # fmt: skip
+    need(positive_int(keep_last), "keep_last", keep_last, "an int >= 1")
+    need(positive_int(log_every), "log_every", log_every, "an int >= 1")
+    need(isinstance(seed, int) and seed >= 0, "seed", seed, "an int >= 0")
+    for cb in callbacks:
+        need(isinstance(cb, Callback), "callbacks", cb, "a list of veloce.Callback objects")
