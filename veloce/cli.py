@@ -184,18 +184,27 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def format_description(info: dict[str, Any]) -> str:
-    """``checkpoint.describe()``'s dict as text: the scalar fields, then one row per table."""
-    lines = [f"{k}: {v}" for k, v in info.items() if k not in ("tables", "files")]
+    """``checkpoint.describe()``'s dict as text: the header fields, one row per table, the files."""
+    lines = [f"{k}: {info[k]}" for k in ("path", "committed", "format_version", "world_size", "step") if k in info]
+    extra = info.get("extra") or {}
+    if extra:
+        lines.append(f"extra: {', '.join(sorted(extra))}")
+    dense = info.get("dense")
+    if dense:
+        lines.append(f"dense: {dense['count']} tensors, {dense['bytes']:,} bytes")
     tables = info.get("tables", [])
     lines.append(f"tables: {len(tables)}")
+    cols = ["name", "rows", "dim", "state_width", "dtype", "optimizer", "shards"]
     if tables:
-        cols = list(dict.fromkeys(k for t in tables for k in t))
         cells = [[str(t.get(c, "")) for c in cols] for t in tables]
         widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
         for row in [cols, *cells]:
             lines.append(("  " + "  ".join(v.ljust(w) for v, w in zip(row, widths))).rstrip())
     files = info.get("files", [])
-    lines.append(f"files: {len(files)}" + (f" ({', '.join(map(str, files))})" if files else ""))
+    lines.append(f"files: {len(files)}")
+    for f in files:
+        state = "" if f.get("present") == f.get("size") else f"  (on disk: {f.get('present')})"
+        lines.append(f"  {f['name']}  {f['size']:,} bytes{state}")
     return "\n".join(lines)
 
 
