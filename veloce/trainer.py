@@ -177,6 +177,7 @@ class Trainer:
         if not self.metrics:
             raise ValueError("Trainer.evaluate: no metrics; pass metrics={'auc': veloce.metrics.AUC(), ...}")
         was_training = self.model.training
+        self._flush()
         self.model.eval()
         sink = _MetricSink(self.metrics, self.world_size)
         try:
@@ -296,6 +297,7 @@ class Trainer:
     def _save(self) -> None:
         if self.checkpoint_dir is None or self.global_step == self._last_saved:
             return
+        self._flush()
         extra = {
             "epoch": self.epoch, "global_step": self.global_step, "batches_in_epoch": self.batches_in_epoch,
             "steps_in_epoch": self.steps_in_epoch, "history": self.history, "finished": self.should_stop,
@@ -307,6 +309,13 @@ class Trainer:
         self._last_saved = self.global_step
 
     # ---- helpers --------------------------------------------------------------------------
+    def _flush(self) -> None:
+        """Async sparse mode: applies the gradients still in flight (before evaluating or
+        checkpointing, on every rank at the same step)."""
+        flush = getattr(self.model, "flush", None)
+        if callable(flush):
+            flush()
+
     def _steps_exhausted(self) -> bool:
         return self.max_steps is not None and self.global_step >= self.max_steps
 
