@@ -18,6 +18,7 @@ bytes * (n - 1) / n / time). `--summarize` adds weak-scaling efficiency
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -100,6 +101,7 @@ def a2a_baseline(total_bytes: int, world: int, device, reps: int = 10) -> float:
 
 
 def run(args) -> None:
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)  # a hang prints every thread's stack
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -198,6 +200,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--json", default=None)
+    p.add_argument("--watchdog", type=float, default=240, help="seconds before a stuck run dumps its stacks and exits")
     p.add_argument("--summarize", nargs="+", default=None, help="JSON files of earlier runs: print the table")
     args = p.parse_args()
     if args.summarize:

@@ -210,8 +210,8 @@ def eval_preds(model, device="cpu"):
     return out
 
 
-def tables_of(model) -> dict:
-    return {name: {k: v.cpu() for k, v in getattr(model, name).export().items()} for name in ("a", "b")}
+def tables_of(model, names="ab") -> dict:
+    return {name: {k: v.cpu() for k, v in getattr(model, name).export().items()} for name in names}
 
 
 def make_opt(model):
@@ -276,6 +276,50 @@ def test_sharded_sync_equals_one_process_nccl(world):
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
     results = run_ranks(_sharded_body, world, "cuda", timeout=120, backend="nccl")
     check_sharded_equals_reference(results, reference(), world)
+    results = run_ranks(_grouped_body, world, "cuda", timeout=120, backend="nccl")
+    model = Grouped()
+    ref = {"preds": train(model, make_opt(model), 1, 0), "tables": tables_of(model, "abcd"), "eval": eval_preds(model)}
+    check_sharded_equals_reference(results, ref, world)
+
+
+class Grouped(nn.Module):
+    """Four tables looked up together (veloce.lookup_many): three of dim 8 share one
+    exchange (sum with learnable per-sample weights, mean with padding, sum), one of dim 4
+    gets its own."""
+
+    def __init__(self, device="cpu"):
+        super().__init__()
+        torch.manual_seed(0)
+        E = veloce.DynamicEmbedding
+        self.a = E(8, mode="sum", capacity=32, optimizer=veloce.optim.SGD(lr=0.5), seed=1, device=device)
+        self.b = E(8, mode="mean", optimizer=veloce.optim.Adam(lr=0.02), seed=2, padding_idx=-1, device=device)
+        self.c = E(8, mode="sum", optimizer=veloce.optim.RowWiseAdagrad(lr=0.1), seed=3, device=device)
+        self.d = E(4, mode="mean", optimizer=veloce.optim.Adagrad(lr=0.1), seed=4, device=device)
+        self.w = nn.Parameter(torch.tensor(1.5, device=device))  # scales the per-sample weights
+        self.mlp = nn.Sequential(nn.Linear(8 * 3 + 4 + 3, 16), nn.ReLU(), nn.Linear(16, 1)).to(device)
+
+    def forward(self, dense, ids_a, offsets_a, psw_a, ids_b):
+        tables = [self.a, self.b, self.c, self.d]
+        outs = veloce.lookup_many(tables, [(ids_a, offsets_a, psw_a * self.w), ids_b, ids_b, ids_b])
+        return self.mlp(torch.cat([*outs, dense], 1)).squeeze(1)
+
+
+def _grouped_body(rank, world, device_kind):
+    device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
+    model = Grouped(device)
+    hp = HybridParallel(model, sparse="sync")
+    preds = train(hp, make_opt(hp), world, rank, device=device)
+    return {"preds": preds, "tables": tables_of(model, "abcd"), "eval": eval_preds(hp, device),
+            "len": len(model.a), "w": model.w.item()}  # fmt: skip
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_grouped_lookup_equals_one_process(world):
+    results = run_ranks(_grouped_body, world, "cpu", timeout=90)
+    model = Grouped()
+    ref = {"preds": train(model, make_opt(model), 1, 0), "tables": tables_of(model, "abcd"), "eval": eval_preds(model)}
+    check_sharded_equals_reference(results, ref, world)
+    assert results[0]["w"] == pytest.approx(model.w.item(), abs=1e-5) and model.w.item() != 1.5
 
 
 # ---- async ------------------------------------------------------------------------------

@@ -56,12 +56,13 @@ for stage in "$@"; do
     dist)
       # BENCHMARKS.md configuration 5 on 1, 2, 4 GPUs (as many as the machine has), sync and async.
       n=$(nvidia-smi -L | wc -l)
-      for w in 1 2 4; do
+      for w in ${DIST_WORLDS:-4 2 1}; do
         [ "$w" -gt "$n" ] && continue
         for mode in sync async; do
-          timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node="$w" \
-            benchmarks/bench_distributed.py --sparse "$mode" --json "$OUT/dist_w${w}_${mode}.json" \
-            >"$OUT/dist_w${w}_${mode}.log" 2>&1 || tail -20 "$OUT/dist_w${w}_${mode}.log"
+          timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node="$w" \
+            benchmarks/bench_distributed.py --sparse "$mode" --watchdog 150 ${DIST_ARGS:-} \
+            --json "$OUT/dist_w${w}_${mode}.json" >"$OUT/dist_w${w}_${mode}.log" 2>&1 \
+            || tail -c 3000 "$OUT/dist_w${w}_${mode}.log"
         done
       done
       python3 benchmarks/bench_distributed.py --summarize "$OUT"/dist_w*.json | tee "$OUT/bench_distributed.md"

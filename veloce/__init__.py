@@ -12,13 +12,13 @@ Example::
 
 from veloce import _ext, callbacks, checkpoint, data, distributed, init, metrics, models, ops, optim
 from veloce.callbacks import Callback, EarlyStopping
-from veloce.embedding import DynamicEmbedding
+from veloce.embedding import DynamicEmbedding, lookup_many
 from veloce.table import HashTable, TableFullError
 from veloce.trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Callback", "DynamicEmbedding", "EarlyStopping", "HashTable", "TableFullError", "Trainer",
+    "Callback", "DynamicEmbedding", "EarlyStopping", "HashTable", "TableFullError", "Trainer", "lookup_many",
     "callbacks", "checkpoint", "data", "distributed", "init", "metrics", "models", "ops", "optim", "__version__",
 ]

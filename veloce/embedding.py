@@ -6,7 +6,7 @@ input, ``D`` embedding dim.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from veloce import init as _init
 from veloce import optim as _optim
 from veloce.table import HashTable
 
-__all__ = ["DynamicEmbedding"]
+__all__ = ["DynamicEmbedding", "lookup_many"]
 
 _MODES = {"sum": 0, "mean": 1}
 _NONFINITE = ("raise", "skip", "apply")
@@ -395,6 +395,45 @@ class DynamicEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, size={len(self)}"
+
+
+def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> list[torch.Tensor]:
+    """Looks up several tables at once: ``[t(*x) for t, x in zip(tables, inputs)]``.
+
+    The result is the same as calling each table; the difference is speed when the
+    tables are sharded by :class:`veloce.distributed.HybridParallel`: the ids of every
+    table with the same embedding dim travel in one all-to-all exchange instead of one
+    per table. ``veloce.models`` look their features up this way.
+
+    Args:
+        tables: ``DynamicEmbedding`` modules.
+        inputs: per table, a 2-D ``(B, L)`` tensor of ids, or a tuple ``(input,
+            offsets[, per_sample_weights])`` as the module's forward takes.
+
+    Returns:
+        One pooled ``(B, D)`` tensor per table.
+    """
+    if len(tables) != len(inputs):
+        raise ValueError(f"lookup_many: {len(tables)} tables but {len(inputs)} inputs")
+    _ext.require()
+    args = [tuple(x) if isinstance(x, (tuple, list)) else (x,) for x in inputs]
+    out: list[Optional[torch.Tensor]] = [None] * len(tables)
+    groups: dict[tuple, list[int]] = {}
+    for i, (t, a) in enumerate(zip(tables, args)):
+        if not isinstance(t, DynamicEmbedding):
+            raise TypeError(f"lookup_many: tables[{i}] is a {type(t).__name__}, not a DynamicEmbedding")
+        if t._shard is None:
+            out[i] = t(*a)
+            continue
+        key = (id(t._shard.group), t.embedding_dim, t.table.weights.dtype, t.training, t._shard.mode)
+        groups.setdefault(key, []).append(i)
+    from veloce.distributed.sharded import sharded_lookup
+
+    for idx in groups.values():
+        bags = [tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i])))) for i in idx]
+        for i, o in zip(idx, sharded_lookup([tables[i] for i in idx], bags)):
+            out[i] = o
+    return out  # type: ignore[return-value]
 
 
 def _check_offsets(offsets: torch.Tensor, n: int, include_last_offset: bool) -> None:

@@ -1,39 +1,46 @@
-"""A ``DynamicEmbedding`` sharded row-wise across ranks: the lookup and its gradient exchange.
+"""``DynamicEmbedding`` tables sharded row-wise across ranks: the lookup and its gradient exchange.
 
 Rank ``r`` owns the ids with ``owner_of(id, W) == r`` and keeps only those rows. A lookup
-on any rank (the requester) runs, with one all-to-all per arrow::
+of K tables at once (one table is K = 1; :func:`veloce.lookup_many` groups the tables of
+a model) runs, with one all-to-all per arrow::
 
     requester                                   owner
-    bucketize_bags: ids by owner, bags cut
-    into parts (one per bag and owner)  --ids, part lengths, [weights]-->  find_or_insert (train) /
-                                                                           find (eval), pool each part
+    bucketize_bags: every table's bags
+    (concatenated) cut into parts, one
+    per bag and owner                   --ids, part lengths, [weights]-->  per table: find_or_insert
+                                                                           (train) / find (eval),
+                                                                           pool each part
     combine_parts: sum each bag's parts <--partial sums (P, D)--
     (mean: / full bag length)
 
-    backward: grad of each part         --(P, D), / W (DDP-style mean)-->  pending gradient, applied
-                                                                           by the owner's step()
+    backward: grad of each part         --(P, D), / W (DDP-style mean)-->  per table: pending
+                                                                           gradient, applied by
+                                                                           the owner's step()
+
+Before the payloads, a header all-to-all carries the split sizes (ids and parts per
+table) and a signature (tables, dim, weights given), so a receiver knows what comes and
+ranks that disagree fail on every rank instead of hanging.
 
 In ``sync`` mode the gradient exchange blocks in backward, so every update of step t is
 applied at step t. In ``async`` mode it is launched without waiting, on a second process
-group so it overlaps the next forward's exchanges, and the owner applies the gradients of
-step t at step t + staleness (``staleness=0`` is sync).
+group so that it overlaps the next forward's exchanges, and each owner applies the
+gradients of step t at step t + staleness.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from veloce.distributed._comm import Group, all_to_all, exchange_headers
 from veloce.ops.exchange import bucketize_bags, combine_parts
 
-__all__ = ["Shard", "table_shard"]
+__all__ = ["Shard", "table_shard", "sharded_lookup"]
 
 _SUM = 0
-_MEAN = 1
 
 
 def table_shard(module: Any) -> tuple[int, int]:
@@ -45,24 +52,12 @@ def table_shard(module: Any) -> tuple[int, int]:
 
 @dataclass
 class _InFlight:
-    """An async gradient exchange: the owner's received rows arrive in ``grad``."""
+    """An async gradient exchange, as one table sees it: ``grad()`` waits and returns
+    this table's received part gradients."""
 
-    step: int  # the requester step whose backward sent it
-    work: Any
-    grad: torch.Tensor
-    owner: "_OwnerSide"
-
-
-@dataclass
-class _OwnerSide:
-    """What an owner served in one forward: the received bags and their slots."""
-
-    ids: torch.Tensor  # (R,) received ids
-    slots: torch.Tensor  # (R,) their slots at forward time
-    offsets: torch.Tensor  # (Q,) start of each received part
-    psw: Optional[torch.Tensor]  # (R,) received per-sample weights
-    version: int  # the table version of slots
-    parts_from: list[int]  # parts received from each rank
+    step: int  # the optimizer step whose backward sent it
+    grad: Callable[[], torch.Tensor]
+    owner: "_Served"
 
 
 @dataclass
@@ -71,7 +66,7 @@ class Shard:
 
     Attributes:
         group: the process group of the lookup exchanges.
-        tag: the table's index in the model, checked by every exchange.
+        tag: the table's index in the model (exchanges check that ranks agree on it).
         mode: "sync" or "async".
         staleness: async only: steps between a gradient and its update.
         grad_group: async only: a second group for the gradient exchanges.
@@ -85,139 +80,296 @@ class Shard:
     steps: int = 0  # optimizer steps taken (async bookkeeping)
     in_flight: deque = field(default_factory=deque)
 
-    # ---- forward --------------------------------------------------------------------
     def lookup(self, module, ids, offsets, psw) -> torch.Tensor:
         """The sharded equivalent of ``module``'s local pooled lookup."""
-        if module.training and torch.is_grad_enabled():
-            anchor = torch.empty(0, device=ids.device, requires_grad=True)
-            return _ShardedLookup.apply(anchor, psw, self, module, ids, offsets)
-        with torch.no_grad():
-            out, _ = self._forward(module, ids, offsets, psw)
-        return out
+        return sharded_lookup([module], [(ids, offsets, psw)])[0]
 
-    def _forward(self, module, ids, offsets, psw):
-        g = self.group
-        ilo = module.include_last_offset
-        b = bucketize_bags(ids, offsets, g.size, ilo, module.padding_idx)
-        num_bags = offsets.numel() - int(ilo) if offsets.numel() else 0
-        signature = (self.tag, module.embedding_dim, int(psw is not None))
-        recv_ids_n, recv_parts_n = exchange_headers(
-            g, (b.id_splits, b.part_splits), signature, f"DynamicEmbedding table {self.tag}"
-        )
-        id_splits, part_splits = b.id_splits.tolist(), b.part_splits.tolist()
-        recv_ids = all_to_all(g, ids[b.perm], id_splits, recv_ids_n)
-        recv_len = all_to_all(g, b.part_lengths, part_splits, recv_parts_n)
-        recv_psw = None if psw is None else all_to_all(g, psw[b.perm], id_splits, recv_ids_n)
-        owner, partial = self._serve(module, recv_ids, recv_len, recv_psw, recv_parts_n)
-        parts = all_to_all(g, partial, recv_parts_n, part_splits)
-        out = combine_parts(parts, b.bag_of_part, num_bags)
-        scale = None
-        if module.mode == "mean":
-            counts = torch.zeros(num_bags, dtype=out.dtype, device=out.device)
-            counts.index_add_(0, b.bag_of_part, b.part_lengths.to(out.dtype))
-            scale = 1.0 / counts.clamp(min=1)
-            out = out * scale.unsqueeze(1)
-        req = _RequesterSide(b, id_splits, part_splits, recv_ids_n, recv_parts_n, scale, ids.numel())
-        return out, (req, owner)
-
-    def _serve(self, module, ids, lengths, psw, parts_from):
-        """The owner's half of a lookup: slots of the received ids (inserting in training)
-        and the sum of each received part."""
-        offsets = torch.zeros(lengths.numel(), dtype=torch.long, device=ids.device)
-        if lengths.numel() > 1:
-            torch.cumsum(lengths[:-1], 0, out=offsets[1:])
-        table = module.table
-        if module.training:
-            slots, extra = table.find_or_insert(ids), None
-        else:
-            slots, extra = module._eval_slots(ids)
-        partial = torch.ops.veloce.pooled_lookup(table.weights, slots, offsets, psw, _SUM, False, extra)
-        return _OwnerSide(ids, slots, offsets, psw, table.version, parts_from), partial
-
-    # ---- backward -------------------------------------------------------------------
-    def backward(self, module, req: "_RequesterSide", owner: _OwnerSide, grad_out: torch.Tensor, psw_grad: bool):
-        """Sends each part's gradient to its owner; returns the per-sample-weight gradient
-        (or None)."""
-        g = self.group
-        grad_out = grad_out.to(module.table.weights.dtype)
-        if req.scale is not None:
-            grad_out = grad_out * req.scale.unsqueeze(1)
-        grad_parts = grad_out.index_select(0, req.b.bag_of_part) / g.size  # averaged over ranks, as DDP
-        if self.mode == "async" and self.staleness > 0 and not psw_grad:
-            recv, work = all_to_all(self.grad_group, grad_parts, req.part_splits, req.recv_parts_n, async_op=True)
-            self.in_flight.append(_InFlight(self.steps, work, recv, owner))
-        else:
-            recv = all_to_all(g, grad_parts, req.part_splits, req.recv_parts_n)
-            _record(module, owner, recv)
-        if not psw_grad:
-            return None
-        # d out[bag] / d psw[i] = <row(i), grad of i's part>, computed by the owner.
-        from veloce.embedding import _psw_grad
-
-        owner_slots = _current_slots(module, owner)
-        mine = _psw_grad(module.table.weights, owner_slots, owner.offsets, recv, False)
-        back = all_to_all(g, mine, req.recv_ids_n, req.id_splits)
-        return torch.zeros(req.num_ids, dtype=back.dtype, device=back.device).index_put_((req.b.perm,), back)
-
-    # ---- step -----------------------------------------------------------------------
     def collect(self, module) -> None:
         """Before the owner's step(): async gradients that are due (sent ``staleness``
         steps ago or more) join the pending gradient."""
         self.steps += 1
         while self.in_flight and self.in_flight[0].step <= self.steps - 1 - self.staleness:
-            self._land(module, self.in_flight.popleft())
+            f = self.in_flight.popleft()
+            _record(module, f.owner, f.grad())
 
     def flush(self, module) -> None:
         """Waits for every gradient in flight and adds it to the pending gradient."""
         while self.in_flight:
-            self._land(module, self.in_flight.popleft())
+            f = self.in_flight.popleft()
+            _record(module, f.owner, f.grad())
 
-    def _land(self, module, f: _InFlight) -> None:
-        f.work.wait()
-        _record(module, f.owner, f.grad)
+
+# ---- one exchange for K tables --------------------------------------------------------------
+@dataclass
+class _Served:
+    """What an owner served one table in a forward: the received parts and their slots."""
+
+    ids: torch.Tensor  # (R,) received ids
+    slots: torch.Tensor  # (R,) their slots at forward time
+    offsets: torch.Tensor  # (Q,) start of each received part
+    psw: Optional[torch.Tensor]  # (R,) received per-sample weights
+    version: int  # the table version of slots
 
 
 @dataclass
-class _RequesterSide:
-    """What a requester needs for backward."""
+class _Exchange:
+    """Everything backward needs about one grouped lookup."""
 
-    b: Any  # Buckets
+    modules: list
+    shard: Shard
+    kept: list  # per table: positions kept (padding dropped), or None when none was dropped
+    num_ids: list[int]  # per table: ids given
+    num_bags: list[int]  # per table: bags
+    perm: torch.Tensor
+    bag_of_part: torch.Tensor
+    scale: Optional[torch.Tensor]  # (sum B,) 1 / bag length for mean tables, 1 for sum tables
     id_splits: list[int]
     part_splits: list[int]
     recv_ids_n: list[int]
     recv_parts_n: list[int]
-    scale: Optional[torch.Tensor]  # mean: 1 / bag length
-    num_ids: int
+    part_order: torch.Tensor  # received parts -> table-major order
+    id_order: torch.Tensor  # received ids -> table-major order
+    parts_per_table: list[int]  # received, per table
+    ids_per_table: list[int]
+    served: list  # _Served per table
 
 
-def _current_slots(module, owner: _OwnerSide) -> torch.Tensor:
-    if owner.version == module.table.version:
-        return owner.slots
+def sharded_lookup(modules: Sequence, bags: Sequence[tuple]) -> list[torch.Tensor]:
+    """Pooled lookups of K sharded tables (same group, dim and dtype) in one exchange.
+
+    ``bags[k]`` is ``(ids, offsets, per_sample_weights)`` as validated by the module."""
+    shard = modules[0]._shard
+    anchor_needed = any(m.training for m in modules) and torch.is_grad_enabled()
+    psws = [b[2] for b in bags]
+    if not anchor_needed:
+        with torch.no_grad():
+            outs, _ = _forward(shard, modules, bags)
+        return list(outs)
+    anchor = torch.empty(0, device=bags[0][0].device, requires_grad=True)
+    return list(_GroupedLookup.apply(anchor, shard, modules, bags, *psws))
+
+
+def _drop_padding(module, ids, offsets, psw):
+    """Removes the padding positions of one table's bags (they are neither sent nor
+    counted); returns the kept positions too (None when nothing was dropped)."""
+    ilo = module.include_last_offset
+    starts = offsets[:-1] if ilo else offsets
+    if module.padding_idx is None:
+        return ids, starts, psw, None
+    keep = ids != module.padding_idx
+    kept = keep.nonzero().squeeze(1)
+    dropped_before = torch.cumsum(~keep, 0) - (~keep).long()  # pads strictly before each position
+    n = ids.numel()
+    if starts.numel():
+        at = starts.clamp(max=max(n - 1, 0))
+        shift = dropped_before[at] if n else torch.zeros_like(starts)
+        shift = torch.where(starts >= n, (~keep).sum().expand_as(starts), shift)
+        starts = starts - shift
+    return ids[kept], starts, None if psw is None else psw[kept], kept
+
+
+def _forward(shard: Shard, modules: list, bags: Sequence[tuple]):
+    g = shard.group
+    K = len(modules)
+    dev = bags[0][0].device
+    dtype = modules[0].table.weights.dtype
+    any_psw = any(b[2] is not None for b in bags)
+    ids_l, starts_l, psw_l, kept_l, num_ids, num_bags = [], [], [], [], [], []
+    base = 0
+    for m, (ids, offsets, psw) in zip(modules, bags):
+        num_ids.append(ids.numel())
+        ids, starts, psw, kept = _drop_padding(m, ids, offsets, psw)
+        num_bags.append(starts.numel())
+        ids_l.append(ids)
+        starts_l.append(starts + base)
+        psw_l.append(psw if psw is not None else torch.ones(ids.numel(), dtype=dtype, device=dev))
+        kept_l.append(kept)
+        base += ids.numel()
+    all_ids = torch.cat(ids_l)
+    total_bags = sum(num_bags)
+    b = bucketize_bags(all_ids, torch.cat(starts_l), g.size)
+
+    # Per (owner, table): parts and ids, for the owner to split what it receives by table.
+    bag_bounds = torch.tensor([0] + list(_cumsum(num_bags))[:-1], device=dev)
+    P = b.bag_of_part.numel()
+    table_of_part = torch.searchsorted(bag_bounds, b.bag_of_part, right=True) - 1
+    owner_of_part = torch.repeat_interleave(torch.arange(g.size, device=dev), b.part_splits, output_size=P)
+    cell = owner_of_part * K + table_of_part
+    parts_nk = torch.zeros(g.size * K, dtype=torch.long, device=dev).index_add_(0, cell, torch.ones_like(cell))
+    ids_nk = torch.zeros(g.size * K, dtype=torch.long, device=dev).index_add_(0, cell, b.part_lengths)
+    signature = (*[m._shard.tag for m in modules], modules[0].embedding_dim, int(any_psw))
+    fields = [b.id_splits, b.part_splits, *parts_nk.view(g.size, K).t(), *ids_nk.view(g.size, K).t()]
+    recv = exchange_headers(g, fields, signature, f"DynamicEmbedding tables {[m._shard.tag for m in modules]}")
+    recv_ids_n, recv_parts_n = recv[0], recv[1]
+    recv_parts_nk, recv_ids_nk = recv[2 : 2 + K], recv[2 + K :]  # [k][peer]
+    id_splits, part_splits = b.id_splits.tolist(), b.part_splits.tolist()
+
+    recv_ids = all_to_all(g, all_ids[b.perm], id_splits, recv_ids_n)
+    recv_len = all_to_all(g, b.part_lengths, part_splits, recv_parts_n)
+    recv_psw = all_to_all(g, torch.cat(psw_l)[b.perm], id_splits, recv_ids_n) if any_psw else None
+
+    # The owner: received parts come peer-major, table-major within a peer; serve each
+    # table from its own contiguous block (table-major order).
+    counts = torch.tensor([recv_parts_nk[k][p] for p in range(g.size) for k in range(K)], device=dev)
+    table_of_recv = torch.repeat_interleave(torch.arange(K, device=dev).repeat(g.size), counts,
+                                            output_size=recv_len.numel())  # fmt: skip
+    part_order = torch.sort(table_of_recv, stable=True).indices
+    id_order = _segment_gather_index(recv_len, part_order, sum(recv_ids_n))
+    parts_per_table = [sum(c) for c in recv_parts_nk]
+    ids_per_table = [sum(c) for c in recv_ids_nk]
+    t_ids = recv_ids[id_order].split(ids_per_table)
+    t_len = recv_len[part_order].split(parts_per_table)
+    t_psw = recv_psw[id_order].split(ids_per_table) if any_psw else [None] * K
+    served, partials = [], []
+    for m, ids_k, len_k, psw_k in zip(modules, t_ids, t_len, t_psw):
+        s, partial = _serve(m, ids_k, len_k, psw_k)
+        served.append(s)
+        partials.append(partial)
+    partial = torch.empty((recv_len.numel(), modules[0].embedding_dim), dtype=dtype, device=dev)
+    partial.index_copy_(0, part_order, torch.cat(partials))
+
+    parts = all_to_all(g, partial, recv_parts_n, part_splits)
+    out = combine_parts(parts, b.bag_of_part, total_bags)
+    scale = _mean_scale(modules, num_bags, b, total_bags, dtype, dev)
+    if scale is not None:
+        out = out * scale.unsqueeze(1)
+    ex = _Exchange(modules, shard, kept_l, num_ids, num_bags, b.perm, b.bag_of_part, scale, id_splits,
+                   part_splits, recv_ids_n, recv_parts_n, part_order, id_order, parts_per_table,
+                   ids_per_table, served)  # fmt: skip
+    # Separate tensors per table (not views of one), so autograd treats each on its own.
+    return (out,) if K == 1 else tuple(o.clone() for o in out.split(num_bags)), ex
+
+
+def _cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+def _segment_gather_index(lengths: torch.Tensor, order: torch.Tensor, total: int) -> torch.Tensor:
+    """Positions of the elements of segments (given by ``lengths``) taken in ``order``."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    new_len = lengths[order]
+    seg_start = torch.repeat_interleave(starts[order], new_len, output_size=total)
+    new_starts = torch.cumsum(new_len, 0) - new_len
+    within = torch.arange(total, device=lengths.device) - torch.repeat_interleave(new_starts, new_len, output_size=total)
+    return seg_start + within
+
+
+def _mean_scale(modules, num_bags, b, total_bags, dtype, dev) -> Optional[torch.Tensor]:
+    """1 / (non-padding ids of the bag) for the bags of mean tables, 1 elsewhere."""
+    if all(m.mode != "mean" for m in modules):
+        return None
+    counts = torch.zeros(total_bags, dtype=dtype, device=dev).index_add_(0, b.bag_of_part, b.part_lengths.to(dtype))
+    is_mean = torch.cat([torch.full((n,), m.mode == "mean", device=dev) for m, n in zip(modules, num_bags)])
+    return torch.where(is_mean, 1.0 / counts.clamp(min=1), torch.ones_like(counts))
+
+
+def _serve(module, ids, lengths, psw):
+    """The owner's half of a lookup for one table: slots of the received ids (inserting in
+    training) and the sum of each received part."""
+    offsets = torch.cumsum(lengths, 0) - lengths
+    table = module.table
+    if module.training:
+        slots, extra = table.find_or_insert(ids), None
+    else:
+        slots, extra = module._eval_slots(ids)
+    partial = torch.ops.veloce.pooled_lookup(table.weights, slots, offsets, psw, _SUM, False, extra)
+    return _Served(ids, slots, offsets, psw, table.version), partial
+
+
+def _backward(ex: _Exchange, grads: Sequence[Optional[torch.Tensor]], psw_grad: list[bool]):
+    """Sends each part's gradient to its owner; returns per-table per-sample-weight
+    gradients (None where not needed)."""
+    shard, g = ex.shard, ex.shard.group
+    dtype = ex.modules[0].table.weights.dtype
+    grad = torch.cat([
+        gr.to(dtype) if gr is not None else torch.zeros((n, ex.modules[0].embedding_dim), dtype=dtype,
+                                                        device=ex.perm.device)
+        for gr, n in zip(grads, ex.num_bags)
+    ])  # fmt: skip
+    if ex.scale is not None:
+        grad = grad * ex.scale.unsqueeze(1)
+    grad_parts = grad.index_select(0, ex.bag_of_part) / g.size  # averaged over ranks, as DDP
+    want_psw = any(psw_grad)
+    if shard.mode == "async" and shard.staleness > 0 and not want_psw:
+        recv, work = all_to_all(shard.grad_group, grad_parts, ex.part_splits, ex.recv_parts_n, async_op=True)
+        landed: dict[str, list] = {}
+
+        def table_grads() -> list:
+            if "grads" not in landed:
+                work.wait()
+                landed["grads"] = recv[ex.part_order].split(ex.parts_per_table)
+            return landed["grads"]
+
+        for k, m in enumerate(ex.modules):
+            m._shard.in_flight.append(_InFlight(m._shard.steps, lambda k=k: table_grads()[k], ex.served[k]))
+        return [None] * len(ex.modules)
+    recv = all_to_all(g, grad_parts, ex.part_splits, ex.recv_parts_n)
+    per_table = recv[ex.part_order].split(ex.parts_per_table)
+    for m, s, gk in zip(ex.modules, ex.served, per_table):
+        _record(m, s, gk)
+    if not want_psw:
+        return [None] * len(ex.modules)
+    return _psw_grads(ex, per_table, psw_grad)
+
+
+def _psw_grads(ex: _Exchange, per_table: Sequence[torch.Tensor], psw_grad: list[bool]) -> list:
+    """d out[bag] / d psw[i] = <row(i), grad of i's part>: computed by the owner, sent back."""
+    from veloce.embedding import _psw_grad
+
+    g = ex.shard.group
+    mine = torch.cat([
+        _psw_grad(m.table.weights, _current_slots(m, s), s.offsets, gk, False)
+        for m, s, gk in zip(ex.modules, ex.served, per_table)
+    ])  # fmt: skip
+    received_order = torch.empty_like(mine).index_copy_(0, ex.id_order, mine)
+    back = all_to_all(g, received_order, ex.recv_ids_n, ex.id_splits)
+    flat = torch.zeros(ex.perm.numel(), dtype=back.dtype, device=back.device).index_copy_(0, ex.perm, back)
+    out, start = [], 0
+    for m, kept, n, want in zip(ex.modules, ex.kept, ex.num_ids, psw_grad):
+        k = n if kept is None else kept.numel()
+        piece = flat[start : start + k]
+        start += k
+        if not want:
+            out.append(None)
+        elif kept is None:
+            out.append(piece)
+        else:
+            out.append(torch.zeros(n, dtype=piece.dtype, device=piece.device).index_copy_(0, kept, piece))
+    return out
+
+
+def _current_slots(module, served: _Served) -> torch.Tensor:
+    if served.version == module.table.version:
+        return served.slots
     from veloce.embedding import _reresolve
 
-    return _reresolve(module.table, owner.ids, owner.slots)
+    return _reresolve(module.table, served.ids, served.slots)
 
 
-def _record(module, owner: _OwnerSide, grad: torch.Tensor) -> None:
+def _record(module, served: _Served, grad: torch.Tensor) -> None:
     """The owner keeps received part gradients until its step(), like a local backward."""
     from veloce.embedding import _Pending
 
-    module._accumulate(
-        _Pending(owner.ids, owner.slots, owner.offsets, owner.psw, grad, _SUM, False, owner.version)
-    )
+    module._accumulate(_Pending(served.ids, served.slots, served.offsets, served.psw, grad, _SUM, False,
+                                served.version))  # fmt: skip
 
 
-class _ShardedLookup(torch.autograd.Function):
-    """The sharded lookup as one autograd node; ``anchor`` (empty, requires grad) makes
-    backward run, and ``psw`` gets its gradient when it requires one."""
-
-    @staticmethod
-    def forward(ctx, anchor, psw, shard, module, ids, offsets):  # type: ignore[override]
-        out, (req, owner) = shard._forward(module, ids, offsets, psw)
-        ctx.shard, ctx.module, ctx.req, ctx.owner = shard, module, req, owner
-        return out
+class _GroupedLookup(torch.autograd.Function):
+    """K sharded lookups as one autograd node; ``anchor`` (empty, requires grad) makes
+    backward run, and each table's per-sample weights get their gradient when they
+    require one."""
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        psw_grad = ctx.shard.backward(ctx.module, ctx.req, ctx.owner, grad_out.contiguous(), ctx.needs_input_grad[1])
-        return None, psw_grad, None, None, None, None
+    def forward(ctx, anchor, shard, modules, bags, *psws):  # type: ignore[override]
+        outs, ex = _forward(shard, modules, bags)
+        ctx.ex = ex
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        psw_needed = list(ctx.needs_input_grad[4:])
+        psw_grads = _backward(ctx.ex, grads, psw_needed)
+        return (None, None, None, None, *psw_grads)

@@ -8,6 +8,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from veloce.embedding import DynamicEmbedding, lookup_many
+
 EmbeddingFactory = Callable[[int], nn.Module]
 """Builds one embedding module of the given dimension.
 
@@ -76,7 +78,10 @@ def lookup(embeddings: nn.ModuleDict, sparse: torch.Tensor, model: str) -> list[
     if sparse.dtype != torch.int64:
         raise ValueError(f"{model}: sparse must be int64, got {sparse.dtype}")
     cols = sparse.t().contiguous()  # (F, B): each feature's ids contiguous
-    return [emb(cols[i].view(-1, 1)) for i, emb in enumerate(embeddings.values())]
+    modules = list(embeddings.values())
+    if all(isinstance(m, DynamicEmbedding) for m in modules):
+        return lookup_many(modules, [cols[i].view(-1, 1) for i in range(len(modules))])  # one exchange when sharded
+    return [emb(cols[i].view(-1, 1)) for i, emb in enumerate(modules)]
 
 
 def check_dense(dense: torch.Tensor | None, num_dense: int, batch: int, model: str) -> None:
