@@ -146,7 +146,10 @@ def run(args) -> None:
     hp.flush()
     ex_s = meter.seconds / args.profile_steps
     ex_bytes = meter.bytes // args.profile_steps
-    base_s = a2a_baseline(ex_bytes, world, device) if world > 1 else 0.0
+    # The baseline moves the ranks' mean exchange bytes (all ranks must move the same amount).
+    mean_bytes = torch.tensor([float(ex_bytes)], device=device)
+    dist.all_reduce(mean_bytes)
+    base_s = a2a_baseline(int(mean_bytes.item() / world), world, device) if world > 1 else 0.0
     step_s = statistics.median(times)
     row = {
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "world_size": world,

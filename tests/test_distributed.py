@@ -319,7 +319,8 @@ def test_grouped_lookup_equals_one_process(world):
     model = Grouped()
     ref = {"preds": train(model, make_opt(model), 1, 0), "tables": tables_of(model, "abcd"), "eval": eval_preds(model)}
     check_sharded_equals_reference(results, ref, world)
-    assert results[0]["w"] == pytest.approx(model.w.item(), abs=1e-5) and model.w.item() != 1.5
+    # w's gradient sums many terms in another order per world size, and Adam normalises it.
+    assert results[0]["w"] == pytest.approx(model.w.item(), rel=1e-4) and model.w.item() != 1.5
 
 
 # ---- async ------------------------------------------------------------------------------
