@@ -77,25 +77,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
   };
 
   const Chunks ch = chunks_for(B, N, W);
+  // Visits the non-padding positions of chunk c in order: visit(position, owner, bag,
+  // first position of a new part). last_bag: per owner, the last bag seen in the chunk.
+  auto walk = [&](int64_t c, std::vector<int64_t>& last_bag, auto&& visit) {
+    std::fill(last_bag.begin(), last_bag.end(), -1);
+    for (int64_t b = ch.begin(c); b < std::min(B, ch.begin(c + 1)); ++b) {
+      for (int64_t i = off[b]; i < bag_end(b); ++i) {
+        const int64_t w = owner(i);
+        if (w < 0) continue;
+        const bool new_part = last_bag[w] != b;
+        last_bag[w] = b;
+        visit(i, w, b, new_part);
+      }
+    }
+  };
   // Pass 1: per chunk and owner, the number of ids and of parts (distinct (bag, owner)).
   std::vector<int64_t> ids_at(ch.count * W, 0), parts_at(ch.count * W, 0);
   at::parallel_for(0, ch.count, 1, [&](int64_t c0, int64_t c1) {
     std::vector<int64_t> last_bag(W);
     for (int64_t c = c0; c < c1; ++c) {
-      std::fill(last_bag.begin(), last_bag.end(), -1);
       int64_t* ni = ids_at.data() + c * W;
       int64_t* np = parts_at.data() + c * W;
-      for (int64_t b = ch.begin(c); b < std::min(B, ch.begin(c + 1)); ++b) {
-        for (int64_t i = off[b]; i < bag_end(b); ++i) {
-          const int64_t w = owner(i);
-          if (w < 0) continue;
-          ++ni[w];
-          if (last_bag[w] != b) {
-            last_bag[w] = b;
-            ++np[w];
-          }
-        }
-      }
+      walk(c, last_bag, [&](int64_t, int64_t w, int64_t, bool new_part) {
+        ++ni[w];
+        np[w] += new_part;
+      });
     }
   });
   // Exclusive scan in (owner, chunk) order: where each chunk's ids and parts of owner w go.
@@ -125,22 +131,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
   at::parallel_for(0, ch.count, 1, [&](int64_t c0, int64_t c1) {
     std::vector<int64_t> last_bag(W), cur_part(W);
     for (int64_t c = c0; c < c1; ++c) {
-      std::fill(last_bag.begin(), last_bag.end(), -1);
       int64_t* next_id = ids_at.data() + c * W;
       int64_t* next_part = parts_at.data() + c * W;
-      for (int64_t b = ch.begin(c); b < std::min(B, ch.begin(c + 1)); ++b) {
-        for (int64_t i = off[b]; i < bag_end(b); ++i) {
-          const int64_t w = owner(i);
-          if (w < 0) continue;
-          pm[next_id[w]++] = i;
-          if (last_bag[w] != b) {
-            last_bag[w] = b;
-            cur_part[w] = next_part[w]++;
-            bp[cur_part[w]] = b;
-          }
-          ++pl[cur_part[w]];
+      walk(c, last_bag, [&](int64_t i, int64_t w, int64_t b, bool new_part) {
+        pm[next_id[w]++] = i;
+        if (new_part) {
+          cur_part[w] = next_part[w]++;
+          bp[cur_part[w]] = b;
         }
-      }
+        ++pl[cur_part[w]];
+      });
     }
   });
   return {perm, id_splits, bag_of_part, part_lengths, part_splits};
