@@ -32,9 +32,10 @@ class Group:
 
 def exchange_headers(
     group: Group, sizes: Sequence[torch.Tensor], signature: Sequence[int], what: str
-) -> list[list[int]]:
+) -> tuple[list[list[int]], list[list[int]]]:
     """Sends ``sizes[k][r]`` and ``signature`` to every rank ``r``; returns, per field ``k``,
-    what each peer sends to this rank (``recv[k][peer]``).
+    what this rank sends to each peer and what each peer sends to it
+    (``sent[k][peer]``, ``received[k][peer]``), read to the host in one copy.
 
     Every peer's signature must equal this rank's; otherwise every rank raises
     :class:`ExchangeError` (each sees at least one disagreeing peer)."""
@@ -44,15 +45,20 @@ def exchange_headers(
     header = torch.cat([torch.stack([s.to(dev, torch.long) for s in sizes], 1), sig], 1).contiguous()
     recv = torch.empty_like(header)
     dist.all_to_all_single(recv, header, group=group.group)
-    rows = recv.tolist()  # the one host sync of an exchange: sizes the payloads
+    sent_rows, recv_rows = torch.stack([header, recv]).tolist()  # the host sync that sizes the payloads
     k = len(sizes)
-    for peer, row in enumerate(rows):
+    for peer, row in enumerate(recv_rows):
         if row[k:] != list(signature):
             raise ExchangeError(
                 f"{what}: rank {peer} sent signature {row[k:]} to rank {group.rank}, which expected "
                 f"{list(signature)}. Every rank must call its sharded tables in the same order with the same "
                 f"configuration (embedding dim, per_sample_weights given or not)."
             )
+    return _columns(sent_rows, k), _columns(recv_rows, k)
+
+
+def _columns(rows: list[list[int]], k: int) -> list[list[int]]:
+    """The first k columns of a (peer, field) table, as field -> per-peer values."""
     return [[row[j] for row in rows] for j in range(k)]
 
 

@@ -199,10 +199,11 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple]):
     ids_nk = torch.zeros(g.size * K, dtype=torch.long, device=dev).index_add_(0, cell, b.part_lengths)
     signature = (*[m._shard.tag for m in modules], modules[0].embedding_dim, int(any_psw))
     fields = [b.id_splits, b.part_splits, *parts_nk.view(g.size, K).t(), *ids_nk.view(g.size, K).t()]
-    recv = exchange_headers(g, fields, signature, f"DynamicEmbedding tables {[m._shard.tag for m in modules]}")
+    what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
+    sent, recv = exchange_headers(g, fields, signature, what)
+    id_splits, part_splits = sent[0], sent[1]
     recv_ids_n, recv_parts_n = recv[0], recv[1]
     recv_parts_nk, recv_ids_nk = recv[2 : 2 + K], recv[2 + K :]  # [k][peer]
-    id_splits, part_splits = b.id_splits.tolist(), b.part_splits.tolist()
 
     recv_ids = all_to_all(g, all_ids[b.perm], id_splits, recv_ids_n)
     recv_len = all_to_all(g, b.part_lengths, part_splits, recv_parts_n)
