@@ -176,7 +176,7 @@ def main() -> None:
         for load in (float(x) for x in args.loads.split(",")):
             rows += bench_one(dim, load, args, device)
 
-    print(f"\n| dim | capacity | load | op | ms | keys/s (2^30) | HierarchicalKV (H100) | ratio |")
+    print("\n| dim | capacity | load | op | ms | keys/s (2^30) | HierarchicalKV (H100) | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['dim']} | 2^{r['capacity'].bit_length() - 1} | {r['load']:.2f} ({r['actual_load']:.3f}) | "

@@ -534,7 +534,7 @@ def test_sigkill_at_random_times_leaves_a_loadable_checkpoint(tmp_path):
     big = nn.ModuleDict({"t": veloce.DynamicEmbedding(16, mode="sum", capacity=1 << 18)})
     n = 150_000
     big["t"].table.load_entries(_random_entries(n, 16, 16, seed=0))
-    first = ckpt.save_in(tmp_path, big, step=1)
+    ckpt.save_in(tmp_path, big, step=1)
     expected = table_state(big["t"])
     rng, steps = random.Random(0), [1]
     for trial in range(4):
