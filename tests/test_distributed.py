@@ -471,3 +471,71 @@ def test_trainer_async_on_two_ranks_trains(tmp_path):
     two = run_ranks(_trainer_run, 2, 256, {"sparse": "async", "staleness": 1}, str(tmp_path / "a"), timeout=120)
     assert two[0]["history"][-1]["val_auc"] > 0.6
     assert veloce.checkpoint.latest(tmp_path / "a") is not None
+
+
+# ---- agreement between ranks -------------------------------------------------------------
+def ids_owned_by(owner: int, world: int, n: int) -> list[int]:
+    ids = torch.arange(1, 64 * n * world + 1)
+    return ids[owner_of(ids, world) == owner][:n].tolist()
+
+
+def _nan_on_one_owner(rank, world):
+    emb = veloce.DynamicEmbedding(4, mode="sum")
+    HybridParallel(nn.Sequential(emb), dense="none")
+    out = emb(torch.tensor([[ids_owned_by(1, world, 1)[0]]]))
+    (out * (float("nan") if rank == 0 else 1.0)).sum().backward()  # only rank 1 receives the NaN
+    try:
+        emb.step()
+    except FloatingPointError as e:
+        return str(e)
+    return "stepped"
+
+
+def test_nonfinite_gradient_raises_on_every_rank():
+    for msg in run_ranks(_nan_on_one_owner, 2, timeout=60):
+        assert "over all ranks" in msg and "1 bag(s) holds NaN or Inf" in msg
+
+
+def _adam_intermittent(rank, world, batches):
+    emb = veloce.DynamicEmbedding(2, mode="sum", optimizer=veloce.optim.Adam(lr=0.1), seed=3)
+    HybridParallel(nn.Sequential(emb), dense="none")
+    for b in batches:
+        emb(torch.tensor([b[rank]])).sum().backward()
+        emb.step()
+        emb.zero_grad()
+    return emb.step_count, {k: v for k, v in emb.export().items() if k != "step"}
+
+
+def test_adam_step_count_is_global_when_a_shard_gets_no_gradient():
+    """Step 1 touches only rank 0's rows, step 2 only rank 1's: every shard still counts
+    both steps (Adam's bias correction), as one process does."""
+    a0, a1 = ids_owned_by(0, 2, 2), ids_owned_by(1, 2, 2)
+    batches = [[[a0[0]], [a0[1]]], [[a1[0]], [a1[1]]]]
+    results = run_ranks(_adam_intermittent, 2, batches, timeout=60)
+    emb = veloce.DynamicEmbedding(2, mode="sum", optimizer=veloce.optim.Adam(lr=0.1), seed=3)
+    for b in batches:
+        (emb(torch.tensor([b[0], b[1]])).sum() / 2).backward()  # the global mean of the two ranks
+        emb.step()
+        emb.zero_grad()
+    assert [r[0] for r in results] == [2, 2] == [emb.step_count] * 2
+    got = merged([{"t": r[1]} for r in results])["t"]
+    want = emb.export()
+    order = want["keys"].argsort()
+    torch.testing.assert_close(got["weights"], want["weights"][order], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got["optimizer_state"], want["optimizer_state"][order], rtol=1e-6, atol=1e-6)
+
+
+def _grouped_differently(rank, world):
+    a, b = veloce.DynamicEmbedding(4, mode="sum"), veloce.DynamicEmbedding(4, mode="sum")
+    HybridParallel(nn.ModuleList([a, b]), dense="none")
+    x = torch.tensor([[1, 2]])
+    try:
+        veloce.lookup_many([a, b], [x, x]) if rank == 0 else [a(x), b(x)]
+    except ExchangeError as e:
+        return str(e)
+    return "looked up"
+
+
+def test_ranks_grouping_tables_differently_raise_on_every_rank():
+    for rank, msg in enumerate(run_ranks(_grouped_differently, 2, timeout=60)):
+        assert f"rank {1 - rank} sent signature" in msg and "grouped the same way" in msg

@@ -118,6 +118,7 @@ class DynamicEmbedding(nn.Module):
         # Inputs of the backward passes since the last step (gradient accumulation).
         self._pending: list[_Pending] = []
         self._last_lr: Optional[float] = None  # the learning rate of the last step()
+        self._had_backward = False  # a backward pass reached the table since the last step()
         # Row-wise sharding across ranks (set by veloce.distributed.HybridParallel).
         self._shard: Optional[Any] = None
 
@@ -220,6 +221,7 @@ class DynamicEmbedding(nn.Module):
     # ---- the sparse optimizer ---------------------------------------------------------
     def _accumulate(self, entry: "_Pending") -> None:
         """Keeps one backward pass's inputs until step() (gradient accumulation)."""
+        self._had_backward = True
         if entry.slots.numel():
             self._pending.append(entry)
 
@@ -270,10 +272,17 @@ class DynamicEmbedding(nn.Module):
         self._apply_pending(lr)
 
     def _apply_pending(self, lr: Optional[float]) -> None:
+        had_backward, self._had_backward = self._had_backward, False
+        bad = self._check_finite()
         if not self._pending:
+            # A gradient over no rows (a lookup of no ids, or a shard that received none)
+            # still counts as a step, as for torch's SparseAdam: every shard of a table
+            # keeps the step count of one process.
+            self.step_count += int(had_backward)
             return
         _ext.require()
-        self._check_finite()
+        if bad is not None:
+            self._pending = [e._replace(grad=e.grad.masked_fill(b.unsqueeze(1), 0)) for e, b in zip(self._pending, bad)]
         e = self._merged()
         slots = self._resolved(e) if e.ids is not None else e.slots
         self.step_count += 1
@@ -287,27 +296,39 @@ class DynamicEmbedding(nn.Module):
         )  # fmt: skip
         self._pending.clear()
 
-    def _check_finite(self) -> None:
-        """The nonfinite_grad policy, applied to the pooled gradients (one reduction each)."""
+    def _check_finite(self) -> Optional[list[torch.Tensor]]:
+        """The nonfinite_grad policy on the pooled gradients (one reduction each). "raise"
+        raises (on every rank of a sharded table: the ranks agree first, so none is left
+        waiting in the next exchange); "skip" returns per pending entry the bags to drop
+        (None when every gradient is finite)."""
         if self.nonfinite_grad == "apply":
-            return
-        for i, e in enumerate(self._pending):
-            if bool(torch.isfinite(e.grad.sum()).item()):
-                continue
-            bad_bags = ~torch.isfinite(e.grad).all(dim=1)
-            if not bool(bad_bags.any()):
-                continue  # the sum overflowed; every element is finite
-            if self.nonfinite_grad == "raise":
+            return None
+        bad: list[torch.Tensor] = []
+        num_bad = 0
+        for e in self._pending:
+            finite = bool(torch.isfinite(e.grad.sum()).item())
+            b = torch.zeros(e.grad.shape[0], dtype=torch.bool, device=e.grad.device)
+            if not finite:
+                b = ~torch.isfinite(e.grad).all(dim=1)  # all finite if only the sum overflowed
+                num_bad += int(b.sum())
+            bad.append(b)
+        if self.nonfinite_grad == "raise":
+            where = "its"
+            if self._shard is not None:
+                num_bad, where = self._shard.agree(num_bad), "this table's (over all ranks)"
+            if num_bad:
                 raise FloatingPointError(
-                    f"DynamicEmbedding.step: the gradient of {int(bad_bags.sum())} bag(s) holds NaN or Inf; "
-                    f"nothing was applied. Call zero_grad() to drop it, or construct with "
-                    f"nonfinite_grad='skip' to drop such bags' gradients."
+                    f"DynamicEmbedding.step: {where} gradient of {num_bad} bag(s) holds NaN or Inf; nothing was "
+                    f"applied. Call zero_grad() to drop it, or construct with nonfinite_grad='skip' to drop such "
+                    f"bags' gradients."
                 )
-            self._pending[i] = e._replace(grad=e.grad.masked_fill(bad_bags.unsqueeze(1), 0))
+            return None
+        return bad if num_bad else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the pending sparse gradient (and dense grads of submodules, if any)."""
         self._pending.clear()
+        self._had_backward = False
         super().zero_grad(set_to_none=set_to_none)
 
     # ---- table access -----------------------------------------------------------------
@@ -465,6 +486,7 @@ def _check_offsets(offsets: torch.Tensor, n: int, include_last_offset: bool) -> 
     if last > n:
         raise ValueError(f"offsets[-1] = {last} is past the end of input ({n} ids)")
     raise ValueError(f"with include_last_offset=True, offsets[-1] must equal the number of ids ({n}), got {last}")
+
 
 class _Pending(NamedTuple):
     """The inputs of one backward pass, kept until step(): the gradient is summed per row

@@ -33,27 +33,32 @@ class Group:
 def exchange_headers(
     group: Group, sizes: Sequence[torch.Tensor], signature: Sequence[int], what: str
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Sends ``sizes[k][r]`` and ``signature`` to every rank ``r``; returns, per field ``k``,
-    what this rank sends to each peer and what each peer sends to it
-    (``sent[k][peer]``, ``received[k][peer]``), read to the host in one copy.
+    """Sends ``sizes[k][r]`` to every rank ``r``; returns, per field ``k``, what this rank
+    sends to each peer and what each peer sends to it (``sent[k][peer]``,
+    ``received[k][peer]``).
 
-    Every peer's signature must equal this rank's; otherwise every rank raises
-    :class:`ExchangeError` (each sees at least one disagreeing peer)."""
+    First the ranks swap ``signature`` (a fixed number of ints describing the exchange,
+    with the number of fields prepended); if any peer's differs, every rank raises
+    :class:`ExchangeError` (each sees at least one disagreeing peer) before the sizes,
+    whose number may then differ, are exchanged."""
     w = group.size
     dev = sizes[0].device
-    sig = torch.tensor(list(signature), dtype=torch.long, device=dev).expand(w, len(signature))
-    header = torch.cat([torch.stack([s.to(dev, torch.long) for s in sizes], 1), sig], 1).contiguous()
+    mine = [len(sizes), *signature]
+    sig = torch.tensor(mine, dtype=torch.long, device=dev).expand(w, len(mine)).contiguous()
+    theirs = torch.empty_like(sig)
+    dist.all_to_all_single(theirs, sig, group=group.group)
+    for peer, row in enumerate(theirs.tolist()):
+        if row != mine:
+            raise ExchangeError(
+                f"{what}: rank {peer} sent signature {row} to rank {group.rank}, which expected {mine}. Every rank "
+                f"must call its sharded tables in the same order, grouped the same way, with the same "
+                f"configuration (embedding dim, per_sample_weights given or not and requiring grad or not)."
+            )
+    header = torch.stack([s.to(dev, torch.long) for s in sizes], 1).contiguous()
     recv = torch.empty_like(header)
     dist.all_to_all_single(recv, header, group=group.group)
     sent_rows, recv_rows = torch.stack([header, recv]).tolist()  # the host sync that sizes the payloads
     k = len(sizes)
-    for peer, row in enumerate(recv_rows):
-        if row[k:] != list(signature):
-            raise ExchangeError(
-                f"{what}: rank {peer} sent signature {row[k:]} to rank {group.rank}, which expected "
-                f"{list(signature)}. Every rank must call its sharded tables in the same order with the same "
-                f"configuration (embedding dim, per_sample_weights given or not)."
-            )
     return _columns(sent_rows, k), _columns(recv_rows, k)
 
 

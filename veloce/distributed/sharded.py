@@ -92,11 +92,21 @@ class Shard:
             f = self.in_flight.popleft()
             _record(module, f.owner, f.grad())
 
+    def agree(self, count: int) -> int:
+        """The sum of ``count`` over the ranks (a collective: every rank calls it)."""
+        t = torch.tensor([count], dtype=torch.long, device=_collective_device(self.group))
+        torch.distributed.all_reduce(t, group=self.group.group)
+        return int(t.item())
+
     def flush(self, module) -> None:
         """Waits for every gradient in flight and adds it to the pending gradient."""
         while self.in_flight:
             f = self.in_flight.popleft()
             _record(module, f.owner, f.grad())
+
+
+def _collective_device(group: Group) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
 
 
 # ---- one exchange for K tables --------------------------------------------------------------
@@ -146,7 +156,8 @@ def sharded_lookup(modules: Sequence, bags: Sequence[tuple]) -> list[torch.Tenso
             outs, _ = _forward(shard, modules, bags)
         return list(outs)
     anchor = torch.empty(0, device=bags[0][0].device, requires_grad=True)
-    return list(_GroupedLookup.apply(anchor, shard, modules, bags, *psws))
+    psw_grad = any(p is not None and p.requires_grad for p in psws)
+    return list(_GroupedLookup.apply(anchor, shard, modules, bags, psw_grad, *psws))
 
 
 def _drop_padding(module, ids, offsets, psw):
@@ -168,7 +179,7 @@ def _drop_padding(module, ids, offsets, psw):
     return ids[kept], starts, None if psw is None else psw[kept], kept
 
 
-def _forward(shard: Shard, modules: list, bags: Sequence[tuple]):
+def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False):
     g = shard.group
     K = len(modules)
     dev = bags[0][0].device
@@ -197,7 +208,7 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple]):
     cell = owner_of_part * K + table_of_part
     parts_nk = torch.zeros(g.size * K, dtype=torch.long, device=dev).index_add_(0, cell, torch.ones_like(cell))
     ids_nk = torch.zeros(g.size * K, dtype=torch.long, device=dev).index_add_(0, cell, b.part_lengths)
-    signature = (*[m._shard.tag for m in modules], modules[0].embedding_dim, int(any_psw))
+    signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(any_psw), int(psw_grad))
     fields = [b.id_splits, b.part_splits, *parts_nk.view(g.size, K).t(), *ids_nk.view(g.size, K).t()]
     what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
     sent, recv = exchange_headers(g, fields, signature, what)
@@ -239,6 +250,14 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple]):
                    ids_per_table, served)  # fmt: skip
     # Separate tensors per table (not views of one), so autograd treats each on its own.
     return (out,) if K == 1 else tuple(o.clone() for o in out.split(num_bags)), ex
+
+
+def _tags_hash(modules) -> int:
+    """A fingerprint of which tables an exchange serves, the same on every rank."""
+    h = 0
+    for m in modules:
+        h = (h * 1_000_003 + m._shard.tag + 1) % (1 << 61)
+    return h
 
 
 def _cumsum(xs):
@@ -364,13 +383,13 @@ class _GroupedLookup(torch.autograd.Function):
     require one."""
 
     @staticmethod
-    def forward(ctx, anchor, shard, modules, bags, *psws):  # type: ignore[override]
-        outs, ex = _forward(shard, modules, bags)
+    def forward(ctx, anchor, shard, modules, bags, psw_grad, *psws):  # type: ignore[override]
+        outs, ex = _forward(shard, modules, bags, psw_grad)
         ctx.ex = ex
         return outs
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        psw_needed = list(ctx.needs_input_grad[4:])
+        psw_needed = list(ctx.needs_input_grad[5:])
         psw_grads = _backward(ctx.ex, grads, psw_needed)
-        return (None, None, None, None, *psw_grads)
+        return (None, None, None, None, None, *psw_grads)
