@@ -539,3 +539,30 @@ def _grouped_differently(rank, world):
 def test_ranks_grouping_tables_differently_raise_on_every_rank():
     for rank, msg in enumerate(run_ranks(_grouped_differently, 2, timeout=60)):
         assert f"rank {1 - rank} sent signature" in msg and "grouped the same way" in msg
+
+
+def _uneven_batch_counts(rank, world, ckpt):
+    import warnings
+
+    from veloce.data import SyntheticClicks
+    from veloce.models import DLRM
+
+    torch.manual_seed(0)
+    model = DLRM(2, 2, embedding_dim=4, bottom_mlp=(4,), top_mlp=(4, 1))
+    train = SyntheticClicks(3 * 8, 8, num_dense=2, num_sparse=2, rank=rank, world_size=world)  # 2 + 1 batches
+    trainer = veloce.Trainer(model, strategy={"sparse": "async", "staleness": 1}, progress=False,
+                             metrics={"auc": veloce.metrics.AUC()}, max_epochs=2)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(train, val_loader=train)
+    in_flight = sum(len(m._shard.in_flight) for m in model.modules() if isinstance(m, veloce.DynamicEmbedding))
+    return len(train), trainer.global_step, in_flight, [str(w.message) for w in caught if "more batches" in str(w.message)]
+
+
+def test_ranks_with_different_batch_counts_stop_together():
+    """Rank 0's loader has 2 batches, rank 1's has 1: the ranks step together (one step per
+    epoch), rank 0 warns that it skips its extra batch, evaluation does not hang either,
+    and no async gradient is left in flight when fit returns."""
+    (n0, steps0, fl0, w0), (n1, steps1, fl1, w1) = run_ranks(_uneven_batch_counts, 2, None, timeout=60)
+    assert (n0, n1) == (2, 1) and steps0 == steps1 == 2 and fl0 == fl1 == 0
+    assert w0 and "has more batches than another rank" in w0[0] and not w1

@@ -370,3 +370,18 @@ def test_metrics_over_ranks_see_every_rank_predictions(monkeypatch):
     sink = trainer_mod._MetricSink({"auc": veloce.metrics.AUC()}, world_size=2)
     sink.update(torch.tensor([0.2, 0.1]), torch.tensor([0.0, 1.0]))  # alone: AUC 0
     assert sink.compute() == {"auc": pytest.approx(0.75)}  # 4 samples: 3 of 4 pairs ordered
+
+
+def test_max_steps_reached_by_a_last_partial_group_stops_the_run():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e, self.lin = veloce.DynamicEmbedding(4, mode="sum"), nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.lin(self.e(x)).squeeze(1)
+
+    data = [((torch.tensor([[i]]),), torch.tensor([1.0])) for i in range(5)]  # 3 steps per epoch
+    trainer = veloce.Trainer(M(), accumulate_steps=2, max_epochs=3, max_steps=3, progress=False)
+    trainer.fit(data)
+    assert trainer.global_step == 3

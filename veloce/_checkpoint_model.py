@@ -62,14 +62,15 @@ def shard_of(module: DynamicEmbedding) -> tuple[int, int]:
     return tuple(table_shard(module))
 
 
-def check_flushed(model: nn.Module) -> None:
-    """Refuses to save tables whose sparse gradients are still in flight (HybridParallel
-    with sparse="async"): the checkpoint would silently miss those updates."""
+def check_flushed(model: nn.Module, action: str = "saving") -> None:
+    """Refuses to save (or load into) tables whose sparse gradients are still in flight
+    (HybridParallel with sparse="async"): a checkpoint would silently miss those updates,
+    and a load would have them applied to the restored rows later."""
     late = [n for n, m in tables_of(model).items() if getattr(getattr(m, "_shard", None), "in_flight", None)]
     if late:
         raise CheckpointError(
             f"table(s) {late} have sparse gradients in flight (HybridParallel sparse='async'); call "
-            f"model.flush() on every rank before saving, or those updates are not in the checkpoint"
+            f"model.flush() on every rank before {action}: those updates belong to the current state"
         )
 
 

@@ -4,13 +4,15 @@
   tensors to a device and :func:`call_model` calls the model with ``inputs``;
 - :func:`model_device` finds where a model lives (dense parameters or embedding tables);
 - :func:`rng_state` / :func:`set_rng_state`: the torch RNG states as JSON-serialisable lists;
-- :func:`world` and :func:`gather`: ``torch.distributed`` when it is initialised, else
-  the one-process answers, so the Trainer has one code path for 1 and N ranks.
+- :func:`world`, :func:`gather`, :func:`broadcast` and :func:`lockstep`:
+  ``torch.distributed`` when it is initialised, else the one-process answers, so the
+  Trainer has one code path for 1 and N ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -100,3 +102,45 @@ def gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * size
     torch.distributed.all_gather_object(out, obj)
     return out
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (``broadcast_object_list``); ``obj`` in one process."""
+    _, size = world()
+    if size == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+_END = object()
+
+
+def lockstep(batches: Iterable, device: torch.device, what: str) -> Iterator:
+    """The batches of this rank, for as long as every rank still has one.
+
+    Sharded lookups are collectives, so ranks must run the same number of steps; when
+    their loaders yield different numbers of batches, all ranks stop at the shortest
+    (one tiny all-reduce per batch) and a rank that drops batches warns."""
+    _, size = world()
+    if size == 1:
+        yield from batches
+        return
+    dist = torch.distributed
+    dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    it = iter(batches)
+    while True:
+        batch = next(it, _END)
+        flag = torch.tensor([0 if batch is _END else 1], dtype=torch.int32, device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not int(flag.item()):
+            if batch is not _END:
+                warnings.warn(
+                    f"{what}: this rank ({dist.get_rank()}) has more batches than another rank; its remaining "
+                    f"batches are skipped so that every rank runs the same steps. Give every rank the same "
+                    f"number of batches (e.g. drop_last, or a sample count that splits evenly).",
+                    stacklevel=2,
+                )
+            return
+        yield batch

@@ -125,6 +125,7 @@ def load(
         CheckpointError: the checkpoint is refused; nothing was changed.
     """
     path, model = Path(path), _model.unwrap(model)
+    _model.check_flushed(model, "loading")
     plan = _io.agree(lambda: _model.read(path, model, optimizer, strict))
     undo = _model.Undo(plan, optimizer)
     try:

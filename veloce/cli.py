@@ -12,6 +12,7 @@ Exit status: 0 on success, 1 on a runtime or checkpoint error, 2 on a config err
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -50,10 +51,12 @@ def build_model(cfg: Config, device: torch.device) -> nn.Module:
     sparse_cls = getattr(veloce.optim, _SPARSE_OPTIMIZERS[s.name])
     sparse_opt = sparse_cls(lr=s.lr, weight_decay=s.weight_decay, **eps)
 
+    seeds = itertools.count(cfg.trainer.seed * 1000)  # one seed per table: features start apart
+
     def table(dim: int) -> veloce.DynamicEmbedding:
         return veloce.DynamicEmbedding(
             dim, mode=t.mode, capacity=t.capacity, max_capacity=t.max_capacity, eviction=t.eviction,
-            initializer=init, optimizer=sparse_opt, device=device,
+            initializer=init, optimizer=sparse_opt, seed=next(seeds), device=device,
         )  # fmt: skip
 
     num_dense, num_sparse = _feature_counts(cfg)
@@ -169,9 +172,10 @@ def _evaluate(args: argparse.Namespace) -> int:
     found = path if (path / "manifest.json").exists() else checkpoint.latest(path)
     if found is None:
         raise checkpoint.CheckpointError(f"no committed checkpoint at or under {path}")
-    step = checkpoint.load(found, model)["step"]
+    trainer = build_trainer(cfg, model, checkpoints=False)  # shards the tables first on several ranks
+    step = checkpoint.load(found, trainer.model)["step"]
     _, val = build_loaders(cfg, rank, world_size)
-    result = build_trainer(cfg, model, checkpoints=False).evaluate(val)
+    result = trainer.evaluate(val)
     if rank == 0:
         print(json.dumps({"checkpoint": str(found), "step": step, **result}))
     return 0

@@ -22,7 +22,7 @@ from torch import nn
 
 from veloce import checkpoint
 from veloce._training import batch_size, call_model, gather, model_device, move_to, rng_state, set_rng_state
-from veloce._training import split_batch, world
+from veloce._training import broadcast, gather, lockstep, split_batch, world
 from veloce.callbacks import Callback, JSONLinesLogger, ProgressBar, TensorBoardLogger
 from veloce.optim import CombinedOptimizer
 
@@ -158,11 +158,12 @@ class Trainer:
             return self.history
         self._train_len = _len_or_none(train_loader)
         self._call("on_fit_start")
-        while self.epoch < self.max_epochs and not self.should_stop:
+        while self.epoch < self.max_epochs and not self.should_stop and not self._steps_exhausted():
             completed = self._train_epoch(train_loader)
             if not completed:
                 break
             self._end_epoch(val_loader)
+        self._flush()  # async sparse updates still in flight belong to the result
         self._save()
         self._call("on_fit_end", self.history)
         return self.history
@@ -181,7 +182,7 @@ class Trainer:
         self.model.eval()
         sink = _MetricSink(self.metrics, self.world_size)
         try:
-            for batch in loader:
+            for batch in lockstep(loader, self.device, "Trainer.evaluate"):
                 inputs, target = move_to(split_batch(batch), self.device)
                 with self._autocast():
                     preds = call_model(self.model, inputs)
@@ -239,7 +240,7 @@ class Trainer:
                     )
             set_rng_state(at_checkpoint)
         self._totals.start_clock()
-        return it
+        return lockstep(it, self.device, "Trainer.fit")
 
     def _forward_backward(self, batch: Any) -> None:
         inputs, target = move_to(split_batch(batch), self.device)
@@ -279,6 +280,7 @@ class Trainer:
         """Loads the newest checkpoint, or seeds the RNG for a fresh run."""
         self.should_stop = False
         path = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        path = broadcast(None if path is None else str(path))  # every rank resumes from rank 0's choice
         if path is None:
             if self.global_step == 0:
                 torch.manual_seed(self.seed)
@@ -287,11 +289,12 @@ class Trainer:
         self.epoch, self.global_step = extra["epoch"], extra["global_step"]
         self.batches_in_epoch, self.steps_in_epoch = extra["batches_in_epoch"], extra["steps_in_epoch"]
         self.history, self._finished = extra["history"], extra["finished"]
-        self._epoch_rng = extra["epoch_rng"]
-        self._totals.load(extra["totals"], self.device)
+        mine = _rank_state(extra["ranks"], self.rank, self.world_size)
+        self._epoch_rng = mine["epoch_rng"]
+        self._totals.load(mine["totals"], self.device)
         for cb, state in zip(self.callbacks, extra["callbacks"]):
             cb.load_state_dict(state)
-        set_rng_state(extra["rng"])
+        set_rng_state(mine["rng"])
         self._last_saved = self.global_step
 
     def _save(self) -> None:
@@ -301,8 +304,9 @@ class Trainer:
         extra = {
             "epoch": self.epoch, "global_step": self.global_step, "batches_in_epoch": self.batches_in_epoch,
             "steps_in_epoch": self.steps_in_epoch, "history": self.history, "finished": self.should_stop,
-            "totals": self._totals.state(), "rng": rng_state(), "epoch_rng": self._epoch_rng,
             "callbacks": [cb.state_dict() for cb in self.callbacks],
+            # each rank's RNG and running totals (a collective: every rank saves)
+            "ranks": gather({"rng": rng_state(), "epoch_rng": self._epoch_rng, "totals": self._totals.state()}),
         }  # fmt: skip
         checkpoint.save_in(self.checkpoint_dir, self.model, self.optimizer, step=self.global_step,
                            extra=extra, keep_last=self.keep_last)  # fmt: skip
@@ -413,6 +417,17 @@ class _MetricSink:
             for m in self.gathered.values():
                 m.update(preds, target)
         return {k: float(m.compute()) for k, m in self.metrics.items()}
+
+
+def _rank_state(ranks: list[dict[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's saved RNG and epoch totals. Saved by another number of ranks: rank 0's
+    RNG everywhere, and the epoch totals summed on rank 0 (zero elsewhere) so that the
+    epoch's summary over ranks stays right."""
+    if len(ranks) == world_size:
+        return ranks[rank]
+    totals = [r["totals"] for r in ranks]
+    summed = {k: sum(t[k] for t in totals) for k in totals[0]} if rank == 0 else {k: 0 for k in totals[0]}
+    return {**ranks[0], "totals": summed}
 
 
 def _wrap(model: nn.Module, strategy: Optional[Mapping[str, Any]]) -> nn.Module:

@@ -104,8 +104,10 @@ class HybridParallel(nn.Module):
         backend = dist.get_backend(process_group)
         # Sparse exchanges get their own groups: they never queue behind DDP's all-reduces,
         # and async gradient exchanges never queue behind the next step's lookups.
-        lookup_group = Group(dist.new_group(ranks=ranks, backend=backend))
-        grad_group = Group(dist.new_group(ranks=ranks, backend=backend)) if self.sparse == "async" else None
+        # With a subgroup, only its ranks take part in creating the new groups.
+        local = {"use_local_synchronization": True} if ranks is not None else {}
+        lookup_group = Group(dist.new_group(ranks=ranks, backend=backend, **local))
+        grad_group = Group(dist.new_group(ranks=ranks, backend=backend, **local)) if self.sparse == "async" else None
         for tag, (name, m) in enumerate(self.tables):
             if m._shard is not None:
                 raise ValueError(f"HybridParallel: table {name!r} is already sharded by another wrapper")
