@@ -566,3 +566,21 @@ def test_ranks_with_different_batch_counts_stop_together():
     (n0, steps0, fl0, w0), (n1, steps1, fl1, w1) = run_ranks(_uneven_batch_counts, 2, None, timeout=60)
     assert (n0, n1) == (2, 1) and steps0 == steps1 == 2 and fl0 == fl1 == 0
     assert w0 and "has more batches than another rank" in w0[0] and not w1
+
+
+def _insert_foreign(rank, world):
+    emb = veloce.DynamicEmbedding(4, mode="sum")
+    HybridParallel(nn.Sequential(emb), dense="none")
+    mine, theirs = ids_owned_by(rank, world, 2), ids_owned_by(1 - rank, world, 1)
+    emb.insert(torch.tensor(mine), torch.ones(2, 4))
+    try:
+        emb.insert(torch.tensor(mine + theirs), torch.ones(3, 4))
+    except ValueError as e:
+        return len(emb), str(e)
+    return len(emb), None
+
+
+def test_insert_on_a_shard_refuses_ids_of_other_ranks():
+    for rank, (size, msg) in enumerate(run_ranks(_insert_foreign, 2, timeout=60)):
+        assert size == 2 and msg is not None
+        assert "ids[2] = " in msg and f"belongs to rank {1 - rank}, not to this rank ({rank})" in msg

@@ -362,8 +362,12 @@ class DynamicEmbedding(nn.Module):
     @torch.no_grad()
     def insert(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Writes rows (insert_or_assign): ``weights`` (N, D) for ``ids`` (N,). New rows get
-        zero optimizer state; existing rows keep theirs."""
+        zero optimizer state; existing rows keep theirs. On a table sharded by
+        ``HybridParallel`` this writes this rank's shard, so every id must be one this
+        rank owns (``veloce.distributed.owner_of(ids, world_size) == rank``)."""
         ids = self._check_ids(ids, "ids")
+        if self._shard is not None:
+            self._check_owned(ids)
         if weights.shape != (ids.numel(), self.embedding_dim):
             raise ValueError(f"weights must have shape ({ids.numel()}, {self.embedding_dim}), got {tuple(weights.shape)}")
         self.table.insert(ids, weights.to(self.table.device, self.table.weights.dtype))
@@ -380,6 +384,19 @@ class DynamicEmbedding(nn.Module):
         out = self.table.export()
         out["step"] = torch.tensor(self.step_count, dtype=torch.long)
         return out
+
+    def _check_owned(self, ids: torch.Tensor) -> None:
+        from veloce.ops.exchange import owner_of
+
+        rank, world = self._shard.group.rank, self._shard.group.size
+        foreign = (owner_of(ids, world) != rank).nonzero()
+        if foreign.numel():
+            i = int(foreign[0, 0])
+            raise ValueError(
+                f"ids[{i}] = {int(ids[i])} belongs to rank {int(owner_of(ids[i : i + 1], world))}, not to this "
+                f"rank ({rank}) of this sharded table; insert each id on its owner "
+                f"(veloce.distributed.owner_of(ids, {world}) == rank). {foreign.numel()} id(s) are not this rank's."
+            )
 
     def _check_ids(self, ids: torch.Tensor, name: str) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):

@@ -87,6 +87,9 @@ class HybridParallel(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.tables = [(n, m) for n, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
+        taken = [n for n, m in self.tables if m._shard is not None]
+        if taken:
+            raise ValueError(f"HybridParallel: table(s) {taken} are already sharded by another wrapper")
         if self.world_size > 1:
             self._shard_tables(process_group)
         dense_params = [p for p in model.parameters() if p.requires_grad]
@@ -109,8 +112,6 @@ class HybridParallel(nn.Module):
         lookup_group = Group(dist.new_group(ranks=ranks, backend=backend, **local))
         grad_group = Group(dist.new_group(ranks=ranks, backend=backend, **local)) if self.sparse == "async" else None
         for tag, (name, m) in enumerate(self.tables):
-            if m._shard is not None:
-                raise ValueError(f"HybridParallel: table {name!r} is already sharded by another wrapper")
             m._shard = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
