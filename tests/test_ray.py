@@ -3,7 +3,7 @@ CPU ranks, the same job on 2 Ray Train workers of a local Ray cluster, kill-and-
 under torchrun (``--max-restarts=1``) and Ray (``max_failures=1``), and the option errors.
 
 Every job is the SMALL config of ``tests/_jobs.py`` (DLRM, 2 ranks, 16 steps, checkpoints
-every 3 steps); each is compared with the uninterrupted torchrun job: tables (sorted by
+every 6 steps); each is compared with the uninterrupted torchrun job: tables (sorted by
 key) and predictions of the final checkpoint within 1e-5, and the validation history.
 Every multi-process run has a timeout that names the ranks still running.
 """
@@ -27,6 +27,7 @@ from veloce.config import load_config
 TIMEOUT = 120.0  # seconds per job (a Ray job with a restart starts two worker groups)
 FINAL_STEP = 16
 KILL_STEP = 7  # rank 1 dies after step 7; the last checkpoint before it is step 6
+HEALTH_CHECK_S = 0.5  # how often the Ray Train controller polls its workers (and collects reports)
 
 
 # ---- the reference: torchrun through the CLI, 2 ranks, uninterrupted ------------------------
@@ -108,8 +109,8 @@ def ray_cluster():
     ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'veloce[ray]'")
     pytest.importorskip("ray.train.torch", reason="Ray Train is not installed: pip install 'veloce[ray]'")
     path = f"{ROOT}:{ROOT / 'tests'}"
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": path}})  # fmt: skip
+    env = {"PYTHONPATH": path, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(HEALTH_CHECK_S)}
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": env})
     yield ray
     ray.shutdown()
 
@@ -152,10 +153,12 @@ def test_ray_job_equals_torchrun(ray_cluster, reference, tmp_path):
 
 
 def test_ray_restarts_a_killed_worker_from_the_last_checkpoint(ray_cluster, reference, tmp_path):
-    """Rank 1 killed after step 7; Ray (max_failures=1) restarts both workers from the last
-    reported checkpoint (step 6) and the job ends equal to the uninterrupted one."""
+    """Rank 1 killed after step 7, and the Trainer's own checkpoints lost with it; Ray
+    (max_failures=1) restarts both workers from its copy of the last reported checkpoint
+    (step 6), and the job ends equal to the uninterrupted one."""
     progress = tmp_path / "progress"
-    run_on_ray(tmp_path, progress, max_failures=1, callbacks=[KillOnce(1, KILL_STEP, progress / "killed")])
+    kill = KillOnce(1, KILL_STEP, progress / "killed", delay=4 * HEALTH_CHECK_S, wipe=tmp_path / "checkpoints")
+    run_on_ray(tmp_path, progress, max_failures=1, callbacks=[kill])
     assert (progress / "killed").exists()
     assert starts(progress, 0) == starts(progress, 1) == [0, 6]
     assert_same_state(final_state(tmp_path), reference["state"])
@@ -186,12 +189,14 @@ def test_launcher_option_errors_name_the_option(tmp_path, capsys, options, messa
     assert not (tmp_path / "checkpoints").exists()  # nothing ran
 
 
-def test_launcher_ray_without_ray_says_how_to_install(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails
-    monkeypatch.delitem(sys.modules, "veloce.ray", raising=False)
-    assert cli.main(["train", write_config(tmp_path), "--launcher", "ray", "--workers", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "--launcher ray: veloce.ray needs Ray Train" in err and "pip install 'veloce[ray]'" in err
+def test_launcher_ray_without_ray_says_how_to_install(tmp_path):
+    # in a fresh process where ``import ray`` fails (this one may be running Ray)
+    code = "import sys; sys.modules['ray'] = None; from veloce import cli; sys.exit(cli.main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", code, "train", write_config(tmp_path), "--launcher", "ray", "--workers", "2"]
+    done = run_command(cmd, 60)
+    assert done.returncode == 2, done.stdout
+    assert "veloce train: --launcher ray: veloce.ray needs Ray Train" in done.stdout
+    assert "pip install 'veloce[ray]'" in done.stdout
 
 
 def test_config_errors_come_before_launching(tmp_path, capsys):
