@@ -100,8 +100,14 @@ def run_command(cmd: list[str], timeout: float, cwd: Optional[Path] = None,
     running after ``timeout`` seconds (processes under it started with ``RANK`` set), after
     killing every process under it."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}  # veloce from this checkout
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": path,
+        **(env or {}),
+    }  # veloce from this checkout
+    out = subprocess.PIPE
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -112,8 +118,11 @@ def run_command(cmd: list[str], timeout: float, cwd: Optional[Path] = None,
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=10)
-        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout:.0f} s; still running: "
-                             f"{', '.join(hung) or 'no rank (the launcher itself)'}; output:\n{out}") from None  # fmt: skip
+        running = ", ".join(hung) or "no rank (the launcher itself)"
+        message = (
+            f"{' '.join(cmd)} did not finish in {timeout:.0f} s; still running: {running}; output:\n{out}"
+        )
+        raise AssertionError(message) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 

@@ -71,7 +71,9 @@ def assert_same_state(got: dict, want: dict) -> None:
     for name, table in want["tables"].items():
         assert torch.equal(got["tables"][name]["keys"], table["keys"]), name
         for k in ("weights", "optimizer_state"):
-            torch.testing.assert_close(got["tables"][name][k], table[k], rtol=1e-5, atol=1e-5, msg=f"{name}.{k}")
+            torch.testing.assert_close(
+                got["tables"][name][k], table[k], rtol=1e-5, atol=1e-5, msg=f"{name}.{k}"
+            )
     torch.testing.assert_close(got["preds"], want["preds"], rtol=1e-5, atol=1e-5)
     fields = ("epoch", "step", "samples", "val_auc", "val_logloss")
     assert len(got["history"]) == len(want["history"]) == 2
@@ -82,7 +84,9 @@ def assert_same_state(got: dict, want: dict) -> None:
 def test_torchrun_launcher_runs_two_ranks(reference):
     """The CLI prints the torchrun command it runs; the job trains 2 epochs on 2 ranks."""
     assert "veloce: running " in reference["output"]
-    assert "-m torch.distributed.run --nproc-per-node=2 --standalone -m veloce.cli train" in reference["output"]
+    assert (
+        "-m torch.distributed.run --nproc-per-node=2 --standalone -m veloce.cli train" in reference["output"]
+    )
     summary = json.loads((reference["run_dir"] / "metrics.json").read_text())
     assert summary["world_size"] == 2 and [r["step"] for r in summary["history"]] == [8, FINAL_STEP]
     assert summary["history"][-1]["val_auc"] > 0.55  # it learns (a model that learns nothing: 0.5)
@@ -92,10 +96,12 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(reference, tmp
     """TESTING.md kill-and-resume: torchrun --max-restarts=1, rank 1 killed after step 7; the
     restarted ranks resume from the step-6 checkpoint and end equal to the uninterrupted job."""
     progress = tmp_path / "progress"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           str(ROOT / "tests" / "_jobs.py"), write_config(tmp_path), str(progress), "--kill-rank", "1",
-           "--kill-step", str(KILL_STEP)]  # fmt: skip
-    done = run_command(cmd, TIMEOUT, cwd=tmp_path, env=launch.torchrun_environment(argparse.Namespace(max_restarts=1)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--max-restarts=1", str(ROOT / "tests" / "_jobs.py"), write_config(tmp_path), str(progress),
+           "--kill-rank", "1", "--kill-step", str(KILL_STEP)]  # fmt: skip
+    done = run_command(
+        cmd, TIMEOUT, cwd=tmp_path, env=launch.torchrun_environment(argparse.Namespace(max_restarts=1))
+    )
     assert done.returncode == 0, done.stdout
     assert (progress / "killed").exists()
     assert starts(progress, 0) == starts(progress, 1) == [0, 6]  # fresh, then resumed at step 6
@@ -147,7 +153,10 @@ def test_ray_job_equals_torchrun(ray_cluster, reference, tmp_path):
     state = final_state(tmp_path)
     assert_same_state(state, reference["state"])
     kept = Path(result.checkpoint.path)  # Ray's copy of the last veloce checkpoint
-    assert checkpoint.describe(kept, verify=True)["step"] == FINAL_STEP and kept.parent.parent == tmp_path / "ray"
+    assert (
+        checkpoint.describe(kept, verify=True)["step"] == FINAL_STEP
+        and kept.parent.parent == tmp_path / "ray"
+    )
     assert result.metrics["step"] == FINAL_STEP
     assert result.metrics["val_auc"] == pytest.approx(state["history"][-1]["val_auc"], abs=1e-12)
 
@@ -157,11 +166,42 @@ def test_ray_restarts_a_killed_worker_from_the_last_checkpoint(ray_cluster, refe
     (max_failures=1) restarts both workers from its copy of the last reported checkpoint
     (step 6), and the job ends equal to the uninterrupted one."""
     progress = tmp_path / "progress"
-    kill = KillOnce(1, KILL_STEP, progress / "killed", delay=4 * HEALTH_CHECK_S, wipe=tmp_path / "checkpoints")
+    kill = KillOnce(
+        1, KILL_STEP, progress / "killed", delay=4 * HEALTH_CHECK_S, wipe=tmp_path / "checkpoints"
+    )
     run_on_ray(tmp_path, progress, max_failures=1, callbacks=[kill])
     assert (progress / "killed").exists()
     assert starts(progress, 0) == starts(progress, 1) == [0, 6]
     assert_same_state(final_state(tmp_path), reference["state"])
+
+
+def test_report_callback_reports_every_checkpoint_and_every_epoch(tmp_path, monkeypatch):
+    """The reports' cadence, in one process (``ray.train.report`` recorded): each checkpoint
+    with the epoch record it ends, else alone; an epoch record without its own checkpoint
+    alone, before the next epoch or at the end."""
+    ray_train = pytest.importorskip("ray.train", reason="Ray Train is not installed: pip install 'veloce[ray]'")
+    import veloce.ray
+
+    reports = []
+
+    def report(metrics, checkpoint=None):
+        reports.append((metrics["event"], metrics["step"], checkpoint and Path(checkpoint.path).name))
+
+    monkeypatch.setattr(ray_train, "report", report)
+    # one process: 8 steps an epoch; checkpoints every 4 steps, so none of its own at an epoch's end
+    cfg = load_config(write_config(tmp_path), ["data.samples=1024", "trainer.checkpoint_every=4"])
+    cli.train(cfg, callbacks=[veloce.ray.ReportCallback()])
+    assert reports == [
+        ("checkpoint", 4, "step_000000004"), ("checkpoint", 8, "step_000000008"), ("epoch", 8, None),
+        ("checkpoint", 12, "step_000000012"), ("checkpoint", 16, "step_000000016"), ("epoch", 16, None),
+    ]  # fmt: skip
+    reports.clear()
+    cfg = load_config(write_config(tmp_path / "b"), ["data.samples=1024", "trainer.checkpoint_every=6"])
+    cli.train(cfg, callbacks=[veloce.ray.ReportCallback()])
+    assert reports == [
+        ("checkpoint", 6, "step_000000006"), ("epoch", 8, "step_000000008"),
+        ("checkpoint", 12, "step_000000012"), ("epoch", 16, "step_000000016"),
+    ]  # fmt: skip
 
 
 # ---- options --------------------------------------------------------------------------------
@@ -173,7 +213,8 @@ def test_ray_restarts_a_killed_worker_from_the_last_checkpoint(ray_cluster, refe
         (["--launcher", "torchrun"], "--launcher torchrun needs --workers N (ranks per host)"),
         (["--launcher", "ray"], "--launcher ray needs --workers N (Ray Train workers in all)"),
         (["--launcher", "ray", "--workers", "0"], "--workers must be >= 1, got 0"),
-        (["--launcher", "torchrun", "--workers", "2", "--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+        (["--launcher", "torchrun", "--workers", "2", "--max-restarts", "-1"],
+         "--max-restarts must be >= 0, got -1"),
         (["--launcher", "torchrun", "--workers", "2", "--nnodes", "2"],
          "--nnodes 2 needs --rdzv-endpoint HOST:PORT, the same on every host"),
         (["--launcher", "torchrun", "--workers", "2", "--nnodes", "2", "--rdzv-endpoint", "host0"],
@@ -201,7 +242,12 @@ def test_launcher_ray_without_ray_says_how_to_install(tmp_path):
 
 def test_config_errors_come_before_launching(tmp_path, capsys):
     config = write_config(tmp_path)
-    assert cli.main(["train", config, "--launcher", "torchrun", "--workers", "2", "--set", "trainer.max_epochs=0"]) == 2
+    assert (
+        cli.main(
+            ["train", config, "--launcher", "torchrun", "--workers", "2", "--set", "trainer.max_epochs=0"]
+        )
+        == 2
+    )
     assert "config error: trainer.max_epochs must be a positive number, got 0" in capsys.readouterr().err
 
 
@@ -212,8 +258,9 @@ def test_torchrun_command_one_host_and_several_hosts():
         "-m", "torch.distributed.run", "--nproc-per-node=8", "--standalone",
         "-m", "veloce.cli", "train", "c.yaml", "--set=trainer.max_epochs=2"]  # fmt: skip
     assert launch.torchrun_environment(args) == {}
-    args = cli._parser().parse_args(["train", "c.yaml", "--launcher", "torchrun", "--workers", "8", "--nnodes", "2",
-                                     "--rdzv-endpoint", "host0:29500", "--max-restarts", "3"])  # fmt: skip
+    args = cli._parser().parse_args(["train", "c.yaml", "--launcher", "torchrun", "--workers", "8",
+                                     "--nnodes", "2", "--rdzv-endpoint", "host0:29500",
+                                     "--max-restarts", "3"])  # fmt: skip
     assert launch.torchrun_command(args)[1:] == [
         "-m", "torch.distributed.run", "--nproc-per-node=8", "--nnodes=2", "--rdzv-backend=c10d",
         "--rdzv-endpoint=host0:29500", "--max-restarts=3", "-m", "veloce.cli", "train", "c.yaml"]  # fmt: skip

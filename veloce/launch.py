@@ -24,8 +24,15 @@ import sys
 
 from veloce.config import Config
 
-__all__ = ["LAUNCHERS", "LauncherError", "add_arguments", "check_arguments", "launch", "torchrun_command",
-           "torchrun_environment"]
+__all__ = [
+    "LAUNCHERS",
+    "LauncherError",
+    "add_arguments",
+    "check_arguments",
+    "launch",
+    "torchrun_command",
+    "torchrun_environment",
+]
 
 LAUNCHERS = ("local", "torchrun", "ray")
 _NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -44,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "per host with torchrun; ray: start --workers Ray Train workers")  # fmt: skip
     g.add_argument("--workers", type=int, metavar="N",
                    help="torchrun: ranks per host; ray: workers in all")  # fmt: skip
-    g.add_argument("--nnodes", type=int, default=1, metavar="N", help="torchrun: hosts taking part (run on each)")
+    g.add_argument("--nnodes", type=int, default=1, metavar="N",
+                   help="torchrun: hosts taking part (run the command on each)")  # fmt: skip
     g.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                    help="torchrun with --nnodes > 1: the rendezvous, the same on every host")  # fmt: skip
     g.add_argument("--max-restarts", type=int, default=0, metavar="K",
@@ -54,25 +62,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Raises :class:`LauncherError` naming the option when the launcher options disagree."""
-    launcher = args.launcher
-    if launcher == "local":
-        given = [opt for opt, value in (("--workers", args.workers), ("--nnodes", args.nnodes != 1),
-                 ("--rdzv-endpoint", args.rdzv_endpoint), ("--max-restarts", args.max_restarts)) if value]  # fmt: skip
-        if given:
-            raise LauncherError(f"{given[0]} needs --launcher torchrun or ray (local trains in this one process)")
+    if args.launcher == "local":
+        _check_local(args)
         return
     if args.workers is None:
-        per = "ranks per host" if launcher == "torchrun" else "Ray Train workers in all"
-        raise LauncherError(f"--launcher {launcher} needs --workers N ({per})")
+        per = "ranks per host" if args.launcher == "torchrun" else "Ray Train workers in all"
+        raise LauncherError(f"--launcher {args.launcher} needs --workers N ({per})")
     if args.workers < 1:
         raise LauncherError(f"--workers must be >= 1, got {args.workers}")
     if args.max_restarts < 0:
         raise LauncherError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if launcher == "ray":
+    if args.launcher == "ray":
         if args.nnodes != 1 or args.rdzv_endpoint:
             raise LauncherError("--nnodes and --rdzv-endpoint are torchrun options; with --launcher ray the "
                                 "Ray cluster places the workers (--workers N in all)")  # fmt: skip
-        return
+    else:
+        _check_hosts(args)
+
+
+def _check_local(args: argparse.Namespace) -> None:
+    options = {"--workers": args.workers, "--nnodes": args.nnodes != 1,
+               "--rdzv-endpoint": args.rdzv_endpoint, "--max-restarts": args.max_restarts}  # fmt: skip
+    given = [option for option, value in options.items() if value]
+    if given:
+        raise LauncherError(f"{given[0]} needs --launcher torchrun or ray (local trains in this one process)")
+
+
+def _check_hosts(args: argparse.Namespace) -> None:
     if args.nnodes < 1:
         raise LauncherError(f"--nnodes must be >= 1, got {args.nnodes}")
     if args.nnodes > 1 and not args.rdzv_endpoint:

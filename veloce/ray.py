@@ -166,7 +166,9 @@ def run(
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep_last),
     )  # fmt: skip
     scaling = ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu)
-    return TorchTrainer(train_loop, train_loop_config=config, scaling_config=scaling, run_config=run_config).fit()
+    return TorchTrainer(
+        train_loop, train_loop_config=config, scaling_config=scaling, run_config=run_config
+    ).fit()
 
 
 def run_config(
@@ -229,4 +231,6 @@ def _absolute_paths(cfg: Config) -> Config:
 
     trainer = dataclasses.replace(cfg.trainer, run_dir=absolute(cfg.trainer.run_dir),
                                   checkpoint_dir=absolute(cfg.trainer.checkpoint_dir))  # fmt: skip
-    return dataclasses.replace(cfg, trainer=trainer, data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path)))
+    return dataclasses.replace(
+        cfg, trainer=trainer, data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path))
+    )

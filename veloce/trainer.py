@@ -322,7 +322,8 @@ class Trainer:
             "callbacks": [cb.state_dict() for cb in self.callbacks],
         }  # fmt: skip
         path = checkpoint.save_in(self.checkpoint_dir, self.model, self.optimizer, step=self.global_step,
-                                  extra=extra, keep_last=self.keep_last, overwrite=self._overwrite)  # fmt: skip
+                                  extra=extra, keep_last=self.keep_last,
+                                  overwrite=self._overwrite)  # fmt: skip
         self._last_saved = self.global_step
         self._call("on_checkpoint", path)
 
