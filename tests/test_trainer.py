@@ -4,7 +4,9 @@ callbacks, early stopping, logs, argument checks; and the veloce CLI."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,13 +184,13 @@ class _CrashAt(veloce.Callback):
             raise KeyboardInterrupt(f"simulated crash after step {step}")
 
 
-def _resumable_run(tmp_path, name: str, seed: int, callbacks=()):
+def _resumable_run(tmp_path, name: str, seed: int, callbacks=(), resume_from=None):
     torch.manual_seed(seed)
     m = _Dropout()
     loader = torch.utils.data.DataLoader(_Samples(320), batch_size=64, shuffle=True)  # 5 steps an epoch
     t = trainer(m, metrics={"auc": veloce.metrics.AUC()}, max_epochs=2, checkpoint_dir=tmp_path / name,
                 checkpoint_every=3, callbacks=list(callbacks))  # fmt: skip
-    return m, t, t.fit(loader, val_loader=[next(iter(loader))])
+    return m, t, t.fit(loader, val_loader=[next(iter(loader))], resume_from=resume_from)
 
 
 def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path):
@@ -211,6 +213,33 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path):
     again_model, again_trainer, again = _resumable_run(tmp_path, "run", seed=5)
     assert again == history and again_trainer.global_step == 10
     assert_states_close(state(again_model), state(ref_model))
+
+
+class _KeepCheckpoints(veloce.Callback):
+    """Copies every committed checkpoint elsewhere, as a launcher (Ray Train) does."""
+
+    def __init__(self, keep: Path) -> None:
+        self.keep, self.steps = keep, []
+
+    def on_checkpoint(self, trainer, path):
+        assert veloce.checkpoint.describe(path)["step"] == trainer.global_step
+        self.steps.append(trainer.global_step)
+        shutil.copytree(path, self.keep / path.name)
+
+
+def test_on_checkpoint_and_resume_from_a_given_checkpoint(tmp_path):
+    """on_checkpoint sees every committed checkpoint; fit(resume_from=...) resumes from one
+    older than the newest in checkpoint_dir, replaces the later ones as it reaches their
+    steps, and ends as the uninterrupted run."""
+    kept = _KeepCheckpoints(tmp_path / "kept")
+    ref_model, _, ref_history = _resumable_run(tmp_path, "run", seed=0, callbacks=[kept])
+    assert kept.steps == [3, 5, 6, 9, 10]  # every 3 steps and every epoch's end (5 steps an epoch)
+    again = _KeepCheckpoints(tmp_path / "again")
+    model_, trainer_, history = _resumable_run(tmp_path, "run", seed=123, callbacks=[again],
+                                               resume_from=tmp_path / "kept" / "step_000000005")  # fmt: skip
+    assert again.steps == [6, 9, 10] and trainer_.global_step == 10  # "run" held steps 6, 9, 10 already
+    assert_states_close(state(model_), state(ref_model))
+    assert [r["loss"] for r in history] == [r["loss"] for r in ref_history]
 
 
 def test_max_steps_stops_and_a_later_fit_continues(tmp_path):

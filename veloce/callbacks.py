@@ -58,6 +58,10 @@ class Callback:
     def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
         """Called with the epoch record (train loss, throughput, validation metrics)."""
 
+    def on_checkpoint(self, trainer: Trainer, path: Path) -> None:
+        """Called on every rank after a checkpoint is committed at ``path`` (every
+        ``checkpoint_every`` steps, at the end of an epoch, when ``fit`` ends)."""
+
     def on_fit_end(self, trainer: Trainer, history: list[dict[str, Any]]) -> None:
         """Called once when ``fit`` returns normally."""
 

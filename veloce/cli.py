@@ -3,31 +3,36 @@
     veloce train configs/dlrm_synthetic.yaml [--set trainer.max_epochs=2 ...]
     veloce evaluate configs/dlrm_synthetic.yaml --checkpoint runs/dlrm_synthetic/checkpoints
     veloce inspect runs/dlrm_synthetic/checkpoints/step_0000000489 [--json]
-    torchrun --nproc-per-node 2 -m veloce.cli train configs/dlrm_criteo.yaml   # several ranks
+    veloce train configs/dlrm_criteo.yaml --launcher torchrun --workers 2      # several ranks
+    veloce train configs/dlrm_criteo.yaml --launcher ray --workers 4           # on Ray Train
 
-The config's fields are documented in ``docs/config.md`` (schema: :mod:`veloce.config`).
-Exit status: 0 on success, 1 on a runtime or checkpoint error, 2 on a config error.
+The config's fields are documented in ``docs/config.md`` (schema: :mod:`veloce.config`);
+the launchers in ``docs/scaling.md`` (code: :mod:`veloce.launch`).
+Exit status: 0 on success, 1 on a runtime or checkpoint error, 2 on a config or option
+error (torchrun's own status when it launches).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from veloce import checkpoint, metrics
+from veloce import checkpoint, launch, metrics
+from veloce.callbacks import Callback
 from veloce.config import Config, ConfigError, load_config
 from veloce.trainer import Trainer
 
-__all__ = ["main", "build_model", "build_loaders", "build_trainer"]
+__all__ = ["main", "build_model", "build_loaders", "build_trainer", "train"]
 
 _SPARSE_OPTIMIZERS = {"sgd": "SGD", "adagrad": "Adagrad", "rowwise_adagrad": "RowWiseAdagrad", "adam": "Adam"}
 _DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
@@ -96,9 +101,12 @@ def build_loaders(cfg: Config, rank: int = 0, world_size: int = 1) -> tuple[Any,
     return loader(train), loader(val)
 
 
-def build_trainer(cfg: Config, model: nn.Module, checkpoints: bool = True) -> Trainer:
+def build_trainer(
+    cfg: Config, model: nn.Module, checkpoints: bool = True, callbacks: Sequence[Callback] = ()
+) -> Trainer:
     """A Trainer with the config's optimizers and settings, AUC / log loss / accuracy metrics,
-    checkpoints in ``trainer.checkpoints()`` (if ``checkpoints``) and logs in ``run_dir``."""
+    checkpoints in ``trainer.checkpoints()`` (if ``checkpoints``), logs in ``run_dir``, and
+    ``callbacks``."""
     o, tr, st = cfg.optimizer.dense, cfg.trainer, cfg.strategy
     params = [p for p in model.parameters() if p.requires_grad]
     dense = _DENSE_OPTIMIZERS[o.name](params, lr=o.lr, weight_decay=o.weight_decay) if params else None
@@ -109,7 +117,7 @@ def build_trainer(cfg: Config, model: nn.Module, checkpoints: bool = True) -> Tr
         precision=tr.precision, accumulate_steps=tr.accumulate_steps, max_epochs=tr.max_epochs,
         max_steps=tr.max_steps, checkpoint_dir=tr.checkpoints() if checkpoints else None,
         checkpoint_every=tr.checkpoint_every if checkpoints else None, keep_last=tr.keep_last,
-        log_every=tr.log_every, log_dir=tr.run_dir, progress=tr.progress, seed=tr.seed,
+        log_every=tr.log_every, log_dir=tr.run_dir, progress=tr.progress, seed=tr.seed, callbacks=callbacks,
     )  # fmt: skip
 
 
@@ -130,52 +138,102 @@ def _device(cfg: Config) -> torch.device:
     return torch.device(name)
 
 
-def _init_distributed(device: torch.device) -> tuple[int, int]:
-    """Joins the process group that ``torchrun`` describes (WORLD_SIZE > 1); (rank, world_size)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+@contextlib.contextmanager
+def _process_group(device: torch.device) -> Iterator[tuple[int, int]]:
+    """Joins the process group that ``torchrun`` describes (WORLD_SIZE > 1) unless a launcher
+    (Ray Train) already did; yields ``(rank, world_size)``; leaves the group it joined."""
     dist = torch.distributed
-    if world_size > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return (dist.get_rank(), world_size) if world_size > 1 else (0, 1)
+    if dist.is_initialized():
+        yield dist.get_rank(), dist.get_world_size()
+        return
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        yield 0, 1
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield dist.get_rank(), world_size
+    finally:  # left to interpreter exit, gloo's threads can abort the process
+        dist.destroy_process_group()
+
+
+# ---- training on this process ------------------------------------------------------------------
+FitFn = Callable[[Trainer, Any, Any], list]
+
+
+def train(
+    cfg: Config,
+    *,
+    device: Optional[torch.device] = None,
+    callbacks: Sequence[Callback] = (),
+    fit: Optional[FitFn] = None,
+    config_name: str = "",
+) -> list[dict[str, Any]]:
+    """Trains the config's model on this process: one process, a torchrun rank or a Ray worker.
+
+    Joins the process group a launcher describes (unless one is already initialised),
+    builds the model, this rank's data shard and the Trainer, and fits (resuming from the
+    config's checkpoints); rank 0 writes ``run_dir/metrics.json`` and prints a summary.
+
+    Args:
+        cfg: the config.
+        device: where to train; default: the config's ``trainer.device``.
+        callbacks: extra :class:`veloce.Callback` objects for the Trainer.
+        fit: ``fit(trainer, train_loader, val_loader) -> history``; default ``Trainer.fit``
+            (:func:`veloce.ray.fit` adds reporting to Ray and resuming from its checkpoint).
+        config_name: the config's file name, recorded in ``metrics.json``.
+
+    Returns:
+        The Trainer's history.
+    """
+    device = device if device is not None else _device(cfg)
+    with _process_group(device) as (rank, world_size):
+        torch.manual_seed(cfg.trainer.seed)  # the model's initial dense weights
+        model = build_model(cfg, device)
+        train_loader, val_loader = build_loaders(cfg, rank, world_size)
+        trainer = build_trainer(cfg, model, callbacks=callbacks)
+        history = (fit or Trainer.fit)(trainer, train_loader, val_loader)
+    if rank == 0:
+        _summarize(cfg, history, config_name, device, world_size)
+    return history
+
+
+def _summarize(cfg: Config, history: list, config_name: str, device: torch.device, world_size: int) -> None:
+    summary = {"history": history, "config": config_name, "device": str(device), "world_size": world_size}
+    Path(cfg.trainer.run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.trainer.run_dir) / "metrics.json").write_text(json.dumps(summary, indent=1))
+    if history:
+        last = history[-1]
+        vals = ", ".join(f"{k[4:]} {v:.4f}" for k, v in last.items() if k.startswith("val_"))
+        print(f"epoch {last['epoch']}: {vals}; {last['samples_per_s']:,.0f} samples/s on {device}")
+    print(f"checkpoints: {cfg.trainer.checkpoints()}  log: {Path(cfg.trainer.run_dir) / 'log.jsonl'}")
 
 
 # ---- commands ------------------------------------------------------------------------------------
 def _train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.set)
-    device = _device(cfg)
-    rank, world_size = _init_distributed(device)
-    torch.manual_seed(cfg.trainer.seed)  # the model's initial dense weights
-    model = build_model(cfg, device)
-    train, val = build_loaders(cfg, rank, world_size)
-    trainer = build_trainer(cfg, model)
-    history = trainer.fit(train, val)
-    if rank == 0:
-        summary = {"history": history, "config": args.config, "device": str(device), "world_size": world_size}
-        Path(cfg.trainer.run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.trainer.run_dir) / "metrics.json").write_text(json.dumps(summary, indent=1))
-        if history:
-            last = history[-1]
-            vals = ", ".join(f"{k[4:]} {v:.4f}" for k, v in last.items() if k.startswith("val_"))
-            print(f"epoch {last['epoch']}: {vals}; {last['samples_per_s']:,.0f} samples/s on {device}")
-        print(f"checkpoints: {cfg.trainer.checkpoints()}  log: {Path(cfg.trainer.run_dir) / 'log.jsonl'}")
+    launch.check_arguments(args)
+    cfg = load_config(args.config, args.set)  # config errors show before any process starts
+    if args.launcher != "local":
+        return launch.launch(args, cfg)
+    train(cfg, config_name=args.config)
     return 0
 
 
 def _evaluate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set)
     device = _device(cfg)
-    rank, world_size = _init_distributed(device)
-    model = build_model(cfg, device)
-    path = Path(args.checkpoint)
-    found = path if (path / "manifest.json").exists() else checkpoint.latest(path)
-    if found is None:
-        raise checkpoint.CheckpointError(f"no committed checkpoint at or under {path}")
-    trainer = build_trainer(cfg, model, checkpoints=False)  # shards the tables first on several ranks
-    step = checkpoint.load(found, trainer.model)["step"]
-    _, val = build_loaders(cfg, rank, world_size)
-    result = trainer.evaluate(val)
+    with _process_group(device) as (rank, world_size):
+        model = build_model(cfg, device)
+        path = Path(args.checkpoint)
+        found = path if (path / "manifest.json").exists() else checkpoint.latest(path)
+        if found is None:
+            raise checkpoint.CheckpointError(f"no committed checkpoint at or under {path}")
+        trainer = build_trainer(cfg, model, checkpoints=False)  # shards the tables first on several ranks
+        step = checkpoint.load(found, trainer.model)["step"]
+        _, val = build_loaders(cfg, rank, world_size)
+        result = trainer.evaluate(val)
     if rank == 0:
         print(json.dumps({"checkpoint": str(found), "step": step, **result}))
     return 0
@@ -223,6 +281,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a field, e.g. --set trainer.max_epochs=2 (repeatable)")  # fmt: skip
         if name == "evaluate":
             c.add_argument("--checkpoint", required=True, help="a checkpoint, or a folder of them (newest)")
+        else:
+            launch.add_arguments(c)
     c = sub.add_parser("inspect", help="print a checkpoint's manifest: step, world size, tables, files")
     c.add_argument("checkpoint", help="a checkpoint directory")
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -237,6 +297,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return command(args)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
+        return 2
+    except launch.LauncherError as exc:
+        print(f"veloce {args.command}: {exc}", file=sys.stderr)
         return 2
     except checkpoint.CheckpointError as exc:
         print(f"checkpoint error: {exc}", file=sys.stderr)

@@ -136,24 +136,37 @@ class Trainer:
         self._epoch_rng: Optional[dict[str, list]] = None  # RNG state when the epoch's iterator was made
         self._totals = _Totals(self.device)
         self._last_saved = -1
+        self._overwrite = False  # resumed from an explicit checkpoint: replace stale later ones
         self._train_len: Optional[int] = None
 
     # ---- public API -----------------------------------------------------------------------
-    def fit(self, train_loader: Iterable, val_loader: Optional[Iterable] = None) -> list[dict[str, Any]]:
+    def fit(
+        self,
+        train_loader: Iterable,
+        val_loader: Optional[Iterable] = None,
+        *,
+        resume_from: Optional[str | Path] = None,
+    ) -> list[dict[str, Any]]:
         """Trains for ``max_epochs`` (or until ``max_steps`` or a callback stops it).
 
-        Resumes from the newest checkpoint in ``checkpoint_dir`` if there is one: model,
-        optimizer, RNG, history and position in the epoch (the loader's first batches are
-        read and discarded, so any deterministic loader resumes exactly).
+        Resumes from the newest checkpoint in ``checkpoint_dir`` if there is one (or from
+        ``resume_from``): model, optimizer, RNG, history and position in the epoch (the
+        loader's first batches are read and discarded, so any deterministic loader resumes
+        exactly).
 
         Args:
             train_loader: yields ``(inputs, target)``.
             val_loader: evaluated with the metrics at the end of every epoch (``val_<name>``).
+            resume_from: a committed checkpoint directory to resume from instead of the
+                newest one in ``checkpoint_dir`` (e.g. the one a launcher such as Ray Train
+                kept); checkpoints of later steps already in ``checkpoint_dir`` (written by
+                an attempt that did not reach the launcher) are overwritten as the run
+                reaches their steps again.
 
         Returns:
             The history: one record per completed epoch (see :mod:`veloce.callbacks`).
         """
-        self._start()
+        self._start(resume_from)
         if self._finished or self._steps_exhausted():
             return self.history
         self._train_len = _len_or_none(train_loader)
@@ -276,11 +289,16 @@ class Trainer:
         self._call("on_log", record)
 
     # ---- checkpoints and resume -----------------------------------------------------------
-    def _start(self) -> None:
-        """Loads the newest checkpoint, or seeds the RNG for a fresh run."""
+    def _start(self, resume_from: Optional[str | Path]) -> None:
+        """Loads ``resume_from`` or the newest checkpoint, or seeds the RNG for a fresh run."""
         self.should_stop = False
-        path = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir is not None else None
-        path = broadcast(None if path is None else str(path))  # every rank resumes from rank 0's choice
+        self._overwrite = resume_from is not None
+        if resume_from is not None:
+            path: Optional[Path] = Path(resume_from)
+        else:
+            path = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        found = broadcast(None if path is None else str(path))  # every rank resumes from rank 0's choice
+        path = None if found is None else Path(found)
         if path is None:
             if self.global_step == 0:
                 torch.manual_seed(self.seed)
@@ -308,9 +326,11 @@ class Trainer:
             # each rank's RNG and running totals (a collective: every rank saves)
             "ranks": gather({"rng": rng_state(), "epoch_rng": self._epoch_rng, "totals": self._totals.state()}),
         }  # fmt: skip
-        checkpoint.save_in(self.checkpoint_dir, self.model, self.optimizer, step=self.global_step,
-                           extra=extra, keep_last=self.keep_last)  # fmt: skip
+        path = checkpoint.save_in(self.checkpoint_dir, self.model, self.optimizer, step=self.global_step,
+                                  extra=extra, keep_last=self.keep_last,
+                                  overwrite=self._overwrite)  # fmt: skip
         self._last_saved = self.global_step
+        self._call("on_checkpoint", path)
 
     # ---- helpers --------------------------------------------------------------------------
     def _flush(self) -> None:
