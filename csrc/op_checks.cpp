@@ -217,6 +217,13 @@ void check_exchange_ids(const char* op, const at::Tensor& ids, int64_t world_siz
   TORCH_CHECK(world_size >= 1, op, ": world_size must be >= 1, got ", world_size);
 }
 
+int64_t check_bucketize_args(const char* op, const at::Tensor& ids, const at::Tensor& offsets,
+                             bool include_last_offset, int64_t world_size) {
+  check_exchange_ids(op, ids, world_size);
+  check_same_device(op, "offsets", offsets, "ids", ids);
+  return check_offsets(op, offsets, ids.numel(), include_last_offset);
+}
+
 void check_world_size_cuda(const char* op, int64_t world_size) {
   TORCH_CHECK(world_size < std::numeric_limits<int32_t>::max(), op, ": world_size must be < 2^31 - 1 on CUDA, got ",
               world_size);

@@ -58,11 +58,8 @@ Chunks chunks_for(int64_t num_bags, int64_t num_ids, int64_t world_size) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize_bags_cpu(
     const at::Tensor& ids, const at::Tensor& offsets, bool include_last_offset, int64_t world_size,
     std::optional<int64_t> padding_id) {
-  constexpr const char* op = "veloce::bucketize_bags";
-  check_exchange_ids(op, ids, world_size);
-  check_same_device(op, "offsets", offsets, "ids", ids);
+  const int64_t B = check_bucketize_args("veloce::bucketize_bags", ids, offsets, include_last_offset, world_size);
   const int64_t N = ids.numel();
-  const int64_t B = check_offsets(op, offsets, N, include_last_offset);
   const int64_t W = world_size;
   const at::Tensor id_c = ids.contiguous(), off_c = offsets.contiguous();
   const int64_t* id = id_c.data_ptr<int64_t>();

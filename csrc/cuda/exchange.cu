@@ -124,12 +124,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
     const at::Tensor& ids, const at::Tensor& offsets, bool include_last_offset, int64_t world_size,
     std::optional<int64_t> padding_id) {
   constexpr const char* op = "veloce::bucketize_bags";
-  check_exchange_ids(op, ids, world_size);
-  check_same_device(op, "offsets", offsets, "ids", ids);
+  const int64_t B = check_bucketize_args(op, ids, offsets, include_last_offset, world_size);
   const c10::cuda::CUDAGuard guard(ids.device());
   const int64_t N = ids.numel();
   check_num_ids_cuda(op, N);
-  const int64_t B = check_offsets(op, offsets, N, include_last_offset);
   check_num_bags_cuda(op, B);
   check_world_size_cuda(op, world_size);
   const auto opts = ids.options();

@@ -84,6 +84,10 @@ void check_slot_values(const char* op, const int64_t* s, int64_t n, int64_t limi
 
 // owner_of, bucketize_bags: ids (N,) int64 and world_size >= 1.
 void check_exchange_ids(const char* op, const at::Tensor& ids, int64_t world_size);
+// bucketize_bags: check_exchange_ids, offsets on ids' device and the bag layout
+// (check_offsets); returns the number of bags B.
+int64_t check_bucketize_args(const char* op, const at::Tensor& ids, const at::Tensor& offsets,
+                             bool include_last_offset, int64_t world_size);
 // CUDA kernels sort owners as int32 keys.
 void check_world_size_cuda(const char* op, int64_t world_size);
 // combine_parts: parts (P, D) floating, bag_of_part (P,) int64 on parts' device, num_bags >= 0.
