@@ -72,8 +72,9 @@ class DLRM(nn.Module):
         self.embeddings = make_embeddings(self.feature_names, embedding_dim, embedding_factory)
         n = len(self.feature_names) + (1 if num_dense else 0)  # vectors that interact
         li, lj = torch.tril_indices(n, n, offset=-1)
-        self.register_buffer("_li", li, persistent=False)
-        self.register_buffer("_lj", lj, persistent=False)
+        # Positions of the pairs in the flattened (n, n) products: one index_select (whose
+        # backward is an index_add) instead of advanced indexing (a slow index_put backward).
+        self.register_buffer("_pairs", li * n + lj, persistent=False)
         top_in = n * (n - 1) // 2 + (embedding_dim if num_dense else 0)
         self.top = mlp(top_in, top_mlp, last_activation=False, name="DLRM: top_mlp")
 
@@ -94,6 +95,6 @@ class DLRM(nn.Module):
             vecs = [x] + vecs
         t = torch.stack(vecs, dim=1)  # (B, n, D)
         z = torch.bmm(t, t.transpose(1, 2))  # (B, n, n)
-        inter = z[:, self._li, self._lj]  # (B, n(n-1)/2)
+        inter = z.flatten(1).index_select(1, self._pairs)  # (B, n(n-1)/2)
         top_in = torch.cat([x, inter], dim=1) if self.bottom is not None else inter
         return self.top(top_in).squeeze(-1)
