@@ -424,14 +424,20 @@ def test_hybrid_parallel_arguments():
 
 
 # ---- the Trainer on several ranks ---------------------------------------------------------
-def _trainer_run(rank, world, per_rank_batch, strategy, ckpt_dir):
+NCCL_OR_GLOO = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    os.environ.get("VELOCE_TEST_NCCL") != "1" or torch.cuda.device_count() < 2,
+    reason="NCCL tests run with VELOCE_TEST_NCCL=1 on 2+ GPUs"))]  # fmt: skip
+
+
+def _trainer_run(rank, world, per_rank_batch, strategy, ckpt_dir, device_kind="cpu"):
     from veloce.data import SyntheticClicks
     from veloce.models import DLRM
 
     torch.manual_seed(0)
+    device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
 
     def table(dim):
-        return veloce.DynamicEmbedding(dim, mode="sum", optimizer=veloce.optim.Adagrad(lr=0.2))
+        return veloce.DynamicEmbedding(dim, mode="sum", optimizer=veloce.optim.Adagrad(lr=0.2), device=device)
 
     model = DLRM(4, 5, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), embedding_factory=table)
     train = SyntheticClicks(8192, batch_size=per_rank_batch, num_dense=4, num_sparse=5, id_space=2000, seed=1,
@@ -440,18 +446,23 @@ def _trainer_run(rank, world, per_rank_batch, strategy, ckpt_dir):
                           rank=rank, world_size=world)  # fmt: skip
     trainer = veloce.Trainer(
         model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), metrics={"auc": veloce.metrics.AUC()},
-        strategy=strategy, checkpoint_dir=ckpt_dir, checkpoint_every=5, progress=False, max_epochs=2,
+        strategy=strategy, checkpoint_dir=ckpt_dir, checkpoint_every=5, progress=False, max_epochs=2, device=device,
     )  # fmt: skip
     history = trainer.fit(train, val)
-    return {"history": history, "tables": {n: m.export() for n, m in model.named_modules()
-                                           if isinstance(m, veloce.DynamicEmbedding)}}  # fmt: skip
+    tables = {n: {k: v.cpu() for k, v in m.export().items()} for n, m in model.named_modules()
+              if isinstance(m, veloce.DynamicEmbedding)}  # fmt: skip
+    return {"history": history, "tables": tables}
 
 
-def test_trainer_on_two_ranks_equals_one_process(tmp_path):
-    """Trainer.fit under 2 gloo ranks (sync HybridParallel, checkpoints on) == one process
-    on the global batch: validation AUC (gathered over ranks) and the merged tables."""
-    two = run_ranks(_trainer_run, 2, 256, {"sparse": "sync"}, str(tmp_path / "two"), timeout=120)
-    (one,) = run_ranks(_trainer_run, 1, 512, None, str(tmp_path / "one"), timeout=120)
+@pytest.mark.parametrize("device_kind", NCCL_OR_GLOO)
+def test_trainer_on_two_ranks_equals_one_process(tmp_path, device_kind):
+    """Trainer.fit under 2 ranks (sync HybridParallel, checkpoints on; gloo, or NCCL on
+    GPUs) == one process on the global batch: validation AUC (gathered over ranks) and
+    the merged tables."""
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    two = run_ranks(_trainer_run, 2, 256, {"sparse": "sync"}, str(tmp_path / "two"), device_kind, timeout=120,
+                    backend=backend)  # fmt: skip
+    (one,) = run_ranks(_trainer_run, 1, 512, None, str(tmp_path / "one"), device_kind, timeout=120, backend=backend)
     assert two[0]["history"][-1]["val_auc"] == pytest.approx(one["history"][-1]["val_auc"], abs=1e-6)
     fields = ("epoch", "step", "loss", "samples", "val_auc")
     assert [{k: r[k] for k in fields} for r in two[0]["history"]] == [{k: r[k] for k in fields} for r in two[1]["history"]]
@@ -479,10 +490,11 @@ def ids_owned_by(owner: int, world: int, n: int) -> list[int]:
     return ids[owner_of(ids, world) == owner][:n].tolist()
 
 
-def _nan_on_one_owner(rank, world):
-    emb = veloce.DynamicEmbedding(4, mode="sum")
+def _nan_on_one_owner(rank, world, device_kind="cpu"):
+    device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
+    emb = veloce.DynamicEmbedding(4, mode="sum", device=device)
     HybridParallel(nn.Sequential(emb), dense="none")
-    out = emb(torch.tensor([[ids_owned_by(1, world, 1)[0]]]))
+    out = emb(torch.tensor([[ids_owned_by(1, world, 1)[0]]], device=device))
     (out * (float("nan") if rank == 0 else 1.0)).sum().backward()  # only rank 1 receives the NaN
     try:
         emb.step()
@@ -491,8 +503,10 @@ def _nan_on_one_owner(rank, world):
     return "stepped"
 
 
-def test_nonfinite_gradient_raises_on_every_rank():
-    for msg in run_ranks(_nan_on_one_owner, 2, timeout=60):
+@pytest.mark.parametrize("device_kind", NCCL_OR_GLOO)
+def test_nonfinite_gradient_raises_on_every_rank(device_kind):
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    for msg in run_ranks(_nan_on_one_owner, 2, device_kind, timeout=60, backend=backend):
         assert "over all ranks" in msg and "1 bag(s) holds NaN or Inf" in msg
 
 
@@ -541,17 +555,22 @@ def test_ranks_grouping_tables_differently_raise_on_every_rank():
         assert f"rank {1 - rank} sent signature" in msg and "grouped the same way" in msg
 
 
-def _uneven_batch_counts(rank, world, ckpt):
+def _uneven_batch_counts(rank, world, device_kind):
     import warnings
 
     from veloce.data import SyntheticClicks
     from veloce.models import DLRM
 
     torch.manual_seed(0)
-    model = DLRM(2, 2, embedding_dim=4, bottom_mlp=(4,), top_mlp=(4, 1))
+    device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
+
+    def table(dim):
+        return veloce.DynamicEmbedding(dim, mode="sum", device=device)
+
+    model = DLRM(2, 2, embedding_dim=4, bottom_mlp=(4,), top_mlp=(4, 1), embedding_factory=table)
     train = SyntheticClicks(3 * 8, 8, num_dense=2, num_sparse=2, rank=rank, world_size=world)  # 2 + 1 batches
     trainer = veloce.Trainer(model, strategy={"sparse": "async", "staleness": 1}, progress=False,
-                             metrics={"auc": veloce.metrics.AUC()}, max_epochs=2)  # fmt: skip
+                             metrics={"auc": veloce.metrics.AUC()}, max_epochs=2, device=device)  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(train, val_loader=train)
@@ -559,11 +578,14 @@ def _uneven_batch_counts(rank, world, ckpt):
     return len(train), trainer.global_step, in_flight, [str(w.message) for w in caught if "more batches" in str(w.message)]
 
 
-def test_ranks_with_different_batch_counts_stop_together():
+@pytest.mark.parametrize("device_kind", NCCL_OR_GLOO)
+def test_ranks_with_different_batch_counts_stop_together(device_kind):
     """Rank 0's loader has 2 batches, rank 1's has 1: the ranks step together (one step per
     epoch), rank 0 warns that it skips its extra batch, evaluation does not hang either,
     and no async gradient is left in flight when fit returns."""
-    (n0, steps0, fl0, w0), (n1, steps1, fl1, w1) = run_ranks(_uneven_batch_counts, 2, None, timeout=60)
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    (n0, steps0, fl0, w0), (n1, steps1, fl1, w1) = run_ranks(_uneven_batch_counts, 2, device_kind, timeout=60,
+                                                             backend=backend)  # fmt: skip
     assert (n0, n1) == (2, 1) and steps0 == steps1 == 2 and fl0 == fl1 == 0
     assert w0 and "has more batches than another rank" in w0[0] and not w1
 
