@@ -116,7 +116,7 @@ def run(args) -> None:
 
     model = DLRM(13, args.features, embedding_dim=args.dim, bottom_mlp=(512, 256, args.dim),
                  top_mlp=(1024, 1024, 512, 256, 1), embedding_factory=table).to(device)  # fmt: skip
-    hp = veloce.distributed.HybridParallel(model, sparse=args.sparse, staleness=args.staleness)
+    hp = veloce.distributed.HybridParallel(model, sparse=args.sparse, staleness=args.staleness, dedup=args.dedup)
     opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), hp)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     data = batches(args, rank, device)
@@ -153,7 +153,8 @@ def run(args) -> None:
     step_s = statistics.median(times)
     row = {
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "world_size": world,
-        "sparse": args.sparse, "staleness": args.staleness if args.sparse == "async" else 0,
+        "sparse": args.sparse + ("+dedup" if args.dedup else ""),
+        "staleness": args.staleness if args.sparse == "async" else 0,
         "batch_per_gpu": args.batch, "features": args.features, "dim": args.dim,
         "step_ms": step_s * 1e3, "samples_per_s": world * args.batch / step_s,
         "exchange_ms": ex_s * 1e3, "exchange_MB": ex_bytes / 2**20,
@@ -199,6 +200,7 @@ def main() -> None:
     p.add_argument("--capacity", type=int, default=1 << 20, help="initial slots per table (grows when needed)")
     p.add_argument("--sparse", choices=("sync", "async"), default="sync")
     p.add_argument("--staleness", type=int, default=1)
+    p.add_argument("--dedup", action="store_true", help="HybridParallel(dedup=True): one row per distinct id")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=5)

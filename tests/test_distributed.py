@@ -218,10 +218,10 @@ def make_opt(model):
     return veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
 
 
-def _sharded_body(rank, world, device_kind):
+def _sharded_body(rank, world, device_kind, dedup=False):
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     model = Small(device)
-    hp = HybridParallel(model, sparse="sync")
+    hp = HybridParallel(model, sparse="sync", dedup=dedup)
     preds = train(hp, make_opt(hp), world, rank, device=device)
     tables = tables_of(model)
     for name, t in tables.items():  # every key lives on its owner
@@ -263,9 +263,10 @@ def check_sharded_equals_reference(results, ref, world):
     assert sum(r["len"] for r in results) == len(ref["tables"]["a"]["keys"])
 
 
+@pytest.mark.parametrize("dedup", [False, True], ids=["parts", "dedup"])
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_sharded_sync_equals_one_process(world):
-    results = run_ranks(_sharded_body, world, "cpu", timeout=90)
+def test_sharded_sync_equals_one_process(world, dedup):
+    results = run_ranks(_sharded_body, world, "cpu", dedup, timeout=90)
     check_sharded_equals_reference(results, reference(), world)
 
 
@@ -276,10 +277,11 @@ def test_sharded_sync_equals_one_process_nccl(world):
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
     results = run_ranks(_sharded_body, world, "cuda", timeout=120, backend="nccl")
     check_sharded_equals_reference(results, reference(), world)
-    results = run_ranks(_grouped_body, world, "cuda", timeout=120, backend="nccl")
     model = Grouped()
     ref = {"preds": train(model, make_opt(model), 1, 0), "tables": tables_of(model, "abcd"), "eval": eval_preds(model)}
-    check_sharded_equals_reference(results, ref, world)
+    for dedup in (False, True):
+        results = run_ranks(_grouped_body, world, "cuda", dedup, timeout=120, backend="nccl")
+        check_sharded_equals_reference(results, ref, world)
 
 
 class Grouped(nn.Module):
@@ -304,18 +306,19 @@ class Grouped(nn.Module):
         return self.mlp(torch.cat([*outs, dense], 1)).squeeze(1)
 
 
-def _grouped_body(rank, world, device_kind):
+def _grouped_body(rank, world, device_kind, dedup=False):
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     model = Grouped(device)
-    hp = HybridParallel(model, sparse="sync")
+    hp = HybridParallel(model, sparse="sync", dedup=dedup)
     preds = train(hp, make_opt(hp), world, rank, device=device)
     return {"preds": preds, "tables": tables_of(model, "abcd"), "eval": eval_preds(hp, device),
             "len": len(model.a), "w": model.w.item()}  # fmt: skip
 
 
+@pytest.mark.parametrize("dedup", [False, True], ids=["parts", "dedup"])
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_grouped_lookup_equals_one_process(world):
-    results = run_ranks(_grouped_body, world, "cpu", timeout=90)
+def test_grouped_lookup_equals_one_process(world, dedup):
+    results = run_ranks(_grouped_body, world, "cpu", dedup, timeout=90)
     model = Grouped()
     ref = {"preds": train(model, make_opt(model), 1, 0), "tables": tables_of(model, "abcd"), "eval": eval_preds(model)}
     check_sharded_equals_reference(results, ref, world)
@@ -476,10 +479,12 @@ def test_trainer_on_two_ranks_equals_one_process(tmp_path, device_kind):
     assert veloce.checkpoint.describe(veloce.checkpoint.latest(tmp_path / "two"))["world_size"] == 2
 
 
-def test_trainer_async_on_two_ranks_trains(tmp_path):
+@pytest.mark.parametrize("dedup", [False, True], ids=["parts", "dedup"])
+def test_trainer_async_on_two_ranks_trains(tmp_path, dedup):
     """Async sparse mode through the Trainer: it flushes in-flight gradients before every
     evaluation and checkpoint (a checkpoint refuses gradients in flight)."""
-    two = run_ranks(_trainer_run, 2, 256, {"sparse": "async", "staleness": 1}, str(tmp_path / "a"), timeout=120)
+    strategy = {"sparse": "async", "staleness": 1, "dedup": dedup}
+    two = run_ranks(_trainer_run, 2, 256, strategy, str(tmp_path / "a"), timeout=120)
     assert two[0]["history"][-1]["val_auc"] > 0.6
     assert veloce.checkpoint.latest(tmp_path / "a") is not None
 

@@ -58,9 +58,10 @@ for stage in "$@"; do
       n=$(nvidia-smi -L | wc -l)
       for w in ${DIST_WORLDS:-4 2 1}; do
         [ "$w" -gt "$n" ] && continue
-        for mode in sync async; do
+        for mode in ${DIST_MODES:-sync async sync+dedup async+dedup}; do
+          dedup=""; [ "${mode%+dedup}" != "$mode" ] && dedup="--dedup"
           timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node="$w" \
-            benchmarks/bench_distributed.py --sparse "$mode" --watchdog 150 ${DIST_ARGS:-} \
+            benchmarks/bench_distributed.py --sparse "${mode%+dedup}" $dedup --watchdog 150 ${DIST_ARGS:-} \
             --json "$OUT/dist_w${w}_${mode}.json" >"$OUT/dist_w${w}_${mode}.log" 2>&1 \
             || tail -c 3000 "$OUT/dist_w${w}_${mode}.log"
         done

@@ -40,6 +40,9 @@ class HybridParallel(nn.Module):
         staleness: async only: how many steps late an update is applied (>= 0; 0 = sync).
         dense: ``"ddp"`` (torch ``DistributedDataParallel`` over the dense parameters;
             skipped when there are none) or ``"none"`` (you average dense gradients).
+        dedup: send each distinct id of a batch once and pool on the requester (one row per
+            distinct id each way) instead of pooling bag parts on the owners: faster when
+            ids repeat within a batch (hot ids, bags of one id). Same results.
         process_group: the ranks to shard over (default: the whole world).
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
@@ -62,6 +65,7 @@ class HybridParallel(nn.Module):
         sparse: str = "sync",
         staleness: int = 1,
         dense: str = "ddp",
+        dedup: bool = False,
         process_group: Optional[dist.ProcessGroup] = None,
         **ddp_kwargs: Any,
     ) -> None:
@@ -83,6 +87,7 @@ class HybridParallel(nn.Module):
             raise ValueError("HybridParallel: the model is already wrapped")
         self.module = model
         self.sparse = sparse
+        self.dedup = bool(dedup)
         self.staleness = staleness if sparse == "async" else 0
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -112,7 +117,7 @@ class HybridParallel(nn.Module):
         lookup_group = Group(dist.new_group(ranks=ranks, backend=backend, **local))
         grad_group = Group(dist.new_group(ranks=ranks, backend=backend, **local)) if self.sparse == "async" else None
         for tag, (name, m) in enumerate(self.tables):
-            m._shard = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group)
+            m._shard = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group, self.dedup)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the wrapped model (through DDP when dense parameters are data-parallel)."""
@@ -144,6 +149,6 @@ class HybridParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"sparse={self.sparse!r}, staleness={self.staleness}, world_size={self.world_size}, "
+            f"sparse={self.sparse!r}, staleness={self.staleness}, dedup={self.dedup}, world_size={self.world_size}, "
             f"tables={len(self.tables)}, dense={'ddp' if self._ddp is not None else 'none'}"
         )

@@ -70,6 +70,8 @@ class Shard:
         mode: "sync" or "async".
         staleness: async only: steps between a gradient and its update.
         grad_group: async only: a second group for the gradient exchanges.
+        dedup: send each distinct id once and pool on the requester (see
+            :mod:`veloce.distributed.dedup`) instead of pooling parts on the owners.
     """
 
     group: Group
@@ -77,6 +79,7 @@ class Shard:
     mode: str = "sync"
     staleness: int = 1
     grad_group: Optional[Group] = None
+    dedup: bool = False
     steps: int = 0  # optimizer steps taken (async bookkeeping)
     in_flight: deque = field(default_factory=deque)
 
@@ -143,6 +146,9 @@ class _Exchange:
     ids_per_table: list[int]
     served: list  # _Served per table
 
+    def backward(self, grads, psw_grad: list[bool]) -> list:
+        return _backward(self, grads, psw_grad)
+
 
 def sharded_lookup(modules: Sequence, bags: Sequence[tuple]) -> list[torch.Tensor]:
     """Pooled lookups of K sharded tables (same group, dim and dtype) in one exchange.
@@ -153,11 +159,20 @@ def sharded_lookup(modules: Sequence, bags: Sequence[tuple]) -> list[torch.Tenso
     psws = [b[2] for b in bags]
     if not anchor_needed:
         with torch.no_grad():
-            outs, _ = _forward(shard, modules, bags)
+            outs, _ = _forward_for(shard)(shard, modules, bags)
         return list(outs)
     anchor = torch.empty(0, device=bags[0][0].device, requires_grad=True)
     psw_grad = any(p is not None and p.requires_grad for p in psws)
     return list(_GroupedLookup.apply(anchor, shard, modules, bags, psw_grad, *psws))
+
+
+def _forward_for(shard: Shard):
+    """The exchange a shard uses: partial sums per bag part, or (dedup) one row per distinct id."""
+    if shard.dedup:
+        from veloce.distributed.dedup import forward_rows
+
+        return forward_rows
+    return _forward
 
 
 def _drop_padding(module, ids, offsets, psw):
@@ -179,26 +194,47 @@ def _drop_padding(module, ids, offsets, psw):
     return ids[kept], starts, None if psw is None else psw[kept], kept
 
 
-def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False):
-    g = shard.group
-    K = len(modules)
-    dev = bags[0][0].device
-    dtype = modules[0].table.weights.dtype
+@dataclass
+class _Batch:
+    """The bags of K tables, padding dropped, concatenated table after table."""
+
+    ids: torch.Tensor  # (M,)
+    starts: torch.Tensor  # (B,) bag starts into ids
+    psw: Optional[torch.Tensor]  # (M,) per-sample weights (ones for tables without), or None
+    kept: list  # per table: positions kept, or None when nothing was dropped
+    num_ids: list[int]  # per table: ids given (padding included)
+    num_kept: list[int]  # per table: ids kept
+    num_bags: list[int]  # per table: bags
+
+
+def _concat_bags(modules: list, bags: Sequence[tuple], dtype: torch.dtype, dev: torch.device) -> _Batch:
     any_psw = any(b[2] is not None for b in bags)
-    ids_l, starts_l, psw_l, kept_l, num_ids, num_bags = [], [], [], [], [], []
+    ids_l, starts_l, psw_l, kept_l, num_ids, num_kept, num_bags = [], [], [], [], [], [], []
     base = 0
     for m, (ids, offsets, psw) in zip(modules, bags):
         num_ids.append(ids.numel())
         ids, starts, psw, kept = _drop_padding(m, ids, offsets, psw)
+        num_kept.append(ids.numel())
         num_bags.append(starts.numel())
         ids_l.append(ids)
         starts_l.append(starts + base)
         psw_l.append(psw if psw is not None else torch.ones(ids.numel(), dtype=dtype, device=dev))
         kept_l.append(kept)
         base += ids.numel()
-    all_ids = torch.cat(ids_l)
+    psw_all = torch.cat(psw_l) if any_psw else None
+    return _Batch(torch.cat(ids_l), torch.cat(starts_l), psw_all, kept_l, num_ids, num_kept, num_bags)
+
+
+def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False):
+    g = shard.group
+    K = len(modules)
+    dev = bags[0][0].device
+    dtype = modules[0].table.weights.dtype
+    cb = _concat_bags(modules, bags, dtype, dev)
+    any_psw = cb.psw is not None
+    all_ids, num_bags, kept_l, num_ids = cb.ids, cb.num_bags, cb.kept, cb.num_ids
     total_bags = sum(num_bags)
-    b = bucketize_bags(all_ids, torch.cat(starts_l), g.size)
+    b = bucketize_bags(all_ids, cb.starts, g.size)
 
     # Per (owner, table): parts and ids, for the owner to split what it receives by table.
     bag_bounds = torch.tensor([0] + list(_cumsum(num_bags))[:-1], device=dev)
@@ -208,7 +244,7 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
     cell = owner_of_part * K + table_of_part
     parts_nk = torch.zeros(g.size * K, dtype=torch.long, device=dev).index_add_(0, cell, torch.ones_like(cell))
     ids_nk = torch.zeros(g.size * K, dtype=torch.long, device=dev).index_add_(0, cell, b.part_lengths)
-    signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(any_psw), int(psw_grad))
+    signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(any_psw), int(psw_grad), 0)
     fields = [b.id_splits, b.part_splits, *parts_nk.view(g.size, K).t(), *ids_nk.view(g.size, K).t()]
     what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
     sent, recv = exchange_headers(g, fields, signature, what)
@@ -218,7 +254,7 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
 
     recv_ids = all_to_all(g, all_ids[b.perm], id_splits, recv_ids_n)
     recv_len = all_to_all(g, b.part_lengths, part_splits, recv_parts_n)
-    recv_psw = all_to_all(g, torch.cat(psw_l)[b.perm], id_splits, recv_ids_n) if any_psw else None
+    recv_psw = all_to_all(g, cb.psw[b.perm], id_splits, recv_ids_n) if any_psw else None
 
     # The owner: received parts come peer-major, table-major within a peer; serve each
     # table from its own contiguous block (table-major order).
@@ -303,36 +339,67 @@ def _backward(ex: _Exchange, grads: Sequence[Optional[torch.Tensor]], psw_grad: 
     """Sends each part's gradient to its owner; returns per-table per-sample-weight
     gradients (None where not needed)."""
     shard, g = ex.shard, ex.shard.group
-    dtype = ex.modules[0].table.weights.dtype
-    grad = torch.cat([
-        gr.to(dtype) if gr is not None else torch.zeros((n, ex.modules[0].embedding_dim), dtype=dtype,
-                                                        device=ex.perm.device)
-        for gr, n in zip(grads, ex.num_bags)
-    ])  # fmt: skip
+    grad = _cat_grads(ex.modules, grads, ex.num_bags, ex.perm.device)
     if ex.scale is not None:
         grad = grad * ex.scale.unsqueeze(1)
     grad_parts = grad.index_select(0, ex.bag_of_part) / g.size  # averaged over ranks, as DDP
     want_psw = any(psw_grad)
-    if shard.mode == "async" and shard.staleness > 0 and not want_psw:
-        recv, work = all_to_all(shard.grad_group, grad_parts, ex.part_splits, ex.recv_parts_n, async_op=True)
+    per_table = _deliver(shard, ex.modules, ex.served, grad_parts, ex.part_splits, ex.recv_parts_n,
+                         ex.part_order, ex.parts_per_table, sync=want_psw)  # fmt: skip
+    if not want_psw:
+        return [None] * len(ex.modules)
+    return _psw_grads(ex, per_table, psw_grad)
+
+
+def _cat_grads(modules: list, grads: Sequence[Optional[torch.Tensor]], num_bags: list[int], dev) -> torch.Tensor:
+    """The tables' output gradients as one (sum B, D) tensor (zeros for unused outputs)."""
+    dtype, dim = modules[0].table.weights.dtype, modules[0].embedding_dim
+    return torch.cat([
+        gr.to(dtype) if gr is not None else torch.zeros((n, dim), dtype=dtype, device=dev)
+        for gr, n in zip(grads, num_bags)
+    ])  # fmt: skip
+
+
+def _split_psw_grads(flat: torch.Tensor, kept: list, num_ids: list[int], wanted: list[bool]) -> list:
+    """Per-table per-sample-weight gradients from the gradients of the kept (non-padding)
+    positions of all tables, concatenated; padding positions get zero."""
+    out, start = [], 0
+    for k_idx, n, want in zip(kept, num_ids, wanted):
+        k = n if k_idx is None else k_idx.numel()
+        piece = flat[start : start + k]
+        start += k
+        if not want:
+            out.append(None)
+        elif k_idx is None:
+            out.append(piece)
+        else:
+            out.append(torch.zeros(n, dtype=piece.dtype, device=piece.device).index_copy_(0, k_idx, piece))
+    return out
+
+
+def _deliver(shard: Shard, modules: list, served: list, rows: torch.Tensor, send_splits: list[int],
+             recv_splits: list[int], order: torch.Tensor, per_table: list[int], sync: bool):
+    """Sends gradient ``rows`` to their owners, who keep their tables' shares (the received
+    rows taken in ``order``, split ``per_table``) as pending gradients: now in sync mode
+    (returns those shares), or ``staleness`` steps later in async mode (returns None)."""
+    if not sync and shard.mode == "async" and shard.staleness > 0:
+        recv, work = all_to_all(shard.grad_group, rows, send_splits, recv_splits, async_op=True)
         landed: dict[str, list] = {}
 
         def table_grads() -> list:
             if "grads" not in landed:
                 work.wait()
-                landed["grads"] = recv[ex.part_order].split(ex.parts_per_table)
+                landed["grads"] = recv[order].split(per_table)
             return landed["grads"]
 
-        for k, m in enumerate(ex.modules):
-            m._shard.in_flight.append(_InFlight(m._shard.steps, lambda k=k: table_grads()[k], ex.served[k]))
-        return [None] * len(ex.modules)
-    recv = all_to_all(g, grad_parts, ex.part_splits, ex.recv_parts_n)
-    per_table = recv[ex.part_order].split(ex.parts_per_table)
-    for m, s, gk in zip(ex.modules, ex.served, per_table):
+        for k, m in enumerate(modules):
+            m._shard.in_flight.append(_InFlight(m._shard.steps, lambda k=k: table_grads()[k], served[k]))
+        return None
+    recv = all_to_all(shard.group, rows, send_splits, recv_splits)
+    shares = recv[order].split(per_table)
+    for m, s, gk in zip(modules, served, shares):
         _record(m, s, gk)
-    if not want_psw:
-        return [None] * len(ex.modules)
-    return _psw_grads(ex, per_table, psw_grad)
+    return shares
 
 
 def _psw_grads(ex: _Exchange, per_table: Sequence[torch.Tensor], psw_grad: list[bool]) -> list:
@@ -347,18 +414,7 @@ def _psw_grads(ex: _Exchange, per_table: Sequence[torch.Tensor], psw_grad: list[
     received_order = torch.empty_like(mine).index_copy_(0, ex.id_order, mine)
     back = all_to_all(g, received_order, ex.recv_ids_n, ex.id_splits)
     flat = torch.zeros(ex.perm.numel(), dtype=back.dtype, device=back.device).index_copy_(0, ex.perm, back)
-    out, start = [], 0
-    for m, kept, n, want in zip(ex.modules, ex.kept, ex.num_ids, psw_grad):
-        k = n if kept is None else kept.numel()
-        piece = flat[start : start + k]
-        start += k
-        if not want:
-            out.append(None)
-        elif kept is None:
-            out.append(piece)
-        else:
-            out.append(torch.zeros(n, dtype=piece.dtype, device=piece.device).index_copy_(0, kept, piece))
-    return out
+    return _split_psw_grads(flat, ex.kept, ex.num_ids, psw_grad)
 
 
 def _current_slots(module, served: _Served) -> torch.Tensor:
@@ -384,12 +440,12 @@ class _GroupedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, shard, modules, bags, psw_grad, *psws):  # type: ignore[override]
-        outs, ex = _forward(shard, modules, bags, psw_grad)
+        outs, ex = _forward_for(shard)(shard, modules, bags, psw_grad)
         ctx.ex = ex
         return outs
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         psw_needed = list(ctx.needs_input_grad[5:])
-        psw_grads = _backward(ctx.ex, grads, psw_needed)
+        psw_grads = ctx.ex.backward(grads, psw_needed)
         return (None, None, None, None, None, *psw_grads)

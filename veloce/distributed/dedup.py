@@ -1,0 +1,130 @@
+"""The deduplicated exchange of a sharded lookup (``HybridParallel(dedup=True)``).
+
+Each distinct (table, id) of a batch travels once: the requester sends its distinct ids
+to their owners, owners send back one row per id, and the requester pools its bags
+locally from those rows (``pooled_lookup`` over the received rows, so sums run in
+position order exactly as on one process). In backward the requester sums each distinct
+row's gradient (``accumulate_grad``) and sends one gradient row per id back.
+
+It moves ``U`` rows each way instead of one partial sum per (bag, owner): a win when ids
+repeat within a batch (hot ids of Zipf-distributed features, bags of one id), a loss for
+long bags of distinct ids, where partial sums are fewer. Per-sample-weight gradients
+are computed locally (the requester holds the rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from veloce.distributed._comm import all_to_all, exchange_headers
+from veloce.distributed.sharded import (
+    _SUM, Shard, _cat_grads, _concat_bags, _deliver, _segment_gather_index, _serve, _split_psw_grads,
+    _tags_hash,
+)  # fmt: skip
+from veloce.ops.exchange import owner_of
+
+__all__ = ["forward_rows"]
+
+
+@dataclass
+class _RowExchange:
+    """Everything backward needs about one deduplicated lookup."""
+
+    modules: list
+    shard: Shard
+    batch: object  # sharded._Batch
+    inverse: torch.Tensor  # (M,) distinct-id index of every kept position
+    rows: torch.Tensor  # (U, D) the rows the owners sent
+    scale: Optional[torch.Tensor]  # (sum B,) 1 / bag length for mean tables, 1 for sum tables
+    send_order: torch.Tensor  # (U,) distinct ids in the order sent (by owner, table)
+    id_splits: list[int]
+    recv_ids_n: list[int]
+    recv_order: torch.Tensor  # received ids -> table-major order
+    ids_per_table: list[int]
+    served: list
+
+    def backward(self, grads, psw_grad: list[bool]) -> list:
+        batch, g = self.batch, self.shard.group
+        grad = _cat_grads(self.modules, grads, batch.num_bags, self.rows.device)
+        pooled_grad = grad if self.scale is None else grad * self.scale.unsqueeze(1)
+        U = self.rows.shape[0]
+        slots, per_row = torch.ops.veloce.accumulate_grad(pooled_grad, self.inverse, batch.starts, batch.psw, _SUM,
+                                                          False, U)  # fmt: skip
+        row_grads = torch.zeros_like(self.rows).index_copy_(0, slots, per_row) / g.size  # averaged, as DDP
+        _deliver(self.shard, self.modules, self.served, row_grads[self.send_order], self.id_splits,
+                 self.recv_ids_n, self.recv_order, self.ids_per_table, sync=False)  # fmt: skip
+        if not any(psw_grad):
+            return [None] * len(self.modules)
+        from veloce.embedding import _psw_grad
+
+        flat = _psw_grad(self.rows, self.inverse, batch.starts, pooled_grad, False)
+        return _split_psw_grads(flat, batch.kept, batch.num_ids, psw_grad)
+
+
+def _distinct(ids: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first position of every distinct (table, id), in (table, id) order; the distinct
+    index of every position)."""
+    order = torch.argsort(ids, stable=True)
+    order = order[torch.argsort(table[order], stable=True)]
+    sid, stab = ids[order], table[order]
+    new = torch.ones(ids.numel(), dtype=torch.bool, device=ids.device)
+    if ids.numel() > 1:
+        new[1:] = (sid[1:] != sid[:-1]) | (stab[1:] != stab[:-1])
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.cumsum(new, 0) - 1)
+    return order[new], inverse
+
+
+def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False):
+    g = shard.group
+    K, W = len(modules), g.size
+    dev = bags[0][0].device
+    dtype = modules[0].table.weights.dtype
+    batch = _concat_bags(modules, bags, dtype, dev)
+    table = torch.repeat_interleave(torch.arange(K, device=dev), torch.tensor(batch.num_kept, device=dev),
+                                    output_size=batch.ids.numel())  # fmt: skip
+    first, inverse = _distinct(batch.ids, table)
+    u_ids, u_table = batch.ids[first], table[first]
+    cell = owner_of(u_ids, W) * K + u_table
+    send_order = torch.argsort(cell, stable=True)  # by owner, then table
+    ids_nk = torch.zeros(W * K, dtype=torch.long, device=dev).index_add_(0, cell, torch.ones_like(cell)).view(W, K)
+    signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(batch.psw is not None), int(psw_grad), 1)
+    what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
+    sent, recv = exchange_headers(g, [ids_nk.sum(1), *ids_nk.t()], signature, what)
+    id_splits, recv_ids_n, recv_ids_nk = sent[0], recv[0], recv[1:]  # recv_ids_nk[k][peer]
+
+    # The owner: per peer, ids come table after table; serve each table's block.
+    recv_ids = all_to_all(g, u_ids[send_order], id_splits, recv_ids_n)
+    seg_len = torch.tensor([recv_ids_nk[k][p] for p in range(W) for k in range(K)], device=dev)
+    table_major = torch.arange(W * K, device=dev).view(W, K).t().reshape(-1)
+    recv_order = _segment_gather_index(seg_len, table_major, recv_ids.numel())
+    ids_per_table = [sum(c) for c in recv_ids_nk]
+    served, rows = [], []
+    for m, ids_k in zip(modules, recv_ids[recv_order].split(ids_per_table)):
+        s, r = _serve(m, ids_k, torch.ones_like(ids_k), None)  # parts of one id: its row
+        served.append(s)
+        rows.append(r)
+    back = torch.empty((recv_ids.numel(), modules[0].embedding_dim), dtype=dtype, device=dev)
+    back.index_copy_(0, recv_order, torch.cat(rows))
+
+    got = all_to_all(g, back, recv_ids_n, id_splits)  # rows in the order sent
+    u_rows = torch.empty_like(got).index_copy_(0, send_order, got)
+    out = torch.ops.veloce.pooled_lookup(u_rows, inverse, batch.starts, batch.psw, _SUM, False)
+    scale = _mean_scale(modules, batch, dtype, dev)
+    if scale is not None:
+        out = out * scale.unsqueeze(1)
+    ex = _RowExchange(modules, shard, batch, inverse, u_rows, scale, send_order, id_splits, recv_ids_n,
+                      recv_order, ids_per_table, served)  # fmt: skip
+    return (out,) if K == 1 else tuple(o.clone() for o in out.split(batch.num_bags)), ex
+
+
+def _mean_scale(modules, batch, dtype, dev) -> Optional[torch.Tensor]:
+    """1 / (ids in the bag, padding dropped) for the bags of mean tables, 1 elsewhere."""
+    if all(m.mode != "mean" for m in modules):
+        return None
+    ends = torch.cat([batch.starts[1:], torch.tensor([batch.ids.numel()], device=dev)])
+    counts = (ends - batch.starts).to(dtype)
+    is_mean = torch.cat([torch.full((n,), m.mode == "mean", device=dev) for m, n in zip(modules, batch.num_bags)])
+    return torch.where(is_mean, 1.0 / counts.clamp(min=1), torch.ones_like(counts))
