@@ -21,8 +21,8 @@ import torch
 
 from veloce.distributed._comm import all_to_all, exchange_headers
 from veloce.distributed.sharded import (
-    _SUM, Shard, _cat_grads, _concat_bags, _deliver, _segment_gather_index, _serve, _split_psw_grads,
-    _tags_hash,
+    _SUM, Shard, _cat_grads, _concat_bags, _deliver, _mean_scale, _segment_gather_index, _serve_tables,
+    _split_psw_grads, _tags_hash,
 )  # fmt: skip
 from veloce.ops.exchange import owner_of
 
@@ -101,13 +101,9 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     table_major = torch.arange(W * K, device=dev).view(W, K).t().reshape(-1)
     recv_order = _segment_gather_index(seg_len, table_major, recv_ids.numel())
     ids_per_table = [sum(c) for c in recv_ids_nk]
-    served, rows = [], []
-    for m, ids_k in zip(modules, recv_ids[recv_order].split(ids_per_table)):
-        s, r = _serve(m, ids_k, torch.ones_like(ids_k), None)  # parts of one id: its row
-        served.append(s)
-        rows.append(r)
-    back = torch.empty((recv_ids.numel(), modules[0].embedding_dim), dtype=dtype, device=dev)
-    back.index_copy_(0, recv_order, torch.cat(rows))
+    t_ids = recv_ids[recv_order].split(ids_per_table)
+    ones = [torch.ones_like(i) for i in t_ids]  # parts of one id: its row
+    served, back = _serve_tables(modules, t_ids, ones, [None] * K, recv_order)
 
     got = all_to_all(g, back, recv_ids_n, id_splits)  # rows in the order sent
     u_rows = torch.empty_like(got).index_copy_(0, send_order, got)
@@ -118,13 +114,3 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     ex = _RowExchange(modules, shard, batch, inverse, u_rows, scale, send_order, id_splits, recv_ids_n,
                       recv_order, ids_per_table, served)  # fmt: skip
     return (out,) if K == 1 else tuple(o.clone() for o in out.split(batch.num_bags)), ex
-
-
-def _mean_scale(modules, batch, dtype, dev) -> Optional[torch.Tensor]:
-    """1 / (ids in the bag, padding dropped) for the bags of mean tables, 1 elsewhere."""
-    if all(m.mode != "mean" for m in modules):
-        return None
-    ends = torch.cat([batch.starts[1:], torch.tensor([batch.ids.numel()], device=dev)])
-    counts = (ends - batch.starts).to(dtype)
-    is_mean = torch.cat([torch.full((n,), m.mode == "mean", device=dev) for m, n in zip(modules, batch.num_bags)])
-    return torch.where(is_mean, 1.0 / counts.clamp(min=1), torch.ones_like(counts))

@@ -268,17 +268,11 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
     t_ids = recv_ids[id_order].split(ids_per_table)
     t_len = recv_len[part_order].split(parts_per_table)
     t_psw = recv_psw[id_order].split(ids_per_table) if any_psw else [None] * K
-    served, partials = [], []
-    for m, ids_k, len_k, psw_k in zip(modules, t_ids, t_len, t_psw):
-        s, partial = _serve(m, ids_k, len_k, psw_k)
-        served.append(s)
-        partials.append(partial)
-    partial = torch.empty((recv_len.numel(), modules[0].embedding_dim), dtype=dtype, device=dev)
-    partial.index_copy_(0, part_order, torch.cat(partials))
+    served, partial = _serve_tables(modules, t_ids, t_len, t_psw, part_order)
 
     parts = all_to_all(g, partial, recv_parts_n, part_splits)
     out = combine_parts(parts, b.bag_of_part, total_bags)
-    scale = _mean_scale(modules, num_bags, b, total_bags, dtype, dev)
+    scale = _mean_scale(modules, cb, dtype, dev)
     if scale is not None:
         out = out * scale.unsqueeze(1)
     ex = _Exchange(modules, shard, kept_l, num_ids, num_bags, b.perm, b.bag_of_part, scale, id_splits,
@@ -313,13 +307,28 @@ def _segment_gather_index(lengths: torch.Tensor, order: torch.Tensor, total: int
     return seg_start + within
 
 
-def _mean_scale(modules, num_bags, b, total_bags, dtype, dev) -> Optional[torch.Tensor]:
-    """1 / (non-padding ids of the bag) for the bags of mean tables, 1 elsewhere."""
+def _mean_scale(modules: list, batch: _Batch, dtype: torch.dtype, dev: torch.device) -> Optional[torch.Tensor]:
+    """1 / (ids in the bag, padding dropped) for the bags of mean tables, 1 elsewhere."""
     if all(m.mode != "mean" for m in modules):
         return None
-    counts = torch.zeros(total_bags, dtype=dtype, device=dev).index_add_(0, b.bag_of_part, b.part_lengths.to(dtype))
-    is_mean = torch.cat([torch.full((n,), m.mode == "mean", device=dev) for m, n in zip(modules, num_bags)])
+    ends = torch.cat([batch.starts[1:], torch.tensor([batch.ids.numel()], device=dev)])
+    counts = (ends - batch.starts).to(dtype)
+    is_mean = torch.cat([torch.full((n,), m.mode == "mean", device=dev) for m, n in zip(modules, batch.num_bags)])
     return torch.where(is_mean, 1.0 / counts.clamp(min=1), torch.ones_like(counts))
+
+
+def _serve_tables(modules: list, ids: Sequence[torch.Tensor], lengths: Sequence[torch.Tensor],
+                  psw: Sequence[Optional[torch.Tensor]], order: torch.Tensor):
+    """The owner's half of a grouped lookup: each table serves its block (parts of
+    ``lengths[k]`` ids); the pooled parts come back in received order (``order`` maps
+    received to table-major)."""
+    served, pooled = [], []
+    for m, ids_k, len_k, psw_k in zip(modules, ids, lengths, psw):
+        s, p = _serve(m, ids_k, len_k, psw_k)
+        served.append(s)
+        pooled.append(p)
+    flat = torch.cat(pooled)
+    return served, torch.empty_like(flat).index_copy_(0, order, flat)
 
 
 def _serve(module, ids, lengths, psw):
