@@ -611,3 +611,33 @@ def test_insert_on_a_shard_refuses_ids_of_other_ranks():
     for rank, (size, msg) in enumerate(run_ranks(_insert_foreign, 2, timeout=60)):
         assert size == 2 and msg is not None
         assert "ids[2] = " in msg and f"belongs to rank {1 - rank}, not to this rank ({rank})" in msg
+
+
+def _one_rank_fails(rank, world, case, grouped):
+    a = veloce.DynamicEmbedding(4, mode="sum", max_capacity=32, eviction="none")
+    b = veloce.DynamicEmbedding(4, mode="sum")
+    HybridParallel(nn.ModuleList([a, b]), dense="none")
+    x = torch.tensor([[1], [2]])
+    if case == "bad input" and rank == 0:
+        x = x.float()  # only rank 0 passes bad input
+    if case == "full table":  # rank 0 asks for more new ids than rank 1's shard may hold
+        x = torch.tensor(ids_owned_by(1, world, 40)).view(-1, 1) if rank == 0 else x
+    try:
+        veloce.lookup_many([a, b], [x, x]) if grouped else a(x)
+    except Exception as e:  # noqa: BLE001 - the test reports what each rank raised
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one table", "lookup_many"])
+@pytest.mark.parametrize("case", ["bad input", "full table"])
+def test_an_error_on_one_rank_stops_every_rank(case, grouped):
+    """Bad input on one rank, or a full table on one owner, raises there and an
+    ExchangeError on the others, instead of leaving them waiting in the exchange."""
+    (t0, m0), (t1, m1) = run_ranks(_one_rank_fails, 2, case, grouped, timeout=60)
+    if case == "bad input":
+        assert t0 == "TypeError" and "input must hold int64" in m0
+        assert t1 == "ExchangeError" and "rank 0 could not take part" in m1
+    else:
+        assert t1 == "TableFullError" and "eviction='none'" in m1
+        assert t0 == "ExchangeError" and "failed on 1 other rank(s)" in m0

@@ -131,9 +131,11 @@ class DynamicEmbedding(nn.Module):
     ) -> torch.Tensor:
         """Pooled embeddings of ``input`` bags; see the class docstring for shapes."""
         _ext.require()
-        ids, offsets, psw = self._bags(input, offsets, per_sample_weights)
         if self._shard is not None:
+            with self._shard.abandon_on_error():  # bad input here fails every rank, not just this one
+                ids, offsets, psw = self._bags(input, offsets, per_sample_weights)
             return self._shard.lookup(self, ids, offsets, psw)
+        ids, offsets, psw = self._bags(input, offsets, per_sample_weights)
         table = self.table
         mode = _MODES[self.mode]
         if self.training:
@@ -468,7 +470,8 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
     from veloce.distributed.sharded import sharded_lookup
 
     for idx in groups.values():
-        bags = [tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i])))) for i in idx]
+        with tables[idx[0]]._shard.abandon_on_error():  # bad input fails every rank, not just this one
+            bags = [tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i])))) for i in idx]
         for i, o in zip(idx, sharded_lookup([tables[i] for i in idx], bags)):
             out[i] = o
     return out  # type: ignore[return-value]

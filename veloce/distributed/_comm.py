@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExchangeError", "exchange_headers", "all_to_all", "Group"]
+__all__ = ["ExchangeError", "exchange_headers", "all_to_all", "abandon_exchange", "agree_sum", "Group"]
 
 
 class ExchangeError(RuntimeError):
@@ -48,6 +48,11 @@ def exchange_headers(
     theirs = torch.empty_like(sig)
     dist.all_to_all_single(theirs, sig, group=group.group)
     for peer, row in enumerate(theirs.tolist()):
+        if row[0] == _ABANDONED:
+            raise ExchangeError(
+                f"{what}: rank {peer} could not take part in this lookup (its own error says why, e.g. bad "
+                f"input); every rank stops here"
+            )
         if row != mine:
             raise ExchangeError(
                 f"{what}: rank {peer} sent signature {row} to rank {group.rank}, which expected {mine}. Every rank "
@@ -60,6 +65,30 @@ def exchange_headers(
     sent_rows, recv_rows = torch.stack([header, recv]).tolist()  # the host sync that sizes the payloads
     k = len(sizes)
     return _columns(sent_rows, k), _columns(recv_rows, k)
+
+
+_ABANDONED = -1
+SIGNATURE_WIDTH = 7  # the number of fields, then the 6 ints of a lookup's signature
+
+
+def abandon_exchange(group: Group) -> None:
+    """Takes part in the signature swap of an exchange this rank cannot run (it failed
+    before it); the other ranks raise :class:`ExchangeError` instead of waiting."""
+    w = group.size
+    mine = torch.full((w, SIGNATURE_WIDTH), _ABANDONED, dtype=torch.long, device=_device(group))
+    dist.all_to_all_single(torch.empty_like(mine), mine, group=group.group)
+
+
+def agree_sum(group: Group, count: int) -> int:
+    """The sum of ``count`` over the group's ranks (a collective: every rank calls it)."""
+    t = torch.tensor([count], dtype=torch.long, device=_device(group))
+    dist.all_reduce(t, group=group.group)
+    return int(t.item())
+
+
+def _device(group: Group) -> torch.device:
+    """Where a group's small control tensors live (CUDA for NCCL)."""
+    return torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
 
 
 def _columns(rows: list[list[int]], k: int) -> list[list[int]]:

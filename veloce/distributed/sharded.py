@@ -29,13 +29,16 @@ gradients of step t at step t + staleness.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from veloce.distributed._comm import Group, all_to_all, exchange_headers
+from veloce.distributed._comm import (
+    ExchangeError, Group, abandon_exchange, agree_sum, all_to_all, exchange_headers,
+)  # fmt: skip
 from veloce.ops.exchange import bucketize_bags, combine_parts
 
 __all__ = ["Shard", "table_shard", "sharded_lookup"]
@@ -97,19 +100,23 @@ class Shard:
 
     def agree(self, count: int) -> int:
         """The sum of ``count`` over the ranks (a collective: every rank calls it)."""
-        t = torch.tensor([count], dtype=torch.long, device=_collective_device(self.group))
-        torch.distributed.all_reduce(t, group=self.group.group)
-        return int(t.item())
+        return agree_sum(self.group, count)
+
+    @contextlib.contextmanager
+    def abandon_on_error(self):
+        """If the block raises (bad input found before the exchange), this rank still takes
+        part in the exchange's first step so that the other ranks raise too."""
+        try:
+            yield
+        except Exception:
+            abandon_exchange(self.group)
+            raise
 
     def flush(self, module) -> None:
         """Waits for every gradient in flight and adds it to the pending gradient."""
         while self.in_flight:
             f = self.in_flight.popleft()
             _record(module, f.owner, f.grad())
-
-
-def _collective_device(group: Group) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
 
 
 # ---- one exchange for K tables --------------------------------------------------------------
@@ -323,10 +330,20 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], lengths: Sequence[
     ``lengths[k]`` ids); the pooled parts come back in received order (``order`` maps
     received to table-major)."""
     served, pooled = [], []
-    for m, ids_k, len_k, psw_k in zip(modules, ids, lengths, psw):
-        s, p = _serve(m, ids_k, len_k, psw_k)
-        served.append(s)
-        pooled.append(p)
+    error: Optional[Exception] = None
+    try:
+        for m, ids_k, len_k, psw_k in zip(modules, ids, lengths, psw):
+            s, p = _serve(m, ids_k, len_k, psw_k)
+            served.append(s)
+            pooled.append(p)
+    except Exception as e:  # e.g. TableFullError on this owner: every rank must stop, not wait
+        error = e
+    failed = agree_sum(modules[0]._shard.group, int(error is not None))
+    if error is not None:
+        raise error
+    if failed:  # only other ranks failed
+        raise ExchangeError(f"a sharded lookup failed on {failed} other rank(s) (their errors say why, e.g. a full "
+                            f"table); every rank stops here")  # fmt: skip
     flat = torch.cat(pooled)
     return served, torch.empty_like(flat).index_copy_(0, order, flat)
 
