@@ -21,8 +21,8 @@ import torch
 
 from veloce.distributed._comm import all_to_all, exchange_headers
 from veloce.distributed.sharded import (
-    _SUM, Shard, _cat_grads, _concat_bags, _deliver, _mean_scale, _segment_gather_index, _serve_tables,
-    _split_psw_grads, _tags_hash,
+    _SUM, Shard, _cat_grads, _concat_bags, _deliver, _mean_scale, _per_table, _segment_gather_index,
+    _serve_tables, _split_psw_grads, _tags_hash,
 )  # fmt: skip
 from veloce.ops.exchange import owner_of
 
@@ -113,4 +113,4 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
         out = out * scale.unsqueeze(1)
     ex = _RowExchange(modules, shard, batch, inverse, u_rows, scale, send_order, id_splits, recv_ids_n,
                       recv_order, ids_per_table, served)  # fmt: skip
-    return (out,) if K == 1 else tuple(o.clone() for o in out.split(batch.num_bags)), ex
+    return _per_table(out, batch.num_bags), ex

@@ -30,6 +30,7 @@ gradients of step t at step t + staleness.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -137,9 +138,7 @@ class _Exchange:
 
     modules: list
     shard: Shard
-    kept: list  # per table: positions kept (padding dropped), or None when none was dropped
-    num_ids: list[int]  # per table: ids given
-    num_bags: list[int]  # per table: bags
+    batch: "_Batch"  # the requester's bags, padding dropped
     perm: torch.Tensor
     bag_of_part: torch.Tensor
     scale: Optional[torch.Tensor]  # (sum B,) 1 / bag length for mean tables, 1 for sum tables
@@ -239,12 +238,11 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
     dtype = modules[0].table.weights.dtype
     cb = _concat_bags(modules, bags, dtype, dev)
     any_psw = cb.psw is not None
-    all_ids, num_bags, kept_l, num_ids = cb.ids, cb.num_bags, cb.kept, cb.num_ids
-    total_bags = sum(num_bags)
-    b = bucketize_bags(all_ids, cb.starts, g.size)
+    total_bags = sum(cb.num_bags)
+    b = bucketize_bags(cb.ids, cb.starts, g.size)
 
     # Per (owner, table): parts and ids, for the owner to split what it receives by table.
-    bag_bounds = torch.tensor([0] + list(_cumsum(num_bags))[:-1], device=dev)
+    bag_bounds = torch.tensor([0, *itertools.accumulate(cb.num_bags)][:-1], device=dev)
     P = b.bag_of_part.numel()
     table_of_part = torch.searchsorted(bag_bounds, b.bag_of_part, right=True) - 1
     owner_of_part = torch.repeat_interleave(torch.arange(g.size, device=dev), b.part_splits, output_size=P)
@@ -259,7 +257,7 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
     recv_ids_n, recv_parts_n = recv[0], recv[1]
     recv_parts_nk, recv_ids_nk = recv[2 : 2 + K], recv[2 + K :]  # [k][peer]
 
-    recv_ids = all_to_all(g, all_ids[b.perm], id_splits, recv_ids_n)
+    recv_ids = all_to_all(g, cb.ids[b.perm], id_splits, recv_ids_n)
     recv_len = all_to_all(g, b.part_lengths, part_splits, recv_parts_n)
     recv_psw = all_to_all(g, cb.psw[b.perm], id_splits, recv_ids_n) if any_psw else None
 
@@ -282,11 +280,16 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
     scale = _mean_scale(modules, cb, dtype, dev)
     if scale is not None:
         out = out * scale.unsqueeze(1)
-    ex = _Exchange(modules, shard, kept_l, num_ids, num_bags, b.perm, b.bag_of_part, scale, id_splits,
+    ex = _Exchange(modules, shard, cb, b.perm, b.bag_of_part, scale, id_splits,
                    part_splits, recv_ids_n, recv_parts_n, part_order, id_order, parts_per_table,
                    ids_per_table, served)  # fmt: skip
-    # Separate tensors per table (not views of one), so autograd treats each on its own.
-    return (out,) if K == 1 else tuple(o.clone() for o in out.split(num_bags)), ex
+    return _per_table(out, cb.num_bags), ex
+
+
+def _per_table(out: torch.Tensor, num_bags: list[int]) -> tuple[torch.Tensor, ...]:
+    """The pooled rows of each table: separate tensors (not views of one), so autograd
+    treats each on its own."""
+    return (out,) if len(num_bags) == 1 else tuple(o.clone() for o in out.split(num_bags))
 
 
 def _tags_hash(modules) -> int:
@@ -295,13 +298,6 @@ def _tags_hash(modules) -> int:
     for m in modules:
         h = (h * 1_000_003 + m._shard.tag + 1) % (1 << 61)
     return h
-
-
-def _cumsum(xs):
-    total = 0
-    for x in xs:
-        total += x
-        yield total
 
 
 def _segment_gather_index(lengths: torch.Tensor, order: torch.Tensor, total: int) -> torch.Tensor:
@@ -365,7 +361,7 @@ def _backward(ex: _Exchange, grads: Sequence[Optional[torch.Tensor]], psw_grad: 
     """Sends each part's gradient to its owner; returns per-table per-sample-weight
     gradients (None where not needed)."""
     shard, g = ex.shard, ex.shard.group
-    grad = _cat_grads(ex.modules, grads, ex.num_bags, ex.perm.device)
+    grad = _cat_grads(ex.modules, grads, ex.batch.num_bags, ex.perm.device)
     if ex.scale is not None:
         grad = grad * ex.scale.unsqueeze(1)
     grad_parts = grad.index_select(0, ex.bag_of_part) / g.size  # averaged over ranks, as DDP
@@ -440,7 +436,7 @@ def _psw_grads(ex: _Exchange, per_table: Sequence[torch.Tensor], psw_grad: list[
     received_order = torch.empty_like(mine).index_copy_(0, ex.id_order, mine)
     back = all_to_all(g, received_order, ex.recv_ids_n, ex.id_splits)
     flat = torch.zeros(ex.perm.numel(), dtype=back.dtype, device=back.device).index_copy_(0, ex.perm, back)
-    return _split_psw_grads(flat, ex.kept, ex.num_ids, psw_grad)
+    return _split_psw_grads(flat, ex.batch.kept, ex.batch.num_ids, psw_grad)
 
 
 def _current_slots(module, served: _Served) -> torch.Tensor:
