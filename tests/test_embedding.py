@@ -63,22 +63,11 @@ def reference_inputs(weights, slots, extra):
     return table, ids, pad_row
 
 
-def reference_lookup(weights, slots, offsets, psw, mode, include_last_offset, extra):
+def _reference_bags(weights, slots, offsets, psw, mode, include_last_offset, extra, requires_grad=False):
+    """(F.embedding_bag over the reference table, that table)."""
     table, ids, pad = reference_inputs(weights, slots, extra)
-    return F.embedding_bag(
-        ids,
-        table,
-        offsets,
-        mode=["sum", "mean"][mode],
-        per_sample_weights=psw,
-        include_last_offset=include_last_offset,
-        padding_idx=pad,
-    )
-
-
-def reference_dense_grad(grad_output, weights, slots, offsets, psw, mode, include_last_offset, extra):
-    table, ids, pad = reference_inputs(weights, slots, extra)
-    table.requires_grad_(True)
+    if requires_grad:
+        table.requires_grad_(True)
     out = F.embedding_bag(
         ids,
         table,
@@ -88,6 +77,15 @@ def reference_dense_grad(grad_output, weights, slots, offsets, psw, mode, includ
         include_last_offset=include_last_offset,
         padding_idx=pad,
     )
+    return out, table
+
+
+def reference_lookup(weights, slots, offsets, psw, mode, include_last_offset, extra):
+    return _reference_bags(weights, slots, offsets, psw, mode, include_last_offset, extra)[0]
+
+
+def reference_dense_grad(grad_output, weights, slots, offsets, psw, mode, include_last_offset, extra):
+    out, table = _reference_bags(weights, slots, offsets, psw, mode, include_last_offset, extra, requires_grad=True)
     out.backward(grad_output)
     return table.grad[: weights.shape[0]]
 
