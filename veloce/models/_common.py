@@ -84,6 +84,14 @@ def lookup(embeddings: nn.ModuleDict, sparse: torch.Tensor, model: str) -> list[
     return [emb(cols[i].view(-1, 1)) for i, emb in enumerate(modules)]
 
 
+def check_sizes(num_dense: int, embedding_dim: int, model: str) -> None:
+    """The constructor arguments every model shares: num_dense >= 0, embedding_dim >= 1."""
+    if num_dense < 0:
+        raise ValueError(f"{model}: num_dense must be >= 0, got {num_dense}")
+    if embedding_dim < 1:
+        raise ValueError(f"{model}: embedding_dim must be >= 1, got {embedding_dim}")
+
+
 def check_dense(dense: torch.Tensor | None, num_dense: int, batch: int, model: str) -> None:
     if num_dense == 0:
         if dense is not None and dense.numel() != 0:

@@ -7,7 +7,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from veloce.models._common import EmbeddingFactory, check_dense, feature_names, lookup, make_embeddings, mlp
+from veloce.models._common import (
+    EmbeddingFactory, check_dense, check_sizes, feature_names, lookup, make_embeddings, mlp,
+)  # fmt: skip
 
 
 class DeepFM(nn.Module):
@@ -53,10 +55,7 @@ class DeepFM(nn.Module):
         embedding_factory: EmbeddingFactory | None = None,
     ) -> None:
         super().__init__()
-        if num_dense < 0:
-            raise ValueError(f"DeepFM: num_dense must be >= 0, got {num_dense}")
-        if embedding_dim < 1:
-            raise ValueError(f"DeepFM: embedding_dim must be >= 1, got {embedding_dim}")
+        check_sizes(num_dense, embedding_dim, "DeepFM")
         self.num_dense = num_dense
         self.feature_names = feature_names(num_sparse)
         self.embedding_dim = embedding_dim

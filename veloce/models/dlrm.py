@@ -7,7 +7,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from veloce.models._common import EmbeddingFactory, check_dense, feature_names, lookup, make_embeddings, mlp
+from veloce.models._common import (
+    EmbeddingFactory, check_dense, check_sizes, feature_names, lookup, make_embeddings, mlp,
+)  # fmt: skip
 
 
 class DLRM(nn.Module):
@@ -53,10 +55,7 @@ class DLRM(nn.Module):
         embedding_factory: EmbeddingFactory | None = None,
     ) -> None:
         super().__init__()
-        if num_dense < 0:
-            raise ValueError(f"DLRM: num_dense must be >= 0, got {num_dense}")
-        if embedding_dim < 1:
-            raise ValueError(f"DLRM: embedding_dim must be >= 1, got {embedding_dim}")
+        check_sizes(num_dense, embedding_dim, "DLRM")
         if num_dense and (not bottom_mlp or bottom_mlp[-1] != embedding_dim):
             raise ValueError(
                 f"DLRM: bottom_mlp's last size must equal embedding_dim={embedding_dim}, got {tuple(bottom_mlp)}"
