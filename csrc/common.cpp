@@ -105,26 +105,32 @@ void check_ids(const char* op, const at::Tensor& ids, const at::Tensor& keys) {
   check_same_device(op, "ids", ids, "keys", keys);
 }
 
-int64_t check_offsets(const char* op, const at::Tensor& offsets, int64_t n, bool include_last_offset) {
+int64_t check_offsets_shape(const char* op, const at::Tensor& offsets, int64_t n, bool include_last_offset) {
   check_dtype(op, "offsets", offsets, at::kLong);
   check_dim(op, "offsets", offsets, 1);
   const int64_t len = offsets.numel();
   if (include_last_offset) {
     TORCH_CHECK(len >= 1, op, ": offsets must hold at least one entry with include_last_offset=True, got 0");
   }
-  const int64_t num_bags = include_last_offset ? len - 1 : len;
-  if (len == 0) {
-    TORCH_CHECK(n == 0, op, ": offsets is empty (0 bags) but there are ", n, " ids");
-    return 0;
-  }
-  if (!offsets.device().is_cpu()) {
-    // On an accelerator, one fused device check and a single flag read; the full host
-    // copy (for the message) happens only when something is wrong.
-    at::Tensor bad = offsets.narrow(0, 0, 1).ne(0).logical_or(offsets.narrow(0, len - 1, 1).gt(n));
-    if (include_last_offset) bad = bad.logical_or(offsets.narrow(0, len - 1, 1).ne(n));
-    if (len > 1) bad = bad.logical_or(offsets.narrow(0, 1, len - 1).lt(offsets.narrow(0, 0, len - 1)).any());
-    if (!bad.item<bool>()) return num_bags;
-  }
+  TORCH_CHECK(len > 0 || n == 0, op, ": offsets is empty (0 bags) but there are ", n, " ids");
+  return include_last_offset ? len - 1 : len;
+}
+
+at::Tensor offsets_bad_flag(const at::Tensor& offsets, int64_t n, bool include_last_offset) {
+  const int64_t len = offsets.numel();
+  at::Tensor bad = offsets.narrow(0, 0, 1).ne(0).logical_or(offsets.narrow(0, len - 1, 1).gt(n));
+  if (include_last_offset) bad = bad.logical_or(offsets.narrow(0, len - 1, 1).ne(n));
+  if (len > 1) bad = bad.logical_or(offsets.narrow(0, 1, len - 1).lt(offsets.narrow(0, 0, len - 1)).any());
+  return bad.reshape({1});
+}
+
+int64_t check_offsets(const char* op, const at::Tensor& offsets, int64_t n, bool include_last_offset) {
+  const int64_t num_bags = check_offsets_shape(op, offsets, n, include_last_offset);
+  const int64_t len = offsets.numel();
+  if (len == 0) return 0;
+  // On an accelerator, one fused device check and a single flag read; the full host
+  // copy (for the message) happens only when something is wrong.
+  if (!offsets.device().is_cpu() && !offsets_bad_flag(offsets, n, include_last_offset).item<bool>()) return num_bags;
   const at::Tensor host = offsets.device().is_cpu() ? offsets.contiguous() : offsets.to(at::kCPU).contiguous();
   const int64_t* o = host.data_ptr<int64_t>();
   TORCH_CHECK(o[0] == 0, op, ": offsets must start at 0, got offsets[0] = ", o[0]);

@@ -164,11 +164,15 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_output, const 
   check_bag_inputs(op, "grad_output", grad_output, slots, offsets, per_sample_weights, mode);
 }
 
+void check_grad_output_rows(const char* op, const at::Tensor& grad_output, int64_t num_bags) {
+  TORCH_CHECK(grad_output.size(0) == num_bags, op, ": grad_output must have one row per bag (", num_bags,
+              " bags), got ", grad_output.size(0), " rows");
+}
+
 int64_t check_backward_bags(const char* op, const at::Tensor& grad_output, const at::Tensor& offsets, int64_t n,
                             bool include_last_offset) {
   const int64_t B = check_offsets(op, offsets, n, include_last_offset);
-  TORCH_CHECK(grad_output.size(0) == B, op, ": grad_output must have one row per bag (", B, " bags), got ",
-              grad_output.size(0), " rows");
+  check_grad_output_rows(op, grad_output, B);
   return B;
 }
 

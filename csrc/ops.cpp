@@ -66,9 +66,11 @@ TORCH_LIBRARY(veloce, m) {
   // out (B, D): per bag b, the sum (mode 0) or mean (mode 1) of rows slots[i] for i in
   // the bag, scaled by per_sample_weights[i] (sum only). Slots >= weights.size(0) index
   // extra_rows (M, D). Empty bags give zeros.
+  // check_inputs=False skips the checks that read offsets and slots (on CUDA a host sync),
+  // for callers whose inputs are valid by construction (DynamicEmbedding's own slots).
   m.def(
       "pooled_lookup(Tensor weights, Tensor slots, Tensor offsets, Tensor? per_sample_weights, int mode, "
-      "bool include_last_offset, Tensor? extra_rows=None) -> Tensor");
+      "bool include_last_offset, Tensor? extra_rows=None, bool check_inputs=True) -> Tensor");
   // The backward of pooled_lookup w.r.t. weights, reduced per unique row: unique_slots
   // (U,) sorted ascending over slots in [0, num_rows), grad_rows (U, D). Deterministic.
   m.def(
@@ -103,8 +105,9 @@ TORCH_LIBRARY(veloce, m) {
   // row is summed and applied in one pass (what DynamicEmbedding.step() runs). Same
   // arguments as the two ops, same result as calling them in turn. (`pooling` is `mode`
   // renamed: torch's functionalization of mutable ops reserves an argument named `mode`.)
+  // check_inputs as for pooled_lookup.
   m.def(
       "accumulate_and_update(Tensor(a!) weights, Tensor(b!) opt_state, Tensor grad_output, Tensor slots, "
       "Tensor offsets, Tensor? per_sample_weights, int pooling, bool include_last_offset, int optimizer, float lr, "
-      "float eps, float beta1, float beta2, float weight_decay, int step) -> ()");
+      "float eps, float beta1, float beta2, float weight_decay, int step, bool check_inputs=True) -> ()");
 }

@@ -437,3 +437,30 @@ def test_constructor_errors_name_the_argument():
         veloce.optim.SGD(lr=-1)
     with pytest.raises(ValueError, match="betas"):
         veloce.optim.Adam(betas=(1.5, 0.9))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("optimizer", [veloce.optim.SGD(lr=0.1), veloce.optim.Adam()])
+def test_cuda_step_never_waits_for_the_device(optimizer):
+    """The sparse step (the fused reduce + update over the table's own slots) and the pooled
+    lookup of ids already in the table run without a host synchronization; only the
+    finiteness check of nonfinite_grad='raise' reads the device back."""
+    emb = veloce.DynamicEmbedding(64, mode="sum", optimizer=optimizer, device="cuda", nonfinite_grad="apply")
+    ids = torch.randint(0, 500, (4096, 3), device="cuda")
+    emb(ids).sum().backward()  # inserts the ids (the insert path reads sizes back)
+    emb.step()
+    torch.cuda.synchronize()
+    before = emb.export()["weights"].clone()
+    out = emb(ids)
+    out.sum().backward()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        emb.step()
+        out2 = torch.ops.veloce.pooled_lookup(
+            emb.table.weights, emb.table.find(ids.reshape(-1)), torch.arange(0, ids.numel(), 3, device="cuda"), None,
+            0, False, None, False,
+        )  # fmt: skip
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not torch.equal(emb.export()["weights"], before)  # the step was applied
+    assert out2.shape == (4096, 64)

@@ -285,3 +285,73 @@ def test_accumulate_and_update_opcheck_and_bad_input(device):
     with pytest.raises(RuntimeError, match=r"opt_state.size\(1\) must be the state width of Adagrad"):
         torch.ops.veloce.accumulate_and_update(w, s[:, :3].contiguous(), *args[2:])
     assert torch.equal(w, before[0]) and torch.equal(s, before[1])
+
+
+def _hot_case(device, dim, mode, with_psw, seed):
+    """A batch whose slots repeat 1..1000 times: runs of one chunk and of several (the
+    fused CUDA kernel cuts runs into chunks of 64 positions and adds the chunks' sums in
+    order), plus padding (-1) and zero rows (-2)."""
+    g = torch.Generator().manual_seed(seed)
+    C = 3000
+    repeats = [1000, 129, 128, 65, 64, 63, 2, 1]
+    hot = torch.cat([torch.full((r,), 7 + 11 * i) for i, r in enumerate(repeats)])
+    cold = torch.randint(-2, C, (1500,), generator=g)
+    slots = torch.cat([hot, cold])[torch.randperm(hot.numel() + 1500, generator=g)]
+    n, bags = slots.numel(), 700
+    cuts = torch.sort(torch.randint(0, n + 1, (bags - 1,), generator=g)).values
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), cuts])
+    psw = torch.rand(n, generator=g) if with_psw else None
+    grad_out = torch.randn(bags, dim, generator=g)
+    w = torch.randn(C, dim, generator=g)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(slots), to(offsets), to(psw), to(grad_out), to(w)
+
+
+# dim 128, 256, 512: one, two and four 16-byte packs per lane; 130 (not a multiple of 4)
+# and 600 (too wide for registers): the paths without packs and without fusion.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("mode,with_psw", [(0, False), (0, True), (1, False)])
+@pytest.mark.parametrize("dim", [128, 256, 512, 130, 600])
+def test_accumulate_and_update_hot_rows(device, optimizer, mode, with_psw, dim):
+    from veloce.ops.embedding import accumulate_grad
+    from veloce.ops.optimizer import accumulate_and_update
+
+    slots, offsets, psw, grad_out, w = _hot_case(device, dim, mode, with_psw, seed=dim)
+    S = state_width(optimizer, dim)
+    state = torch.rand(w.size(0), S, device=device)
+    runs = []
+    for check in (True, False, False):  # checked, unchecked, and unchecked again (determinism)
+        fw, fs = w.clone(), state.clone()
+        for step in (1, 2):
+            accumulate_and_update(fw, fs, grad_out, slots, offsets, psw, mode, False, optimizer, 0.1, 1e-8, 0.9,
+                                  0.99, 0.01, step, check_inputs=check)  # fmt: skip
+        runs.append((fw, fs))
+    ref_w, ref_s = w.clone(), state.clone()
+    for step in (1, 2):
+        uniq, rows = accumulate_grad(grad_out, slots, offsets, psw, mode, False, w.size(0))
+        sparse_update(ref_w, ref_s, uniq, rows, optimizer, 0.1, 1e-8, 0.9, 0.99, 0.01, step)
+    torch.testing.assert_close(runs[0][0], ref_w, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(runs[0][1], ref_s, atol=1e-5, rtol=1e-5)
+    for fw, fs in runs[1:]:
+        assert torch.equal(fw, runs[0][0]) and torch.equal(fs, runs[0][1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulate_and_update_cuda_agrees_with_cpu(optimizer, dtype):
+    from veloce.ops.optimizer import accumulate_and_update
+
+    results = []
+    for device in ("cpu", "cuda"):
+        slots, offsets, psw, grad_out, w = _hot_case(device, 128, 0, True, seed=3)
+        w, grad_out, psw = w.to(dtype), grad_out.to(dtype), psw.to(dtype)
+        s = torch.rand(w.size(0), state_width(optimizer, 128), generator=torch.Generator().manual_seed(1)).to(device)
+        for step in range(1, 11):
+            accumulate_and_update(w, s, grad_out, slots, offsets, psw, 0, False, optimizer, 0.01, 1e-8, 0.9, 0.99,
+                                  0.0, step)  # fmt: skip
+        results.append((w.cpu().float(), s.cpu()))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(results[1][0], results[0][0], atol=tol, rtol=tol)
+    torch.testing.assert_close(results[1][1], results[0][1], atol=tol, rtol=tol)

@@ -8,7 +8,8 @@
 #   tools/check_cuda_compile.sh -v       # also print the ptxas resource usage per kernel
 #
 # Environment: PYTHON (default: python3 that imports torch), NVCC (default: nvcc on PATH
-# or /usr/local/cuda/bin/nvcc), ARCH (default 90), OUT_DIR (default /tmp/veloce_cuda_check).
+# or /usr/local/cuda/bin/nvcc), ARCH (default 90), OUT_DIR (default /tmp/veloce_cuda_check),
+# SRCS (default every csrc/cuda/*.cu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,7 +47,7 @@ FLAGS=(-c -std="$STD" -O3 --expt-relaxed-constexpr --extended-lambda
 [ "$VERBOSE" = 1 ] && FLAGS+=(-Xptxas -v)
 
 status=0
-for src in csrc/cuda/*.cu; do
+for src in ${SRCS:-csrc/cuda/*.cu}; do
   obj="$OUT_DIR/$(basename "${src%.cu}").o"
   log="$OUT_DIR/$(basename "${src%.cu}").log"
   echo "== $src"

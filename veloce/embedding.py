@@ -143,7 +143,10 @@ class DynamicEmbedding(nn.Module):
             anchor = torch.empty(0, device=ids.device, requires_grad=True)
             return _SparseLookup.apply(anchor, psw, self, ids, slots, offsets, mode)
         slots, extra = self._eval_slots(ids)
-        return torch.ops.veloce.pooled_lookup(table.weights, slots, offsets, psw, mode, self.include_last_offset, extra)
+        # The offsets passed _bags' checks and the slots come from the table: no re-check.
+        return torch.ops.veloce.pooled_lookup(
+            table.weights, slots, offsets, psw, mode, self.include_last_offset, extra, False
+        )
 
     def _eval_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         table = self.table
@@ -295,6 +298,7 @@ class DynamicEmbedding(nn.Module):
         torch.ops.veloce.accumulate_and_update(
             t.weights, t.opt_state, e.grad, slots, e.offsets, e.psw, e.mode, e.include_last_offset, kind,
             float(opt.lr if lr is None else lr), eps, beta1, beta2, opt.weight_decay, self.step_count,
+            False,  # the offsets passed _bags' checks and the slots come from the table
         )  # fmt: skip
         self._pending.clear()
 
@@ -532,7 +536,9 @@ class _SparseLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, psw, module, ids, slots, offsets, mode):  # type: ignore[override]
         table = module.table
-        out = torch.ops.veloce.pooled_lookup(table.weights, slots, offsets, psw, mode, module.include_last_offset)
+        out = torch.ops.veloce.pooled_lookup(
+            table.weights, slots, offsets, psw, mode, module.include_last_offset, None, False
+        )
         ctx.module = module
         ctx.version = table.version
         ctx.mode = mode

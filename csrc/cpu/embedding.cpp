@@ -92,7 +92,8 @@ void pooled_lookup_kernel(const scalar_t* weights,  // (C, D)
 
 at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& slots, const at::Tensor& offsets,
                              const c10::optional<at::Tensor>& per_sample_weights, int64_t mode,
-                             bool include_last_offset, const c10::optional<at::Tensor>& extra_rows) {
+                             bool include_last_offset, const c10::optional<at::Tensor>& extra_rows,
+                             bool /*check_inputs: the checks read host memory, no sync to save*/) {
   constexpr const char* op = "veloce::pooled_lookup";
   const int64_t M = check_pooled_lookup_args(op, weights, slots, offsets, per_sample_weights, mode, extra_rows);
   const int64_t C = weights.size(0);
@@ -360,7 +361,8 @@ void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_
                                const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
                                const c10::optional<at::Tensor>& per_sample_weights, int64_t mode,
                                bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
-                               double beta2, double weight_decay, int64_t step) {
+                               double beta2, double weight_decay, int64_t step,
+                               bool /*check_inputs: the checks read host memory, no sync to save*/) {
   constexpr const char* op = "veloce::accumulate_and_update";
   const int64_t S = check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
   const int64_t B = check_backward_args(op, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset);

@@ -13,6 +13,7 @@
 // (deterministic: no atomics, a fixed summation order).
 
 #include <ATen/Dispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cub/device/device_radix_sort.cuh>
@@ -21,6 +22,7 @@
 
 #include "veloce/cuda_utils.cuh"
 #include "veloce/op_checks.h"
+#include "veloce/update_rule.cuh"
 
 namespace veloce {
 namespace cuda {
@@ -29,17 +31,31 @@ namespace {
 constexpr int64_t kMean = 1;
 constexpr int kUnroll = 4;  // rows in flight per lane
 
-// Every slot must be -1, -2 or in [0, limit) (limit < 0: no upper bound). One reduction
-// and one small device-to-host copy (a sync); the message is built from a host copy only
-// when a slot is bad.
-void check_slot_values_cuda(const char* op, const at::Tensor& slots, int64_t limit, const char* limit_what) {
-  if (slots.numel() == 0) return;
-  const auto mm = at::aminmax(slots);
-  const at::Tensor host = at::stack({std::get<0>(mm), std::get<1>(mm)}).cpu();
-  const int64_t lo = host.data_ptr<int64_t>()[0], hi = host.data_ptr<int64_t>()[1];
-  if (lo >= kZeroSlot && (limit < 0 || hi < limit)) return;
-  const at::Tensor all = slots.cpu();
-  check_slot_values(op, all.data_ptr<int64_t>(), all.numel(), limit, limit_what);
+// The bag layout (check_offsets) and the slot values (every slot -1, -2 or in [0, limit);
+// limit < 0: no upper bound), checked on the device with one read-back (a sync); the
+// messages are built from host copies only when something is wrong. Returns B.
+int64_t check_bags_and_slots_cuda(const char* op, const at::Tensor& offsets, const at::Tensor& slots, int64_t n,
+                                  bool include_last_offset, int64_t limit, const char* limit_what) {
+  const int64_t B = check_offsets_shape(op, offsets, n, include_last_offset);
+  std::vector<at::Tensor> parts;
+  if (offsets.numel() > 0) parts.push_back(offsets_bad_flag(offsets, n, include_last_offset).to(at::kLong));
+  if (slots.numel() > 0) {
+    const auto mm = at::aminmax(slots);
+    parts.push_back(std::get<0>(mm).reshape({1}));
+    parts.push_back(std::get<1>(mm).reshape({1}));
+  }
+  if (parts.empty()) return B;
+  const at::Tensor host = at::cat(parts).cpu();
+  const int64_t* h = host.data_ptr<int64_t>();
+  if (offsets.numel() > 0 && h[0] != 0) check_offsets(op, offsets, n, include_last_offset);  // raises
+  if (slots.numel() > 0) {
+    const int64_t lo = h[parts.size() - 2], hi = h[parts.size() - 1];
+    if (lo < kZeroSlot || (limit >= 0 && hi >= limit)) {
+      const at::Tensor all = slots.cpu();
+      check_slot_values(op, all.data_ptr<int64_t>(), all.numel(), limit, limit_what);
+    }
+  }
+  return B;
 }
 
 // V = 16 bytes of elements when D allows it and every row pointer is 16-byte aligned.
@@ -120,18 +136,21 @@ __global__ void pooled_lookup_kernel(const scalar_t* __restrict__ weights,  // (
 
 at::Tensor pooled_lookup_cuda(const at::Tensor& weights, const at::Tensor& slots, const at::Tensor& offsets,
                               const std::optional<at::Tensor>& per_sample_weights, int64_t mode,
-                              bool include_last_offset, const std::optional<at::Tensor>& extra_rows) {
+                              bool include_last_offset, const std::optional<at::Tensor>& extra_rows,
+                              bool check_inputs) {
   constexpr const char* op = "veloce::pooled_lookup";
   const int64_t M = check_pooled_lookup_args(op, weights, slots, offsets, per_sample_weights, mode, extra_rows);
   const int64_t C = weights.size(0);
   const int64_t D = weights.size(1);
   const c10::cuda::CUDAGuard guard(weights.device());
   const int64_t N = slots.numel();
-  // check_offsets validates offsets on the device and reads back one flag (a sync).
-  const int64_t B = check_offsets(op, offsets, N, include_last_offset);
   const at::Tensor s = slots.contiguous();
   const at::Tensor o = offsets.contiguous();
-  check_slot_values_cuda(op, s, C + M, M > 0 ? "weights.size(0) + extra_rows.size(0)" : "weights.size(0)");
+  // One device check and read-back (a sync) unless the caller vouches for the inputs.
+  const int64_t B = check_inputs ? check_bags_and_slots_cuda(op, o, s, N, include_last_offset, C + M,
+                                                             M > 0 ? "weights.size(0) + extra_rows.size(0)"
+                                                                   : "weights.size(0)")
+                                 : check_offsets_shape(op, o, N, include_last_offset);
   const at::Tensor w = weights.contiguous();
   const at::Tensor e = extra_rows.has_value() ? extra_rows->contiguous() : at::Tensor();
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
@@ -171,7 +190,7 @@ __global__ void keys_kernel(const int64_t* __restrict__ slots, int64_t N, int64_
   const bool valid = s >= 0 && s < num_rows;
   keys[i] = static_cast<key_t>(valid ? s : num_rows);
   pos[i] = static_cast<int32_t>(i);
-  if (!valid) atomicAdd(num_skipped, 1ull);
+  if (!valid && num_skipped != nullptr) atomicAdd(num_skipped, 1ull);
   bag_of[i] = static_cast<int32_t>(bag_of_position(offsets, B, i));
 }
 
@@ -460,18 +479,309 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cuda(const at::Tensor& grad_o
   const c10::cuda::CUDAGuard guard(grad_output.device());
   const int64_t N = slots.numel();
   check_num_ids_cuda(op, N);
-  // check_offsets validates offsets on the device and reads back one flag (a sync).
-  const int64_t B = check_backward_bags(op, grad_output, offsets, N, include_last_offset);
-  check_num_bags_cuda(op, B);
   const at::Tensor s = slots.contiguous();
   const at::Tensor o = offsets.contiguous();
-  check_slot_values_cuda(op, s, -1, "");
+  const int64_t B = check_bags_and_slots_cuda(op, o, s, N, include_last_offset, -1, "");
+  check_grad_output_rows(op, grad_output, B);
+  check_num_bags_cuda(op, B);
   const at::Tensor g = grad_output.contiguous();
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
   if (N == 0) return {at::empty({0}, s.options()), at::empty({0, g.size(1)}, g.options())};
   // 32-bit sort keys while the sentinel num_rows fits.
   if (num_rows < (int64_t{1} << 32)) return accumulate<uint32_t>(g, s, o, p, mode, B, num_rows);
   return accumulate<uint64_t>(g, s, o, p, mode, B, num_rows);
+}
+
+// ---- accumulate_and_update ------------------------------------------------------------
+//
+// accumulate_grad and sparse_update fused, with no host synchronization: the sizes that
+// accumulate_grad reads back (unique rows, long runs) stay on the device. After the sort
+// and run-length encode of accumulate_grad, every run (one unique slot) is cut into
+// chunks of kLongRun positions; one exclusive scan gives each run its first position,
+// first chunk and first partial row. A grid-stride loop of thread groups then takes the
+// chunks: a run of one chunk (almost all of them) is summed in registers and applied at
+// once; a longer run's chunks write fp32 partial sums, and the group that finishes a
+// run's last chunk adds the partials in chunk order and applies the update. The sums are
+// those of accumulate_grad, in the same order: the result is deterministic and equal to
+// accumulate_grad followed by sparse_update.
+
+// Per run: its length, chunks and partial rows (chunks of runs longer than one chunk);
+// as an exclusive scan, the run's first sorted position, first chunk and first partial.
+struct RunPlan {
+  int32_t len, chunks, partials;
+};
+
+struct RunPlanSum {
+  __device__ __forceinline__ RunPlan operator()(const RunPlan& a, const RunPlan& b) const {
+    return {a.len + b.len, a.chunks + b.chunks, a.partials + b.partials};
+  }
+};
+
+// plan[u] for u < N: runs past num_runs (the encode wrote fewer) and the sentinel run of
+// positions without a gradient have no chunks.
+template <typename key_t>
+__global__ void plan_kernel(const key_t* __restrict__ uniq, const int32_t* __restrict__ run_len,
+                            const int64_t* __restrict__ num_runs, int64_t N, int64_t num_rows,
+                            RunPlan* __restrict__ plan) {
+  const int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (u >= N) return;
+  if (u >= *num_runs) {
+    plan[u] = {0, 0, 0};
+    return;
+  }
+  const int32_t len = run_len[u];
+  const int32_t chunks = static_cast<int64_t>(uniq[u]) < num_rows ? (len + kLongRun - 1) / kLongRun : 0;
+  plan[u] = {len, chunks, chunks > 1 ? chunks : 0};
+}
+
+// The largest u < N with first[u].chunks <= m: the run of chunk m (runs without chunks
+// share their successor's first chunk and are never the largest such u).
+__device__ __forceinline__ int64_t run_of_chunk(const RunPlan* __restrict__ first, int64_t N, int64_t m) {
+  int64_t lo = 0, hi = N;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (first[mid].chunks <= m) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// ITER column packs per lane cover the row: D <= ITER * lanes * V.
+template <typename scalar_t, typename key_t, int V, int ITER>
+__global__ void accumulate_update_kernel(
+    scalar_t* __restrict__ weights, at::opmath_type<scalar_t>* __restrict__ state, int64_t D, int64_t S,
+    UpdateRule<at::opmath_type<scalar_t>> rule, const scalar_t* __restrict__ grad_output,
+    const key_t* __restrict__ uniq, const RunPlan* __restrict__ plan, const RunPlan* __restrict__ first, int64_t N,
+    const int32_t* __restrict__ sorted_pos, const int32_t* __restrict__ bag_of, const scalar_t* __restrict__ psw,
+    const at::opmath_type<scalar_t>* __restrict__ bag_scale, int lanes, at::opmath_type<scalar_t>* partial,
+    int32_t* __restrict__ arrived) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t total = static_cast<int64_t>(first[N - 1].chunks) + plan[N - 1].chunks;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int lane = static_cast<int>(t % lanes);
+  const unsigned mask = group_mask(lanes);
+  const int leader = static_cast<int>(threadIdx.x & 31) - lane;
+  const int64_t groups = static_cast<int64_t>(gridDim.x) * blockDim.x / lanes;
+  for (int64_t m = t / lanes; m < total; m += groups) {  // the lanes of a group share m
+    const int64_t u = run_of_chunk(first, N, m);
+    const RunPlan f = first[u], p = plan[u];
+    const int64_t k = m - f.chunks;
+    const int64_t start = static_cast<int64_t>(f.len) + k * kLongRun;
+    const int64_t stop = min(start + kLongRun, static_cast<int64_t>(f.len) + p.len);
+    acc_t g[ITER][V];
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {
+      const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
+#pragma unroll
+      for (int j = 0; j < V; ++j) g[it][j] = 0;
+      if (c < D) add_rows<scalar_t, V>(g[it], start, stop, c, grad_output, D, sorted_pos, bag_of, psw, bag_scale);
+    }
+    if (p.chunks > 1) {
+      // One chunk of a long run: store its sum; the last of the run's chunks to finish
+      // adds them all, in chunk order.
+      acc_t* own = partial + (static_cast<int64_t>(f.partials) + k) * D;
+#pragma unroll
+      for (int it = 0; it < ITER; ++it) {
+        const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
+        if (c < D) {
+#pragma unroll
+          for (int j = 0; j < V; ++j) own[c + j] = g[it][j];
+        }
+      }
+      __threadfence();
+      __syncwarp(mask);
+      int last = 0;
+      if (lane == 0) last = atomicAdd(arrived + f.partials, 1) == p.chunks - 1;
+      if (!__shfl_sync(mask, last, leader)) continue;
+      __threadfence();
+#pragma unroll
+      for (int it = 0; it < ITER; ++it) {
+        const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
+#pragma unroll
+        for (int j = 0; j < V; ++j) g[it][j] = 0;
+        if (c >= D) continue;
+        for (int32_t q = 0; q < p.chunks; ++q) {
+          const acc_t* row = partial + (static_cast<int64_t>(f.partials) + q) * D + c;
+#pragma unroll
+          for (int j = 0; j < V; ++j) g[it][j] += __ldcg(row + j);
+        }
+      }
+    }
+    // The update of row uniq[u] with gradient g, as sparse_update_kernel does it.
+    const int64_t slot = static_cast<int64_t>(uniq[u]);
+    scalar_t* w_row = weights + slot * D;
+    acc_t* st = state + slot * S;
+    Pack<scalar_t, V> w[ITER];
+    acc_t sq = 0;
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {
+      const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
+      if (c >= D) continue;
+      w[it] = load_pack<scalar_t, V>(w_row + c);
+      add_weight_decay(rule, w[it], g[it]);
+#pragma unroll
+      for (int j = 0; j < V; ++j) sq += g[it][j] * g[it][j];
+    }
+    const acc_t mult = rule.opt == kRowWiseAdagrad ? rowwise_factor(rule, sq, st, D, lane, lanes, mask) : acc_t(0);
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {
+      const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
+      if (c >= D) continue;
+      update_pack(rule, w[it], g[it], st, c, D, mult);
+      store_pack<scalar_t, V>(w_row + c, w[it]);
+    }
+  }
+}
+
+// Column packs per lane the fused kernel holds in registers; wider rows take the unfused path.
+constexpr int kMaxIter = 4;
+
+template <typename key_t>
+void accumulate_and_update_fused(const at::Tensor& weights, const at::Tensor& opt_state, const at::Tensor& g,
+                                 const at::Tensor& s, const at::Tensor& o, const at::Tensor& p, int64_t mode,
+                                 int64_t B, bool vec, int64_t optimizer, double lr, double eps, double beta1, double beta2,
+                                 double weight_decay, int64_t step) {
+  const int64_t N = s.numel();
+  const int64_t C = weights.size(0);
+  const int64_t D = weights.size(1);
+  const int64_t S = opt_state.size(1);
+  const int n = static_cast<int>(N);
+  const auto opts = s.options();
+  at::Tensor keys = at::empty({N}, opts.dtype(sizeof(key_t) == 4 ? at::kInt : at::kLong));
+  at::Tensor pos = at::empty({N}, opts.dtype(at::kInt));
+  at::Tensor bag_of = at::empty({N}, opts.dtype(at::kInt));
+  key_t* kp = reinterpret_cast<key_t*>(keys.data_ptr());
+  keys_kernel<key_t><<<grid_for(N), kThreads, 0, stream()>>>(s.data_ptr<int64_t>(), N, C, o.data_ptr<int64_t>(), B,
+                                                             kp, pos.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(),
+                                                             nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor sorted_keys = at::empty_like(keys);
+  at::Tensor sorted_pos = at::empty_like(pos);
+  key_t* skp = reinterpret_cast<key_t*>(sorted_keys.data_ptr());
+  const int end_bit = std::max(1, bit_width(static_cast<uint64_t>(C)));
+  cub_call(s, [&](void* temp, size_t& bytes) {
+    return cub::DeviceRadixSort::SortPairs(temp, bytes, kp, skp, pos.data_ptr<int32_t>(),
+                                           sorted_pos.data_ptr<int32_t>(), n, 0, end_bit, stream());
+  });
+  at::Tensor uniq = at::empty_like(keys);
+  at::Tensor run_len = at::empty({N}, opts.dtype(at::kInt));
+  at::Tensor num_runs = at::empty({1}, opts);
+  key_t* up = reinterpret_cast<key_t*>(uniq.data_ptr());
+  cub_call(s, [&](void* temp, size_t& bytes) {
+    return cub::DeviceRunLengthEncode::Encode(temp, bytes, skp, up, run_len.data_ptr<int32_t>(),
+                                              num_runs.data_ptr<int64_t>(), n, stream());
+  });
+  // RunPlan is three int32: plan and its scan live in int32 tensors of 3N.
+  at::Tensor plan = at::empty({3 * N}, opts.dtype(at::kInt));
+  at::Tensor first = at::empty({3 * N}, opts.dtype(at::kInt));
+  RunPlan* pp = reinterpret_cast<RunPlan*>(plan.data_ptr<int32_t>());
+  RunPlan* fp = reinterpret_cast<RunPlan*>(first.data_ptr<int32_t>());
+  plan_kernel<key_t><<<grid_for(N), kThreads, 0, stream()>>>(up, run_len.data_ptr<int32_t>(),
+                                                             num_runs.data_ptr<int64_t>(), N, C, pp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cub_call(s, [&](void* temp, size_t& bytes) {
+    return cub::DeviceScan::ExclusiveScan(temp, bytes, pp, fp, RunPlanSum(), RunPlan{0, 0, 0}, n, stream());
+  });
+  // Partial rows: chunks of runs longer than kLongRun, at most 2 N / kLongRun of them.
+  const int64_t max_partials = 2 * ceil_div(N, kLongRun);
+  at::Tensor arrived = at::zeros({max_partials}, opts.dtype(at::kInt));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "accumulate_and_update_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto acc_type = c10::CppTypeToScalarType<acc_t>::value;
+    at::Tensor scale;
+    if (mode == kMean) {
+      scale = at::empty({B}, g.options().dtype(acc_type));
+      bag_scale_kernel<acc_t><<<grid_for(B * 32), kThreads, 0, stream()>>>(
+          s.data_ptr<int64_t>(), o.data_ptr<int64_t>(), o.numel(), B, N, scale.data_ptr<acc_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    at::Tensor partial = at::empty({max_partials, D}, g.options().dtype(acc_type));
+    const auto rule = UpdateRule<acc_t>::make(optimizer, lr, eps, beta1, beta2, weight_decay, step);
+    acc_t* state = S > 0 ? opt_state.data_ptr<acc_t>() : nullptr;
+    auto launch = [&](auto vec, auto iter) {
+      constexpr int V = decltype(vec)::value;
+      constexpr int ITER = decltype(iter)::value;
+      const int lanes = lanes_for(D, V);
+      // Enough groups for every chunk of a batch without long runs, at most a few waves.
+      const int64_t blocks = std::min<int64_t>(grid_for(N * lanes), 32 * 1024);
+      accumulate_update_kernel<scalar_t, key_t, V, ITER><<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
+          weights.data_ptr<scalar_t>(), state, D, S, rule, g.data_ptr<scalar_t>(), up, pp, fp, N,
+          sorted_pos.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(), p.defined() ? p.data_ptr<scalar_t>() : nullptr,
+          scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes, partial.data_ptr<acc_t>(),
+          arrived.data_ptr<int32_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    auto with_iter = [&](auto vec) {
+      constexpr int V = decltype(vec)::value;
+      const int64_t iters = ceil_div(D, static_cast<int64_t>(lanes_for(D, V)) * V);
+      if (iters <= 1) {
+        launch(vec, std::integral_constant<int, 1>());
+      } else if (iters <= 2) {
+        launch(vec, std::integral_constant<int, 2>());
+      } else {
+        launch(vec, std::integral_constant<int, kMaxIter>());
+      }
+    };
+    if (vec) {
+      with_iter(std::integral_constant<int, vec16<scalar_t>()>());
+    } else {
+      with_iter(std::integral_constant<int, 1>());
+    }
+  });
+}
+
+void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt_state,
+                                const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
+                                const std::optional<at::Tensor>& per_sample_weights, int64_t mode,
+                                bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
+                                double beta2, double weight_decay, int64_t step, bool check_inputs) {
+  constexpr const char* op = "veloce::accumulate_and_update";
+  check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
+  check_backward_inputs(op, grad_output, slots, offsets, per_sample_weights, mode);
+  check_grad_output_for_weights(op, grad_output, weights);
+  const c10::cuda::CUDAGuard guard(weights.device());
+  const int64_t N = slots.numel();
+  check_num_ids_cuda(op, N);
+  const at::Tensor s = slots.contiguous();
+  const at::Tensor o = offsets.contiguous();
+  // One device check and one read-back for offsets and slots; none when the caller
+  // vouches for them (check_inputs=False: DynamicEmbedding passes its table's slots).
+  const int64_t B = check_inputs ? check_bags_and_slots_cuda(op, o, s, N, include_last_offset, -1, "")
+                                 : check_offsets_shape(op, o, N, include_last_offset);
+  check_grad_output_rows(op, grad_output, B);
+  check_num_bags_cuda(op, B);
+  const int64_t D = weights.size(1);
+  if (N == 0 || D == 0 || weights.size(0) == 0) return;
+  const at::Tensor g = grad_output.contiguous();
+  const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
+  // 16-byte packs when D and every row pointer allow them (RowWiseAdagrad's one state
+  // value per row is read alone).
+  const int64_t elems16 = 16 / weights.element_size();
+  const bool vec = D % elems16 == 0 && aligned16(weights.data_ptr()) && aligned16(g.data_ptr()) &&
+                   (opt_state.size(1) <= 1 || aligned16(opt_state.data_ptr()));
+  const int64_t V = vec ? elems16 : 1;
+  if (ceil_div(D, lanes_for(D, static_cast<int>(V)) * V) > kMaxIter) {
+    // Rows too wide for registers: the gradient rows are written out, then applied.
+    auto [unique_slots, grad_rows] =
+        (weights.size(0) < (int64_t{1} << 32) ? accumulate<uint32_t>(g, s, o, p, mode, B, weights.size(0))
+                                             : accumulate<uint64_t>(g, s, o, p, mode, B, weights.size(0)));
+    static auto update = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("veloce::sparse_update", "")
+                             .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         int64_t, double, double, double, double, double, int64_t)>();
+    update.call(weights, opt_state, unique_slots, grad_rows, optimizer, lr, eps, beta1, beta2, weight_decay, step);
+    return;
+  }
+  if (weights.size(0) < (int64_t{1} << 32)) {
+    accumulate_and_update_fused<uint32_t>(weights, opt_state, g, s, o, p, mode, B, vec, optimizer, lr, eps, beta1,
+                                          beta2, weight_decay, step);
+  } else {
+    accumulate_and_update_fused<uint64_t>(weights, opt_state, g, s, o, p, mode, B, vec, optimizer, lr, eps, beta1,
+                                          beta2, weight_decay, step);
+  }
 }
 
 }  // namespace
@@ -481,4 +791,5 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cuda(const at::Tensor& grad_o
 TORCH_LIBRARY_IMPL(veloce, CUDA, m) {
   m.impl("pooled_lookup", &veloce::cuda::pooled_lookup_cuda);
   m.impl("accumulate_grad", &veloce::cuda::accumulate_grad_cuda);
+  m.impl("accumulate_and_update", &veloce::cuda::accumulate_and_update_cuda);
 }

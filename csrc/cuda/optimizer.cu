@@ -12,99 +12,53 @@
 
 #include "veloce/cuda_utils.cuh"
 #include "veloce/op_checks.h"
+#include "veloce/update_rule.cuh"
 
 namespace veloce {
 namespace cuda {
 namespace {
-
-enum Optimizer : int64_t { kSGD = 0, kAdagrad = 1, kRowWiseAdagrad = 2, kAdam = 3 };
-
-template <typename acc_t>
-struct Hyper {
-  acc_t lr, eps, wd, b1c, b2c, step_size;  // b1c = 1 - beta1, b2c = 1 - beta2
-};
 
 template <typename scalar_t, int V>
 __global__ void sparse_update_kernel(scalar_t* __restrict__ weights,                 // (C, D)
                                      at::opmath_type<scalar_t>* __restrict__ state,  // (C, S)
                                      const int64_t* __restrict__ slots,              // (U,)
                                      const scalar_t* __restrict__ grads,             // (U, D)
-                                     int64_t U, int64_t D, int64_t S, int64_t opt,
-                                     Hyper<at::opmath_type<scalar_t>> h, int lanes) {
+                                     int64_t U, int64_t D, int64_t S, UpdateRule<at::opmath_type<scalar_t>> rule,
+                                     int lanes) {
   using acc_t = at::opmath_type<scalar_t>;
-  using WPack = Pack<scalar_t, V>;
-  using SPack = Pack<acc_t, V>;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t u = t / lanes;
+  if (u >= U) return;  // the whole group: its lanes share u
   const int lane = static_cast<int>(t % lanes);
-  const bool active = u < U;
-  // Every lane of the warp stays until the RowWiseAdagrad shuffle; others may leave now.
-  if (!active && opt != kRowWiseAdagrad) return;
-  const int64_t slot = active ? slots[u] : 0;
+  const int64_t slot = slots[u];
   scalar_t* w_row = weights + slot * D;
   acc_t* st = state + slot * S;
   const scalar_t* g_row = grads + u * D;
   const int64_t first = static_cast<int64_t>(lane) * V, step = static_cast<int64_t>(lanes) * V;
 
   // g = grad + weight_decay * w, in acc_t.
-  auto gradient = [&](const WPack& w, const WPack& gin, acc_t* g) {
+  auto gradient = [&](const Pack<scalar_t, V>& w, const Pack<scalar_t, V>& gin, acc_t (&g)[V]) {
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      g[j] = static_cast<acc_t>(gin.v[j]);
-      if (h.wd != acc_t(0)) g[j] += h.wd * static_cast<acc_t>(w.v[j]);
-    }
+    for (int j = 0; j < V; ++j) g[j] = static_cast<acc_t>(gin.v[j]);
+    add_weight_decay(rule, w, g);
   };
 
-  acc_t mult = 0;  // RowWiseAdagrad: lr / (sqrt(s) + eps)
-  if (opt == kRowWiseAdagrad) {
+  acc_t mult = 0;  // RowWiseAdagrad: lr / (sqrt(s) + eps) from the whole row
+  if (rule.opt == kRowWiseAdagrad) {
     acc_t sq = 0;
-    const acc_t s_old = active ? st[0] : acc_t(0);  // read before the shuffle, written after it
-    if (active) {
-      for (int64_t c = first; c < D; c += step) {
-        acc_t g[V];
-        gradient(load_pack<scalar_t, V>(w_row + c), load_pack<scalar_t, V>(g_row + c), g);
+    for (int64_t c = first; c < D; c += step) {
+      acc_t g[V];
+      gradient(load_pack<scalar_t, V>(w_row + c), load_pack<scalar_t, V>(g_row + c), g);
 #pragma unroll
-        for (int j = 0; j < V; ++j) sq += g[j] * g[j];
-      }
+      for (int j = 0; j < V; ++j) sq += g[j] * g[j];
     }
-    for (int d = lanes / 2; d > 0; d >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, d);
-    if (!active) return;
-    const acc_t s = s_old + sq / static_cast<acc_t>(D);
-    if (lane == 0) st[0] = s;
-    mult = h.lr / (std::sqrt(s) + h.eps);
+    mult = rowwise_factor(rule, sq, st, D, lane, lanes, group_mask(lanes));
   }
-
   for (int64_t c = first; c < D; c += step) {
-    WPack w = load_pack<scalar_t, V>(w_row + c);
+    Pack<scalar_t, V> w = load_pack<scalar_t, V>(w_row + c);
     acc_t g[V];
     gradient(w, load_pack<scalar_t, V>(g_row + c), g);
-    if (opt == kSGD) {
-#pragma unroll
-      for (int j = 0; j < V; ++j) w.v[j] = static_cast<scalar_t>(static_cast<acc_t>(w.v[j]) - h.lr * g[j]);
-    } else if (opt == kAdagrad) {
-      SPack s = load_pack<acc_t, V>(st + c);
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        s.v[j] = s.v[j] + g[j] * g[j];
-        w.v[j] = static_cast<scalar_t>(static_cast<acc_t>(w.v[j]) - h.lr * (g[j] / (std::sqrt(s.v[j]) + h.eps)));
-      }
-      store_pack<acc_t, V>(st + c, s);
-    } else if (opt == kRowWiseAdagrad) {
-#pragma unroll
-      for (int j = 0; j < V; ++j) w.v[j] = static_cast<scalar_t>(static_cast<acc_t>(w.v[j]) - mult * g[j]);
-    } else {  // Adam, state [m (D), v (D)]
-      SPack m = load_pack<acc_t, V>(st + c);
-      SPack v = load_pack<acc_t, V>(st + D + c);
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        m.v[j] = m.v[j] + (g[j] - m.v[j]) * h.b1c;
-        v.v[j] = v.v[j] + (g[j] * g[j] - v.v[j]) * h.b2c;
-        w.v[j] = static_cast<scalar_t>(static_cast<acc_t>(w.v[j]) -
-                                       h.step_size * (m.v[j] / (std::sqrt(v.v[j]) + h.eps)));
-      }
-      store_pack<acc_t, V>(st + c, m);
-      store_pack<acc_t, V>(st + D + c, v);
-    }
+    update_pack(rule, w, g, st, c, D, mult);
     store_pack<scalar_t, V>(w_row + c, w);
   }
 }
@@ -145,25 +99,16 @@ void sparse_update_cuda(const at::Tensor& weights, const at::Tensor& opt_state, 
   check_update_slots(op, s, C);
   if (U == 0 || D == 0) return;
 
-  double step_size = 0.0;
-  if (optimizer == kAdam) {
-    const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-    const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-    step_size = lr * std::sqrt(bc2) / bc1;
-  }
   const at::Tensor g = grads.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "sparse_update_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const Hyper<acc_t> h{static_cast<acc_t>(lr),          static_cast<acc_t>(eps),
-                         static_cast<acc_t>(weight_decay), static_cast<acc_t>(1.0 - beta1),
-                         static_cast<acc_t>(1.0 - beta2),  static_cast<acc_t>(step_size)};
+    const auto rule = UpdateRule<acc_t>::make(optimizer, lr, eps, beta1, beta2, weight_decay, step);
     acc_t* state = S > 0 ? opt_state.data_ptr<acc_t>() : nullptr;
     auto launch = [&](auto vec) {
       constexpr int V = decltype(vec)::value;
       const int lanes = lanes_for(D, V);
       sparse_update_kernel<scalar_t, V><<<grid_for(U * lanes), kThreads, 0, stream()>>>(
-          weights.data_ptr<scalar_t>(), state, s.data_ptr<int64_t>(), g.data_ptr<scalar_t>(), U, D, S, optimizer, h,
-          lanes);
+          weights.data_ptr<scalar_t>(), state, s.data_ptr<int64_t>(), g.data_ptr<scalar_t>(), U, D, S, rule, lanes);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     constexpr int kVec = vec16<scalar_t>();

@@ -107,7 +107,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
 
     got = all_to_all(g, back, recv_ids_n, id_splits)  # rows in the order sent
     u_rows = torch.empty_like(got).index_copy_(0, send_order, got)
-    out = torch.ops.veloce.pooled_lookup(u_rows, inverse, batch.starts, batch.psw, _SUM, False)
+    out = torch.ops.veloce.pooled_lookup(u_rows, inverse, batch.starts, batch.psw, _SUM, False, None, False)
     scale = _mean_scale(modules, batch, dtype, dev)
     if scale is not None:
         out = out * scale.unsqueeze(1)

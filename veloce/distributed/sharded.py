@@ -353,7 +353,7 @@ def _serve(module, ids, lengths, psw):
         slots, extra = table.find_or_insert(ids), None
     else:
         slots, extra = module._eval_slots(ids)
-    partial = torch.ops.veloce.pooled_lookup(table.weights, slots, offsets, psw, _SUM, False, extra)
+    partial = torch.ops.veloce.pooled_lookup(table.weights, slots, offsets, psw, _SUM, False, extra, False)
     return _Served(ids, slots, offsets, psw, table.version), partial
 
 

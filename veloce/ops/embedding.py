@@ -39,6 +39,7 @@ def pooled_lookup(
     mode: int | str = "sum",
     include_last_offset: bool = False,
     extra_rows: torch.Tensor | None = None,
+    check_inputs: bool = True,
 ) -> torch.Tensor:
     """Pools rows of ``weights`` per bag, like ``torch.nn.functional.embedding_bag``.
 
@@ -53,6 +54,11 @@ def pooled_lookup(
         mode: ``"sum"`` / 0 or ``"mean"`` / 1 (divides by the bag's non-padding count).
         include_last_offset: offsets has ``B + 1`` entries, the last equal to ``N``.
         extra_rows: rows read by slots ``>= C`` (e.g. initializer rows of unknown ids).
+        check_inputs: check the offsets layout and every slot value (on CUDA one device
+            reduction and a host sync). ``False`` skips those checks, for inputs valid by
+            construction (``DynamicEmbedding`` passes the slots its table returned); bad
+            offsets or slots are then undefined behaviour. Shapes, dtypes and devices are
+            always checked.
 
     Returns:
         The pooled rows; empty bags give zeros.
@@ -71,7 +77,7 @@ def pooled_lookup(
     """
     _ext.require()
     return torch.ops.veloce.pooled_lookup(
-        weights, slots, offsets, per_sample_weights, _mode_id(mode), include_last_offset, extra_rows
+        weights, slots, offsets, per_sample_weights, _mode_id(mode), include_last_offset, extra_rows, check_inputs
     )
 
 
@@ -130,7 +136,7 @@ def _num_bags(offsets: torch.Tensor, include_last_offset: bool) -> int:
 
 
 def _fake_pooled_lookup(
-    weights, slots, offsets, per_sample_weights, mode, include_last_offset, extra_rows=None
+    weights, slots, offsets, per_sample_weights, mode, include_last_offset, extra_rows=None, check_inputs=True
 ):
     torch._check(weights.dim() == 2, lambda: f"weights must be 2-D, got {weights.dim()}-D")
     torch._check(slots.dim() == 1, lambda: f"slots must be 1-D, got {slots.dim()}-D")
@@ -149,7 +155,7 @@ def _fake_accumulate_grad(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    weights, slots, offsets, per_sample_weights, mode, include_last_offset, extra_rows = inputs
+    weights, slots, offsets, per_sample_weights, mode, include_last_offset, extra_rows, _ = inputs
     ctx.mode = mode
     ctx.include_last_offset = include_last_offset
     ctx.save_for_backward(weights, slots, offsets, per_sample_weights, extra_rows)
@@ -180,7 +186,7 @@ def _backward(ctx, grad_output: torch.Tensor):
         else:
             rows = table[slots.clamp(min=0)] * (slots >= 0).unsqueeze(1).to(table.dtype)
         grad_psw = (grad_output[bag] * rows).sum(1)
-    return grad_weights, None, None, grad_psw, None, None, None
+    return grad_weights, None, None, grad_psw, None, None, None, None
 
 
 if _ext.loaded:

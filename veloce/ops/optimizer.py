@@ -113,6 +113,7 @@ def accumulate_and_update(
     beta2: float = 0.999,
     weight_decay: float = 0.0,
     step: int = 1,
+    check_inputs: bool = True,
 ) -> None:
     """The backward of ``pooled_lookup`` and the optimizer step in one pass, in place.
 
@@ -131,6 +132,12 @@ def accumulate_and_update(
         mode: "sum" (0) or "mean" (1).
         include_last_offset: as ``pooled_lookup``.
         optimizer, lr, eps, beta1, beta2, weight_decay, step: as :func:`sparse_update`.
+        check_inputs: as :func:`veloce.ops.pooled_lookup`: ``False`` skips the checks of the
+            offsets layout and slot values (on CUDA then no host sync at all).
+
+    On CUDA the whole op runs without a host synchronization when ``check_inputs`` is
+    False: the sort, run-length encode and the fused reduce + update keep every size on
+    the device.
 
     Shape:
         - weights: ``(C, D)``; opt_state: ``(C, S)``; grad_output: ``(B, D)``; slots: ``(N,)``;
@@ -141,7 +148,7 @@ def accumulate_and_update(
     _ext.require()
     torch.ops.veloce.accumulate_and_update(
         weights, opt_state, grad_output, slots, offsets, per_sample_weights, _mode_id(mode), include_last_offset,
-        _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step,
+        _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step, check_inputs,
     )  # fmt: skip
 
 

@@ -52,5 +52,9 @@ void check_cuda_table(const char* op, const at::Tensor& keys, const at::Tensor& 
 // A bag layout: offsets (B,) or (B+1,) int64, starting at 0, non-decreasing, ending at
 // most at n. Returns the number of bags B. Reads offsets on the host.
 int64_t check_offsets(const char* op, const at::Tensor& offsets, int64_t n, bool include_last_offset);
+// The parts of check_offsets that read no offset values (dtype, dim, length): returns B.
+int64_t check_offsets_shape(const char* op, const at::Tensor& offsets, int64_t n, bool include_last_offset);
+// (1,) bool on offsets' device: whether non-empty offsets break the layout rules (no sync).
+at::Tensor offsets_bad_flag(const at::Tensor& offsets, int64_t n, bool include_last_offset);
 
 }  // namespace veloce

@@ -76,6 +76,13 @@ inline int lanes_for(int64_t D, int V) {
   return g;
 }
 
+// The shuffle mask of this thread's group of `lanes` consecutive lanes (a power of two <= 32)
+// within its warp: groups of one warp may then diverge (blockDim.x a multiple of 32).
+__device__ __forceinline__ unsigned group_mask(int lanes) {
+  const int first = static_cast<int>(threadIdx.x & 31) & ~(lanes - 1);
+  return lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << first;
+}
+
 // ---- vector packs --------------------------------------------------------------------
 
 // V elements of T read or written as one (or, above 16 bytes, several) wide access.

@@ -63,6 +63,8 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_output, const 
 // returns the number of bags B. Reads offsets on the host.
 int64_t check_backward_bags(const char* op, const at::Tensor& grad_output, const at::Tensor& offsets, int64_t n,
                             bool include_last_offset);
+// One grad_output row per bag.
+void check_grad_output_rows(const char* op, const at::Tensor& grad_output, int64_t num_bags);
 // check_backward_inputs, then check_backward_bags.
 int64_t check_backward_args(const char* op, const at::Tensor& grad_output, const at::Tensor& slots,
                             const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
