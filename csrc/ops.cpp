@@ -36,6 +36,7 @@ TORCH_LIBRARY(veloce, m) {
   // score_value, 2 LFU = add 1 per occurrence). Positions whose id equals padding_id get slot -1 and
   // are neither inserted nor scored. With allow_evict, a key whose two buckets are full
   // replaces the lowest-scored key there that this call did not touch (evicted_keys).
+  // counts = [inserted, failed] is a CPU tensor on every backend (no device sync to read).
   m.def(
       "find_or_insert(Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, Tensor(d!) weights, "
       "Tensor(e!) opt_state, Tensor ids, int score_policy, int score_value, bool allow_evict, "

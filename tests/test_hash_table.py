@@ -179,6 +179,7 @@ class Ref:
 def check_insert_result(result, expected):
     slots, counts, evicted = result
     exp_slots, exp_counts, exp_evicted = expected
+    assert counts.device.type == "cpu" and counts.dtype == torch.int64  # on every backend
     assert counts.tolist() == exp_counts
     assert evicted.tolist() == exp_evicted
     if exp_slots is not None:
@@ -355,6 +356,33 @@ def test_no_room_leaves_table_bit_identical(device, allow_evict, op):
     assert counts[0] == 0 and counts[1] > 0 and evicted.numel() == 0
     assert counts[1] == (1 if allow_evict else 31)
     t.assert_equal(before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["find_or_insert", "insert_or_assign"])
+@pytest.mark.parametrize("allow_evict, present, want_counts, want_evicted", [
+    (False, [109], [0, 1], []),  # no room
+    (True, [109], [1, 0], [104]),  # evicts the lowest-scored untouched key
+    (True, list(range(100, 132)), [0, 1], []),  # every candidate touched: no room
+])
+def test_lone_new_id_in_full_buckets(device, op, allow_evict, present, want_counts, want_evicted):
+    # One new id shares its buckets with no other new id of the call, so CUDA knows its
+    # outcome before placing anything (hash_table.cu, classify_kernel).
+    scores = [50 + i for i in range(32)]
+    scores[9], scores[4] = 1, 2
+    t = full_one_bucket_table(device, scores)
+    before = t.clone()
+    ids = ids_tensor(present + [700], device)
+    if op == "find_or_insert":
+        got = ht.find_or_insert(*t.tensors(), ids, 0, 0, allow_evict)
+    else:
+        got = ht.insert_or_assign(*t.tensors(), ids, torch.ones(len(ids), 4, device=device), None, None, 0, 0,
+                                  allow_evict)
+    check_insert_result(got, (None, want_counts, want_evicted))
+    if want_counts[1]:
+        t.assert_equal(before)
+    else:
+        assert ht.find(t.keys, t.digests, ids_tensor([700, 104], device)).tolist() == [4, -1]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -182,7 +182,7 @@ class HashTable(nn.Module):
         while True:
             allow_evict = evict and self._at_max() and self.eviction != "none"
             slots, counts, evicted = call(allow_evict)
-            inserted, failed = (int(v) for v in counts.tolist())
+            inserted, failed = counts.tolist()  # a CPU tensor: no device sync
             if failed == 0:
                 break
             self._no_room(failed, evict)

@@ -8,7 +8,8 @@
 // Inserting ops (find_or_insert, insert_or_assign) run in phases:
 //   1. find every id in parallel (no mutation); find_or_insert compacts the misses;
 //   2. group ids with a CUB radix sort (id, position) -> runs, so each distinct new id is
-//      inserted by exactly one thread;
+//      inserted by exactly one thread; classify the new ids (conflicted or not, and for
+//      the others whether they will need to evict or fail);
 //   3a. claim: each new id CASes the 32-bit word holding 4 digests to take the lowest
 //       empty slot of its emptier bucket (bucket_a on a tie), retrying on contention;
 //       ids whose two buckets are full are queued;
@@ -16,8 +17,24 @@
 //       lowest-score slot of its 64 candidates not touched by this call (a bitmap of
 //       found + claimed slots); ownership is an atomicOr on that bitmap;
 //   4. if any id found no room: every claimed slot gets its saved key and digest back
-//      (nothing else was written yet) and counts = [0, failed];
+//      (nothing else was written yet) and counts = [0, failed]; when the failure is
+//      known from phase 2 already (no conflicted ids), nothing is claimed at all;
 //   5. on success only: new rows are initialised, scores updated, slots mapped back.
+//
+// Host syncs (device-to-host reads; each costs tens of microseconds and drains the launch
+// queue). Sizes the host cannot know are replaced by upper bounds, with the exact count
+// read from device memory by the kernels; what remains:
+//   a. find_or_insert only: the number m of missing positions, which sizes the grouping
+//      sort (CUB's radix sort takes its length from the host). m = 0 ends the call.
+//   b. one copy of the counters after phase 2: U (sizes the per-id launches after it),
+//      the new ids (inserted; 0 ends the call), the conflicted ids (choose sequential or
+//      racing placement, and size the sequential order) and the classification. Without
+//      conflicted ids the outcome (inserted, failed, evicted) is fully known here.
+//   c. only with conflicted ids: one more copy after phase 3, for failed (rollback or not)
+//      and the number of evicted keys (sizes evicted_keys).
+// counts is computed on the host and returned as a CPU tensor. Per call: find_or_insert
+// 1 sync without new ids, 2 with new ids and no conflicted ones (evicting or not), 3 with
+// conflicted ones; insert_or_assign 1, or 2 with conflicted ids; erase none.
 //
 // Same placement as the CPU kernel (which inserts in order of first occurrence): a new id
 // that shares neither bucket with another new id of the call meets the same buckets in
@@ -52,7 +69,7 @@ __global__ void init_rows_kernel(Uniques u, scalar_t* __restrict__ weights, int6
                                  int64_t* __restrict__ scores, int64_t start_score, int64_t seed, int64_t kind,
                                  double a, double b) {
   const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (k >= u.n) return;
+  if (!u.has(k)) return;
   const int8_t st = u.state[k];
   if (st != kClaimed && st != kEvicted) return;
   const int64_t s = u.slot[k];
@@ -75,7 +92,7 @@ __global__ void assign_rows_kernel(Uniques u, const int32_t* __restrict__ sorted
                                    int64_t* __restrict__ scores, const int64_t* __restrict__ score_values,
                                    int64_t policy, int64_t score_value) {
   const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (k >= u.n) return;
+  if (!u.has(k)) return;
   const int64_t s = u.slot[k];
   const int8_t st = u.state[k];
   const bool fresh = st == kClaimed || st == kEvicted;
@@ -121,7 +138,7 @@ __global__ void score_positions_kernel(const int64_t* __restrict__ slots, int64_
 __global__ void erase_kernel(Table t, Uniques u, const int32_t* __restrict__ sorted_pos,
                              const int32_t* __restrict__ begin, bool* __restrict__ erased) {
   const int64_t k = thread_index();
-  if (k >= u.n) return;
+  if (!u.has(k)) return;
   const int64_t s = u.slot[k];
   if (s < 0) return;
   t.digests[s] = kEmptyDigest;
@@ -142,40 +159,48 @@ __global__ void run_heads_kernel(const int64_t* __restrict__ sorted, int64_t m, 
   if (j < m) heads[j] = (j == 0 || sorted[j] != sorted[j - 1]) ? 1 : 0;
 }
 
-__global__ void runs_kernel(const int64_t* __restrict__ sorted, int64_t m, int32_t* __restrict__ run,
-                            int64_t* __restrict__ uniq_id, int32_t* __restrict__ begin) {
+__global__ void runs_kernel(const int64_t* __restrict__ sorted, const int32_t* __restrict__ sorted_pos, int64_t m,
+                            int32_t* __restrict__ run, int64_t* __restrict__ uniq_id,
+                            int32_t* __restrict__ first_pos, int32_t* __restrict__ begin, int32_t* num) {
   const int64_t j = thread_index();
   if (j >= m) return;
   const int32_t r = run[j] - 1;  // inclusive sum of heads -> 0-based run
   run[j] = r;
   if (j == 0 || sorted[j] != sorted[j - 1]) {
     uniq_id[r] = sorted[j];
+    first_pos[r] = sorted_pos[j];  // stable sort: positions ascend within a run
     begin[r] = static_cast<int32_t>(j);
+  }
+  if (j == m - 1) {  // the last run: U = r + 1 runs
+    begin[r + 1] = static_cast<int32_t>(m);
+    *num = r + 1;
   }
 }
 
 // ---- host-side building blocks ---------------------------------------------------------
 
-// ids grouped by value: positions sorted by (id, position), their run, and per run the id
-// and the first sorted entry (begin[U] = m).
+// ids grouped by value: positions sorted by (id, position), their run, and per run the id,
+// its first position and its first sorted entry (begin[U] = m). The number of runs U is
+// written to *num on the device, so the per-run arrays have the upper bound m entries,
+// of which the first U are used (no sync here).
 struct Runs {
   at::Tensor sorted_pos;  // (m,) int32
   at::Tensor run;         // (m,) int32
-  at::Tensor uniq_id;     // (U,) int64
-  at::Tensor begin;       // (U + 1,) int32
-  int64_t num = 0;        // U
+  at::Tensor uniq_id;     // (m,) int64
+  at::Tensor first_pos;   // (m,) int32
+  at::Tensor begin;       // (m + 1,) int32
 };
 
-Runs group_ids(const at::Tensor& ids, const at::Tensor& pos) {  // (m,) int64, (m,) int32; m > 0
+Runs group_ids(const at::Tensor& ids, const at::Tensor& pos, int32_t* num) {  // (m,) int64, (m,) int32; m > 0
   const int64_t m = ids.numel();
-  const int num = static_cast<int>(m);
+  const int num_items = static_cast<int>(m);
   at::Tensor sorted_ids = at::empty_like(ids);
   Runs r;
   r.sorted_pos = at::empty_like(pos);
   cub_call(ids, [&](void* temp, size_t& bytes) {
     return cub::DeviceRadixSort::SortPairs(temp, bytes, ids.data_ptr<int64_t>(), sorted_ids.data_ptr<int64_t>(),
-                                           pos.data_ptr<int32_t>(), r.sorted_pos.data_ptr<int32_t>(), num, 0, 64,
-                                           stream());
+                                           pos.data_ptr<int32_t>(), r.sorted_pos.data_ptr<int32_t>(), num_items, 0,
+                                           64, stream());
   });
   at::Tensor heads = at::empty({m}, pos.options());
   run_heads_kernel<<<grid_for(m), kThreads, 0, stream()>>>(sorted_ids.data_ptr<int64_t>(), m,
@@ -183,41 +208,81 @@ Runs group_ids(const at::Tensor& ids, const at::Tensor& pos) {  // (m,) int64, (
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   r.run = at::empty({m}, pos.options());
   cub_call(ids, [&](void* temp, size_t& bytes) {
-    return cub::DeviceScan::InclusiveSum(temp, bytes, heads.data_ptr<int32_t>(), r.run.data_ptr<int32_t>(), num,
-                                         stream());
+    return cub::DeviceScan::InclusiveSum(temp, bytes, heads.data_ptr<int32_t>(), r.run.data_ptr<int32_t>(),
+                                         num_items, stream());
   });
-  at::Tensor uniq_id = at::empty({m}, ids.options());
-  at::Tensor begin = at::empty({m + 1}, pos.options());
-  runs_kernel<<<grid_for(m), kThreads, 0, stream()>>>(sorted_ids.data_ptr<int64_t>(), m,
-                                                      r.run.data_ptr<int32_t>(), uniq_id.data_ptr<int64_t>(),
-                                                      begin.data_ptr<int32_t>());
+  r.uniq_id = at::empty({m}, ids.options());
+  r.first_pos = at::empty({m}, pos.options());
+  r.begin = at::empty({m + 1}, pos.options());
+  runs_kernel<<<grid_for(m), kThreads, 0, stream()>>>(
+      sorted_ids.data_ptr<int64_t>(), r.sorted_pos.data_ptr<int32_t>(), m, r.run.data_ptr<int32_t>(),
+      r.uniq_id.data_ptr<int64_t>(), r.first_pos.data_ptr<int32_t>(), r.begin.data_ptr<int32_t>(), num);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  r.num = r.run[m - 1].item<int32_t>() + 1;  // sync: sizes the per-id arrays
-  begin.narrow(0, r.num, 1).fill_(num);
-  r.uniq_id = uniq_id.narrow(0, 0, r.num);
-  r.begin = begin.narrow(0, 0, r.num + 1);
   return r;
 }
 
-// First position of each run: positions ascend within a run (stable sort of ascending
-// positions).
-at::Tensor first_positions(const Runs& r) { return r.sorted_pos.index_select(0, r.begin.narrow(0, 0, r.num)); }
-
-// Owns the per-distinct-id state of one call.
+// Owns the per-distinct-id state of one call. ids is group_ids' uniq_id: m entries, the
+// first U (*num, in device memory) used. n is m until the host reads U and sets n = U,
+// so that later launches cover U ids only.
 struct UniqueTensors {
   at::Tensor id, slot, state, old_key, old_digest;
-  explicit UniqueTensors(const at::Tensor& ids) : id(ids) {
-    const int64_t n = ids.numel();
+  const int32_t* num;
+  int64_t n;
+  UniqueTensors(const at::Tensor& ids, const int32_t* num) : id(ids), num(num), n(ids.numel()) {
     slot = at::full({n}, -1, ids.options());
     state = at::zeros({n}, ids.options().dtype(at::kChar));
     old_key = at::empty({n}, ids.options());
     old_digest = at::empty({n}, ids.options().dtype(at::kByte));
   }
-  Uniques view() {
-    return {id.data_ptr<int64_t>(),    slot.data_ptr<int64_t>(),     state.data_ptr<int8_t>(),
-            old_key.data_ptr<int64_t>(), old_digest.data_ptr<uint8_t>(), id.numel()};
+  Uniques view() const {
+    return {id.data_ptr<int64_t>(),      slot.data_ptr<int64_t>(),       state.data_ptr<int8_t>(),
+            old_key.data_ptr<int64_t>(), old_digest.data_ptr<uint8_t>(), num, n};
   }
 };
+
+// Device counters of one inserting call (int32: at most 2^31 - 1 ids per call), copied to
+// the host together; indices into the counters tensor.
+namespace counter {
+enum : int {
+  kUniques,     // U, written by group_ids
+  kNew,         // distinct ids not in the table
+  kConflicted,  // new ids sharing a bucket with another new id
+  kFull,        // unconflicted new ids whose two buckets are full
+  kDoomed,      // kFull ids with every eviction candidate touched (when evicting)
+  kQueued,      // ids queued by claim_kernel
+  kFailed,      // ids that found no room in evict_kernel or sequential_insert_kernel
+  kEvicted,     // ids placed by evicting a key
+  kNum
+};
+}  // namespace counter
+
+at::Tensor new_counters(const at::Tensor& ids) { return at::zeros({counter::kNum}, ids.options().dtype(at::kInt)); }
+
+// Predicates over the distinct ids for select_in_first_occurrence_order.
+struct IsConflicted {
+  const uint8_t* conflicted;
+  __device__ bool operator()(int64_t k) const { return conflicted[k] != 0; }
+};
+
+struct IsEvicted {
+  const int8_t* state;
+  __device__ bool operator()(int64_t k) const { return state[k] == kEvicted; }
+};
+
+// The distinct ids k (ut.n = U) with pred(k), as (count,) int64 indices in order of first
+// occurrence (the CPU kernel's insertion order). count, the number of such ids, is already
+// on the host, so nothing waits for the device to size the result.
+template <typename Pred>
+at::Tensor select_in_first_occurrence_order(const UniqueTensors& ut, const at::Tensor& first_pos, int64_t count,
+                                            Pred pred) {
+  at::Tensor idx = at::empty({count}, ut.id.options());
+  at::Tensor num_selected = at::empty({1}, ut.id.options().dtype(at::kInt));  // = count, unread
+  cub_call(idx, [&](void* temp, size_t& bytes) {
+    return cub::DeviceSelect::If(temp, bytes, thrust::counting_iterator<int64_t>(0), idx.data_ptr<int64_t>(),
+                                 num_selected.data_ptr<int32_t>(), static_cast<int>(ut.n), pred, stream());
+  });
+  return idx.index_select(0, first_pos.index_select(0, idx).argsort());
+}
 
 struct InsertOutcome {
   int64_t inserted = 0;
@@ -225,28 +290,38 @@ struct InsertOutcome {
   at::Tensor evicted;  // (E,) int64
 };
 
-// Phases 3a, 3b and 4 over the distinct ids whose slot is still -1. first_pos (U,) int32:
-// the first position of each id in the call (the CPU kernel's insertion order).
-InsertOutcome insert_uniques(const Table& t, UniqueTensors& ut, const at::Tensor& first_pos, uint32_t* touched,
-                             bool allow_evict) {
-  Uniques u = ut.view();
+// Phases 2 (classification), 3a, 3b and 4 over the distinct ids whose slot is still -1,
+// U of them counted in counter::kUniques by group_ids; sets ut.n = U. Syncs b and c of
+// the list at the top of this file.
+InsertOutcome insert_uniques(const Table& t, UniqueTensors& ut, const Runs& runs, const at::Tensor& counters,
+                             uint32_t* touched, bool allow_evict) {
   InsertOutcome out;
-  out.evicted = at::empty({0}, ut.id.options());
-  const auto int_opts = ut.id.options().dtype(at::kInt);
-  // counters: [0] queued by 3a, [1] new ids, [2] failed, [3] conflicted new ids.
-  at::Tensor counters = at::zeros({4}, int_opts);
   int32_t* ctr = counters.data_ptr<int32_t>();
+  const auto int_opts = ut.id.options().dtype(at::kInt);
+  Uniques u = ut.view();  // n: the upper bound
   at::Tensor use = at::zeros({t.num_buckets}, int_opts);
   at::Tensor conflicted = at::empty({u.n}, ut.id.options().dtype(at::kByte));
-  bucket_use_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, use.data_ptr<int32_t>(), ctr + 1);
+  bucket_use_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, use.data_ptr<int32_t>(),
+                                                              ctr + counter::kNew);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  conflict_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, use.data_ptr<int32_t>(),
-                                                            conflicted.data_ptr<uint8_t>(), ctr + 3);
+  classify_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(
+      t, u, use.data_ptr<int32_t>(), touched, conflicted.data_ptr<uint8_t>(), ctr + counter::kConflicted,
+      ctr + counter::kFull, ctr + counter::kDoomed);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const at::Tensor host = counters.cpu();  // sync
-  out.inserted = host.data_ptr<int32_t>()[1];
+  const at::Tensor counted = counters.cpu();  // sync b
+  const int32_t* c = counted.data_ptr<int32_t>();
+  ut.n = c[counter::kUniques];
+  u = ut.view();
+  out.inserted = c[counter::kNew];
   if (out.inserted == 0) return out;
-  const int64_t n_conflicted = host.data_ptr<int32_t>()[3];
+  const int64_t n_conflicted = c[counter::kConflicted], n_full = c[counter::kFull];
+  if (n_conflicted == 0) {  // each new id alone in its buckets: classify_kernel decided its fate
+    out.failed = allow_evict ? c[counter::kDoomed] : n_full;
+    if (out.failed > 0) {  // nothing written yet: no rollback
+      out.inserted = 0;
+      return out;
+    }
+  }
   // Deterministic mode (torch.use_deterministic_algorithms) always places conflicting ids
   // in order, whatever their number, so placement (and hence eviction) repeats exactly.
   const bool sequential = n_conflicted > 0 && (n_conflicted <= kSequentialMax ||
@@ -254,41 +329,54 @@ InsertOutcome insert_uniques(const Table& t, UniqueTensors& ut, const at::Tensor
 
   at::Tensor overflow = at::empty({u.n}, int_opts);
   claim_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, sequential ? conflicted.data_ptr<uint8_t>() : nullptr,
-                                                         touched, overflow.data_ptr<int32_t>(), ctr);
+                                                         touched, overflow.data_ptr<int32_t>(),
+                                                         ctr + counter::kQueued);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const int32_t n_overflow = counters[0].item<int32_t>();  // sync
-  if (n_overflow > 0 && allow_evict) {
-    evict_kernel<<<grid_for(n_overflow), kThreads, 0, stream()>>>(t, u, touched, overflow.data_ptr<int32_t>(),
-                                                                  n_overflow, ctr + 2);
+  // claim_kernel queues exactly the full unconflicted ids, plus conflicted ones that race
+  // and find both buckets full: at most max_queued, the exact number is on the device.
+  const int64_t max_queued = n_full + (sequential ? 0 : n_conflicted);
+  if (allow_evict && max_queued > 0) {
+    evict_kernel<<<grid_for(max_queued), kThreads, 0, stream()>>>(
+        t, u, touched, overflow.data_ptr<int32_t>(), ctr + counter::kQueued, ctr + counter::kFailed,
+        ctr + counter::kEvicted);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (sequential) {
-    const at::Tensor idx = conflicted.nonzero().squeeze(1);
-    const at::Tensor order = idx.index_select(0, first_pos.index_select(0, idx).argsort());
-    sequential_insert_kernel<<<1, 1, 0, stream()>>>(t, u, order.data_ptr<int64_t>(), order.numel(), allow_evict,
-                                                   touched, ctr + 2);
+    const at::Tensor order = select_in_first_occurrence_order(ut, runs.first_pos, n_conflicted,
+                                                              IsConflicted{conflicted.data_ptr<uint8_t>()});
+    sequential_insert_kernel<<<1, 1, 0, stream()>>>(t, u, order.data_ptr<int64_t>(), n_conflicted, allow_evict,
+                                                   touched, ctr + counter::kFailed,
+                                                   ctr + counter::kEvicted);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  // Without eviction every queued id failed; sequential failures are in ctr[2] either way.
-  out.failed = counters[2].item<int32_t>() + (allow_evict ? 0 : n_overflow);  // sync
-  if (out.failed > 0) {
-    rollback_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    out.inserted = 0;
-    return out;
-  }
-  if (allow_evict) {  // in insertion order, as the CPU kernel reports them
-    const at::Tensor idx = (ut.state == kEvicted).nonzero().squeeze(1);
-    if (idx.numel() > 0) {
-      out.evicted = ut.old_key.index_select(0, idx.index_select(0, first_pos.index_select(0, idx).argsort()));
+  int64_t n_evicted = 0;
+  if (n_conflicted == 0) {
+    n_evicted = allow_evict ? n_full : 0;  // none doomed (else failed above): every full id evicted
+  } else {  // how the conflicted ids fared is known on the device only
+    const at::Tensor placed = counters.cpu();  // sync c
+    const int32_t* p = placed.data_ptr<int32_t>();
+    // Without eviction every queued id failed; sequential failures are in kFailed either way.
+    out.failed = p[counter::kFailed] + (allow_evict ? 0 : p[counter::kQueued]);
+    if (out.failed > 0) {
+      rollback_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      out.inserted = 0;
+      return out;
     }
+    n_evicted = p[counter::kEvicted];
+  }
+  if (n_evicted > 0) {  // in insertion order, as the CPU kernel reports them
+    out.evicted = ut.old_key.index_select(
+        0, select_in_first_occurrence_order(ut, runs.first_pos, n_evicted, IsEvicted{u.state}));
   }
   return out;
 }
 
+// counts is built on the host from host values and stays there (a CPU tensor), so reading
+// it costs no sync.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> result(at::Tensor slots, const InsertOutcome& r,
                                                       const at::Tensor& keys) {
-  at::Tensor counts = at::tensor(std::vector<int64_t>{r.inserted, r.failed}, at::kLong).to(keys.device());
+  at::Tensor counts = at::tensor(std::vector<int64_t>{r.inserted, r.failed}, at::kLong);
   return {slots, counts, r.evicted.defined() ? r.evicted : at::empty({0}, keys.options())};
 }
 
@@ -357,14 +445,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
                                       miss_pos.data_ptr<int32_t>(), miss_count.data_ptr<int32_t>(),
                                       static_cast<int>(n), stream());
   });
-  const int64_t m = miss_count.item<int32_t>();  // sync: sizes the grouping sort
+  const int64_t m = miss_count.item<int32_t>();  // sync a: sizes the grouping sort
 
   if (m > 0) {
     // Phases 2-4: one thread per distinct new id.
     const at::Tensor pos = miss_pos.narrow(0, 0, m);
-    const Runs runs = group_ids(ids.index_select(0, pos), pos);
-    UniqueTensors ut(runs.uniq_id);
-    r = insert_uniques(t, ut, first_positions(runs), words(touched), allow_evict);
+    const at::Tensor counters = new_counters(ids);
+    int32_t* const num = counters.data_ptr<int32_t>() + counter::kUniques;
+    const Runs runs = group_ids(ids.index_select(0, pos), pos, num);
+    UniqueTensors ut(runs.uniq_id, num);
+    r = insert_uniques(t, ut, runs, counters, words(touched), allow_evict);
     if (r.failed > 0) {
       slots.fill_(kPaddingSlot);
       return result(slots, r, keys);
@@ -411,16 +501,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
   const Table t = table_of(keys, digests, scores.data_ptr<int64_t>());
   const at::Tensor touched = touched_bitmap(allow_evict, keys);
 
-  const Runs runs = group_ids(ids, at::arange(n, ids.options().dtype(at::kInt)));
-  UniqueTensors ut(runs.uniq_id);
-  Uniques u = ut.view();
-  find_uniques_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, words(touched));
+  const at::Tensor counters = new_counters(ids);
+  int32_t* const num = counters.data_ptr<int32_t>() + counter::kUniques;
+  const Runs runs = group_ids(ids, at::arange(n, ids.options().dtype(at::kInt)), num);
+  UniqueTensors ut(runs.uniq_id, num);
+  find_uniques_kernel<<<grid_for(ut.n), kThreads, 0, stream()>>>(t, ut.view(), words(touched));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  r = insert_uniques(t, ut, first_positions(runs), words(touched), allow_evict);
+  r = insert_uniques(t, ut, runs, counters, words(touched), allow_evict);
   if (r.failed > 0) {
     slots.fill_(kPaddingSlot);
     return result(slots, r, keys);
   }
+  const Uniques u = ut.view();
   const int64_t D = weights.size(1), S = opt_state.size(1);
   const unsigned grid = static_cast<unsigned>(ceil_div(u.n, kRowBlock.y));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "insert_or_assign_cuda", [&] {
@@ -449,8 +541,10 @@ at::Tensor erase_cuda(const at::Tensor& keys, at::Tensor& digests, const at::Ten
   at::Tensor erased = at::zeros({n}, ids.options().dtype(at::kBool));
   if (n == 0) return erased;
   const Table t = table_of(keys, digests, nullptr);
-  const Runs runs = group_ids(ids, at::arange(n, ids.options().dtype(at::kInt)));
-  UniqueTensors ut(runs.uniq_id);
+  // U stays on the device: every launch covers the n grouped positions.
+  const at::Tensor num = at::empty({1}, ids.options().dtype(at::kInt));
+  const Runs runs = group_ids(ids, at::arange(n, ids.options().dtype(at::kInt)), num.data_ptr<int32_t>());
+  const UniqueTensors ut(runs.uniq_id, num.data_ptr<int32_t>());
   const Uniques u = ut.view();
   // Find first (read-only), then clear: a launch boundary between reads and writes.
   find_uniques_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, nullptr);

@@ -26,13 +26,19 @@ constexpr int64_t kSequentialMax = 256;
 // Per distinct id of a call (U entries).
 enum UniqueState : int8_t { kPresent = 0, kClaimed = 1, kEvicted = 2, kFailed = 3 };
 
+// The arrays have n entries, of which the first U hold the distinct ids. U is counted on
+// the device by the grouping pass; until the host reads it, n is an upper bound (the
+// number of grouped positions), so every kernel also checks k against *num.
 struct Uniques {
-  const int64_t* id;    // (U,)
-  int64_t* slot;        // (U,) -1 until placed
-  int8_t* state;        // (U,) UniqueState
-  int64_t* old_key;     // (U,) what the claimed slot held (for rollback / evicted_keys)
-  uint8_t* old_digest;  // (U,)
+  const int64_t* id;    // (n,)
+  int64_t* slot;        // (n,) -1 until placed
+  int8_t* state;        // (n,) UniqueState
+  int64_t* old_key;     // (n,) what the claimed slot held (for rollback / evicted_keys)
+  uint8_t* old_digest;  // (n,)
+  const int32_t* num;   // U, in device memory
   int64_t n;
+
+  __device__ __forceinline__ bool has(int64_t k) const { return k < n && k < *num; }
 };
 
 Table table_of(const at::Tensor& keys, const at::Tensor& digests, int64_t* scores) {
@@ -84,7 +90,7 @@ __global__ void probe_kernel(Table t, const int64_t* __restrict__ ids, int64_t n
 // Slots of distinct ids (insert_or_assign, erase), touched marks when evicting.
 __global__ void find_uniques_kernel(Table t, Uniques u, uint32_t* touched) {
   const int64_t k = thread_index();
-  if (k >= u.n) return;
+  if (!u.has(k)) return;
   const int64_t s = find_slot_device(t.keys, t.digests, t.num_buckets, u.id[k]);
   u.slot[k] = s;
   if (s >= 0 && touched != nullptr) mark_touched(touched, s);
@@ -104,7 +110,7 @@ __device__ __forceinline__ uint32_t digest_word(const BucketDigests& d, int w) {
 __global__ void claim_kernel(Table t, Uniques u, const uint8_t* __restrict__ skip, uint32_t* touched,
                              int32_t* __restrict__ overflow, int32_t* n_overflow) {
   const int64_t k = thread_index();
-  if (k >= u.n || u.slot[k] >= 0 || (skip != nullptr && skip[k])) return;
+  if (!u.has(k) || u.slot[k] >= 0 || (skip != nullptr && skip[k])) return;
   const int64_t key = u.id[k];
   const DeviceProbe p = device_probe(key, t.num_buckets);
   for (;;) {
@@ -161,11 +167,12 @@ __device__ __forceinline__ int64_t eviction_victim(const Table& t, const DeviceP
 
 // Phase 3b: queued ids (both buckets full) evict the lowest-score untouched candidate,
 // ties to the lowest slot of bucket_a, then bucket_b. Only touched bits change
-// concurrently here; scores are not written until the call succeeds.
+// concurrently here; scores are not written until the call succeeds. The grid covers an
+// upper bound; the number queued is read where claim_kernel counted it.
 __global__ void evict_kernel(Table t, Uniques u, uint32_t* touched, const int32_t* __restrict__ overflow,
-                             int32_t n_overflow, int32_t* n_failed) {
+                             const int32_t* n_overflow, int32_t* n_failed, int32_t* n_evicted) {
   const int64_t j = thread_index();
-  if (j >= n_overflow) return;
+  if (j >= *n_overflow) return;
   const int64_t k = overflow[j];
   const int64_t key = u.id[k];
   const DeviceProbe p = device_probe(key, t.num_buckets);
@@ -184,6 +191,7 @@ __global__ void evict_kernel(Table t, Uniques u, uint32_t* touched, const int32_
     t.digests[best] = static_cast<uint8_t>(p.digest);
     u.slot[k] = best;
     u.state[k] = kEvicted;
+    aggregated_inc(n_evicted);
     return;
   }
 }
@@ -191,22 +199,34 @@ __global__ void evict_kernel(Table t, Uniques u, uint32_t* touched, const int32_
 // New ids per bucket (a key whose two buckets coincide counts once), and the new ids.
 __global__ void bucket_use_kernel(Table t, Uniques u, int32_t* __restrict__ use, int32_t* n_new) {
   const int64_t k = thread_index();
-  if (k >= u.n || u.slot[k] >= 0) return;
+  if (!u.has(k) || u.slot[k] >= 0) return;
   aggregated_inc(n_new);
   const DeviceProbe p = device_probe(u.id[k], t.num_buckets);
   atomicAdd(use + p.a, 1);
   if (p.b != p.a) atomicAdd(use + p.b, 1);
 }
 
-// conflicted[k]: new id k shares a bucket with another new id.
-__global__ void conflict_kernel(Table t, Uniques u, const int32_t* __restrict__ use,
-                                uint8_t* __restrict__ conflicted, int32_t* n_conflicted) {
+// conflicted[k]: new id k shares a bucket with another new id. An unconflicted new id is
+// alone in its buckets for the whole call (claims, evictions and sequential inserts write
+// digests, keys and touched bits only in the writer's own buckets), so its fate is decided
+// now: both buckets full -> claim_kernel queues it (*n_full), and with eviction (touched
+// given) every candidate already touched -> evict_kernel fails it (*n_doomed); else it
+// is placed.
+__global__ void classify_kernel(Table t, Uniques u, const int32_t* __restrict__ use, const uint32_t* touched,
+                                uint8_t* __restrict__ conflicted, int32_t* n_conflicted, int32_t* n_full,
+                                int32_t* n_doomed) {
   const int64_t k = thread_index();
-  if (k >= u.n) return;
+  if (!u.has(k)) return;
   bool c = false;
   if (u.slot[k] < 0) {
     const DeviceProbe p = device_probe(u.id[k], t.num_buckets);
     c = use[p.a] > 1 || use[p.b] > 1;
+    // No digest changes during this kernel, so the read-only path is safe.
+    if (!c && empty_mask(load_bucket<false>(t.digests, p.a)) == 0 &&
+        (p.b == p.a || empty_mask(load_bucket<false>(t.digests, p.b)) == 0)) {
+      aggregated_inc(n_full);
+      if (touched != nullptr && touched[p.a] == ~0u && touched[p.b] == ~0u) aggregated_inc(n_doomed);
+    }
   }
   conflicted[k] = c;
   if (c) aggregated_inc(n_conflicted);
@@ -215,7 +235,8 @@ __global__ void conflict_kernel(Table t, Uniques u, const int32_t* __restrict__ 
 // The conflicted new ids, one thread, in order of first occurrence: the CPU kernel's
 // sequential logic step for step (they share buckets only among themselves).
 __global__ void sequential_insert_kernel(Table t, Uniques u, const int64_t* __restrict__ order, int64_t count,
-                                         bool allow_evict, uint32_t* touched, int32_t* n_failed) {
+                                         bool allow_evict, uint32_t* touched, int32_t* n_failed,
+                                         int32_t* n_evicted) {
   for (int64_t j = 0; j < count; ++j) {
     const int64_t k = order[j];
     const int64_t key = u.id[k];
@@ -243,6 +264,7 @@ __global__ void sequential_insert_kernel(Table t, Uniques u, const int64_t* __re
     t.digests[s] = static_cast<uint8_t>(p.digest);
     u.slot[k] = s;
     u.state[k] = old_digest == kEmptyDigest ? kClaimed : kEvicted;
+    if (old_digest != kEmptyDigest) *n_evicted += 1;
     if (touched != nullptr) touched[s / kBucketSize] |= 1u << (s % kBucketSize);
   }
 }
@@ -250,7 +272,7 @@ __global__ void sequential_insert_kernel(Table t, Uniques u, const int64_t* __re
 // Phase 4 (failure): restore every slot this call claimed. Slots are distinct.
 __global__ void rollback_kernel(Table t, Uniques u) {
   const int64_t k = thread_index();
-  if (k >= u.n) return;
+  if (!u.has(k)) return;
   const int8_t st = u.state[k];
   if (st != kClaimed && st != kEvicted) return;
   const int64_t s = u.slot[k];

@@ -10,7 +10,8 @@ Shape:
     - opt_state: (C, S) float32 (float64 with float64 weights); S may be 0.
 
 Every int64 value is a valid id. Ops that insert return ``counts = [num_inserted,
-num_failed]``; ``num_failed > 0`` means the table had no room and nothing was changed.
+num_failed]``, a CPU tensor on every backend (reading it never waits for the device);
+``num_failed > 0`` means the table had no room and nothing was changed.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def find_or_insert(
         padding_id: positions holding this id get slot -1 and are ignored.
 
     Returns:
-        ``(slots, counts, evicted_keys)``: slots (N,) int64; counts (2,) int64 =
+        ``(slots, counts, evicted_keys)``: slots (N,) int64; counts (2,) int64 on the CPU =
         ``[num_inserted, num_failed]`` (when ``num_failed > 0`` the table is unchanged and
         slots are undefined); evicted_keys (E,) int64.
 
@@ -221,7 +222,8 @@ def _check_table_fake(op: str, keys: Tensor, ids: Tensor) -> None:
 def _insert_fake(op: str, keys: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     _check_table_fake(op, keys, ids)
     num_evicted = torch.library.get_ctx().new_dynamic_size()
-    return ids.new_empty(ids.shape), keys.new_empty(2), keys.new_empty(num_evicted)
+    counts = torch.empty(2, dtype=torch.int64, device="cpu")  # host values on every backend
+    return ids.new_empty(ids.shape), counts, keys.new_empty(num_evicted)
 
 
 def _register_fakes() -> None:
