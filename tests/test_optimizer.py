@@ -352,6 +352,8 @@ def test_accumulate_and_update_cuda_agrees_with_cpu(optimizer, dtype):
             accumulate_and_update(w, s, grad_out, slots, offsets, psw, 0, False, optimizer, 0.01, 1e-8, 0.9, 0.99,
                                   0.0, step)  # fmt: skip
         results.append((w.cpu().float(), s.cpu()))
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # Long runs are summed in another order on CUDA (chunks of 64 positions, then the
+    # chunks) than on the CPU (position order); Adam's m / sqrt(v) magnifies that rounding.
+    tol = (1e-4 if optimizer == "adam" else 1e-5) if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(results[1][0], results[0][0], atol=tol, rtol=tol)
     torch.testing.assert_close(results[1][1], results[0][1], atol=tol, rtol=tol)

@@ -12,7 +12,7 @@ Example::
 
 from veloce import _ext, callbacks, checkpoint, data, distributed, init, metrics, models, ops, optim
 from veloce.callbacks import Callback, EarlyStopping
-from veloce.embedding import DynamicEmbedding, lookup_many
+from veloce.embedding import DynamicEmbedding, lookup_many, step_tables
 from veloce.table import HashTable, TableFullError
 from veloce.trainer import Trainer
 
@@ -20,5 +20,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Callback", "DynamicEmbedding", "EarlyStopping", "HashTable", "TableFullError", "Trainer", "lookup_many",
+    "step_tables",
     "callbacks", "checkpoint", "data", "distributed", "init", "metrics", "models", "ops", "optim", "__version__",
 ]

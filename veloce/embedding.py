@@ -16,7 +16,7 @@ from veloce import init as _init
 from veloce import optim as _optim
 from veloce.table import HashTable
 
-__all__ = ["DynamicEmbedding", "lookup_many"]
+__all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
 
 _MODES = {"sum": 0, "mean": 1}
 _NONFINITE = ("raise", "skip", "apply")
@@ -272,13 +272,13 @@ class DynamicEmbedding(nn.Module):
         The gradient of each touched row is summed and applied in one fused pass
         (``torch.ops.veloce.accumulate_and_update``); rows evicted since their forward
         pass get nothing, and a row that moved (growth) is found by its id."""
-        if self._shard is not None:
-            self._shard.collect(self)  # gradients other ranks sent for this shard's rows
-        self._apply_pending(lr)
+        step_tables([self], [lr])
 
-    def _apply_pending(self, lr: Optional[float]) -> None:
+    def _apply_pending(self, lr: Optional[float], known_finite: bool = False) -> None:
+        """Applies the pending gradient; ``known_finite``: a batched check (step_tables)
+        already found every pending gradient finite."""
         had_backward, self._had_backward = self._had_backward, False
-        bad = self._check_finite()
+        bad = None if known_finite else self._check_finite()
         if not self._pending:
             # A gradient over no rows (a lookup of no ids, or a shard that received none)
             # still counts as a step, as for torch's SparseAdam: every shard of a table
@@ -439,6 +439,50 @@ class DynamicEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, size={len(self)}"
+
+
+def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Optional[float]]] = None) -> None:
+    """``t.step(lr)`` for every table, with one device read-back for all of them.
+
+    The ``nonfinite_grad="raise"`` check of every table reduces on the device into one
+    flag per table; the flags are read back together (and, for sharded tables, summed over
+    their ranks in one all-reduce per process group), so a step over K tables waits for the
+    device once instead of K times. A table whose flag is set takes the per-table path,
+    which counts its bad bags and raises. :class:`veloce.optim.CombinedOptimizer` steps its
+    tables this way.
+    """
+    lrs = [None] * len(tables) if lrs is None else list(lrs)
+    if len(lrs) != len(tables):
+        raise ValueError(f"step_tables: {len(tables)} tables but {len(lrs)} learning rates")
+    for t in tables:
+        if t._shard is not None:
+            t._shard.collect(t)  # gradients other ranks sent for this shard's rows
+    finite = _all_finite([t for t in tables if t.nonfinite_grad == "raise"])
+    for t, lr in zip(tables, lrs):
+        t._apply_pending(lr, known_finite=finite.get(id(t), False))
+
+
+def _all_finite(tables: Sequence["DynamicEmbedding"]) -> dict[int, bool]:
+    """id(table) -> whether every pending gradient of the table is finite (over all ranks
+    for a sharded table), from one device reduction per table and one read-back."""
+    if not tables:
+        return {}
+    flags = []
+    for t in tables:
+        bad = torch.zeros((), dtype=torch.long, device=t.table.device)
+        for e in t._pending:  # the sum of a gradient is finite iff all of it is (or it overflowed)
+            bad = bad + (~torch.isfinite(e.grad.sum())).long()
+        flags.append(bad)
+    by_group: dict[int, list[int]] = {}
+    for i, t in enumerate(tables):
+        if t._shard is not None:
+            by_group.setdefault(id(t._shard.group), []).append(i)
+    for idx in by_group.values():  # every rank steps the same tables in the same order
+        summed = tables[idx[0]]._shard.agree_all(torch.stack([flags[i] for i in idx]))
+        for j, i in enumerate(idx):
+            flags[i] = summed[j]
+    host = torch.stack([f.to(flags[0].device) for f in flags]).tolist()  # the one sync
+    return {id(t): v == 0 for t, v in zip(tables, host)}
 
 
 def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> list[torch.Tensor]:

@@ -208,8 +208,10 @@ class CombinedOptimizer(torch.optim.Optimizer):
         elif closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for (_, table), group in zip(self.tables, self._sparse_groups):
-            table.step(lr=group["lr"])
+        from veloce.embedding import step_tables  # veloce.embedding imports this module
+
+        # One device read-back for every table's finiteness check (see step_tables).
+        step_tables([table for _, table in self.tables], [group["lr"] for group in self._sparse_groups])
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102

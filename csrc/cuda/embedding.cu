@@ -499,14 +499,15 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cuda(const at::Tensor& grad_o
 // and run-length encode of accumulate_grad, every run (one unique slot) is cut into
 // chunks of kLongRun positions; one exclusive scan gives each run its first position,
 // first chunk and first partial row. A grid-stride loop of thread groups then takes the
-// chunks: a run of one chunk (almost all of them) is summed in registers and applied at
-// once; a longer run's chunks write fp32 partial sums, and the group that finishes a
-// run's last chunk adds the partials in chunk order and applies the update. The sums are
+// runs and the chunks of long runs: a run of one chunk (almost all of them) is summed in
+// registers and applied at once; a longer run's chunks write fp32 partial sums, and the
+// group that finishes a run's last chunk adds the partials in chunk order and applies
+// the update. The sums are
 // those of accumulate_grad, in the same order: the result is deterministic and equal to
 // accumulate_grad followed by sparse_update.
 
 // Per run: its length, chunks and partial rows (chunks of runs longer than one chunk);
-// as an exclusive scan, the run's first sorted position, first chunk and first partial.
+// as an exclusive scan, the run's first sorted position and first partial row.
 struct RunPlan {
   int32_t len, chunks, partials;
 };
@@ -534,13 +535,13 @@ __global__ void plan_kernel(const key_t* __restrict__ uniq, const int32_t* __res
   plan[u] = {len, chunks, chunks > 1 ? chunks : 0};
 }
 
-// The largest u < N with first[u].chunks <= m: the run of chunk m (runs without chunks
-// share their successor's first chunk and are never the largest such u).
-__device__ __forceinline__ int64_t run_of_chunk(const RunPlan* __restrict__ first, int64_t N, int64_t m) {
+// The largest u < N with first[u].partials <= j: the run of partial chunk j (runs
+// without partials share their successor's first partial and are never the largest such u).
+__device__ __forceinline__ int64_t run_of_partial(const RunPlan* __restrict__ first, int64_t N, int64_t j) {
   int64_t lo = 0, hi = N;
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) / 2;
-    if (first[mid].chunks <= m) {
+    if (first[mid].partials <= j) {
       lo = mid;
     } else {
       hi = mid;
@@ -554,21 +555,29 @@ template <typename scalar_t, typename key_t, int V, int ITER>
 __global__ void accumulate_update_kernel(
     scalar_t* __restrict__ weights, at::opmath_type<scalar_t>* __restrict__ state, int64_t D, int64_t S,
     UpdateRule<at::opmath_type<scalar_t>> rule, const scalar_t* __restrict__ grad_output,
-    const key_t* __restrict__ uniq, const RunPlan* __restrict__ plan, const RunPlan* __restrict__ first, int64_t N,
+    const key_t* __restrict__ uniq, const int64_t* __restrict__ num_runs, const RunPlan* __restrict__ plan,
+    const RunPlan* __restrict__ first, int64_t N,
     const int32_t* __restrict__ sorted_pos, const int32_t* __restrict__ bag_of, const scalar_t* __restrict__ psw,
     const at::opmath_type<scalar_t>* __restrict__ bag_scale, int lanes, at::opmath_type<scalar_t>* partial,
     int32_t* __restrict__ arrived) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t total = static_cast<int64_t>(first[N - 1].chunks) + plan[N - 1].chunks;
+  // Work items: the runs (those of one chunk are done at once), then the chunks of runs
+  // longer than one chunk (located by a binary search; they are few).
+  const int64_t runs = *num_runs;
+  const int64_t total = runs + first[N - 1].partials + plan[N - 1].partials;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int lane = static_cast<int>(t % lanes);
   const unsigned mask = group_mask(lanes);
   const int leader = static_cast<int>(threadIdx.x & 31) - lane;
   const int64_t groups = static_cast<int64_t>(gridDim.x) * blockDim.x / lanes;
-  for (int64_t m = t / lanes; m < total; m += groups) {  // the lanes of a group share m
-    const int64_t u = run_of_chunk(first, N, m);
+  for (int64_t i = t / lanes; i < total; i += groups) {  // the lanes of a group share i
+    int64_t u = i, k = 0;
+    if (i >= runs) {
+      u = run_of_partial(first, N, i - runs);
+      k = i - runs - first[u].partials;
+    }
     const RunPlan f = first[u], p = plan[u];
-    const int64_t k = m - f.chunks;
+    if (i < runs && p.chunks != 1) continue;  // no gradient, or a long run (its chunks follow)
     const int64_t start = static_cast<int64_t>(f.len) + k * kLongRun;
     const int64_t stop = min(start + kLongRun, static_cast<int64_t>(f.len) + p.len);
     acc_t g[ITER][V];
@@ -705,10 +714,11 @@ void accumulate_and_update_fused(const at::Tensor& weights, const at::Tensor& op
       constexpr int V = decltype(vec)::value;
       constexpr int ITER = decltype(iter)::value;
       const int lanes = lanes_for(D, V);
-      // Enough groups for every chunk of a batch without long runs, at most a few waves.
+      // Enough groups for every run of a batch of distinct slots, capped.
       const int64_t blocks = std::min<int64_t>(grid_for(N * lanes), 32 * 1024);
       accumulate_update_kernel<scalar_t, key_t, V, ITER><<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
-          weights.data_ptr<scalar_t>(), state, D, S, rule, g.data_ptr<scalar_t>(), up, pp, fp, N,
+          weights.data_ptr<scalar_t>(), state, D, S, rule, g.data_ptr<scalar_t>(), up, num_runs.data_ptr<int64_t>(),
+          pp, fp, N,
           sorted_pos.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(), p.defined() ? p.data_ptr<scalar_t>() : nullptr,
           scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes, partial.data_ptr<acc_t>(),
           arrived.data_ptr<int32_t>());

@@ -81,9 +81,15 @@ def abandon_exchange(group: Group) -> None:
 
 def agree_sum(group: Group, count: int) -> int:
     """The sum of ``count`` over the group's ranks (a collective: every rank calls it)."""
-    t = torch.tensor([count], dtype=torch.long, device=_device(group))
+    return int(agree_sum_tensor(group, torch.tensor([count], dtype=torch.long)).item())
+
+
+def agree_sum_tensor(group: Group, counts: torch.Tensor) -> torch.Tensor:
+    """The element-wise sum of ``counts`` over the group's ranks, on the group's device;
+    no host read-back (a collective: every rank calls it)."""
+    t = counts.to(_device(group))
     dist.all_reduce(t, group=group.group)
-    return int(t.item())
+    return t
 
 
 def _device(group: Group) -> torch.device:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from veloce.distributed._comm import (
-    ExchangeError, Group, abandon_exchange, agree_sum, all_to_all, exchange_headers,
+    ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all, exchange_headers,
 )  # fmt: skip
 from veloce.ops.exchange import bucketize_bags, combine_parts
 
@@ -102,6 +102,11 @@ class Shard:
     def agree(self, count: int) -> int:
         """The sum of ``count`` over the ranks (a collective: every rank calls it)."""
         return agree_sum(self.group, count)
+
+    def agree_all(self, counts: torch.Tensor) -> torch.Tensor:
+        """The sums of ``counts`` (int64) over the ranks, on the group's device, without
+        reading them back (a collective: every rank calls it)."""
+        return agree_sum_tensor(self.group, counts)
 
     @contextlib.contextmanager
     def abandon_on_error(self):
