@@ -550,6 +550,9 @@ __device__ __forceinline__ int64_t run_of_partial(const RunPlan* __restrict__ fi
   return lo;
 }
 
+// Partial rows of a long run read at once by the group that adds them up.
+constexpr int kPartialBatch = 8;
+
 // ITER column packs per lane cover the row: D <= ITER * lanes * V.
 template <typename scalar_t, typename key_t, int V, int ITER>
 __global__ void accumulate_update_kernel(
@@ -612,10 +615,25 @@ __global__ void accumulate_update_kernel(
 #pragma unroll
         for (int j = 0; j < V; ++j) g[it][j] = 0;
         if (c >= D) continue;
-        for (int32_t q = 0; q < p.chunks; ++q) {
-          const acc_t* row = partial + (static_cast<int64_t>(f.partials) + q) * D + c;
+        // In chunk order; kPartialBatch chunks' loads in flight (a hot id has thousands).
+        const acc_t* rows = partial + static_cast<int64_t>(f.partials) * D + c;
+        int32_t q = 0;
+        for (; q + kPartialBatch <= p.chunks; q += kPartialBatch) {
+          acc_t v[kPartialBatch][V];
 #pragma unroll
-          for (int j = 0; j < V; ++j) g[it][j] += __ldcg(row + j);
+          for (int r = 0; r < kPartialBatch; ++r) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) v[r][j] = __ldcg(rows + (q + r) * D + j);
+          }
+#pragma unroll
+          for (int r = 0; r < kPartialBatch; ++r) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) g[it][j] += v[r][j];
+          }
+        }
+        for (; q < p.chunks; ++q) {
+#pragma unroll
+          for (int j = 0; j < V; ++j) g[it][j] += __ldcg(rows + q * D + j);
         }
       }
     }
