@@ -475,7 +475,10 @@ def test_trainer_on_two_ranks_equals_one_process(tmp_path, device_kind):
         got = merged([{name: r["tables"][name]} for r in two])[name]
         order = want["keys"].argsort()
         assert torch.equal(got["keys"], want["keys"][order])
-        torch.testing.assert_close(got["weights"], want["weights"][order], rtol=1e-5, atol=1e-5)
+        # 32 steps with an Adam-trained MLP: on GPUs the matmuls of a 256-row and a 512-row
+        # batch round differently, and that reaches the tables (measured: 1.5e-5 off).
+        tol = 1e-4 if device_kind == "cuda" else 1e-5
+        torch.testing.assert_close(got["weights"], want["weights"][order], rtol=tol, atol=tol)
     assert veloce.checkpoint.describe(veloce.checkpoint.latest(tmp_path / "two"))["world_size"] == 2
 
 
