@@ -239,10 +239,9 @@ def test_bad_inputs_name_the_argument_and_change_nothing():
 
 
 # ---- accumulate_and_update: the fused backward + step -------------------------------------
-def _fused_case(device, dim, mode, with_psw, seed):
-    g = torch.Generator().manual_seed(seed)
-    C, n, bags = 64, 80, 9
-    slots = torch.randint(-2, C, (n,), generator=g)  # duplicates, padding (-1) and zero rows (-2)
+def _bags_over(slots, bags, C, dim, with_psw, g, device):
+    """Random bag cuts over ``slots``, per-sample weights, a pooled gradient and C table rows."""
+    n = slots.numel()
     cuts = torch.sort(torch.randint(0, n + 1, (bags - 1,), generator=g)).values
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), cuts])
     psw = torch.rand(n, generator=g) if with_psw else None
@@ -250,6 +249,12 @@ def _fused_case(device, dim, mode, with_psw, seed):
     w = torch.randn(C, dim, generator=g)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     return to(slots), to(offsets), to(psw), to(grad_out), to(w)
+
+
+def _fused_case(device, dim, mode, with_psw, seed):
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randint(-2, 64, (80,), generator=g)  # duplicates, padding (-1) and zero rows (-2)
+    return _bags_over(slots, 9, 64, dim, with_psw, g, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -292,19 +297,11 @@ def _hot_case(device, dim, mode, with_psw, seed):
     fused CUDA kernel cuts runs into chunks of 64 positions and adds the chunks' sums in
     order), plus padding (-1) and zero rows (-2)."""
     g = torch.Generator().manual_seed(seed)
-    C = 3000
     repeats = [1000, 129, 128, 65, 64, 63, 2, 1]
     hot = torch.cat([torch.full((r,), 7 + 11 * i) for i, r in enumerate(repeats)])
-    cold = torch.randint(-2, C, (1500,), generator=g)
+    cold = torch.randint(-2, 3000, (1500,), generator=g)
     slots = torch.cat([hot, cold])[torch.randperm(hot.numel() + 1500, generator=g)]
-    n, bags = slots.numel(), 700
-    cuts = torch.sort(torch.randint(0, n + 1, (bags - 1,), generator=g)).values
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), cuts])
-    psw = torch.rand(n, generator=g) if with_psw else None
-    grad_out = torch.randn(bags, dim, generator=g)
-    w = torch.randn(C, dim, generator=g)
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return to(slots), to(offsets), to(psw), to(grad_out), to(w)
+    return _bags_over(slots, 700, 3000, dim, with_psw, g, device)
 
 
 # dim 128, 256, 512: one, two and four 16-byte packs per lane; 130 (not a multiple of 4)

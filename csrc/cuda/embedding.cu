@@ -366,25 +366,33 @@ __global__ void long_run_total_kernel(const at::opmath_type<scalar_t>* __restric
 }
 
 
+// The positions of a backward pass grouped by slot: keys (slot, or the sentinel num_rows
+// where a position gets no gradient), stably radix-sorted with their positions, then
+// run-length encoded (one run per slot, the sentinel's last; the run count goes to
+// *num_runs on the device). Shared by accumulate_grad and the fused accumulate_and_update.
 template <typename key_t>
-std::tuple<at::Tensor, at::Tensor> accumulate(const at::Tensor& g, const at::Tensor& s, const at::Tensor& o,
-                                              const at::Tensor& p, int64_t mode, int64_t B, int64_t num_rows) {
+struct SortedRuns {
+  at::Tensor sorted_pos;  // (N,) int32: positions, grouped by slot, ascending within one
+  at::Tensor bag_of;      // (N,) int32: the bag of each position
+  at::Tensor uniq;        // (N,) key_t: the slot of each run (first *num_runs valid)
+  at::Tensor run_len;     // (N,) int32: the length of each run
+  const key_t* uniq_ptr() const { return reinterpret_cast<const key_t*>(uniq.data_ptr()); }
+};
+
+template <typename key_t>
+SortedRuns<key_t> sort_runs(const at::Tensor& s, const at::Tensor& o, int64_t B, int64_t num_rows,
+                            int64_t* num_runs, unsigned long long* num_skipped) {
   const int64_t N = s.numel();
-  const int64_t D = g.size(1);
   const int n = static_cast<int>(N);
   const auto opts = s.options();
   at::Tensor keys = at::empty({N}, opts.dtype(sizeof(key_t) == 4 ? at::kInt : at::kLong));
   at::Tensor pos = at::empty({N}, opts.dtype(at::kInt));
   at::Tensor bag_of = at::empty({N}, opts.dtype(at::kInt));
-  // info[0]: number of runs (written by CUB), info[1]: positions without a gradient,
-  // info[2], info[3]: runs longer than kLongRun and their chunks.
-  at::Tensor info = at::zeros({4}, opts);
   key_t* kp = reinterpret_cast<key_t*>(keys.data_ptr());
-  keys_kernel<key_t><<<grid_for(N), kThreads, 0, stream()>>>(
-      s.data_ptr<int64_t>(), N, num_rows, o.data_ptr<int64_t>(), B, kp, pos.data_ptr<int32_t>(),
-      bag_of.data_ptr<int32_t>(), reinterpret_cast<unsigned long long*>(info.data_ptr<int64_t>() + 1));
+  keys_kernel<key_t><<<grid_for(N), kThreads, 0, stream()>>>(s.data_ptr<int64_t>(), N, num_rows,
+                                                             o.data_ptr<int64_t>(), B, kp, pos.data_ptr<int32_t>(),
+                                                             bag_of.data_ptr<int32_t>(), num_skipped);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-
   // Stable sort on the key's significant bits: within a slot, positions stay ascending.
   at::Tensor sorted_keys = at::empty_like(keys);
   at::Tensor sorted_pos = at::empty_like(pos);
@@ -398,9 +406,27 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const at::Tensor& g, const at::Ten
   at::Tensor run_len = at::empty({N}, opts.dtype(at::kInt));
   key_t* up = reinterpret_cast<key_t*>(uniq.data_ptr());
   cub_call(s, [&](void* temp, size_t& bytes) {
-    return cub::DeviceRunLengthEncode::Encode(temp, bytes, skp, up, run_len.data_ptr<int32_t>(),
-                                              info.data_ptr<int64_t>(), n, stream());
+    return cub::DeviceRunLengthEncode::Encode(temp, bytes, skp, up, run_len.data_ptr<int32_t>(), num_runs, n,
+                                              stream());
   });
+  return {sorted_pos, bag_of, uniq, run_len};
+}
+
+template <typename key_t>
+std::tuple<at::Tensor, at::Tensor> accumulate(const at::Tensor& g, const at::Tensor& s, const at::Tensor& o,
+                                              const at::Tensor& p, int64_t mode, int64_t B, int64_t num_rows) {
+  const int64_t N = s.numel();
+  const int64_t D = g.size(1);
+  const auto opts = s.options();
+  // info[0]: number of runs (written by CUB), info[1]: positions without a gradient,
+  // info[2], info[3]: runs longer than kLongRun and their chunks.
+  at::Tensor info = at::zeros({4}, opts);
+  const SortedRuns<key_t> runs = sort_runs<key_t>(
+      s, o, B, num_rows, info.data_ptr<int64_t>(), reinterpret_cast<unsigned long long*>(info.data_ptr<int64_t>() + 1));
+  const at::Tensor& sorted_pos = runs.sorted_pos;
+  const at::Tensor& bag_of = runs.bag_of;
+  const at::Tensor& run_len = runs.run_len;
+  const key_t* up = runs.uniq_ptr();
   long_runs_count_kernel<<<grid_for(N), kThreads, 0, stream()>>>(run_len.data_ptr<int32_t>(), N,
                                                                    info.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -675,32 +701,13 @@ void accumulate_and_update_fused(const at::Tensor& weights, const at::Tensor& op
   const int64_t C = weights.size(0);
   const int64_t D = weights.size(1);
   const int64_t S = opt_state.size(1);
-  const int n = static_cast<int>(N);
   const auto opts = s.options();
-  at::Tensor keys = at::empty({N}, opts.dtype(sizeof(key_t) == 4 ? at::kInt : at::kLong));
-  at::Tensor pos = at::empty({N}, opts.dtype(at::kInt));
-  at::Tensor bag_of = at::empty({N}, opts.dtype(at::kInt));
-  key_t* kp = reinterpret_cast<key_t*>(keys.data_ptr());
-  keys_kernel<key_t><<<grid_for(N), kThreads, 0, stream()>>>(s.data_ptr<int64_t>(), N, C, o.data_ptr<int64_t>(), B,
-                                                             kp, pos.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(),
-                                                             nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  at::Tensor sorted_keys = at::empty_like(keys);
-  at::Tensor sorted_pos = at::empty_like(pos);
-  key_t* skp = reinterpret_cast<key_t*>(sorted_keys.data_ptr());
-  const int end_bit = std::max(1, bit_width(static_cast<uint64_t>(C)));
-  cub_call(s, [&](void* temp, size_t& bytes) {
-    return cub::DeviceRadixSort::SortPairs(temp, bytes, kp, skp, pos.data_ptr<int32_t>(),
-                                           sorted_pos.data_ptr<int32_t>(), n, 0, end_bit, stream());
-  });
-  at::Tensor uniq = at::empty_like(keys);
-  at::Tensor run_len = at::empty({N}, opts.dtype(at::kInt));
   at::Tensor num_runs = at::empty({1}, opts);
-  key_t* up = reinterpret_cast<key_t*>(uniq.data_ptr());
-  cub_call(s, [&](void* temp, size_t& bytes) {
-    return cub::DeviceRunLengthEncode::Encode(temp, bytes, skp, up, run_len.data_ptr<int32_t>(),
-                                              num_runs.data_ptr<int64_t>(), n, stream());
-  });
+  const SortedRuns<key_t> runs = sort_runs<key_t>(s, o, B, C, num_runs.data_ptr<int64_t>(), nullptr);
+  const at::Tensor& sorted_pos = runs.sorted_pos;
+  const at::Tensor& bag_of = runs.bag_of;
+  const at::Tensor& run_len = runs.run_len;
+  const key_t* up = runs.uniq_ptr();
   // RunPlan is three int32: plan and its scan live in int32 tensors of 3N.
   at::Tensor plan = at::empty({3 * N}, opts.dtype(at::kInt));
   at::Tensor first = at::empty({3 * N}, opts.dtype(at::kInt));
@@ -710,7 +717,8 @@ void accumulate_and_update_fused(const at::Tensor& weights, const at::Tensor& op
                                                              num_runs.data_ptr<int64_t>(), N, C, pp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   cub_call(s, [&](void* temp, size_t& bytes) {
-    return cub::DeviceScan::ExclusiveScan(temp, bytes, pp, fp, RunPlanSum(), RunPlan{0, 0, 0}, n, stream());
+    return cub::DeviceScan::ExclusiveScan(temp, bytes, pp, fp, RunPlanSum(), RunPlan{0, 0, 0}, static_cast<int>(N),
+                                          stream());
   });
   // Partial rows: chunks of runs longer than kLongRun, at most 2 N / kLongRun of them.
   const int64_t max_partials = 2 * ceil_div(N, kLongRun);
