@@ -138,6 +138,12 @@ def run(args) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
     hp.flush()
+    if args.profile and rank == 0:
+        _profile(lambda: step(data[0]), device)
+    elif args.profile:
+        for _ in range(5):
+            step(data[0])
+    hp.flush()
     # Instrumented pass: exchange time and bytes per step.
     meter.on = True
     for b in data[args.warmup + args.steps :]:
@@ -169,6 +175,22 @@ def run(args) -> None:
             with open(args.json, "w") as f:
                 json.dump(row, f, indent=1)
     dist.destroy_process_group()
+
+
+def _profile(step, device, steps: int = 5) -> None:
+    """Rank 0's view of ``steps`` steps: the ops taking the most host time and the host
+    syncs per step (the other ranks run the same steps unprofiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize(device)
+    events = prof.key_averages()
+    print(events.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60))
+    for e in events:
+        if e.key.startswith("cuda") and ("Synchronize" in e.key or "Memcpy" in e.key):
+            print(f"per step: {e.count / steps:8.1f} x {e.key}")
 
 
 def summarize(paths: list[str]) -> None:
@@ -205,6 +227,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true", help="print rank 0's host-time profile of 5 steps")
     p.add_argument("--watchdog", type=float, default=240, help="seconds before a stuck run dumps its stacks and exits")
     p.add_argument("--summarize", nargs="+", default=None, help="JSON files of earlier runs: print the table")
     args = p.parse_args()

@@ -464,25 +464,45 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
 
 def _all_finite(tables: Sequence["DynamicEmbedding"]) -> dict[int, bool]:
     """id(table) -> whether every pending gradient of the table is finite (over all ranks
-    for a sharded table), from one device reduction per table and one read-back."""
+    for a sharded table): one fused norm over the gradients of each device's tables, one
+    all-reduce per process group of sharded tables, one read-back per device.
+
+    A norm is NaN or Inf if an element is (or, for huge finite values, if the squares
+    overflow: the per-table check then finds nothing to raise)."""
     if not tables:
         return {}
-    flags = []
-    for t in tables:
-        bad = torch.zeros((), dtype=torch.long, device=t.table.device)
-        for e in t._pending:  # the sum of a gradient is finite iff all of it is (or it overflowed)
-            bad = bad + (~torch.isfinite(e.grad.sum())).long()
-        flags.append(bad)
-    by_group: dict[int, list[int]] = {}
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tables):
+        by_device.setdefault(t.table.device, []).append(i)
+    where: dict[int, tuple[torch.device, int]] = {}  # table -> (device, row of its flag)
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for dev, idx in by_device.items():
+        grads, owner = [], []
+        for j, i in enumerate(idx):
+            where[i] = (dev, j)
+            grads.extend(e.grad for e in tables[i]._pending)
+            owner.extend(j for _ in tables[i]._pending)
+        counts = torch.zeros(len(idx), dtype=torch.long, device=dev)
+        if grads:
+            bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).long()
+            counts.index_add_(0, torch.tensor(owner, device=dev), bad)
+        flags[dev] = [counts]
+    # Sharded tables: the counts summed over the ranks (every rank steps the same tables in
+    # the same order), appended after the device's own rows.
+    groups: dict[int, list[int]] = {}
     for i, t in enumerate(tables):
         if t._shard is not None:
-            by_group.setdefault(id(t._shard.group), []).append(i)
-    for idx in by_group.values():  # every rank steps the same tables in the same order
-        summed = tables[idx[0]]._shard.agree_all(torch.stack([flags[i] for i in idx]))
-        for j, i in enumerate(idx):
-            flags[i] = summed[j]
-    host = torch.stack([f.to(flags[0].device) for f in flags]).tolist()  # the one sync
-    return {id(t): v == 0 for t, v in zip(tables, host)}
+            groups.setdefault(id(t._shard.group), []).append(i)
+    for idx in groups.values():
+        dev = where[idx[0]][0]
+        mine = torch.stack([flags[where[i][0]][0][where[i][1]].to(dev) for i in idx])
+        summed = tables[idx[0]]._shard.agree_all(mine).to(dev)
+        base = sum(f.numel() for f in flags[dev])
+        flags[dev].append(summed)
+        for k, i in enumerate(idx):
+            where[i] = (dev, base + k)
+    host = {dev: torch.cat(fs).tolist() for dev, fs in flags.items()}  # the read-back
+    return {id(t): host[where[i][0]][where[i][1]] == 0 for i, t in enumerate(tables)}
 
 
 def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> list[torch.Tensor]:
