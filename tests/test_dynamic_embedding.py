@@ -361,6 +361,26 @@ def test_nonfinite_gradient_policy():
     assert torch.isfinite(emb.export()["weights"]).all()
 
 
+def test_nonfinite_gradient_in_one_table_applies_no_table():
+    """CombinedOptimizer steps every table with one finiteness read-back: a NaN gradient in
+    the second table raises before the first (finite) one is applied."""
+    a, b = (veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=1.0)) for _ in range(2))
+    model = torch.nn.ModuleDict({"a": a, "b": b})
+    opt = veloce.optim.CombinedOptimizer(None, model)
+    ids = torch.tensor([[1, 2]])
+    (a(ids).sum() + (b(ids) * float("nan")).sum()).backward()
+    before = (snapshot(a), snapshot(b))
+    with pytest.raises(FloatingPointError, match="NaN or Inf"):
+        opt.step()
+    assert_same_snapshot(before[0], snapshot(a))
+    assert_same_snapshot(before[1], snapshot(b))
+    assert a.step_count == 0 and b.step_count == 0
+    opt.zero_grad()  # drops both pending gradients; training goes on
+    (a(ids).sum() + b(ids).sum()).backward()
+    opt.step()
+    assert a.step_count == 1 and b.step_count == 1
+
+
 # ---- bad input: a clear error naming the argument, table unchanged ------------------------------
 def _bad_cases():
     L = torch.long

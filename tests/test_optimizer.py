@@ -304,12 +304,13 @@ def _hot_case(device, dim, mode, with_psw, seed):
     return _bags_over(slots, 700, 3000, dim, with_psw, g, device)
 
 
-# dim 128, 256, 512: one, two and four 16-byte packs per lane; 130 (not a multiple of 4)
-# and 600 (too wide for registers): the paths without packs and without fusion.
+# dim 16, 64: groups of 4 and 16 lanes (several rows per warp); 128, 256, 512: one, two
+# and four 16-byte packs per lane; 130 (not a multiple of 4) and 600 (too wide for
+# registers): the paths without packs and without fusion.
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("mode,with_psw", [(0, False), (0, True), (1, False)])
-@pytest.mark.parametrize("dim", [128, 256, 512, 130, 600])
+@pytest.mark.parametrize("dim", [16, 64, 128, 256, 512, 130, 600])
 def test_accumulate_and_update_hot_rows(device, optimizer, mode, with_psw, dim):
     from veloce.ops.embedding import accumulate_grad
     from veloce.ops.optimizer import accumulate_and_update

@@ -448,8 +448,9 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
     flag per table; the flags are read back together (and, for sharded tables, summed over
     their ranks in one all-reduce per process group), so a step over K tables waits for the
     device once instead of K times. A table whose flag is set takes the per-table path,
-    which counts its bad bags and raises. :class:`veloce.optim.CombinedOptimizer` steps its
-    tables this way.
+    which counts its bad bags and raises; then nothing is applied to any table. Every rank
+    must step its sharded tables in the same calls and order.
+    :class:`veloce.optim.CombinedOptimizer` steps its tables this way.
     """
     lrs = [None] * len(tables) if lrs is None else list(lrs)
     if len(lrs) != len(tables):
@@ -458,8 +459,20 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
         if t._shard is not None:
             t._shard.collect(t)  # gradients other ranks sent for this shard's rows
     finite = _all_finite([t for t in tables if t.nonfinite_grad == "raise"])
+    # Every flagged table counts its bad bags (a sharded one agrees with its peers) before
+    # anything is applied: an error in one table applies no other, and no rank skips an
+    # agreement another rank waits in. A flag set by overflow alone raises nothing.
+    error: Optional[FloatingPointError] = None
+    for t in tables:
+        if t.nonfinite_grad == "raise" and not finite[id(t)]:
+            try:
+                t._check_finite()
+            except FloatingPointError as e:
+                error = error or e
+    if error is not None:
+        raise error
     for t, lr in zip(tables, lrs):
-        t._apply_pending(lr, known_finite=finite.get(id(t), False))
+        t._apply_pending(lr, known_finite=t.nonfinite_grad == "raise")
 
 
 def _all_finite(tables: Sequence["DynamicEmbedding"]) -> dict[int, bool]:

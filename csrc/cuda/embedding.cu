@@ -216,6 +216,11 @@ __global__ void bag_scale_kernel(const int64_t* __restrict__ slots, const int64_
 // added in chunk order. Both levels have a fixed order: the result is deterministic.
 constexpr int32_t kLongRun = 64;
 
+// ceil(len / kLongRun) without overflow for len up to 2^31 - 1.
+__host__ __device__ __forceinline__ int32_t chunks_of(int32_t len) {
+  return len / kLongRun + (len % kLongRun != 0);
+}
+
 // acc += the (scaled) gradient rows of sorted positions [k, stop), columns [c, c + V).
 template <typename scalar_t, int V>
 __device__ __forceinline__ void add_rows(at::opmath_type<scalar_t> (&acc)[V], int64_t k, int64_t stop, int64_t c,
@@ -298,7 +303,7 @@ __global__ void long_runs_count_kernel(const int32_t* __restrict__ run_len, int6
   if (u >= U || u >= N || run_len[u] <= kLongRun) return;
   atomicAdd(reinterpret_cast<unsigned long long*>(info + 2), 1ull);
   atomicAdd(reinterpret_cast<unsigned long long*>(info + 3),
-            static_cast<unsigned long long>((run_len[u] + kLongRun - 1) / kLongRun));
+            static_cast<unsigned long long>(chunks_of(run_len[u])));
 }
 
 // Lists the long runs; each gets a contiguous range of chunk slots (base). The list
@@ -309,14 +314,14 @@ __global__ void long_runs_list_kernel(const int32_t* __restrict__ run_len, int64
   if (u >= U || run_len[u] <= kLongRun) return;
   const int32_t i = atomicAdd(counters, 1);
   runs[i] = static_cast<int32_t>(u);
-  base[i] = atomicAdd(counters + 1, (run_len[u] + kLongRun - 1) / kLongRun);
+  base[i] = atomicAdd(counters + 1, chunks_of(run_len[u]));
 }
 
 // chunk_run[base[i] + c] = i for every chunk c of long run i (a block per run).
 __global__ void chunk_owner_kernel(const int32_t* __restrict__ runs, const int32_t* __restrict__ base,
                                    const int32_t* __restrict__ run_len, int32_t* __restrict__ chunk_run) {
   const int32_t i = blockIdx.x;
-  const int32_t chunks = (run_len[runs[i]] + kLongRun - 1) / kLongRun;
+  const int32_t chunks = chunks_of(run_len[runs[i]]);
   for (int32_t c = threadIdx.x; c < chunks; c += blockDim.x) chunk_run[base[i] + c] = i;
 }
 
@@ -359,7 +364,7 @@ __global__ void long_run_total_kernel(const at::opmath_type<scalar_t>* __restric
   if (i >= L) return;
   const int64_t j = t % D;
   const int32_t u = runs[i];
-  const int32_t chunks = (run_len[u] + kLongRun - 1) / kLongRun;
+  const int32_t chunks = chunks_of(run_len[u]);
   acc_t acc = 0;
   for (int32_t c = 0; c < chunks; ++c) acc += partial[(static_cast<int64_t>(base[i]) + c) * D + j];
   grad_rows[static_cast<int64_t>(u) * D + j] = static_cast<scalar_t>(acc);
@@ -557,7 +562,7 @@ __global__ void plan_kernel(const key_t* __restrict__ uniq, const int32_t* __res
     return;
   }
   const int32_t len = run_len[u];
-  const int32_t chunks = static_cast<int64_t>(uniq[u]) < num_rows ? (len + kLongRun - 1) / kLongRun : 0;
+  const int32_t chunks = static_cast<int64_t>(uniq[u]) < num_rows ? chunks_of(len) : 0;
   plan[u] = {len, chunks, chunks > 1 ? chunks : 0};
 }
 
@@ -629,12 +634,15 @@ __global__ void accumulate_update_kernel(
           for (int j = 0; j < V; ++j) own[c + j] = g[it][j];
         }
       }
-      __threadfence();
+      __threadfence();  // release: this lane's partial columns, before the count
       __syncwarp(mask);
       int last = 0;
-      if (lane == 0) last = atomicAdd(arrived + f.partials, 1) == p.chunks - 1;
+      if (lane == 0) {
+        last = atomicAdd(arrived + f.partials, 1) == p.chunks - 1;
+        __threadfence();  // acquire: the other groups' partials, after the count
+      }
       if (!__shfl_sync(mask, last, leader)) continue;
-      __threadfence();
+      __syncwarp(mask);
 #pragma unroll
       for (int it = 0; it < ITER; ++it) {
         const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
