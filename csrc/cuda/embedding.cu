@@ -371,6 +371,14 @@ __global__ void long_run_total_kernel(const at::opmath_type<scalar_t>* __restric
 }
 
 
+// f(key) with a key_t value: the narrowest radix-sort key (uint32_t, else uint64_t) that
+// holds the sentinel num_rows of positions without a gradient.
+template <typename F>
+decltype(auto) with_sort_key(int64_t num_rows, F&& f) {
+  if (num_rows < (int64_t{1} << 32)) return f(uint32_t{0});
+  return f(uint64_t{0});
+}
+
 // The positions of a backward pass grouped by slot: keys (slot, or the sentinel num_rows
 // where a position gets no gradient), stably radix-sorted with their positions, then
 // run-length encoded (one run per slot, the sentinel's last; the run count goes to
@@ -518,9 +526,7 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cuda(const at::Tensor& grad_o
   const at::Tensor g = grad_output.contiguous();
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
   if (N == 0) return {at::empty({0}, s.options()), at::empty({0, g.size(1)}, g.options())};
-  // 32-bit sort keys while the sentinel num_rows fits.
-  if (num_rows < (int64_t{1} << 32)) return accumulate<uint32_t>(g, s, o, p, mode, B, num_rows);
-  return accumulate<uint64_t>(g, s, o, p, mode, B, num_rows);
+  return with_sort_key(num_rows, [&](auto key) { return accumulate<decltype(key)>(g, s, o, p, mode, B, num_rows); });
 }
 
 // ---- accumulate_and_update ------------------------------------------------------------
@@ -809,9 +815,9 @@ void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt
   const int64_t V = vec ? elems16 : 1;
   if (ceil_div(D, lanes_for(D, static_cast<int>(V)) * V) > kMaxIter) {
     // Rows too wide for registers: the gradient rows are written out, then applied.
+    const int64_t C = weights.size(0);
     auto [unique_slots, grad_rows] =
-        (weights.size(0) < (int64_t{1} << 32) ? accumulate<uint32_t>(g, s, o, p, mode, B, weights.size(0))
-                                             : accumulate<uint64_t>(g, s, o, p, mode, B, weights.size(0)));
+        with_sort_key(C, [&](auto key) { return accumulate<decltype(key)>(g, s, o, p, mode, B, C); });
     static auto update = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("veloce::sparse_update", "")
                              .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -819,13 +825,10 @@ void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt
     update.call(weights, opt_state, unique_slots, grad_rows, optimizer, lr, eps, beta1, beta2, weight_decay, step);
     return;
   }
-  if (weights.size(0) < (int64_t{1} << 32)) {
-    accumulate_and_update_fused<uint32_t>(weights, opt_state, g, s, o, p, mode, B, vec, optimizer, lr, eps, beta1,
-                                          beta2, weight_decay, step);
-  } else {
-    accumulate_and_update_fused<uint64_t>(weights, opt_state, g, s, o, p, mode, B, vec, optimizer, lr, eps, beta1,
-                                          beta2, weight_decay, step);
-  }
+  with_sort_key(weights.size(0), [&](auto key) {
+    accumulate_and_update_fused<decltype(key)>(weights, opt_state, g, s, o, p, mode, B, vec, optimizer, lr, eps,
+                                               beta1, beta2, weight_decay, step);
+  });
 }
 
 }  // namespace
