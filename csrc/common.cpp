@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <unordered_set>
 
 namespace veloce {
 
@@ -39,6 +40,25 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t, co
                        const at::Tensor& ref) {
   TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
               ref.device(), "; move them to the same device");
+}
+
+int64_t check_list_lengths(const char* op, const char* first_name, size_t first,
+                           std::initializer_list<std::pair<const char*, size_t>> others) {
+  for (const auto& [name, n] : others) {
+    TORCH_CHECK_VALUE(n == first, op, ": one entry per table: ", first_name, " has ", first, " but ", name, " has ",
+                      n);
+  }
+  return static_cast<int64_t>(first);
+}
+
+void check_distinct_tables(const char* op, at::TensorList keys) {
+  std::unordered_set<const void*> seen;
+  for (size_t k = 0; k < keys.size(); ++k) {
+    TORCH_CHECK_VALUE(keys[k].device() == keys[0].device(), op, ": table ", k, " is on ", keys[k].device(),
+                      " but table 0 is on ", keys[0].device(), "; one call serves the tables of one device");
+    TORCH_CHECK_VALUE(seen.insert(keys[k].data_ptr()).second, op, ": table ", k,
+                      " appears twice (its keys tensor repeats); pass each table once, with all its ids");
+  }
 }
 
 void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim, int64_t want,

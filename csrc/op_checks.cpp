@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include "veloce/hash.h"
 #include "veloce/optimizer.h"
@@ -54,6 +55,27 @@ void check_insert_args(const char* op, const at::Tensor& keys, const at::Tensor&
   check_table_rows(op, weights, opt_state, keys);
   check_ids(op, ids, keys);
   check_int_arg(op, "score_policy", score_policy, 0, 2, "0 none, 1 LRU, 2 LFU");
+}
+
+int64_t check_find_or_insert_many_args(const char* op, at::TensorList keys, at::TensorList digests, at::TensorList scores, at::TensorList weights,
+    at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
+    const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
+    at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id) {
+  const int64_t K = check_list_lengths(
+      op, "keys", keys.size(),
+      {{"digests", digests.size()}, {"scores", scores.size()}, {"weights", weights.size()},
+       {"opt_state", opt_state.size()}, {"ids", ids.size()}, {"score_policy", score_policy.size()},
+       {"score_value", score_value.size()}, {"allow_evict", allow_evict.size()}, {"seed", seed.size()},
+       {"init_kind", init_kind.size()}, {"init_a", init_a.size()}, {"init_b", init_b.size()},
+       {"padding_id", padding_id.size()}});
+  check_distinct_tables(op, keys);
+  for (int64_t k = 0; k < K; ++k) {
+    const std::string name = std::string(op) + " (table " + std::to_string(k) + ")";
+    check_insert_args(name.c_str(), keys[k], digests[k], scores[k], weights[k], opt_state[k], ids[k],
+                      score_policy[k]);
+    check_init(name.c_str(), init_kind[k], init_a[k], init_b[k]);
+  }
+  return K;
 }
 
 void check_assign_values(const char* op, const at::Tensor& keys, const at::Tensor& weights,

@@ -42,6 +42,16 @@ TORCH_LIBRARY(veloce, m) {
       "Tensor(e!) opt_state, Tensor ids, int score_policy, int score_value, bool allow_evict, "
       "int seed, int init_kind, float init_a, float init_b, int? padding_id=None) "
       "-> (Tensor slots, Tensor counts, Tensor evicted_keys)");
+  // find_or_insert on K tables at once (list arguments: entry k is table k's), with the
+  // results of K separate calls: slots of all tables concatenated (table k's N_k after the
+  // N of the tables before it), counts (K, 3) = [inserted, failed, evicted] per table (a
+  // CPU tensor), evicted_keys of all tables concatenated. On CUDA the calls share their
+  // host syncs: 1 to 3 per op instead of per table. No table may appear twice.
+  m.def(
+      "find_or_insert_many(Tensor(a!)[] keys, Tensor(b!)[] digests, Tensor(c!)[] scores, Tensor(d!)[] weights, "
+      "Tensor(e!)[] opt_state, Tensor[] ids, int[] score_policy, int[] score_value, bool[] allow_evict, "
+      "int[] seed, int[] init_kind, float[] init_a, float[] init_b, int?[] padding_id) "
+      "-> (Tensor slots, Tensor counts, Tensor evicted_keys)");
   // Writes values (N, D) to the rows of ids, inserting missing ids. opt_values (N, S)
   // and score_values (N,) are written when given; otherwise new rows get zero state and
   // scores follow score_policy. With duplicate ids the last occurrence wins.

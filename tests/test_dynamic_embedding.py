@@ -240,6 +240,58 @@ def test_combined_optimizer_and_lr_scheduler(device):
 
 
 # ---- growth, eviction, determinism ----------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_lookup_many_equals_calling_each_table(device):
+    """lookup_many inserts every training table's ids in one op: same outputs, tables and
+    gradients as calling the tables one by one, with a table listed twice, a table in
+    eval mode, padding, 1-D bags, a table that must grow and one that evicts."""
+
+    def make():
+        torch.manual_seed(0)
+        return [
+            veloce.DynamicEmbedding(4, mode="sum", capacity=16, device=device, padding_idx=5, seed=1),  # grows
+            veloce.DynamicEmbedding(8, mode="mean", capacity=64, device=device, seed=2,
+                                    optimizer=veloce.optim.Adam(lr=0.1)),  # fmt: skip
+            veloce.DynamicEmbedding(4, mode="sum", capacity=32, max_capacity=32, eviction="lru", device=device, seed=3),
+            veloce.DynamicEmbedding(3, mode="sum", device=device, seed=4),
+        ]
+
+    g = torch.Generator().manual_seed(3)
+    steps = []
+    for _ in range(3):
+        ids0 = torch.randint(0, 40, (12, 4), generator=g).to(device)
+        ids1 = torch.randint(-(2**62), 2**62, (30,), generator=g).to(device)
+        offsets1 = torch.tensor([0, 3, 3, 10, 29], device=device)
+        ids2 = torch.randint(0, 10**6, (10, 2), generator=g).to(device)  # 20 new ids a step in 32 slots: evicts
+        ids3 = torch.randint(0, 50, (6, 2), generator=g).to(device)
+        steps.append([ids0, (ids1, offsets1), ids2, ids3, ids0[:, :2]])
+    results = []
+    for grouped in (False, True):
+        tables = make()
+        tables[3].eval()  # never inserts
+        order = [tables[0], tables[1], tables[2], tables[3], tables[0]]  # tables[0] twice
+        outs = []
+        for inputs in steps:
+            if grouped:
+                got = veloce.lookup_many(order, inputs)
+            else:
+                got = [t(*x) if isinstance(x, tuple) else t(x) for t, x in zip(order, inputs)]
+            sum((o * (k + 1)).sum() for k, o in enumerate(got[:3] + got[4:])).backward()
+            veloce.step_tables(tables[:3])
+            outs.append([o.detach().cpu() for o in got])
+        results.append((outs, [sorted_table(t) for t in tables], [len(t) for t in tables]))
+    (outs_a, tabs_a, lens_a), (outs_b, tabs_b, lens_b) = results
+    assert lens_a == lens_b and lens_a[3] == 0 and lens_a[2] == 32 and make()[0].capacity < 64 <= tables[0].capacity
+    for a, b in zip(outs_a, outs_b):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    for a, b in zip(tabs_a, tabs_b):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    with pytest.raises(ValueError, match="listed twice"):
+        veloce.table.find_or_insert_many([tables[0].table] * 2, [steps[0][0].view(-1)] * 2)
+
+
 def test_growth_from_16_to_200k():
     emb = veloce.DynamicEmbedding(4, mode="sum", capacity=16, initializer=veloce.init.uniform(-1, 1))
     g = torch.Generator().manual_seed(0)

@@ -445,6 +445,122 @@ def test_export_in_chunks(device):
     assert ht.export(*t.tensors(), 256, 256)[0].numel() == 0
 
 
+# ---- find_or_insert_many: K tables in one op ------------------------------------------------
+
+
+def many_case(device):
+    """Tables that differ in capacity, dim, dtype, state width and policy, with their ids and
+    per-table arguments. Between them: known and new ids, duplicates, padding, an empty
+    batch, evictions among new ids that share buckets (a full one-bucket table), and a
+    table without room (it fails and must stay unchanged while the others insert)."""
+    gen = torch.Generator().manual_seed(7)
+    tables = [
+        make_table(64, dim=4, device=device),
+        make_table(256, dim=8, state=0, dtype=torch.float64, device=device),
+        full_one_bucket_table(device, list(range(32))),
+        make_table(1024, dim=2, state=1, dtype=torch.bfloat16, device=device),
+        make_table(32, dim=4, device=device),
+        make_table(64, dim=4, device=device),
+    ]
+    ht.find_or_insert(*tables[0].tensors(), ids_tensor(range(0, 40, 2), device))  # some known ids
+    ht.find_or_insert(*tables[4].tensors(), ids_tensor(range(300, 330), device))  # nearly full
+    ids = [
+        ids_tensor(torch.randint(0, 60, (80,), generator=gen).tolist(), device),
+        ids_tensor(torch.randint(-(2**62), 2**62, (150,), generator=gen).tolist() + [7, 7, I64_MIN], device),
+        ids_tensor([105, 900, 901, 902, 900, 131], device),  # evicts (allow_evict below)
+        ids_tensor([], device),
+        ids_tensor(range(500, 520), device),  # 20 new ids, 2 free slots, no eviction: fails
+        ids_tensor([3, 3, 3], device),
+    ]
+    args = dict(
+        score_policy=[1, 2, 2, 1, 1, 0], score_value=[5, 0, 0, 7, 2, 0], allow_evict=[False, False, True, False,
+        False, False], seed=[1, 2, 3, 4, 5, 6], init_kind=[3, 2, 1, 0, 2, 3], init_a=[0.0, -1.0, 0.5, 0.0, 0.0, 1.0],
+        init_b=[1.0, 1.0, 0.0, 0.0, 1.0, 0.1], padding_id=[None, 7, None, None, None, 3],
+    )  # fmt: skip
+    return tables, ids, args
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_find_or_insert_many_equals_separate_calls(device):
+    tables, ids, args = many_case(device)
+    expected = [t.clone() for t in tables]
+    want = [
+        ht.find_or_insert(*t.tensors(), i, *(args[k][j] for k in args))
+        for j, (t, i) in enumerate(zip(expected, ids))
+    ]  # fmt: skip
+    slots, counts, evicted = ht.find_or_insert_many([t.tensors() for t in tables], ids, *args.values())
+    assert counts.device.type == "cpu"
+    assert counts.tolist() == [w[1].tolist() + [w[2].numel()] for w in want]
+    assert counts[4, 1] > 0 and counts[2, 2] > 0  # the failing and the evicting table are exercised
+    slots = slots.split([i.numel() for i in ids])
+    evicted = evicted.split(counts[:, 2].tolist())
+    for j, (t, e, w) in enumerate(zip(tables, expected, want)):
+        if counts[j, 1] == 0:  # slots are undefined where the table had no room
+            assert torch.equal(slots[j].cpu(), w[0].cpu()), f"table {j}"
+        assert torch.equal(evicted[j].cpu(), w[2].cpu()), f"table {j}"
+        t.assert_equal(e)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_find_or_insert_many_bad_input_changes_no_table(device):
+    tables, ids, args = many_case(device)
+    before = [t.clone() for t in tables]
+    bad = list(ids)
+    bad[3] = bad[3].float()
+    with pytest.raises(RuntimeError, match=r"find_or_insert_many \(table 3\).*ids"):
+        ht.find_or_insert_many([t.tensors() for t in tables], bad, *args.values())
+    with pytest.raises(ValueError, match="table 1 appears twice"):
+        ht.find_or_insert_many([tables[0].tensors()] * 2, ids[:2], *(v[:2] for v in args.values()))
+    short = dict(args, seed=args["seed"][:-1])
+    with pytest.raises(ValueError, match="keys has 6 but seed has 5"):
+        ht.find_or_insert_many([t.tensors() for t in tables], ids, *short.values())
+    for t, b in zip(tables, before):
+        t.assert_equal(b)
+    slots, counts, evicted = ht.find_or_insert_many([], [], [], [], [], [], [], [], [], [])
+    assert slots.numel() == 0 and evicted.numel() == 0 and counts.shape == (0, 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_find_or_insert_many_opcheck(device):
+    tables, ids, args = many_case(device)
+    keep = [0, 1, 2, 5]  # the failing table's slots are undefined: opcheck compares outputs of two runs
+    cols = [[tables[k].tensors()[c] for k in keep] for c in range(5)]
+    torch.library.opcheck(torch.ops.veloce.find_or_insert_many.default,
+                          (*cols, [ids[k] for k in keep], *([v[k] for k in keep] for v in args.values())))  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.parametrize("new_ids, conflicted, want_syncs", [(False, False, 1), (True, False, 2), (True, True, 3)])
+def test_find_or_insert_many_syncs_once_per_stage_on_cuda(new_ids, conflicted, want_syncs):
+    """Eight tables cost the host syncs of one: 1 without new ids, 2 with, 3 when new ids
+    share buckets (the sync debug mode warns once per device-to-host read)."""
+    import warnings
+
+    tables = [make_table(4096, device="cuda") for _ in range(8)]
+    known = ids_tensor(range(1000), "cuda")
+    for t in tables:
+        ht.find_or_insert(*t.tensors(), known)
+    if not new_ids:
+        ids = [known[k * 100 : k * 100 + 300] for k in range(8)]
+    elif not conflicted:
+        ids = [ids_tensor([10_000 + k], "cuda") for k in range(8)]  # one new id each: alone in its buckets
+    else:
+        ids = [ids_tensor(range(20_000, 20_600), "cuda") for _ in range(8)]  # 600 new ids in 128 buckets
+    n = len(tables)
+    args = ([1] * n, [3] * n, [False] * n, [0] * n, [0] * n, [0.0] * n, [0.0] * n, [None] * n)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, counts, _ = ht.find_or_insert_many([t.tensors() for t in tables], ids, *args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == want_syncs, [str(w.message) for w in syncs]
+    assert counts[:, 1].sum() == 0 and (counts[:, 0] > 0).all() == new_ids
+
+
 # ---- opcheck ------------------------------------------------------------------------------
 
 

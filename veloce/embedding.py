@@ -14,7 +14,7 @@ from torch import nn
 from veloce import _ext
 from veloce import init as _init
 from veloce import optim as _optim
-from veloce.table import HashTable
+from veloce.table import HashTable, find_or_insert_many
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
 
@@ -139,14 +139,17 @@ class DynamicEmbedding(nn.Module):
         table = self.table
         mode = _MODES[self.mode]
         if self.training:
-            slots = table.find_or_insert(ids, self.padding_idx)
-            anchor = torch.empty(0, device=ids.device, requires_grad=True)
-            return _SparseLookup.apply(anchor, psw, self, ids, slots, offsets, mode)
+            return self._train_lookup(ids, offsets, psw, table.find_or_insert(ids, self.padding_idx))
         slots, extra = self._eval_slots(ids)
         # The offsets passed _bags' checks and the slots come from the table: no re-check.
         return torch.ops.veloce.pooled_lookup(
             table.weights, slots, offsets, psw, mode, self.include_last_offset, extra, False
         )
+
+    def _train_lookup(self, ids, offsets, psw, slots) -> torch.Tensor:
+        """The training lookup of validated bags whose ids are at ``slots`` (inserted)."""
+        anchor = torch.empty(0, device=ids.device, requires_grad=True)
+        return _SparseLookup.apply(anchor, psw, self, ids, slots, offsets, _MODES[self.mode])
 
     def _eval_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         table = self.table
@@ -521,10 +524,13 @@ def _all_finite(tables: Sequence["DynamicEmbedding"]) -> dict[int, bool]:
 def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> list[torch.Tensor]:
     """Looks up several tables at once: ``[t(*x) for t, x in zip(tables, inputs)]``.
 
-    The result is the same as calling each table; the difference is speed when the
-    tables are sharded by :class:`veloce.distributed.HybridParallel`: the ids of every
-    table with the same embedding dim travel in one all-to-all exchange instead of one
-    per table. ``veloce.models`` look their features up this way.
+    The result is the same as calling each table (forward hooks of the tables aside:
+    they are not run); the difference is speed. In training, the new ids of all tables
+    are inserted by one op (:func:`veloce.table.find_or_insert_many`), so on a GPU the
+    host waits for the device once or twice per call instead of per table. When the
+    tables are sharded by :class:`veloce.distributed.HybridParallel`, the ids of every
+    table with the same embedding dim also travel in one all-to-all exchange instead of
+    one per table. ``veloce.models`` look their features up this way.
 
     Args:
         tables: ``DynamicEmbedding`` modules.
@@ -540,14 +546,27 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
     args = [tuple(x) if isinstance(x, (tuple, list)) else (x,) for x in inputs]
     out: list[Optional[torch.Tensor]] = [None] * len(tables)
     groups: dict[tuple, list[int]] = {}
+    local_train: list[int] = []  # a table listed twice is looked up on its own the second time
+    seen: set[int] = set()
     for i, (t, a) in enumerate(zip(tables, args)):
         if not isinstance(t, DynamicEmbedding):
             raise TypeError(f"lookup_many: tables[{i}] is a {type(t).__name__}, not a DynamicEmbedding")
         if t._shard is None:
-            out[i] = t(*a)
+            if t.training and id(t) not in seen:
+                local_train.append(i)
+                seen.add(id(t))
             continue
         key = (id(t._shard.group), t.embedding_dim, t.table.weights.dtype, t.training, t._shard.mode)
         groups.setdefault(key, []).append(i)
+    if local_train:  # every table's inserts in one op: the host waits for the device once, not per table
+        bags = [tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i])))) for i in local_train]
+        slots = find_or_insert_many([tables[i].table for i in local_train], [b[0] for b in bags],
+                                    [tables[i].padding_idx for i in local_train])  # fmt: skip
+        for i, (ids, offsets, psw), s in zip(local_train, bags, slots):
+            out[i] = tables[i]._train_lookup(ids, offsets, psw, s)
+    for i, (t, a) in enumerate(zip(tables, args)):  # the rest, in order, after the grouped inserts
+        if t._shard is None and out[i] is None:
+            out[i] = t(*a)
     from veloce.distributed.sharded import sharded_lookup
 
     for idx in groups.values():

@@ -14,7 +14,7 @@ autograd contexts) compare versions and re-resolve their slots by key.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from veloce import _ext
 from veloce._memory import empty_table
 from veloce.init import Initializer
 
-__all__ = ["HashTable", "TableFullError", "BUCKET_SIZE", "round_capacity"]
+__all__ = ["HashTable", "TableFullError", "BUCKET_SIZE", "find_or_insert_many", "round_capacity"]
 
 BUCKET_SIZE = 32  # slots per bucket; csrc/include/veloce/hash.h kBucketSize
 _SCORE_POLICY = {"lru": 1, "lfu": 2, "none": 1}  # "none" keeps LRU scores (informative only)
@@ -149,13 +149,18 @@ class HashTable(nn.Module):
         table may neither grow nor evict; the table is then unchanged.
         """
         self.clock += 1
-        init = self.initializer
         return self._insert(
             lambda evict: torch.ops.veloce.find_or_insert(
-                *self._state(), ids, self.score_policy, self.clock, evict,
-                self.seed, init.kind, init.a, init.b, padding_id,
+                *self._state(), *self._find_or_insert_args(ids, padding_id, evict)
             )
         )  # fmt: skip
+
+    def _find_or_insert_args(self, ids: torch.Tensor, padding_id: Optional[int], allow_evict: bool) -> tuple:
+        init = self.initializer
+        return (ids, self.score_policy, self.clock, allow_evict, self.seed, init.kind, init.a, init.b, padding_id)
+
+    def _allow_evict(self, evict: bool = True) -> bool:
+        return evict and self._at_max() and self.eviction != "none"
 
     def insert(
         self,
@@ -180,15 +185,17 @@ class HashTable(nn.Module):
         _ext.require()
         self._maybe_grow()
         while True:
-            allow_evict = evict and self._at_max() and self.eviction != "none"
-            slots, counts, evicted = call(allow_evict)
+            slots, counts, evicted = call(self._allow_evict(evict))
             inserted, failed = counts.tolist()  # a CPU tensor: no device sync
             if failed == 0:
                 break
             self._no_room(failed, evict)
+        self._note_inserted(inserted, evicted)
+        return slots
+
+    def _note_inserted(self, inserted: int, evicted: torch.Tensor) -> None:
         self.size += inserted - evicted.numel()
         self._note_evicted(evicted)
-        return slots
 
     def erase(self, ids: torch.Tensor) -> int:
         """Removes ``ids``; returns how many were present."""
@@ -321,3 +328,71 @@ class HashTable(nn.Module):
             for name, t in buffers.items():
                 self.register_buffer(name, t, persistent=False)
             raise
+
+
+def find_or_insert_many(
+    tables: Sequence[HashTable], ids: Sequence[torch.Tensor], padding_ids: Optional[Sequence[Optional[int]]] = None
+) -> list[torch.Tensor]:
+    """``[t.find_or_insert(i, p) for t, i, p in zip(tables, ids, padding_ids)]`` in one op.
+
+    The result and every table's state are those of the separate calls. On CUDA the
+    tables share their host syncs (one to three for the whole call instead of per
+    table), which is what makes a step over many tables fast. Tables may differ in
+    capacity, dim, dtype, policies and device (one op call per device), but each table
+    is listed once. A table that finds no room grows (or evicts) and retries alone, as its own
+    call would; if one raises :class:`TableFullError`, the other tables keep their
+    inserts and the full one is unchanged.
+    """
+    padding_ids = [None] * len(tables) if padding_ids is None else list(padding_ids)
+    if not len(tables) == len(ids) == len(padding_ids):
+        raise ValueError(
+            f"find_or_insert_many: one entry per table: {len(tables)} tables, {len(ids)} id tensors, "
+            f"{len(padding_ids)} padding ids"
+        )
+    if len({id(t) for t in tables}) < len(tables):
+        raise ValueError(
+            "find_or_insert_many: a table is listed twice; pass each table once (an insert into a table "
+            "can move the rows of the slots an earlier call returned)"
+        )
+    by_device: dict[torch.device, list[int]] = {}
+    for k, t in enumerate(tables):
+        by_device.setdefault(t.device, []).append(k)
+    out: list[Optional[torch.Tensor]] = [None] * len(tables)
+    for batch in by_device.values():
+        if len(batch) == 1:
+            out[batch[0]] = tables[batch[0]].find_or_insert(ids[batch[0]], padding_ids[batch[0]])
+            continue
+        slots = _find_or_insert_batch([tables[k] for k in batch], [ids[k] for k in batch],
+                                      [padding_ids[k] for k in batch])  # fmt: skip
+        for k, s in zip(batch, slots):
+            out[k] = s
+    return out  # type: ignore[return-value]
+
+
+def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tensor],
+                          padding_ids: Sequence[Optional[int]]) -> list[torch.Tensor]:  # fmt: skip
+    """find_or_insert_many over distinct tables: one op call, then per-table growth retries."""
+    _ext.require()
+    for t in tables:
+        t.clock += 1
+        t._maybe_grow()
+    args = [t._find_or_insert_args(i, p, t._allow_evict()) for t, i, p in zip(tables, ids, padding_ids)]
+    states = list(zip(*(t._state() for t in tables)))
+    per_arg = [list(a) for a in zip(*args)]
+    slots, counts, evicted = torch.ops.veloce.find_or_insert_many(*states, *per_arg)
+    out = list(slots.split([i.numel() for i in ids]))
+    counts = counts.tolist()  # a CPU tensor: no device sync
+    evicted = evicted.split([c[2] for c in counts])
+    for k, (t, (inserted, failed, _)) in enumerate(zip(tables, counts)):
+        if failed == 0:
+            t._note_inserted(inserted, evicted[k])
+    for k, (t, (_, failed, _)) in enumerate(zip(tables, counts)):  # after every success is booked
+        if failed == 0:
+            continue
+        t._no_room(failed)  # grows, or raises TableFullError; the table is unchanged either way
+        out[k] = t._insert(
+            lambda evict, t=t, k=k: torch.ops.veloce.find_or_insert(
+                *t._state(), *t._find_or_insert_args(ids[k], padding_ids[k], evict)
+            )
+        )  # fmt: skip
+    return out

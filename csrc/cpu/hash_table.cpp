@@ -23,6 +23,7 @@
 #include "veloce/check.h"
 #include "veloce/hash.h"
 #include "veloce/init.h"
+#include "veloce/many.h"
 #include "veloce/op_checks.h"
 
 namespace veloce {
@@ -312,6 +313,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cpu(
   return insert_result(slots, r, keys);
 }
 
+// Each table in turn (the CPU has no syncs to share), every table's arguments checked
+// before any table changes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cpu(
+    at::TensorList keys, at::TensorList digests, at::TensorList scores, at::TensorList weights,
+    at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
+    const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
+    at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id) {
+  constexpr const char* op = "veloce::find_or_insert_many";
+  const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
+                                                   score_value, allow_evict, seed, init_kind, init_a, init_b,
+                                                   padding_id);
+  std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> per_table;
+  std::vector<at::Tensor> slots;
+  for (int64_t k = 0; k < K; ++k) {
+    at::Tensor ks = keys[k], ds = digests[k], ss = scores[k], ws = weights[k], os = opt_state[k];
+    per_table.push_back(find_or_insert_cpu(ks, ds, ss, ws, os, ids[k], score_policy[k], score_value[k],
+                                           allow_evict.get(k), seed[k], init_kind[k], init_a[k], init_b[k],
+                                           padding_id.get(k)));
+    slots.push_back(std::get<0>(per_table.back()));
+  }
+  return many_result(at::cat(slots), per_table);
+}
+
 // Copies row `from` of src (rows of `bytes` bytes) to row `to` of dst.
 inline void copy_row(char* dst, int64_t to, const char* src, int64_t from, int64_t bytes) {
   if (bytes > 0) std::memcpy(dst + to * bytes, src + from * bytes, bytes);
@@ -408,6 +432,7 @@ at::Tensor initialize_cpu(const at::Tensor& ids_in, int64_t dim, int64_t seed, i
 TORCH_LIBRARY_IMPL(veloce, CPU, m) {
   m.impl("find", &veloce::find_cpu);
   m.impl("find_or_insert", &veloce::find_or_insert_cpu);
+  m.impl("find_or_insert_many", &veloce::find_or_insert_many_cpu);
   m.impl("insert_or_assign", &veloce::insert_or_assign_cpu);
   m.impl("erase", &veloce::erase_cpu);
   m.impl("initialize", &veloce::initialize_cpu);

@@ -49,12 +49,18 @@
 
 #include <thrust/iterator/counting_iterator.h>
 
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 #include <cub/device/device_select.cuh>
 
 #include "hash_table_device.cuh"
 #include "veloce/cuda_utils.cuh"
+#include "veloce/many.h"
 #include "veloce/op_checks.h"
 
 namespace veloce {
@@ -291,85 +297,120 @@ struct InsertOutcome {
 };
 
 // Phases 2 (classification), 3a, 3b and 4 over the distinct ids whose slot is still -1,
-// U of them counted in counter::kUniques by group_ids; sets ut.n = U. Syncs b and c of
-// the list at the top of this file.
-InsertOutcome insert_uniques(const Table& t, UniqueTensors& ut, const Runs& runs, const at::Tensor& counters,
-                             uint32_t* touched, bool allow_evict) {
-  InsertOutcome out;
-  int32_t* ctr = counters.data_ptr<int32_t>();
-  const auto int_opts = ut.id.options().dtype(at::kInt);
-  Uniques u = ut.view();  // n: the upper bound
-  at::Tensor use = at::zeros({t.num_buckets}, int_opts);
-  at::Tensor conflicted = at::empty({u.n}, ut.id.options().dtype(at::kByte));
-  bucket_use_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, use.data_ptr<int32_t>(),
-                                                              ctr + counter::kNew);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  classify_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(
-      t, u, use.data_ptr<int32_t>(), touched, conflicted.data_ptr<uint8_t>(), ctr + counter::kConflicted,
-      ctr + counter::kFull, ctr + counter::kDoomed);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const at::Tensor counted = counters.cpu();  // sync b
-  const int32_t* c = counted.data_ptr<int32_t>();
-  ut.n = c[counter::kUniques];
-  u = ut.view();
-  out.inserted = c[counter::kNew];
-  if (out.inserted == 0) return out;
-  const int64_t n_conflicted = c[counter::kConflicted], n_full = c[counter::kFull];
-  if (n_conflicted == 0) {  // each new id alone in its buckets: classify_kernel decided its fate
-    out.failed = allow_evict ? c[counter::kDoomed] : n_full;
-    if (out.failed > 0) {  // nothing written yet: no rollback
-      out.inserted = 0;
-      return out;
-    }
-  }
-  // Deterministic mode (torch.use_deterministic_algorithms) always places conflicting ids
-  // in order, whatever their number, so placement (and hence eviction) repeats exactly.
-  const bool sequential = n_conflicted > 0 && (n_conflicted <= kSequentialMax ||
-                                               at::globalContext().deterministicAlgorithms());
+// U of them counted in counter::kUniques by group_ids, in three stages split at syncs b
+// and c of the list at the top of this file, so that an op over several tables reads
+// every table's counters in one copy: classify (launches only), then place (the host
+// reads counters, launches the placement), then, only when place returns true (conflicted
+// ids: their fate is known on the device only), settle after another read of counters.
+// The distinct ids and their runs are owned by the caller and passed to each stage.
+class Placement {
+ public:
+  Placement(const Table& t, const at::Tensor& counters, uint32_t* touched, bool allow_evict)
+      : t_(t), counters_(counters), touched_(touched), allow_evict_(allow_evict) {}
 
-  at::Tensor overflow = at::empty({u.n}, int_opts);
-  claim_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, sequential ? conflicted.data_ptr<uint8_t>() : nullptr,
-                                                         touched, overflow.data_ptr<int32_t>(),
-                                                         ctr + counter::kQueued);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // claim_kernel queues exactly the full unconflicted ids, plus conflicted ones that race
-  // and find both buckets full: at most max_queued, the exact number is on the device.
-  const int64_t max_queued = n_full + (sequential ? 0 : n_conflicted);
-  if (allow_evict && max_queued > 0) {
-    evict_kernel<<<grid_for(max_queued), kThreads, 0, stream()>>>(
-        t, u, touched, overflow.data_ptr<int32_t>(), ctr + counter::kQueued, ctr + counter::kFailed,
-        ctr + counter::kEvicted);
+  InsertOutcome out;
+
+  void classify(const UniqueTensors& ut) {  // phase 2
+    int32_t* ctr = counters_.data_ptr<int32_t>();
+    const Uniques u = ut.view();  // n: the upper bound
+    const at::Tensor use = at::zeros({t_.num_buckets}, ut.id.options().dtype(at::kInt));
+    conflicted_ = at::empty({u.n}, ut.id.options().dtype(at::kByte));
+    bucket_use_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t_, u, use.data_ptr<int32_t>(), ctr + counter::kNew);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    classify_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(
+        t_, u, use.data_ptr<int32_t>(), touched_, conflicted_.data_ptr<uint8_t>(), ctr + counter::kConflicted,
+        ctr + counter::kFull, ctr + counter::kDoomed);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  if (sequential) {
-    const at::Tensor order = select_in_first_occurrence_order(ut, runs.first_pos, n_conflicted,
-                                                              IsConflicted{conflicted.data_ptr<uint8_t>()});
-    sequential_insert_kernel<<<1, 1, 0, stream()>>>(t, u, order.data_ptr<int64_t>(), n_conflicted, allow_evict,
-                                                   touched, ctr + counter::kFailed,
-                                                   ctr + counter::kEvicted);
+
+  // Phases 3a and 3b from the counters read after classify (sync b); sets ut.n = U.
+  // Returns whether settle() must follow, after another read of the counters (sync c).
+  bool place(const int32_t* c, UniqueTensors& ut, const Runs& runs) {
+    ut.n = c[counter::kUniques];
+    const Uniques u = ut.view();
+    out.inserted = c[counter::kNew];
+    if (out.inserted == 0) return false;
+    n_conflicted_ = c[counter::kConflicted];
+    const int64_t n_full = c[counter::kFull];
+    if (n_conflicted_ == 0) {  // each new id alone in its buckets: classify_kernel decided its fate
+      out.failed = allow_evict_ ? c[counter::kDoomed] : n_full;
+      if (out.failed > 0) {  // nothing written yet: no rollback
+        out.inserted = 0;
+        return false;
+      }
+    }
+    // Deterministic mode (torch.use_deterministic_algorithms) always places conflicting ids
+    // in order, whatever their number, so placement (and hence eviction) repeats exactly.
+    const bool sequential = n_conflicted_ > 0 && (n_conflicted_ <= kSequentialMax ||
+                                                  at::globalContext().deterministicAlgorithms());
+    int32_t* ctr = counters_.data_ptr<int32_t>();
+    const at::Tensor overflow = at::empty({u.n}, ut.id.options().dtype(at::kInt));
+    claim_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t_, u,
+                                                           sequential ? conflicted_.data_ptr<uint8_t>() : nullptr,
+                                                           touched_, overflow.data_ptr<int32_t>(),
+                                                           ctr + counter::kQueued);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // claim_kernel queues exactly the full unconflicted ids, plus conflicted ones that race
+    // and find both buckets full: at most max_queued, the exact number is on the device.
+    const int64_t max_queued = n_full + (sequential ? 0 : n_conflicted_);
+    if (allow_evict_ && max_queued > 0) {
+      evict_kernel<<<grid_for(max_queued), kThreads, 0, stream()>>>(
+          t_, u, touched_, overflow.data_ptr<int32_t>(), ctr + counter::kQueued, ctr + counter::kFailed,
+          ctr + counter::kEvicted);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (sequential) {
+      const at::Tensor order = select_in_first_occurrence_order(ut, runs.first_pos, n_conflicted_,
+                                                                IsConflicted{conflicted_.data_ptr<uint8_t>()});
+      sequential_insert_kernel<<<1, 1, 0, stream()>>>(t_, u, order.data_ptr<int64_t>(), n_conflicted_,
+                                                     allow_evict_, touched_, ctr + counter::kFailed,
+                                                     ctr + counter::kEvicted);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (n_conflicted_ > 0) return true;  // how the conflicted ids fared is known on the device only
+    note_evicted(allow_evict_ ? n_full : 0, ut, runs);  // none doomed (else failed above): every full id evicted
+    return false;
   }
-  int64_t n_evicted = 0;
-  if (n_conflicted == 0) {
-    n_evicted = allow_evict ? n_full : 0;  // none doomed (else failed above): every full id evicted
-  } else {  // how the conflicted ids fared is known on the device only
-    const at::Tensor placed = counters.cpu();  // sync c
-    const int32_t* p = placed.data_ptr<int32_t>();
+
+  // Phase 4 (rollback on failure) from the counters read after place (sync c).
+  void settle(const int32_t* p, const UniqueTensors& ut, const Runs& runs) {
     // Without eviction every queued id failed; sequential failures are in kFailed either way.
-    out.failed = p[counter::kFailed] + (allow_evict ? 0 : p[counter::kQueued]);
+    out.failed = p[counter::kFailed] + (allow_evict_ ? 0 : p[counter::kQueued]);
     if (out.failed > 0) {
-      rollback_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u);
+      rollback_kernel<<<grid_for(ut.n), kThreads, 0, stream()>>>(t_, ut.view());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       out.inserted = 0;
-      return out;
+      return;
     }
-    n_evicted = p[counter::kEvicted];
+    note_evicted(p[counter::kEvicted], ut, runs);
   }
-  if (n_evicted > 0) {  // in insertion order, as the CPU kernel reports them
+
+ private:
+  void note_evicted(int64_t n_evicted, const UniqueTensors& ut, const Runs& runs) {
+    if (n_evicted == 0) return;  // in insertion order, as the CPU kernel reports them
     out.evicted = ut.old_key.index_select(
-        0, select_in_first_occurrence_order(ut, runs.first_pos, n_evicted, IsEvicted{u.state}));
+        0, select_in_first_occurrence_order(ut, runs.first_pos, n_evicted, IsEvicted{ut.view().state}));
   }
-  return out;
+
+  Table t_;
+  at::Tensor counters_;
+  uint32_t* touched_;
+  bool allow_evict_;
+  at::Tensor conflicted_;
+  int64_t n_conflicted_ = 0;
+};
+
+// The three stages in a row, for an op over one table (insert_or_assign).
+InsertOutcome insert_uniques(const Table& t, UniqueTensors& ut, const Runs& runs, const at::Tensor& counters,
+                             uint32_t* touched, bool allow_evict) {
+  Placement p(t, counters, touched, allow_evict);
+  p.classify(ut);
+  const at::Tensor counted = counters.cpu();  // sync b
+  if (p.place(counted.data_ptr<int32_t>(), ut, runs)) {
+    const at::Tensor placed = counters.cpu();  // sync c
+    p.settle(placed.data_ptr<int32_t>(), ut, runs);
+  }
+  return p.out;
 }
 
 // counts is built on the host from host values and stays there (a CPU tensor), so reading
@@ -417,70 +458,195 @@ at::Tensor find_cuda(const at::Tensor& keys, const at::Tensor& digests, const at
   return slots;
 }
 
+// One table's find_or_insert as stages, so that an op over K tables runs each stage for
+// every table before the next and pays syncs a, b and c once for all of them:
+//   probe()  phase 1 (launches); miss_count() is then the device count of missing positions
+//   group(m) with m read back (sync a): phases 2 up to classification (launches)
+//   place(counters read back, sync b) -> whether settle() must follow (sync c)
+//   finish() phase 5 and the op's result.
+struct FindOrInsertArgs {
+  at::Tensor keys, digests, scores, weights, opt_state, ids;
+  int64_t score_policy, score_value;
+  bool allow_evict;
+  int64_t seed, init_kind;
+  double init_a, init_b;
+  std::optional<int64_t> padding_id;
+  at::Tensor slots;  // (N,) int64 to write the slots to (a view into the op's output), or undefined
+};
+
+class FindOrInsert {
+ public:
+  // table: the table's index in an op over several tables (named in error messages), or -1.
+  explicit FindOrInsert(FindOrInsertArgs a, int64_t table = -1) : a_(std::move(a)) {
+    const std::string name =
+        table < 0 ? "veloce::find_or_insert" : "veloce::find_or_insert_many (table " + std::to_string(table) + ")";
+    const char* op = name.c_str();
+    a_.ids = check_insert_args_cuda(op, a_.keys, a_.digests, a_.scores, a_.weights, a_.opt_state, a_.ids,
+                                    a_.score_policy);
+    check_init(op, a_.init_kind, a_.init_a, a_.init_b);
+    n_ = a_.ids.numel();
+  }
+
+  bool empty() const { return n_ == 0; }
+  const at::Tensor& miss_count() const { return miss_count_; }
+  const at::Tensor& counters() const { return counters_; }
+
+  void probe() {  // phase 1: find all, then compact the missing positions in order (CUB select is stable)
+    slots_ = a_.slots.defined() ? a_.slots : at::empty_like(a_.ids);
+    if (n_ == 0) return;
+    t_ = table_of(a_.keys, a_.digests, a_.scores.data_ptr<int64_t>());
+    touched_ = touched_bitmap(a_.allow_evict, a_.keys);
+    const at::Tensor missing = at::empty({n_}, a_.ids.options().dtype(at::kByte));
+    probe_kernel<<<grid_for(n_), kThreads, 0, stream()>>>(t_, a_.ids.data_ptr<int64_t>(), n_,
+                                                          a_.padding_id.has_value(), a_.padding_id.value_or(0),
+                                                          slots_.data_ptr<int64_t>(), words(touched_),
+                                                          missing.data_ptr<uint8_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    miss_pos_ = at::empty({n_}, a_.ids.options().dtype(at::kInt));
+    miss_count_ = at::empty({1}, a_.ids.options().dtype(at::kInt));
+    cub_call(a_.ids, [&](void* temp, size_t& bytes) {
+      return cub::DeviceSelect::Flagged(temp, bytes, thrust::counting_iterator<int32_t>(0),
+                                        missing.data_ptr<uint8_t>(), miss_pos_.data_ptr<int32_t>(),
+                                        miss_count_.data_ptr<int32_t>(), static_cast<int>(n_), stream());
+    });
+  }
+
+  // Phases 2-4 run over the m missing positions, one thread per distinct new id.
+  void group(int64_t m) {
+    m_ = m;
+    if (m_ == 0) return;
+    const at::Tensor pos = miss_pos_.narrow(0, 0, m_);
+    counters_ = new_counters(a_.ids);
+    int32_t* const num = counters_.data_ptr<int32_t>() + counter::kUniques;
+    runs_.emplace(group_ids(a_.ids.index_select(0, pos), pos, num));
+    ut_.emplace(runs_->uniq_id, num);
+    placement_.emplace(t_, counters_, words(touched_), a_.allow_evict);
+    placement_->classify(*ut_);
+  }
+
+  bool place(const int32_t* counted) { return placement_->place(counted, *ut_, *runs_); }
+  void settle(const int32_t* placed) { placement_->settle(placed, *ut_, *runs_); }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> finish() {
+    const InsertOutcome r = placement_ ? placement_->out : InsertOutcome{};
+    if (n_ == 0) return result(slots_, r, a_.keys);
+    if (r.failed > 0) {
+      slots_.fill_(kPaddingSlot);
+      return result(slots_, r, a_.keys);
+    }
+    if (m_ > 0) {  // phase 5: new rows, then every missing position's slot
+      const Uniques u = ut_->view();
+      const int64_t D = a_.weights.size(1), S = a_.opt_state.size(1);
+      const int64_t start = a_.score_policy == kScoreLRU ? a_.score_value : 0;
+      const unsigned grid = static_cast<unsigned>(ceil_div(u.n, kRowBlock.y));
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a_.weights.scalar_type(), "find_or_insert_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        init_rows_kernel<scalar_t><<<grid, kRowBlock, 0, stream()>>>(
+            u, a_.weights.data_ptr<scalar_t>(), D, a_.opt_state.data_ptr<acc_t>(), S, t_.scores, start, a_.seed,
+            a_.init_kind, a_.init_a, a_.init_b);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      map_slots_kernel<<<grid_for(m_), kThreads, 0, stream()>>>(runs_->sorted_pos.data_ptr<int32_t>(),
+                                                                 runs_->run.data_ptr<int32_t>(), m_, u.slot,
+                                                                 slots_.data_ptr<int64_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    if (a_.score_policy != kScoreNone) {
+      score_positions_kernel<<<grid_for(n_), kThreads, 0, stream()>>>(slots_.data_ptr<int64_t>(), n_, t_.scores,
+                                                                      a_.score_policy, a_.score_value);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return result(slots_, r, a_.keys);
+  }
+
+ private:
+  FindOrInsertArgs a_;
+  int64_t n_ = 0, m_ = 0;
+  Table t_{};
+  at::Tensor touched_, slots_, miss_pos_, miss_count_, counters_;
+  std::optional<Runs> runs_;
+  std::optional<UniqueTensors> ut_;
+  std::optional<Placement> placement_;
+};
+
+// The int32 device tensors `parts`, concatenated and read back in one copy (one sync).
+at::Tensor read_back(const std::vector<at::Tensor>& parts) {
+  return parts.size() == 1 ? parts[0].cpu() : at::cat(parts).cpu();
+}
+
+// Runs the stages of every call, each stage for all tables before the next: syncs a, b
+// and c happen once per op however many tables it inserts into (b and c only when some
+// table has new ids, c only when some has conflicted ones).
+std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> run_find_or_insert(std::vector<FindOrInsert>& calls) {
+  std::vector<FindOrInsert*> live;
+  for (auto& c : calls) {
+    c.probe();
+    if (!c.empty()) live.push_back(&c);
+  }
+  auto read = [&](const std::vector<FindOrInsert*>& cs, auto what) {
+    std::vector<at::Tensor> parts;
+    for (FindOrInsert* c : cs) parts.push_back((c->*what)());
+    return read_back(parts);
+  };
+  if (!live.empty()) {
+    const at::Tensor m = read(live, &FindOrInsert::miss_count);  // sync a: sizes the grouping sorts
+    std::vector<FindOrInsert*> missing;
+    for (size_t k = 0; k < live.size(); ++k) {
+      live[k]->group(m.data_ptr<int32_t>()[k]);
+      if (m.data_ptr<int32_t>()[k] > 0) missing.push_back(live[k]);
+    }
+    if (!missing.empty()) {
+      const at::Tensor counted = read(missing, &FindOrInsert::counters);  // sync b
+      std::vector<FindOrInsert*> unsettled;
+      for (size_t k = 0; k < missing.size(); ++k) {
+        if (missing[k]->place(counted.data_ptr<int32_t>() + k * counter::kNum)) unsettled.push_back(missing[k]);
+      }
+      if (!unsettled.empty()) {
+        const at::Tensor placed = read(unsettled, &FindOrInsert::counters);  // sync c
+        for (size_t k = 0; k < unsettled.size(); ++k) unsettled[k]->settle(placed.data_ptr<int32_t>() + k * counter::kNum);
+      }
+    }
+  }
+  std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> out;
+  out.reserve(calls.size());
+  for (auto& c : calls) out.push_back(c.finish());
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
-    const at::Tensor& ids_in, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
+    const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id) {
-  constexpr const char* op = "veloce::find_or_insert";
-  const at::Tensor ids = check_insert_args_cuda(op, keys, digests, scores, weights, opt_state, ids_in, score_policy);
-  check_init(op, init_kind, init_a, init_b);
+  std::vector<FindOrInsert> calls;
+  calls.emplace_back(FindOrInsertArgs{keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
+                                      allow_evict, seed, init_kind, init_a, init_b, padding_id});
   const c10::cuda::CUDAGuard guard(keys.device());
-  const int64_t n = ids.numel();
-  at::Tensor slots = at::empty_like(ids);
-  InsertOutcome r;
-  if (n == 0) return result(slots, r, keys);
-  const Table t = table_of(keys, digests, scores.data_ptr<int64_t>());
-  const at::Tensor touched = touched_bitmap(allow_evict, keys);
+  return run_find_or_insert(calls)[0];
+}
 
-  // Phase 1: find all, then compact the missing positions in order (CUB select is stable).
-  at::Tensor missing = at::empty({n}, ids.options().dtype(at::kByte));
-  probe_kernel<<<grid_for(n), kThreads, 0, stream()>>>(t, ids.data_ptr<int64_t>(), n, padding_id.has_value(),
-                                                       padding_id.value_or(0), slots.data_ptr<int64_t>(),
-                                                       words(touched), missing.data_ptr<uint8_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  at::Tensor miss_pos = at::empty({n}, ids.options().dtype(at::kInt));
-  at::Tensor miss_count = at::empty({1}, ids.options().dtype(at::kInt));
-  cub_call(ids, [&](void* temp, size_t& bytes) {
-    return cub::DeviceSelect::Flagged(temp, bytes, thrust::counting_iterator<int32_t>(0), missing.data_ptr<uint8_t>(),
-                                      miss_pos.data_ptr<int32_t>(), miss_count.data_ptr<int32_t>(),
-                                      static_cast<int>(n), stream());
-  });
-  const int64_t m = miss_count.item<int32_t>();  // sync a: sizes the grouping sort
-
-  if (m > 0) {
-    // Phases 2-4: one thread per distinct new id.
-    const at::Tensor pos = miss_pos.narrow(0, 0, m);
-    const at::Tensor counters = new_counters(ids);
-    int32_t* const num = counters.data_ptr<int32_t>() + counter::kUniques;
-    const Runs runs = group_ids(ids.index_select(0, pos), pos, num);
-    UniqueTensors ut(runs.uniq_id, num);
-    r = insert_uniques(t, ut, runs, counters, words(touched), allow_evict);
-    if (r.failed > 0) {
-      slots.fill_(kPaddingSlot);
-      return result(slots, r, keys);
-    }
-    // Phase 5: new rows, then every missing position's slot.
-    const Uniques u = ut.view();
-    const int64_t D = weights.size(1), S = opt_state.size(1);
-    const int64_t start = score_policy == kScoreLRU ? score_value : 0;
-    const unsigned grid = static_cast<unsigned>(ceil_div(u.n, kRowBlock.y));
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "find_or_insert_cuda", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      init_rows_kernel<scalar_t><<<grid, kRowBlock, 0, stream()>>>(
-          u, weights.data_ptr<scalar_t>(), D, opt_state.data_ptr<acc_t>(), S, t.scores, start, seed, init_kind,
-          init_a, init_b);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-    map_slots_kernel<<<grid_for(m), kThreads, 0, stream()>>>(
-        runs.sorted_pos.data_ptr<int32_t>(), runs.run.data_ptr<int32_t>(), m, u.slot, slots.data_ptr<int64_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
+    at::TensorList keys, at::TensorList digests, at::TensorList scores, at::TensorList weights,
+    at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
+    const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
+    at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id) {
+  constexpr const char* op = "veloce::find_or_insert_many";
+  const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
+                                                   score_value, allow_evict, seed, init_kind, init_a, init_b,
+                                                   padding_id);
+  int64_t total = 0;
+  for (const at::Tensor& i : ids) total += i.numel();
+  at::Tensor slots = at::empty({total}, keys[0].options());
+  std::vector<FindOrInsert> calls;
+  calls.reserve(K);
+  for (int64_t k = 0, start = 0; k < K; start += ids[k].numel(), ++k) {  // all checked before anything runs
+    calls.emplace_back(FindOrInsertArgs{keys[k], digests[k], scores[k], weights[k], opt_state[k], ids[k],
+                                        score_policy[k], score_value[k], allow_evict.get(k), seed[k], init_kind[k],
+                                        init_a[k], init_b[k], padding_id.get(k),
+                                        slots.narrow(0, start, ids[k].numel())},
+                       k);
   }
-  if (score_policy != kScoreNone) {
-    score_positions_kernel<<<grid_for(n), kThreads, 0, stream()>>>(slots.data_ptr<int64_t>(), n, t.scores,
-                                                                   score_policy, score_value);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  return result(slots, r, keys);
+  const c10::cuda::CUDAGuard guard(keys[0].device());
+  return many_result(slots, run_find_or_insert(calls));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
@@ -579,6 +745,7 @@ at::Tensor initialize_cuda(const at::Tensor& ids_in, int64_t dim, int64_t seed, 
 TORCH_LIBRARY_IMPL(veloce, CUDA, m) {
   m.impl("find", &veloce::cuda::find_cuda);
   m.impl("find_or_insert", &veloce::cuda::find_or_insert_cuda);
+  m.impl("find_or_insert_many", &veloce::cuda::find_or_insert_many_cuda);
   m.impl("insert_or_assign", &veloce::cuda::insert_or_assign_cuda);
   m.impl("erase", &veloce::cuda::erase_cuda);
   m.impl("initialize", &veloce::cuda::initialize_cuda);

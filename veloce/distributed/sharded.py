@@ -41,6 +41,7 @@ from veloce.distributed._comm import (
     ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all, exchange_headers,
 )  # fmt: skip
 from veloce.ops.exchange import bucketize_bags, combine_parts
+from veloce.table import find_or_insert_many
 
 __all__ = ["Shard", "table_shard", "sharded_lookup"]
 
@@ -333,8 +334,17 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], lengths: Sequence[
     served, pooled = [], []
     error: Optional[Exception] = None
     try:
-        for m, ids_k, len_k, psw_k in zip(modules, ids, lengths, psw):
-            s, p = _serve(m, ids_k, len_k, psw_k)
+        # One insert op for the training tables (a table listed twice inserts on its own the
+        # second time, after its first part is served: the insert may move its rows).
+        first = {id(m): k for k, m in reversed(list(enumerate(modules)))}
+        train = [k for k, m in enumerate(modules) if m.training and first[id(m)] == k]
+        slots: list = [None] * len(modules)
+        for k, s in zip(train, find_or_insert_many([modules[k].table for k in train], [ids[k] for k in train])):
+            slots[k] = s
+        for k, (m, ids_k, len_k, psw_k) in enumerate(zip(modules, ids, lengths, psw)):
+            if m.training and slots[k] is None:
+                slots[k] = m.table.find_or_insert(ids_k)
+            s, p = _serve(m, ids_k, len_k, psw_k, slots[k])
             served.append(s)
             pooled.append(p)
     except Exception as e:  # e.g. TableFullError on this owner: every rank must stop, not wait
@@ -349,14 +359,14 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], lengths: Sequence[
     return served, torch.empty_like(flat).index_copy_(0, order, flat)
 
 
-def _serve(module, ids, lengths, psw):
-    """The owner's half of a lookup for one table: slots of the received ids (inserting in
-    training) and the sum of each received part."""
+def _serve(module, ids, lengths, psw, slots):
+    """The owner's half of a lookup for one table: the sum of each received part, from
+    the received ids' ``slots`` (training: inserted already) or, for None, the slots of an
+    evaluation lookup."""
     offsets = torch.cumsum(lengths, 0) - lengths
     table = module.table
-    if module.training:
-        slots, extra = table.find_or_insert(ids), None
-    else:
+    extra = None
+    if slots is None:
         slots, extra = module._eval_slots(ids)
     partial = torch.ops.veloce.pooled_lookup(table.weights, slots, offsets, psw, _SUM, False, extra, False)
     return _Served(ids, slots, offsets, psw, table.version), partial

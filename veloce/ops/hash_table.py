@@ -16,7 +16,7 @@ num_failed]``, a CPU tensor on every backend (reading it never waits for the dev
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -33,6 +33,7 @@ __all__ = [
     "INIT_NORMAL",
     "find",
     "find_or_insert",
+    "find_or_insert_many",
     "insert_or_assign",
     "erase",
     "export",
@@ -117,6 +118,58 @@ def find_or_insert(
         keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict,
         seed, init_kind, init_a, init_b, padding_id,
     )
+
+
+def find_or_insert_many(
+    tables: Sequence[Sequence[Tensor]],
+    ids: Sequence[Tensor],
+    score_policy: Sequence[int],
+    score_value: Sequence[int],
+    allow_evict: Sequence[bool],
+    seed: Sequence[int],
+    init_kind: Sequence[int],
+    init_a: Sequence[float],
+    init_b: Sequence[float],
+    padding_id: Sequence[Optional[int]],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`find_or_insert` on K tables in one op: entry k of every argument is table k's.
+
+    The results and tables equal those of K separate calls. On CUDA the calls share their
+    host syncs: one when no table has a new id, two with new ids, three when some new ids
+    share buckets, however many tables there are (separate calls sync that often each).
+    The tables must be distinct and on one device; they may differ in everything else.
+
+    Args:
+        tables: K tables, each ``(keys, digests, scores, weights, opt_state)`` (mutated).
+        ids: K id tensors (N_k,) int64.
+        score_policy, score_value, allow_evict, seed, init_kind, init_a, init_b,
+            padding_id: K values each, as for :func:`find_or_insert`.
+
+    Returns:
+        ``(slots, counts, evicted_keys)``, each table's results concatenated in table order
+        (one tensor each, not lists, so that torch.compile can trace the op): slots
+        (sum N_k,) int64; counts (K, 3) int64 on the CPU, row k = table k's
+        ``[num_inserted, num_failed, num_evicted]`` (a table with failures is unchanged,
+        the others are not); evicted_keys (sum of num_evicted,). Split them with
+        ``slots.split([len(i) for i in ids])`` and ``evicted_keys.split(counts[:, 2].tolist())``.
+
+    Example::
+
+        def table(c):
+            return [torch.zeros(c, dtype=torch.int64), torch.zeros(c, dtype=torch.uint8),
+                    torch.zeros(c, dtype=torch.int64), torch.zeros(c, 8), torch.zeros(c, 0)]
+        slots, counts, _ = find_or_insert_many([table(64), table(128)], [torch.tensor([5, 6]), torch.tensor([5])],
+                                               [0, 0], [0, 0], [False, False], [1, 2], [0, 0], [0.0, 0.0],
+                                               [0.0, 0.0], [None, None])
+    """
+    _ext.require()
+    if not len(tables):  # no tensor to dispatch on
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, 3, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
+    cols = [list(c) for c in zip(*tables)]
+    return torch.ops.veloce.find_or_insert_many(
+        *cols, list(ids), list(score_policy), list(score_value), list(allow_evict), list(seed), list(init_kind),
+        list(init_a), list(init_b), list(padding_id),
+    )  # fmt: skip
 
 
 def insert_or_assign(
@@ -236,6 +289,15 @@ def _register_fakes() -> None:
     def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
           init_kind, init_a, init_b, padding_id=None):
         return _insert_fake("find_or_insert", keys, ids)
+
+    @torch.library.register_fake("veloce::find_or_insert_many")
+    def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
+          init_kind, init_a, init_b, padding_id):
+        for k, i in zip(keys, ids):
+            _check_table_fake("find_or_insert_many", k, i)
+        num_evicted = torch.library.get_ctx().new_dynamic_size()
+        counts = torch.empty(len(ids), 3, dtype=torch.int64, device="cpu")  # host values on every backend
+        return keys[0].new_empty(sum(i.shape[0] for i in ids)), counts, keys[0].new_empty(num_evicted)
 
     @torch.library.register_fake("veloce::insert_or_assign")
     def _(keys, digests, scores, weights, opt_state, ids, values, opt_values, score_values, score_policy,

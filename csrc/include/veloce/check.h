@@ -8,7 +8,9 @@
 
 #include <ATen/ATen.h>
 
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 namespace veloce {
 
@@ -22,6 +24,14 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t, co
                        const at::Tensor& ref);
 void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim, int64_t want,
                 const char* what);
+
+// The per-table lists of an op over several tables: each as long as the first one
+// (`first_name`, `first` entries); returns that length.
+int64_t check_list_lengths(const char* op, const char* first_name, size_t first,
+                           std::initializer_list<std::pair<const char*, size_t>> others);
+// The tables of an op over several tables (their keys tensors): all on one device, and no
+// table twice (the op's stages would see a table before its own earlier inserts).
+void check_distinct_tables(const char* op, at::TensorList keys);
 
 // An integer argument in [lo, hi]; `meaning` lists the accepted values, e.g. "0 none, 1 LRU, 2 LFU".
 void check_int_arg(const char* op, const char* name, int64_t value, int64_t lo, int64_t hi, const char* meaning);

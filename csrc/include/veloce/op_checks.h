@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/List.h>
 
 #include <optional>
 
@@ -22,6 +23,13 @@ void check_find_args(const char* op, const at::Tensor& keys, const at::Tensor& d
 void check_insert_args(const char* op, const at::Tensor& keys, const at::Tensor& digests, const at::Tensor& scores,
                        const at::Tensor& weights, const at::Tensor& opt_state, const at::Tensor& ids,
                        int64_t score_policy);
+
+// find_or_insert_many: every per-table list as long as keys, distinct tables on one
+// device, and each table's find_or_insert arguments (messages name the table). Returns K.
+int64_t check_find_or_insert_many_args(const char* op, at::TensorList keys, at::TensorList digests, at::TensorList scores, at::TensorList weights,
+    at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
+    const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
+    at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id);
 
 // insert_or_assign: values (n, D) of weights' dtype, optional opt_values (n, S) and
 // score_values (n,) int64, all on keys' device.
