@@ -188,6 +188,93 @@ def test_empty_inputs():
     assert us.numel() == 0 and gr.shape == (0, 3)
 
 
+# ---- CUDA against the CPU kernel (the specification) ------------------------------------
+
+CUDA = [d for d in DEVICES if d != "cpu"]  # skipped, with the reason, where CUDA is absent
+
+# Bag length mixes, drawn in random order. Their mean lengths (about 0.75, 1.07, 1.5, 2.2
+# and 5.2) make the CUDA launcher put 4, 3, 2, 1 and 1 bags in one lane group (4 * B / N,
+# clamped to 1..4); long bags (5, 20) sit among short and empty ones in most mixes.
+LENGTH_MIXES = {
+    "ones_and_empty": [0] * 40 + [1] * 10 + [2, 3, 5, 20],
+    "mostly_ones": [0] * 5 + [1] * 20 + [2, 3, 5],
+    "ones_twos_20": [0] * 10 + [1] * 20 + [2] * 10 + [20],
+    "up_to_five": [0, 1, 2, 3, 5],
+    "mixed": [0, 1, 2, 3, 5, 20],
+}
+
+
+def many_bags(dtype, dim, mix, seed, num_bags=1000 + 7):
+    """B bags (not a multiple of 2, 3 or 4) with lengths drawn from LENGTH_MIXES[mix]; ~10%
+    of the slots -1, ~10% -2, some in the extra rows; weights, extra rows and per-sample
+    weights in `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(LENGTH_MIXES[mix])
+    lengths = pool[torch.randint(0, len(pool), (num_bags,), generator=g)]
+    n = int(lengths.sum())
+    C, M = 5000, 7
+    slots = torch.randint(0, C + M, (n,), generator=g)
+    code = torch.rand(n, generator=g)
+    slots = torch.where(code < 0.1, -1, torch.where(code < 0.2, -2, slots))
+    weights = torch.randn(C, dim, generator=g, dtype=torch.float64).to(dtype)
+    extra = torch.randn(M, dim, generator=g, dtype=torch.float64).to(dtype)
+    psw = torch.rand(n, generator=g, dtype=torch.float64).to(dtype)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    return weights, slots, starts, psw, extra
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [1, 3, 4, 64, 128, 600])
+@pytest.mark.parametrize("mix", list(LENGTH_MIXES))
+def test_pooled_lookup_cuda_matches_cpu_many_bags(device, dtype, dim, mix):
+    """Thousands of mixed-length bags: CUDA lane groups of 1 to 4 bags, every vector width
+    and column loop, against the CPU kernel. Without per-sample weights both sum the same
+    values in the same (position) order in the same accumulator type: equal bit for bit;
+    with them CUDA may fuse the multiply-add, so only to rounding."""
+    weights, slots, starts, psw, extra = many_bags(dtype, dim, mix, seed=dim)
+    for include_last_offset in (False, True):
+        offsets = starts if include_last_offset else starts[:-1]
+        for mode, p, ex in ((0, None, extra), (1, None, extra), (0, psw, extra), (0, None, None)):
+            s = slots if ex is not None else slots.clamp(max=weights.shape[0] - 1)
+            args = (weights, s, offsets, p, mode, include_last_offset, ex)
+            want = pooled_lookup(*args)
+            got = pooled_lookup(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+            assert got.dtype == dtype and got.shape == want.shape
+            if p is None:
+                assert torch.equal(got.cpu(), want), (mode, include_last_offset)
+            else:
+                tol = {
+                    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+                    torch.float64: {"rtol": 1e-12, "atol": 1e-12},
+                    torch.float16: {"rtol": 2e-3, "atol": 2e-3},
+                    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1.6e-2},
+                }[dtype]
+                torch.testing.assert_close(got.cpu(), want, **tol)
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("bag", [1, 5])
+def test_pooled_lookup_cuda_output_past_2_31_elements(device, bag):
+    """B * D > 2^31 output elements (4 GiB of bfloat16): row offsets need 64 bits. Bags of
+    one (4 bags per lane group) and of five (1); the first and last bags against the CPU."""
+    D, B = 2048, (1 << 20) + 5
+    if torch.cuda.get_device_properties(device).total_memory < 16 * 2**30:
+        pytest.skip("needs a GPU with 16 GiB")
+    g = torch.Generator().manual_seed(bag)
+    weights = torch.randn(1000, D, generator=g).to(torch.bfloat16)
+    slots = torch.randint(0, 1000, (B * bag,), generator=g)
+    offsets = torch.arange(0, B * bag, bag)
+    out = pooled_lookup(weights.to(device), slots.to(device), offsets.to(device))
+    assert out.shape == (B, D)
+    for first in (0, B - 9):
+        bags = slice(first, first + 9)
+        want = pooled_lookup(weights, slots[first * bag : (first + 9) * bag], offsets[bags] - first * bag)
+        assert torch.equal(out[bags].cpu(), want)
+    del out
+    torch.cuda.empty_cache()
+
+
 # ---- opcheck and gradcheck ------------------------------------------------------------
 
 

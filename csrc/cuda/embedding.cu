@@ -2,9 +2,11 @@
 // backward w.r.t. the table rows, reduced per unique slot). Semantics: docs/ops.md;
 // CPU reference csrc/cpu/embedding.cpp; argument checks shared with it (veloce/op_checks.h).
 //
-// pooled_lookup: a group of `lanes` threads (a power of two <= 32) per bag; each lane
-// owns V consecutive columns (one 16-byte load per row), accumulates in float (double
-// for float64) over the bag's positions with 4 rows in flight, and writes its columns.
+// pooled_lookup: a group of `lanes` threads (a power of two <= 32) per bag, or per up to
+// 4 consecutive bags when bags are short; each lane owns V consecutive columns (one
+// 16-byte load per row) and walks the group's positions (contiguous across its bags) with
+// 4 rows in flight, accumulating in float (double for float64) in position order and
+// writing a bag's columns where it ends.
 //
 // accumulate_grad: keys = slot (or a sentinel num_rows for slots that get no gradient),
 // stable CUB radix sort of (key, position) on the key's significant bits, run-length
@@ -70,7 +72,17 @@ bool can_vectorize(int64_t D, std::initializer_list<const void*> ptrs) {
 
 // ---- pooled_lookup ----------------------------------------------------------------------
 
-template <typename scalar_t, int V>
+// A lane group takes up to kMaxBags consecutive bags (kBags = 1 or kMaxBags; the launcher
+// passes bags_per_group <= kBags). Their positions form one contiguous range, walked
+// kUnroll at a time whatever the bag boundaries: a bag of one id alone is a dependent
+// chain offsets -> slot -> one 16-byte row load -> store per thread, latency bound, while
+// across bags every batch keeps kUnroll rows in flight. Long bags get a group each: their
+// batches are full already, and more groups keep more rows in flight when there are few
+// bags. Positions are int32 where kBags > 1 (the launcher's N <= 2^31 - 1 - kUnroll):
+// about 8 registers fewer, which keeps its occupancy that of the one-bag kernel.
+constexpr int kMaxBags = 4;
+
+template <typename scalar_t, int V, int kBags>
 __global__ void pooled_lookup_kernel(const scalar_t* __restrict__ weights,  // (C, D)
                                      int64_t C,
                                      const scalar_t* __restrict__ extra,  // (M, D) or null
@@ -80,57 +92,89 @@ __global__ void pooled_lookup_kernel(const scalar_t* __restrict__ weights,  // (
                                      int64_t num_offsets, int64_t B, int64_t N,
                                      const scalar_t* __restrict__ psw,  // (N,) or null
                                      bool mean, int lanes,
+                                     int bags_per_group,  // 1 .. kBags
                                      scalar_t* __restrict__ out) {  // (B, D)
   using acc_t = at::opmath_type<scalar_t>;
+  using pos_t = std::conditional_t<kBags == 1, int64_t, int32_t>;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t b = t / lanes;
-  if (b >= B) return;
-  const int lane = static_cast<int>(t % lanes);
-  const int64_t start = offsets[b];
-  const int64_t stop = b + 1 < num_offsets ? offsets[b + 1] : N;
+  const int64_t b0 = (t >> (__ffs(lanes) - 1)) * bags_per_group;  // lanes: a power of two
+  if (b0 >= B) return;
+  const int lane = static_cast<int>(t & (lanes - 1));
+  const int nb = B - b0 < bags_per_group ? static_cast<int>(B - b0) : bags_per_group;
+  // stop[g] = the end of bag b0 + g, for g < nb: independent loads, all in flight at once.
+  const pos_t begin = static_cast<pos_t>(offsets[b0]);
+  pos_t stop[kBags];
+#pragma unroll
+  for (int g = 0; g < kBags; ++g) {
+    const int64_t e = b0 + g + 1;
+    stop[g] = static_cast<pos_t>(g < nb ? (e < num_offsets ? offsets[e] : N) : 0);
+  }
+  // stop[g] with g in a register (constant indices keep stop[] out of local memory).
+  auto stop_of = [&](int g) {
+    pos_t r = 0;
+#pragma unroll
+    for (int k = 0; k < kBags; ++k) r = k == g ? stop[k] : r;
+    return r;
+  };
+  const pos_t end = stop_of(nb - 1);
+  auto row = [&](int64_t s) { return s < C ? weights + s * D : extra + (s - C) * D; };
   for (int64_t c = static_cast<int64_t>(lane) * V; c < D; c += static_cast<int64_t>(lanes) * V) {
     acc_t acc[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) acc[j] = 0;
-    int64_t count = 0;
-    auto add = [&](int64_t i, int64_t s, const Pack<scalar_t, V>& p) {
-      if (s == kPaddingSlot) return;
-      ++count;
-      if (s == kZeroSlot) return;
-      if (psw != nullptr) {
-        const acc_t w = static_cast<acc_t>(psw[i]);
+    pos_t count = 0;
+    int cur = 0;  // the bag (b0 + cur) being summed
+    pos_t cur_stop = stop[0];
+    // Writes bag cur (zeros when empty) and moves to the next.
+    auto finish_bag = [&]() {
+      Pack<scalar_t, V> o;
+      const acc_t n = static_cast<acc_t>(count);
 #pragma unroll
-        for (int j = 0; j < V; ++j) acc[j] += w * static_cast<acc_t>(p.v[j]);
-      } else {
+      for (int j = 0; j < V; ++j) o.v[j] = static_cast<scalar_t>(mean && count > 0 ? acc[j] / n : acc[j]);
+      store_pack<scalar_t, V>(out + (b0 + cur) * D + c, o);
 #pragma unroll
-        for (int j = 0; j < V; ++j) acc[j] += static_cast<acc_t>(p.v[j]);
-      }
+      for (int j = 0; j < V; ++j) acc[j] = 0;
+      count = 0;
+      ++cur;
+      cur_stop = stop_of(cur);
     };
-    auto row = [&](int64_t s) { return s < C ? weights + s * D : extra + (s - C) * D; };
-    int64_t i = start;
-    for (; i + kUnroll <= stop; i += kUnroll) {
+    for (pos_t i = begin; i < end; i += kUnroll) {
+      // Slots and weights first (independent loads), then the rows; past `end` nothing is
+      // read and the slots act as padding.
       int64_t s[kUnroll];
       Pack<scalar_t, V> p[kUnroll];
+      acc_t w[kUnroll];
 #pragma unroll
-      for (int k = 0; k < kUnroll; ++k) s[k] = slots[i + k];
+      for (int k = 0; k < kUnroll; ++k) s[k] = i + k < end ? slots[i + k] : kPaddingSlot;
+      if (psw != nullptr) {
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) w[k] = i + k < end ? static_cast<acc_t>(psw[i + k]) : acc_t(0);
+      }
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         if (s[k] >= 0) p[k] = load_pack<scalar_t, V>(row(s[k]) + c);
       }
 #pragma unroll
-      for (int k = 0; k < kUnroll; ++k) add(i + k, s[k], p[k]);
-    }
-    for (; i < stop; ++i) {
-      const int64_t s = slots[i];
-      Pack<scalar_t, V> p;
-      if (s >= 0) p = load_pack<scalar_t, V>(row(s) + c);
-      add(i, s, p);
-    }
-    Pack<scalar_t, V> o;
-    const acc_t n = static_cast<acc_t>(count);
+      for (int k = 0; k < kUnroll; ++k) {
+        if (i + k >= end) break;
+        // Position i + k < end = stop[nb - 1]: this stops at a bag of the group (skipping
+        // empty bags), and the rows of each bag are added in position order.
+        if constexpr (kBags > 1) {
+          while (i + k >= cur_stop) finish_bag();
+        }
+        if (s[k] == kPaddingSlot) continue;
+        ++count;
+        if (s[k] == kZeroSlot) continue;
+        if (psw != nullptr) {
 #pragma unroll
-    for (int j = 0; j < V; ++j) o.v[j] = static_cast<scalar_t>(mean && count > 0 ? acc[j] / n : acc[j]);
-    store_pack<scalar_t, V>(out + b * D + c, o);
+          for (int j = 0; j < V; ++j) acc[j] += w[k] * static_cast<acc_t>(p[k].v[j]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < V; ++j) acc[j] += static_cast<acc_t>(p[k].v[j]);
+        }
+      }
+    }
+    while (cur < nb) finish_bag();  // the last bag with positions, then trailing empty ones
   }
 }
 
@@ -156,15 +200,25 @@ at::Tensor pooled_lookup_cuda(const at::Tensor& weights, const at::Tensor& slots
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
   at::Tensor out = at::empty({B, D}, weights.options());
   if (B == 0 || D == 0) return out;
+  // Bags per lane group: about kUnroll positions at the mean bag length (bags of one:
+  // kMaxBags; of kUnroll or more: 1). Only the speed depends on it, not the result.
+  int bags_per_group = static_cast<int>(std::clamp<int64_t>(kUnroll * B / std::max<int64_t>(N, 1), 1, kMaxBags));
+  if (N > std::numeric_limits<int32_t>::max() - kUnroll) bags_per_group = 1;  // int32 positions
+  const int64_t groups = ceil_div(B, bags_per_group);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "pooled_lookup_cuda", [&] {
     const scalar_t* ep = e.defined() ? e.data_ptr<scalar_t>() : nullptr;
     const scalar_t* pp = p.defined() ? p.data_ptr<scalar_t>() : nullptr;
     auto launch = [&](auto vec) {
       constexpr int V = decltype(vec)::value;
       const int lanes = lanes_for(D, V);
-      pooled_lookup_kernel<scalar_t, V><<<grid_for(B * lanes), kThreads, 0, stream()>>>(
+      const int64_t threads = groups * lanes;
+      TORCH_CHECK(ceil_div(threads, kThreads) <= std::numeric_limits<int32_t>::max(), op, ": ", B,
+                  " bags of ", D, " columns exceed one launch (2^31 - 1 blocks)");
+      auto kernel =
+          bags_per_group > 1 ? pooled_lookup_kernel<scalar_t, V, kMaxBags> : pooled_lookup_kernel<scalar_t, V, 1>;
+      kernel<<<grid_for(threads), kThreads, 0, stream()>>>(
           w.data_ptr<scalar_t>(), C, ep, D, s.data_ptr<int64_t>(), o.data_ptr<int64_t>(), o.numel(), B, N, pp,
-          mode == kMean, lanes, out.data_ptr<scalar_t>());
+          mode == kMean, lanes, bags_per_group, out.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (can_vectorize<scalar_t>(D, {w.data_ptr(), ep, out.data_ptr()})) {
