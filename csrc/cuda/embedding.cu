@@ -200,6 +200,7 @@ at::Tensor pooled_lookup_cuda(const at::Tensor& weights, const at::Tensor& slots
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
   at::Tensor out = at::empty({B, D}, weights.options());
   if (B == 0 || D == 0) return out;
+  check_num_bags_cuda(op, B);
   // Bags per lane group: about kUnroll positions at the mean bag length (bags of one:
   // kMaxBags; of kUnroll or more: 1). Only the speed depends on it, not the result.
   int bags_per_group = static_cast<int>(std::clamp<int64_t>(kUnroll * B / std::max<int64_t>(N, 1), 1, kMaxBags));
@@ -211,9 +212,7 @@ at::Tensor pooled_lookup_cuda(const at::Tensor& weights, const at::Tensor& slots
     auto launch = [&](auto vec) {
       constexpr int V = decltype(vec)::value;
       const int lanes = lanes_for(D, V);
-      const int64_t threads = groups * lanes;
-      TORCH_CHECK(ceil_div(threads, kThreads) <= std::numeric_limits<int32_t>::max(), op, ": ", B,
-                  " bags of ", D, " columns exceed one launch (2^31 - 1 blocks)");
+      const int64_t threads = groups * lanes;  // at most 2^31 * 32: 2^28 blocks
       auto kernel =
           bags_per_group > 1 ? pooled_lookup_kernel<scalar_t, V, kMaxBags> : pooled_lookup_kernel<scalar_t, V, 1>;
       kernel<<<grid_for(threads), kThreads, 0, stream()>>>(
