@@ -22,6 +22,7 @@ import faulthandler
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -62,6 +63,7 @@ class ExchangeMeter:
 
     def __init__(self, device) -> None:
         self.device, self.seconds, self.bytes, self.on = device, 0.0, 0, False
+        self.calls: dict[str, list] = {}  # call site -> [seconds, bytes, calls]
         self._a2a, self._hdr = _sharded.all_to_all, _sharded.exchange_headers
         _sharded.all_to_all = self._timed(self._a2a, count_bytes=True)
         _sharded.exchange_headers = self._timed(self._hdr, count_bytes=False)
@@ -76,9 +78,15 @@ class ExchangeMeter:
             if isinstance(out, tuple) and len(out) == 2 and hasattr(out[1], "wait"):
                 out[1].wait()
             torch.cuda.synchronize(self.device)
-            self.seconds += time.perf_counter() - t
-            if count_bytes:
-                self.bytes += send.numel() * send.element_size()
+            dt = time.perf_counter() - t
+            nbytes = send.numel() * send.element_size() if count_bytes else 0
+            self.seconds += dt
+            self.bytes += nbytes
+            caller = sys._getframe(1)
+            site = self.calls.setdefault(f"{caller.f_code.co_name}:{caller.f_lineno}", [0.0, 0, 0])
+            site[0] += dt
+            site[1] += nbytes
+            site[2] += 1
             return out
 
         return wrapper
@@ -168,6 +176,8 @@ def run(args) -> None:
         "exchange_busbw_GBs": ex_bytes * (world - 1) / world / ex_s / 1e9 if world > 1 and ex_s else None,
         "a2a_busbw_GBs": ex_bytes * (world - 1) / world / base_s / 1e9 if world > 1 and base_s else None,
         "rows_per_rank": sum(len(m) for _, m in hp.tables),
+        "exchange_calls": {site: {"ms": v[0] * 1e3 / args.profile_steps, "MB": v[1] / 2**20 / args.profile_steps,
+                                  "calls": v[2] / args.profile_steps} for site, v in meter.calls.items()},
     }  # fmt: skip
     if rank == 0:
         print(json.dumps(row))
