@@ -3,10 +3,13 @@
 // common.cpp, never in a .cu file.
 #include "veloce/op_checks.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "veloce/hash.h"
 #include "veloce/optimizer.h"
@@ -219,6 +222,71 @@ void check_grad_output_for_weights(const char* op, const at::Tensor& grad_output
   TORCH_CHECK(grad_output.scalar_type() == weights.scalar_type(), op, ": grad_output must have the dtype of weights (",
               dtype_name(weights.scalar_type()), "), got ", dtype_name(grad_output.scalar_type()));
   check_size(op, "grad_output", grad_output, 1, weights.size(1), "weights.size(1)");
+}
+
+std::string table_op_name(const char* op, int64_t k) { return std::string(op) + " (table " + std::to_string(k) + ")"; }
+
+ManyTables check_update_many_args(const char* op, at::TensorList weights, at::TensorList opt_state,
+                                  at::TensorList grad_output, at::TensorList slots, at::TensorList offsets,
+                                  const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
+                                  bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
+                                  double beta2, int64_t step) {
+  const int64_t K = static_cast<int64_t>(weights.size());
+  const std::pair<const char*, int64_t> lists[] = {
+      {"opt_state", static_cast<int64_t>(opt_state.size())},
+      {"grad_output", static_cast<int64_t>(grad_output.size())},
+      {"slots", static_cast<int64_t>(slots.size())},
+      {"offsets", static_cast<int64_t>(offsets.size())},
+      {"per_sample_weights", static_cast<int64_t>(per_sample_weights.size())}};
+  for (const auto& [name, len] : lists) {
+    TORCH_CHECK(len == K, op, ": every list holds one entry per table, but weights has ", K, " and ", name, " has ",
+                len, " (pass None in per_sample_weights for a table without them)");
+  }
+  check_update_hyper(op, optimizer, lr, eps, beta1, beta2, step);
+  ManyTables out;
+  out.names.reserve(K);
+  out.num_bags.reserve(K);
+  for (int64_t k = 0; k < K; ++k) {
+    out.names.push_back(table_op_name(op, k));
+    const char* name = out.names.back().c_str();
+    const std::optional<at::Tensor> psw = per_sample_weights.get(k);
+    check_update_rows(name, weights[k], opt_state[k], optimizer);
+    check_backward_inputs(name, grad_output[k], slots[k], offsets[k], psw, mode);
+    check_grad_output_for_weights(name, grad_output[k], weights[k]);
+    const int64_t B = check_offsets_shape(name, offsets[k], slots[k].numel(), include_last_offset);
+    check_grad_output_rows(name, grad_output[k], B);
+    out.num_bags.push_back(B);
+    if (k == 0) continue;
+    TORCH_CHECK(weights[k].device() == weights[0].device(), op, ": weights[", k, "] is on ", weights[k].device(),
+                " but weights[0] is on ", weights[0].device(),
+                "; the tables of one call share a device (call once per device)");
+    TORCH_CHECK(weights[k].scalar_type() == weights[0].scalar_type(), op, ": weights[", k, "] is ",
+                dtype_name(weights[k].scalar_type()), " but weights[0] is ", dtype_name(weights[0].scalar_type()),
+                "; the tables of one call share a dtype (call once per dtype)");
+    TORCH_CHECK(weights[k].size(1) == weights[0].size(1), op, ": weights[", k, "] has embedding dim ",
+                weights[k].size(1), " but weights[0] has ", weights[0].size(1),
+                "; the tables of one call share the embedding dim (call once per dim)");
+  }
+  // The mutated tensors must not share memory: sort their byte ranges (exact: both are
+  // contiguous, checked above) and compare neighbours.
+  std::vector<std::tuple<uintptr_t, uintptr_t, const char*, int64_t>> spans;  // [begin, end), list, k
+  spans.reserve(2 * K);
+  for (int64_t k = 0; k < K; ++k) {
+    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"weights", &weights[k]},
+                                  std::pair<const char*, const at::Tensor*>{"opt_state", &opt_state[k]}}) {
+      if (t->nbytes() == 0) continue;
+      const auto begin = reinterpret_cast<uintptr_t>(t->data_ptr());
+      spans.emplace_back(begin, begin + t->nbytes(), name, k);
+    }
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    const auto& [b0, e0, n0, k0] = spans[i - 1];
+    const auto& [b1, e1, n1, k1] = spans[i];
+    TORCH_CHECK(b1 >= e0, op, ": ", n0, "[", k0, "] and ", n1, "[", k1, "] share memory; each table may appear ",
+                "once in a call (its gradients are applied together), so merge a table's batches into one entry");
+  }
+  return out;
 }
 
 void check_slot_values(const char* op, const int64_t* s, int64_t n, int64_t limit, const char* limit_what) {

@@ -121,4 +121,15 @@ TORCH_LIBRARY(veloce, m) {
       "accumulate_and_update(Tensor(a!) weights, Tensor(b!) opt_state, Tensor grad_output, Tensor slots, "
       "Tensor offsets, Tensor? per_sample_weights, int pooling, bool include_last_offset, int optimizer, float lr, "
       "float eps, float beta1, float beta2, float weight_decay, int step, bool check_inputs=True) -> ()");
+  // accumulate_and_update of K tables in one call: the same as calling it for each k on
+  // (weights[k], opt_state[k], grad_output[k], slots[k], offsets[k], per_sample_weights[k])
+  // with the other arguments shared. The tables share device, dtype and embedding dim (and
+  // may differ in rows and batch sizes); no table may appear twice. On CUDA one sort and one
+  // fused kernel serve every table (what DynamicEmbedding's step_tables runs); K = 0 is a
+  // no-op. check_inputs as for pooled_lookup (one read-back for all tables on CUDA).
+  m.def(
+      "accumulate_and_update_many(Tensor(a!)[] weights, Tensor(b!)[] opt_state, Tensor[] grad_output, "
+      "Tensor[] slots, Tensor[] offsets, Tensor?[] per_sample_weights, int pooling, bool include_last_offset, "
+      "int optimizer, float lr, float eps, float beta1, float beta2, float weight_decay, int step, "
+      "bool check_inputs=True) -> ()");
 }

@@ -433,6 +433,111 @@ def test_nonfinite_gradient_in_one_table_applies_no_table():
     assert a.step_count == 1 and b.step_count == 1
 
 
+# ---- step_tables: alike tables share one fused update ----------------------------------------
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the calls of each op (by schema name) under the mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+# (dim, mode, optimizer, lr given to step_tables, capacity, nonfinite_grad, include_last_offset)
+_STEP_TABLES = [
+    (16, "sum", veloce.optim.Adagrad(lr=0.05), None, 1024, "raise", False),  # 0
+    (16, "sum", veloce.optim.Adagrad(lr=0.05), None, 64, "raise", False),  # 1: grows between two batches
+    (16, "mean", veloce.optim.Adagrad(lr=0.05), None, 1024, "raise", False),  # 2: mean pooling
+    (16, "mean", veloce.optim.Adagrad(lr=0.05), None, 256, "raise", True),  # 3: mean, include_last_offset
+    (16, "sum", veloce.optim.Adagrad(lr=0.05), 0.1, 1024, "raise", False),  # 4: another lr
+    (16, "sum", veloce.optim.SGD(lr=0.05), None, 1024, "raise", False),  # 5: another optimizer
+    (32, "sum", veloce.optim.Adagrad(lr=0.05), None, 1024, "raise", False),  # 6: another dim
+    (16, "sum", veloce.optim.Adam(), None, 1024, "raise", False),  # 7
+    (16, "sum", veloce.optim.Adam(), None, 1024, "raise", False),  # 8: no backward in step 1 (a step behind 7)
+    (16, "sum", veloce.optim.Adagrad(lr=0.05), None, 1024, "skip", False),  # 9: two batches, a NaN bag in step 2
+    (16, "sum", veloce.optim.Adagrad(lr=0.05), None, 1024, "raise", False),  # 10: no backward in step 3
+    (16, "sum", veloce.optim.RowWiseAdagrad(lr=0.05), None, 1024, "raise", False),  # 11: per-sample weights
+    (16, "sum", veloce.optim.RowWiseAdagrad(lr=0.05), None, 1024, "raise", False),  # 12
+]
+
+
+def _step_tables_round(tables, step, device):
+    """The forward and backward passes of one step for every table (the same for any call
+    of the same step: the inputs come from a generator seeded by the step)."""
+    g = torch.Generator().manual_seed(100 + step)
+    for i, t in enumerate(tables):
+        if (i == 8 and step == 1) or (i == 10 and step == 3):
+            continue
+        for batch in range(2 if i in (1, 9) else 1):
+            if i == 1 and batch == 1:  # enough new ids to grow the table: batch 0's slots go stale
+                ids = torch.randint(1000, 5000, (8, 40), generator=g)
+            else:
+                ids = torch.randint(0, 60, (8, 5), generator=g)
+            if i == 3:  # 1-D with offsets (include_last_offset), one empty bag
+                out = t(ids.reshape(-1).to(device), torch.tensor([0, 3, 3, 10, 40], device=device))
+            elif i == 11:
+                out = t(ids.to(device), per_sample_weights=torch.rand(8, 5, generator=g).to(device))
+            else:
+                out = t(ids.to(device))
+            c = torch.randn(out.shape, generator=g)
+            if i == 9 and step == 2 and batch == 0:
+                c[0, 0] = float("nan")
+            out.backward(c.to(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_tables_groups_alike_tables_and_equals_stepping_each(device):
+    """step_tables over 13 tables equals stepping each table alone, bit for bit, over 3
+    steps; tables that share dim, pooling, optimizer, lr and (Adam) step count share one
+    accumulate_and_update_many call, the others take accumulate_and_update."""
+
+    def make():
+        return [
+            veloce.DynamicEmbedding(d, mode=m, optimizer=o, capacity=c, nonfinite_grad=nf, include_last_offset=ilo,
+                                    seed=i, device=device)
+            for i, (d, m, o, _, c, nf, ilo) in enumerate(_STEP_TABLES)
+        ]  # fmt: skip
+
+    grouped, alone = make(), make()
+    lrs = [spec[3] for spec in _STEP_TABLES]
+    # Groups (tables): Adagrad sum (0, 1, 9, 10), mean (2, 3), RowWiseAdagrad (11, 12); alone:
+    # 4, 5, 6, 7, and 8 (Adam a step behind 7) from step 2 on. Table 1's and 9's two batches are
+    # merged into sum pooling with per-sample weights.
+    expected = {1: (3, 4), 2: (3, 5), 3: (3, 5)}  # step: (many calls, single calls)
+    for step in (1, 2, 3):
+        for tables in (grouped, alone):
+            _step_tables_round(tables, step, device)
+        with _CountOps() as ops:
+            veloce.step_tables(grouped, lrs)
+        got = (ops.counts.get("veloce::accumulate_and_update_many", 0), ops.counts.get("veloce::accumulate_and_update", 0))
+        assert got == expected[step], f"step {step}: (grouped, single) calls {got}"
+        for t, lr in zip(alone, lrs):
+            t.step(lr)
+    assert grouped[1].capacity > 64  # it grew, so its pending slots were re-resolved
+    for i, (a, b) in enumerate(zip(grouped, alone)):
+        assert a.step_count == b.step_count, i
+        # By id: on CUDA the slots of a table that grew may differ between two identical runs.
+        ea, eb = sorted_table(a), sorted_table(b)
+        for key in ea:
+            assert torch.equal(ea[key], eb[key]), f"table {i}: {key} differs"
+        assert not a._pending
+
+
+def test_step_tables_steps_a_table_listed_twice_once():
+    emb = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=1.0))
+    ref = copy.deepcopy(emb)
+    for t in (emb, ref):
+        t(torch.tensor([[1, 2]])).sum().backward()
+    veloce.step_tables([emb, emb])
+    ref.step()
+    assert emb.step_count == ref.step_count == 1
+    assert torch.equal(emb.export()["weights"], ref.export()["weights"])
+
+
 # ---- bad input: a clear error naming the argument, table unchanged ------------------------------
 def _bad_cases():
     L = torch.long
@@ -536,3 +641,30 @@ def test_cuda_step_never_waits_for_the_device(optimizer):
         torch.cuda.set_sync_debug_mode("default")
     assert not torch.equal(emb.export()["weights"], before)  # the step was applied
     assert out2.shape == (4096, 64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_step_tables_never_waits_for_the_device():
+    """step_tables over several tables (grouped into accumulate_and_update_many calls, one
+    table alone) runs without a host synchronization when no finiteness check is asked."""
+    O = veloce.optim
+    specs = [(O.Adagrad(lr=0.05), "sum")] * 4 + [(O.Adagrad(lr=0.05), "mean")] * 2 + [(O.SGD(lr=0.1), "sum")]
+    tables = [
+        veloce.DynamicEmbedding(64, mode=m, optimizer=o, device="cuda", nonfinite_grad="apply", seed=i)
+        for i, (o, m) in enumerate(specs)
+    ]
+    ids = [torch.randint(0, 300 + 100 * i, (1024, 3), device="cuda") for i in range(len(tables))]
+    for t, x in zip(tables, ids):
+        t(x).sum().backward()  # inserts the ids (the insert path reads sizes back)
+    veloce.step_tables(tables)
+    torch.cuda.synchronize()
+    before = [t.export()["weights"].clone() for t in tables]
+    for t, x in zip(tables, ids):
+        t(x).sum().backward()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        veloce.step_tables(tables)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for t, b in zip(tables, before):
+        assert not torch.equal(t.export()["weights"], b)  # every table was stepped

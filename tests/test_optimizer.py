@@ -355,3 +355,188 @@ def test_accumulate_and_update_cuda_agrees_with_cpu(optimizer, dtype):
     tol = (1e-4 if optimizer == "adam" else 1e-5) if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(results[1][0], results[0][0], atol=tol, rtol=tol)
     torch.testing.assert_close(results[1][1], results[0][1], atol=tol, rtol=tol)
+
+
+# ---- accumulate_and_update_many: K tables in one call ---------------------------------------
+# Table k of a case: CAPACITIES[k] rows. The slots of each table include its first and last
+# row and a few rows past its end (no gradient: with one key space over all tables, such a
+# slot must not reach the next table's rows), so a wrong table base or bound changes the
+# result. Table 1 has a hot slot (a run of 300 positions, several 64-position chunks on
+# CUDA) whose slot number also appears in the other tables.
+CAPACITIES = [64, 3000, 32, 500, 128]
+HOT_SLOT = 7
+
+
+def _many_tables(device, K, dim, dtype, optimizer, mode, psw_mode, seed, empty=None, include_last_offset=False):
+    """K tables' (weights, opt_state, grad_output, slots, offsets, psw); table `empty` has
+    bags but no positions. psw_mode: None, "all" or "mixed" (every other table)."""
+    g = torch.Generator().manual_seed(seed)
+    S = state_width(optimizer, dim)
+    tables = []
+    for k in range(K):
+        C = CAPACITIES[k % len(CAPACITIES)]
+        n = 0 if k == empty else int(torch.randint(20, 400, (1,), generator=g))
+        slots = torch.randint(-2, C + 8, (n,), generator=g)  # codes -1 / -2 and slots >= C
+        if n:
+            slots[:4] = torch.tensor([0, C - 1, C, C + 3])
+            if k == 1:
+                slots = torch.cat([slots, torch.full((300,), HOT_SLOT)])[torch.randperm(n + 300, generator=g)]
+            elif C > HOT_SLOT:
+                slots[4] = HOT_SLOT
+        n = slots.numel()
+        bags = int(torch.randint(1, 40, (1,), generator=g))
+        cuts = torch.sort(torch.randint(0, n + 1, (bags - 1,), generator=g)).values
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), cuts])
+        if include_last_offset:
+            offsets = torch.cat([offsets, torch.tensor([n])])
+        with_psw = psw_mode == "all" or (psw_mode == "mixed" and k % 2 == 0)
+        psw = torch.rand(n, generator=g, dtype=torch.float64).to(dtype) if with_psw else None
+        grad = torch.randn(bags, dim, generator=g, dtype=torch.float64).to(dtype)
+        w = torch.randn(C, dim, generator=g, dtype=torch.float64).to(dtype)
+        state = torch.rand(C, S, generator=g, dtype=torch.float64)
+        state = state.to(torch.float64 if dtype == torch.float64 else torch.float32)
+        tables.append([t if t is None else t.to(device) for t in (w, state, grad, slots, offsets, psw)])
+    return tables
+
+
+def _step_each_and_many(tables, mode, optimizer, include_last_offset=False, steps=(1, 2), check_inputs=True):
+    """(weights, opt_state) per table after accumulate_and_update per table and after
+    accumulate_and_update_many, each over `steps`."""
+    from veloce.ops.optimizer import accumulate_and_update, accumulate_and_update_many
+
+    hyper = (0.1, 1e-8, 0.9, 0.99, 0.01)
+    each = [(t[0].clone(), t[1].clone()) for t in tables]
+    many = [(t[0].clone(), t[1].clone()) for t in tables]
+    for step in steps:
+        for (w, s), t in zip(each, tables):
+            accumulate_and_update(w, s, *t[2:], mode, include_last_offset, optimizer, *hyper, step, check_inputs)
+        accumulate_and_update_many(
+            [w for w, _ in many], [s for _, s in many], *[[t[i] for t in tables] for i in range(2, 6)], mode,
+            include_last_offset, optimizer, *hyper, step, check_inputs,
+        )  # fmt: skip
+    return each, many
+
+
+def _assert_bitwise_equal(each, many):
+    for k, ((we, se), (wm, sm)) in enumerate(zip(each, many)):
+        assert torch.equal(wm, we), f"table {k}: weights differ from accumulate_and_update's"
+        assert torch.equal(sm, se), f"table {k}: opt_state differs from accumulate_and_update's"
+
+
+# dim 16: several rows per warp (runs of different tables in one warp); 128: one row per
+# warp; 600: rows too wide for the fused kernel (the accumulate_grad + sparse_update path).
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize(
+    "mode,psw_mode,ilo", [(0, None, False), (0, "all", False), (0, "mixed", True), (1, None, False), (1, None, True)]
+)
+@pytest.mark.parametrize("K", [1, 3, 5])
+@pytest.mark.parametrize("dim", [16, 128, 600])
+def test_accumulate_and_update_many_equals_one_call_per_table(device, optimizer, mode, psw_mode, ilo, K, dim):
+    tables = _many_tables(device, K, dim, torch.float32, optimizer, mode, psw_mode, seed=K * 1000 + dim,
+                          empty=2 if K == 5 else None, include_last_offset=ilo)  # fmt: skip
+    each, many = _step_each_and_many(tables, mode, optimizer, ilo)
+    _assert_bitwise_equal(each, many)
+    assert not torch.equal(many[0][0], tables[0][0])  # something was applied
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dim", [16, 128])
+def test_accumulate_and_update_many_other_dtypes(device, optimizer, dtype, dim):
+    tables = _many_tables(device, 5, dim, dtype, optimizer, 0, "mixed", seed=dim, empty=3)
+    each, many = _step_each_and_many(tables, 0, optimizer, check_inputs=False)
+    _assert_bitwise_equal(each, many)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad"])
+def test_accumulate_and_update_many_cuts_large_groups(device, optimizer):
+    """37 tables: on CUDA more than one launch's worth (32), plus tables without positions
+    or without bags."""
+    tables = _many_tables(device, 37, 16, torch.float32, optimizer, 0, "mixed", seed=5, empty=20)
+    w, s, _, _, _, _ = tables[30]
+    tables[30] = [w, s, torch.zeros(0, 16, device=device), torch.zeros(0, dtype=torch.long, device=device),
+                  torch.zeros(0, dtype=torch.long, device=device), None]  # fmt: skip
+    each, many = _step_each_and_many(tables, 0, optimizer)
+    _assert_bitwise_equal(each, many)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+def test_accumulate_and_update_many_misaligned_table(device, optimizer):
+    """A grad_output that starts 4 bytes past a 16-byte boundary rules out 16-byte packs for
+    its table only (on CUDA: lanes per row, hence RowWiseAdagrad's order of adding g^2); the
+    call must still give each table what its own call gives."""
+    tables = _many_tables(device, 4, 64, torch.float32, optimizer, 0, None, seed=9)
+    grad = tables[2][2]
+    flat = torch.empty(grad.numel() + 1, device=device)
+    flat[1:] = grad.reshape(-1)
+    tables[2][2] = flat[1:].view_as(grad)
+    each, many = _step_each_and_many(tables, 0, optimizer)
+    _assert_bitwise_equal(each, many)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accumulate_and_update_many_no_table_is_a_no_op(device):
+    from veloce.ops.optimizer import accumulate_and_update_many
+
+    accumulate_and_update_many([], [], [], [], [], None, "sum", False, "adagrad", 0.1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accumulate_and_update_many_opcheck(device):
+    tables = _many_tables(device, 3, 8, torch.float32, "adagrad", 0, "mixed", seed=1)
+    lists = [[t[i] for t in tables] for i in range(6)]
+    args = (*lists, 0, False, 1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1)
+    torch.library.opcheck(torch.ops.veloce.accumulate_and_update_many.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accumulate_and_update_many_bad_input_changes_nothing(device):
+    op = torch.ops.veloce.accumulate_and_update_many
+
+    def fresh():
+        return [[x for x in t] for t in _many_tables(device, 3, 16, torch.float32, "adagrad", 0, "mixed", seed=2)]
+
+    def call(tables, **changes):
+        lists = {n: [t[i] for t in tables] for i, n in enumerate(["w", "s", "g", "slots", "o", "psw"])}
+        lists.update(changes)
+        op(*lists.values(), 0, False, 1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1, True)
+
+    cases = []
+    t = fresh()
+    pattern = r"every list holds one entry per table, but weights has 3 and opt_state has 2"
+    cases.append((t, {"s": [x[1] for x in t[:2]]}, pattern))
+    t = fresh()
+    cases.append((t, {"psw": [t[0][5]]}, r"weights has 3 and per_sample_weights has 1"))
+    t = fresh()  # table 1 of embedding dim 8 (valid on its own)
+    t[1] = [t[1][0][:, :8].contiguous(), t[1][1][:, :8].contiguous(), t[1][2][:, :8].contiguous(), *t[1][3:]]
+    cases.append((t, {}, r"weights\[1\] has embedding dim 8 but weights\[0\] has 16"))
+    t = fresh()  # table 1 in float64 (valid on its own)
+    t[1] = [t[1][0].double(), t[1][1].double(), t[1][2].double(), t[1][3], t[1][4], None]
+    cases.append((t, {}, r"weights\[1\] is torch.float64 but weights\[0\] is torch.float32"))
+    t = fresh()  # a bad slot code in table 2
+    t[2][3] = t[2][3].clone()
+    t[2][3][5] = -7
+    cases.append((t, {}, r"\(table 2\): slots\[5\] = -7 is not a valid slot"))
+    t = fresh()  # offsets of table 1 not starting at 0
+    t[1][4] = t[1][4].clone()
+    t[1][4][0] = 1
+    cases.append((t, {}, r"\(table 1\): offsets must start at 0"))
+    t = fresh()
+    t[2][2] = t[2][2][:-1]
+    cases.append((t, {}, r"\(table 2\): grad_output must have one row per bag"))
+    t = fresh()
+    t[1][1] = t[1][1][:, :3].contiguous()
+    cases.append((t, {}, r"\(table 1\): opt_state.size\(1\) must be the state width of Adagrad"))
+    t = fresh()  # the same table twice
+    t[2] = [t[0][0], t[0][1], *t[2][2:]]
+    cases.append((t, {}, r"(weights|opt_state)\[0\] and \1\[2\] share memory"))  # the lower in memory is named
+    for tables, changes, pattern in cases:
+        before = [(x[0].clone(), x[1].clone()) for x in tables]
+        with pytest.raises(RuntimeError, match=pattern):
+            call(tables, **changes)
+        for (w, s), x in zip(before, tables):
+            assert torch.equal(w, x[0]) and torch.equal(s, x[1])

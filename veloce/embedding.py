@@ -280,6 +280,16 @@ class DynamicEmbedding(nn.Module):
     def _apply_pending(self, lr: Optional[float], known_finite: bool = False) -> None:
         """Applies the pending gradient; ``known_finite``: a batched check (step_tables)
         already found every pending gradient finite."""
+        update = self._prepare_update(lr, known_finite)
+        if update is not None:
+            _apply_updates([self], [update])
+
+    def _prepare_update(self, lr: Optional[float], known_finite: bool = False) -> Optional["_Update"]:
+        """The step's bookkeeping (step count, learning rate, nonfinite_grad="skip"
+        masking, merged and re-resolved pending batches) and the arguments of the
+        accumulate_and_update that applies it, or None when no row has a pending gradient.
+        :func:`_apply_updates` runs the update (and forgets the pending gradient), with
+        those of other tables that share its arguments (step_tables)."""
         had_backward, self._had_backward = self._had_backward, False
         bad = None if known_finite else self._check_finite()
         if not self._pending:
@@ -287,7 +297,7 @@ class DynamicEmbedding(nn.Module):
             # still counts as a step, as for torch's SparseAdam: every shard of a table
             # keeps the step count of one process.
             self.step_count += int(had_backward)
-            return
+            return None
         _ext.require()
         if bad is not None:
             self._pending = [e._replace(grad=e.grad.masked_fill(b.unsqueeze(1), 0)) for e, b in zip(self._pending, bad)]
@@ -297,13 +307,14 @@ class DynamicEmbedding(nn.Module):
         self._last_lr = lr
         opt = self.optimizer
         kind, eps, beta1, beta2 = opt.kernel_args()
-        t = self.table
-        torch.ops.veloce.accumulate_and_update(
-            t.weights, t.opt_state, e.grad, slots, e.offsets, e.psw, e.mode, e.include_last_offset, kind,
-            float(opt.lr if lr is None else lr), eps, beta1, beta2, opt.weight_decay, self.step_count,
-            False,  # the offsets passed _bags' checks and the slots come from the table
+        # include_last_offset=True becomes False with the last offset dropped (a view; the
+        # offsets passed _bags' checks, so the last one is N): the same bags, and one value
+        # of the flag for every table of a grouped call.
+        offsets = e.offsets[:-1] if e.include_last_offset else e.offsets
+        return _Update(
+            self.table.weights, self.table.opt_state, e.grad, slots, offsets, e.psw, e.mode, kind,
+            float(opt.lr if lr is None else lr), eps, beta1, beta2, float(opt.weight_decay), self.step_count,
         )  # fmt: skip
-        self._pending.clear()
 
     def _check_finite(self) -> Optional[list[torch.Tensor]]:
         """The nonfinite_grad policy on the pooled gradients (one reduction each). "raise"
@@ -445,7 +456,8 @@ class DynamicEmbedding(nn.Module):
 
 
 def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Optional[float]]] = None) -> None:
-    """``t.step(lr)`` for every table, with one device read-back for all of them.
+    """``t.step(lr)`` for every table, with one device read-back for all of them and one
+    fused update per group of alike tables.
 
     The ``nonfinite_grad="raise"`` check of every table reduces on the device into one
     flag per table; the flags are read back together (and, for sharded tables, summed over
@@ -453,6 +465,13 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
     device once instead of K times. A table whose flag is set takes the per-table path,
     which counts its bad bags and raises; then nothing is applied to any table. Every rank
     must step its sharded tables in the same calls and order.
+
+    The updates themselves are grouped: tables on one device with the same dtype, embedding
+    dim, pooling of their pending gradient, optimizer kind and hyperparameters, learning
+    rate, weight decay and (Adam) step count are applied by one
+    ``torch.ops.veloce.accumulate_and_update_many`` call (on CUDA one sort and one fused
+    kernel for all of them, instead of about a dozen launches per table). The result is
+    that of stepping each table alone, bit for bit. A table listed twice is stepped once.
     :class:`veloce.optim.CombinedOptimizer` steps its tables this way.
     """
     lrs = [None] * len(tables) if lrs is None else list(lrs)
@@ -474,8 +493,78 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
                 error = error or e
     if error is not None:
         raise error
+    stepped: set[int] = set()
+    ready: list[DynamicEmbedding] = []
+    updates: list[_Update] = []
     for t, lr in zip(tables, lrs):
-        t._apply_pending(lr, known_finite=t.nonfinite_grad == "raise")
+        if id(t) in stepped:  # stepping a table again would find no pending gradient
+            continue
+        stepped.add(id(t))
+        u = t._prepare_update(lr, known_finite=t.nonfinite_grad == "raise")
+        if u is not None:
+            ready.append(t)
+            updates.append(u)
+    _apply_updates(ready, updates)
+
+
+class _Update(NamedTuple):
+    """A table's accumulate_and_update arguments for one step (DynamicEmbedding._prepare_update)."""
+
+    weights: torch.Tensor
+    opt_state: torch.Tensor
+    grad: torch.Tensor
+    slots: torch.Tensor
+    offsets: torch.Tensor  # include_last_offset=False
+    psw: Optional[torch.Tensor]
+    mode: int
+    kind: int
+    lr: float
+    eps: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    step: int
+
+    def group_key(self) -> tuple:
+        """Updates with equal keys share every scalar argument of one
+        accumulate_and_update_many call (and its device, dtype and dim). Only Adam reads
+        the step count (its bias correction), so other optimizers group across step counts.
+
+        The pooling mode is part of the key rather than converted: turning a mean pooled
+        gradient into sum with per-sample weights 1 / len(bag) would cost several launches
+        per table (what grouping saves) and round those weights to the row dtype (not bit
+        for bit the mean update for float16 / bfloat16). Tables of a model usually share
+        one mode."""
+        w = self.weights
+        step = self.step if self.kind == _optim.Adam.kind else 0
+        return (w.device, w.dtype, w.shape[1], self.mode, self.kind, self.lr, self.eps, self.beta1, self.beta2,
+                self.weight_decay, step)  # fmt: skip
+
+
+def _apply_updates(tables: Sequence["DynamicEmbedding"], updates: Sequence[_Update]) -> None:
+    """Runs the prepared updates of ``tables`` (one each): those with equal group keys in
+    one accumulate_and_update_many, a lone one in accumulate_and_update; then forgets
+    each table's pending gradient. The offsets passed _bags' checks and the slots come
+    from the tables: no input checks (on CUDA, no host sync)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, u in enumerate(updates):
+        groups.setdefault(u.group_key(), []).append(i)
+    for idx in groups.values():
+        u = updates[idx[0]]
+        if len(idx) == 1:
+            torch.ops.veloce.accumulate_and_update(
+                u.weights, u.opt_state, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, u.lr, u.eps,
+                u.beta1, u.beta2, u.weight_decay, u.step, False,
+            )  # fmt: skip
+        else:
+            group = [updates[i] for i in idx]
+            torch.ops.veloce.accumulate_and_update_many(
+                [v.weights for v in group], [v.opt_state for v in group], [v.grad for v in group],
+                [v.slots for v in group], [v.offsets for v in group], [v.psw for v in group], u.mode, False, u.kind,
+                u.lr, u.eps, u.beta1, u.beta2, u.weight_decay, u.step, False,
+            )  # fmt: skip
+        for i in idx:
+            tables[i]._pending.clear()
 
 
 def _all_finite(tables: Sequence["DynamicEmbedding"]) -> dict[int, bool]:

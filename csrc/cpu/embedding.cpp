@@ -356,18 +356,15 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cpu(const at::Tensor& grad_ou
 }
 
 // accumulate_grad and sparse_update in one pass: each unique row's gradient is summed in
-// registers and applied at once, never written out (no (U, D) buffer).
-void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state,
-                               const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
-                               const c10::optional<at::Tensor>& per_sample_weights, int64_t mode,
-                               bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
-                               double beta2, double weight_decay, int64_t step,
-                               bool /*check_inputs: the checks read host memory, no sync to save*/) {
-  constexpr const char* op = "veloce::accumulate_and_update";
-  const int64_t S = check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
-  const int64_t B = check_backward_args(op, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset);
-  check_grad_output_for_weights(op, grad_output, weights);
+// registers and applied at once, never written out (no (U, D) buffer). Arguments checked
+// by the caller but for the slot values (with_backward checks those); `op` names the
+// table in messages.
+void fused_update(const char* op, const at::Tensor& weights, const at::Tensor& opt_state,
+                  const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
+                  const c10::optional<at::Tensor>& per_sample_weights, int64_t mode, int64_t B, int64_t optimizer,
+                  double lr, double eps, double beta1, double beta2, double weight_decay, int64_t step) {
   const int64_t D = weights.size(1);
+  const int64_t S = opt_state.size(1);
   with_backward(op, grad_output, slots, offsets, per_sample_weights, mode, B, weights.size(0),
                 [&](const Segments& seg, const auto* g, const auto* psw, const auto* scale) {
                   using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
@@ -390,6 +387,48 @@ void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_
                 });
 }
 
+void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state,
+                               const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
+                               const c10::optional<at::Tensor>& per_sample_weights, int64_t mode,
+                               bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
+                               double beta2, double weight_decay, int64_t step,
+                               bool /*check_inputs: the checks read host memory, no sync to save*/) {
+  constexpr const char* op = "veloce::accumulate_and_update";
+  check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
+  const int64_t B = check_backward_args(op, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset);
+  check_grad_output_for_weights(op, grad_output, weights);
+  fused_update(op, weights, opt_state, grad_output, slots, offsets, per_sample_weights, mode, B, optimizer, lr, eps,
+               beta1, beta2, weight_decay, step);
+}
+
+// accumulate_and_update over K tables: the specification of the grouped op (the CUDA one
+// applies every table in one sort and one kernel), here table after table, since the CPU
+// has no launches to save. Every table is checked before any is written: a rejected call
+// changes nothing.
+void accumulate_and_update_many_cpu(at::TensorList weights, at::TensorList opt_state, at::TensorList grad_output,
+                                    at::TensorList slots, at::TensorList offsets,
+                                    const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
+                                    bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
+                                    double beta2, double weight_decay, int64_t step,
+                                    bool /*check_inputs: as accumulate_and_update_cpu*/) {
+  constexpr const char* op = "veloce::accumulate_and_update_many";
+  const ManyTables tables = check_update_many_args(op, weights, opt_state, grad_output, slots, offsets,
+                                                   per_sample_weights, mode, include_last_offset, optimizer, lr, eps,
+                                                   beta1, beta2, step);
+  const size_t K = weights.size();
+  for (size_t k = 0; k < K; ++k) {
+    const char* name = tables.names[k].c_str();
+    check_offsets(name, offsets[k], slots[k].numel(), include_last_offset);
+    const at::Tensor s = slots[k].contiguous();
+    check_slot_values(name, s.data_ptr<int64_t>(), s.numel(), -1, "");
+  }
+  for (size_t k = 0; k < K; ++k) {
+    fused_update(tables.names[k].c_str(), weights[k], opt_state[k], grad_output[k], slots[k], offsets[k],
+                 per_sample_weights.get(k), mode, tables.num_bags[k], optimizer, lr, eps, beta1, beta2, weight_decay,
+                 step);
+  }
+}
+
 }  // namespace
 }  // namespace veloce
 
@@ -397,4 +436,5 @@ TORCH_LIBRARY_IMPL(veloce, CPU, m) {
   m.impl("pooled_lookup", &veloce::pooled_lookup_cpu);
   m.impl("accumulate_grad", &veloce::accumulate_grad_cpu);
   m.impl("accumulate_and_update", &veloce::accumulate_and_update_cpu);
+  m.impl("accumulate_and_update_many", &veloce::accumulate_and_update_many_cpu);
 }

@@ -1,6 +1,8 @@
-// CUDA kernels of the embedding family: pooled_lookup (forward) and accumulate_grad (the
-// backward w.r.t. the table rows, reduced per unique slot). Semantics: docs/ops.md;
-// CPU reference csrc/cpu/embedding.cpp; argument checks shared with it (veloce/op_checks.h).
+// CUDA kernels of the embedding family: pooled_lookup (forward), accumulate_grad (the
+// backward w.r.t. the table rows, reduced per unique slot) and the fused backward + optimizer
+// step accumulate_and_update, of one table or of several at once (_many). Semantics:
+// docs/ops.md; CPU reference csrc/cpu/embedding.cpp; argument checks shared with it
+// (veloce/op_checks.h).
 //
 // pooled_lookup: a group of `lanes` threads (a power of two <= 32) per bag, or per up to
 // 4 consecutive bags when bags are short; each lane owns V consecutive columns (one
@@ -21,6 +23,10 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_run_length_encode.cuh>
 #include <cub/device/device_scan.cuh>
+
+#include <limits>
+#include <string>
+#include <vector>
 
 #include "veloce/cuda_utils.cuh"
 #include "veloce/op_checks.h"
@@ -229,33 +235,121 @@ at::Tensor pooled_lookup_cuda(const at::Tensor& weights, const at::Tensor& slots
   return out;
 }
 
+// ---- table groups -----------------------------------------------------------------------
+//
+// The backward kernels below work on a group of tables: accumulate_and_update_many applies
+// K tables' gradients with one sort, one run-length encode and one fused kernel, and the
+// single-table ops (accumulate_grad, accumulate_and_update) are the group of one. A group
+// puts its tables in one key space: slot s of table k is key row_base[k] + s, and the
+// sentinel row_base[K] (the group's row count) marks positions without a gradient; the
+// tables' positions and bags follow one another (pos_base, bag_base). Runs of equal keys
+// then never span tables, each run keeps its table's position order, and every table gets
+// bit for bit what the single-table op gives it.
+//
+// The group travels as a kernel parameter (no host-to-device copy, nothing to allocate):
+// per table its bases and pointers. The single-table ops use MaxK = 1, a parameter as small
+// as the arguments it replaces; larger groups are cut into launches of kMaxGroup tables.
+
+constexpr int kMaxGroup = 32;
+
+template <int MaxK>
+struct TableGroup {
+  int32_t K;                     // tables in the group, 1 <= K <= MaxK
+  int32_t bag_base[MaxK + 1];    // table k's bags: [bag_base[k], bag_base[k + 1]) of bag_base[K] (< 2^31)
+  int64_t row_base[MaxK + 1];    // table k's keys: [row_base[k], row_base[k + 1]); row_base[K]: the sentinel
+  int64_t pos_base[MaxK + 1];    // table k's positions: [pos_base[k], pos_base[k + 1]) of pos_base[K] (< 2^31)
+  const int64_t* slots[MaxK];    // (N_k,)
+  const int64_t* offsets[MaxK];  // (B_k,) or (B_k + 1,): the table's bag starts, from 0
+  const void* psw[MaxK];         // (N_k,) scalar_t, or null
+  const void* grad[MaxK];        // (B_k, D) scalar_t: grad_output
+  void* weights[MaxK];           // (C_k, D) scalar_t (null for accumulate_grad)
+  void* state[MaxK];             // (C_k, S) acc_t (null when S = 0)
+};
+// Kernel parameters are limited to 4 KiB; the fused kernel's other arguments take ~200 bytes.
+static_assert(sizeof(TableGroup<kMaxGroup>) <= 3 * 1024, "TableGroup<kMaxGroup> is too large for a kernel parameter");
+
+// The largest k < K with base[k] <= x: the table holding key, position or bag x (base is
+// non-decreasing with base[0] = 0 <= x; a table with no rows, positions or bags shares its
+// successor's base and never holds x). No loop for K = 1.
+template <typename T>
+__device__ __forceinline__ int table_of(const T* base, int K, int64_t x) {
+  int lo = 0, hi = K;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (static_cast<int64_t>(base[mid]) <= x) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// One table of a group, checked: contiguous inputs and sizes.
+struct TableArgs {
+  at::Tensor weights, opt_state;  // updated in place (undefined for accumulate_grad)
+  at::Tensor g, s, o, p;          // grad_output, slots, offsets, per_sample_weights (undefined: none)
+  int64_t rows = 0;               // keys of the table: weights.size(0) (accumulate_grad: num_rows)
+  int64_t N = 0, B = 0;           // positions, bags
+};
+
+// The kernel parameter of tables t[0..K) (1 <= K <= MaxK; positions and bags in all < 2^31).
+template <int MaxK>
+TableGroup<MaxK> make_group(const TableArgs* const* t, int K) {
+  TableGroup<MaxK> tg{};
+  tg.K = K;
+  for (int k = 0; k < K; ++k) {
+    const TableArgs& a = *t[k];
+    tg.bag_base[k + 1] = tg.bag_base[k] + static_cast<int32_t>(a.B);
+    tg.row_base[k + 1] = tg.row_base[k] + a.rows;
+    tg.pos_base[k + 1] = tg.pos_base[k] + a.N;
+    tg.slots[k] = a.s.data_ptr<int64_t>();
+    tg.offsets[k] = a.o.data_ptr<int64_t>();
+    tg.psw[k] = a.p.defined() ? a.p.data_ptr() : nullptr;
+    tg.grad[k] = a.g.data_ptr();
+    tg.weights[k] = a.weights.defined() ? a.weights.data_ptr() : nullptr;
+    tg.state[k] = a.opt_state.defined() && a.opt_state.numel() > 0 ? a.opt_state.data_ptr() : nullptr;
+  }
+  return tg;
+}
+
 // ---- accumulate_grad --------------------------------------------------------------------
 
-// Per position: sort key (slot, or num_rows where it gets no gradient), position, bag.
-template <typename key_t>
-__global__ void keys_kernel(const int64_t* __restrict__ slots, int64_t N, int64_t num_rows,
-                            const int64_t* __restrict__ offsets, int64_t B, key_t* __restrict__ keys,
+// Per position i of the group: sort key (row_base[k] + slot, or the sentinel row_base[K]
+// where the position gets no gradient: codes -1 / -2 and slots past its table's rows),
+// position, bag.
+template <typename key_t, int MaxK>
+__global__ void keys_kernel(const __grid_constant__ TableGroup<MaxK> tg, key_t* __restrict__ keys,
                             int32_t* __restrict__ pos, int32_t* __restrict__ bag_of,
                             unsigned long long* num_skipped) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= N) return;
-  const int64_t s = slots[i];
-  const bool valid = s >= 0 && s < num_rows;
-  keys[i] = static_cast<key_t>(valid ? s : num_rows);
+  if (i >= tg.pos_base[tg.K]) return;
+  const int k = table_of(tg.pos_base, tg.K, i);
+  const int64_t local = i - tg.pos_base[k];
+  const int64_t s = tg.slots[k][local];
+  const bool valid = s >= 0 && s < tg.row_base[k + 1] - tg.row_base[k];
+  keys[i] = static_cast<key_t>(valid ? tg.row_base[k] + s : tg.row_base[tg.K]);
   pos[i] = static_cast<int32_t>(i);
   if (!valid && num_skipped != nullptr) atomicAdd(num_skipped, 1ull);
-  bag_of[i] = static_cast<int32_t>(bag_of_position(offsets, B, i));
+  const int64_t num_bags = tg.bag_base[k + 1] - tg.bag_base[k];
+  bag_of[i] = tg.bag_base[k] + static_cast<int32_t>(bag_of_position(tg.offsets[k], num_bags, local));
 }
 
-// Mean pooling: 1 / (non-padding positions) per bag, 0 for bags with none. A warp per bag.
-template <typename acc_t>
-__global__ void bag_scale_kernel(const int64_t* __restrict__ slots, const int64_t* __restrict__ offsets,
-                                 int64_t num_offsets, int64_t B, int64_t N, acc_t* __restrict__ scale) {
+// Mean pooling: 1 / (non-padding positions) per bag of the group, 0 for bags with none. A
+// warp per bag.
+template <typename acc_t, int MaxK>
+__global__ void bag_scale_kernel(const __grid_constant__ TableGroup<MaxK> tg, acc_t* __restrict__ scale) {
   const int64_t b = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
-  if (b >= B) return;  // whole warps exit together
-  const int64_t start = offsets[b];
-  const int64_t stop = b + 1 < num_offsets ? offsets[b + 1] : N;
+  if (b >= tg.bag_base[tg.K]) return;  // whole warps exit together
+  const int k = table_of(tg.bag_base, tg.K, b);
+  const int64_t local = b - tg.bag_base[k];
+  const int64_t* offsets = tg.offsets[k];
+  const int64_t* slots = tg.slots[k];
+  const int64_t start = offsets[local];
+  // The last bag ends at the table's last position (= offsets[B_k] with include_last_offset).
+  const int64_t stop =
+      local + 1 < tg.bag_base[k + 1] - tg.bag_base[k] ? offsets[local + 1] : tg.pos_base[k + 1] - tg.pos_base[k];
   unsigned count = 0;
   for (int64_t i = start + lane; i < stop; i += 32) count += slots[i] != kPaddingSlot;
 #pragma unroll
@@ -275,17 +369,20 @@ __host__ __device__ __forceinline__ int32_t chunks_of(int32_t len) {
 }
 
 // acc += the (scaled) gradient rows of sorted positions [k, stop), columns [c, c + V).
+// The positions are one table's: grad_output (its (B_k, D) rows) and psw (its (N_k,)
+// weights, or null) are indexed from its first bag bag0 and first position pos0 of the
+// group; bag_of and bag_scale by the group's.
 template <typename scalar_t, int V>
 __device__ __forceinline__ void add_rows(at::opmath_type<scalar_t> (&acc)[V], int64_t k, int64_t stop, int64_t c,
-                                         const scalar_t* __restrict__ grad_output, int64_t D,
+                                         const scalar_t* __restrict__ grad_output, int32_t bag0, int64_t D,
                                          const int32_t* __restrict__ sorted_pos, const int32_t* __restrict__ bag_of,
-                                         const scalar_t* __restrict__ psw,
+                                         const scalar_t* __restrict__ psw, int64_t pos0,
                                          const at::opmath_type<scalar_t>* __restrict__ bag_scale) {
   using acc_t = at::opmath_type<scalar_t>;
   const bool scaled = psw != nullptr || bag_scale != nullptr;
   auto add = [&](int32_t pos, int32_t b, const Pack<scalar_t, V>& g) {
     if (scaled) {
-      const acc_t w = psw != nullptr ? static_cast<acc_t>(psw[pos]) : bag_scale[b];
+      const acc_t w = psw != nullptr ? static_cast<acc_t>(psw[pos - pos0]) : bag_scale[b];
 #pragma unroll
       for (int j = 0; j < V; ++j) acc[j] += w * static_cast<acc_t>(g.v[j]);
     } else {
@@ -301,14 +398,14 @@ __device__ __forceinline__ void add_rows(at::opmath_type<scalar_t> (&acc)[V], in
 #pragma unroll
     for (int q = 0; q < kUnroll; ++q) b[q] = bag_of[pos[q]];
 #pragma unroll
-    for (int q = 0; q < kUnroll; ++q) g[q] = load_pack<scalar_t, V>(grad_output + b[q] * D + c);
+    for (int q = 0; q < kUnroll; ++q) g[q] = load_pack<scalar_t, V>(grad_output + (b[q] - bag0) * D + c);
 #pragma unroll
     for (int q = 0; q < kUnroll; ++q) add(pos[q], b[q], g[q]);
   }
   for (; k < stop; ++k) {
     const int32_t pos = sorted_pos[k];
     const int32_t b = bag_of[pos];
-    add(pos, b, load_pack<scalar_t, V>(grad_output + b * D + c));
+    add(pos, b, load_pack<scalar_t, V>(grad_output + (b - bag0) * D + c));
   }
 }
 
@@ -340,7 +437,7 @@ __global__ void segment_sum_kernel(const scalar_t* __restrict__ grad_output,  //
     acc_t acc[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) acc[j] = 0;
-    add_rows<scalar_t, V>(acc, start, stop, c, grad_output, D, sorted_pos, bag_of, psw, bag_scale);
+    add_rows<scalar_t, V>(acc, start, stop, c, grad_output, 0, D, sorted_pos, bag_of, psw, 0, bag_scale);
     Pack<scalar_t, V> o;
 #pragma unroll
     for (int j = 0; j < V; ++j) o.v[j] = static_cast<scalar_t>(acc[j]);
@@ -400,7 +497,7 @@ __global__ void chunk_sum_kernel(const scalar_t* __restrict__ grad_output, int64
     acc_t acc[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) acc[j] = 0;
-    add_rows<scalar_t, V>(acc, start, stop, c, grad_output, D, sorted_pos, bag_of, psw, bag_scale);
+    add_rows<scalar_t, V>(acc, start, stop, c, grad_output, 0, D, sorted_pos, bag_of, psw, 0, bag_scale);
 #pragma unroll
     for (int j = 0; j < V; ++j) partial[m * D + c + j] = acc[j];
   }
@@ -423,72 +520,78 @@ __global__ void long_run_total_kernel(const at::opmath_type<scalar_t>* __restric
   grad_rows[static_cast<int64_t>(u) * D + j] = static_cast<scalar_t>(acc);
 }
 
-
 // f(key) with a key_t value: the narrowest radix-sort key (uint32_t, else uint64_t) that
-// holds the sentinel num_rows of positions without a gradient.
+// holds the sentinel num_rows of positions without a gradient (for a group: its total rows).
 template <typename F>
 decltype(auto) with_sort_key(int64_t num_rows, F&& f) {
   if (num_rows < (int64_t{1} << 32)) return f(uint32_t{0});
   return f(uint64_t{0});
 }
 
-// The positions of a backward pass grouped by slot: keys (slot, or the sentinel num_rows
-// where a position gets no gradient), stably radix-sorted with their positions, then
-// run-length encoded (one run per slot, the sentinel's last; the run count goes to
-// *num_runs on the device). Shared by accumulate_grad and the fused accumulate_and_update.
+// The positions of a backward pass grouped by key: keys (keys_kernel), stably
+// radix-sorted with their positions, then run-length encoded (one run per key, the
+// sentinel's last; the run count goes to *num_runs on the device). Shared by
+// accumulate_grad and the fused accumulate_and_update(_many).
 template <typename key_t>
 struct SortedRuns {
-  at::Tensor sorted_pos;  // (N,) int32: positions, grouped by slot, ascending within one
+  at::Tensor sorted_pos;  // (N,) int32: positions, grouped by key, ascending within one
   at::Tensor bag_of;      // (N,) int32: the bag of each position
-  at::Tensor uniq;        // (N,) key_t: the slot of each run (first *num_runs valid)
+  at::Tensor uniq;        // (N,) key_t: the key of each run (first *num_runs valid)
   at::Tensor run_len;     // (N,) int32: the length of each run
   const key_t* uniq_ptr() const { return reinterpret_cast<const key_t*>(uniq.data_ptr()); }
 };
 
-template <typename key_t>
-SortedRuns<key_t> sort_runs(const at::Tensor& s, const at::Tensor& o, int64_t B, int64_t num_rows,
-                            int64_t* num_runs, unsigned long long* num_skipped) {
-  const int64_t N = s.numel();
+// `like`: an int64 tensor on the device (allocation options).
+template <typename key_t, int MaxK>
+SortedRuns<key_t> sort_runs(const TableGroup<MaxK>& tg, const at::Tensor& like, int64_t* num_runs,
+                            unsigned long long* num_skipped) {
+  const int64_t N = tg.pos_base[tg.K];
+  const int64_t num_rows = tg.row_base[tg.K];
   const int n = static_cast<int>(N);
-  const auto opts = s.options();
+  const auto opts = like.options();
   at::Tensor keys = at::empty({N}, opts.dtype(sizeof(key_t) == 4 ? at::kInt : at::kLong));
   at::Tensor pos = at::empty({N}, opts.dtype(at::kInt));
   at::Tensor bag_of = at::empty({N}, opts.dtype(at::kInt));
   key_t* kp = reinterpret_cast<key_t*>(keys.data_ptr());
-  keys_kernel<key_t><<<grid_for(N), kThreads, 0, stream()>>>(s.data_ptr<int64_t>(), N, num_rows,
-                                                             o.data_ptr<int64_t>(), B, kp, pos.data_ptr<int32_t>(),
-                                                             bag_of.data_ptr<int32_t>(), num_skipped);
+  keys_kernel<key_t, MaxK><<<grid_for(N), kThreads, 0, stream()>>>(tg, kp, pos.data_ptr<int32_t>(),
+                                                                   bag_of.data_ptr<int32_t>(), num_skipped);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // Stable sort on the key's significant bits: within a slot, positions stay ascending.
+  // Stable sort on the key's significant bits: within a key, positions stay ascending.
   at::Tensor sorted_keys = at::empty_like(keys);
   at::Tensor sorted_pos = at::empty_like(pos);
   key_t* skp = reinterpret_cast<key_t*>(sorted_keys.data_ptr());
   const int end_bit = std::max(1, bit_width(static_cast<uint64_t>(num_rows)));
-  cub_call(s, [&](void* temp, size_t& bytes) {
+  cub_call(like, [&](void* temp, size_t& bytes) {
     return cub::DeviceRadixSort::SortPairs(temp, bytes, kp, skp, pos.data_ptr<int32_t>(),
                                            sorted_pos.data_ptr<int32_t>(), n, 0, end_bit, stream());
   });
   at::Tensor uniq = at::empty_like(keys);
   at::Tensor run_len = at::empty({N}, opts.dtype(at::kInt));
   key_t* up = reinterpret_cast<key_t*>(uniq.data_ptr());
-  cub_call(s, [&](void* temp, size_t& bytes) {
+  cub_call(like, [&](void* temp, size_t& bytes) {
     return cub::DeviceRunLengthEncode::Encode(temp, bytes, skp, up, run_len.data_ptr<int32_t>(), num_runs, n,
                                               stream());
   });
   return {sorted_pos, bag_of, uniq, run_len};
 }
 
+// accumulate_grad of one table (t.rows = num_rows; N > 0).
 template <typename key_t>
-std::tuple<at::Tensor, at::Tensor> accumulate(const at::Tensor& g, const at::Tensor& s, const at::Tensor& o,
-                                              const at::Tensor& p, int64_t mode, int64_t B, int64_t num_rows) {
-  const int64_t N = s.numel();
+std::tuple<at::Tensor, at::Tensor> accumulate(const TableArgs& t, int64_t mode) {
+  const at::Tensor& g = t.g;
+  const at::Tensor& s = t.s;
+  const at::Tensor& p = t.p;
+  const int64_t N = t.N;
+  const int64_t B = t.B;
   const int64_t D = g.size(1);
   const auto opts = s.options();
+  const TableArgs* one = &t;
+  const TableGroup<1> tg = make_group<1>(&one, 1);
   // info[0]: number of runs (written by CUB), info[1]: positions without a gradient,
   // info[2], info[3]: runs longer than kLongRun and their chunks.
   at::Tensor info = at::zeros({4}, opts);
   const SortedRuns<key_t> runs = sort_runs<key_t>(
-      s, o, B, num_rows, info.data_ptr<int64_t>(), reinterpret_cast<unsigned long long*>(info.data_ptr<int64_t>() + 1));
+      tg, s, info.data_ptr<int64_t>(), reinterpret_cast<unsigned long long*>(info.data_ptr<int64_t>() + 1));
   const at::Tensor& sorted_pos = runs.sorted_pos;
   const at::Tensor& bag_of = runs.bag_of;
   const at::Tensor& run_len = runs.run_len;
@@ -514,8 +617,7 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const at::Tensor& g, const at::Ten
     at::Tensor scale;
     if (mode == kMean) {
       scale = at::empty({B}, g.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-      bag_scale_kernel<acc_t><<<grid_for(B * 32), kThreads, 0, stream()>>>(
-          s.data_ptr<int64_t>(), o.data_ptr<int64_t>(), o.numel(), B, N, scale.data_ptr<acc_t>());
+      bag_scale_kernel<acc_t, 1><<<grid_for(B * 32), kThreads, 0, stream()>>>(tg, scale.data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     auto launch = [&](auto vec) {
@@ -579,14 +681,16 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cuda(const at::Tensor& grad_o
   const at::Tensor g = grad_output.contiguous();
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
   if (N == 0) return {at::empty({0}, s.options()), at::empty({0, g.size(1)}, g.options())};
-  return with_sort_key(num_rows, [&](auto key) { return accumulate<decltype(key)>(g, s, o, p, mode, B, num_rows); });
+  const TableArgs t{at::Tensor(), at::Tensor(), g, s, o, p, num_rows, N, B};
+  return with_sort_key(num_rows, [&](auto key) { return accumulate<decltype(key)>(t, mode); });
 }
 
-// ---- accumulate_and_update ------------------------------------------------------------
+// ---- accumulate_and_update(_many) -----------------------------------------------------
 //
 // accumulate_grad and sparse_update fused, with no host synchronization: the sizes that
 // accumulate_grad reads back (unique rows, long runs) stay on the device. After the sort
-// and run-length encode of accumulate_grad, every run (one unique slot) is cut into
+// and run-length encode of accumulate_grad (over a group of tables: one key space, see
+// TableGroup), every run (one unique row of one table) is cut into
 // chunks of kLongRun positions; one exclusive scan gives each run its first position,
 // first chunk and first partial row. A grid-stride loop of thread groups then takes the
 // runs and the chunks of long runs: a run of one chunk (almost all of them) is summed in
@@ -643,16 +747,15 @@ __device__ __forceinline__ int64_t run_of_partial(const RunPlan* __restrict__ fi
 // Partial rows of a long run read at once by the group that adds them up.
 constexpr int kPartialBatch = 8;
 
-// ITER column packs per lane cover the row: D <= ITER * lanes * V.
-template <typename scalar_t, typename key_t, int V, int ITER>
+// ITER column packs per lane cover the row: D <= ITER * lanes * V. The group's tables
+// share D and S (the optimizer's state width).
+template <typename scalar_t, typename key_t, int V, int ITER, int MaxK>
 __global__ void accumulate_update_kernel(
-    scalar_t* __restrict__ weights, at::opmath_type<scalar_t>* __restrict__ state, int64_t D, int64_t S,
-    UpdateRule<at::opmath_type<scalar_t>> rule, const scalar_t* __restrict__ grad_output,
+    const __grid_constant__ TableGroup<MaxK> tg, int64_t D, int64_t S, UpdateRule<at::opmath_type<scalar_t>> rule,
     const key_t* __restrict__ uniq, const int64_t* __restrict__ num_runs, const RunPlan* __restrict__ plan,
-    const RunPlan* __restrict__ first, int64_t N,
-    const int32_t* __restrict__ sorted_pos, const int32_t* __restrict__ bag_of, const scalar_t* __restrict__ psw,
-    const at::opmath_type<scalar_t>* __restrict__ bag_scale, int lanes, at::opmath_type<scalar_t>* partial,
-    int32_t* __restrict__ arrived) {
+    const RunPlan* __restrict__ first, int64_t N, const int32_t* __restrict__ sorted_pos,
+    const int32_t* __restrict__ bag_of, const at::opmath_type<scalar_t>* __restrict__ bag_scale, int lanes,
+    at::opmath_type<scalar_t>* partial, int32_t* __restrict__ arrived) {
   using acc_t = at::opmath_type<scalar_t>;
   // Work items: the runs (those of one chunk are done at once), then the chunks of runs
   // longer than one chunk (located by a binary search; they are few).
@@ -671,6 +774,13 @@ __global__ void accumulate_update_kernel(
     }
     const RunPlan f = first[u], p = plan[u];
     if (i < runs && p.chunks != 1) continue;  // no gradient, or a long run (its chunks follow)
+    // The run's table (runs never span tables) and its inputs.
+    const int64_t key = static_cast<int64_t>(uniq[u]);
+    const int tb = table_of(tg.row_base, tg.K, key);
+    const scalar_t* __restrict__ grad_output = static_cast<const scalar_t*>(tg.grad[tb]);
+    const scalar_t* __restrict__ psw = static_cast<const scalar_t*>(tg.psw[tb]);
+    const int32_t bag0 = tg.bag_base[tb];
+    const int64_t pos0 = tg.pos_base[tb];
     const int64_t start = static_cast<int64_t>(f.len) + k * kLongRun;
     const int64_t stop = min(start + kLongRun, static_cast<int64_t>(f.len) + p.len);
     acc_t g[ITER][V];
@@ -679,7 +789,9 @@ __global__ void accumulate_update_kernel(
       const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
 #pragma unroll
       for (int j = 0; j < V; ++j) g[it][j] = 0;
-      if (c < D) add_rows<scalar_t, V>(g[it], start, stop, c, grad_output, D, sorted_pos, bag_of, psw, bag_scale);
+      if (c < D) {
+        add_rows<scalar_t, V>(g[it], start, stop, c, grad_output, bag0, D, sorted_pos, bag_of, psw, pos0, bag_scale);
+      }
     }
     if (p.chunks > 1) {
       // One chunk of a long run: store its sum; the last of the run's chunks to finish
@@ -730,10 +842,10 @@ __global__ void accumulate_update_kernel(
         }
       }
     }
-    // The update of row uniq[u] with gradient g, as sparse_update_kernel does it.
-    const int64_t slot = static_cast<int64_t>(uniq[u]);
-    scalar_t* w_row = weights + slot * D;
-    acc_t* st = state + slot * S;
+    // The update of the run's row with gradient g, as sparse_update_kernel does it.
+    const int64_t slot = key - tg.row_base[tb];
+    scalar_t* __restrict__ w_row = static_cast<scalar_t*>(tg.weights[tb]) + slot * D;
+    acc_t* __restrict__ st = static_cast<acc_t*>(tg.state[tb]) + slot * S;
     Pack<scalar_t, V> w[ITER];
     acc_t sq = 0;
 #pragma unroll
@@ -759,18 +871,22 @@ __global__ void accumulate_update_kernel(
 // Column packs per lane the fused kernel holds in registers; wider rows take the unfused path.
 constexpr int kMaxIter = 4;
 
-template <typename key_t>
-void accumulate_and_update_fused(const at::Tensor& weights, const at::Tensor& opt_state, const at::Tensor& g,
-                                 const at::Tensor& s, const at::Tensor& o, const at::Tensor& p, int64_t mode,
-                                 int64_t B, bool vec, int64_t optimizer, double lr, double eps, double beta1, double beta2,
-                                 double weight_decay, int64_t step) {
-  const int64_t N = s.numel();
-  const int64_t C = weights.size(0);
-  const int64_t D = weights.size(1);
-  const int64_t S = opt_state.size(1);
-  const auto opts = s.options();
+// The fused pass over tables t[0..K) (1 <= K <= MaxK; each with positions and rows), with
+// 16-byte packs or not (vec: every table allows them).
+template <typename key_t, int MaxK>
+void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode, bool vec, int64_t optimizer,
+                                 double lr, double eps, double beta1, double beta2, double weight_decay,
+                                 int64_t step) {
+  const TableGroup<MaxK> tg = make_group<MaxK>(t, K);
+  const int64_t N = tg.pos_base[K];
+  const int64_t B = tg.bag_base[K];
+  const int64_t R = tg.row_base[K];
+  const int64_t D = t[0]->weights.size(1);
+  const int64_t S = t[0]->opt_state.size(1);
+  const at::Tensor& like = t[0]->s;
+  const auto opts = like.options();
   at::Tensor num_runs = at::empty({1}, opts);
-  const SortedRuns<key_t> runs = sort_runs<key_t>(s, o, B, C, num_runs.data_ptr<int64_t>(), nullptr);
+  const SortedRuns<key_t> runs = sort_runs<key_t>(tg, like, num_runs.data_ptr<int64_t>(), nullptr);
   const at::Tensor& sorted_pos = runs.sorted_pos;
   const at::Tensor& bag_of = runs.bag_of;
   const at::Tensor& run_len = runs.run_len;
@@ -781,40 +897,38 @@ void accumulate_and_update_fused(const at::Tensor& weights, const at::Tensor& op
   RunPlan* pp = reinterpret_cast<RunPlan*>(plan.data_ptr<int32_t>());
   RunPlan* fp = reinterpret_cast<RunPlan*>(first.data_ptr<int32_t>());
   plan_kernel<key_t><<<grid_for(N), kThreads, 0, stream()>>>(up, run_len.data_ptr<int32_t>(),
-                                                             num_runs.data_ptr<int64_t>(), N, C, pp);
+                                                             num_runs.data_ptr<int64_t>(), N, R, pp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  cub_call(s, [&](void* temp, size_t& bytes) {
+  cub_call(like, [&](void* temp, size_t& bytes) {
     return cub::DeviceScan::ExclusiveScan(temp, bytes, pp, fp, RunPlanSum(), RunPlan{0, 0, 0}, static_cast<int>(N),
                                           stream());
   });
   // Partial rows: chunks of runs longer than kLongRun, at most 2 N / kLongRun of them.
   const int64_t max_partials = 2 * ceil_div(N, kLongRun);
   at::Tensor arrived = at::zeros({max_partials}, opts.dtype(at::kInt));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "accumulate_and_update_cuda", [&] {
+  const at::Tensor& g0 = t[0]->g;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g0.scalar_type(), "accumulate_and_update_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto acc_type = c10::CppTypeToScalarType<acc_t>::value;
     at::Tensor scale;
     if (mode == kMean) {
-      scale = at::empty({B}, g.options().dtype(acc_type));
-      bag_scale_kernel<acc_t><<<grid_for(B * 32), kThreads, 0, stream()>>>(
-          s.data_ptr<int64_t>(), o.data_ptr<int64_t>(), o.numel(), B, N, scale.data_ptr<acc_t>());
+      scale = at::empty({B}, g0.options().dtype(acc_type));
+      bag_scale_kernel<acc_t, MaxK><<<grid_for(B * 32), kThreads, 0, stream()>>>(tg, scale.data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    at::Tensor partial = at::empty({max_partials, D}, g.options().dtype(acc_type));
+    at::Tensor partial = at::empty({max_partials, D}, g0.options().dtype(acc_type));
     const auto rule = UpdateRule<acc_t>::make(optimizer, lr, eps, beta1, beta2, weight_decay, step);
-    acc_t* state = S > 0 ? opt_state.data_ptr<acc_t>() : nullptr;
     auto launch = [&](auto vec, auto iter) {
       constexpr int V = decltype(vec)::value;
       constexpr int ITER = decltype(iter)::value;
       const int lanes = lanes_for(D, V);
       // Enough groups for every run of a batch of distinct slots, capped.
       const int64_t blocks = std::min<int64_t>(grid_for(N * lanes), 32 * 1024);
-      accumulate_update_kernel<scalar_t, key_t, V, ITER><<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
-          weights.data_ptr<scalar_t>(), state, D, S, rule, g.data_ptr<scalar_t>(), up, num_runs.data_ptr<int64_t>(),
-          pp, fp, N,
-          sorted_pos.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(), p.defined() ? p.data_ptr<scalar_t>() : nullptr,
-          scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes, partial.data_ptr<acc_t>(),
-          arrived.data_ptr<int32_t>());
+      accumulate_update_kernel<scalar_t, key_t, V, ITER, MaxK>
+          <<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
+              tg, D, S, rule, up, num_runs.data_ptr<int64_t>(), pp, fp, N, sorted_pos.data_ptr<int32_t>(),
+              bag_of.data_ptr<int32_t>(), scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes,
+              partial.data_ptr<acc_t>(), arrived.data_ptr<int32_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto with_iter = [&](auto vec) {
@@ -834,6 +948,76 @@ void accumulate_and_update_fused(const at::Tensor& weights, const at::Tensor& op
       with_iter(std::integral_constant<int, 1>());
     }
   });
+}
+
+// Rows too wide for the fused kernel's registers: the gradient rows are written out
+// (accumulate_grad), then applied (sparse_update).
+void update_wide(const TableArgs& t, int64_t mode, int64_t optimizer, double lr, double eps, double beta1,
+                 double beta2, double weight_decay, int64_t step) {
+  auto [unique_slots, grad_rows] = with_sort_key(t.rows, [&](auto key) { return accumulate<decltype(key)>(t, mode); });
+  static auto update = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("veloce::sparse_update", "")
+                           .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       int64_t, double, double, double, double, double, int64_t)>();
+  update.call(t.weights, t.opt_state, unique_slots, grad_rows, optimizer, lr, eps, beta1, beta2, weight_decay, step);
+}
+
+// Applies the gradients of checked tables that share device, dtype and D (the weights and
+// opt_state of no two overlap): rows too wide for registers table by table (update_wide),
+// the others in groups of one sort and one fused kernel. The tables of a group also share
+// the choice of 16-byte packs, which fixes the lanes per row and so RowWiseAdagrad's order
+// of adding g^2: every table gets the arithmetic of its single-table call.
+void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t optimizer, double lr, double eps,
+                   double beta1, double beta2, double weight_decay, int64_t step) {
+  if (tables.empty()) return;
+  const at::Tensor& w0 = tables[0].weights;
+  const int64_t D = w0.size(1);
+  const int64_t S = tables[0].opt_state.size(1);
+  if (D == 0) return;
+  const int64_t elems16 = 16 / w0.element_size();
+  std::vector<const TableArgs*> fused[2];  // by vec
+  for (const TableArgs& t : tables) {
+    if (t.N == 0 || t.rows == 0) continue;  // nothing to update
+    // 16-byte packs when D and every row pointer allow them (RowWiseAdagrad's one state
+    // value per row is read alone).
+    const bool vec = D % elems16 == 0 && aligned16(t.weights.data_ptr()) && aligned16(t.g.data_ptr()) &&
+                     (S <= 1 || aligned16(t.opt_state.data_ptr()));
+    const int64_t V = vec ? elems16 : 1;
+    if (ceil_div(D, lanes_for(D, static_cast<int>(V)) * V) > kMaxIter) {
+      update_wide(t, mode, optimizer, lr, eps, beta1, beta2, weight_decay, step);
+    } else {
+      fused[vec].push_back(&t);
+    }
+  }
+  constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
+  for (int vec = 0; vec < 2; ++vec) {
+    const std::vector<const TableArgs*>& list = fused[vec];
+    for (size_t begin = 0; begin < list.size();) {
+      // One launch's tables: at most kMaxGroup, at most 2^31 - 1 positions and bags (int32
+      // indices), and fewer than 2^32 rows (a 32-bit sort key) unless one table has more.
+      size_t end = begin;
+      int64_t n = 0, b = 0, r = 0;
+      for (; end < list.size() && end - begin < static_cast<size_t>(kMaxGroup); ++end) {
+        const TableArgs& t = *list[end];
+        if (end > begin && (n + t.N > kMaxInt32 || b + t.B > kMaxInt32 || r + t.rows >= (int64_t{1} << 32))) break;
+        n += t.N;
+        b += t.B;
+        r += t.rows;
+      }
+      const int K = static_cast<int>(end - begin);
+      with_sort_key(r, [&](auto key) {
+        using key_t = decltype(key);
+        if (K == 1) {
+          accumulate_and_update_fused<key_t, 1>(list.data() + begin, 1, mode, vec, optimizer, lr, eps, beta1, beta2,
+                                                weight_decay, step);
+        } else {
+          accumulate_and_update_fused<key_t, kMaxGroup>(list.data() + begin, K, mode, vec, optimizer, lr, eps, beta1,
+                                                        beta2, weight_decay, step);
+        }
+      });
+      begin = end;
+    }
+  }
 }
 
 void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt_state,
@@ -856,32 +1040,82 @@ void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt
                                  : check_offsets_shape(op, o, N, include_last_offset);
   check_grad_output_rows(op, grad_output, B);
   check_num_bags_cuda(op, B);
-  const int64_t D = weights.size(1);
-  if (N == 0 || D == 0 || weights.size(0) == 0) return;
+  if (N == 0 || weights.size(1) == 0 || weights.size(0) == 0) return;
   const at::Tensor g = grad_output.contiguous();
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
-  // 16-byte packs when D and every row pointer allow them (RowWiseAdagrad's one state
-  // value per row is read alone).
-  const int64_t elems16 = 16 / weights.element_size();
-  const bool vec = D % elems16 == 0 && aligned16(weights.data_ptr()) && aligned16(g.data_ptr()) &&
-                   (opt_state.size(1) <= 1 || aligned16(opt_state.data_ptr()));
-  const int64_t V = vec ? elems16 : 1;
-  if (ceil_div(D, lanes_for(D, static_cast<int>(V)) * V) > kMaxIter) {
-    // Rows too wide for registers: the gradient rows are written out, then applied.
-    const int64_t C = weights.size(0);
-    auto [unique_slots, grad_rows] =
-        with_sort_key(C, [&](auto key) { return accumulate<decltype(key)>(g, s, o, p, mode, B, C); });
-    static auto update = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("veloce::sparse_update", "")
-                             .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         int64_t, double, double, double, double, double, int64_t)>();
-    update.call(weights, opt_state, unique_slots, grad_rows, optimizer, lr, eps, beta1, beta2, weight_decay, step);
-    return;
+  // The group of one table: the same kernels as accumulate_and_update_many.
+  update_tables({TableArgs{weights, opt_state, g, s, o, p, weights.size(0), N, B}}, mode, optimizer, lr, eps, beta1,
+                beta2, weight_decay, step);
+}
+
+// check_bags_and_slots_cuda (no upper slot limit: accumulate_and_update skips slots past
+// the rows) for the tables of accumulate_and_update_many: each table's device reductions,
+// one read-back for all of them; the messages name the table.
+void check_tables_cuda(const std::vector<std::string>& names, const std::vector<TableArgs>& tables,
+                       bool include_last_offset) {
+  std::vector<at::Tensor> parts;
+  std::vector<int64_t> offsets_at(tables.size(), -1), slots_at(tables.size(), -1);  // index in parts
+  for (size_t k = 0; k < tables.size(); ++k) {
+    const TableArgs& t = tables[k];
+    if (t.o.numel() > 0) {
+      offsets_at[k] = static_cast<int64_t>(parts.size());
+      parts.push_back(offsets_bad_flag(t.o, t.N, include_last_offset).to(at::kLong));
+    }
+    if (t.N > 0) {
+      slots_at[k] = static_cast<int64_t>(parts.size());
+      parts.push_back(t.s.min().reshape({1}));
+    }
   }
-  with_sort_key(weights.size(0), [&](auto key) {
-    accumulate_and_update_fused<decltype(key)>(weights, opt_state, g, s, o, p, mode, B, vec, optimizer, lr, eps,
-                                               beta1, beta2, weight_decay, step);
-  });
+  if (parts.empty()) return;
+  const at::Tensor host = at::cat(parts).cpu();
+  const int64_t* h = host.data_ptr<int64_t>();
+  for (size_t k = 0; k < tables.size(); ++k) {
+    const TableArgs& t = tables[k];
+    const char* name = names[k].c_str();
+    if (offsets_at[k] >= 0 && h[offsets_at[k]] != 0) check_offsets(name, t.o, t.N, include_last_offset);  // raises
+    if (slots_at[k] >= 0 && h[slots_at[k]] < kZeroSlot) {
+      const at::Tensor all = t.s.cpu();
+      check_slot_values(name, all.data_ptr<int64_t>(), all.numel(), -1, "");  // raises
+    }
+  }
+}
+
+void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_state, at::TensorList grad_output,
+                                     at::TensorList slots, at::TensorList offsets,
+                                     const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
+                                     bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
+                                     double beta2, double weight_decay, int64_t step, bool check_inputs) {
+  constexpr const char* op = "veloce::accumulate_and_update_many";
+  const ManyTables checked = check_update_many_args(op, weights, opt_state, grad_output, slots, offsets,
+                                                    per_sample_weights, mode, include_last_offset, optimizer, lr, eps,
+                                                    beta1, beta2, step);
+  const size_t K = weights.size();
+  if (K == 0) return;
+  const c10::cuda::CUDAGuard guard(weights[0].device());
+  std::vector<TableArgs> tables(K);
+  for (size_t k = 0; k < K; ++k) {
+    const char* name = checked.names[k].c_str();
+    TableArgs& t = tables[k];
+    t.N = slots[k].numel();
+    t.B = checked.num_bags[k];
+    check_num_ids_cuda(name, t.N);
+    check_num_bags_cuda(name, t.B);
+    t.s = slots[k].contiguous();
+    t.o = offsets[k].contiguous();
+  }
+  // One device check and one read-back for every table's offsets and slots; none when
+  // the caller vouches for them (DynamicEmbedding's step_tables).
+  if (check_inputs) check_tables_cuda(checked.names, tables, include_last_offset);
+  for (size_t k = 0; k < K; ++k) {
+    TableArgs& t = tables[k];
+    t.weights = weights[k];
+    t.opt_state = opt_state[k];
+    t.rows = weights[k].size(0);
+    t.g = grad_output[k].contiguous();
+    const std::optional<at::Tensor> psw = per_sample_weights.get(k);
+    t.p = psw.has_value() ? psw->contiguous() : at::Tensor();
+  }
+  update_tables(tables, mode, optimizer, lr, eps, beta1, beta2, weight_decay, step);
 }
 
 }  // namespace
@@ -892,4 +1126,5 @@ TORCH_LIBRARY_IMPL(veloce, CUDA, m) {
   m.impl("pooled_lookup", &veloce::cuda::pooled_lookup_cuda);
   m.impl("accumulate_grad", &veloce::cuda::accumulate_grad_cuda);
   m.impl("accumulate_and_update", &veloce::cuda::accumulate_and_update_cuda);
+  m.impl("accumulate_and_update_many", &veloce::cuda::accumulate_and_update_many_cuda);
 }

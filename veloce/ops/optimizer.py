@@ -1,7 +1,8 @@
 """The optimizer op family: the fused sparse optimizer step over table rows.
 
-Typed wrapper over ``torch.ops.veloce.sparse_update`` (kernel: ``csrc/cpu/optimizer.cpp``)
-and its fake kernel. Semantics: docs/ops.md, section "optimizer".
+Typed wrappers over ``torch.ops.veloce.sparse_update`` (kernel: ``csrc/cpu/optimizer.cpp``),
+``accumulate_and_update`` and ``accumulate_and_update_many`` (kernels:
+``csrc/cpu/embedding.cpp``) and their fake kernels. Semantics: docs/ops.md, section "optimizer".
 
 Shape glossary: ``C`` rows of the table, ``D`` embedding dim, ``S`` optimizer state
 width (0 SGD, D Adagrad, 1 RowWiseAdagrad, 2D Adam), ``U`` updated rows.
@@ -9,11 +10,13 @@ width (0 SGD, D Adagrad, 1 RowWiseAdagrad, 2D Adam), ``U`` updated rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from veloce import _ext
 
-__all__ = ["OPTIMIZERS", "accumulate_and_update", "sparse_update", "state_width"]
+__all__ = ["OPTIMIZERS", "accumulate_and_update", "accumulate_and_update_many", "sparse_update", "state_width"]
 
 #: Optimizer ids by name.
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
@@ -152,9 +155,88 @@ def accumulate_and_update(
     )  # fmt: skip
 
 
+def accumulate_and_update_many(
+    weights: Sequence[torch.Tensor],
+    opt_state: Sequence[torch.Tensor],
+    grad_output: Sequence[torch.Tensor],
+    slots: Sequence[torch.Tensor],
+    offsets: Sequence[torch.Tensor],
+    per_sample_weights: Sequence[torch.Tensor | None] | None,
+    mode: int | str,
+    include_last_offset: bool,
+    optimizer: int | str,
+    lr: float,
+    eps: float = 1e-10,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    weight_decay: float = 0.0,
+    step: int = 1,
+    check_inputs: bool = True,
+) -> None:
+    """:func:`accumulate_and_update` of K tables in one call, in place.
+
+    The result is that of ``accumulate_and_update(weights[k], opt_state[k], grad_output[k],
+    slots[k], offsets[k], per_sample_weights[k], ...)`` for every k, bit for bit; the
+    difference is speed on CUDA, where one sort and one fused kernel serve all the tables
+    (about a dozen launches in all instead of a dozen per table: a step over many small
+    tables is otherwise bound by the host). ``DynamicEmbedding``'s :func:`veloce.step_tables`
+    steps its tables this way.
+
+    The tables must share device, dtype and embedding dim (they may differ in rows, bags and
+    ids, and some may have no ids); the other arguments are shared too. No table may appear
+    twice (its weights or opt_state in two entries): the tables are updated at once. Every
+    table is checked before any is written; messages name the table (``(table k)``).
+
+    Args:
+        weights, opt_state, grad_output, slots, offsets: one entry per table, as
+            :func:`accumulate_and_update` takes them.
+        per_sample_weights: one entry per table (None for a table without them), or None
+            for no table.
+        mode, include_last_offset, optimizer, lr, eps, beta1, beta2, weight_decay, step,
+            check_inputs: as :func:`accumulate_and_update`, for every table.
+
+    Shape:
+        - per table k: weights ``(C_k, D)``; opt_state ``(C_k, S)``; grad_output ``(B_k, D)``;
+          slots ``(N_k,)``; offsets ``(B_k,)`` or ``(B_k + 1,)``; per_sample_weights ``(N_k,)``
+
+    Example::
+
+        >>> w = [torch.zeros(8, 4), torch.zeros(32, 4)]
+        >>> s = [torch.zeros(8, 0), torch.zeros(32, 0)]  # SGD keeps no state
+        >>> g = [torch.ones(1, 4), torch.ones(2, 4)]
+        >>> slots = [torch.tensor([2, 2]), torch.tensor([5, 31])]
+        >>> offsets = [torch.tensor([0]), torch.tensor([0, 1])]
+        >>> accumulate_and_update_many(w, s, g, slots, offsets, None, "sum", False, "sgd", lr=0.1)
+        >>> w[0][2, 0].item(), w[1][31, 0].item()
+        (-0.20000000298023224, -0.10000000149011612)
+    """
+    from veloce.ops.embedding import _mode_id
+
+    _ext.require()
+    weights, opt_state = list(weights), list(opt_state)
+    psw = [None] * len(weights) if per_sample_weights is None else list(per_sample_weights)
+    if not weights and not opt_state and not grad_output and not slots and not offsets and not psw:
+        return  # no table: nothing to do (and no tensor to dispatch on)
+    torch.ops.veloce.accumulate_and_update_many(
+        weights, opt_state, list(grad_output), list(slots), list(offsets), psw, _mode_id(mode), include_last_offset,
+        _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step, check_inputs,
+    )  # fmt: skip
+
+
 def _fake_accumulate_and_update(weights, opt_state, grad_output, slots, offsets, psw, mode, ilo, *hyper):
     torch._check(weights.dim() == 2, lambda: f"weights must be 2-D, got {weights.dim()}-D")
     torch._check(grad_output.dim() == 2, lambda: f"grad_output must be 2-D, got {grad_output.dim()}-D")
+
+
+def _fake_accumulate_and_update_many(weights, opt_state, grad_output, slots, offsets, psw, pooling, ilo, *hyper):
+    k = len(weights)
+    for name, lst in (("opt_state", opt_state), ("grad_output", grad_output), ("slots", slots), ("offsets", offsets),
+                      ("per_sample_weights", psw)):  # fmt: skip
+        if len(lst) != k:  # list lengths and ranks are static, even under tracing
+            raise RuntimeError(f"weights has {k} entries but {name} has {len(lst)}")
+    for w, g in zip(weights, grad_output):
+        if w.dim() != 2 or g.dim() != 2:
+            raise RuntimeError(f"weights and grad_output must be 2-D, got {w.dim()}-D and {g.dim()}-D")
 
 
 def _fake_sparse_update(
@@ -167,3 +249,4 @@ def _fake_sparse_update(
 if _ext.loaded:
     torch.library.register_fake("veloce::sparse_update")(_fake_sparse_update)
     torch.library.register_fake("veloce::accumulate_and_update")(_fake_accumulate_and_update)
+    torch.library.register_fake("veloce::accumulate_and_update_many")(_fake_accumulate_and_update_many)

@@ -9,6 +9,8 @@
 #include <ATen/core/List.h>
 
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "veloce/check.h"
 
@@ -85,6 +87,28 @@ void check_num_bags_cuda(const char* op, int64_t num_bags);
 
 // accumulate_and_update: grad_output on weights' device, of its dtype and width.
 void check_grad_output_for_weights(const char* op, const at::Tensor& grad_output, const at::Tensor& weights);
+
+// accumulate_and_update_many: the name its checks give table k, "<op> (table k)", so
+// that a message says which table is wrong.
+std::string table_op_name(const char* op, int64_t k);
+
+// accumulate_and_update_many, everything but the values of offsets and slots (the backends
+// read those: the CPU on the host, CUDA with one read-back for all tables): every list
+// holds one entry per table; the hyperparameters; each table as accumulate_and_update
+// checks it (check_update_rows, check_backward_inputs, check_grad_output_for_weights, the
+// offsets' shape and one grad_output row per bag), its messages naming the table; every
+// table on weights[0]'s device, of its dtype and embedding dim; and no two tables' weights
+// or opt_state in the same memory (the tables are updated at once, so one table given
+// twice would not be updated twice). Returns per table its name and number of bags.
+struct ManyTables {
+  std::vector<std::string> names;  // table_op_name(op, k)
+  std::vector<int64_t> num_bags;   // B_k
+};
+ManyTables check_update_many_args(const char* op, at::TensorList weights, at::TensorList opt_state,
+                                  at::TensorList grad_output, at::TensorList slots, at::TensorList offsets,
+                                  const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
+                                  bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
+                                  double beta2, int64_t step);
 
 // Every slot s[0..n) must be -1, -2 or in [0, limit) (limit < 0: no upper bound). Host
 // pointer; the CUDA kernels call it on a host copy once a device reduction found a bad slot.
