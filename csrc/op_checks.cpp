@@ -73,7 +73,7 @@ int64_t check_find_or_insert_many_args(const char* op, at::TensorList keys, at::
        {"padding_id", padding_id.size()}});
   check_distinct_tables(op, keys);
   for (int64_t k = 0; k < K; ++k) {
-    const std::string name = std::string(op) + " (table " + std::to_string(k) + ")";
+    const std::string name = table_op_name(op, k);
     check_insert_args(name.c_str(), keys[k], digests[k], scores[k], weights[k], opt_state[k], ids[k],
                       score_policy[k]);
     check_init(name.c_str(), init_kind[k], init_a[k], init_b[k]);
@@ -231,17 +231,11 @@ ManyTables check_update_many_args(const char* op, at::TensorList weights, at::Te
                                   const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
                                   bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
                                   double beta2, int64_t step) {
-  const int64_t K = static_cast<int64_t>(weights.size());
-  const std::pair<const char*, int64_t> lists[] = {
-      {"opt_state", static_cast<int64_t>(opt_state.size())},
-      {"grad_output", static_cast<int64_t>(grad_output.size())},
-      {"slots", static_cast<int64_t>(slots.size())},
-      {"offsets", static_cast<int64_t>(offsets.size())},
-      {"per_sample_weights", static_cast<int64_t>(per_sample_weights.size())}};
-  for (const auto& [name, len] : lists) {
-    TORCH_CHECK(len == K, op, ": every list holds one entry per table, but weights has ", K, " and ", name, " has ",
-                len, " (pass None in per_sample_weights for a table without them)");
-  }
+  const int64_t K = check_list_lengths(op, "weights", weights.size(),
+                                       {{"opt_state", opt_state.size()}, {"grad_output", grad_output.size()},
+                                        {"slots", slots.size()}, {"offsets", offsets.size()},
+                                        {"per_sample_weights (None for a table without them)",
+                                         per_sample_weights.size()}});
   check_update_hyper(op, optimizer, lr, eps, beta1, beta2, step);
   ManyTables out;
   out.names.reserve(K);

@@ -479,7 +479,7 @@ class FindOrInsert {
   // table: the table's index in an op over several tables (named in error messages), or -1.
   explicit FindOrInsert(FindOrInsertArgs a, int64_t table = -1) : a_(std::move(a)) {
     const std::string name =
-        table < 0 ? "veloce::find_or_insert" : "veloce::find_or_insert_many (table " + std::to_string(table) + ")";
+        table < 0 ? "veloce::find_or_insert" : table_op_name("veloce::find_or_insert_many", table);
     const char* op = name.c_str();
     a_.ids = check_insert_args_cuda(op, a_.keys, a_.digests, a_.scores, a_.weights, a_.opt_state, a_.ids,
                                     a_.score_policy);

@@ -88,8 +88,8 @@ void check_num_bags_cuda(const char* op, int64_t num_bags);
 // accumulate_and_update: grad_output on weights' device, of its dtype and width.
 void check_grad_output_for_weights(const char* op, const at::Tensor& grad_output, const at::Tensor& weights);
 
-// accumulate_and_update_many: the name its checks give table k, "<op> (table k)", so
-// that a message says which table is wrong.
+// Ops over several tables: the name their checks give table k, "<op> (table k)", so that
+// a message says which table is wrong.
 std::string table_op_name(const char* op, int64_t k);
 
 // accumulate_and_update_many, everything but the values of offsets and slots (the backends
