@@ -668,3 +668,18 @@ def test_cuda_step_tables_never_waits_for_the_device():
         torch.cuda.set_sync_debug_mode("default")
     for t, b in zip(tables, before):
         assert not torch.equal(t.export()["weights"], b)  # every table was stepped
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_host_values_reach_the_device_without_a_sync():
+    """The small index tensors of a step (bag bounds, split counts, flags' owners) are
+    queued like kernels, not copied with a blocking host-to-device copy."""
+    from veloce._device import host_tensor
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        t = host_tensor([3, 1, 2], torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert t.device.type == "cuda" and t.tolist() == [3, 1, 2] and t.dtype == torch.long
+    assert host_tensor([0.5], torch.device("cpu"), torch.float32).tolist() == [0.5]

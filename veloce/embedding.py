@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from veloce import _ext
+from veloce._device import host_tensor
 from veloce import init as _init
 from veloce import optim as _optim
 from veloce.table import HashTable, find_or_insert_many
@@ -590,7 +591,7 @@ def _all_finite(tables: Sequence["DynamicEmbedding"]) -> dict[int, bool]:
         counts = torch.zeros(len(idx), dtype=torch.long, device=dev)
         if grads:
             bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).long()
-            counts.index_add_(0, torch.tensor(owner, device=dev), bad)
+            counts.index_add_(0, host_tensor(owner, dev), bad)
         flags[dev] = [counts]
     # Sharded tables: the counts summed over the ranks (every rank steps the same tables in
     # the same order), appended after the device's own rows.

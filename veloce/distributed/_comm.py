@@ -13,6 +13,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from veloce._device import host_tensor
+
 __all__ = ["ExchangeError", "exchange_headers", "all_to_all", "abandon_exchange", "agree_sum", "Group"]
 
 
@@ -44,7 +46,7 @@ def exchange_headers(
     w = group.size
     dev = sizes[0].device
     mine = [len(sizes), *signature]
-    sig = torch.tensor(mine, dtype=torch.long, device=dev).expand(w, len(mine)).contiguous()
+    sig = host_tensor(mine, dev).expand(w, len(mine)).contiguous()
     theirs = torch.empty_like(sig)
     dist.all_to_all_single(theirs, sig, group=group.group)
     for peer, row in enumerate(theirs.tolist()):
@@ -81,7 +83,7 @@ def abandon_exchange(group: Group) -> None:
 
 def agree_sum(group: Group, count: int) -> int:
     """The sum of ``count`` over the group's ranks (a collective: every rank calls it)."""
-    return int(agree_sum_tensor(group, torch.tensor([count], dtype=torch.long)).item())
+    return int(agree_sum_tensor(group, host_tensor([count], _device(group))).item())
 
 
 def agree_sum_tensor(group: Group, counts: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from veloce._device import host_tensor
 from veloce.distributed._comm import all_to_all, exchange_headers
 from veloce.distributed.sharded import (
     _SUM, Shard, _cat_grads, _concat_bags, _deliver, _mean_scale, _per_table, _segment_gather_index,
@@ -83,7 +84,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     dev = bags[0][0].device
     dtype = modules[0].table.weights.dtype
     batch = _concat_bags(modules, bags, dtype, dev)
-    table = torch.repeat_interleave(torch.arange(K, device=dev), torch.tensor(batch.num_kept, device=dev),
+    table = torch.repeat_interleave(torch.arange(K, device=dev), host_tensor(batch.num_kept, dev),
                                     output_size=batch.ids.numel())  # fmt: skip
     first, inverse = _distinct(batch.ids, table)
     u_ids, u_table = batch.ids[first], table[first]
@@ -97,7 +98,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
 
     # The owner: per peer, ids come table after table; serve each table's block.
     recv_ids = all_to_all(g, u_ids[send_order], id_splits, recv_ids_n)
-    seg_len = torch.tensor([recv_ids_nk[k][p] for p in range(W) for k in range(K)], device=dev)
+    seg_len = host_tensor([recv_ids_nk[k][p] for p in range(W) for k in range(K)], dev)
     table_major = torch.arange(W * K, device=dev).view(W, K).t().reshape(-1)
     recv_order = _segment_gather_index(seg_len, table_major, recv_ids.numel())
     ids_per_table = [sum(c) for c in recv_ids_nk]

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from veloce._device import host_tensor
 from veloce.distributed._comm import (
     ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all, exchange_headers,
 )  # fmt: skip
@@ -248,7 +249,7 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
     b = bucketize_bags(cb.ids, cb.starts, g.size)
 
     # Per (owner, table): parts and ids, for the owner to split what it receives by table.
-    bag_bounds = torch.tensor([0, *itertools.accumulate(cb.num_bags)][:-1], device=dev)
+    bag_bounds = host_tensor([0, *itertools.accumulate(cb.num_bags)][:-1], dev)
     P = b.bag_of_part.numel()
     table_of_part = torch.searchsorted(bag_bounds, b.bag_of_part, right=True) - 1
     owner_of_part = torch.repeat_interleave(torch.arange(g.size, device=dev), b.part_splits, output_size=P)
@@ -269,7 +270,7 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
 
     # The owner: received parts come peer-major, table-major within a peer; serve each
     # table from its own contiguous block (table-major order).
-    counts = torch.tensor([recv_parts_nk[k][p] for p in range(g.size) for k in range(K)], device=dev)
+    counts = host_tensor([recv_parts_nk[k][p] for p in range(g.size) for k in range(K)], dev)
     table_of_recv = torch.repeat_interleave(torch.arange(K, device=dev).repeat(g.size), counts,
                                             output_size=recv_len.numel())  # fmt: skip
     part_order = torch.sort(table_of_recv, stable=True).indices
@@ -320,7 +321,7 @@ def _mean_scale(modules: list, batch: _Batch, dtype: torch.dtype, dev: torch.dev
     """1 / (ids in the bag, padding dropped) for the bags of mean tables, 1 elsewhere."""
     if all(m.mode != "mean" for m in modules):
         return None
-    ends = torch.cat([batch.starts[1:], torch.tensor([batch.ids.numel()], device=dev)])
+    ends = torch.cat([batch.starts[1:], host_tensor([batch.ids.numel()], dev)])
     counts = (ends - batch.starts).to(dtype)
     is_mean = torch.cat([torch.full((n,), m.mode == "mean", device=dev) for m, n in zip(modules, batch.num_bags)])
     return torch.where(is_mean, 1.0 / counts.clamp(min=1), torch.ones_like(counts))
