@@ -644,3 +644,36 @@ def test_an_error_on_one_rank_stops_every_rank(case, grouped):
     else:
         assert t1 == "TableFullError" and "eviction='none'" in m1
         assert t0 == "ExchangeError" and "failed on 1 other rank(s)" in m0
+
+
+def _many_tables(rank, world, counts):
+    """rank r looks up counts[r] tables of dim 2 together; returns the pooled rows (or the
+    error) and the shards' exported keys."""
+    torch.manual_seed(0)
+    tables = [veloce.DynamicEmbedding(2, mode="sum", seed=k) for k in range(max(counts))]
+    HybridParallel(nn.ModuleList(tables), dense="none")
+    mine = tables[: counts[rank]]
+    ids = torch.arange(8).view(4, 2) + 100 * rank
+    try:
+        outs = veloce.lookup_many(mine, [ids + 1000 * k for k in range(len(mine))])
+    except ExchangeError as e:
+        return str(e)
+    return [o.detach() for o in outs]
+
+
+def test_lookup_of_more_tables_than_the_header_holds():
+    """40 tables need 82 size fields: more than the fixed-width header carries, so they
+    follow in a second all-to-all; the result is still that of one process."""
+    results = run_ranks(_many_tables, 2, [40, 40], timeout=60)
+    for rank, outs in enumerate(results):
+        assert len(outs) == 40
+        for k, o in enumerate(outs):
+            ref = veloce.DynamicEmbedding(2, mode="sum", seed=k)
+            torch.testing.assert_close(o, ref(torch.arange(8).view(4, 2) + 100 * rank + 1000 * k))
+
+
+def test_ranks_disagreeing_on_the_number_of_tables_raise_not_hang():
+    """Rank 0 sends its sizes with the header (2 tables), rank 1 needs a second round (40):
+    the headers have one width, so both see the other's signature and raise."""
+    for rank, msg in enumerate(run_ranks(_many_tables, 2, [2, 40], timeout=60)):
+        assert isinstance(msg, str) and f"rank {1 - rank} sent signature" in msg

@@ -1,9 +1,9 @@
 """All-to-all plumbing of the sparse exchange: split sizes first, then variable-size payloads.
 
-Every exchange starts with a small all-to-all of a header per peer (split sizes plus a
-signature of what is being exchanged), so the receiving side always knows how much comes
-from whom, and ranks that disagree (another table, another dim) fail with an error on
-every rank instead of hanging or reading garbage.
+Every exchange starts with a small all-to-all of a fixed-width header per peer (a
+signature of what is being exchanged, then the split sizes), so the receiving side always
+knows how much comes from whom, and ranks that disagree (another table, another dim) fail
+with an error on every rank instead of hanging or reading garbage.
 """
 
 from __future__ import annotations
@@ -39,45 +39,61 @@ def exchange_headers(
     sends to each peer and what each peer sends to it (``sent[k][peer]``,
     ``received[k][peer]``).
 
-    First the ranks swap ``signature`` (a fixed number of ints describing the exchange,
-    with the number of fields prepended); if any peer's differs, every rank raises
-    :class:`ExchangeError` (each sees at least one disagreeing peer) before the sizes,
-    whose number may then differ, are exchanged."""
+    Every rank sends each peer one row of a fixed width: ``signature`` (a fixed number of
+    ints describing the exchange, with the number of fields prepended), then the sizes when
+    there are at most ``INLINE_FIELDS`` of them. If any peer's signature differs, every
+    rank raises :class:`ExchangeError` (each sees at least one disagreeing peer). The
+    fixed width is what makes one all-to-all (and one host read) enough: ranks that
+    disagree on the number of fields still exchange rows of the same size, so none hangs.
+    More fields than fit follow in a second all-to-all, once the signatures agree."""
     w = group.size
     dev = sizes[0].device
-    mine = [len(sizes), *signature]
-    sig = host_tensor(mine, dev).expand(w, len(mine)).contiguous()
-    theirs = torch.empty_like(sig)
-    dist.all_to_all_single(theirs, sig, group=group.group)
-    for peer, row in enumerate(theirs.tolist()):
-        if row[0] == _ABANDONED:
+    k = len(sizes)
+    mine = [k, *signature]
+    if len(mine) != SIGNATURE_WIDTH:
+        raise ValueError(f"exchange_headers: a signature holds {SIGNATURE_WIDTH - 1} ints, got {len(signature)}")
+    inline = k <= INLINE_FIELDS
+    row = torch.zeros(w, HEADER_WIDTH, dtype=torch.long, device=dev)
+    row[:, :SIGNATURE_WIDTH] = host_tensor(mine, dev)
+    fields = torch.stack([s.to(dev, torch.long) for s in sizes], 1)
+    if inline:
+        row[:, SIGNATURE_WIDTH : SIGNATURE_WIDTH + k] = fields
+    theirs = torch.empty_like(row)
+    dist.all_to_all_single(theirs, row, group=group.group)
+    sent_rows, recv_rows = torch.stack([row, theirs]).tolist()  # the host sync that sizes the payloads
+    for peer, got in enumerate(recv_rows):
+        sig = got[:SIGNATURE_WIDTH]
+        if sig[0] == _ABANDONED:
             raise ExchangeError(
                 f"{what}: rank {peer} could not take part in this lookup (its own error says why, e.g. bad "
                 f"input); every rank stops here"
             )
-        if row != mine:
+        if sig != mine:
             raise ExchangeError(
-                f"{what}: rank {peer} sent signature {row} to rank {group.rank}, which expected {mine}. Every rank "
+                f"{what}: rank {peer} sent signature {sig} to rank {group.rank}, which expected {mine}. Every rank "
                 f"must call its sharded tables in the same order, grouped the same way, with the same "
                 f"configuration (embedding dim, per_sample_weights given or not and requiring grad or not)."
             )
-    header = torch.stack([s.to(dev, torch.long) for s in sizes], 1).contiguous()
-    recv = torch.empty_like(header)
-    dist.all_to_all_single(recv, header, group=group.group)
-    sent_rows, recv_rows = torch.stack([header, recv]).tolist()  # the host sync that sizes the payloads
-    k = len(sizes)
-    return _columns(sent_rows, k), _columns(recv_rows, k)
+    if inline:
+        return _columns(sent_rows, SIGNATURE_WIDTH, k), _columns(recv_rows, SIGNATURE_WIDTH, k)
+    fields = fields.contiguous()
+    recv = torch.empty_like(fields)
+    dist.all_to_all_single(recv, fields, group=group.group)
+    sent_rows, recv_rows = torch.stack([fields, recv]).tolist()
+    return _columns(sent_rows, 0, k), _columns(recv_rows, 0, k)
 
 
 _ABANDONED = -1
 SIGNATURE_WIDTH = 7  # the number of fields, then the 6 ints of a lookup's signature
+INLINE_FIELDS = 66  # size fields sent with the signature: a lookup of up to 32 tables
+HEADER_WIDTH = SIGNATURE_WIDTH + INLINE_FIELDS
 
 
 def abandon_exchange(group: Group) -> None:
-    """Takes part in the signature swap of an exchange this rank cannot run (it failed
+    """Takes part in the header swap of an exchange this rank cannot run (it failed
     before it); the other ranks raise :class:`ExchangeError` instead of waiting."""
     w = group.size
-    mine = torch.full((w, SIGNATURE_WIDTH), _ABANDONED, dtype=torch.long, device=_device(group))
+    mine = torch.full((w, HEADER_WIDTH), _ABANDONED, dtype=torch.long, device=_device(group))
     dist.all_to_all_single(torch.empty_like(mine), mine, group=group.group)
 
 
@@ -99,9 +115,9 @@ def _device(group: Group) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
 
 
-def _columns(rows: list[list[int]], k: int) -> list[list[int]]:
-    """The first k columns of a (peer, field) table, as field -> per-peer values."""
-    return [[row[j] for row in rows] for j in range(k)]
+def _columns(rows: list[list[int]], start: int, k: int) -> list[list[int]]:
+    """Columns start .. start + k - 1 of a (peer, field) table, as field -> per-peer values."""
+    return [[row[start + j] for row in rows] for j in range(k)]
 
 
 def all_to_all(
