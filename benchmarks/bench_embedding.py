@@ -11,6 +11,10 @@ optimizer update, on one table holding every feature's ids. Side by side, same i
 * ``EmbeddingBag+dict``: the same, with raw ids remapped through a Python dict every
   step — what users do today for dynamic ids.
 * ``DynamicEmbedding``: raw int64 ids, no vocabulary, warm table (every id inserted).
+* with ``--unchecked``, also ``DynamicEmbedding`` with ``nonfinite_grad="apply"``: no
+  NaN/Inf check of the gradient before the update (the default "raise" reads every
+  gradient once more and waits for the device; torch's optimizers and FBGEMM's TBE do
+  not check).
 
 Prints a Markdown table (median ms/step and the ratio to EmbeddingBag) headed by the
 device, torch version, dtype and configuration.
@@ -100,6 +104,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-dict", action="store_true", help="skip the Python-dict remapping baseline")
+    p.add_argument("--unchecked", action="store_true",
+                   help="also time DynamicEmbedding with nonfinite_grad='apply' (no NaN/Inf check)")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -137,24 +143,25 @@ def main() -> None:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        # Load about 0.5 once every id is in (two-choice buckets grow near 0.9).
-        emb = veloce.DynamicEmbedding(
-            args.dim, mode="sum", capacity=2 * rows_total, optimizer=veloce_optimizer(opt_name, args.lr),
-            device=device,
-        )
-        for chunk in torch.arange(rows_total, device=device).split(1 << 21):  # warm: every id present
-            emb.table.find_or_insert(chunk * SCRAMBLE)
+        for col, nonfinite in [("DynamicEmbedding", "raise"), ("unchecked", "apply")][: 1 + args.unchecked]:
+            # Load about 0.5 once every id is in (two-choice buckets grow near 0.9).
+            emb = veloce.DynamicEmbedding(
+                args.dim, mode="sum", capacity=2 * rows_total, optimizer=veloce_optimizer(opt_name, args.lr),
+                device=device, nonfinite_grad=nonfinite,
+            )
+            for chunk in torch.arange(rows_total, device=device).split(1 << 21):  # warm: every id present
+                emb.table.find_or_insert(chunk * SCRAMBLE)
 
-        def dyn_step(raw, offsets, emb=emb):
-            emb(raw, offsets).backward(grad)
-            emb.step()
-            emb.zero_grad()
+            def dyn_step(raw, offsets, emb=emb):
+                emb(raw, offsets).backward(grad)
+                emb.step()
+                emb.zero_grad()
 
-        row["DynamicEmbedding"] = statistics.median(time_steps(dyn_step, raw_steps, args.warmup, device))
-        del emb, dyn_step
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            row[col] = statistics.median(time_steps(dyn_step, raw_steps, args.warmup, device))
+            del emb, dyn_step
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         results.append(row)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
@@ -165,13 +172,16 @@ def main() -> None:
         f"(one table, {rows_total:,} rows), dim {args.dim}, bag {args.bag} ({n_ids:,} ids/step), sum, "
         f"{args.dist}{f' alpha {args.alpha}' if args.dist == 'zipf' else ''}; median of {args.steps} steps\n"
     )
-    cols = ["EmbeddingBag", "EmbeddingBag+dict", "DynamicEmbedding"]
-    print("| optimizer | " + " | ".join(f"{c} ms" for c in cols) + " | speedup vs EmbeddingBag | vs +dict |")
-    print("|---" * (len(cols) + 3) + "|")
+    cols = ["EmbeddingBag", "EmbeddingBag+dict", "DynamicEmbedding"] + (["unchecked"] if args.unchecked else [])
+    extra = " | unchecked speedup" if args.unchecked else ""
+    print("| optimizer | " + " | ".join(f"{c} ms" for c in cols) + f" | speedup vs EmbeddingBag | vs +dict{extra} |")
+    print("|---" * (len(cols) + 3 + args.unchecked) + "|")
     for r in results:
-        cells = [f"{r[c]:.1f}" if c in r else "-" for c in cols]
+        cells = [f"{r[c]:.2f}" if c in r else "-" for c in cols]
         su = f"{r['EmbeddingBag'] / r['DynamicEmbedding']:.2f}x" if "EmbeddingBag" in r else "-"
         sd = f"{r['EmbeddingBag+dict'] / r['DynamicEmbedding']:.2f}x" if "EmbeddingBag+dict" in r else "-"
+        if args.unchecked:
+            sd += f" | {r['EmbeddingBag'] / r['unchecked']:.2f}x" if "EmbeddingBag" in r else " | -"
         print(f"| {r['optimizer']} | " + " | ".join(cells) + f" | {su} | {sd} |")
     if args.json:
         with open(args.json, "w") as f:

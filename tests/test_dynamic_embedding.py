@@ -683,3 +683,35 @@ def test_host_values_reach_the_device_without_a_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert t.device.type == "cuda" and t.tolist() == [3, 1, 2] and t.dtype == torch.long
     assert host_tensor([0.5], torch.device("cpu"), torch.float32).tolist() == [0.5]
+
+
+def test_lookup_many_bad_offsets_in_one_table_change_no_table():
+    tables = [veloce.DynamicEmbedding(4, mode="sum", seed=k) for k in range(3)]
+    ids = torch.arange(6)
+    good, bad = torch.tensor([0, 2, 4]), torch.tensor([0, 4, 2])
+    before = [snapshot(t) for t in tables]
+    with pytest.raises(ValueError, match=r"offsets must be non-decreasing, got offsets\[1\] = 4 > offsets\[2\] = 2"):
+        veloce.lookup_many(tables, [(ids, good), (ids, good), (ids, bad)])
+    for t, b in zip(tables, before):
+        assert_same_snapshot(b, snapshot(t))
+    outs = veloce.lookup_many(tables, [(ids, good)] * 3)
+    assert [len(t) for t in tables] == [6, 6, 6] and all(o.shape == (3, 4) for o in outs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_lookup_many_of_known_ids_waits_for_the_device_twice(capfd):
+    """Eight tables with 1-D offsets: one read-back checks every bag layout, one sizes the
+    inserts (none new); per table it would be 16."""
+    tables = [veloce.DynamicEmbedding(16, mode="sum", device="cuda", seed=k) for k in range(8)]
+    ids = torch.randint(0, 1000, (4096,), device="cuda")
+    offsets = torch.arange(0, 4096, 4, device="cuda")
+    veloce.lookup_many(tables, [(ids, offsets)] * 8)  # inserts
+    torch.cuda.synchronize()
+    capfd.readouterr()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        outs = veloce.lookup_many(tables, [(ids, offsets)] * 8)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert capfd.readouterr().err.count("called a synchronizing CUDA operation") == 2
+    assert len(outs) == 8 and outs[0].shape == (1024, 16)

@@ -173,11 +173,15 @@ class DynamicEmbedding(nn.Module):
         return slots, extra
 
     def _bags(
-        self, input: torch.Tensor, offsets: Optional[torch.Tensor], psw: Optional[torch.Tensor]
+        self, input: torch.Tensor, offsets: Optional[torch.Tensor], psw: Optional[torch.Tensor],
+        deferred: Optional[list] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """Validates nn.EmbeddingBag-style input and returns (ids (N,), offsets, psw (N,)).
 
-        Checked here, before any lookup, so bad input leaves the table unchanged."""
+        Checked here, before any lookup, so bad input leaves the table unchanged. The
+        offsets' values (a device read) are checked here, or, with ``deferred``, appended
+        to it for the caller to check several tables' at once (:func:`_check_offsets_many`)
+        before touching any table."""
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input must be a tensor of int64 ids, got {type(input).__name__}")
         if input.dtype not in (torch.int64, torch.int32):
@@ -212,7 +216,10 @@ class DynamicEmbedding(nn.Module):
             if offsets.device != device:
                 raise ValueError(f"offsets is on {offsets.device} but the table is on {device}")
             offsets = offsets.long()
-            _check_offsets(offsets, ids.numel(), self.include_last_offset)
+            if deferred is None:
+                _check_offsets(offsets, ids.numel(), self.include_last_offset)
+            else:
+                deferred.append((offsets, ids.numel(), self.include_last_offset))
         else:
             raise ValueError(f"input must be 1-D (with offsets) or 2-D (B, L), got shape {tuple(input.shape)}")
         if psw is not None:
@@ -649,7 +656,9 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
         key = (id(t._shard.group), t.embedding_dim, t.table.weights.dtype, t.training, t._shard.mode)
         groups.setdefault(key, []).append(i)
     if local_train:  # every table's inserts in one op: the host waits for the device once, not per table
-        bags = [tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i])))) for i in local_train]
+        layouts: list = []
+        bags = [tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i]))), deferred=layouts) for i in local_train]
+        _check_offsets_many(layouts)
         slots = find_or_insert_many([tables[i].table for i in local_train], [b[0] for b in bags],
                                     [tables[i].padding_idx for i in local_train])  # fmt: skip
         for i, (ids, offsets, psw), s in zip(local_train, bags, slots):
@@ -661,7 +670,9 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
 
     for idx in groups.values():
         with tables[idx[0]]._shard.abandon_on_error():  # bad input fails every rank, not just this one
-            bags = [tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i])))) for i in idx]
+            layouts = []
+            bags = [tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i]))), deferred=layouts) for i in idx]
+            _check_offsets_many(layouts)
         for i, o in zip(idx, sharded_lookup([tables[i] for i in idx], bags)):
             out[i] = o
     return out  # type: ignore[return-value]
@@ -669,18 +680,43 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
 
 def _check_offsets(offsets: torch.Tensor, n: int, include_last_offset: bool) -> None:
     """nn.EmbeddingBag's bag layout rules, checked before the table is touched."""
+    bad = _offsets_bad(offsets, n, include_last_offset)
+    if bad is None or not bool(bad):  # one device sync; the details below only run for bad input
+        return
+    _raise_offsets_error(offsets, n)
+
+
+def _check_offsets_many(layouts: Sequence[tuple]) -> None:
+    """:func:`_check_offsets` for several ``(offsets, n, include_last_offset)`` with one
+    device read-back per device for all of them (a lookup of K tables waits once)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for f in (_offsets_bad(*lay) for lay in layouts):
+        if f is not None:
+            by_device.setdefault(f.device, []).append(f)
+    if not any(bool(torch.stack(flags).any()) for flags in by_device.values()):  # one read per device
+        return
+    for lay in layouts:  # some layout is bad: the first one raises with the details
+        _check_offsets(*lay)
+
+
+def _offsets_bad(offsets: torch.Tensor, n: int, include_last_offset: bool) -> Optional[torch.Tensor]:
+    """Whether the bag layout breaks a rule, as a 0-dim bool tensor on offsets' device
+    (nothing read back); None for empty offsets, whose rules are checked here on the host."""
     if offsets.numel() == 0:
         if include_last_offset:
             raise ValueError("offsets must hold at least one entry with include_last_offset=True, got 0")
         if n:
             raise ValueError(f"offsets is empty (0 bags) but input holds {n} ids")
-        return
+        return None
     last_bad = (offsets[-1] != n) if include_last_offset else (offsets[-1] > n)
     bad = (offsets[0] != 0) | last_bad
     if offsets.numel() > 1:
         bad = bad | (offsets[1:] < offsets[:-1]).any()
-    if not bool(bad):  # one device sync; the details below only run for bad input
-        return
+    return bad
+
+
+def _raise_offsets_error(offsets: torch.Tensor, n: int) -> None:
+    """Raises the error that says which rule a bad bag layout breaks."""
     first = int(offsets[0])
     if first != 0:
         raise ValueError(f"offsets must start at 0, got offsets[0] = {first}")
