@@ -671,7 +671,7 @@ def test_cuda_step_tables_never_waits_for_the_device():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-def test_host_values_reach_the_device_without_a_sync():
+def test_cuda_host_values_reach_the_device_without_a_sync():
     """The small index tensors of a step (bag bounds, split counts, flags' owners) are
     queued like kernels, not copied with a blocking host-to-device copy."""
     from veloce._device import host_tensor
@@ -699,7 +699,7 @@ def test_lookup_many_bad_offsets_in_one_table_change_no_table():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-def test_lookup_many_of_known_ids_waits_for_the_device_twice(capfd):
+def test_cuda_lookup_many_of_known_ids_waits_for_the_device_twice(capfd):
     """Eight tables with 1-D offsets: one read-back checks every bag layout, one sizes the
     inserts (none new); per table it would be 16."""
     tables = [veloce.DynamicEmbedding(16, mode="sum", device="cuda", seed=k) for k in range(8)]
