@@ -715,3 +715,54 @@ def test_cuda_lookup_many_of_known_ids_waits_for_the_device_twice(capfd):
         torch.cuda.set_sync_debug_mode("default")
     assert capfd.readouterr().err.count("called a synchronizing CUDA operation") == 2
     assert len(outs) == 8 and outs[0].shape == (1024, 16)
+
+
+def test_lookup_many_bad_eval_input_changes_no_training_table():
+    """Every local input is checked before the grouped insert, an eval table's too."""
+    ev, tr = veloce.DynamicEmbedding(4, mode="sum"), veloce.DynamicEmbedding(4, mode="sum")
+    ev.eval()
+    with pytest.raises(ValueError, match="offsets must start at 0"):
+        veloce.lookup_many([ev, tr], [(torch.tensor([1, 2]), torch.tensor([1])), torch.tensor([[1, 2], [3, 4]])])
+    assert len(tr) == 0
+
+
+def test_modules_sharing_a_table_look_up_and_step_as_separate_calls():
+    """Two modules over one HashTable (tied embeddings): lookup_many and step_tables give
+    what calling and stepping each module in turn gives."""
+
+    def pair():
+        a = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.Adagrad(lr=0.5), seed=1)
+        b = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.Adagrad(lr=0.5), seed=1)
+        b.table = a.table
+        return a, b
+
+    x, y = torch.tensor([[1, 2], [3, 4]]), torch.tensor([[2, 5]])
+    a, b = pair()
+    outs = veloce.lookup_many([a, b], [x, y])
+    (outs[0].sum() + 2 * outs[1].sum()).backward()
+    veloce.step_tables([a, b])
+    c, d = pair()
+    (c(x).sum() + 2 * d(y).sum()).backward()
+    c.step()
+    d.step()
+    for k, v in sorted_table(a).items():
+        assert torch.equal(v, sorted_table(c)[k]), k
+    assert (a.step_count, b.step_count) == (c.step_count, d.step_count) == (1, 1)
+
+
+def test_a_failed_update_books_no_step(monkeypatch):
+    """The step count moves only once the update is applied: a failing update leaves the
+    gradient pending and the count unchanged, so a retry counts the step once."""
+    emb = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.Adam(lr=0.1))
+    emb(torch.tensor([[1, 2]])).sum().backward()
+
+    def fail(*args):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(torch.ops.veloce, "accumulate_and_update", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        emb.step()
+    assert emb.step_count == 0 and len(emb._pending) == 1
+    monkeypatch.undo()
+    emb.step()
+    assert emb.step_count == 1 and not emb._pending

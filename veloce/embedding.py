@@ -136,15 +136,17 @@ class DynamicEmbedding(nn.Module):
             with self._shard.abandon_on_error():  # bad input here fails every rank, not just this one
                 ids, offsets, psw = self._bags(input, offsets, per_sample_weights)
             return self._shard.lookup(self, ids, offsets, psw)
-        ids, offsets, psw = self._bags(input, offsets, per_sample_weights)
+        return self._lookup(*self._bags(input, offsets, per_sample_weights))
+
+    def _lookup(self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
+        """The local (unsharded) lookup of bags that passed :meth:`_bags`."""
         table = self.table
-        mode = _MODES[self.mode]
         if self.training:
             return self._train_lookup(ids, offsets, psw, table.find_or_insert(ids, self.padding_idx))
         slots, extra = self._eval_slots(ids)
         # The offsets passed _bags' checks and the slots come from the table: no re-check.
         return torch.ops.veloce.pooled_lookup(
-            table.weights, slots, offsets, psw, mode, self.include_last_offset, extra, False
+            table.weights, slots, offsets, psw, _MODES[self.mode], self.include_last_offset, extra, False
         )
 
     def _train_lookup(self, ids, offsets, psw, slots) -> torch.Tensor:
@@ -311,8 +313,6 @@ class DynamicEmbedding(nn.Module):
             self._pending = [e._replace(grad=e.grad.masked_fill(b.unsqueeze(1), 0)) for e, b in zip(self._pending, bad)]
         e = self._merged()
         slots = self._resolved(e) if e.ids is not None else e.slots
-        self.step_count += 1
-        self._last_lr = lr
         opt = self.optimizer
         kind, eps, beta1, beta2 = opt.kernel_args()
         # include_last_offset=True becomes False with the last offset dropped (a view; the
@@ -321,7 +321,7 @@ class DynamicEmbedding(nn.Module):
         offsets = e.offsets[:-1] if e.include_last_offset else e.offsets
         return _Update(
             self.table.weights, self.table.opt_state, e.grad, slots, offsets, e.psw, e.mode, kind,
-            float(opt.lr if lr is None else lr), eps, beta1, beta2, float(opt.weight_decay), self.step_count,
+            float(opt.lr if lr is None else lr), eps, beta1, beta2, float(opt.weight_decay), self.step_count + 1, lr,
         )  # fmt: skip
 
     def _check_finite(self) -> Optional[list[torch.Tensor]]:
@@ -531,7 +531,8 @@ class _Update(NamedTuple):
     beta1: float
     beta2: float
     weight_decay: float
-    step: int
+    step: int  # the table's step count once this update is applied
+    requested_lr: Optional[float]  # step()'s lr argument (None: the optimizer's own)
 
     def group_key(self) -> tuple:
         """Updates with equal keys share every scalar argument of one
@@ -557,7 +558,19 @@ def _apply_updates(tables: Sequence["DynamicEmbedding"], updates: Sequence[_Upda
     groups: dict[tuple, list[int]] = {}
     for i, u in enumerate(updates):
         groups.setdefault(u.group_key(), []).append(i)
+    calls: list[list[int]] = []
     for idx in groups.values():
+        batches: list[list[int]] = []  # modules sharing one table's rows take separate calls, in order
+        for i in idx:
+            ptr = updates[i].weights.data_ptr()
+            for b in batches:
+                if all(updates[j].weights.data_ptr() != ptr for j in b):
+                    b.append(i)
+                    break
+            else:
+                batches.append([i])
+        calls.extend(batches)
+    for idx in calls:
         u = updates[idx[0]]
         if len(idx) == 1:
             torch.ops.veloce.accumulate_and_update(
@@ -571,8 +584,11 @@ def _apply_updates(tables: Sequence["DynamicEmbedding"], updates: Sequence[_Upda
                 [v.slots for v in group], [v.offsets for v in group], [v.psw for v in group], u.mode, False, u.kind,
                 u.lr, u.eps, u.beta1, u.beta2, u.weight_decay, u.step, False,
             )  # fmt: skip
-        for i in idx:
-            tables[i]._pending.clear()
+        for i in idx:  # the step is booked once it is applied (a failed call leaves it pending)
+            t = tables[i]
+            t._pending.clear()
+            t.step_count = updates[i].step
+            t._last_lr = updates[i].requested_lr
 
 
 def _all_finite(tables: Sequence["DynamicEmbedding"]) -> dict[int, bool]:
@@ -643,29 +659,32 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
     args = [tuple(x) if isinstance(x, (tuple, list)) else (x,) for x in inputs]
     out: list[Optional[torch.Tensor]] = [None] * len(tables)
     groups: dict[tuple, list[int]] = {}
-    local_train: list[int] = []  # a table listed twice is looked up on its own the second time
-    seen: set[int] = set()
-    for i, (t, a) in enumerate(zip(tables, args)):
+    local: list[int] = []
+    for i, t in enumerate(tables):
         if not isinstance(t, DynamicEmbedding):
             raise TypeError(f"lookup_many: tables[{i}] is a {type(t).__name__}, not a DynamicEmbedding")
         if t._shard is None:
-            if t.training and id(t) not in seen:
-                local_train.append(i)
-                seen.add(id(t))
+            local.append(i)
             continue
         key = (id(t._shard.group), t.embedding_dim, t.table.weights.dtype, t.training, t._shard.mode)
         groups.setdefault(key, []).append(i)
-    if local_train:  # every table's inserts in one op: the host waits for the device once, not per table
+    if local:
+        # Every local input is checked before any table changes (one device read for all
+        # bag layouts); then the training tables insert in one op, so the host waits for
+        # the device once, not per table. A table listed twice (or shared by two modules)
+        # inserts on its own the second time, after its first lookup.
         layouts: list = []
-        bags = [tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i]))), deferred=layouts) for i in local_train]
+        bags = {i: tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i]))), deferred=layouts) for i in local}
         _check_offsets_many(layouts)
-        slots = find_or_insert_many([tables[i].table for i in local_train], [b[0] for b in bags],
-                                    [tables[i].padding_idx for i in local_train])  # fmt: skip
-        for i, (ids, offsets, psw), s in zip(local_train, bags, slots):
-            out[i] = tables[i]._train_lookup(ids, offsets, psw, s)
-    for i, (t, a) in enumerate(zip(tables, args)):  # the rest, in order, after the grouped inserts
-        if t._shard is None and out[i] is None:
-            out[i] = t(*a)
+        first: dict[int, int] = {}
+        train = [i for i in local if tables[i].training and first.setdefault(id(tables[i].table), i) == i]
+        slots = find_or_insert_many([tables[i].table for i in train], [bags[i][0] for i in train],
+                                    [tables[i].padding_idx for i in train])  # fmt: skip
+        for i, s in zip(train, slots):
+            out[i] = tables[i]._train_lookup(*bags[i], s)
+        for i in local:
+            if out[i] is None:
+                out[i] = tables[i]._lookup(*bags[i])
     from veloce.distributed.sharded import sharded_lookup
 
     for idx in groups.values():

@@ -340,8 +340,9 @@ def find_or_insert_many(
     table), which is what makes a step over many tables fast. Tables may differ in
     capacity, dim, dtype, policies and device (one op call per device), but each table
     is listed once. A table that finds no room grows (or evicts) and retries alone, as its own
-    call would; if one raises :class:`TableFullError`, the other tables keep their
-    inserts and the full one is unchanged.
+    call would; if one raises :class:`TableFullError`, it is unchanged, the tables the
+    op placed keep their inserts, and the other tables that found no room stay unchanged
+    too (they are not retried).
     """
     padding_ids = [None] * len(tables) if padding_ids is None else list(padding_ids)
     if not len(tables) == len(ids) == len(padding_ids):

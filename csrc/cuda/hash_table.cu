@@ -315,6 +315,9 @@ class Placement {
     const Uniques u = ut.view();  // n: the upper bound
     const at::Tensor use = at::zeros({t_.num_buckets}, ut.id.options().dtype(at::kInt));
     conflicted_ = at::empty({u.n}, ut.id.options().dtype(at::kByte));
+    // Allocated here, before any table of a many-op call is written: an allocation failure
+    // in a later stage would leave an earlier table's claimed slots without their rows.
+    overflow_ = at::empty({u.n}, ut.id.options().dtype(at::kInt));
     bucket_use_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t_, u, use.data_ptr<int32_t>(), ctr + counter::kNew);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     classify_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(
@@ -344,10 +347,9 @@ class Placement {
     const bool sequential = n_conflicted_ > 0 && (n_conflicted_ <= kSequentialMax ||
                                                   at::globalContext().deterministicAlgorithms());
     int32_t* ctr = counters_.data_ptr<int32_t>();
-    const at::Tensor overflow = at::empty({u.n}, ut.id.options().dtype(at::kInt));
     claim_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t_, u,
                                                            sequential ? conflicted_.data_ptr<uint8_t>() : nullptr,
-                                                           touched_, overflow.data_ptr<int32_t>(),
+                                                           touched_, overflow_.data_ptr<int32_t>(),
                                                            ctr + counter::kQueued);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     // claim_kernel queues exactly the full unconflicted ids, plus conflicted ones that race
@@ -355,7 +357,7 @@ class Placement {
     const int64_t max_queued = n_full + (sequential ? 0 : n_conflicted_);
     if (allow_evict_ && max_queued > 0) {
       evict_kernel<<<grid_for(max_queued), kThreads, 0, stream()>>>(
-          t_, u, touched_, overflow.data_ptr<int32_t>(), ctr + counter::kQueued, ctr + counter::kFailed,
+          t_, u, touched_, overflow_.data_ptr<int32_t>(), ctr + counter::kQueued, ctr + counter::kFailed,
           ctr + counter::kEvicted);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
@@ -396,7 +398,7 @@ class Placement {
   at::Tensor counters_;
   uint32_t* touched_;
   bool allow_evict_;
-  at::Tensor conflicted_;
+  at::Tensor conflicted_, overflow_;
   int64_t n_conflicted_ = 0;
 };
 

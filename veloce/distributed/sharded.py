@@ -335,10 +335,11 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], lengths: Sequence[
     served, pooled = [], []
     error: Optional[Exception] = None
     try:
-        # One insert op for the training tables (a table listed twice inserts on its own the
-        # second time, after its first part is served: the insert may move its rows).
-        first = {id(m): k for k, m in reversed(list(enumerate(modules)))}
-        train = [k for k, m in enumerate(modules) if m.training and first[id(m)] == k]
+        # One insert op for the training tables (a table listed twice, or shared by two
+        # modules, inserts on its own the second time, after its first part is served: the
+        # insert may move its rows).
+        first: dict[int, int] = {}
+        train = [k for k, m in enumerate(modules) if m.training and first.setdefault(id(m.table), k) == k]
         slots: list = [None] * len(modules)
         for k, s in zip(train, find_or_insert_many([modules[k].table for k in train], [ids[k] for k in train])):
             slots[k] = s
