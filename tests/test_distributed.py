@@ -677,3 +677,26 @@ def test_ranks_disagreeing_on_the_number_of_tables_raise_not_hang():
     the headers have one width, so both see the other's signature and raise."""
     for rank, msg in enumerate(run_ranks(_many_tables, 2, [2, 40], timeout=60)):
         assert isinstance(msg, str) and f"rank {1 - rank} sent signature" in msg
+
+
+def _local_table_fails(rank, world):
+    """A local (unsharded) table and a sharded one in one lookup_many; rank 0's input to
+    the local table is bad."""
+    local = veloce.DynamicEmbedding(2, mode="sum")
+    sharded = veloce.DynamicEmbedding(2, mode="sum")
+    HybridParallel(nn.ModuleList([sharded]), dense="none")
+    x = torch.tensor([1, 2])
+    offsets = torch.tensor([1]) if rank == 0 else torch.tensor([0])
+    try:
+        veloce.lookup_many([local, sharded], [(x, offsets), x.view(-1, 1)])
+    except (ValueError, ExchangeError) as e:
+        return type(e).__name__, str(e)
+    return "looked up", ""
+
+
+def test_a_local_table_error_stops_every_rank_of_the_sharded_lookup():
+    """The rank whose local table fails abandons the call's sharded exchange, so the other
+    rank raises instead of waiting in it."""
+    (k0, m0), (k1, m1) = run_ranks(_local_table_fails, 2, timeout=60)
+    assert k0 == "ValueError" and "offsets must start at 0" in m0
+    assert k1 == "ExchangeError" and "rank 0 could not take part" in m1

@@ -6,6 +6,7 @@ input, ``D`` embedding dim.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
@@ -669,22 +670,28 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
         key = (id(t._shard.group), t.embedding_dim, t.table.weights.dtype, t.training, t._shard.mode)
         groups.setdefault(key, []).append(i)
     if local:
-        # Every local input is checked before any table changes (one device read for all
-        # bag layouts); then the training tables insert in one op, so the host waits for
-        # the device once, not per table. A table listed twice (or shared by two modules)
-        # inserts on its own the second time, after its first lookup.
-        layouts: list = []
-        bags = {i: tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i]))), deferred=layouts) for i in local}
-        _check_offsets_many(layouts)
-        first: dict[int, int] = {}
-        train = [i for i in local if tables[i].training and first.setdefault(id(tables[i].table), i) == i]
-        slots = find_or_insert_many([tables[i].table for i in train], [bags[i][0] for i in train],
-                                    [tables[i].padding_idx for i in train])  # fmt: skip
-        for i, s in zip(train, slots):
-            out[i] = tables[i]._train_lookup(*bags[i], s)
-        for i in local:
-            if out[i] is None:
-                out[i] = tables[i]._lookup(*bags[i])
+        # A local table's error (bad input, a full table) must not leave the other ranks
+        # waiting in this call's first sharded exchange: this rank abandons it, so they
+        # raise too (the exchanges after the first are never reached by any rank).
+        first_group = tables[next(iter(groups.values()))[0]]._shard if groups else None
+        with first_group.abandon_on_error() if first_group is not None else contextlib.nullcontext():
+            # Every local input is checked before any table changes (one device read for all
+            # bag layouts); then the training tables insert in one op, so the host waits for
+            # the device once, not per table. A table listed twice (or shared by two modules)
+            # inserts on its own the second time, after its first lookup.
+            layouts: list = []
+            bags = {i: tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i]))), deferred=layouts)
+                    for i in local}  # fmt: skip
+            _check_offsets_many(layouts)
+            first: dict[int, int] = {}
+            train = [i for i in local if tables[i].training and first.setdefault(id(tables[i].table), i) == i]
+            slots = find_or_insert_many([tables[i].table for i in train], [bags[i][0] for i in train],
+                                        [tables[i].padding_idx for i in train])  # fmt: skip
+            for i, s in zip(train, slots):
+                out[i] = tables[i]._train_lookup(*bags[i], s)
+            for i in local:
+                if out[i] is None:
+                    out[i] = tables[i]._lookup(*bags[i])
     from veloce.distributed.sharded import sharded_lookup
 
     for idx in groups.values():
