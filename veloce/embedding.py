@@ -657,7 +657,9 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
     if len(tables) != len(inputs):
         raise ValueError(f"lookup_many: {len(tables)} tables but {len(inputs)} inputs")
     _ext.require()
-    args = [tuple(x) if isinstance(x, (tuple, list)) else (x,) for x in inputs]
+    # (input, offsets, per_sample_weights), the missing ones None
+    args = [(tuple(x) if isinstance(x, (tuple, list)) else (x,)) for x in inputs]
+    args = [a + (None,) * (3 - len(a)) for a in args]
     out: list[Optional[torch.Tensor]] = [None] * len(tables)
     groups: dict[tuple, list[int]] = {}
     local: list[int] = []
@@ -680,8 +682,7 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
             # the device once, not per table. A table listed twice (or shared by two modules)
             # inserts on its own the second time, after its first lookup.
             layouts: list = []
-            bags = {i: tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i]))), deferred=layouts)
-                    for i in local}  # fmt: skip
+            bags = {i: tables[i]._bags(*args[i], deferred=layouts) for i in local}
             _check_offsets_many(layouts)
             first: dict[int, int] = {}
             train = [i for i in local if tables[i].training and first.setdefault(id(tables[i].table), i) == i]
@@ -697,7 +698,7 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
     for idx in groups.values():
         with tables[idx[0]]._shard.abandon_on_error():  # bad input fails every rank, not just this one
             layouts = []
-            bags = [tables[i]._bags(*(args[i] + (None,) * (3 - len(args[i]))), deferred=layouts) for i in idx]
+            bags = [tables[i]._bags(*args[i], deferred=layouts) for i in idx]
             _check_offsets_many(layouts)
         for i, o in zip(idx, sharded_lookup([tables[i] for i in idx], bags)):
             out[i] = o

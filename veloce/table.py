@@ -149,11 +149,13 @@ class HashTable(nn.Module):
         table may neither grow nor evict; the table is then unchanged.
         """
         self.clock += 1
-        return self._insert(
-            lambda evict: torch.ops.veloce.find_or_insert(
-                *self._state(), *self._find_or_insert_args(ids, padding_id, evict)
-            )
-        )  # fmt: skip
+        return self._insert(self._find_or_insert_call(ids, padding_id))
+
+    def _find_or_insert_call(self, ids: torch.Tensor, padding_id: Optional[int]):
+        """The op call ``allow_evict -> (slots, counts, evicted)`` that :meth:`_insert` retries."""
+        return lambda evict: torch.ops.veloce.find_or_insert(
+            *self._state(), *self._find_or_insert_args(ids, padding_id, evict)
+        )
 
     def _find_or_insert_args(self, ids: torch.Tensor, padding_id: Optional[int], allow_evict: bool) -> tuple:
         init = self.initializer
@@ -391,9 +393,5 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
         if failed == 0:
             continue
         t._no_room(failed)  # grows, or raises TableFullError; the table is unchanged either way
-        out[k] = t._insert(
-            lambda evict, t=t, k=k: torch.ops.veloce.find_or_insert(
-                *t._state(), *t._find_or_insert_args(ids[k], padding_ids[k], evict)
-            )
-        )  # fmt: skip
+        out[k] = t._insert(t._find_or_insert_call(ids[k], padding_ids[k]))
     return out
