@@ -42,6 +42,14 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t, co
               ref.device(), "; move them to the same device");
 }
 
+void check_flag(const char* op, const char* name, const at::Tensor& flag, const char* ref_name,
+                const at::Tensor& ref) {
+  TORCH_CHECK(flag.scalar_type() == at::kBool && flag.numel() == 1, op, ": ", name,
+              " must be a bool tensor of one element, got ", dtype_name(flag.scalar_type()), " of shape ",
+              shape_str(flag));
+  check_same_device(op, name, flag, ref_name, ref);
+}
+
 int64_t check_list_lengths(const char* op, const char* first_name, size_t first,
                            std::initializer_list<std::pair<const char*, size_t>> others) {
   for (const auto& [name, n] : others) {

@@ -116,11 +116,15 @@ TORCH_LIBRARY(veloce, m) {
   // row is summed and applied in one pass (what DynamicEmbedding.step() runs). Same
   // arguments as the two ops, same result as calling them in turn. (`pooling` is `mode`
   // renamed: torch's functionalization of mutable ops reserves an argument named `mode`.)
-  // check_inputs as for pooled_lookup.
+  // check_inputs as for pooled_lookup. skip: a (1,) bool tensor on weights' device; when
+  // it holds true the op changes nothing. It is read on the device (on CUDA by the fused
+  // kernel: no host sync), so a caller can queue the update behind a device-side check of
+  // the gradient (DynamicEmbedding's NaN/Inf check) and read that check's result later.
   m.def(
       "accumulate_and_update(Tensor(a!) weights, Tensor(b!) opt_state, Tensor grad_output, Tensor slots, "
       "Tensor offsets, Tensor? per_sample_weights, int pooling, bool include_last_offset, int optimizer, float lr, "
-      "float eps, float beta1, float beta2, float weight_decay, int step, bool check_inputs=True) -> ()");
+      "float eps, float beta1, float beta2, float weight_decay, int step, bool check_inputs=True, "
+      "Tensor? skip=None) -> ()");
   // accumulate_and_update of K tables in one call: the same as calling it for each k on
   // (weights[k], opt_state[k], grad_output[k], slots[k], offsets[k], per_sample_weights[k])
   // with the other arguments shared. The tables share device, dtype and embedding dim (and
@@ -131,5 +135,5 @@ TORCH_LIBRARY(veloce, m) {
       "accumulate_and_update_many(Tensor(a!)[] weights, Tensor(b!)[] opt_state, Tensor[] grad_output, "
       "Tensor[] slots, Tensor[] offsets, Tensor?[] per_sample_weights, int pooling, bool include_last_offset, "
       "int optimizer, float lr, float eps, float beta1, float beta2, float weight_decay, int step, "
-      "bool check_inputs=True) -> ()");
+      "bool check_inputs=True, Tensor? skip=None) -> ()");
 }

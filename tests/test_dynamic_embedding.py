@@ -766,3 +766,49 @@ def test_a_failed_update_books_no_step(monkeypatch):
     monkeypatch.undo()
     emb.step()
     assert emb.step_count == 1 and not emb._pending
+
+
+def test_finite_gradient_whose_norm_overflows_is_applied():
+    """The "raise" check's fused norm overflows for huge finite gradients: the flag is set,
+    the queued update skips itself, the per-table check finds nothing to raise, and the
+    update is applied after all: the result of a table that does not check."""
+    tables = [
+        veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=1e-30), nonfinite_grad=nf, seed=1)
+        for nf in ("raise", "apply")
+    ]
+    ids = torch.tensor([[1, 2], [2, 3]])
+    for t in tables:
+        (t(ids) * 1e30).sum().backward()  # |g| = 1e30: finite, but g * g overflows float32
+    before = tables[0].export()["weights"].clone()
+    veloce.step_tables(tables[:1])
+    tables[1].step()
+    assert tables[0].step_count == tables[1].step_count == 1 and not tables[0]._pending
+    a, b = tables[0].export(), tables[1].export()
+    assert torch.equal(a["keys"], b["keys"]) and torch.equal(a["weights"], b["weights"])
+    assert not torch.equal(a["weights"], before)  # lr 1e-30 * g 1e30: each row moved by about 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_checked_step_queues_the_update_without_a_stream_sync(capfd):
+    """nonfinite_grad='raise': the update is queued behind the NaN/Inf check, and the host
+    waits on an event for the check's flags alone (not a stream sync)."""
+    emb = veloce.DynamicEmbedding(64, mode="sum", optimizer=veloce.optim.Adam(), device="cuda")
+    ids = torch.randint(0, 500, (4096, 3), device="cuda")
+    emb(ids).sum().backward()
+    emb.step()
+    torch.cuda.synchronize()
+    before = emb.export()["weights"].clone()
+    emb(ids).sum().backward()
+    capfd.readouterr()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        emb.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert capfd.readouterr().err.count("called a synchronizing CUDA operation") == 0
+    assert not torch.equal(emb.export()["weights"], before) and emb.step_count == 2
+    (emb(ids) * float("nan")).sum().backward()
+    before = emb.export()["weights"].clone()
+    with pytest.raises(FloatingPointError, match="NaN or Inf"):
+        emb.step()
+    assert torch.equal(emb.export()["weights"], before) and emb.step_count == 2

@@ -540,3 +540,61 @@ def test_accumulate_and_update_many_bad_input_changes_nothing(device):
             call(tables, **changes)
         for (w, s), x in zip(before, tables):
             assert torch.equal(w, x[0]) and torch.equal(s, x[1])
+
+
+# ---- skip: an update queued behind a device-side check ----------------------------------------
+# dim 16 and 128: the fused kernel reads the flag on the device; 600: rows too wide for it
+# (the unfused path reads the flag on the host first).
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("dim", [16, 128, 600])
+def test_accumulate_and_update_skip_flag(device, optimizer, dim):
+    """skip=True changes no table (weights and state bit for bit), in the single and the
+    grouped op; skip=False gives the result of no flag at all."""
+    from veloce.ops.optimizer import accumulate_and_update, accumulate_and_update_many
+
+    tables = _many_tables(device, 3, dim, torch.float32, optimizer, 0, "mixed", seed=dim)
+    hyper = (0.1, 1e-8, 0.9, 0.99, 0.01, 1)
+    yes, no = torch.tensor([True], device=device), torch.tensor([False], device=device)
+    for k, (w, s, *rest) in enumerate(tables):
+        w2, s2 = w.clone(), s.clone()
+        accumulate_and_update(w2, s2, *rest, 0, False, optimizer, *hyper, skip=yes)
+        assert torch.equal(w2, w) and torch.equal(s2, s), f"table {k} changed under skip=True"
+        accumulate_and_update(w2, s2, *rest, 0, False, optimizer, *hyper, skip=no)
+        w3, s3 = w.clone(), s.clone()
+        accumulate_and_update(w3, s3, *rest, 0, False, optimizer, *hyper)
+        assert torch.equal(w2, w3) and torch.equal(s2, s3) and not torch.equal(w2, w)
+    lists = [[t[i] for t in tables] for i in range(2, 6)]
+    ws, ss = [t[0].clone() for t in tables], [t[1].clone() for t in tables]
+    accumulate_and_update_many(ws, ss, *lists, 0, False, optimizer, *hyper, skip=yes)
+    for k, (w, s) in enumerate(zip(ws, ss)):
+        assert torch.equal(w, tables[k][0]) and torch.equal(s, tables[k][1]), f"table {k} changed under skip=True"
+    accumulate_and_update_many(ws, ss, *lists, 0, False, optimizer, *hyper, skip=no)
+    each, _ = _step_each_and_many(tables, 0, optimizer, steps=(1,))
+    _assert_bitwise_equal(each, list(zip(ws, ss)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accumulate_and_update_skip_flag_checks(device):
+    tables = _many_tables(device, 2, 8, torch.float32, "adagrad", 0, None, seed=3)
+    w, s, *rest = tables[0]
+    args = (w, s, *rest, 0, False, 1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1, True)
+    many = ([t[0] for t in tables], [t[1] for t in tables], *[[t[i] for t in tables] for i in range(2, 6)],
+            0, False, 1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1, True)  # fmt: skip
+    flag = torch.tensor([False], device=device)
+    torch.library.opcheck(torch.ops.veloce.accumulate_and_update.default, (*args, flag))
+    torch.library.opcheck(torch.ops.veloce.accumulate_and_update_many.default, (*many, flag))
+    before = [(t[0].clone(), t[1].clone()) for t in tables]
+    bad = [
+        (torch.tensor([1], device=device), r"skip must be a bool tensor of one element, got torch.int64 of shape \[1\]"),
+        (torch.tensor([True, False], device=device), r"skip must be a bool tensor of one element, got torch.bool"),
+    ]
+    if device != "cpu":
+        bad.append((torch.tensor([True]), r"skip is on cpu but weights(\[0\])? is on cuda"))
+    for value, pattern in bad:
+        with pytest.raises(RuntimeError, match=r"veloce::accumulate_and_update: " + pattern):
+            torch.ops.veloce.accumulate_and_update(*args, value)
+        with pytest.raises(RuntimeError, match=r"veloce::accumulate_and_update_many: " + pattern):
+            torch.ops.veloce.accumulate_and_update_many(*many, value)
+    for t, (w0, s0) in zip(tables, before):
+        assert torch.equal(t[0], w0) and torch.equal(t[1], s0)

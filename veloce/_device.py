@@ -1,10 +1,15 @@
-"""Small host values on a device without a stream sync.
+"""Small values between host and device without a stream sync.
 
 ``torch.tensor(values, device="cuda")`` copies from pageable host memory, and torch makes
 that copy blocking: the host waits until the stream has run everything queued before it.
 On a step that is otherwise launched ahead of the GPU, each such copy is a bubble. Staging
 the values in pinned memory lets the copy be queued like a kernel (torch's caching host
 allocator keeps the pinned buffer until the copy has run).
+
+The other way, :class:`HostCopy` queues a device-to-host copy into pinned memory and
+waits only for that copy when its values are asked for: work queued after it keeps the
+GPU busy meanwhile (``x.tolist()`` would wait for the whole stream, then leave the GPU
+idle while the host launches the next work).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["host_tensor"]
+__all__ = ["HostCopy", "host_tensor"]
 
 
 def host_tensor(values: Sequence, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -22,3 +27,24 @@ def host_tensor(values: Sequence, device: torch.device, dtype: torch.dtype = tor
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's values, copied to the host behind the work queued so far.
+
+    ``HostCopy(x)`` queues the copy; :meth:`tolist` waits for it (on CUDA only for the
+    copy, through an event, not for what was queued after it) and returns the values."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        if values.device.type != "cuda":
+            self._host, self._ready = values, None
+            return
+        self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        self._host.copy_(values, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record(torch.cuda.current_stream(values.device))
+
+    def tolist(self) -> list:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from veloce import _ext
-from veloce._device import host_tensor
+from veloce._device import HostCopy, host_tensor
 from veloce import init as _init
 from veloce import optim as _optim
 from veloce.table import HashTable, find_or_insert_many
@@ -288,26 +288,22 @@ class DynamicEmbedding(nn.Module):
         pass get nothing, and a row that moved (growth) is found by its id."""
         step_tables([self], [lr])
 
-    def _apply_pending(self, lr: Optional[float], known_finite: bool = False) -> None:
-        """Applies the pending gradient; ``known_finite``: a batched check (step_tables)
-        already found every pending gradient finite."""
-        update = self._prepare_update(lr, known_finite)
+    def _apply_pending(self, lr: Optional[float]) -> None:
+        """Applies the pending gradient (its nonfinite_grad check included) and books the step."""
+        update = self._prepare_update(lr)
         if update is not None:
             _apply_updates([self], [update])
+        self._book(update)
 
     def _prepare_update(self, lr: Optional[float], known_finite: bool = False) -> Optional["_Update"]:
-        """The step's bookkeeping (step count, learning rate, nonfinite_grad="skip"
-        masking, merged and re-resolved pending batches) and the arguments of the
-        accumulate_and_update that applies it, or None when no row has a pending gradient.
-        :func:`_apply_updates` runs the update (and forgets the pending gradient), with
-        those of other tables that share its arguments (step_tables)."""
-        had_backward, self._had_backward = self._had_backward, False
+        """The arguments of the accumulate_and_update that applies the pending gradient
+        (learning rate, step count, nonfinite_grad="skip" masking, merged and re-resolved
+        pending batches), or None when no row has a pending gradient. ``known_finite``: the
+        "raise" check is done by the caller (step_tables). Books nothing: :func:`_apply_updates`
+        runs the update, with those of other tables that share its arguments, and
+        :meth:`_book` counts the step once it is applied."""
         bad = None if known_finite else self._check_finite()
         if not self._pending:
-            # A gradient over no rows (a lookup of no ids, or a shard that received none)
-            # still counts as a step, as for torch's SparseAdam: every shard of a table
-            # keeps the step count of one process.
-            self.step_count += int(had_backward)
             return None
         _ext.require()
         if bad is not None:
@@ -324,6 +320,20 @@ class DynamicEmbedding(nn.Module):
             self.table.weights, self.table.opt_state, e.grad, slots, offsets, e.psw, e.mode, kind,
             float(opt.lr if lr is None else lr), eps, beta1, beta2, float(opt.weight_decay), self.step_count + 1, lr,
         )  # fmt: skip
+
+    def _book(self, update: Optional["_Update"]) -> None:
+        """Counts a step once its update is applied (``update``), or when there was nothing
+        to apply (None), and forgets the applied gradient."""
+        if update is None:
+            # A gradient over no rows (a lookup of no ids, or a shard that received none)
+            # still counts as a step, as for torch's SparseAdam: every shard of a table
+            # keeps the step count of one process.
+            self.step_count += int(self._had_backward)
+        else:
+            self._pending.clear()
+            self.step_count = update.step
+            self._last_lr = update.requested_lr
+        self._had_backward = False
 
     def _check_finite(self) -> Optional[list[torch.Tensor]]:
         """The nonfinite_grad policy on the pooled gradients (one reduction each). "raise"
@@ -469,10 +479,13 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
     fused update per group of alike tables.
 
     The ``nonfinite_grad="raise"`` check of every table reduces on the device into one
-    flag per table; the flags are read back together (and, for sharded tables, summed over
-    their ranks in one all-reduce per process group), so a step over K tables waits for the
-    device once instead of K times. A table whose flag is set takes the per-table path,
-    which counts its bad bags and raises; then nothing is applied to any table. Every rank
+    flag per table (for sharded tables summed over their ranks in one all-reduce per
+    process group), read back in one copy: a step over K tables waits for the device once
+    instead of K times. When the tables share one device, the updates do not wait for that
+    read: they are queued behind the check, each op carrying "some flag is set" as its
+    ``skip`` argument, and the host reads the flags while the GPU runs them. A table whose
+    flag is set takes the per-table path, which counts its bad bags and raises; nothing is
+    applied to any table (the queued updates skipped themselves on the device). Every rank
     must step its sharded tables in the same calls and order.
 
     The updates themselves are grouped: tables on one device with the same dtype, embedding
@@ -489,31 +502,51 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
     for t in tables:
         if t._shard is not None:
             t._shard.collect(t)  # gradients other ranks sent for this shard's rows
-    finite = _all_finite([t for t in tables if t.nonfinite_grad == "raise"])
-    # Every flagged table counts its bad bags (a sharded one agrees with its peers) before
-    # anything is applied: an error in one table applies no other, and no rank skips an
-    # agreement another rank waits in. A flag set by overflow alone raises nothing.
+    once: dict[int, tuple[DynamicEmbedding, Optional[float]]] = {}  # stepping a table again finds nothing
+    for t, lr in zip(tables, lrs):
+        once.setdefault(id(t), (t, lr))
+    tables, lrs = [t for t, _ in once.values()], [lr for _, lr in once.values()]
+    check = _FiniteCheck([t for t in tables if t.nonfinite_grad == "raise"])
+    # On one device the updates are queued behind the check with its result as their skip
+    # flag, and the host reads that result afterwards: it waits for the check, not for the
+    # updates, and the GPU never idles between them. Otherwise the result is read first.
+    skip = check.skip_flag({t.table.device for t in tables})
+    if skip is None:
+        _raise_nonfinite(tables, check.result())
+    updates = [t._prepare_update(lr, known_finite=t.nonfinite_grad == "raise") for t, lr in zip(tables, lrs)]
+    ready = [i for i, u in enumerate(updates) if u is not None]
+    applied: list[int] = []  # indices into ready, of the updates whose op call returned
+    try:
+        _apply_updates([tables[i] for i in ready], [updates[i] for i in ready], skip, applied)
+    except BaseException:
+        if skip is None or all(check.result().values()):  # the calls that ran did apply
+            for j in applied:
+                tables[ready[j]]._book(updates[ready[j]])
+        raise
+    if skip is not None and not all(check.result().values()):
+        # Nothing was applied (every call carried the set flag): raise, before any booking.
+        _raise_nonfinite(tables, check.result())
+        # The flag was set by the norm's overflow alone (finite gradients): apply for real.
+        applied.clear()
+        _apply_updates([tables[i] for i in ready], [updates[i] for i in ready], None, applied)
+    for t, u in zip(tables, updates):
+        t._book(u)
+
+
+def _raise_nonfinite(tables: Sequence["DynamicEmbedding"], finite: dict[int, bool]) -> None:
+    """Every table whose "raise" check flagged its gradient counts its bad bags (a sharded
+    one agrees with its peers) before anything is applied: an error in one table applies
+    no other, and no rank skips an agreement another rank waits in. A flag set by the
+    norm's overflow alone raises nothing."""
     error: Optional[FloatingPointError] = None
     for t in tables:
-        if t.nonfinite_grad == "raise" and not finite[id(t)]:
+        if not finite.get(id(t), True):
             try:
                 t._check_finite()
             except FloatingPointError as e:
                 error = error or e
     if error is not None:
         raise error
-    stepped: set[int] = set()
-    ready: list[DynamicEmbedding] = []
-    updates: list[_Update] = []
-    for t, lr in zip(tables, lrs):
-        if id(t) in stepped:  # stepping a table again would find no pending gradient
-            continue
-        stepped.add(id(t))
-        u = t._prepare_update(lr, known_finite=t.nonfinite_grad == "raise")
-        if u is not None:
-            ready.append(t)
-            updates.append(u)
-    _apply_updates(ready, updates)
 
 
 class _Update(NamedTuple):
@@ -551,11 +584,16 @@ class _Update(NamedTuple):
                 self.weight_decay, step)  # fmt: skip
 
 
-def _apply_updates(tables: Sequence["DynamicEmbedding"], updates: Sequence[_Update]) -> None:
+def _apply_updates(
+    tables: Sequence["DynamicEmbedding"], updates: Sequence[_Update], skip: Optional[torch.Tensor] = None,
+    applied: Optional[list[int]] = None,
+) -> None:
     """Runs the prepared updates of ``tables`` (one each): those with equal group keys in
-    one accumulate_and_update_many, a lone one in accumulate_and_update; then forgets
-    each table's pending gradient. The offsets passed _bags' checks and the slots come
-    from the tables: no input checks (on CUDA, no host sync)."""
+    one accumulate_and_update_many, a lone one in accumulate_and_update, every call with
+    the ``skip`` flag. Appends to ``applied`` the index of each update whose call
+    returned (the caller books them: :meth:`DynamicEmbedding._book`). The offsets passed
+    _bags' checks and the slots come from the tables: no input checks (on CUDA, no host
+    sync)."""
     groups: dict[tuple, list[int]] = {}
     for i, u in enumerate(updates):
         groups.setdefault(u.group_key(), []).append(i)
@@ -576,63 +614,85 @@ def _apply_updates(tables: Sequence["DynamicEmbedding"], updates: Sequence[_Upda
         if len(idx) == 1:
             torch.ops.veloce.accumulate_and_update(
                 u.weights, u.opt_state, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, u.lr, u.eps,
-                u.beta1, u.beta2, u.weight_decay, u.step, False,
+                u.beta1, u.beta2, u.weight_decay, u.step, False, skip,
             )  # fmt: skip
         else:
             group = [updates[i] for i in idx]
             torch.ops.veloce.accumulate_and_update_many(
                 [v.weights for v in group], [v.opt_state for v in group], [v.grad for v in group],
                 [v.slots for v in group], [v.offsets for v in group], [v.psw for v in group], u.mode, False, u.kind,
-                u.lr, u.eps, u.beta1, u.beta2, u.weight_decay, u.step, False,
+                u.lr, u.eps, u.beta1, u.beta2, u.weight_decay, u.step, False, skip,
             )  # fmt: skip
-        for i in idx:  # the step is booked once it is applied (a failed call leaves it pending)
-            t = tables[i]
-            t._pending.clear()
-            t.step_count = updates[i].step
-            t._last_lr = updates[i].requested_lr
+        if applied is not None:  # a failed call leaves its tables' steps pending
+            applied.extend(idx)
 
 
-def _all_finite(tables: Sequence["DynamicEmbedding"]) -> dict[int, bool]:
-    """id(table) -> whether every pending gradient of the table is finite (over all ranks
-    for a sharded table): one fused norm over the gradients of each device's tables, one
-    all-reduce per process group of sharded tables, one read-back per device.
+class _FiniteCheck:
+    """The nonfinite_grad="raise" check of step_tables' tables: whether every pending
+    gradient of a table is finite (over all ranks for a sharded table). One fused norm over
+    the gradients of each device's tables, one all-reduce per process group of sharded
+    tables, and at most one read-back per device, queued at construction and waited for
+    by :meth:`result` (:class:`veloce._device.HostCopy`).
 
     A norm is NaN or Inf if an element is (or, for huge finite values, if the squares
     overflow: the per-table check then finds nothing to raise)."""
-    if not tables:
-        return {}
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tables):
-        by_device.setdefault(t.table.device, []).append(i)
-    where: dict[int, tuple[torch.device, int]] = {}  # table -> (device, row of its flag)
-    flags: dict[torch.device, list[torch.Tensor]] = {}
-    for dev, idx in by_device.items():
-        grads, owner = [], []
-        for j, i in enumerate(idx):
-            where[i] = (dev, j)
-            grads.extend(e.grad for e in tables[i]._pending)
-            owner.extend(j for _ in tables[i]._pending)
-        counts = torch.zeros(len(idx), dtype=torch.long, device=dev)
-        if grads:
-            bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).long()
-            counts.index_add_(0, host_tensor(owner, dev), bad)
-        flags[dev] = [counts]
-    # Sharded tables: the counts summed over the ranks (every rank steps the same tables in
-    # the same order), appended after the device's own rows.
-    groups: dict[int, list[int]] = {}
-    for i, t in enumerate(tables):
-        if t._shard is not None:
-            groups.setdefault(id(t._shard.group), []).append(i)
-    for idx in groups.values():
-        dev = where[idx[0]][0]
-        mine = torch.stack([flags[where[i][0]][0][where[i][1]].to(dev) for i in idx])
-        summed = tables[idx[0]]._shard.agree_all(mine).to(dev)
-        base = sum(f.numel() for f in flags[dev])
-        flags[dev].append(summed)
-        for k, i in enumerate(idx):
-            where[i] = (dev, base + k)
-    host = {dev: torch.cat(fs).tolist() for dev, fs in flags.items()}  # the read-back
-    return {id(t): host[where[i][0]][where[i][1]] == 0 for i, t in enumerate(tables)}
+
+    def __init__(self, tables: Sequence["DynamicEmbedding"]) -> None:
+        self.tables = list(tables)
+        self._result: Optional[dict[int, bool]] = None
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(self.tables):
+            by_device.setdefault(t.table.device, []).append(i)
+        where: dict[int, tuple[torch.device, int]] = {}  # table -> (device, row of its flag)
+        flags: dict[torch.device, list[torch.Tensor]] = {}
+        for dev, idx in by_device.items():
+            grads, owner = [], []
+            for j, i in enumerate(idx):
+                where[i] = (dev, j)
+                grads.extend(e.grad for e in self.tables[i]._pending)
+                owner.extend(j for _ in self.tables[i]._pending)
+            counts = torch.zeros(len(idx), dtype=torch.long, device=dev)
+            if grads:
+                bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).long()
+                counts.index_add_(0, host_tensor(owner, dev), bad)
+            flags[dev] = [counts]
+        # Sharded tables: the counts summed over the ranks (every rank steps the same tables
+        # in the same order), appended after the device's own rows.
+        groups: dict[int, list[int]] = {}
+        for i, t in enumerate(self.tables):
+            if t._shard is not None:
+                groups.setdefault(id(t._shard.group), []).append(i)
+        for idx in groups.values():
+            dev = where[idx[0]][0]
+            mine = torch.stack([flags[where[i][0]][0][where[i][1]].to(dev) for i in idx])
+            summed = self.tables[idx[0]]._shard.agree_all(mine).to(dev)
+            base = sum(f.numel() for f in flags[dev])
+            flags[dev].append(summed)
+            for k, i in enumerate(idx):
+                where[i] = (dev, base + k)
+        self._where = where
+        self._flags = {dev: torch.cat(fs) for dev, fs in flags.items()}
+        self._copies = {dev: HostCopy(f) for dev, f in self._flags.items()}  # queued, not waited for
+
+    def skip_flag(self, devices: set) -> Optional[torch.Tensor]:
+        """A (1,) bool on the device of every table in ``devices`` (those to be updated),
+        true when some checked gradient is not finite; None when the tables span several
+        devices (the caller then reads :meth:`result` before updating)."""
+        if len(devices) != 1:
+            return None
+        (dev,) = devices
+        if not self._flags:
+            return None  # no table to check
+        if set(self._flags) != {dev}:
+            return None
+        return (self._flags[dev] != 0).any().reshape(1)
+
+    def result(self) -> dict[int, bool]:
+        """id(table) -> whether its pending gradient is finite (waits for the read-back once)."""
+        if self._result is None:
+            host = {dev: c.tolist() for dev, c in self._copies.items()}
+            self._result = {id(t): host[self._where[i][0]][self._where[i][1]] == 0 for i, t in enumerate(self.tables)}
+        return self._result
 
 
 def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> list[torch.Tensor]:

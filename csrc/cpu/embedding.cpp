@@ -387,16 +387,25 @@ void fused_update(const char* op, const at::Tensor& weights, const at::Tensor& o
                 });
 }
 
+// The skip argument of accumulate_and_update(_many), checked and read (a host read on the CPU).
+bool skipped(const char* op, const std::optional<at::Tensor>& skip, const at::Tensor& weights) {
+  if (!skip.has_value()) return false;
+  check_flag(op, "skip", *skip, "weights", weights);
+  return skip->item<bool>();
+}
+
 void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state,
                                const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
                                const c10::optional<at::Tensor>& per_sample_weights, int64_t mode,
                                bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
                                double beta2, double weight_decay, int64_t step,
-                               bool /*check_inputs: the checks read host memory, no sync to save*/) {
+                               bool /*check_inputs: the checks read host memory, no sync to save*/,
+                               const std::optional<at::Tensor>& skip) {
   constexpr const char* op = "veloce::accumulate_and_update";
   check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
   const int64_t B = check_backward_args(op, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset);
   check_grad_output_for_weights(op, grad_output, weights);
+  if (skipped(op, skip, weights)) return;
   fused_update(op, weights, opt_state, grad_output, slots, offsets, per_sample_weights, mode, B, optimizer, lr, eps,
                beta1, beta2, weight_decay, step);
 }
@@ -410,7 +419,8 @@ void accumulate_and_update_many_cpu(at::TensorList weights, at::TensorList opt_s
                                     const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
                                     bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
                                     double beta2, double weight_decay, int64_t step,
-                                    bool /*check_inputs: as accumulate_and_update_cpu*/) {
+                                    bool /*check_inputs: as accumulate_and_update_cpu*/,
+                                    const std::optional<at::Tensor>& skip) {
   constexpr const char* op = "veloce::accumulate_and_update_many";
   const ManyTables tables = check_update_many_args(op, weights, opt_state, grad_output, slots, offsets,
                                                    per_sample_weights, mode, include_last_offset, optimizer, lr, eps,
@@ -422,6 +432,7 @@ void accumulate_and_update_many_cpu(at::TensorList weights, at::TensorList opt_s
     const at::Tensor s = slots[k].contiguous();
     check_slot_values(name, s.data_ptr<int64_t>(), s.numel(), -1, "");
   }
+  if (K > 0 && skipped(op, skip, weights[0])) return;
   for (size_t k = 0; k < K; ++k) {
     fused_update(tables.names[k].c_str(), weights[k], opt_state[k], grad_output[k], slots[k], offsets[k],
                  per_sample_weights.get(k), mode, tables.num_bags[k], optimizer, lr, eps, beta1, beta2, weight_decay,

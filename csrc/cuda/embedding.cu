@@ -755,8 +755,9 @@ __global__ void accumulate_update_kernel(
     const key_t* __restrict__ uniq, const int64_t* __restrict__ num_runs, const RunPlan* __restrict__ plan,
     const RunPlan* __restrict__ first, int64_t N, const int32_t* __restrict__ sorted_pos,
     const int32_t* __restrict__ bag_of, const at::opmath_type<scalar_t>* __restrict__ bag_scale, int lanes,
-    at::opmath_type<scalar_t>* partial, int32_t* __restrict__ arrived) {
+    at::opmath_type<scalar_t>* partial, int32_t* __restrict__ arrived, const bool* __restrict__ skip) {
   using acc_t = at::opmath_type<scalar_t>;
+  if (skip != nullptr && *skip) return;  // the op's skip flag: no table is written
   // Work items: the runs (those of one chunk are done at once), then the chunks of runs
   // longer than one chunk (located by a binary search; they are few).
   const int64_t runs = *num_runs;
@@ -876,7 +877,7 @@ constexpr int kMaxIter = 4;
 template <typename key_t, int MaxK>
 void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode, bool vec, int64_t optimizer,
                                  double lr, double eps, double beta1, double beta2, double weight_decay,
-                                 int64_t step) {
+                                 int64_t step, const bool* skip) {
   const TableGroup<MaxK> tg = make_group<MaxK>(t, K);
   const int64_t N = tg.pos_base[K];
   const int64_t B = tg.bag_base[K];
@@ -928,7 +929,7 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
           <<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
               tg, D, S, rule, up, num_runs.data_ptr<int64_t>(), pp, fp, N, sorted_pos.data_ptr<int32_t>(),
               bag_of.data_ptr<int32_t>(), scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes,
-              partial.data_ptr<acc_t>(), arrived.data_ptr<int32_t>());
+              partial.data_ptr<acc_t>(), arrived.data_ptr<int32_t>(), skip);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto with_iter = [&](auto vec) {
@@ -967,8 +968,11 @@ void update_wide(const TableArgs& t, int64_t mode, int64_t optimizer, double lr,
 // the others in groups of one sort and one fused kernel. The tables of a group also share
 // the choice of 16-byte packs, which fixes the lanes per row and so RowWiseAdagrad's order
 // of adding g^2: every table gets the arithmetic of its single-table call.
+// skip (checked, or undefined): the fused kernels read it on the device and write nothing
+// when it is set; the unfused path of wide rows reads it on the host first (a sync, on a
+// path that syncs anyway), so that either every table is updated or none is.
 void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t optimizer, double lr, double eps,
-                   double beta1, double beta2, double weight_decay, int64_t step) {
+                   double beta1, double beta2, double weight_decay, int64_t step, const at::Tensor& skip) {
   if (tables.empty()) return;
   const at::Tensor& w0 = tables[0].weights;
   const int64_t D = w0.size(1);
@@ -976,6 +980,7 @@ void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t o
   if (D == 0) return;
   const int64_t elems16 = 16 / w0.element_size();
   std::vector<const TableArgs*> fused[2];  // by vec
+  std::vector<const TableArgs*> wide;
   for (const TableArgs& t : tables) {
     if (t.N == 0 || t.rows == 0) continue;  // nothing to update
     // 16-byte packs when D and every row pointer allow them (RowWiseAdagrad's one state
@@ -984,11 +989,17 @@ void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t o
                      (S <= 1 || aligned16(t.opt_state.data_ptr()));
     const int64_t V = vec ? elems16 : 1;
     if (ceil_div(D, lanes_for(D, static_cast<int>(V)) * V) > kMaxIter) {
-      update_wide(t, mode, optimizer, lr, eps, beta1, beta2, weight_decay, step);
+      wide.push_back(&t);
     } else {
       fused[vec].push_back(&t);
     }
   }
+  const bool* skip_flag = skip.defined() ? skip.data_ptr<bool>() : nullptr;
+  if (!wide.empty() && skip_flag != nullptr) {
+    if (skip.item<bool>()) return;
+    skip_flag = nullptr;
+  }
+  for (const TableArgs* t : wide) update_wide(*t, mode, optimizer, lr, eps, beta1, beta2, weight_decay, step);
   constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
   for (int vec = 0; vec < 2; ++vec) {
     const std::vector<const TableArgs*>& list = fused[vec];
@@ -1009,10 +1020,10 @@ void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t o
         using key_t = decltype(key);
         if (K == 1) {
           accumulate_and_update_fused<key_t, 1>(list.data() + begin, 1, mode, vec, optimizer, lr, eps, beta1, beta2,
-                                                weight_decay, step);
+                                                weight_decay, step, skip_flag);
         } else {
           accumulate_and_update_fused<key_t, kMaxGroup>(list.data() + begin, K, mode, vec, optimizer, lr, eps, beta1,
-                                                        beta2, weight_decay, step);
+                                                        beta2, weight_decay, step, skip_flag);
         }
       });
       begin = end;
@@ -1024,11 +1035,13 @@ void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt
                                 const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
                                 const std::optional<at::Tensor>& per_sample_weights, int64_t mode,
                                 bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
-                                double beta2, double weight_decay, int64_t step, bool check_inputs) {
+                                double beta2, double weight_decay, int64_t step, bool check_inputs,
+                                const std::optional<at::Tensor>& skip) {
   constexpr const char* op = "veloce::accumulate_and_update";
   check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
   check_backward_inputs(op, grad_output, slots, offsets, per_sample_weights, mode);
   check_grad_output_for_weights(op, grad_output, weights);
+  if (skip.has_value()) check_flag(op, "skip", *skip, "weights", weights);
   const c10::cuda::CUDAGuard guard(weights.device());
   const int64_t N = slots.numel();
   check_num_ids_cuda(op, N);
@@ -1045,7 +1058,7 @@ void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
   // The group of one table: the same kernels as accumulate_and_update_many.
   update_tables({TableArgs{weights, opt_state, g, s, o, p, weights.size(0), N, B}}, mode, optimizer, lr, eps, beta1,
-                beta2, weight_decay, step);
+                beta2, weight_decay, step, skip.value_or(at::Tensor()));
 }
 
 // check_bags_and_slots_cuda (no upper slot limit: accumulate_and_update skips slots past
@@ -1084,13 +1097,15 @@ void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_
                                      at::TensorList slots, at::TensorList offsets,
                                      const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
                                      bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
-                                     double beta2, double weight_decay, int64_t step, bool check_inputs) {
+                                     double beta2, double weight_decay, int64_t step, bool check_inputs,
+                                     const std::optional<at::Tensor>& skip) {
   constexpr const char* op = "veloce::accumulate_and_update_many";
   const ManyTables checked = check_update_many_args(op, weights, opt_state, grad_output, slots, offsets,
                                                     per_sample_weights, mode, include_last_offset, optimizer, lr, eps,
                                                     beta1, beta2, step);
   const size_t K = weights.size();
   if (K == 0) return;
+  if (skip.has_value()) check_flag(op, "skip", *skip, "weights[0]", weights[0]);
   const c10::cuda::CUDAGuard guard(weights[0].device());
   std::vector<TableArgs> tables(K);
   for (size_t k = 0; k < K; ++k) {
@@ -1115,7 +1130,7 @@ void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_
     const std::optional<at::Tensor> psw = per_sample_weights.get(k);
     t.p = psw.has_value() ? psw->contiguous() : at::Tensor();
   }
-  update_tables(tables, mode, optimizer, lr, eps, beta1, beta2, weight_decay, step);
+  update_tables(tables, mode, optimizer, lr, eps, beta1, beta2, weight_decay, step, skip.value_or(at::Tensor()));
 }
 
 }  // namespace

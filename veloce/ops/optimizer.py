@@ -117,6 +117,7 @@ def accumulate_and_update(
     weight_decay: float = 0.0,
     step: int = 1,
     check_inputs: bool = True,
+    skip: torch.Tensor | None = None,
 ) -> None:
     """The backward of ``pooled_lookup`` and the optimizer step in one pass, in place.
 
@@ -137,6 +138,10 @@ def accumulate_and_update(
         optimizer, lr, eps, beta1, beta2, weight_decay, step: as :func:`sparse_update`.
         check_inputs: as :func:`veloce.ops.pooled_lookup`: ``False`` skips the checks of the
             offsets layout and slot values (on CUDA then no host sync at all).
+        skip: a one-element bool tensor on ``weights``' device, or None. When it holds
+            True the op changes nothing. It is read on the device (no host sync on CUDA),
+            so an update can be queued behind a device-side check whose result the host
+            reads later: ``DynamicEmbedding``'s NaN/Inf check of the gradient does this.
 
     On CUDA the whole op runs without a host synchronization when ``check_inputs`` is
     False: the sort, run-length encode and the fused reduce + update keep every size on
@@ -151,7 +156,7 @@ def accumulate_and_update(
     _ext.require()
     torch.ops.veloce.accumulate_and_update(
         weights, opt_state, grad_output, slots, offsets, per_sample_weights, _mode_id(mode), include_last_offset,
-        _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step, check_inputs,
+        _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step, check_inputs, skip,
     )  # fmt: skip
 
 
@@ -172,6 +177,7 @@ def accumulate_and_update_many(
     weight_decay: float = 0.0,
     step: int = 1,
     check_inputs: bool = True,
+    skip: torch.Tensor | None = None,
 ) -> None:
     """:func:`accumulate_and_update` of K tables in one call, in place.
 
@@ -193,7 +199,8 @@ def accumulate_and_update_many(
         per_sample_weights: one entry per table (None for a table without them), or None
             for no table.
         mode, include_last_offset, optimizer, lr, eps, beta1, beta2, weight_decay, step,
-            check_inputs: as :func:`accumulate_and_update`, for every table.
+            check_inputs, skip: as :func:`accumulate_and_update`, for every table (``skip``
+            on the tables' device: every table is updated, or none).
 
     Shape:
         - per table k: weights ``(C_k, D)``; opt_state ``(C_k, S)``; grad_output ``(B_k, D)``;
@@ -219,7 +226,7 @@ def accumulate_and_update_many(
         return  # no table: nothing to do (and no tensor to dispatch on)
     torch.ops.veloce.accumulate_and_update_many(
         weights, opt_state, list(grad_output), list(slots), list(offsets), psw, _mode_id(mode), include_last_offset,
-        _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step, check_inputs,
+        _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step, check_inputs, skip,
     )  # fmt: skip
 
 

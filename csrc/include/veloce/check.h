@@ -24,6 +24,9 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t, co
                        const at::Tensor& ref);
 void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim, int64_t want,
                 const char* what);
+// A device-side flag argument: a bool tensor of one element on ref's device.
+void check_flag(const char* op, const char* name, const at::Tensor& flag, const char* ref_name,
+                const at::Tensor& ref);
 
 // The per-table lists of an op over several tables: each as long as the first one
 // (`first_name`, `first` entries); returns that length.
