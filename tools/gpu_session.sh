@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build veloce on the GPU machine and run the chosen stages; logs go to $OUT.
-#   tools/gpu_session.sh build test checks bench
+#   tools/gpu_session.sh build test checks bench profile
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/veloce-out}"; mkdir -p "$OUT"
@@ -46,6 +46,11 @@ for stage in "$@"; do
       timeout 300 python3 benchmarks/bench_embedding.py --device cuda --features 10 --ids-per-feature 1600000 \
         --batch 104857 --bag 1 --dim 128 --dist zipf --alpha 1.05 --optimizers sgd,adam --no-dict --unchecked --steps 20 \
         --warmup 5 --json "$OUT/bench_embedding_config3.json" 2>&1 | tee "$OUT/bench_embedding_config3.log" | tail -8
+      ;;
+    profile)
+      # Where the time of one step goes: configuration 3 (Adam, one table) and DLRM on one GPU.
+      timeout 200 python3 tools/profile_step.py --device cuda 2>&1 | tee "$OUT/profile_config3_adam.txt" | head -3
+      timeout 200 python3 tools/profile_step.py --device cuda --model dlrm 2>&1 | tee "$OUT/profile_dlrm.txt" | head -3
       ;;
     nccl)
       # The multi-process tests on every GPU count this machine has (2, 3, 4), with NCCL and gloo.
