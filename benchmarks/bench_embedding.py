@@ -13,8 +13,7 @@ optimizer update, on one table holding every feature's ids. Side by side, same i
 * ``DynamicEmbedding``: raw int64 ids, no vocabulary, warm table (every id inserted).
 * with ``--unchecked``, also ``DynamicEmbedding`` with ``nonfinite_grad="apply"``: no
   NaN/Inf check of the gradient before the update (the default "raise" reads every
-  gradient once more and waits for the device; torch's optimizers and FBGEMM's TBE do
-  not check).
+  gradient once more; torch's optimizers and FBGEMM's TBE do not check).
 
 Prints a Markdown table (median ms/step and the ratio to EmbeddingBag) headed by the
 device, torch version, dtype and configuration.
