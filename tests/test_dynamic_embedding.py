@@ -292,6 +292,48 @@ def test_lookup_many_equals_calling_each_table(device):
         veloce.table.find_or_insert_many([tables[0].table] * 2, [steps[0][0].view(-1)] * 2)
 
 
+def test_hash_table_bad_input_refuses_before_anything_changes():
+    """HashTable.find_or_insert and find_or_insert_many pass bad_input to the op: set, they
+    raise and leave every table as it was (its LRU clock included); unset, nothing differs."""
+    from veloce.table import HashTable, find_or_insert_many
+
+    def tables():  # the last one holds 30 of 32 slots: it grows before its next insert
+        out = [HashTable(4, 0, capacity=c, seed=k) for k, c in enumerate([64, 64, 32])]
+        for t, n in zip(out, [10, 10, 30]):
+            t.find_or_insert(torch.arange(n))
+        return out
+
+    def state(t):
+        return [x.clone() for x in t._state()] + [len(t), t.clock, t.capacity, t.version]
+
+    def same(x, y):
+        assert all(torch.equal(p, q) if isinstance(p, torch.Tensor) else p == q for p, q in zip(x, y))
+
+    yes, no = torch.tensor(True), torch.tensor([False])
+    ids = [torch.arange(5, 20), torch.arange(30, 40), torch.arange(25, 35)]
+    ts = tables()
+    before = [state(t) for t in ts]
+    for call in (lambda: ts[0].find_or_insert(ids[0], bad_input=yes),  # refused by the op
+                 lambda: ts[2].find_or_insert(ids[2], bad_input=yes),  # refused before growing
+                 lambda: find_or_insert_many(ts, ids, bad_input=yes),
+                 lambda: find_or_insert_many(ts[:1], ids[:1], bad_input=yes)):  # fmt: skip
+        with pytest.raises(ValueError, match="bad_input is set"):
+            call()
+        for t, b in zip(ts, before):
+            same(state(t), b)
+    with pytest.raises(ValueError, match=r"bad_input is on meta but the tables are on cpu; one flag covers"):
+        find_or_insert_many(ts, ids, bad_input=torch.tensor(False, device="meta"))
+    with pytest.raises(ValueError, match=r"the tables are on no device \(no tables\)"):
+        find_or_insert_many([], [], bad_input=no)
+    ref = tables()
+    got = find_or_insert_many(ts, ids, bad_input=no)
+    want = find_or_insert_many(ref, ids)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for t, r in zip(ts, ref):
+        same(state(t), state(r))
+    assert ts[2].capacity == 64
+
+
 def test_growth_from_16_to_200k():
     emb = veloce.DynamicEmbedding(4, mode="sum", capacity=16, initializer=veloce.init.uniform(-1, 1))
     g = torch.Generator().manual_seed(0)
