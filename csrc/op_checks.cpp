@@ -60,10 +60,24 @@ void check_insert_args(const char* op, const at::Tensor& keys, const at::Tensor&
   check_int_arg(op, "score_policy", score_policy, 0, 2, "0 none, 1 LRU, 2 LFU");
 }
 
+void check_bad_input(const char* op, const std::optional<at::Tensor>& bad_input, const at::Tensor& keys) {
+  if (!bad_input) return;
+  check_dtype(op, "bad_input", *bad_input, at::kBool);
+  TORCH_CHECK(bad_input->numel() == 1, op, ": bad_input must hold exactly one element (the result of the ",
+              "caller's input check), got a tensor of shape ", shape_str(*bad_input));
+  check_same_device(op, "bad_input", *bad_input, "keys", keys);
+}
+
+void check_bad_input_unset(const char* op, bool set) {
+  TORCH_CHECK_VALUE(!set, op, ": bad_input is set: the caller's check of this call's input failed; nothing was ",
+                    "inserted and no table was changed");
+}
+
 int64_t check_find_or_insert_many_args(const char* op, at::TensorList keys, at::TensorList digests, at::TensorList scores, at::TensorList weights,
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
-    at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id) {
+    at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
+    const std::optional<at::Tensor>& bad_input) {
   const int64_t K = check_list_lengths(
       op, "keys", keys.size(),
       {{"digests", digests.size()}, {"scores", scores.size()}, {"weights", weights.size()},
@@ -77,6 +91,10 @@ int64_t check_find_or_insert_many_args(const char* op, at::TensorList keys, at::
     check_insert_args(name.c_str(), keys[k], digests[k], scores[k], weights[k], opt_state[k], ids[k],
                       score_policy[k]);
     check_init(name.c_str(), init_kind[k], init_a[k], init_b[k]);
+  }
+  if (bad_input) {
+    TORCH_CHECK_VALUE(K > 0, op, ": bad_input was given but there are no tables; it must be on the tables' device");
+    check_bad_input(op, bad_input, keys[0]);
   }
   return K;
 }

@@ -37,20 +37,27 @@ TORCH_LIBRARY(veloce, m) {
   // are neither inserted nor scored. With allow_evict, a key whose two buckets are full
   // replaces the lowest-scored key there that this call did not touch (evicted_keys).
   // counts = [inserted, failed] is a CPU tensor on every backend (no device sync to read).
+  // bad_input: a one-element bool tensor on the table's device, the result of the caller's
+  // own device-side check of this call's input (e.g. a bag layout). The op reads it with its
+  // first host read-back (on CUDA in the same copy as the miss counts, so the caller's
+  // check costs no sync of its own) and, when it is true, raises a ValueError before
+  // changing the table: nothing is inserted and no score changes.
   m.def(
       "find_or_insert(Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, Tensor(d!) weights, "
       "Tensor(e!) opt_state, Tensor ids, int score_policy, int score_value, bool allow_evict, "
-      "int seed, int init_kind, float init_a, float init_b, int? padding_id=None) "
+      "int seed, int init_kind, float init_a, float init_b, int? padding_id=None, Tensor? bad_input=None) "
       "-> (Tensor slots, Tensor counts, Tensor evicted_keys)");
   // find_or_insert on K tables at once (list arguments: entry k is table k's), with the
   // results of K separate calls: slots of all tables concatenated (table k's N_k after the
   // N of the tables before it), counts (K, 3) = [inserted, failed, evicted] per table (a
   // CPU tensor), evicted_keys of all tables concatenated. On CUDA the calls share their
-  // host syncs: 1 to 3 per op instead of per table. No table may appear twice.
+  // host syncs: 1 to 3 per op instead of per table. No table may appear twice. One
+  // bad_input flag (on the tables' device; it needs K >= 1) covers the whole call: when
+  // set, no table changes.
   m.def(
       "find_or_insert_many(Tensor(a!)[] keys, Tensor(b!)[] digests, Tensor(c!)[] scores, Tensor(d!)[] weights, "
       "Tensor(e!)[] opt_state, Tensor[] ids, int[] score_policy, int[] score_value, bool[] allow_evict, "
-      "int[] seed, int[] init_kind, float[] init_a, float[] init_b, int?[] padding_id) "
+      "int[] seed, int[] init_kind, float[] init_a, float[] init_b, int?[] padding_id, Tensor? bad_input=None) "
       "-> (Tensor slots, Tensor counts, Tensor evicted_keys)");
   // Writes values (N, D) to the rows of ids, inserting missing ids. opt_values (N, S)
   // and score_values (N,) are written when given; otherwise new rows get zero state and

@@ -292,6 +292,48 @@ def test_lookup_many_equals_calling_each_table(device):
         veloce.table.find_or_insert_many([tables[0].table] * 2, [steps[0][0].view(-1)] * 2)
 
 
+def test_hash_table_bad_input_refuses_before_anything_changes():
+    """HashTable.find_or_insert and find_or_insert_many pass bad_input to the op: set, they
+    raise and leave every table as it was (its LRU clock included); unset, nothing differs."""
+    from veloce.table import HashTable, find_or_insert_many
+
+    def tables():  # the last one holds 30 of 32 slots: it grows before its next insert
+        out = [HashTable(4, 0, capacity=c, seed=k) for k, c in enumerate([64, 64, 32])]
+        for t, n in zip(out, [10, 10, 30]):
+            t.find_or_insert(torch.arange(n))
+        return out
+
+    def state(t):
+        return [x.clone() for x in t._state()] + [len(t), t.clock, t.capacity, t.version]
+
+    def same(x, y):
+        assert all(torch.equal(p, q) if isinstance(p, torch.Tensor) else p == q for p, q in zip(x, y))
+
+    yes, no = torch.tensor(True), torch.tensor([False])
+    ids = [torch.arange(5, 20), torch.arange(30, 40), torch.arange(25, 35)]
+    ts = tables()
+    before = [state(t) for t in ts]
+    for call in (lambda: ts[0].find_or_insert(ids[0], bad_input=yes),  # refused by the op
+                 lambda: ts[2].find_or_insert(ids[2], bad_input=yes),  # refused before growing
+                 lambda: find_or_insert_many(ts, ids, bad_input=yes),
+                 lambda: find_or_insert_many(ts[:1], ids[:1], bad_input=yes)):  # fmt: skip
+        with pytest.raises(ValueError, match="bad_input is set"):
+            call()
+        for t, b in zip(ts, before):
+            same(state(t), b)
+    with pytest.raises(ValueError, match=r"bad_input is on meta but the tables are on cpu; one flag covers"):
+        find_or_insert_many(ts, ids, bad_input=torch.tensor(False, device="meta"))
+    with pytest.raises(ValueError, match=r"the tables are on no device \(no tables\)"):
+        find_or_insert_many([], [], bad_input=no)
+    ref = tables()
+    got = find_or_insert_many(ts, ids, bad_input=no)
+    want = find_or_insert_many(ref, ids)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for t, r in zip(ts, ref):
+        same(state(t), state(r))
+    assert ts[2].capacity == 64
+
+
 def test_growth_from_16_to_200k():
     emb = veloce.DynamicEmbedding(4, mode="sum", capacity=16, initializer=veloce.init.uniform(-1, 1))
     g = torch.Generator().manual_seed(0)
@@ -699,9 +741,10 @@ def test_lookup_many_bad_offsets_in_one_table_change_no_table():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-def test_cuda_lookup_many_of_known_ids_waits_for_the_device_twice(capfd):
-    """Eight tables with 1-D offsets: one read-back checks every bag layout, one sizes the
-    inserts (none new); per table it would be 16."""
+def test_cuda_lookup_many_of_known_ids_waits_for_the_device_once(capfd):
+    """Eight tables with 1-D offsets: one read-back sizes the inserts (none new) and carries
+    the flag of every bag layout (bad_input); per table it would be 16 (8 before the flag
+    rode on the insert: 2 per call)."""
     tables = [veloce.DynamicEmbedding(16, mode="sum", device="cuda", seed=k) for k in range(8)]
     ids = torch.randint(0, 1000, (4096,), device="cuda")
     offsets = torch.arange(0, 4096, 4, device="cuda")
@@ -713,8 +756,113 @@ def test_cuda_lookup_many_of_known_ids_waits_for_the_device_twice(capfd):
         outs = veloce.lookup_many(tables, [(ids, offsets)] * 8)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert capfd.readouterr().err.count("called a synchronizing CUDA operation") == 2
+    assert capfd.readouterr().err.count("called a synchronizing CUDA operation") == 1
     assert len(outs) == 8 and outs[0].shape == (1024, 16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("layout", ["1-D offsets", "2-D input"])
+def test_cuda_training_forward_of_known_ids_waits_for_the_device_once(layout, capfd):
+    """A training forward of ids already in the table waits once: the insert's count of
+    missing ids, which also carries the offsets' flag (it took two reads before)."""
+    emb = veloce.DynamicEmbedding(16, mode="sum", device="cuda")
+    ids = torch.randint(0, 1000, (4096,), device="cuda")
+    args = (ids, torch.arange(0, 4096, 4, device="cuda")) if layout == "1-D offsets" else (ids.view(1024, 4),)
+    emb(*args)  # inserts
+    torch.cuda.synchronize()
+    capfd.readouterr()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        out = emb(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert capfd.readouterr().err.count("called a synchronizing CUDA operation") == 1
+    assert out.shape == (1024, 16)
+
+
+def _no_explicit_offsets_read(layouts, flags=None):
+    """Stands in for _check_offsets_many where every layout should ride on an insert."""
+    if layouts:
+        raise AssertionError("the offsets were read back on their own, not with the insert")
+
+
+def _spy_flags(monkeypatch, owner, name) -> list:
+    """Wraps owner.name (an insert taking bad_input last) to record the flags it is given."""
+    seen, insert = [], getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["bad_input"] if "bad_input" in kwargs else args[-1])
+        return insert(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return seen
+
+
+BAD_OFFSETS = [  # (offsets of 6 ids, include_last_offset, the error)
+    ([1, 3], False, r"offsets must start at 0, got offsets\[0\] = 1"),
+    ([0, 4, 2], False, r"offsets must be non-decreasing, got offsets\[1\] = 4 > offsets\[2\] = 2"),
+    ([0, 7], False, r"offsets\[-1\] = 7 is past the end of input \(6 ids\)"),
+    ([0, 3, 5], True, r"with include_last_offset=True, offsets\[-1\] must equal the number of ids \(6\)"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("growth_due", [False, True], ids=["no growth", "growth due"])
+def test_training_forward_checks_offsets_with_the_insert(device, growth_due, monkeypatch):
+    """In training the bag layout's check rides on the insert (its bad_input flag), never
+    read back on its own. Bad offsets raise the same errors as ever and change nothing: no
+    row, no score, no clock tick, and no growth even when the insert would grow first."""
+    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=32 if growth_due else 1024, device=device)
+    # 30 of 32 slots when capacity is 32 (past grow_at: the next insert grows first), and a pending gradient
+    emb(torch.arange(30, device=device).view(1, 30)).sum().backward()
+    assert emb.capacity == (32 if growth_due else 1024)
+    monkeypatch.setattr(veloce.embedding, "_check_offsets_many", _no_explicit_offsets_read)
+    flags = _spy_flags(monkeypatch, veloce.table.HashTable, "find_or_insert")
+    before, clock, capacity = snapshot(emb), emb.table.clock, emb.capacity
+    ids = torch.arange(100, 106, device=device)
+    for offsets, ilo, match in BAD_OFFSETS:
+        emb.include_last_offset = ilo
+        with pytest.raises(ValueError, match=match):
+            emb(ids, torch.tensor(offsets, device=device))
+        assert_same_snapshot(before, snapshot(emb))
+        assert emb.table.clock == clock
+    emb.include_last_offset = False
+    assert emb(ids, torch.tensor([0, 2, 2], device=device)).shape == (3, 4)
+    assert len(emb) == 36 and emb.table.clock == clock + 1 and (emb.capacity > capacity) == growth_due
+    assert [bool(f) for f in flags] == [True] * len(BAD_OFFSETS) + [False]  # every check rode on the insert
+    monkeypatch.undo()
+    emb.eval()  # eval never inserts: its check reads the offsets back itself
+    with pytest.raises(ValueError, match=BAD_OFFSETS[1][2]):
+        emb(ids, torch.tensor([0, 4, 2], device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lookup_many_checks_every_layout_with_the_insert(device, monkeypatch):
+    """lookup_many's local tables: the layouts of every input (an eval table's and a table
+    listed twice included) are one flag on the grouped insert. A bad one anywhere raises
+    its error before any table changes."""
+    a, b, ev = (veloce.DynamicEmbedding(4, mode="sum", seed=k, device=device) for k in range(3))
+    ev.eval()
+    ids = torch.arange(6, device=device)
+    good, bad = torch.tensor([0, 2, 4], device=device), torch.tensor([0, 4, 2], device=device)
+    veloce.lookup_many([a, b], [(ids[:2], good[:1])] * 2)
+    monkeypatch.setattr(veloce.embedding, "_check_offsets_many", _no_explicit_offsets_read)
+    flags = _spy_flags(monkeypatch, veloce.embedding, "find_or_insert_many")
+    before = [(snapshot(t), t.table.clock) for t in (a, b, ev)]
+    cases = [
+        ([a, b], [(ids, good), (ids, bad)]),  # the second table's
+        ([a, b, a], [(ids, good), (ids, good), (ids, bad)]),  # a table listed twice: its second input
+        ([a, b, ev], [(ids, good), (ids, good), (ids, bad)]),  # an eval table's
+    ]
+    for tables, inputs in cases:
+        with pytest.raises(ValueError, match=r"offsets must be non-decreasing, got offsets\[1\] = 4 > "):
+            veloce.lookup_many(tables, inputs)
+        for t, (snap, clock) in zip((a, b, ev), before):
+            assert_same_snapshot(snap, snapshot(t))
+            assert t.table.clock == clock
+    outs = veloce.lookup_many([a, b, ev, a], [(ids, good)] * 4)
+    assert [len(t) for t in (a, b, ev)] == [6, 6, 0] and all(o.shape == (3, 4) for o in outs)
+    assert [bool(f) for f in flags] == [True] * len(cases) + [False]  # one flag per call, on its insert
 
 
 def test_lookup_many_bad_eval_input_changes_no_training_table():

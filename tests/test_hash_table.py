@@ -521,19 +521,147 @@ def test_find_or_insert_many_bad_input_changes_no_table(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_find_or_insert_many_opcheck(device):
+@pytest.mark.parametrize("with_flag", [False, True], ids=["no bad_input", "bad_input False"])
+def test_find_or_insert_many_opcheck(device, with_flag):
     tables, ids, args = many_case(device)
     keep = [0, 1, 2, 5]  # the failing table's slots are undefined: opcheck compares outputs of two runs
     cols = [[tables[k].tensors()[c] for k in keep] for c in range(5)]
+    per_table = [[v[k] for k in keep] for v in args.values()]
+    extra = (torch.zeros(1, dtype=torch.bool, device=device),) if with_flag else ()
     torch.library.opcheck(torch.ops.veloce.find_or_insert_many.default,
-                          (*cols, [ids[k] for k in keep], *([v[k] for k in keep] for v in args.values())))  # fmt: skip
+                          (*cols, [ids[k] for k in keep], *per_table, *extra))  # fmt: skip
+
+
+# ---- bad_input: the caller's device-side input check, read with the op's first read-back ----
+
+
+def flag(value: bool, device, shape=()) -> torch.Tensor:
+    return torch.full(shape, value, dtype=torch.bool, device=device)
+
+
+def fi_case(device):
+    """A table with known ids and LFU scores, and ids that mix known, new, duplicate and
+    padding positions (a call changes keys, digests, scores, weights and opt_state)."""
+    t = make_table(64, device=device)
+    ht.find_or_insert(*t.tensors(), ids_tensor(range(10), device), 2, 0, False, 1, 2, -1.0, 1.0)
+    args = {"score_policy": 2, "score_value": 0, "allow_evict": False, "seed": 1, "init_kind": 2,
+            "init_a": -1.0, "init_b": 1.0, "padding_id": 4}  # fmt: skip
+    return t, ids_tensor([3, 4, 20, 21, 3, 20, 9], device), args
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0-dim", "(1,)"])
+def test_bad_input_false_changes_no_result(device, shape):
+    """An unset flag (0-dim or one element) gives what the call without it gives."""
+    t, ids, args = fi_case(device)
+    u = t.clone()
+    want = ht.find_or_insert(*t.tensors(), ids, **args)
+    got = ht.find_or_insert(*u.tensors(), ids, **args, bad_input=flag(False, device, shape))
+    for w, g in zip(want, got):
+        assert torch.equal(w.cpu(), g.cpu())
+    u.assert_equal(t)
+    tables, many_ids, many_args = many_case(device)
+    copies = [x.clone() for x in tables]
+    want = ht.find_or_insert_many([x.tensors() for x in tables], many_ids, *many_args.values())
+    got = ht.find_or_insert_many([x.tensors() for x in copies], many_ids, *many_args.values(),
+                                 bad_input=flag(False, device, shape))  # fmt: skip
+    assert torch.equal(want[1], got[1]) and torch.equal(want[2].cpu(), got[2].cpu())
+    keep = torch.cat([torch.full((i.numel(),), bool(c == 0)) for i, c in zip(many_ids, want[1][:, 1])])
+    assert torch.equal(want[0].cpu()[keep], got[0].cpu()[keep])  # a failing table's slots are undefined
+    for x, y in zip(copies, tables):
+        x.assert_equal(y)
+
+
+BAD_INPUT_SET = r"bad_input is set: the caller's check of this call's input failed; nothing was inserted"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("empty", [False, True], ids=["ids", "no ids"])
+def test_bad_input_true_refuses_find_or_insert(device, empty):
+    """A set flag raises ValueError before the table changes: no insert, no score update
+    (LFU would count every position), whether or not there are ids to probe."""
+    t, ids, args = fi_case(device)
+    ids = ids[:0] if empty else ids
+    before = t.clone()
+    with pytest.raises(ValueError, match="veloce::find_or_insert: " + BAD_INPUT_SET):
+        ht.find_or_insert(*t.tensors(), ids, **args, bad_input=flag(True, device, (1,)))
+    t.assert_equal(before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("empty", [False, True], ids=["ids", "no ids"])
+def test_bad_input_true_refuses_find_or_insert_many(device, empty):
+    """One flag covers every table of the call: none changes (the evicting one, the one
+    without room and the ones that would insert included)."""
+    tables, ids, args = many_case(device)
+    ids = [i[:0] for i in ids] if empty else ids
+    before = [t.clone() for t in tables]
+    with pytest.raises(ValueError, match="veloce::find_or_insert_many: " + BAD_INPUT_SET):
+        ht.find_or_insert_many(
+            [t.tensors() for t in tables], ids, *args.values(), bad_input=flag(True, device)
+        )
+    for t, b in zip(tables, before):
+        t.assert_equal(b)
+
+
+def _other_device(device) -> str:
+    """A device bad_input must not be on, next to a table on `device` (meta: the fake kernel
+    checks it, as it does for ids on meta)."""
+    return "meta" if device == "cpu" else "cpu"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_of_the_wrong_kind_is_refused(device):
+    """A flag of the wrong dtype, size or device: a clear error naming bad_input, table unchanged."""
+    t, ids, args = fi_case(device)
+    before = t.clone()
+    other = _other_device(device)
+    cases = [
+        (torch.zeros(1, dtype=torch.int64, device=device), r"bad_input must be torch.bool, got torch.int64"),
+        (torch.zeros(1, dtype=torch.uint8, device=device), r"bad_input must be torch.bool, got torch.uint8"),
+        (flag(False, device, (2,)), r"bad_input must hold exactly one element .*got a tensor of shape \[2\]"),
+        (flag(False, device, (0,)), r"bad_input must hold exactly one element .*got a tensor of shape \[0\]"),
+        (
+            flag(False, device, (1, 1, 2)),
+            r"bad_input must hold exactly one element .*got a tensor of shape \[1, 1, 2\]",
+        ),
+        (flag(False, other), f"bad_input is on {other} but keys is on {device}"),
+    ]
+    for bad, match in cases:
+        with pytest.raises(RuntimeError, match="veloce::find_or_insert: " + match):
+            ht.find_or_insert(*t.tensors(), ids, **args, bad_input=bad)
+    t.assert_equal(before)
+    tables, many_ids, many_args = many_case(device)
+    before = [x.clone() for x in tables]
+    for bad, match in cases:
+        with pytest.raises(RuntimeError, match="veloce::find_or_insert_many: " + match):
+            ht.find_or_insert_many(
+                [x.tensors() for x in tables], many_ids, *many_args.values(), bad_input=bad
+            )
+    with pytest.raises(ValueError, match="find_or_insert_many: bad_input was given but there are no tables"):
+        ht.find_or_insert_many([], [], [], [], [], [], [], [], [], [], bad_input=flag(False, device))
+    for x, b in zip(tables, before):
+        x.assert_equal(b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+def test_bad_input_on_cuda_beside_a_cpu_table_is_refused():
+    """A CUDA flag dispatches to the CUDA kernel: its error names bad_input, not the table."""
+    t, ids, args = fi_case("cpu")
+    cuda_flag = flag(False, "cuda")
+    with pytest.raises(RuntimeError, match="::find_or_insert: bad_input is on cuda:0 but keys is on cpu"):
+        ht.find_or_insert(*t.tensors(), ids, **args, bad_input=cuda_flag)
+    with pytest.raises(RuntimeError, match="find_or_insert_many: bad_input is on cuda:0 but keys is on cpu"):
+        ht.find_or_insert_many([t.tensors()], [ids], *([v] for v in args.values()), bad_input=cuda_flag)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
 @pytest.mark.parametrize("new_ids, conflicted, want_syncs", [(False, False, 1), (True, False, 2), (True, True, 3)])
-def test_find_or_insert_many_syncs_once_per_stage_on_cuda(new_ids, conflicted, want_syncs, capfd):
+@pytest.mark.parametrize("with_flag", [False, True], ids=["no bad_input", "bad_input False"])
+def test_find_or_insert_many_syncs_once_per_stage_on_cuda(new_ids, conflicted, want_syncs, with_flag, capfd):
     """Eight tables cost the host syncs of one: 1 without new ids, 2 with, 3 when new ids
-    share buckets (the sync debug mode reports each device-to-host read on stderr)."""
+    share buckets (the sync debug mode reports each device-to-host read on stderr). An
+    unset bad_input flag rides on the first of them and adds none."""
     tables = [make_table(4096, device="cuda") for _ in range(8)]
     known = ids_tensor(range(1000), "cuda")
     for t in tables:
@@ -546,16 +674,43 @@ def test_find_or_insert_many_syncs_once_per_stage_on_cuda(new_ids, conflicted, w
         ids = [ids_tensor(range(20_000, 20_600), "cuda") for _ in range(8)]  # 600 new ids in 128 buckets
     n = len(tables)
     args = ([1] * n, [3] * n, [False] * n, [0] * n, [0] * n, [0.0] * n, [0.0] * n, [None] * n)
+    bad_input = torch.zeros((), dtype=torch.bool, device="cuda") if with_flag else None
     torch.cuda.synchronize()
     capfd.readouterr()
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        _, counts, _ = ht.find_or_insert_many([t.tensors() for t in tables], ids, *args)
+        _, counts, _ = ht.find_or_insert_many([t.tensors() for t in tables], ids, *args, bad_input=bad_input)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = capfd.readouterr().err.count("called a synchronizing CUDA operation")
     assert syncs == want_syncs
     assert counts[:, 1].sum() == 0 and bool((counts[:, 0] > 0).all()) == new_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.parametrize("empty", [False, True], ids=["ids", "no ids"])
+def test_cuda_bad_input_is_read_in_one_sync(empty, capfd):
+    """A set flag is read with the miss counts (sync a), or alone when no table has ids:
+    one sync, then the error; nothing after it runs."""
+    tables = [make_table(4096, device="cuda") for _ in range(3)]
+    ids = [ids_tensor([] if empty else range(100 * k, 100 * k + 50), "cuda") for k in range(3)]
+    before = [t.clone() for t in tables]
+    n = len(tables)
+    args = ([2] * n, [0] * n, [False] * n, [0] * n, [0] * n, [0.0] * n, [0.0] * n, [None] * n)
+    bad_input = torch.ones((), dtype=torch.bool, device="cuda")
+    torch.cuda.synchronize()
+    capfd.readouterr()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.raises(ValueError, match="bad_input is set"):
+            ht.find_or_insert_many([t.tensors() for t in tables], ids, *args, bad_input=bad_input)
+        with pytest.raises(ValueError, match="bad_input is set"):
+            ht.find_or_insert(*tables[0].tensors(), ids[0], bad_input=bad_input)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert capfd.readouterr().err.count("called a synchronizing CUDA operation") == 2  # one per call
+    for t, b in zip(tables, before):
+        t.assert_equal(b)
 
 
 # ---- opcheck ------------------------------------------------------------------------------
@@ -568,6 +723,8 @@ def opcheck_samples(device):
     yield "find", (t.keys, t.digests, ids)
     yield "find_or_insert", (*t.clone().tensors(), ids, 2, 0, True, 1, 2, -1.0, 1.0, 2001)  # evicts
     yield "find_or_insert", (*t.clone().tensors(), ids, 1, 4, False, 1, 3, 0.0, 1.0, None)  # fails
+    unset = torch.zeros(1, dtype=torch.bool, device=device)
+    yield "find_or_insert", (*t.clone().tensors(), ids, 2, 0, True, 1, 2, -1.0, 1.0, 2001, unset)  # evicts
     yield "insert_or_assign", (*t.clone().tensors(), ids, values, torch.ones(5, 2, device=device),
                                ids_tensor(range(5), device), 0, 0, True)
     yield "erase", (t.keys, t.digests.clone(), ids)

@@ -7,7 +7,7 @@ input, ``D`` embedding dim.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, NoReturn, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from veloce.table import HashTable, find_or_insert_many
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
 
+_T = TypeVar("_T")
 _MODES = {"sum": 0, "mean": 1}
 _NONFINITE = ("raise", "skip", "apply")
 _UNKNOWN = ("init", "zeros")
@@ -137,13 +138,30 @@ class DynamicEmbedding(nn.Module):
             with self._shard.abandon_on_error():  # bad input here fails every rank, not just this one
                 ids, offsets, psw = self._bags(input, offsets, per_sample_weights)
             return self._shard.lookup(self, ids, offsets, psw)
-        return self._lookup(*self._bags(input, offsets, per_sample_weights))
+        layouts: list = []
+        bags = self._bags(input, offsets, per_sample_weights, deferred=layouts)
+        return self._lookup(*bags, unchecked=layouts)
 
-    def _lookup(self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
-        """The local (unsharded) lookup of bags that passed :meth:`_bags`."""
+    def _lookup(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        psw: torch.Tensor | None,
+        unchecked: Sequence[tuple] = (),
+    ) -> torch.Tensor:
+        """The local (unsharded) lookup of bags that passed :meth:`_bags`.
+
+        ``unchecked``: the bag layouts whose offsets' values :meth:`_bags` deferred (empty
+        when the caller has checked them). In training their check rides on the insert
+        (:func:`_insert_checked`: no host sync of its own, and a bad layout raises before
+        the table changes); in eval they are read back first."""
         table = self.table
         if self.training:
-            return self._train_lookup(ids, offsets, psw, table.find_or_insert(ids, self.padding_idx))
+            slots = _insert_checked(
+                unchecked, {table.device}, lambda bad: table.find_or_insert(ids, self.padding_idx, bad)
+            )
+            return self._train_lookup(ids, offsets, psw, slots)
+        _check_offsets_many(unchecked)
         slots, extra = self._eval_slots(ids)
         # The offsets passed _bags' checks and the slots come from the table: no re-check.
         return torch.ops.veloce.pooled_lookup(
@@ -183,8 +201,8 @@ class DynamicEmbedding(nn.Module):
 
         Checked here, before any lookup, so bad input leaves the table unchanged. The
         offsets' values (a device read) are checked here, or, with ``deferred``, appended
-        to it for the caller to check several tables' at once (:func:`_check_offsets_many`)
-        before touching any table."""
+        to it for the caller to check before touching any table: several tables' at once
+        (:func:`_check_offsets_many`), or with the insert (:func:`_insert_checked`)."""
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input must be a tensor of int64 ids, got {type(input).__name__}")
         if input.dtype not in (torch.int64, torch.int32):
@@ -737,19 +755,27 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
         # raise too (the exchanges after the first are never reached by any rank).
         first_group = tables[next(iter(groups.values()))[0]]._shard if groups else None
         with first_group.abandon_on_error() if first_group is not None else contextlib.nullcontext():
-            # Every local input is checked before any table changes (one device read for all
-            # bag layouts); then the training tables insert in one op, so the host waits for
-            # the device once, not per table. A table listed twice (or shared by two modules)
-            # inserts on its own the second time, after its first lookup.
+            # Every local input (eval tables' and repeated ones' too) is checked before any
+            # table changes; then the training tables insert in one op, so the host waits for
+            # the device once, not per table. The bag layouts' check rides on that op's
+            # read-back (_insert_checked), or, with no training table, is read back alone. A
+            # table listed twice (or shared by two modules) inserts on its own the second
+            # time, after its first lookup (its layout is already checked).
             layouts: list = []
             bags = {i: tables[i]._bags(*args[i], deferred=layouts) for i in local}
-            _check_offsets_many(layouts)
             first: dict[int, int] = {}
             train = [i for i in local if tables[i].training and first.setdefault(id(tables[i].table), i) == i]
-            slots = find_or_insert_many([tables[i].table for i in train], [bags[i][0] for i in train],
-                                        [tables[i].padding_idx for i in train])  # fmt: skip
-            for i, s in zip(train, slots):
-                out[i] = tables[i]._train_lookup(*bags[i], s)
+            if train:
+                train_tables = [tables[i].table for i in train]
+                slots = _insert_checked(
+                    layouts, {t.device for t in train_tables},
+                    lambda bad: find_or_insert_many(train_tables, [bags[i][0] for i in train],
+                                                    [tables[i].padding_idx for i in train], bad),
+                )  # fmt: skip
+                for i, s in zip(train, slots):
+                    out[i] = tables[i]._train_lookup(*bags[i], s)
+            else:
+                _check_offsets_many(layouts)
             for i in local:
                 if out[i] is None:
                     out[i] = tables[i]._lookup(*bags[i])
@@ -773,17 +799,68 @@ def _check_offsets(offsets: torch.Tensor, n: int, include_last_offset: bool) -> 
     _raise_offsets_error(offsets, n)
 
 
-def _check_offsets_many(layouts: Sequence[tuple]) -> None:
+def _check_offsets_many(
+    layouts: Sequence[tuple], flags: dict[torch.device, torch.Tensor] | None = None
+) -> None:
     """:func:`_check_offsets` for several ``(offsets, n, include_last_offset)`` with one
-    device read-back per device for all of them (a lookup of K tables waits once)."""
+    device read-back per device for all of them (a lookup of K tables waits once).
+    ``flags``: their :func:`_offsets_flags`, when the caller has them already."""
+    flags = _offsets_flags(layouts) if flags is None else flags
+    if any(bool(f) for f in flags.values()):  # one read per device
+        _raise_first_offsets_error(layouts)
+
+
+def _offsets_flags(layouts: Sequence[tuple]) -> dict[torch.device, torch.Tensor]:
+    """Per device, whether any of the bag layouts ``(offsets, n, include_last_offset)`` there
+    breaks a rule: one 0-dim bool tensor on that device (:func:`_offsets_bad` of each,
+    combined; nothing read back). Layouts with empty offsets are checked on the host by
+    :func:`_offsets_bad` and add no flag; no device flag at all gives an empty dict."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for f in (_offsets_bad(*lay) for lay in layouts):
         if f is not None:
             by_device.setdefault(f.device, []).append(f)
-    if not any(bool(torch.stack(flags).any()) for flags in by_device.values()):  # one read per device
-        return
-    for lay in layouts:  # some layout is bad: the first one raises with the details
+    return {dev: fs[0] if len(fs) == 1 else torch.stack(fs).any() for dev, fs in by_device.items()}
+
+
+def _insert_checked(
+    layouts: Sequence[tuple], devices: set[torch.device], insert: Callable[[torch.Tensor | None], _T]
+) -> _T:
+    """``insert(bad_input)``, a find_or_insert into tables on ``devices``, run so that it
+    changes no table unless every bag layout in ``layouts`` (deferred by
+    :meth:`DynamicEmbedding._bags`) is good; a bad one raises :func:`_check_offsets`'s error.
+
+    Why: reading the layouts' flag back would cost a host sync of its own (on a GPU, the
+    device idles while Python runs), and the insert reads the device back anyway (CUDA
+    find_or_insert's "sync a", the count of missing ids, before it changes anything). So
+    the layouts' flags are combined into one and passed to the op as ``bad_input``: it
+    travels in that same copy, and the op refuses the call (ValueError, nothing changed)
+    when it is set. A training forward then waits for the device once instead of twice.
+    The detailed error is built only then, on the error path, where reading is fine.
+
+    The flag rides only when it is one tensor on the device of all the tables (one op
+    call); otherwise (layouts on several devices, tables on several devices) the layouts
+    are read back first, as :func:`_check_offsets_many` does."""
+    flags = _offsets_flags(layouts)
+    if not flags:  # nothing to check on the device
+        return insert(None)
+    if len(flags) > 1 or set(flags) != devices:
+        _check_offsets_many(layouts, flags)
+        return insert(None)
+    (flag,) = flags.values()
+    try:
+        return insert(flag)
+    except ValueError:
+        if not bool(flag):  # not refused for the offsets: someone else's error
+            raise
+    _raise_first_offsets_error(layouts)  # outside the except: the refusal is no part of the user's error
+
+
+def _raise_first_offsets_error(layouts: Sequence[tuple]) -> NoReturn:
+    """Raises the detailed error of the first bad layout, once a flag said some layout is
+    bad (reads each layout back: for error paths only)."""
+    for lay in layouts:
         _check_offsets(*lay)
+    raise AssertionError("a bag layout was flagged bad, but none breaks a rule")
 
 
 def _offsets_bad(offsets: torch.Tensor, n: int, include_last_offset: bool) -> Optional[torch.Tensor]:

@@ -14,6 +14,8 @@ autograd contexts) compare versions and re-resolve their slots by key.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Optional, Sequence
 
 import torch
@@ -141,20 +143,31 @@ class HashTable(nn.Module):
         _ext.require()
         return torch.ops.veloce.find(self.keys, self.digests, ids)
 
-    def find_or_insert(self, ids: torch.Tensor, padding_id: Optional[int] = None) -> torch.Tensor:
+    def find_or_insert(
+        self, ids: torch.Tensor, padding_id: int | None = None, bad_input: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Slots of ``ids``, inserting missing ids (growing or evicting as needed).
 
         Scores are updated (one LRU tick per call). Positions equal to ``padding_id``
         get slot -1. Raises :class:`TableFullError` when there is no room and the
         table may neither grow nor evict; the table is then unchanged.
+
+        ``bad_input``: an optional one-element bool tensor on the table's device, the
+        result of the caller's own device-side check of this call's input. The op reads it
+        with the read-back it makes anyway (on CUDA: the count of missing ids), so the
+        check costs the caller no host sync; when it is true the call raises ``ValueError``
+        and changes nothing (no insert, no score, no growth, no clock tick).
         """
         self.clock += 1
-        return self._insert(self._find_or_insert_call(ids, padding_id))
+        with _refused_calls_keep_clock([self], bad_input):
+            return self._insert(self._find_or_insert_call(ids, padding_id, bad_input), bad_input=bad_input)
 
-    def _find_or_insert_call(self, ids: torch.Tensor, padding_id: Optional[int]):
-        """The op call ``allow_evict -> (slots, counts, evicted)`` that :meth:`_insert` retries."""
+    def _find_or_insert_call(self, ids: torch.Tensor, padding_id: int | None,
+                             bad_input: torch.Tensor | None = None):  # fmt: skip
+        """The op call ``allow_evict -> (slots, counts, evicted)`` that :meth:`_insert` retries
+        (a retry passes ``bad_input`` again: it was false, or the first call had raised)."""
         return lambda evict: torch.ops.veloce.find_or_insert(
-            *self._state(), *self._find_or_insert_args(ids, padding_id, evict)
+            *self._state(), *self._find_or_insert_args(ids, padding_id, evict), bad_input
         )
 
     def _find_or_insert_args(self, ids: torch.Tensor, padding_id: Optional[int], allow_evict: bool) -> tuple:
@@ -181,11 +194,12 @@ class HashTable(nn.Module):
             evict=evict,
         )
 
-    def _insert(self, call, evict: bool = True) -> torch.Tensor:
+    def _insert(self, call, evict: bool = True, bad_input: torch.Tensor | None = None) -> torch.Tensor:
         """Runs an inserting op ``call(allow_evict) -> (slots, counts, evicted)``; while it
-        reports no room (and changed nothing), grows the table and calls again."""
+        reports no room (and changed nothing), grows the table and calls again.
+        ``bad_input``: the flag the call passes to the op (see :meth:`_maybe_grow`)."""
         _ext.require()
-        self._maybe_grow()
+        self._maybe_grow(bad_input)
         while True:
             slots, counts, evicted = call(self._allow_evict(evict))
             inserted, failed = counts.tolist()  # a CPU tensor: no device sync
@@ -229,10 +243,12 @@ class HashTable(nn.Module):
     def _at_max(self) -> bool:
         return self.max_capacity is not None and self.capacity >= self.max_capacity
 
-    def _maybe_grow(self) -> None:
+    def _maybe_grow(self, bad_input: torch.Tensor | None = None) -> None:
         # Grow ahead of time when the table is already past grow_at; inserts that still
-        # find no room trigger growth reactively (_no_room).
+        # find no room trigger growth reactively (_no_room). A call refused for bad_input
+        # must not grow either: read the flag first (growth reads the device back anyway).
         if self.size > self.grow_at * self.capacity and not self._at_max():
+            _refuse_if_set(bad_input)
             self.resize(self.capacity * 2)
 
     def _no_room(self, failed: int, evict: bool = True) -> None:
@@ -333,7 +349,10 @@ class HashTable(nn.Module):
 
 
 def find_or_insert_many(
-    tables: Sequence[HashTable], ids: Sequence[torch.Tensor], padding_ids: Optional[Sequence[Optional[int]]] = None
+    tables: Sequence[HashTable],
+    ids: Sequence[torch.Tensor],
+    padding_ids: Sequence[int | None] | None = None,
+    bad_input: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """``[t.find_or_insert(i, p) for t, i, p in zip(tables, ids, padding_ids)]`` in one op.
 
@@ -345,6 +364,10 @@ def find_or_insert_many(
     call would; if one raises :class:`TableFullError`, it is unchanged, the tables the
     op placed keep their inserts, and the other tables that found no room stay unchanged
     too (they are not retried).
+
+    ``bad_input`` is :meth:`HashTable.find_or_insert`'s flag for the whole call: when it is
+    true, ``ValueError`` is raised and no table changes. It rides on the one op call, so
+    every table must be on its device.
     """
     padding_ids = [None] * len(tables) if padding_ids is None else list(padding_ids)
     if not len(tables) == len(ids) == len(padding_ids):
@@ -357,32 +380,41 @@ def find_or_insert_many(
             "find_or_insert_many: a table is listed twice; pass each table once (an insert into a table "
             "can move the rows of the slots an earlier call returned)"
         )
+    if bad_input is not None and (not tables or any(t.device != bad_input.device for t in tables)):
+        where = ", ".join(sorted({str(t.device) for t in tables})) or "no device (no tables)"
+        raise ValueError(
+            f"find_or_insert_many: bad_input is on {bad_input.device} but the tables are on {where}; one flag "
+            f"covers one op call, so every table (at least one) must be on its device"
+        )
     by_device: dict[torch.device, list[int]] = {}
     for k, t in enumerate(tables):
         by_device.setdefault(t.device, []).append(k)
     out: list[Optional[torch.Tensor]] = [None] * len(tables)
     for batch in by_device.values():
         if len(batch) == 1:
-            out[batch[0]] = tables[batch[0]].find_or_insert(ids[batch[0]], padding_ids[batch[0]])
+            out[batch[0]] = tables[batch[0]].find_or_insert(ids[batch[0]], padding_ids[batch[0]], bad_input)
             continue
         slots = _find_or_insert_batch([tables[k] for k in batch], [ids[k] for k in batch],
-                                      [padding_ids[k] for k in batch])  # fmt: skip
+                                      [padding_ids[k] for k in batch], bad_input)  # fmt: skip
         for k, s in zip(batch, slots):
             out[k] = s
     return out  # type: ignore[return-value]
 
 
 def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tensor],
-                          padding_ids: Sequence[Optional[int]]) -> list[torch.Tensor]:  # fmt: skip
+                          padding_ids: Sequence[int | None],
+                          bad_input: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
     """find_or_insert_many over distinct tables: one op call, then per-table growth retries."""
     _ext.require()
     for t in tables:
         t.clock += 1
-        t._maybe_grow()
-    args = [t._find_or_insert_args(i, p, t._allow_evict()) for t, i, p in zip(tables, ids, padding_ids)]
-    states = list(zip(*(t._state() for t in tables)))
-    per_arg = [list(a) for a in zip(*args)]
-    slots, counts, evicted = torch.ops.veloce.find_or_insert_many(*states, *per_arg)
+    with _refused_calls_keep_clock(tables, bad_input):
+        for t in tables:
+            t._maybe_grow(bad_input)
+        args = [t._find_or_insert_args(i, p, t._allow_evict()) for t, i, p in zip(tables, ids, padding_ids)]
+        states = list(zip(*(t._state() for t in tables)))
+        per_arg = [list(a) for a in zip(*args)]
+        slots, counts, evicted = torch.ops.veloce.find_or_insert_many(*states, *per_arg, bad_input)
     out = list(slots.split([i.numel() for i in ids]))
     counts = counts.tolist()  # a CPU tensor: no device sync
     evicted = evicted.split([c[2] for c in counts])
@@ -395,3 +427,27 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
         t._no_room(failed)  # grows, or raises TableFullError; the table is unchanged either way
         out[k] = t._insert(t._find_or_insert_call(ids[k], padding_ids[k]))
     return out
+
+
+def _refuse_if_set(bad_input: torch.Tensor | None) -> None:
+    """Raises the ValueError of a refused call (as the op would) when ``bad_input`` is set.
+    Reads the flag back: only for paths that wait for the device anyway (growth)."""
+    if bad_input is not None and bool(bad_input):
+        raise ValueError(
+            "find_or_insert: bad_input is set: the caller's check of this call's input failed; nothing was "
+            "inserted and no table was changed"
+        )
+
+
+@contextlib.contextmanager
+def _refused_calls_keep_clock(tables: Sequence[HashTable], bad_input: torch.Tensor | None) -> Iterator[None]:
+    """Around a find_or_insert of ``tables`` whose clocks were just ticked: if the call is
+    refused for ``bad_input`` (a ValueError with the flag set: nothing changed), the ticks
+    are taken back, so that a refused call leaves no trace. Reads the flag only then."""
+    try:
+        yield
+    except ValueError:
+        if bad_input is not None and bool(bad_input):
+            for t in tables:
+                t.clock -= 1
+        raise

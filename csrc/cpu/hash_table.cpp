@@ -275,14 +275,12 @@ at::Tensor find_cpu(const at::Tensor& keys, const at::Tensor& digests, const at:
   return slots;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cpu(
+// find_or_insert of checked arguments (the op checks, then reads bad_input, then calls this).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_checked(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids_in, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id) {
-  constexpr const char* op = "veloce::find_or_insert";
-  check_insert_args(op, keys, digests, scores, weights, opt_state, ids_in, score_policy);
   const at::Tensor ids = ids_in.contiguous();
-  check_init(op, init_kind, init_a, init_b);
   const int64_t n = ids.numel();
   const TableRef t = table_ref(keys, digests);
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -313,24 +311,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cpu(
   return insert_result(slots, r, keys);
 }
 
-// Each table in turn (the CPU has no syncs to share), every table's arguments checked
-// before any table changes.
+// A given bad_input is read once the arguments are checked, before anything changes (on
+// the CPU the read is free).
+void check_bad_input_cpu(const char* op, const std::optional<at::Tensor>& bad_input) {
+  if (bad_input) check_bad_input_unset(op, bad_input->item<bool>());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cpu(
+    at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
+    const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
+    int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id,
+    const std::optional<at::Tensor>& bad_input) {
+  constexpr const char* op = "veloce::find_or_insert";
+  check_insert_args(op, keys, digests, scores, weights, opt_state, ids, score_policy);
+  check_init(op, init_kind, init_a, init_b);
+  check_bad_input(op, bad_input, keys);
+  check_bad_input_cpu(op, bad_input);
+  return find_or_insert_checked(keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
+                                allow_evict, seed, init_kind, init_a, init_b, padding_id);
+}
+
+// Each table in turn (the CPU has no syncs to share), every table's arguments (and
+// bad_input) checked before any table changes.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cpu(
     at::TensorList keys, at::TensorList digests, at::TensorList scores, at::TensorList weights,
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
-    at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id) {
+    at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
+    const std::optional<at::Tensor>& bad_input) {
   constexpr const char* op = "veloce::find_or_insert_many";
   const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
                                                    score_value, allow_evict, seed, init_kind, init_a, init_b,
-                                                   padding_id);
+                                                   padding_id, bad_input);
+  check_bad_input_cpu(op, bad_input);
   std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> per_table;
   std::vector<at::Tensor> slots;
   for (int64_t k = 0; k < K; ++k) {
     at::Tensor ks = keys[k], ds = digests[k], ss = scores[k], ws = weights[k], os = opt_state[k];
-    per_table.push_back(find_or_insert_cpu(ks, ds, ss, ws, os, ids[k], score_policy[k], score_value[k],
-                                           allow_evict.get(k), seed[k], init_kind[k], init_a[k], init_b[k],
-                                           padding_id.get(k)));
+    per_table.push_back(find_or_insert_checked(ks, ds, ss, ws, os, ids[k], score_policy[k], score_value[k],
+                                               allow_evict.get(k), seed[k], init_kind[k], init_a[k], init_b[k],
+                                               padding_id.get(k)));
     slots.push_back(std::get<0>(per_table.back()));
   }
   return many_result(at::cat(slots), per_table);

@@ -26,6 +26,10 @@
 // read from device memory by the kernels; what remains:
 //   a. find_or_insert only: the number m of missing positions, which sizes the grouping
 //      sort (CUB's radix sort takes its length from the host). m = 0 ends the call.
+//      The caller's bad_input flag rides in the same copy: a set flag ends the call with
+//      an error before phase 2 (the probe changed nothing), so a caller that checks its
+//      input on the device (DynamicEmbedding's bag layouts) pays no sync of its own. When
+//      no table has ids (no sync a), the flag is read alone.
 //   b. one copy of the counters after phase 2: U (sizes the per-id launches after it),
 //      the new ids (inserted; 0 ends the call), the conflicted ids (choose sequential or
 //      racing placement, and size the sequential order) and the classification. Without
@@ -578,20 +582,29 @@ at::Tensor read_back(const std::vector<at::Tensor>& parts) {
 
 // Runs the stages of every call, each stage for all tables before the next: syncs a, b
 // and c happen once per op however many tables it inserts into (b and c only when some
-// table has new ids, c only when some has conflicted ones).
-std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> run_find_or_insert(std::vector<FindOrInsert>& calls) {
+// table has new ids, c only when some has conflicted ones). bad_input (checked by the op)
+// is read with sync a, or alone when no table has ids; when set, `op` raises before any
+// table changes.
+std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> run_find_or_insert(
+    const char* op, std::vector<FindOrInsert>& calls, const std::optional<at::Tensor>& bad_input) {
   std::vector<FindOrInsert*> live;
   for (auto& c : calls) {
     c.probe();
     if (!c.empty()) live.push_back(&c);
   }
-  auto read = [&](const std::vector<FindOrInsert*>& cs, auto what) {
+  // `extra` (int32 (1,)) is appended after the calls' parts, in the same copy.
+  auto read = [&](const std::vector<FindOrInsert*>& cs, auto what, const at::Tensor& extra = at::Tensor()) {
     std::vector<at::Tensor> parts;
     for (FindOrInsert* c : cs) parts.push_back((c->*what)());
+    if (extra.defined()) parts.push_back(extra);
     return read_back(parts);
   };
-  if (!live.empty()) {
-    const at::Tensor m = read(live, &FindOrInsert::miss_count);  // sync a: sizes the grouping sorts
+  if (live.empty() && bad_input) {
+    check_bad_input_unset(op, bad_input->item<bool>());  // no sync a to ride on: read alone
+  } else if (!live.empty()) {
+    const at::Tensor flag = bad_input ? bad_input->reshape({1}).to(at::kInt) : at::Tensor();
+    const at::Tensor m = read(live, &FindOrInsert::miss_count, flag);  // sync a: sizes the grouping sorts
+    if (bad_input) check_bad_input_unset(op, m.data_ptr<int32_t>()[live.size()] != 0);  // before any change
     std::vector<FindOrInsert*> missing;
     for (size_t k = 0; k < live.size(); ++k) {
       live[k]->group(m.data_ptr<int32_t>()[k]);
@@ -618,23 +631,28 @@ std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> run_find_or_insert(s
 std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
-    int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id) {
+    int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id,
+    const std::optional<at::Tensor>& bad_input) {
+  constexpr const char* op = "veloce::find_or_insert";
+  // First: a CUDA flag beside a CPU table lands here, and its error should name bad_input.
+  check_bad_input(op, bad_input, keys);
   std::vector<FindOrInsert> calls;
   calls.emplace_back(FindOrInsertArgs{keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
                                       allow_evict, seed, init_kind, init_a, init_b, padding_id});
   const c10::cuda::CUDAGuard guard(keys.device());
-  return run_find_or_insert(calls)[0];
+  return run_find_or_insert(op, calls, bad_input)[0];
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
     at::TensorList keys, at::TensorList digests, at::TensorList scores, at::TensorList weights,
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
-    at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id) {
+    at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
+    const std::optional<at::Tensor>& bad_input) {
   constexpr const char* op = "veloce::find_or_insert_many";
   const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
                                                    score_value, allow_evict, seed, init_kind, init_a, init_b,
-                                                   padding_id);
+                                                   padding_id, bad_input);
   int64_t total = 0;
   for (const at::Tensor& i : ids) total += i.numel();
   at::Tensor slots = at::empty({total}, keys[0].options());
@@ -648,7 +666,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
                        k);
   }
   const c10::cuda::CUDAGuard guard(keys[0].device());
-  return many_result(slots, run_find_or_insert(calls));
+  return many_result(slots, run_find_or_insert(op, calls, bad_input));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(

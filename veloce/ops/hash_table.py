@@ -81,6 +81,7 @@ def find_or_insert(
     init_a: float = 0.0,
     init_b: float = 0.0,
     padding_id: Optional[int] = None,
+    bad_input: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Looks ids up, inserting the missing ones; mutates the table tensors in place.
 
@@ -88,6 +89,11 @@ def find_or_insert(
     ``score_policy`` (0 none, 1 LRU: set to ``score_value``, 2 LFU: +1 per occurrence).
     With ``allow_evict``, a key whose two buckets are full replaces the lowest-scored key
     there that this call did not touch.
+
+    ``bad_input`` lets a caller check its input on the device without a host sync of its
+    own: the op reads the flag with its first device read-back (on CUDA in the same copy
+    as the count of missing ids, which it reads anyway) and, when it is true, raises
+    ``ValueError`` before changing the table (nothing inserted, no score changed).
 
     Args:
         keys, digests, scores, weights, opt_state: the table (mutated).
@@ -97,6 +103,9 @@ def find_or_insert(
         allow_evict: evict instead of failing when both buckets are full.
         seed, init_kind, init_a, init_b: the initializer (see :func:`initialize`).
         padding_id: positions holding this id get slot -1 and are ignored.
+        bad_input: optional one-element bool tensor on the table's device, the result of
+            the caller's own check of this call's input; true raises ``ValueError`` and
+            changes nothing.
 
     Returns:
         ``(slots, counts, evicted_keys)``: slots (N,) int64; counts (2,) int64 on the CPU =
@@ -116,7 +125,7 @@ def find_or_insert(
     _ext.require()
     return torch.ops.veloce.find_or_insert(
         keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict,
-        seed, init_kind, init_a, init_b, padding_id,
+        seed, init_kind, init_a, init_b, padding_id, bad_input,
     )
 
 
@@ -131,6 +140,7 @@ def find_or_insert_many(
     init_a: Sequence[float],
     init_b: Sequence[float],
     padding_id: Sequence[Optional[int]],
+    bad_input: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`find_or_insert` on K tables in one op: entry k of every argument is table k's.
 
@@ -144,6 +154,9 @@ def find_or_insert_many(
         ids: K id tensors (N_k,) int64.
         score_policy, score_value, allow_evict, seed, init_kind, init_a, init_b,
             padding_id: K values each, as for :func:`find_or_insert`.
+        bad_input: one flag for the whole call, as for :func:`find_or_insert` (on the
+            tables' device, read with the call's first read-back): true raises
+            ``ValueError`` and changes no table. It needs at least one table.
 
     Returns:
         ``(slots, counts, evicted_keys)``, each table's results concatenated in table order
@@ -163,12 +176,13 @@ def find_or_insert_many(
                                                [0.0, 0.0], [None, None])
     """
     _ext.require()
-    if not len(tables):  # no tensor to dispatch on
+    # No tensor to dispatch on (with a flag the op runs: it rejects a flag without tables).
+    if not len(tables) and bad_input is None:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, 3, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
-    cols = [list(c) for c in zip(*tables)]
+    cols = [list(c) for c in zip(*tables)] or [[]] * 5
     return torch.ops.veloce.find_or_insert_many(
         *cols, list(ids), list(score_policy), list(score_value), list(allow_evict), list(seed), list(init_kind),
-        list(init_a), list(init_b), list(padding_id),
+        list(init_a), list(init_b), list(padding_id), bad_input,
     )  # fmt: skip
 
 
@@ -272,6 +286,23 @@ def _check_table_fake(op: str, keys: Tensor, ids: Tensor) -> None:
     )
 
 
+def _check_bad_input_fake(op: str, keys: Tensor, bad_input: Tensor | None) -> None:
+    if bad_input is None:
+        return
+    torch._check(
+        bad_input.dtype == torch.bool,
+        lambda: f"veloce::{op}: bad_input must be torch.bool, got {bad_input.dtype}",
+    )
+    torch._check(
+        bad_input.numel() == 1,
+        lambda: f"veloce::{op}: bad_input must hold exactly one element, got shape {list(bad_input.shape)}",
+    )
+    torch._check(
+        bad_input.device == keys.device,
+        lambda: f"veloce::{op}: bad_input is on {bad_input.device} but keys is on {keys.device}",
+    )
+
+
 def _insert_fake(op: str, keys: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     _check_table_fake(op, keys, ids)
     num_evicted = torch.library.get_ctx().new_dynamic_size()
@@ -287,14 +318,21 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("veloce::find_or_insert")
     def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
-          init_kind, init_a, init_b, padding_id=None):
+          init_kind, init_a, init_b, padding_id=None, bad_input=None):
+        _check_bad_input_fake("find_or_insert", keys, bad_input)
         return _insert_fake("find_or_insert", keys, ids)
 
     @torch.library.register_fake("veloce::find_or_insert_many")
     def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
-          init_kind, init_a, init_b, padding_id):
+          init_kind, init_a, init_b, padding_id, bad_input=None):
         for k, i in zip(keys, ids):
             _check_table_fake("find_or_insert_many", k, i)
+        if bad_input is not None:
+            torch._check(
+                len(keys) > 0,
+                lambda: "veloce::find_or_insert_many: bad_input was given but there are no tables",
+            )
+            _check_bad_input_fake("find_or_insert_many", keys[0], bad_input)
         num_evicted = torch.library.get_ctx().new_dynamic_size()
         counts = torch.empty(len(ids), 3, dtype=torch.int64, device="cpu")  # host values on every backend
         return keys[0].new_empty(sum(i.shape[0] for i in ids)), counts, keys[0].new_empty(num_evicted)

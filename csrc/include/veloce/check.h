@@ -16,6 +16,8 @@ namespace veloce {
 
 // The Python name of a dtype ("torch.int64", "torch.float32", ...), as users write it.
 std::string dtype_name(at::ScalarType t);
+// A tensor's shape as "[2, 5]".
+std::string shape_str(const at::Tensor& t);
 
 void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType want);
 void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim);

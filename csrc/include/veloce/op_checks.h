@@ -26,12 +26,21 @@ void check_insert_args(const char* op, const at::Tensor& keys, const at::Tensor&
                        const at::Tensor& weights, const at::Tensor& opt_state, const at::Tensor& ids,
                        int64_t score_policy);
 
+// find_or_insert's bad_input, when given: a bool tensor of one element on keys' device.
+void check_bad_input(const char* op, const std::optional<at::Tensor>& bad_input, const at::Tensor& keys);
+// The value of a given bad_input, once the backend has read it back (`set`): raises the
+// ValueError that says the caller's input check failed and nothing was inserted. Called
+// before the op changes any table.
+void check_bad_input_unset(const char* op, bool set);
+
 // find_or_insert_many: every per-table list as long as keys, distinct tables on one
-// device, and each table's find_or_insert arguments (messages name the table). Returns K.
+// device, each table's find_or_insert arguments (messages name the table), and bad_input
+// (at least one table, then as check_bad_input on keys[0]). Returns K.
 int64_t check_find_or_insert_many_args(const char* op, at::TensorList keys, at::TensorList digests, at::TensorList scores, at::TensorList weights,
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
-    at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id);
+    at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
+    const std::optional<at::Tensor>& bad_input);
 
 // insert_or_assign: values (n, D) of weights' dtype, optional opt_values (n, S) and
 // score_values (n,) int64, all on keys' device.
