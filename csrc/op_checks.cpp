@@ -61,11 +61,7 @@ void check_insert_args(const char* op, const at::Tensor& keys, const at::Tensor&
 }
 
 void check_bad_input(const char* op, const std::optional<at::Tensor>& bad_input, const at::Tensor& keys) {
-  if (!bad_input) return;
-  check_dtype(op, "bad_input", *bad_input, at::kBool);
-  TORCH_CHECK(bad_input->numel() == 1, op, ": bad_input must hold exactly one element (the result of the ",
-              "caller's input check), got a tensor of shape ", shape_str(*bad_input));
-  check_same_device(op, "bad_input", *bad_input, "keys", keys);
+  if (bad_input) check_flag(op, "bad_input", *bad_input, "keys", keys);
 }
 
 void check_bad_input_unset(const char* op, bool set) {

@@ -617,13 +617,13 @@ def test_bad_input_of_the_wrong_kind_is_refused(device):
     before = t.clone()
     other = _other_device(device)
     cases = [
-        (torch.zeros(1, dtype=torch.int64, device=device), r"bad_input must be torch.bool, got torch.int64"),
-        (torch.zeros(1, dtype=torch.uint8, device=device), r"bad_input must be torch.bool, got torch.uint8"),
-        (flag(False, device, (2,)), r"bad_input must hold exactly one element .*got a tensor of shape \[2\]"),
-        (flag(False, device, (0,)), r"bad_input must hold exactly one element .*got a tensor of shape \[0\]"),
+        (torch.zeros(1, dtype=torch.int64, device=device), r"bad_input must be a bool tensor of one element, got torch.int64 of shape \[1\]"),
+        (torch.zeros(1, dtype=torch.uint8, device=device), r"bad_input must be a bool tensor of one element, got torch.uint8 of shape \[1\]"),
+        (flag(False, device, (2,)), r"bad_input must be a bool tensor of one element, got torch.bool of shape \[2\]"),
+        (flag(False, device, (0,)), r"bad_input must be a bool tensor of one element, got torch.bool of shape \[0\]"),
         (
             flag(False, device, (1, 1, 2)),
-            r"bad_input must hold exactly one element .*got a tensor of shape \[1, 1, 2\]",
+            r"bad_input must be a bool tensor of one element, got torch.bool of shape \[1, 1, 2\]",
         ),
         (flag(False, other), f"bad_input is on {other} but keys is on {device}"),
     ]

@@ -290,12 +290,9 @@ def _check_bad_input_fake(op: str, keys: Tensor, bad_input: Tensor | None) -> No
     if bad_input is None:
         return
     torch._check(
-        bad_input.dtype == torch.bool,
-        lambda: f"veloce::{op}: bad_input must be torch.bool, got {bad_input.dtype}",
-    )
-    torch._check(
-        bad_input.numel() == 1,
-        lambda: f"veloce::{op}: bad_input must hold exactly one element, got shape {list(bad_input.shape)}",
+        bad_input.dtype == torch.bool and bad_input.numel() == 1,
+        lambda: f"veloce::{op}: bad_input must be a bool tensor of one element, got {bad_input.dtype} of shape "
+        f"{list(bad_input.shape)}",
     )
     torch._check(
         bad_input.device == keys.device,
