@@ -11,7 +11,6 @@ timeout that names the ranks that hung.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -25,13 +24,7 @@ GRACE_S = 5.0  # once a rank has failed, how long the others may still run (they
 # usually blocked in a collective with it and would otherwise hold the test until timeout)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, out: str) -> None:
+def _worker(rank: int, world_size: int, backend: str, fn: Callable, args: tuple, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -39,7 +32,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        # A file store in the run's own directory: a TCP port picked free beforehand can be
+        # taken by another process before rank 0 listens on it (EADDRINUSE, then a hang).
+        store = Path(out) / "rendezvous"
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size)
         result = {"ok": True, "value": fn(rank, world_size, *args)}
     except BaseException:  # noqa: BLE001 - reported to the parent, whatever it is
         result = {"ok": False, "error": traceback.format_exc()}
@@ -60,10 +56,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
     finish within ``timeout`` seconds (those are killed). Once a rank has failed, the
     others get ``GRACE_S`` seconds before they are killed and reported as hung."""
     ctx = mp.get_context("spawn")
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="veloce_ranks_") as out:
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, out), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, backend, fn, args, out), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

@@ -745,7 +745,8 @@ def test_cuda_lookup_many_of_known_ids_waits_for_the_device_once(capfd):
     """Eight tables with 1-D offsets: one read-back sizes the inserts (none new) and carries
     the flag of every bag layout (bad_input); per table it would be 16 (8 before the flag
     rode on the insert: 2 per call)."""
-    tables = [veloce.DynamicEmbedding(16, mode="sum", device="cuda", seed=k) for k in range(8)]
+    # Room for every id: a table due to grow reads the flag before growing (one more sync).
+    tables = [veloce.DynamicEmbedding(16, mode="sum", device="cuda", seed=k, capacity=1 << 13) for k in range(8)]
     ids = torch.randint(0, 1000, (4096,), device="cuda")
     offsets = torch.arange(0, 4096, 4, device="cuda")
     veloce.lookup_many(tables, [(ids, offsets)] * 8)  # inserts
