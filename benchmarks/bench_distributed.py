@@ -8,7 +8,10 @@ over the ranks, a DLRM MLP stack trained with DDP, `--batch` samples per GPU (we
 scaling: 16384 per GPU is a global batch of 65536 on 4 GPUs). Ids are Zipf(1.05)-like
 over 1e7 per feature.
 
-Reported per run (rank 0): median step time, global samples/s; then, in an
+Reported per run (rank 0): the step time and global samples/s of `--steps` steps run
+back to back (as training runs them: async mode's exchange of one step may overlap the
+next), and the median of the same steps each between two syncs of every rank
+(`step_ms_synced`); then, in an
 instrumented pass (a sync around every collective), the time and bytes of veloce's
 exchanges per step against one `all_to_all_single` of the same bytes (bus bandwidth =
 bytes * (n - 1) / n / time). `--summarize` adds weak-scaling efficiency
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import json
 import os
 import statistics
@@ -137,6 +141,7 @@ def run(args) -> None:
         opt.step()
         opt.zero_grad()
 
+    gc.disable()  # collector pauses land in random steps (and stall every rank's collectives)
     times = []
     for i, b in enumerate(data[: args.warmup + args.steps]):
         sync_all(device)
@@ -146,6 +151,17 @@ def run(args) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
     hp.flush()
+    # Throughput: the same steps back to back, as a training loop runs them (no sync between
+    # steps, so async mode's exchange of step t can overlap step t + 1), every update
+    # applied (flush) before the clock stops.
+    sync_all(device)
+    t = time.perf_counter()
+    for b in data[args.warmup : args.warmup + args.steps]:
+        step(b)
+    hp.flush()
+    sync_all(device)
+    window_s = (time.perf_counter() - t) / args.steps
+    gc.enable()
     if args.profile and rank == 0:
         _profile(lambda: step(data[0]), device)
     elif args.profile:
@@ -164,13 +180,14 @@ def run(args) -> None:
     mean_bytes = torch.tensor([float(ex_bytes)], device=device)
     dist.all_reduce(mean_bytes)
     base_s = a2a_baseline(int(mean_bytes.item() / world), world, device) if world > 1 else 0.0
-    step_s = statistics.median(times)
+    step_s = window_s
     row = {
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "world_size": world,
         "sparse": args.sparse + ("+dedup" if args.dedup else ""),
         "staleness": args.staleness if args.sparse == "async" else 0,
         "batch_per_gpu": args.batch, "features": args.features, "dim": args.dim,
         "step_ms": step_s * 1e3, "samples_per_s": world * args.batch / step_s,
+        "step_ms_synced": statistics.median(times) * 1e3,
         "exchange_ms": ex_s * 1e3, "exchange_MB": ex_bytes / 2**20,
         "a2a_same_bytes_ms": base_s * 1e3,
         "exchange_busbw_GBs": ex_bytes * (world - 1) / world / ex_s / 1e9 if world > 1 and ex_s else None,
@@ -210,15 +227,16 @@ def summarize(paths: list[str]) -> None:
     r0 = rows[0]
     print(f"device: {r0['device']}, torch {r0['torch']}, fp32, {r0['features']} tables, dim {r0['dim']}, "
           f"bag 1, {r0['batch_per_gpu']} samples per GPU\n")  # fmt: skip
-    print("| GPUs | sparse | step ms | samples/s | weak-scaling eff. | async/sync | exchange ms | "
+    print("| GPUs | sparse | step ms | synced step ms | samples/s | weak-scaling eff. | async/sync | exchange ms | "
           "exchange MB | a2a same bytes ms | exchange / a2a busbw |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["world_size"], r["sparse"])):
         w, s = r["world_size"], r["sparse"]
         eff = r["samples_per_s"] / (w * base[s]) if s in base else float("nan")
         ratio = r["samples_per_s"] / sync[w] if s == "async" and w in sync else float("nan")
         bw = (r["a2a_same_bytes_ms"] / r["exchange_ms"]) if w > 1 and r["exchange_ms"] else float("nan")
-        print(f"| {w} | {s} | {r['step_ms']:.2f} | {r['samples_per_s']:,.0f} | {eff:.1%} | {ratio:.2f} | "
+        synced = f"{r['step_ms_synced']:.2f}" if "step_ms_synced" in r else "-"
+        print(f"| {w} | {s} | {r['step_ms']:.2f} | {synced} | {r['samples_per_s']:,.0f} | {eff:.1%} | {ratio:.2f} | "
               f"{r['exchange_ms']:.2f} | {r['exchange_MB']:.1f} | {r['a2a_same_bytes_ms']:.2f} | {bw:.1%} |")
 
 

@@ -77,14 +77,23 @@ def sync(device):
 
 
 def time_steps(step_fn, steps, warmup, device) -> list[float]:
+    """ms per step (after ``warmup`` steps), each between two device syncs. Python's cyclic
+    garbage collector is paused meanwhile (as ``timeit`` does): its pauses land in random
+    steps of host-bound GPU runs and moved medians by tenths of a millisecond."""
     times = []
-    for i, batch in enumerate(steps):
-        sync(device)
-        t0 = time.perf_counter()
-        step_fn(*batch)
-        sync(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for i, batch in enumerate(steps):
+            sync(device)
+            t0 = time.perf_counter()
+            step_fn(*batch)
+            sync(device)
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        if was_enabled:
+            gc.enable()
     return times
 
 

@@ -44,7 +44,7 @@ for stage in "$@"; do
       timeout 300 python3 benchmarks/bench_hash_table.py --dims 64,8 --json "$OUT/bench_hash_table.json" 2>&1 \
         | tee "$OUT/bench_hash_table.log" | tail -20
       timeout 300 python3 benchmarks/bench_embedding.py --device cuda --features 10 --ids-per-feature 1600000 \
-        --batch 104857 --bag 1 --dim 128 --dist zipf --alpha 1.05 --optimizers sgd,adam --no-dict --unchecked --steps 20 \
+        --batch 104857 --bag 1 --dim 128 --dist zipf --alpha 1.05 --optimizers sgd,adam --no-dict --unchecked --steps 50 \
         --warmup 5 --json "$OUT/bench_embedding_config3.json" 2>&1 | tee "$OUT/bench_embedding_config3.log" | tail -8
       ;;
     profile)

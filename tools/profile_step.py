@@ -5,8 +5,11 @@
     python tools/profile_step.py --model dlrm             # configuration 5 on one GPU: DLRM, 26 tables
 
 Prints the ops and kernels that take the most device (or CPU) time, the host-side
-CUDA runtime calls (synchronizations and copies, per step), and the wall time per
-step, so the next optimisation targets what the step really spends time on.
+CUDA runtime calls (synchronizations and copies, per step), the wall time per step and,
+on a GPU, where the device sits idle: its busy and idle time per step and the largest
+gaps between consecutive device activities, named by the kernels around them (an idle
+GPU in a step is host time on the critical path). ``--trace PATH`` also writes the
+profile as a Chrome trace (open in chrome://tracing or Perfetto).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ STEPS = 5
 
 def table_step(args, dev):
     opt = veloce.optim.Adam() if args.optimizer == "adam" else veloce.optim.SGD(lr=0.01)
-    emb = veloce.DynamicEmbedding(args.dim, mode="sum", capacity=2 * args.rows, optimizer=opt, device=dev)
+    emb = veloce.DynamicEmbedding(args.dim, mode="sum", capacity=2 * args.rows, optimizer=opt, device=dev,
+                                  nonfinite_grad="apply" if args.unchecked else "raise")  # fmt: skip
     for chunk in torch.arange(args.rows, device=dev).split(1 << 21):
         emb.table.find_or_insert(chunk * SCRAMBLE)
     probs = 1.0 / torch.arange(1, args.rows + 1, dtype=torch.float64) ** args.alpha
@@ -80,6 +84,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--optimizer", default="adam", choices=["sgd", "adam"])
     p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--unchecked", action="store_true", help="table: nonfinite_grad='apply' (no NaN/Inf check)")
+    p.add_argument("--trace", default=None, help="write the profiled steps as a Chrome trace (.json or .json.gz)")
     args = p.parse_args()
     dev = torch.device(args.device)
     step = table_step(args, dev) if args.model == "table" else dlrm_step(args, dev)
@@ -107,6 +113,43 @@ def main() -> None:
     runtime = [e for e in events if e.key.startswith("cuda") and ("Synchronize" in e.key or "Memcpy" in e.key)]
     for e in runtime:
         print(f"per step: {e.count / STEPS:8.1f} x {e.key} ({e.cpu_time_total / STEPS / 1e3:.3f} ms host)")
+    if dev.type == "cuda":
+        try:
+            print_idle_gaps(prof, STEPS)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic; the tables above stand
+            print(f"idle-gap analysis failed: {exc!r}")
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+
+
+def print_idle_gaps(prof, steps: int, top: int = 15) -> None:
+    """The device's busy and idle time per step, and the largest idle gaps, summed per
+    (activity before, activity after) pair."""
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA
+    )
+    if not spans:
+        return
+    gaps: dict[tuple[str, str], list[float]] = {}
+    end, last = spans[0][1], spans[0][2]
+    idle = 0.0
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gap = start - end
+            idle += gap
+            g = gaps.setdefault((last[:45], name[:45]), [0, 0.0])
+            g[0] += 1
+            g[1] += gap
+        if stop >= end:
+            end, last = stop, name
+    span = spans[-1][1] - spans[0][0]
+    print(f"\ndevice per step: {span / steps / 1e3:.3f} ms from first to last activity, "
+          f"{(span - idle) / steps / 1e3:.3f} ms busy, {idle / steps / 1e3:.3f} ms idle")  # fmt: skip
+    print(f"largest idle gaps (summed over {steps} steps): total us, count, after -> before")
+    for (before, after), (count, total) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"{total:10.1f} {count:5d}  {before} -> {after}")
 
 
 if __name__ == "__main__":
