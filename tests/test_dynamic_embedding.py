@@ -961,3 +961,22 @@ def test_cuda_checked_step_queues_the_update_without_a_stream_sync(capfd):
     with pytest.raises(FloatingPointError, match="NaN or Inf"):
         emb.step()
     assert torch.equal(emb.export()["weights"], before) and emb.step_count == 2
+
+
+def test_nonfinite_check_finds_the_table_among_uneven_pending_gradients():
+    """The batched NaN/Inf check maps each flag to its table when tables hold different
+    numbers of pending gradients (two backward passes, one, none)."""
+    make = [veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=1.0), seed=k) for k in range(3)]
+    a, b, c = make
+    ids = torch.tensor([[1, 2]])
+    a(ids).sum().backward()
+    (a(ids) * float("nan")).sum().backward()  # a: two pending gradients, the second bad
+    b(ids).sum().backward()  # b: one, finite; c: none
+    before = [snapshot(t) for t in make]
+    with pytest.raises(FloatingPointError, match="gradient of 1 bag"):
+        veloce.step_tables(make)
+    for t, s in zip(make, before):
+        assert_same_snapshot(s, snapshot(t))
+    a.zero_grad()
+    veloce.step_tables(make)
+    assert (a.step_count, b.step_count, c.step_count) == (0, 1, 0)

@@ -669,10 +669,13 @@ class _FiniteCheck:
                 where[i] = (dev, j)
                 grads.extend(e.grad for e in self.tables[i]._pending)
                 owner.extend(j for _ in self.tables[i]._pending)
-            counts = torch.zeros(len(idx), dtype=torch.long, device=dev)
-            if grads:
-                bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).long()
-                counts.index_add_(0, host_tensor(owner, dev), bad)
+            if all(len(self.tables[i]._pending) == 1 for i in idx):  # one gradient per table: its norm is its flag
+                counts = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).long()
+            else:
+                counts = torch.zeros(len(idx), dtype=torch.long, device=dev)
+                if grads:
+                    bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).long()
+                    counts.index_add_(0, host_tensor(owner, dev), bad)
             flags[dev] = [counts]
         # Sharded tables: the counts summed over the ranks (every rank steps the same tables
         # in the same order), appended after the device's own rows.
