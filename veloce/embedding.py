@@ -669,12 +669,12 @@ class _FiniteCheck:
                 where[i] = (dev, j)
                 grads.extend(e.grad for e in self.tables[i]._pending)
                 owner.extend(j for _ in self.tables[i]._pending)
-            if all(len(self.tables[i]._pending) == 1 for i in idx):  # one gradient per table: its norm is its flag
-                counts = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).long()
+            bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).long() if grads else None
+            if bad is not None and len(grads) == len(idx) == len(set(owner)):
+                counts = bad  # one gradient per table: its norm's flag is the table's
             else:
                 counts = torch.zeros(len(idx), dtype=torch.long, device=dev)
-                if grads:
-                    bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).long()
+                if bad is not None:
                     counts.index_add_(0, host_tensor(owner, dev), bad)
             flags[dev] = [counts]
         # Sharded tables: the counts summed over the ranks (every rank steps the same tables
@@ -699,13 +699,9 @@ class _FiniteCheck:
         """A (1,) bool on the device of every table in ``devices`` (those to be updated),
         true when some checked gradient is not finite; None when the tables span several
         devices (the caller then reads :meth:`result` before updating)."""
-        if len(devices) != 1:
+        if len(devices) != 1 or set(self._flags) != devices:  # several devices, or no table to check
             return None
         (dev,) = devices
-        if not self._flags:
-            return None  # no table to check
-        if set(self._flags) != {dev}:
-            return None
         return (self._flags[dev] != 0).any().reshape(1)
 
     def result(self) -> dict[int, bool]:

@@ -388,9 +388,10 @@ void fused_update(const char* op, const at::Tensor& weights, const at::Tensor& o
 }
 
 // The skip argument of accumulate_and_update(_many), checked and read (a host read on the CPU).
-bool skipped(const char* op, const std::optional<at::Tensor>& skip, const at::Tensor& weights) {
+// ref_name names `weights` in the message as the CUDA kernel does ("weights" or "weights[0]").
+bool skipped(const char* op, const std::optional<at::Tensor>& skip, const char* ref_name, const at::Tensor& weights) {
   if (!skip.has_value()) return false;
-  check_flag(op, "skip", *skip, "weights", weights);
+  check_flag(op, "skip", *skip, ref_name, weights);
   return skip->item<bool>();
 }
 
@@ -405,7 +406,7 @@ void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_
   check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
   const int64_t B = check_backward_args(op, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset);
   check_grad_output_for_weights(op, grad_output, weights);
-  if (skipped(op, skip, weights)) return;
+  if (skipped(op, skip, "weights", weights)) return;
   fused_update(op, weights, opt_state, grad_output, slots, offsets, per_sample_weights, mode, B, optimizer, lr, eps,
                beta1, beta2, weight_decay, step);
 }
@@ -432,7 +433,7 @@ void accumulate_and_update_many_cpu(at::TensorList weights, at::TensorList opt_s
     const at::Tensor s = slots[k].contiguous();
     check_slot_values(name, s.data_ptr<int64_t>(), s.numel(), -1, "");
   }
-  if (K > 0 && skipped(op, skip, weights[0])) return;
+  if (K > 0 && skipped(op, skip, "weights[0]", weights[0])) return;
   for (size_t k = 0; k < K; ++k) {
     fused_update(tables.names[k].c_str(), weights[k], opt_state[k], grad_output[k], slots[k], offsets[k],
                  per_sample_weights.get(k), mode, tables.num_bags[k], optimizer, lr, eps, beta1, beta2, weight_decay,
