@@ -1,6 +1,11 @@
 """Runs a test function on several local ranks (gloo over TCP, or NCCL on GPUs), with a
 timeout that names the ranks that hung.
 
+The ranks rendezvous through a TCP store that the test process itself hosts on a port the
+system picks (port 0): no port is picked free beforehand, where another process can take it
+before a rank listens (EADDRINUSE, then a hang), and no file lock is needed (a file store hung
+a CI machine in ``init_process_group``).
+
     def body(rank, world_size, arg):     # module level, so spawned ranks can import it
         ...                              # torch.distributed is initialised here
         return something_picklable
@@ -14,6 +19,7 @@ import os
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,9 +28,10 @@ import torch.multiprocessing as mp
 
 GRACE_S = 5.0  # once a rank has failed, how long the others may still run (they are
 # usually blocked in a collective with it and would otherwise hold the test until timeout)
+KILL_WAIT_S = 10.0  # how long to wait for a killed rank to exit
 
 
-def _worker(rank: int, world_size: int, backend: str, fn: Callable, args: tuple, out: str) -> None:
+def _worker(rank: int, world_size: int, backend: str, port: int, fn: Callable, args: tuple, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -32,10 +39,8 @@ def _worker(rank: int, world_size: int, backend: str, fn: Callable, args: tuple,
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        # A file store in the run's own directory: a TCP port picked free beforehand can be
-        # taken by another process before rank 0 listens on it (EADDRINUSE, then a hang).
-        store = Path(out) / "rendezvous"
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         result = {"ok": True, "value": fn(rank, world_size, *args)}
     except BaseException:  # noqa: BLE001 - reported to the parent, whatever it is
         result = {"ok": False, "error": traceback.format_exc()}
@@ -55,23 +60,32 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, 
     Fails (AssertionError) naming every rank that raised (with its traceback) or did not
     finish within ``timeout`` seconds (those are killed). Once a rank has failed, the
     others get ``GRACE_S`` seconds before they are killed and reported as hung."""
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
+    # The store lives as long as this call: every rank is a client of it.
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="veloce_ranks_") as out:
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, backend, fn, args, out), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, backend, store.port, fn, args, out), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
             p.start()
         _wait(procs, timeout)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        unkillable = []
         for r in hung:
             procs[r].kill()
-            procs[r].join()
+            procs[r].join(KILL_WAIT_S)  # never wait forever, even on a process stuck in the kernel
+            if procs[r].is_alive():
+                unkillable.append(r)
         results, failures = [], []
         for r in range(world_size):
             path = Path(out) / f"rank{r}.pt"
-            if r in hung:
+            if r in unkillable:
+                failures.append(f"rank {r} hung (no result after {timeout:.0f} s) and survived SIGKILL")
+            elif r in hung:
                 failures.append(f"rank {r} hung (no result after {timeout:.0f} s; killed)")
             elif not path.exists():
                 failures.append(f"rank {r} exited with code {procs[r].exitcode} without a result")
