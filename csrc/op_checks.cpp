@@ -422,4 +422,19 @@ void check_update_slots_unique(const char* op, bool unique, int64_t dup_slot) {
   TORCH_CHECK(unique, op, ": slots must be unique, got slot ", dup_slot, " more than once");
 }
 
+void check_nonfinite_args(const char* op, at::TensorList tensors, at::IntArrayRef owner, int64_t num_owners) {
+  TORCH_CHECK_VALUE(!tensors.empty(), op,
+                    ": tensors must hold at least one tensor (the flags are made on its device)");
+  TORCH_CHECK_VALUE(owner.size() == tensors.size(), op, ": one owner per tensor: tensors has ", tensors.size(),
+                    " entries but owner has ", owner.size());
+  TORCH_CHECK_VALUE(num_owners >= 1, op, ": num_owners must be >= 1, got ", num_owners);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string name = "tensors[" + std::to_string(i) + "]";
+    check_floating(op, name.c_str(), tensors[i]);
+    check_same_device(op, name.c_str(), tensors[i], "tensors[0]", tensors[0]);
+    TORCH_CHECK_VALUE(owner[i] >= 0 && owner[i] < num_owners, op, ": owner[", i, "] = ", owner[i],
+                      " is out of range for num_owners ", num_owners);
+  }
+}
+
 }  // namespace veloce

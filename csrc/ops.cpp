@@ -143,4 +143,10 @@ TORCH_LIBRARY(veloce, m) {
       "Tensor[] slots, Tensor[] offsets, Tensor?[] per_sample_weights, int pooling, bool include_last_offset, "
       "int optimizer, float lr, float eps, float beta1, float beta2, float weight_decay, int step, "
       "bool check_inputs=True, Tensor? skip=None) -> ()");
+  // flags (num_owners + 1,) bool on the tensors' device: flags[k] is true when a tensor i
+  // with owner[i] == k holds a NaN or an infinity (an exponent of all ones: the test
+  // std::isfinite makes, on the bits), flags[num_owners] when any tensor does. One read of
+  // every element and no host sync; flags[num_owners:] is a ready `skip` argument of the
+  // updating ops (DynamicEmbedding's NaN/Inf check of its pending gradients).
+  m.def("nonfinite_flags(Tensor[] tensors, int[] owner, int num_owners) -> Tensor");
 }

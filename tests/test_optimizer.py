@@ -598,3 +598,117 @@ def test_accumulate_and_update_skip_flag_checks(device):
             torch.ops.veloce.accumulate_and_update_many(*many, value)
     for t, (w0, s0) in zip(tables, before):
         assert torch.equal(t[0], w0) and torch.equal(t[1], s0)
+
+
+# ---- nonfinite_flags ------------------------------------------------------------------------
+
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _reference_flags(tensors, owner, num_owners):
+    flags = [False] * (num_owners + 1)
+    for t, k in zip(tensors, owner):
+        if not bool(torch.isfinite(t).all()):
+            flags[k] = flags[num_owners] = True
+    return flags
+
+
+def _poisoned(numel, dtype, device, gen, value, where):
+    """A 1-D tensor of ``numel`` finite values with ``value`` at index ``where`` (None: none)."""
+    t = torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+    if where is not None:
+        t[where] = value
+    return t.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_nonfinite_flags_find_every_nan_and_inf(device, dtype):
+    """NaN, +Inf and -Inf at the first, a middle and the last element of tensors whose sizes
+    are and are not multiples of a 16-byte vector; the largest finite value, subnormals and
+    -0.0 are finite."""
+    from veloce.ops.optimizer import nonfinite_flags
+
+    gen = torch.Generator().manual_seed(0)
+    info = torch.finfo(dtype)
+    for numel in [1, 7, 8, 9, 33, 1000, 4099]:
+        for value in [float("nan"), float("inf"), float("-inf")]:
+            for where in sorted({0, numel // 2, numel - 1}):
+                bad = _poisoned(numel, dtype, device, gen, value, where)
+                flags = nonfinite_flags([bad], [0], 1).tolist()
+                assert flags == [True, True], (numel, value, where)
+    edge = torch.tensor([info.max, -info.max, info.tiny / 2, -0.0, info.tiny], dtype=dtype, device=device)
+    assert nonfinite_flags([edge], [0], 1).tolist() == [False, False]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_flags_per_owner_over_many_mixed_tensors(device):
+    """More tensors than one CUDA launch takes (32 per dtype), of every dtype, shapes 0-D to
+    3-D, empty ones, non-contiguous ones and views that start off 16-byte alignment: each
+    owner's flag and the last one equal the reference."""
+    from veloce.ops.optimizer import nonfinite_flags
+
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(6):
+        tensors, owner = [], []
+        num_owners = 9
+        for i in range(80):
+            dtype = FLOAT_DTYPES[int(torch.randint(0, 4, (1,), generator=gen))]
+            kind = i % 5
+            numel = int(torch.randint(0, 300, (1,), generator=gen))
+            poison = torch.rand(1, generator=gen).item() < 0.04
+            where = int(torch.randint(0, numel, (1,), generator=gen)) if poison and numel else None
+            base = _poisoned(numel + 3, dtype, device, gen, float("nan") if i % 2 else float("inf"),
+                             None if where is None else where + 1)  # fmt: skip
+            if kind == 0:
+                t = base[1 : numel + 1]  # a view one element past the base: off 16-byte alignment
+            elif kind == 1:
+                t = base[1 : numel + 1].clone().reshape(1, -1) if numel else base[:0]
+            elif kind == 2:  # non-contiguous: every other column of a 2-D tensor
+                t = torch.stack([base[1 : numel + 1], base[1 : numel + 1]], dim=1)[:, 0] if numel else base[:0]
+            elif kind == 3:
+                t = base[1 : numel + 1].clone()
+            else:
+                t = base[1:2].reshape(()) if numel else base[:0]  # 0-D
+                if where is not None:
+                    t = t.clone().fill_(float("nan"))
+            tensors.append(t)
+            owner.append(int(torch.randint(0, num_owners, (1,), generator=gen)))
+        want = _reference_flags(tensors, owner, num_owners)
+        got = nonfinite_flags(tensors, owner, num_owners)
+        assert got.dtype == torch.bool and got.device.type == device
+        assert got.tolist() == want, trial
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_flags_of_a_large_tensor(device):
+    """A tensor of several million elements (many blocks, each thread several vectors): the
+    last element alone decides."""
+    from veloce.ops.optimizer import nonfinite_flags
+
+    t = torch.zeros(5_000_003, device=device)
+    assert nonfinite_flags([t], [0], 2).tolist() == [False, False, False]
+    t[-1] = float("inf")
+    assert nonfinite_flags([t], [1], 2).tolist() == [False, True, True]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nonfinite_flags_opcheck_and_bad_arguments(device):
+    from veloce.ops.optimizer import nonfinite_flags
+
+    good = [torch.randn(4, 3, device=device), torch.tensor([1.0, float("nan")], device=device)]
+    torch.library.opcheck(torch.ops.veloce.nonfinite_flags.default, (good, [0, 1], 2))
+    cases = [
+        (([], [], 1), ValueError, "tensors must hold at least one tensor"),
+        ((good, [0], 2), ValueError, "one owner per tensor: tensors has 2 entries but owner has 1"),
+        ((good, [0, 2], 2), ValueError, r"owner\[1\] = 2 is out of range for num_owners 2"),
+        ((good, [0, -1], 2), ValueError, r"owner\[1\] = -1 is out of range"),
+        ((good, [0, 0], 0), ValueError, "num_owners must be >= 1, got 0"),
+        (([good[0], torch.ones(3, dtype=torch.long, device=device)], [0, 0], 1), RuntimeError,
+         r"tensors\[1\] must be a floating-point tensor, got torch.int64"),
+    ]  # fmt: skip
+    if device == "cuda":
+        cases.append((([good[0], torch.ones(3)], [0, 0], 1), RuntimeError, r"tensors\[1\] .*cpu"))
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            nonfinite_flags(*args)

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from veloce import _ext
-from veloce._device import HostCopy, host_tensor
+from veloce._device import HostCopy
 from veloce import init as _init
 from veloce import optim as _optim
+from veloce.ops import optimizer as _ops
 from veloce.table import HashTable, find_or_insert_many
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
@@ -362,11 +363,12 @@ class DynamicEmbedding(nn.Module):
             return None
         bad: list[torch.Tensor] = []
         num_bad = 0
-        for e in self._pending:
-            finite = bool(torch.isfinite(e.grad.sum()).item())
+        n = len(self._pending)
+        flags = _ops.nonfinite_flags([e.grad for e in self._pending], range(n), n).tolist() if n else []
+        for e, flagged in zip(self._pending, flags):  # one read-back for all pending gradients
             b = torch.zeros(e.grad.shape[0], dtype=torch.bool, device=e.grad.device)
-            if not finite:
-                b = ~torch.isfinite(e.grad).all(dim=1)  # all finite if only the sum overflowed
+            if flagged:
+                b = ~torch.isfinite(e.grad).all(dim=1)
                 num_bad += int(b.sum())
             bad.append(b)
         if self.nonfinite_grad == "raise":
@@ -544,18 +546,14 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
     if skip is not None and not all(check.result().values()):
         # Nothing was applied (every call carried the set flag): raise, before any booking.
         _raise_nonfinite(tables, check.result())
-        # The flag was set by the norm's overflow alone (finite gradients): apply for real.
-        applied.clear()
-        _apply_updates([tables[i] for i in ready], [updates[i] for i in ready], None, applied)
     for t, u in zip(tables, updates):
         t._book(u)
 
 
 def _raise_nonfinite(tables: Sequence["DynamicEmbedding"], finite: dict[int, bool]) -> None:
     """Every table whose "raise" check flagged its gradient counts its bad bags (a sharded
-    one agrees with its peers) before anything is applied: an error in one table applies
-    no other, and no rank skips an agreement another rank waits in. A flag set by the
-    norm's overflow alone raises nothing."""
+    one agrees with its peers) and raises, before anything is applied: an error in one
+    table applies no other, and no rank skips an agreement another rank waits in."""
     error: Optional[FloatingPointError] = None
     for t in tables:
         if not finite.get(id(t), True):
@@ -565,6 +563,8 @@ def _raise_nonfinite(tables: Sequence["DynamicEmbedding"], finite: dict[int, boo
                 error = error or e
     if error is not None:
         raise error
+    if not all(finite.values()):  # the flags and the per-table count test the same bits
+        raise AssertionError("step_tables: a gradient was flagged NaN/Inf, but its table found no such bag")
 
 
 class _Update(NamedTuple):
@@ -647,13 +647,11 @@ def _apply_updates(
 
 class _FiniteCheck:
     """The nonfinite_grad="raise" check of step_tables' tables: whether every pending
-    gradient of a table is finite (over all ranks for a sharded table). One fused norm over
-    the gradients of each device's tables, one all-reduce per process group of sharded
-    tables, and at most one read-back per device, queued at construction and waited for
-    by :meth:`result` (:class:`veloce._device.HostCopy`).
-
-    A norm is NaN or Inf if an element is (or, for huge finite values, if the squares
-    overflow: the per-table check then finds nothing to raise)."""
+    gradient of a table is finite (over all ranks for a sharded table). One
+    ``torch.ops.veloce.nonfinite_flags`` over the gradients of each device's tables (every
+    element read once; no host sync), one all-reduce per process group of sharded tables,
+    and at most one read-back per device, queued at construction and waited for by
+    :meth:`result` (:class:`veloce._device.HostCopy`)."""
 
     def __init__(self, tables: Sequence["DynamicEmbedding"]) -> None:
         self.tables = list(tables)
@@ -662,22 +660,20 @@ class _FiniteCheck:
         for i, t in enumerate(self.tables):
             by_device.setdefault(t.table.device, []).append(i)
         where: dict[int, tuple[torch.device, int]] = {}  # table -> (device, row of its flag)
-        flags: dict[torch.device, list[torch.Tensor]] = {}
+        flags: dict[torch.device, list[torch.Tensor]] = {}  # per device: bool flag rows
+        self._any: dict[torch.device, torch.Tensor] = {}  # per device: (1,) "some row is set", where ready
         for dev, idx in by_device.items():
             grads, owner = [], []
             for j, i in enumerate(idx):
                 where[i] = (dev, j)
                 grads.extend(e.grad for e in self.tables[i]._pending)
                 owner.extend(j for _ in self.tables[i]._pending)
-            bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)))).long() if grads else None
-            if bad is not None and len(grads) == len(idx) == len(set(owner)):
-                counts = bad  # one gradient per table: its norm's flag is the table's
+            if grads:
+                f = _ops.nonfinite_flags(grads, owner, len(idx))
+                flags[dev], self._any[dev] = [f[:-1]], f[-1:]
             else:
-                counts = torch.zeros(len(idx), dtype=torch.long, device=dev)
-                if bad is not None:
-                    counts.index_add_(0, host_tensor(owner, dev), bad)
-            flags[dev] = [counts]
-        # Sharded tables: the counts summed over the ranks (every rank steps the same tables
+                flags[dev] = [torch.zeros(len(idx), dtype=torch.bool, device=dev)]
+        # Sharded tables: the flags summed over the ranks (every rank steps the same tables
         # in the same order), appended after the device's own rows.
         groups: dict[int, list[int]] = {}
         for i, t in enumerate(self.tables):
@@ -685,14 +681,15 @@ class _FiniteCheck:
                 groups.setdefault(id(t._shard.group), []).append(i)
         for idx in groups.values():
             dev = where[idx[0]][0]
-            mine = torch.stack([flags[where[i][0]][0][where[i][1]].to(dev) for i in idx])
-            summed = self.tables[idx[0]]._shard.agree_all(mine).to(dev)
+            mine = torch.stack([flags[where[i][0]][0][where[i][1]].to(dev) for i in idx]).long()
+            summed = self.tables[idx[0]]._shard.agree_all(mine).to(dev) != 0
             base = sum(f.numel() for f in flags[dev])
             flags[dev].append(summed)
+            self._any.pop(dev, None)  # the agreed rows count too
             for k, i in enumerate(idx):
                 where[i] = (dev, base + k)
         self._where = where
-        self._flags = {dev: torch.cat(fs) for dev, fs in flags.items()}
+        self._flags = {dev: fs[0] if len(fs) == 1 else torch.cat(fs) for dev, fs in flags.items()}
         self._copies = {dev: HostCopy(f) for dev, f in self._flags.items()}  # queued, not waited for
 
     def skip_flag(self, devices: set) -> Optional[torch.Tensor]:
@@ -702,13 +699,14 @@ class _FiniteCheck:
         if len(devices) != 1 or set(self._flags) != devices:  # several devices, or no table to check
             return None
         (dev,) = devices
-        return (self._flags[dev] != 0).any().reshape(1)
+        ready = self._any.get(dev)
+        return ready if ready is not None else self._flags[dev].any().reshape(1)
 
     def result(self) -> dict[int, bool]:
         """id(table) -> whether its pending gradient is finite (waits for the read-back once)."""
         if self._result is None:
             host = {dev: c.tolist() for dev, c in self._copies.items()}
-            self._result = {id(t): host[self._where[i][0]][self._where[i][1]] == 0 for i, t in enumerate(self.tables)}
+            self._result = {id(t): not host[self._where[i][0]][self._where[i][1]] for i, t in enumerate(self.tables)}
         return self._result
 
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "veloce/check.h"
+#include "veloce/nonfinite.h"
 #include "veloce/op_checks.h"
 #include "veloce/optimizer.h"
 
@@ -76,7 +77,41 @@ void sparse_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state, c
   });
 }
 
+// Whether any of the n values at p is a NaN or an infinity (on their bits: see nonfinite.h).
+template <typename scalar_t>
+bool any_nonfinite(const scalar_t* p, int64_t n) {
+  using bits_t = typename FloatBits<scalar_t>::bits_t;
+  const bits_t* x = reinterpret_cast<const bits_t*>(p);
+  return at::parallel_reduce(
+      0, n, at::internal::GRAIN_SIZE, false,
+      [&](int64_t begin, int64_t end, bool bad) {
+        for (int64_t i = begin; i < end; ++i) bad |= nonfinite_bits<scalar_t>(x[i]);  // vectorizes: no early exit
+        return bad;
+      },
+      [](bool a, bool b) { return a || b; });
+}
+
+at::Tensor nonfinite_flags_cpu(at::TensorList tensors, at::IntArrayRef owner, int64_t num_owners) {
+  constexpr const char* op = "veloce::nonfinite_flags";
+  check_nonfinite_args(op, tensors, owner, num_owners);
+  at::Tensor flags = at::zeros({num_owners + 1}, tensors[0].options().dtype(at::kBool));
+  bool* f = flags.data_ptr<bool>();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (f[owner[i]]) continue;  // this owner is flagged already
+    const at::Tensor t = tensors[i].contiguous();
+    bool bad = false;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "nonfinite_flags_cpu", [&] {
+      bad = any_nonfinite(t.data_ptr<scalar_t>(), t.numel());
+    });
+    if (bad) f[owner[i]] = f[num_owners] = true;
+  }
+  return flags;
+}
+
 }  // namespace
 }  // namespace veloce
 
-TORCH_LIBRARY_IMPL(veloce, CPU, m) { m.impl("sparse_update", &veloce::sparse_update_cpu); }
+TORCH_LIBRARY_IMPL(veloce, CPU, m) {
+  m.impl("sparse_update", &veloce::sparse_update_cpu);
+  m.impl("nonfinite_flags", &veloce::nonfinite_flags_cpu);
+}

@@ -315,12 +315,15 @@ TableGroup<MaxK> make_group(const TableArgs* const* t, int K) {
 
 // ---- accumulate_grad --------------------------------------------------------------------
 
-// Per position i of the group: sort key (row_base[k] + slot, or the sentinel row_base[K]
-// where the position gets no gradient: codes -1 / -2 and slots past its table's rows),
-// position, bag.
+// Per position i of the group: its sort key (row_base[k] + slot, or the sentinel row_base[K]
+// where the position gets no gradient: codes -1 / -2 and slots past its table's rows) and
+// the value sorted with it: the position, with its bag in bag_of, when some table has
+// per-sample weights (indexed by position); else (bag_of null) the bag itself, which
+// saves the gradient gather one dependent load per row. Bags ascend with positions, so
+// either value keeps a run in position order.
 template <typename key_t, int MaxK>
 __global__ void keys_kernel(const __grid_constant__ TableGroup<MaxK> tg, key_t* __restrict__ keys,
-                            int32_t* __restrict__ pos, int32_t* __restrict__ bag_of,
+                            int32_t* __restrict__ vals, int32_t* __restrict__ bag_of,
                             unsigned long long* num_skipped) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= tg.pos_base[tg.K]) return;
@@ -329,10 +332,17 @@ __global__ void keys_kernel(const __grid_constant__ TableGroup<MaxK> tg, key_t* 
   const int64_t s = tg.slots[k][local];
   const bool valid = s >= 0 && s < tg.row_base[k + 1] - tg.row_base[k];
   keys[i] = static_cast<key_t>(valid ? tg.row_base[k] + s : tg.row_base[tg.K]);
-  pos[i] = static_cast<int32_t>(i);
   if (!valid && num_skipped != nullptr) atomicAdd(num_skipped, 1ull);
   const int64_t num_bags = tg.bag_base[k + 1] - tg.bag_base[k];
-  bag_of[i] = tg.bag_base[k] + static_cast<int32_t>(bag_of_position(tg.offsets[k], num_bags, local));
+  const int64_t num_pos = tg.pos_base[k + 1] - tg.pos_base[k];
+  const int32_t bag =
+      tg.bag_base[k] + static_cast<int32_t>(bag_of_position(tg.offsets[k], num_bags, num_pos, local));
+  if (bag_of != nullptr) {
+    vals[i] = static_cast<int32_t>(i);
+    bag_of[i] = bag;
+  } else {
+    vals[i] = bag;
+  }
 }
 
 // Mean pooling: 1 / (non-padding positions) per bag of the group, 0 for bags with none. A
@@ -368,10 +378,11 @@ __host__ __device__ __forceinline__ int32_t chunks_of(int32_t len) {
   return len / kLongRun + (len % kLongRun != 0);
 }
 
-// acc += the (scaled) gradient rows of sorted positions [k, stop), columns [c, c + V).
-// The positions are one table's: grad_output (its (B_k, D) rows) and psw (its (N_k,)
-// weights, or null) are indexed from its first bag bag0 and first position pos0 of the
-// group; bag_of and bag_scale by the group's.
+// acc += the (scaled) gradient rows of sorted entries [k, stop), columns [c, c + V). The
+// entries are positions (bag_of gives their bags) or, with bag_of null, the bags
+// themselves (keys_kernel; then psw is null). They are one table's: grad_output (its
+// (B_k, D) rows) and psw (its (N_k,) weights, or null) are indexed from its first bag bag0
+// and first position pos0 of the group; bag_of and bag_scale by the group's.
 template <typename scalar_t, int V>
 __device__ __forceinline__ void add_rows(at::opmath_type<scalar_t> (&acc)[V], int64_t k, int64_t stop, int64_t c,
                                          const scalar_t* __restrict__ grad_output, int32_t bag0, int64_t D,
@@ -396,7 +407,7 @@ __device__ __forceinline__ void add_rows(at::opmath_type<scalar_t> (&acc)[V], in
 #pragma unroll
     for (int q = 0; q < kUnroll; ++q) pos[q] = sorted_pos[k + q];
 #pragma unroll
-    for (int q = 0; q < kUnroll; ++q) b[q] = bag_of[pos[q]];
+    for (int q = 0; q < kUnroll; ++q) b[q] = bag_of != nullptr ? bag_of[pos[q]] : pos[q];
 #pragma unroll
     for (int q = 0; q < kUnroll; ++q) g[q] = load_pack<scalar_t, V>(grad_output + (b[q] - bag0) * D + c);
 #pragma unroll
@@ -404,7 +415,7 @@ __device__ __forceinline__ void add_rows(at::opmath_type<scalar_t> (&acc)[V], in
   }
   for (; k < stop; ++k) {
     const int32_t pos = sorted_pos[k];
-    const int32_t b = bag_of[pos];
+    const int32_t b = bag_of != nullptr ? bag_of[pos] : pos;
     add(pos, b, load_pack<scalar_t, V>(grad_output + (b - bag0) * D + c));
   }
 }
@@ -534,11 +545,12 @@ decltype(auto) with_sort_key(int64_t num_rows, F&& f) {
 // accumulate_grad and the fused accumulate_and_update(_many).
 template <typename key_t>
 struct SortedRuns {
-  at::Tensor sorted_pos;  // (N,) int32: positions, grouped by key, ascending within one
-  at::Tensor bag_of;      // (N,) int32: the bag of each position
+  at::Tensor sorted_pos;  // (N,) int32: positions or bags (keys_kernel), grouped by key, ascending within one
+  at::Tensor bag_of;      // (N,) int32: the bag of each position; undefined when sorted_pos holds bags
   at::Tensor uniq;        // (N,) key_t: the key of each run (first *num_runs valid)
   at::Tensor run_len;     // (N,) int32: the length of each run
   const key_t* uniq_ptr() const { return reinterpret_cast<const key_t*>(uniq.data_ptr()); }
+  const int32_t* bag_of_ptr() const { return bag_of.defined() ? bag_of.data_ptr<int32_t>() : nullptr; }
 };
 
 // `like`: an int64 tensor on the device (allocation options).
@@ -551,10 +563,12 @@ SortedRuns<key_t> sort_runs(const TableGroup<MaxK>& tg, const at::Tensor& like, 
   const auto opts = like.options();
   at::Tensor keys = at::empty({N}, opts.dtype(sizeof(key_t) == 4 ? at::kInt : at::kLong));
   at::Tensor pos = at::empty({N}, opts.dtype(at::kInt));
-  at::Tensor bag_of = at::empty({N}, opts.dtype(at::kInt));
+  bool weighted = false;  // per-sample weights are indexed by position: sort positions
+  for (int k = 0; k < tg.K; ++k) weighted |= tg.psw[k] != nullptr;
+  at::Tensor bag_of = weighted ? at::empty({N}, opts.dtype(at::kInt)) : at::Tensor();
   key_t* kp = reinterpret_cast<key_t*>(keys.data_ptr());
-  keys_kernel<key_t, MaxK><<<grid_for(N), kThreads, 0, stream()>>>(tg, kp, pos.data_ptr<int32_t>(),
-                                                                   bag_of.data_ptr<int32_t>(), num_skipped);
+  keys_kernel<key_t, MaxK><<<grid_for(N), kThreads, 0, stream()>>>(
+      tg, kp, pos.data_ptr<int32_t>(), weighted ? bag_of.data_ptr<int32_t>() : nullptr, num_skipped);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Stable sort on the key's significant bits: within a key, positions stay ascending.
   at::Tensor sorted_keys = at::empty_like(keys);
@@ -593,7 +607,7 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const TableArgs& t, int64_t mode) 
   const SortedRuns<key_t> runs = sort_runs<key_t>(
       tg, s, info.data_ptr<int64_t>(), reinterpret_cast<unsigned long long*>(info.data_ptr<int64_t>() + 1));
   const at::Tensor& sorted_pos = runs.sorted_pos;
-  const at::Tensor& bag_of = runs.bag_of;
+  const int32_t* bag_of = runs.bag_of_ptr();
   const at::Tensor& run_len = runs.run_len;
   const key_t* up = runs.uniq_ptr();
   long_runs_count_kernel<<<grid_for(N), kThreads, 0, stream()>>>(run_len.data_ptr<int32_t>(), N,
@@ -625,7 +639,7 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const TableArgs& t, int64_t mode) 
       const int lanes = lanes_for(D, V);
       segment_sum_kernel<scalar_t, key_t, V><<<grid_for(U * lanes), kThreads, 0, stream()>>>(
           g.data_ptr<scalar_t>(), D, up, run_start.data_ptr<int32_t>(), run_len.data_ptr<int32_t>(), U,
-          sorted_pos.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(), p.defined() ? p.data_ptr<scalar_t>() : nullptr,
+          sorted_pos.data_ptr<int32_t>(), bag_of, p.defined() ? p.data_ptr<scalar_t>() : nullptr,
           scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes, unique_slots.data_ptr<int64_t>(),
           grad_rows.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -646,7 +660,7 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const TableArgs& t, int64_t mode) 
       chunk_sum_kernel<scalar_t, V><<<grid_for(M * lanes), kThreads, 0, stream()>>>(
           g.data_ptr<scalar_t>(), D, M, chunk_run.data_ptr<int32_t>(), runs.data_ptr<int32_t>(),
           base.data_ptr<int32_t>(), run_start.data_ptr<int32_t>(), run_len.data_ptr<int32_t>(),
-          sorted_pos.data_ptr<int32_t>(), bag_of.data_ptr<int32_t>(), p.defined() ? p.data_ptr<scalar_t>() : nullptr,
+          sorted_pos.data_ptr<int32_t>(), bag_of, p.defined() ? p.data_ptr<scalar_t>() : nullptr,
           scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes, partial.data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       long_run_total_kernel<scalar_t><<<grid_for(L * D), kThreads, 0, stream()>>>(
@@ -784,6 +798,24 @@ __global__ void accumulate_update_kernel(
     const int64_t pos0 = tg.pos_base[tb];
     const int64_t start = static_cast<int64_t>(f.len) + k * kLongRun;
     const int64_t stop = min(start + kLongRun, static_cast<int64_t>(f.len) + p.len);
+    // The run's row and its state. A run of one chunk loads them now, so that these loads
+    // are in flight with the gradient gather below (they do not depend on it); a long
+    // run's last chunk loads them once its sum is complete.
+    const int64_t slot = key - tg.row_base[tb];
+    scalar_t* __restrict__ w_row = static_cast<scalar_t*>(tg.weights[tb]) + slot * D;
+    acc_t* __restrict__ st = static_cast<acc_t*>(tg.state[tb]) + slot * S;
+    Pack<scalar_t, V> w[ITER];
+    StatePack<acc_t, V> sp[ITER];
+    auto load_row = [&]() {
+#pragma unroll
+      for (int it = 0; it < ITER; ++it) {
+        const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
+        if (c >= D) continue;
+        w[it] = load_pack<scalar_t, V>(w_row + c);
+        sp[it] = load_state<acc_t, V>(rule, st, c, D);
+      }
+    };
+    if (p.chunks == 1) load_row();
     acc_t g[ITER][V];
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
@@ -842,18 +874,14 @@ __global__ void accumulate_update_kernel(
           for (int j = 0; j < V; ++j) g[it][j] += __ldcg(rows + q * D + j);
         }
       }
+      load_row();
     }
     // The update of the run's row with gradient g, as sparse_update_kernel does it.
-    const int64_t slot = key - tg.row_base[tb];
-    scalar_t* __restrict__ w_row = static_cast<scalar_t*>(tg.weights[tb]) + slot * D;
-    acc_t* __restrict__ st = static_cast<acc_t*>(tg.state[tb]) + slot * S;
-    Pack<scalar_t, V> w[ITER];
     acc_t sq = 0;
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
       const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
       if (c >= D) continue;
-      w[it] = load_pack<scalar_t, V>(w_row + c);
       add_weight_decay(rule, w[it], g[it]);
 #pragma unroll
       for (int j = 0; j < V; ++j) sq += g[it][j] * g[it][j];
@@ -863,7 +891,8 @@ __global__ void accumulate_update_kernel(
     for (int it = 0; it < ITER; ++it) {
       const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
       if (c >= D) continue;
-      update_pack(rule, w[it], g[it], st, c, D, mult);
+      apply_pack(rule, w[it], g[it], sp[it], mult);
+      store_state(rule, st, c, D, sp[it]);
       store_pack<scalar_t, V>(w_row + c, w[it]);
     }
   }
@@ -889,7 +918,7 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
   at::Tensor num_runs = at::empty({1}, opts);
   const SortedRuns<key_t> runs = sort_runs<key_t>(tg, like, num_runs.data_ptr<int64_t>(), nullptr);
   const at::Tensor& sorted_pos = runs.sorted_pos;
-  const at::Tensor& bag_of = runs.bag_of;
+  const int32_t* bag_of = runs.bag_of_ptr();
   const at::Tensor& run_len = runs.run_len;
   const key_t* up = runs.uniq_ptr();
   // RunPlan is three int32: plan and its scan live in int32 tensors of 3N.
@@ -928,7 +957,7 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
       accumulate_update_kernel<scalar_t, key_t, V, ITER, MaxK>
           <<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
               tg, D, S, rule, up, num_runs.data_ptr<int64_t>(), pp, fp, N, sorted_pos.data_ptr<int32_t>(),
-              bag_of.data_ptr<int32_t>(), scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes,
+              bag_of, scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes,
               partial.data_ptr<acc_t>(), arrived.data_ptr<int32_t>(), skip);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };

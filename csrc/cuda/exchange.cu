@@ -55,7 +55,7 @@ __global__ void owner_keys_kernel(const int64_t* __restrict__ ids, int64_t n, co
   keys[i] = (has_pad && id == pad) ? world_size
                                    : static_cast<int32_t>(owner_hash(id) % static_cast<uint64_t>(world_size));
   pos[i] = static_cast<int32_t>(i);
-  bag[i] = static_cast<int32_t>(bag_of_position(offsets, B, i));
+  bag[i] = static_cast<int32_t>(bag_of_position(offsets, B, n, i));
 }
 
 // flag[j] = 1 where sorted position j starts a part: a real owner, and a new owner or bag.

@@ -139,7 +139,9 @@ __global__ void score_positions_kernel(const int64_t* __restrict__ slots, int64_
   const int64_t s = slots[i];
   if (s < 0) return;
   if (policy == kScoreLRU) {
-    scores[s] = score_value;
+    // A hot id repeats thousands of times in a batch: its later positions find the score
+    // set (in L1 or L2) and skip the store instead of queueing on one address.
+    if (scores[s] != score_value) scores[s] = score_value;
   } else {
     atomicAdd(reinterpret_cast<unsigned long long*>(scores + s), 1ull);
   }

@@ -1,4 +1,5 @@
-// CUDA kernel of the optimizer family: sparse_update, the fused sparse optimizer step.
+// CUDA kernels of the optimizer family: sparse_update, the fused sparse optimizer step, and
+// nonfinite_flags, the NaN/Inf check of gradients before an update.
 // Semantics (docs/ops.md, "optimizer"); CPU reference csrc/cpu/optimizer.cpp (argument
 // checks shared with it in veloce/op_checks.h, same arithmetic per element).
 //
@@ -10,7 +11,11 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include <map>
+#include <vector>
+
 #include "veloce/cuda_utils.cuh"
+#include "veloce/nonfinite.h"
 #include "veloce/op_checks.h"
 #include "veloce/update_rule.cuh"
 
@@ -122,8 +127,117 @@ void sparse_update_cuda(const at::Tensor& weights, const at::Tensor& opt_state, 
   });
 }
 
+// ---- nonfinite_flags ----------------------------------------------------------------------
+//
+// Up to kFlagGroup tensors of one dtype per launch, passed as a kernel parameter. Their
+// elements are cut into units of 16 bytes (V elements), numbered across the tensors
+// (base: each tensor's first unit); a grid-stride loop reads kFlagUnroll units per thread
+// at a time, as raw bits, and a thread that finds a NaN or infinity sets its tensor's
+// owner flag and the "any" flag (plain stores of true: racing writers write the same).
+constexpr int kFlagGroup = 32;
+constexpr int kFlagUnroll = 4;
+
+struct FlagGroup {
+  int32_t K;                      // tensors in the launch, 1 <= K <= kFlagGroup
+  int32_t owner[kFlagGroup];      // the flag of each tensor
+  int64_t base[kFlagGroup + 1];   // tensor k's units: [base[k], base[k + 1])
+  int64_t numel[kFlagGroup];      // its elements
+  const void* data[kFlagGroup];   // its elements
+  bool aligned[kFlagGroup];       // 16-byte aligned: whole units are read with one vector load
+};
+
+template <typename scalar_t>
+__global__ void nonfinite_flags_kernel(const __grid_constant__ FlagGroup g, bool* __restrict__ flags,
+                                       int64_t num_owners) {
+  using bits_t = typename FloatBits<scalar_t>::bits_t;
+  constexpr int V = 16 / sizeof(bits_t);
+  const int64_t total = g.base[g.K];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t u0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u0 < total;
+       u0 += kFlagUnroll * stride) {
+    int k[kFlagUnroll];
+    bits_t x[kFlagUnroll][V];
+#pragma unroll
+    for (int r = 0; r < kFlagUnroll; ++r) {  // every load first, then the tests
+      const int64_t u = u0 + r * stride;
+      k[r] = -1;
+      if (u >= total) continue;
+      int lo = 0, hi = g.K;  // the tensor of unit u: the largest k with base[k] <= u
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (g.base[mid] <= u) {
+          lo = mid;
+        } else {
+          hi = mid;
+        }
+      }
+      k[r] = lo;
+      const int64_t start = (u - g.base[lo]) * V;
+      const bits_t* p = static_cast<const bits_t*>(g.data[lo]) + start;
+      if (g.aligned[lo] && start + V <= g.numel[lo]) {
+        *reinterpret_cast<uint4*>(x[r]) = *reinterpret_cast<const uint4*>(p);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) x[r][j] = start + j < g.numel[lo] ? p[j] : bits_t{0};
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kFlagUnroll; ++r) {
+      if (k[r] < 0) continue;
+      bool bad = false;
+#pragma unroll
+      for (int j = 0; j < V; ++j) bad |= nonfinite_bits<scalar_t>(x[r][j]);
+      if (bad) {
+        flags[g.owner[k[r]]] = true;
+        flags[num_owners] = true;
+      }
+    }
+  }
+}
+
+at::Tensor nonfinite_flags_cuda(at::TensorList tensors, at::IntArrayRef owner, int64_t num_owners) {
+  constexpr const char* op = "veloce::nonfinite_flags";
+  check_nonfinite_args(op, tensors, owner, num_owners);
+  const c10::cuda::CUDAGuard guard(tensors[0].device());
+  at::Tensor flags = at::zeros({num_owners + 1}, tensors[0].options().dtype(at::kBool));
+  // The tensors by dtype (one kernel instance each), kept alive contiguous until launched.
+  std::map<at::ScalarType, std::vector<size_t>> by_dtype;
+  std::vector<at::Tensor> data(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].numel() == 0) continue;
+    data[i] = tensors[i].contiguous();
+    by_dtype[tensors[i].scalar_type()].push_back(i);
+  }
+  const int64_t max_blocks = int64_t{8} * num_sms();  // 2048 threads each
+  for (const auto& [dtype, idx] : by_dtype) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "nonfinite_flags_cuda", [&] {
+      constexpr int64_t V = 16 / sizeof(scalar_t);
+      for (size_t first = 0; first < idx.size(); first += kFlagGroup) {
+        FlagGroup g{};
+        g.K = static_cast<int32_t>(std::min<size_t>(kFlagGroup, idx.size() - first));
+        for (int k = 0; k < g.K; ++k) {
+          const size_t i = idx[first + k];
+          g.owner[k] = static_cast<int32_t>(owner[i]);
+          g.numel[k] = data[i].numel();
+          g.data[k] = data[i].data_ptr();
+          g.aligned[k] = aligned16(g.data[k]);
+          g.base[k + 1] = g.base[k] + ceil_div(g.numel[k], V);
+        }
+        const int64_t blocks = std::min(max_blocks, ceil_div(g.base[g.K], kThreads));
+        nonfinite_flags_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
+            g, flags.data_ptr<bool>(), num_owners);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    });
+  }
+  return flags;
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace veloce
 
-TORCH_LIBRARY_IMPL(veloce, CUDA, m) { m.impl("sparse_update", &veloce::cuda::sparse_update_cuda); }
+TORCH_LIBRARY_IMPL(veloce, CUDA, m) {
+  m.impl("sparse_update", &veloce::cuda::sparse_update_cuda);
+  m.impl("nonfinite_flags", &veloce::cuda::nonfinite_flags_cuda);
+}

@@ -1,8 +1,9 @@
 """The optimizer op family: the fused sparse optimizer step over table rows.
 
-Typed wrappers over ``torch.ops.veloce.sparse_update`` (kernel: ``csrc/cpu/optimizer.cpp``),
-``accumulate_and_update`` and ``accumulate_and_update_many`` (kernels:
-``csrc/cpu/embedding.cpp``) and their fake kernels. Semantics: docs/ops.md, section "optimizer".
+Typed wrappers over ``torch.ops.veloce.sparse_update`` and ``nonfinite_flags`` (kernels:
+``csrc/cpu/optimizer.cpp``), ``accumulate_and_update`` and ``accumulate_and_update_many``
+(kernels: ``csrc/cpu/embedding.cpp``) and their fake kernels. Semantics: docs/ops.md,
+section "optimizer".
 
 Shape glossary: ``C`` rows of the table, ``D`` embedding dim, ``S`` optimizer state
 width (0 SGD, D Adagrad, 1 RowWiseAdagrad, 2D Adam), ``U`` updated rows.
@@ -16,7 +17,10 @@ import torch
 
 from veloce import _ext
 
-__all__ = ["OPTIMIZERS", "accumulate_and_update", "accumulate_and_update_many", "sparse_update", "state_width"]
+__all__ = [
+    "OPTIMIZERS", "accumulate_and_update", "accumulate_and_update_many", "nonfinite_flags", "sparse_update",
+    "state_width",
+]  # fmt: skip
 
 #: Optimizer ids by name.
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
@@ -230,6 +234,42 @@ def accumulate_and_update_many(
     )  # fmt: skip
 
 
+def nonfinite_flags(tensors: Sequence[torch.Tensor], owner: Sequence[int], num_owners: int) -> torch.Tensor:
+    """Which groups of tensors hold a NaN or an infinity, as flags on the device (no sync).
+
+    Returns a ``(num_owners + 1,)`` bool tensor on the tensors' device: entry ``k`` is True
+    when some ``tensors[i]`` with ``owner[i] == k`` holds a NaN or an infinity, the last
+    entry when any tensor does. Every element is read once, as its raw bits (the test
+    ``torch.isfinite`` makes), in one kernel per dtype: on CUDA, no host sync and a
+    couple of launches for any number of tensors. ``flags[num_owners:]`` is a ready
+    ``skip`` argument of :func:`accumulate_and_update`: the update can be queued behind
+    the check, and the host read the flags later. ``DynamicEmbedding``'s
+    ``nonfinite_grad="raise"`` check of its pending gradients runs this.
+
+    Args:
+        tensors: floating-point tensors (any shape, dtype and layout) on one device; at
+            least one.
+        owner: the flag of each tensor, in ``[0, num_owners)``.
+        num_owners: the number of flags before the last ("any") one.
+
+    Example::
+
+        >>> g = [torch.ones(2, 3), torch.tensor([1.0, float("nan")]), torch.zeros(4)]
+        >>> nonfinite_flags(g, [0, 1, 1], 3).tolist()
+        [False, True, False, True]
+    """
+    _ext.require()
+    tensors = list(tensors)
+    if not tensors:  # the dispatcher needs a tensor to choose a backend: say what is wrong here
+        raise ValueError("veloce::nonfinite_flags: tensors must hold at least one tensor (the flags are made on its device)")
+    return torch.ops.veloce.nonfinite_flags(tensors, list(owner), num_owners)
+
+
+def _fake_nonfinite_flags(tensors, owner, num_owners):
+    torch._check(len(tensors) > 0, lambda: "nonfinite_flags: tensors must hold at least one tensor")
+    return tensors[0].new_empty((num_owners + 1,), dtype=torch.bool)
+
+
 def _fake_accumulate_and_update(weights, opt_state, grad_output, slots, offsets, psw, mode, ilo, *hyper):
     torch._check(weights.dim() == 2, lambda: f"weights must be 2-D, got {weights.dim()}-D")
     torch._check(grad_output.dim() == 2, lambda: f"grad_output must be 2-D, got {grad_output.dim()}-D")
@@ -257,3 +297,4 @@ if _ext.loaded:
     torch.library.register_fake("veloce::sparse_update")(_fake_sparse_update)
     torch.library.register_fake("veloce::accumulate_and_update")(_fake_accumulate_and_update)
     torch.library.register_fake("veloce::accumulate_and_update_many")(_fake_accumulate_and_update_many)
+    torch.library.register_fake("veloce::nonfinite_flags")(_fake_nonfinite_flags)

@@ -10,14 +10,17 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <vector>
 
 #include "veloce/check.h"
 #include "veloce/hash.h"
@@ -39,6 +42,18 @@ inline unsigned grid_for(int64_t n, int threads = kThreads) {
 // ATen/cuda/CUDAContext.h, which needs the cuSPARSE/cuBLAS headers).
 inline cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
 
+// The current device's number of SMs (asked once per device): sizes grid-stride launches.
+inline int num_sms() {
+  static std::vector<std::atomic<int>> cache(static_cast<size_t>(c10::cuda::device_count()));
+  const auto dev = static_cast<size_t>(c10::cuda::current_device());
+  int n = cache[dev].load(std::memory_order_relaxed);
+  if (n == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, static_cast<int>(dev)));
+    cache[dev].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 // Runs a CUB device-wide algorithm twice (size query, then work), its temporary storage
 // taken from the caching allocator. f(void* temp, size_t& bytes) -> cudaError_t.
 template <typename F>
@@ -52,11 +67,33 @@ void cub_call(const at::Tensor& like, F&& f) {
 // Bits needed to hold x (0 for 0): the end_bit of a radix sort of keys <= x.
 inline int bit_width(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); }
 
-// The bag of position i: the largest b < B with offsets[b] <= i (offsets[0] = 0 <= i, B > 0).
-__device__ __forceinline__ int64_t bag_of_position(const int64_t* __restrict__ offsets, int64_t B, int64_t i) {
-  int64_t lo = 0, hi = B;
+// The bag of position i of N: the largest b < B with offsets[b] <= i (offsets[0] = 0 <= i < N,
+// B > 0). The search starts at the bag i would be in if all bags had the same length
+// (exact for bags of one id, or of any fixed length: two loads) and gallops from there,
+// so it costs O(log distance) loads instead of log2(B) dependent ones.
+__device__ __forceinline__ int64_t bag_of_position(const int64_t* __restrict__ offsets, int64_t B, int64_t N,
+                                                   int64_t i) {
+  int64_t lo, hi;  // invariant: offsets[lo] <= i and (hi == B or offsets[hi] > i)
+  const int64_t guess = min(B - 1, static_cast<int64_t>(static_cast<double>(i) * B / N));
+  if (offsets[guess] <= i) {
+    lo = guess;
+    int64_t step = 1;
+    for (hi = lo + 1; hi < B && offsets[hi] <= i; hi = lo + step) {
+      lo = hi;
+      step *= 2;
+    }
+    hi = min(hi, B);
+  } else {
+    hi = guess;
+    int64_t step = 1;
+    for (lo = hi - 1; lo > 0 && offsets[lo] > i; lo = hi - step) {
+      hi = lo;
+      step *= 2;
+    }
+    lo = max(lo, int64_t{0});
+  }
   while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) / 2;
+    const int64_t mid = lo + (hi - lo) / 2;
     if (offsets[mid] <= i) {
       lo = mid;
     } else {

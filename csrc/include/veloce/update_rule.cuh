@@ -19,40 +19,68 @@ __device__ __forceinline__ void add_weight_decay(const UpdateRule<acc_t>& r, con
   for (int j = 0; j < V; ++j) g[j] += r.wd * static_cast<acc_t>(w.v[j]);
 }
 
-// Applies the rule to columns [c, c + V) of one row: w (in registers) and its state st
-// (the row's S entries); g already includes weight decay. RowWiseAdagrad uses `mult`
-// (lr / (sqrt(s) + eps), from the whole row) and leaves its state to the caller.
+// The state of columns [c, c + V) of one row, in registers: Adagrad's sum of squares (a),
+// Adam's m (a) and v (b); nothing for SGD and RowWiseAdagrad (one value per row, see
+// rowwise_factor). Loading it apart from the update lets a kernel issue these loads early.
+template <typename acc_t, int V>
+struct StatePack {
+  Pack<acc_t, V> a, b;
+};
+
+// st: the row's S entries.
+template <typename acc_t, int V>
+__device__ __forceinline__ StatePack<acc_t, V> load_state(const UpdateRule<acc_t>& r, const acc_t* __restrict__ st,
+                                                          int64_t c, int64_t D) {
+  StatePack<acc_t, V> s;
+  if (r.opt == kAdagrad || r.opt == kAdam) s.a = load_pack<acc_t, V>(st + c);
+  if (r.opt == kAdam) s.b = load_pack<acc_t, V>(st + D + c);
+  return s;
+}
+
+template <typename acc_t, int V>
+__device__ __forceinline__ void store_state(const UpdateRule<acc_t>& r, acc_t* __restrict__ st, int64_t c,
+                                            int64_t D, const StatePack<acc_t, V>& s) {
+  if (r.opt == kAdagrad || r.opt == kAdam) store_pack<acc_t, V>(st + c, s.a);
+  if (r.opt == kAdam) store_pack<acc_t, V>(st + D + c, s.b);
+}
+
+// Applies the rule to V columns of one row in registers: w and its state s (load_state);
+// g already includes weight decay. RowWiseAdagrad uses `mult` (lr / (sqrt(s) + eps), from
+// the whole row) and leaves its state to the caller.
 template <typename scalar_t, typename acc_t, int V>
-__device__ __forceinline__ void update_pack(const UpdateRule<acc_t>& r, Pack<scalar_t, V>& w, const acc_t (&g)[V],
-                                            acc_t* __restrict__ st, int64_t c, int64_t D, acc_t mult) {
-  using SPack = Pack<acc_t, V>;
+__device__ __forceinline__ void apply_pack(const UpdateRule<acc_t>& r, Pack<scalar_t, V>& w, const acc_t (&g)[V],
+                                           StatePack<acc_t, V>& s, acc_t mult) {
   if (r.opt == kSGD) {
 #pragma unroll
     for (int j = 0; j < V; ++j) w.v[j] = static_cast<scalar_t>(static_cast<acc_t>(w.v[j]) - r.lr * g[j]);
   } else if (r.opt == kAdagrad) {
-    SPack s = load_pack<acc_t, V>(st + c);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      s.v[j] = s.v[j] + g[j] * g[j];
-      w.v[j] = static_cast<scalar_t>(static_cast<acc_t>(w.v[j]) - r.lr * (g[j] / (std::sqrt(s.v[j]) + r.eps)));
+      s.a.v[j] = s.a.v[j] + g[j] * g[j];
+      w.v[j] = static_cast<scalar_t>(static_cast<acc_t>(w.v[j]) - r.lr * (g[j] / (std::sqrt(s.a.v[j]) + r.eps)));
     }
-    store_pack<acc_t, V>(st + c, s);
   } else if (r.opt == kRowWiseAdagrad) {
 #pragma unroll
     for (int j = 0; j < V; ++j) w.v[j] = static_cast<scalar_t>(static_cast<acc_t>(w.v[j]) - mult * g[j]);
   } else {  // Adam, state [m (D), v (D)]
-    SPack m = load_pack<acc_t, V>(st + c);
-    SPack v = load_pack<acc_t, V>(st + D + c);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      m.v[j] = m.v[j] + (g[j] - m.v[j]) * r.b1c;
-      v.v[j] = v.v[j] + (g[j] * g[j] - v.v[j]) * r.b2c;
+      s.a.v[j] = s.a.v[j] + (g[j] - s.a.v[j]) * r.b1c;
+      s.b.v[j] = s.b.v[j] + (g[j] * g[j] - s.b.v[j]) * r.b2c;
       w.v[j] = static_cast<scalar_t>(static_cast<acc_t>(w.v[j]) -
-                                     r.step_size * (m.v[j] / (std::sqrt(v.v[j]) + r.eps)));
+                                     r.step_size * (s.a.v[j] / (std::sqrt(s.b.v[j]) + r.eps)));
     }
-    store_pack<acc_t, V>(st + c, m);
-    store_pack<acc_t, V>(st + D + c, v);
   }
+}
+
+// Applies the rule to columns [c, c + V) of one row: w (in registers) and its state st
+// (the row's S entries), loaded and stored here.
+template <typename scalar_t, typename acc_t, int V>
+__device__ __forceinline__ void update_pack(const UpdateRule<acc_t>& r, Pack<scalar_t, V>& w, const acc_t (&g)[V],
+                                            acc_t* __restrict__ st, int64_t c, int64_t D, acc_t mult) {
+  StatePack<acc_t, V> s = load_state<acc_t, V>(r, st, c, D);
+  apply_pack(r, w, g, s, mult);
+  store_state(r, st, c, D, s);
 }
 
 // RowWiseAdagrad's per-row factor from sq, this lane's sum of g^2 over its columns: the
