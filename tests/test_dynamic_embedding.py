@@ -982,3 +982,21 @@ def test_nonfinite_check_finds_the_table_among_uneven_pending_gradients():
     a.zero_grad()
     veloce.step_tables(make)
     assert (a.step_count, b.step_count, c.step_count) == (0, 1, 0)
+
+
+def test_bookkeeping_attributes_set_directly_are_plain_attributes():
+    """DynamicEmbedding and HashTable set their per-step bookkeeping without
+    nn.Module.__setattr__: those names must stay plain attributes (never a parameter,
+    buffer or submodule), and setting them must behave as before."""
+    emb = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.Adam())
+    for module in (emb, emb.table):
+        registered = set(module._parameters) | set(module._buffers) | set(module._modules)
+        assert not registered & type(module)._PLAIN_ATTRS
+        for name in type(module)._PLAIN_ATTRS:
+            assert name in module.__dict__, name
+    emb(torch.tensor([[1, 2]])).sum().backward()
+    emb.step()
+    assert (emb.step_count, emb.table.size, emb.table.clock) == (1, 2, 1)
+    assert "step_count" not in emb.state_dict() and "table.size" not in emb.state_dict()
+    emb.table.register_buffer("extra", torch.zeros(1))  # other names still go through nn.Module
+    assert "extra" in emb.table._buffers

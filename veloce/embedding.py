@@ -126,6 +126,16 @@ class DynamicEmbedding(nn.Module):
         # Row-wise sharding across ranks (set by veloce.distributed.HybridParallel).
         self._shard: Optional[Any] = None
 
+    # Bookkeeping set on every training step: set directly, as HashTable does (no
+    # parameter, buffer or submodule ever has these names).
+    _PLAIN_ATTRS = frozenset({"step_count", "_pending", "_last_lr", "_had_backward"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in DynamicEmbedding._PLAIN_ATTRS:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     # ---- nn.EmbeddingBag-compatible forward -------------------------------------------
     def forward(
         self,
@@ -919,9 +929,13 @@ class _SparseLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, psw, module, ids, slots, offsets, mode):  # type: ignore[override]
         table = module.table
-        out = torch.ops.veloce.pooled_lookup(
-            table.weights, slots, offsets, psw, mode, module.include_last_offset, None, False
-        )
+        # Straight to the backend kernel: this Function is the op's autograd here, and the
+        # op's own (Python) autograd registration would only redispatch, a few microseconds
+        # on the host path of every step.
+        with torch._C._AutoDispatchBelowAutograd():
+            out = torch.ops.veloce.pooled_lookup(
+                table.weights, slots, offsets, psw, mode, module.include_last_offset, None, False
+            )
         ctx.module = module
         ctx.version = table.version
         ctx.mode = mode

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -97,6 +97,17 @@ class HashTable(nn.Module):
         self.num_evicted = 0
         self.last_evicted = torch.empty(0, dtype=torch.long)
         self._allocate(cap, dtype, torch.device(device) if device is not None else torch.device("cpu"))
+
+    # Bookkeeping set on every training lookup. nn.Module.__setattr__ first looks for a
+    # parameter, buffer or submodule of the name (a few microseconds of a host-bound GPU
+    # step); these never are one, so they are set directly.
+    _PLAIN_ATTRS = frozenset({"size", "version", "clock", "num_evicted", "last_evicted"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in HashTable._PLAIN_ATTRS:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     # ---- state ------------------------------------------------------------------------
     def _allocate(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
