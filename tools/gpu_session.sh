@@ -51,6 +51,9 @@ for stage in "$@"; do
       # Where the time of one step goes: configuration 3 (Adam, one table) and DLRM on one GPU.
       timeout 200 python3 tools/profile_step.py --device cuda 2>&1 | tee "$OUT/profile_config3_adam.txt" | head -3
       timeout 200 python3 tools/profile_step.py --device cuda --model dlrm 2>&1 | tee "$OUT/profile_dlrm.txt" | head -3
+      # The host path of back-to-back steps without the profiler: where the GPU waits for the host.
+      timeout 200 python3 tools/profile_step.py --device cuda --phases 2>&1 | tee "$OUT/phases_config3_adam.txt" | tail -10
+      timeout 200 python3 tools/profile_step.py --device cuda --phases --unchecked 2>&1 | tee "$OUT/phases_config3_adam_unchecked.txt" | tail -10
       ;;
     nccl)
       # The multi-process tests on every GPU count this machine has (2, 3, 4), with NCCL and gloo.

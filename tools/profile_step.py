@@ -10,11 +10,21 @@ on a GPU, where the device sits idle: its busy and idle time per step and the la
 gaps between consecutive device activities, named by the kernels around them (an idle
 GPU in a step is host time on the critical path). ``--trace PATH`` also writes the
 profile as a Chrome trace (open in chrome://tracing or Perfetto).
+
+``--phases`` times the host path of back-to-back steps without the profiler (whose own
+overhead doubles host times): markers at the phase boundaries of every step (the insert's
+return, that is just after its host sync; the forward, backward and update launch; the
+step) record the host clock and a CUDA event. Per marker it prints the median host time
+since the step started and the GPU lag: how long after the host passed the marker the GPU
+got there. A lag near zero means the GPU had run out of work and waited for the host at
+that point; growing lags mean the host is ahead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import time
 
 import torch
@@ -26,7 +36,7 @@ SCRAMBLE = 0x9E3779B97F4A7C15 - (1 << 64)
 STEPS = 5
 
 
-def table_step(args, dev):
+def table_step(args, dev, markers: _Markers | None = None):
     opt = veloce.optim.Adam() if args.optimizer == "adam" else veloce.optim.SGD(lr=0.01)
     emb = veloce.DynamicEmbedding(args.dim, mode="sum", capacity=2 * args.rows, optimizer=opt, device=dev,
                                   nonfinite_grad="apply" if args.unchecked else "raise")  # fmt: skip
@@ -42,7 +52,18 @@ def table_step(args, dev):
         emb.step()
         emb.zero_grad()
 
-    return step
+    def marked_step():
+        markers.mark("start")
+        out = emb(ids, offsets)
+        markers.mark("forward returned")
+        out.backward(grad)
+        markers.mark("backward returned")
+        emb.step()
+        markers.mark("step returned")
+        emb.zero_grad()
+        markers.mark("zero_grad returned")
+
+    return step if markers is None else marked_step
 
 
 def dlrm_step(args, dev):
@@ -74,6 +95,94 @@ def dlrm_step(args, dev):
     return step
 
 
+class _Markers:
+    """Host clock + CUDA event at named points of each step (no sync until the end)."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.cuda = dev.type == "cuda"
+        self.points: list[tuple[str, float, object]] = []
+
+    def mark(self, name: str) -> None:
+        ev = None
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        self.points.append((name, time.perf_counter(), ev))
+
+
+@contextlib.contextmanager
+def _hooks(markers: _Markers):
+    """Marks the return of every table insert and sparse-update op call."""
+    import veloce.table
+
+    table_cls = veloce.table.HashTable
+    insert = table_cls.find_or_insert
+    many = veloce.table.find_or_insert_many
+    ops = {name: getattr(torch.ops.veloce, name) for name in ("accumulate_and_update", "accumulate_and_update_many")}
+
+    def wrap(fn, name):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            markers.mark(name)
+            return out
+
+        return call
+
+    table_cls.find_or_insert = wrap(insert, "forward: insert returned (after its host sync)")
+    veloce.table.find_or_insert_many = wrap(many, "forward: insert returned (after its host sync)")
+    for name, op in ops.items():
+        setattr(torch.ops.veloce, name, wrap(op, "step: update launched"))
+    try:
+        yield
+    finally:
+        table_cls.find_or_insert = insert
+        veloce.table.find_or_insert_many = many
+        for name, op in ops.items():
+            setattr(torch.ops.veloce, name, op)
+
+
+def phases(args, dev, steps: int = 30) -> None:
+    """Back-to-back steps with markers; prints per marker the median host time since the
+    step's start and the GPU lag (see the module docstring)."""
+    if args.model != "table":
+        raise SystemExit("--phases supports --model table")
+    markers = _Markers(dev)
+    emb_step = table_step(args, dev, markers)
+    for _ in range(5):
+        emb_step()
+    if markers.cuda:
+        torch.cuda.synchronize()
+    markers.points.clear()
+    with _hooks(markers):
+        for _ in range(steps):
+            emb_step()
+        if markers.cuda:
+            torch.cuda.synchronize()
+    # Split into steps at each "start" marker; times relative to the first start.
+    t_first, e_first = markers.points[0][1], markers.points[0][2]
+    rows: dict[str, list[tuple[float, float]]] = {}
+    order: list[str] = []
+    step_host = 0.0
+    for name, t, ev in markers.points:
+        host = (t - t_first) * 1e3
+        gpu = e_first.elapsed_time(ev) if ev is not None else float("nan")
+        if name == "start":
+            step_host = host
+        if name not in rows:
+            order.append(name)
+        rows.setdefault(name, []).append((host - step_host, gpu - host))
+    print(f"\nphases of {steps} back-to-back steps ({args.optimizer}, {'unchecked' if args.unchecked else 'checked'}):"
+          " median ms since the step's start on the host, and the GPU lag (GPU reached the point"
+          " that long after the host; near 0: the GPU waited for the host there)")  # fmt: skip
+    print(f"{'marker':<50} {'host':>8} {'GPU lag':>8}")
+    for name in order:
+        host = statistics.median(h for h, _ in rows[name])
+        lag = statistics.median(g for _, g in rows[name])
+        print(f"{name:<50} {host:8.3f} {lag:8.3f}")
+    total = (markers.points[-1][1] - t_first) * 1e3 / steps
+    print(f"host time per step (back to back): {total:.3f} ms")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -86,8 +195,13 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=1.05)
     p.add_argument("--unchecked", action="store_true", help="table: nonfinite_grad='apply' (no NaN/Inf check)")
     p.add_argument("--trace", default=None, help="write the profiled steps as a Chrome trace (.json or .json.gz)")
+    p.add_argument("--phases", action="store_true",
+                   help="time the host path of back-to-back steps with markers and events instead of profiling")
     args = p.parse_args()
     dev = torch.device(args.device)
+    if args.phases:
+        phases(args, dev)
+        return
     step = table_step(args, dev) if args.model == "table" else dlrm_step(args, dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for _ in range(5):
