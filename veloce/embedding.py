@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from veloce import _ext
-from veloce._device import HostCopy
+from veloce._device import HostCopy, host_tensor
 from veloce import init as _init
 from veloce import optim as _optim
 from veloce.ops import optimizer as _ops
+from veloce.ops.embedding import pooled_lookup_kernel
 from veloce.table import HashTable, find_or_insert_many
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
@@ -206,14 +207,17 @@ class DynamicEmbedding(nn.Module):
 
     def _bags(
         self, input: torch.Tensor, offsets: Optional[torch.Tensor], psw: Optional[torch.Tensor],
-        deferred: Optional[list] = None,
+        deferred: Optional[list] = None, aranges: Optional[dict] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """Validates nn.EmbeddingBag-style input and returns (ids (N,), offsets, psw (N,)).
 
         Checked here, before any lookup, so bad input leaves the table unchanged. The
         offsets' values (a device read) are checked here, or, with ``deferred``, appended
         to it for the caller to check before touching any table: several tables' at once
-        (:func:`_check_offsets_many`), or with the insert (:func:`_insert_checked`)."""
+        (:func:`_check_offsets_many`), or with the insert (:func:`_insert_checked`).
+        ``aranges``: a dict in which the offsets made for 2-D inputs are kept and reused
+        (read-only) by calls with the same shape: a model's tables share one tensor (and
+        one launch) in :func:`lookup_many`."""
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input must be a tensor of int64 ids, got {type(input).__name__}")
         if input.dtype not in (torch.int64, torch.int32):
@@ -227,10 +231,15 @@ class DynamicEmbedding(nn.Module):
                 raise ValueError("offsets must be None when input is 2-D (B, L): each row is one bag")
             b, bag_len = ids.shape
             num_offsets = b + int(self.include_last_offset)
-            if bag_len:
-                offsets = torch.arange(0, num_offsets * bag_len, bag_len, device=device)
-            else:
-                offsets = torch.zeros(num_offsets, dtype=torch.long, device=device)
+            key = (device, num_offsets, bag_len)
+            offsets = None if aranges is None else aranges.get(key)
+            if offsets is None:
+                if bag_len:
+                    offsets = torch.arange(0, num_offsets * bag_len, bag_len, device=device)
+                else:
+                    offsets = torch.zeros(num_offsets, dtype=torch.long, device=device)
+                if aranges is not None:
+                    aranges[key] = offsets
             if psw is not None and psw.shape != input.shape:
                 raise ValueError(
                     f"per_sample_weights must have the shape of input {tuple(input.shape)}, got {tuple(psw.shape)}"
@@ -627,15 +636,17 @@ def _apply_updates(
         groups.setdefault(u.group_key(), []).append(i)
     calls: list[list[int]] = []
     for idx in groups.values():
-        batches: list[list[int]] = []  # modules sharing one table's rows take separate calls, in order
+        # Modules sharing one table's rows take separate calls, in order: the k-th update of
+        # a table goes to the k-th call.
+        batches: list[list[int]] = []
+        seen: dict[int, int] = {}  # weights' data_ptr -> updates of that table so far
         for i in idx:
             ptr = updates[i].weights.data_ptr()
-            for b in batches:
-                if all(updates[j].weights.data_ptr() != ptr for j in b):
-                    b.append(i)
-                    break
-            else:
-                batches.append([i])
+            k = seen.get(ptr, 0)
+            seen[ptr] = k + 1
+            if k == len(batches):
+                batches.append([])
+            batches[k].append(i)
         calls.extend(batches)
     for idx in calls:
         u = updates[idx[0]]
@@ -691,7 +702,13 @@ class _FiniteCheck:
                 groups.setdefault(id(t._shard.group), []).append(i)
         for idx in groups.values():
             dev = where[idx[0]][0]
-            mine = torch.stack([flags[where[i][0]][0][where[i][1]].to(dev) for i in idx]).long()
+            rows = [where[i][1] for i in idx]
+            own = flags[dev][0]
+            if all(where[i][0] == dev for i in idx):  # the usual case: one gather (or none) for the group
+                mine = own if rows == list(range(own.numel())) else own[host_tensor(rows, dev)]
+            else:
+                mine = torch.stack([flags[where[i][0]][0][where[i][1]].to(dev) for i in idx])
+            mine = mine.long()
             summed = self.tables[idx[0]]._shard.agree_all(mine).to(dev) != 0
             base = sum(f.numel() for f in flags[dev])
             flags[dev].append(summed)
@@ -748,6 +765,7 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
     out: list[Optional[torch.Tensor]] = [None] * len(tables)
     groups: dict[tuple, list[int]] = {}
     local: list[int] = []
+    aranges: dict = {}  # the offsets of 2-D inputs, shared by the tables (see _bags)
     for i, t in enumerate(tables):
         if not isinstance(t, DynamicEmbedding):
             raise TypeError(f"lookup_many: tables[{i}] is a {type(t).__name__}, not a DynamicEmbedding")
@@ -769,7 +787,7 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
             # table listed twice (or shared by two modules) inserts on its own the second
             # time, after its first lookup (its layout is already checked).
             layouts: list = []
-            bags = {i: tables[i]._bags(*args[i], deferred=layouts) for i in local}
+            bags = {i: tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in local}
             first: dict[int, int] = {}
             train = [i for i in local if tables[i].training and first.setdefault(id(tables[i].table), i) == i]
             if train:
@@ -791,7 +809,7 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
     for idx in groups.values():
         with tables[idx[0]]._shard.abandon_on_error():  # bad input fails every rank, not just this one
             layouts = []
-            bags = [tables[i]._bags(*args[i], deferred=layouts) for i in idx]
+            bags = [tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in idx]
             _check_offsets_many(layouts)
         for i, o in zip(idx, sharded_lookup([tables[i] for i in idx], bags)):
             out[i] = o
@@ -929,13 +947,7 @@ class _SparseLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, psw, module, ids, slots, offsets, mode):  # type: ignore[override]
         table = module.table
-        # Straight to the backend kernel: this Function is the op's autograd here, and the
-        # op's own (Python) autograd registration would only redispatch, a few microseconds
-        # on the host path of every step.
-        with torch._C._AutoDispatchBelowAutograd():
-            out = torch.ops.veloce.pooled_lookup(
-                table.weights, slots, offsets, psw, mode, module.include_last_offset, None, False
-            )
+        out = pooled_lookup_kernel(table.weights, slots, offsets, psw, mode, module.include_last_offset, None, False)
         ctx.module = module
         ctx.version = table.version
         ctx.mode = mode

@@ -103,8 +103,8 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     recv_order = _segment_gather_index(seg_len, table_major, recv_ids.numel())
     ids_per_table = [sum(c) for c in recv_ids_nk]
     t_ids = recv_ids[recv_order].split(ids_per_table)
-    ones = [torch.ones_like(i) for i in t_ids]  # parts of one id: its row
-    served, back = _serve_tables(modules, t_ids, ones, [None] * K, recv_order)
+    every = torch.arange(max(ids_per_table, default=0), device=dev)  # parts of one id each: part i starts at i
+    served, back = _serve_tables(modules, t_ids, [every[:n] for n in ids_per_table], [None] * K, recv_order)
 
     got = all_to_all(g, back, recv_ids_n, id_splits)  # rows in the order sent
     u_rows = torch.empty_like(got).index_copy_(0, send_order, got)

@@ -41,6 +41,7 @@ from veloce._device import host_tensor
 from veloce.distributed._comm import (
     ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all, exchange_headers,
 )  # fmt: skip
+from veloce.ops.embedding import pooled_lookup_kernel
 from veloce.ops.exchange import bucketize_bags, combine_parts
 from veloce.table import find_or_insert_many
 
@@ -223,19 +224,32 @@ class _Batch:
 def _concat_bags(modules: list, bags: Sequence[tuple], dtype: torch.dtype, dev: torch.device) -> _Batch:
     any_psw = any(b[2] is not None for b in bags)
     ids_l, starts_l, psw_l, kept_l, num_ids, num_kept, num_bags = [], [], [], [], [], [], []
-    base = 0
     for m, (ids, offsets, psw) in zip(modules, bags):
         num_ids.append(ids.numel())
         ids, starts, psw, kept = _drop_padding(m, ids, offsets, psw)
         num_kept.append(ids.numel())
         num_bags.append(starts.numel())
         ids_l.append(ids)
-        starts_l.append(starts + base)
-        psw_l.append(psw if psw is not None else torch.ones(ids.numel(), dtype=dtype, device=dev))
+        starts_l.append(starts)
+        if any_psw:
+            psw_l.append(psw if psw is not None else torch.ones(ids.numel(), dtype=dtype, device=dev))
         kept_l.append(kept)
-        base += ids.numel()
+    # Each table's bag starts, shifted past the ids of the tables before it: a few launches
+    # for all tables, not one per table.
+    starts_all = _shift_segments(torch.cat(starts_l), num_bags, num_kept)
     psw_all = torch.cat(psw_l) if any_psw else None
-    return _Batch(torch.cat(ids_l), torch.cat(starts_l), psw_all, kept_l, num_ids, num_kept, num_bags)
+    return _Batch(torch.cat(ids_l), starts_all, psw_all, kept_l, num_ids, num_kept, num_bags)
+
+
+def _shift_segments(values: torch.Tensor, lengths: list[int], sizes: list[int]) -> torch.Tensor:
+    """``values`` cut into segments of ``lengths``, each plus the sum of ``sizes`` of the
+    segments before it (per-table positions made positions into the concatenation)."""
+    bases = [0, *itertools.accumulate(sizes)][:-1]
+    if not any(b and n for b, n in zip(bases, lengths)):
+        return values
+    dev = values.device
+    shift = torch.repeat_interleave(host_tensor(bases, dev), host_tensor(lengths, dev), output_size=values.numel())
+    return values + shift
 
 
 def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False):
@@ -278,9 +292,12 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
     parts_per_table = [sum(c) for c in recv_parts_nk]
     ids_per_table = [sum(c) for c in recv_ids_nk]
     t_ids = recv_ids[id_order].split(ids_per_table)
-    t_len = recv_len[part_order].split(parts_per_table)
+    # Each table's part starts: one exclusive sum over all parts, shifted back per table.
+    sorted_len = recv_len[part_order]
+    starts = _shift_segments(torch.cumsum(sorted_len, 0) - sorted_len, parts_per_table, [-n for n in ids_per_table])
+    t_starts = starts.split(parts_per_table)
     t_psw = recv_psw[id_order].split(ids_per_table) if any_psw else [None] * K
-    served, partial = _serve_tables(modules, t_ids, t_len, t_psw, part_order)
+    served, partial = _serve_tables(modules, t_ids, t_starts, t_psw, part_order)
 
     parts = all_to_all(g, partial, recv_parts_n, part_splits)
     out = combine_parts(parts, b.bag_of_part, total_bags)
@@ -327,11 +344,11 @@ def _mean_scale(modules: list, batch: _Batch, dtype: torch.dtype, dev: torch.dev
     return torch.where(is_mean, 1.0 / counts.clamp(min=1), torch.ones_like(counts))
 
 
-def _serve_tables(modules: list, ids: Sequence[torch.Tensor], lengths: Sequence[torch.Tensor],
+def _serve_tables(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[torch.Tensor],
                   psw: Sequence[Optional[torch.Tensor]], order: torch.Tensor):
-    """The owner's half of a grouped lookup: each table serves its block (parts of
-    ``lengths[k]`` ids); the pooled parts come back in received order (``order`` maps
-    received to table-major)."""
+    """The owner's half of a grouped lookup: each table serves its block (parts starting
+    at ``starts[k]`` in ``ids[k]``); the pooled parts come back in received order
+    (``order`` maps received to table-major)."""
     served, pooled = [], []
     error: Optional[Exception] = None
     try:
@@ -343,10 +360,10 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], lengths: Sequence[
         slots: list = [None] * len(modules)
         for k, s in zip(train, find_or_insert_many([modules[k].table for k in train], [ids[k] for k in train])):
             slots[k] = s
-        for k, (m, ids_k, len_k, psw_k) in enumerate(zip(modules, ids, lengths, psw)):
+        for k, (m, ids_k, starts_k, psw_k) in enumerate(zip(modules, ids, starts, psw)):
             if m.training and slots[k] is None:
                 slots[k] = m.table.find_or_insert(ids_k)
-            s, p = _serve(m, ids_k, len_k, psw_k, slots[k])
+            s, p = _serve(m, ids_k, starts_k, psw_k, slots[k])
             served.append(s)
             pooled.append(p)
     except Exception as e:  # e.g. TableFullError on this owner: every rank must stop, not wait
@@ -361,16 +378,15 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], lengths: Sequence[
     return served, torch.empty_like(flat).index_copy_(0, order, flat)
 
 
-def _serve(module, ids, lengths, psw, slots):
-    """The owner's half of a lookup for one table: the sum of each received part, from
-    the received ids' ``slots`` (training: inserted already) or, for None, the slots of an
-    evaluation lookup."""
-    offsets = torch.cumsum(lengths, 0) - lengths
+def _serve(module, ids, offsets, psw, slots):
+    """The owner's half of a lookup for one table: the sum of each received part (parts
+    start at ``offsets``), from the received ids' ``slots`` (training: inserted already)
+    or, for None, the slots of an evaluation lookup."""
     table = module.table
     extra = None
     if slots is None:
         slots, extra = module._eval_slots(ids)
-    partial = torch.ops.veloce.pooled_lookup(table.weights, slots, offsets, psw, _SUM, False, extra, False)
+    partial = pooled_lookup_kernel(table.weights, slots, offsets, psw, _SUM, False, extra, False)
     return _Served(ids, slots, offsets, psw, table.version), partial
 
 

@@ -127,6 +127,16 @@ def accumulate_grad(
     )
 
 
+def pooled_lookup_kernel(*args) -> torch.Tensor:
+    """``torch.ops.veloce.pooled_lookup(*args)`` straight to the backend kernel, below the
+    autograd key: for callers that are the lookup's autograd themselves
+    (``DynamicEmbedding``'s training lookup, the owner's half of a sharded lookup). The
+    op's own autograd registration, in Python, would only redispatch: some microseconds of
+    host time per call, per table, per step. The result does not require grad."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.veloce.pooled_lookup(*args)
+
+
 def _num_bags(offsets: torch.Tensor, include_last_offset: bool) -> int:
     n = offsets.shape[0]
     if include_last_offset:
