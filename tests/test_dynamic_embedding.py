@@ -1000,3 +1000,23 @@ def test_bookkeeping_attributes_set_directly_are_plain_attributes():
     assert "step_count" not in emb.state_dict() and "table.size" not in emb.state_dict()
     emb.table.register_buffer("extra", torch.zeros(1))  # other names still go through nn.Module
     assert "extra" in emb.table._buffers
+
+
+def test_lookups_share_one_autograd_anchor_whose_grad_stays_none():
+    """Every training lookup's backward hangs off one anchor leaf per device: one
+    AccumulateGrad node for a step over many tables, and the anchor never gets a gradient
+    (also when first made under inference mode)."""
+    from veloce.embedding import _ANCHORS, autograd_anchor
+
+    _ANCHORS.clear()
+    with torch.inference_mode():
+        first = autograd_anchor(torch.device("cpu"))
+    assert not first.is_inference() and first.requires_grad
+    tables = [veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=0.1)) for _ in range(3)]
+    outs = veloce.lookup_many(tables, [torch.tensor([[1, 2], [3, 4]])] * 3)
+    anchors = {id(o.grad_fn.next_functions[0][0]) for o in outs}
+    assert len(anchors) == 1  # the same AccumulateGrad node
+    sum(o.sum() for o in outs).backward()
+    assert first.grad is None
+    veloce.step_tables(tables)
+    assert all(t.step_count == 1 for t in tables)

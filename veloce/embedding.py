@@ -182,8 +182,7 @@ class DynamicEmbedding(nn.Module):
 
     def _train_lookup(self, ids, offsets, psw, slots) -> torch.Tensor:
         """The training lookup of validated bags whose ids are at ``slots`` (inserted)."""
-        anchor = torch.empty(0, device=ids.device, requires_grad=True)
-        return _SparseLookup.apply(anchor, psw, self, ids, slots, offsets, _MODES[self.mode])
+        return _SparseLookup.apply(autograd_anchor(ids.device), psw, self, ids, slots, offsets, _MODES[self.mode])
 
     def _eval_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         table = self.table
@@ -935,6 +934,22 @@ class _Pending(NamedTuple):
     mode: int
     include_last_offset: bool
     version: int  # table version the slots belong to
+
+
+_ANCHORS: dict[torch.device, torch.Tensor] = {}
+
+
+def autograd_anchor(device: torch.device) -> torch.Tensor:
+    """An empty leaf tensor on ``device`` that requires grad: the input that makes autograd
+    run the backward of a lookup whose other inputs need no gradient (the table's rows get
+    theirs through the table, not autograd). Its gradient is always None. One per device,
+    shared by every lookup: a step over many tables evaluates one AccumulateGrad node for
+    it, not one per table, and allocates nothing."""
+    anchor = _ANCHORS.get(device)
+    if anchor is None:
+        with torch.inference_mode(False):  # a normal tensor even when first asked for in inference mode
+            anchor = _ANCHORS.setdefault(device, torch.empty(0, device=device, requires_grad=True))
+    return anchor
 
 
 class _SparseLookup(torch.autograd.Function):

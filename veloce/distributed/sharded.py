@@ -175,9 +175,10 @@ def sharded_lookup(modules: Sequence, bags: Sequence[tuple]) -> list[torch.Tenso
         with torch.no_grad():
             outs, _ = _forward_for(shard)(shard, modules, bags)
         return list(outs)
-    anchor = torch.empty(0, device=bags[0][0].device, requires_grad=True)
+    from veloce.embedding import autograd_anchor  # embedding imports this module
+
     psw_grad = any(p is not None and p.requires_grad for p in psws)
-    return list(_GroupedLookup.apply(anchor, shard, modules, bags, psw_grad, *psws))
+    return list(_GroupedLookup.apply(autograd_anchor(bags[0][0].device), shard, modules, bags, psw_grad, *psws))
 
 
 def _forward_for(shard: Shard):
