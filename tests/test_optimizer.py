@@ -705,8 +705,12 @@ def test_nonfinite_flags_opcheck_and_bad_arguments(device):
         ((good, [0, -1], 2), ValueError, r"owner\[1\] = -1 is out of range"),
         ((good, [0, 0], 0), ValueError, "num_owners must be >= 1, got 0"),
         (([good[0], torch.ones(3, dtype=torch.long, device=device)], [0, 0], 1), RuntimeError,
-         r"tensors\[1\] must be a floating-point tensor, got torch.int64"),
+         r"tensors\[1\] must be float32, float64, float16 or bfloat16, got torch.int64"),
     ]  # fmt: skip
+    if hasattr(torch, "float8_e4m3fn"):  # no infinity: its NaN is not an exponent of all ones
+        f8 = torch.zeros(0, device=device).to(torch.float8_e4m3fn)
+        cases.append((([good[0], f8], [0, 0], 1), RuntimeError,
+                      r"tensors\[1\] must be float32, .* got torch.float8_e4m3fn"))
     if device == "cuda":
         cases.append((([good[0], torch.ones(3)], [0, 0], 1), RuntimeError, r"tensors\[1\] .*cpu"))
     for args, exc, msg in cases:

@@ -113,11 +113,14 @@ class _Markers:
 @contextlib.contextmanager
 def _hooks(markers: _Markers):
     """Marks the return of every table insert and sparse-update op call."""
+    import veloce.distributed.sharded
+    import veloce.embedding
     import veloce.table
 
     table_cls = veloce.table.HashTable
     insert = table_cls.find_or_insert
     many = veloce.table.find_or_insert_many
+    importers = (veloce.table, veloce.embedding, veloce.distributed.sharded)  # modules that call it by name
     ops = {name: getattr(torch.ops.veloce, name) for name in ("accumulate_and_update", "accumulate_and_update_many")}
 
     def wrap(fn, name):
@@ -129,14 +132,16 @@ def _hooks(markers: _Markers):
         return call
 
     table_cls.find_or_insert = wrap(insert, "forward: insert returned (after its host sync)")
-    veloce.table.find_or_insert_many = wrap(many, "forward: insert returned (after its host sync)")
+    for module in importers:
+        module.find_or_insert_many = wrap(many, "forward: insert returned (after its host sync)")
     for name, op in ops.items():
         setattr(torch.ops.veloce, name, wrap(op, "step: update launched"))
     try:
         yield
     finally:
         table_cls.find_or_insert = insert
-        veloce.table.find_or_insert_many = many
+        for module in importers:
+            module.find_or_insert_many = many
         for name, op in ops.items():
             setattr(torch.ops.veloce, name, op)
 

@@ -707,7 +707,7 @@ class _FiniteCheck:
                 mine = own if rows == list(range(own.numel())) else own[host_tensor(rows, dev)]
             else:
                 mine = torch.stack([flags[where[i][0]][0][where[i][1]].to(dev) for i in idx])
-            mine = mine.long()
+            mine = mine.to(torch.long, copy=True)  # agree_all reduces in place: never the local rows
             summed = self.tables[idx[0]]._shard.agree_all(mine).to(dev) != 0
             base = sum(f.numel() for f in flags[dev])
             flags[dev].append(summed)

@@ -156,7 +156,7 @@ __global__ void nonfinite_flags_kernel(const __grid_constant__ FlagGroup g, bool
   for (int64_t u0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u0 < total;
        u0 += kFlagUnroll * stride) {
     int k[kFlagUnroll];
-    bits_t x[kFlagUnroll][V];
+    alignas(16) bits_t x[kFlagUnroll][V];  // each row is one 16-byte vector
 #pragma unroll
     for (int r = 0; r < kFlagUnroll; ++r) {  // every load first, then the tests
       const int64_t u = u0 + r * stride;
@@ -223,7 +223,7 @@ at::Tensor nonfinite_flags_cuda(at::TensorList tensors, at::IntArrayRef owner, i
           g.aligned[k] = aligned16(g.data[k]);
           g.base[k + 1] = g.base[k] + ceil_div(g.numel[k], V);
         }
-        const int64_t blocks = std::min(max_blocks, ceil_div(g.base[g.K], kThreads));
+        const int64_t blocks = std::min(max_blocks, ceil_div(g.base[g.K], int64_t{kThreads} * kFlagUnroll));
         nonfinite_flags_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
             g, flags.data_ptr<bool>(), num_owners);
         C10_CUDA_KERNEL_LAUNCH_CHECK();

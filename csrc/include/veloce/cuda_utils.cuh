@@ -73,6 +73,7 @@ inline int bit_width(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); 
 // so it costs O(log distance) loads instead of log2(B) dependent ones.
 __device__ __forceinline__ int64_t bag_of_position(const int64_t* __restrict__ offsets, int64_t B, int64_t N,
                                                    int64_t i) {
+  if (B <= 1) return 0;  // no search (and no load: B = 0 has no offsets)
   int64_t lo, hi;  // invariant: offsets[lo] <= i and (hi == B or offsets[hi] > i)
   const int64_t guess = min(B - 1, static_cast<int64_t>(static_cast<double>(i) * B / N));
   if (offsets[guess] <= i) {

@@ -162,8 +162,9 @@ bool check_update_slot_range(const char* op, const int64_t* s, int64_t U, int64_
 // Fails with "slots must be unique" naming dup_slot unless `unique`.
 void check_update_slots_unique(const char* op, bool unique, int64_t dup_slot);
 
-// nonfinite_flags: at least one tensor, all floating-point and on one device; one owner per
-// tensor, each in [0, num_owners).
+// nonfinite_flags: at least one tensor, all float32, float64, float16 or bfloat16 (the
+// types whose NaN/Inf are an exponent of all ones) and on one device; one owner per tensor,
+// each in [0, num_owners).
 void check_nonfinite_args(const char* op, at::TensorList tensors, at::IntArrayRef owner, int64_t num_owners);
 
 }  // namespace veloce
