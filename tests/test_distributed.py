@@ -700,3 +700,22 @@ def test_a_local_table_error_stops_every_rank_of_the_sharded_lookup():
     (k0, m0), (k1, m1) = run_ranks(_local_table_fails, 2, timeout=60)
     assert k0 == "ValueError" and "offsets must start at 0" in m0
     assert k1 == "ExchangeError" and "rank 0 could not take part" in m1
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(-7, 9)), min_size=0, max_size=6), st.integers(0, 10**6))
+@settings(max_examples=60, deadline=None)
+def test_shift_segments_adds_the_sizes_of_the_segments_before(segments, seed):
+    """sharded._shift_segments: segment k of ``values`` (``lengths[k]`` entries) plus the sum
+    of ``sizes`` of the segments before it, as a per-segment loop computes it."""
+    from veloce.distributed.sharded import _shift_segments
+
+    lengths = [n for n, _ in segments]
+    sizes = [s for _, s in segments]
+    values = torch.randint(-100, 100, (sum(lengths),), generator=torch.Generator().manual_seed(seed))
+    want, start, base = [], 0, 0
+    for n, s in zip(lengths, sizes):
+        want.append(values[start : start + n] + base)
+        start += n
+        base += s
+    want = torch.cat(want) if want else values
+    assert torch.equal(_shift_segments(values, lengths, sizes), want)
