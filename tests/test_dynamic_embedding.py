@@ -1020,3 +1020,39 @@ def test_lookups_share_one_autograd_anchor_whose_grad_stays_none():
     assert first.grad is None
     veloce.step_tables(tables)
     assert all(t.step_count == 1 for t in tables)
+
+
+def test_lookup_many_is_one_autograd_node_with_per_table_gradients():
+    """lookup_many's training tables share one autograd node. Each table still gets what its
+    own call gives: its sparse gradient, its per-sample weights' gradient, and nothing
+    (no pending gradient, no step) when its output is not used by the loss."""
+
+    def make():
+        opt = veloce.optim.Adagrad(lr=0.3)
+        return [veloce.DynamicEmbedding(4, mode="sum", optimizer=opt, seed=s) for s in (1, 2, 3)]
+
+    ids = [torch.tensor([1, 2, 3, 2]), torch.tensor([5, 6]), torch.tensor([7, 8, 9])]
+    offsets = [torch.tensor([0, 2]), torch.tensor([0, 1]), torch.tensor([0])]
+    w = [torch.tensor([0.5, 1.0, 2.0, -1.0]), None, torch.tensor([1.0, 3.0, 0.25])]
+
+    def inputs():
+        psws = [None if p is None else p.clone().requires_grad_(True) for p in w]
+        return [(i, o, p) for i, o, p in zip(ids, offsets, psws)], psws
+
+    grouped = make()
+    args, g_psw = inputs()
+    outs = veloce.lookup_many(grouped, args)
+    assert len({id(o.grad_fn) for o in outs}) == 1
+    (outs[0] * torch.arange(8.0).view(2, 4)).sum().backward()  # tables 1 and 2 unused
+    single = make()
+    args, s_psw = inputs()
+    each = [t(*a) for t, a in zip(single, args)]  # every table looked up (inserts), one used
+    (each[0] * torch.arange(8.0).view(2, 4)).sum().backward()
+    assert torch.equal(g_psw[0].grad, s_psw[0].grad)
+    assert g_psw[2].grad is None and not grouped[1]._pending and not grouped[2]._pending
+    veloce.step_tables(grouped)
+    veloce.step_tables(single)
+    assert [t.step_count for t in grouped] == [t.step_count for t in single] == [1, 0, 0]
+    for a, b in zip(grouped, single):
+        for k, v in sorted_table(a).items():
+            assert torch.equal(v, sorted_table(b)[k]), k

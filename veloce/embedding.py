@@ -182,7 +182,8 @@ class DynamicEmbedding(nn.Module):
 
     def _train_lookup(self, ids, offsets, psw, slots) -> torch.Tensor:
         """The training lookup of validated bags whose ids are at ``slots`` (inserted)."""
-        return _SparseLookup.apply(autograd_anchor(ids.device), psw, self, ids, slots, offsets, _MODES[self.mode])
+        (out,) = _train_lookups([self], [(ids, offsets, psw)], [slots])
+        return out
 
     def _eval_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         table = self.table
@@ -796,8 +797,8 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
                     lambda bad: find_or_insert_many(train_tables, [bags[i][0] for i in train],
                                                     [tables[i].padding_idx for i in train], bad),
                 )  # fmt: skip
-                for i, s in zip(train, slots):
-                    out[i] = tables[i]._train_lookup(*bags[i], s)
+                for i, o in zip(train, _train_lookups([tables[i] for i in train], [bags[i] for i in train], slots)):
+                    out[i] = o
             else:
                 _check_offsets_many(layouts)
             for i in local:
@@ -953,36 +954,61 @@ def autograd_anchor(device: torch.device) -> torch.Tensor:
 
 
 class _SparseLookup(torch.autograd.Function):
-    """Pooled lookup whose backward sends the sparse gradient to the table, not to autograd.
+    """The pooled lookups of K tables (one autograd node for all of them), whose backward
+    sends each table's sparse gradient to the table, not to autograd.
 
-    ``anchor`` is an empty tensor that requires grad so that backward runs;
-    ``per_sample_weights`` gets a real gradient when it requires one.
+    ``anchor`` is an empty tensor that requires grad so that backward runs; each table's
+    per-sample weights (``psws``, inputs after the fixed ones) get a real gradient when
+    they require one. A table whose output gets no gradient (unused in the loss) receives
+    nothing, as if it had not been looked up: no pending gradient, no step counted. One
+    node for a model's tables saves the autograd machinery of K - 1 nodes per step on the
+    host (:func:`lookup_many`); a module's own forward is the case K = 1.
     """
 
     @staticmethod
-    def forward(ctx, anchor, psw, module, ids, slots, offsets, mode):  # type: ignore[override]
-        table = module.table
-        out = pooled_lookup_kernel(table.weights, slots, offsets, psw, mode, module.include_last_offset, None, False)
-        ctx.module = module
-        ctx.version = table.version
-        ctx.mode = mode
-        ctx.save_for_backward(ids, slots, offsets, psw)
-        return out
+    def forward(ctx, anchor, modules, ids, slots, offsets, *psws):  # type: ignore[override]
+        ctx.set_materialize_grads(False)  # None stays None: an unused output sends no gradient
+        outs = []
+        for m, i, s, o, p in zip(modules, ids, slots, offsets, psws):
+            outs.append(pooled_lookup_kernel(m.table.weights, s, o, p, _MODES[m.mode], m.include_last_offset, None,
+                                             False))  # fmt: skip
+        ctx.modules = modules
+        ctx.versions = [m.table.version for m in modules]
+        ctx.save_for_backward(*ids, *slots, *offsets, *psws)
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        ids, slots, offsets, psw = ctx.saved_tensors
-        module = ctx.module
-        table = module.table
-        grad_out = grad_out.contiguous().to(table.weights.dtype)
-        if ctx.version != table.version:  # the table grew or evicted since forward
-            slots = _reresolve(table, ids, slots)
-        ilo = module.include_last_offset
-        module._accumulate(_Pending(ids, slots, offsets, psw, grad_out, ctx.mode, ilo, table.version))
-        grad_psw = None
-        if psw is not None and ctx.needs_input_grad[1]:
-            grad_psw = _psw_grad(table.weights, slots, offsets, grad_out, ilo)
-        return None, grad_psw, None, None, None, None, None
+    def backward(ctx, *grads):  # type: ignore[override]
+        k = len(ctx.modules)
+        saved = ctx.saved_tensors
+        ids, slots, offsets, psws = (saved[j * k : (j + 1) * k] for j in range(4))
+        grad_psws = []
+        for j, (module, g) in enumerate(zip(ctx.modules, grads)):
+            if g is None:
+                grad_psws.append(None)
+                continue
+            table = module.table
+            grad_out = g.contiguous().to(table.weights.dtype)
+            s = slots[j]
+            if ctx.versions[j] != table.version:  # the table grew or evicted since forward
+                s = _reresolve(table, ids[j], s)
+            ilo = module.include_last_offset
+            module._accumulate(
+                _Pending(ids[j], s, offsets[j], psws[j], grad_out, _MODES[module.mode], ilo, table.version)
+            )
+            grad_psw = None
+            if psws[j] is not None and ctx.needs_input_grad[5 + j]:
+                grad_psw = _psw_grad(table.weights, s, offsets[j], grad_out, ilo)
+            grad_psws.append(grad_psw)
+        return (None, None, None, None, None, *grad_psws)
+
+
+def _train_lookups(modules: Sequence["DynamicEmbedding"], bags: Sequence[tuple],
+                   slots: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The training lookups of distinct tables' validated ``bags`` (ids, offsets, psw), their
+    ids inserted at ``slots``: one autograd node for all of them (:class:`_SparseLookup`)."""
+    ids, offsets, psws = zip(*bags)
+    return _SparseLookup.apply(autograd_anchor(ids[0].device), list(modules), ids, list(slots), offsets, *psws)
 
 
 def _reresolve(table: HashTable, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
