@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1056,3 +1057,27 @@ def test_lookup_many_is_one_autograd_node_with_per_table_gradients():
     for a, b in zip(grouped, single):
         for k, v in sorted_table(a).items():
             assert torch.equal(v, sorted_table(b)[k]), k
+
+
+def test_zero_grad_clears_dense_parameters_of_subclasses_and_submodules():
+    """zero_grad skips nn.Module's parameter walk only when there is nothing to walk: a
+    subclass's own parameter and a submodule's are still cleared."""
+
+    class Scaled(veloce.DynamicEmbedding):
+        def __init__(self):
+            super().__init__(4, mode="sum", optimizer=veloce.optim.SGD(lr=0.1))
+            self.scale = nn.Parameter(torch.ones(4))
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(super().forward(x) * self.scale)
+
+    m = Scaled()
+    m(torch.tensor([[1, 2]])).sum().backward()
+    assert m.scale.grad is not None and m.proj.weight.grad is not None and m._pending
+    m.zero_grad()
+    assert m.scale.grad is None and m.proj.weight.grad is None and not m._pending
+    plain = veloce.DynamicEmbedding(4, mode="sum")
+    plain(torch.tensor([[1, 2]])).sum().backward()
+    plain.zero_grad()
+    assert not plain._pending and not plain._had_backward

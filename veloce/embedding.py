@@ -407,7 +407,10 @@ class DynamicEmbedding(nn.Module):
         """Drops the pending sparse gradient (and dense grads of submodules, if any)."""
         self._pending.clear()
         self._had_backward = False
-        super().zero_grad(set_to_none=set_to_none)
+        # nn.Module.zero_grad walks every parameter of every submodule: only where there may
+        # be some (a subclass's own, or submodules beside the table), once per table per step.
+        if self._parameters or self.table._parameters or any(m is not self.table for m in self.children()):
+            super().zero_grad(set_to_none=set_to_none)
 
     # ---- table access -----------------------------------------------------------------
     def __len__(self) -> int:
