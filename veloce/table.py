@@ -122,13 +122,16 @@ class HashTable(nn.Module):
         for name, (shape, dt) in shapes.items():
             self.register_buffer(name, empty_table(shape, dt, device), persistent=False)
 
+    # The state is read straight from the buffer dict: several times per table per step,
+    # where each attribute read of a buffer goes through nn.Module.__getattr__.
     def _state(self) -> tuple[torch.Tensor, ...]:
-        return (self.keys, self.digests, self.scores, self.weights, self.opt_state)
+        b = self._buffers
+        return (b["keys"], b["digests"], b["scores"], b["weights"], b["opt_state"])
 
     @property
     def capacity(self) -> int:
         """Number of slots currently allocated."""
-        return self.keys.numel()
+        return self._buffers["keys"].numel()
 
     @property
     def load_factor(self) -> float:
@@ -137,7 +140,7 @@ class HashTable(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.keys.device
+        return self._buffers["keys"].device
 
     def __len__(self) -> int:
         return self.size
