@@ -430,9 +430,7 @@ void check_nonfinite_args(const char* op, at::TensorList tensors, at::IntArrayRe
   TORCH_CHECK_VALUE(num_owners >= 1, op, ": num_owners must be >= 1, got ", num_owners);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const std::string name = "tensors[" + std::to_string(i) + "]";
-    const auto st = tensors[i].scalar_type();
-    TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16, op, ": ", name,
-                " must be float32, float64, float16 or bfloat16, got ", dtype_name(st));
+    check_row_dtype(op, name.c_str(), tensors[i]);
     check_same_device(op, name.c_str(), tensors[i], "tensors[0]", tensors[0]);
     TORCH_CHECK_VALUE(owner[i] >= 0 && owner[i] < num_owners, op, ": owner[", i, "] = ", owner[i],
                       " is out of range for num_owners ", num_owners);

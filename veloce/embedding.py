@@ -18,7 +18,7 @@ from veloce import init as _init
 from veloce import optim as _optim
 from veloce.ops import optimizer as _ops
 from veloce.ops.embedding import pooled_lookup_kernel
-from veloce.table import HashTable, find_or_insert_many
+from veloce.table import HashTable, PlainAttrs, find_or_insert_many
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
 
@@ -28,7 +28,7 @@ _NONFINITE = ("raise", "skip", "apply")
 _UNKNOWN = ("init", "zeros")
 
 
-class DynamicEmbedding(nn.Module):
+class DynamicEmbedding(PlainAttrs, nn.Module):
     """A pooled embedding over raw int64 ids with no vocabulary: ``nn.EmbeddingBag`` without
     ``num_embeddings``.
 
@@ -127,15 +127,8 @@ class DynamicEmbedding(nn.Module):
         # Row-wise sharding across ranks (set by veloce.distributed.HybridParallel).
         self._shard: Optional[Any] = None
 
-    # Bookkeeping set on every training step: set directly, as HashTable does (no
-    # parameter, buffer or submodule ever has these names).
+    # Bookkeeping set on every training step (see PlainAttrs).
     _PLAIN_ATTRS = frozenset({"step_count", "_pending", "_last_lr", "_had_backward"})
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in DynamicEmbedding._PLAIN_ATTRS:
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
 
     # ---- nn.EmbeddingBag-compatible forward -------------------------------------------
     def forward(
@@ -172,18 +165,14 @@ class DynamicEmbedding(nn.Module):
             slots = _insert_checked(
                 unchecked, {table.device}, lambda bad: table.find_or_insert(ids, self.padding_idx, bad)
             )
-            return self._train_lookup(ids, offsets, psw, slots)
+            (out,) = _train_lookups([self], [(ids, offsets, psw)], [slots])
+            return out
         _check_offsets_many(unchecked)
         slots, extra = self._eval_slots(ids)
         # The offsets passed _bags' checks and the slots come from the table: no re-check.
         return torch.ops.veloce.pooled_lookup(
             table.weights, slots, offsets, psw, _MODES[self.mode], self.include_last_offset, extra, False
         )
-
-    def _train_lookup(self, ids, offsets, psw, slots) -> torch.Tensor:
-        """The training lookup of validated bags whose ids are at ``slots`` (inserted)."""
-        (out,) = _train_lookups([self], [(ids, offsets, psw)], [slots])
-        return out
 
     def _eval_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         table = self.table
@@ -972,7 +961,7 @@ class _SparseLookup(torch.autograd.Function):
     def forward(ctx, anchor, modules, ids, slots, offsets, *psws):  # type: ignore[override]
         ctx.set_materialize_grads(False)  # None stays None: an unused output sends no gradient
         outs = []
-        for m, i, s, o, p in zip(modules, ids, slots, offsets, psws):
+        for m, s, o, p in zip(modules, slots, offsets, psws):
             outs.append(pooled_lookup_kernel(m.table.weights, s, o, p, _MODES[m.mode], m.include_last_offset, None,
                                              False))  # fmt: skip
         ctx.modules = modules

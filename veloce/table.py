@@ -46,7 +46,22 @@ def round_capacity(capacity: int) -> int:
     return buckets * BUCKET_SIZE
 
 
-class HashTable(nn.Module):
+class PlainAttrs:
+    """A mixin for modules whose per-step bookkeeping attributes (the names in the class's
+    ``_PLAIN_ATTRS``) are set directly. nn.Module.__setattr__ first looks for a parameter,
+    buffer or submodule of the name: a few microseconds per set on the host path of a
+    GPU step. Those names must never be one."""
+
+    _PLAIN_ATTRS: frozenset = frozenset()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in type(self)._PLAIN_ATTRS:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+
+class HashTable(PlainAttrs, nn.Module):
     """A growable hash table from int64 ids to embedding rows and optimizer state.
 
     Args:
@@ -98,16 +113,8 @@ class HashTable(nn.Module):
         self.last_evicted = torch.empty(0, dtype=torch.long)
         self._allocate(cap, dtype, torch.device(device) if device is not None else torch.device("cpu"))
 
-    # Bookkeeping set on every training lookup. nn.Module.__setattr__ first looks for a
-    # parameter, buffer or submodule of the name (a few microseconds of a host-bound GPU
-    # step); these never are one, so they are set directly.
+    # Bookkeeping set on every training lookup (see PlainAttrs).
     _PLAIN_ATTRS = frozenset({"size", "version", "clock", "num_evicted", "last_evicted"})
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in HashTable._PLAIN_ATTRS:
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
 
     # ---- state ------------------------------------------------------------------------
     def _allocate(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
