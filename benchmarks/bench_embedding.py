@@ -76,14 +76,25 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_steps(step_fn, steps, warmup, device) -> list[float]:
-    """ms per step (after ``warmup`` steps), each between two device syncs. Python's cyclic
-    garbage collector is paused meanwhile (as ``timeit`` does): its pauses land in random
-    steps of host-bound GPU runs and moved medians by tenths of a millisecond."""
+def time_steps(step_fn, steps, warmup, device, back_to_back: bool = False) -> list[float]:
+    """ms per step (after ``warmup`` steps), each between two device syncs; with
+    ``back_to_back``, one value: the mean of the timed steps run as training runs them,
+    with no sync between them (the host prepares a step while the GPU runs the last).
+    Python's cyclic garbage collector is paused meanwhile (as ``timeit`` does): its pauses
+    land in random steps of host-bound GPU runs and moved medians by tenths of a millisecond."""
     times = []
     was_enabled = gc.isenabled()
     gc.disable()
     try:
+        if back_to_back:
+            for batch in steps[:warmup]:
+                step_fn(*batch)
+            sync(device)
+            t0 = time.perf_counter()
+            for batch in steps[warmup:]:
+                step_fn(*batch)
+            sync(device)
+            return [(time.perf_counter() - t0) * 1e3 / max(len(steps) - warmup, 1)]
         for i, batch in enumerate(steps):
             sync(device)
             t0 = time.perf_counter()
@@ -114,6 +125,8 @@ def main() -> None:
     p.add_argument("--no-dict", action="store_true", help="skip the Python-dict remapping baseline")
     p.add_argument("--unchecked", action="store_true",
                    help="also time DynamicEmbedding with nonfinite_grad='apply' (no NaN/Inf check)")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="time the steps back to back (no device sync between them), as training runs them")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -136,7 +149,7 @@ def main() -> None:
                 topt.step()
                 topt.zero_grad()
 
-            row["EmbeddingBag"] = statistics.median(time_steps(eb_step, steps, args.warmup, device))
+            row["EmbeddingBag"] = statistics.median(time_steps(eb_step, steps, args.warmup, device, args.back_to_back))
             if not args.no_dict:
                 vocab: dict[int, int] = {}
 
@@ -165,7 +178,7 @@ def main() -> None:
                 emb.step()
                 emb.zero_grad()
 
-            row[col] = statistics.median(time_steps(dyn_step, raw_steps, args.warmup, device))
+            row[col] = statistics.median(time_steps(dyn_step, raw_steps, args.warmup, device, args.back_to_back))
             del emb, dyn_step
             gc.collect()
             if device.type == "cuda":
@@ -178,7 +191,9 @@ def main() -> None:
     print(
         f"batch {args.batch}, {args.features} features, {args.ids_per_feature:,} ids/feature "
         f"(one table, {rows_total:,} rows), dim {args.dim}, bag {args.bag} ({n_ids:,} ids/step), sum, "
-        f"{args.dist}{f' alpha {args.alpha}' if args.dist == 'zipf' else ''}; median of {args.steps} steps\n"
+        f"{args.dist}{f' alpha {args.alpha}' if args.dist == 'zipf' else ''}; "
+        + (f"mean of {args.steps} steps back to back\n" if args.back_to_back
+           else f"median of {args.steps} steps, each between two syncs\n")
     )
     cols = ["EmbeddingBag", "EmbeddingBag+dict", "DynamicEmbedding"] + (["unchecked"] if args.unchecked else [])
     extra = " | unchecked speedup" if args.unchecked else ""

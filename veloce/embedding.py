@@ -7,6 +7,7 @@ input, ``D`` embedding dim.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, NamedTuple, NoReturn, Optional, Sequence, TypeVar
 
 import torch
@@ -14,11 +15,12 @@ from torch import nn
 
 from veloce import _ext
 from veloce._device import HostCopy, host_tensor
+from veloce._update_stream import run_update
 from veloce import init as _init
 from veloce import optim as _optim
 from veloce.ops import optimizer as _ops
 from veloce.ops.embedding import pooled_lookup_kernel
-from veloce.table import HashTable, PlainAttrs, find_or_insert_many
+from veloce.table import HashTable, PlainAttrs, find_or_insert_many, insert_beside_updates
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
 
@@ -144,8 +146,19 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
                 ids, offsets, psw = self._bags(input, offsets, per_sample_weights)
             return self._shard.lookup(self, ids, offsets, psw)
         layouts: list = []
-        bags = self._bags(input, offsets, per_sample_weights, deferred=layouts)
-        return self._lookup(*bags, unchecked=layouts)
+        if not self.training:
+            return self._lookup(*self._bags(input, offsets, per_sample_weights, deferred=layouts), unchecked=layouts)
+        table = self.table
+
+        def checked_insert():  # on the insert stream while an update is in flight (veloce._update_stream)
+            bags = self._bags(input, offsets, per_sample_weights, deferred=layouts)
+            return bags, _insert_checked(
+                layouts, {table.device}, lambda bad: table.find_or_insert(bags[0], self.padding_idx, bad)
+            )
+
+        bags, slots = insert_beside_updates([table], checked_insert)
+        (out,) = _train_lookups([self], [bags], [slots])
+        return out
 
     def _lookup(
         self,
@@ -312,7 +325,11 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
 
         The gradient of each touched row is summed and applied in one fused pass
         (``torch.ops.veloce.accumulate_and_update``); rows evicted since their forward
-        pass get nothing, and a row that moved (growth) is found by its id."""
+        pass get nothing, and a row that moved (growth) is found by its id.
+
+        On CUDA the update is queued on an update stream (:mod:`veloce._update_stream`):
+        the next forward's insert runs beside it, and every read of the rows waits for it
+        on the device."""
         step_tables([self], [lr])
 
     def _apply_pending(self, lr: Optional[float]) -> None:
@@ -641,21 +658,31 @@ def _apply_updates(
             batches[k].append(i)
         calls.extend(batches)
     for idx in calls:
-        u = updates[idx[0]]
-        if len(idx) == 1:
-            torch.ops.veloce.accumulate_and_update(
-                u.weights, u.opt_state, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, u.lr, u.eps,
-                u.beta1, u.beta2, u.weight_decay, u.step, False, skip,
-            )  # fmt: skip
-        else:
-            group = [updates[i] for i in idx]
-            torch.ops.veloce.accumulate_and_update_many(
-                [v.weights for v in group], [v.opt_state for v in group], [v.grad for v in group],
-                [v.slots for v in group], [v.offsets for v in group], [v.psw for v in group], u.mode, False, u.kind,
-                u.lr, u.eps, u.beta1, u.beta2, u.weight_decay, u.step, False, skip,
-            )  # fmt: skip
+        group = [updates[i] for i in idx]
+        # On CUDA the update runs on the update stream: the next step's insert does not wait
+        # for it (veloce._update_stream). The fence keeps the inputs alive until it is waited for.
+        fence = run_update(group[0].weights.device, functools.partial(_launch_update, group, skip), (group, skip))
+        if fence is not None:
+            for i in idx:
+                tables[i].table._update_fence = fence
         if applied is not None:  # a failed call leaves its tables' steps pending
             applied.extend(idx)
+
+
+def _launch_update(group: Sequence[_Update], skip: torch.Tensor | None) -> None:
+    """One accumulate_and_update(_many) call for updates that share their group key."""
+    u = group[0]
+    if len(group) == 1:
+        torch.ops.veloce.accumulate_and_update(
+            u.weights, u.opt_state, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, u.lr, u.eps,
+            u.beta1, u.beta2, u.weight_decay, u.step, False, skip,
+        )  # fmt: skip
+    else:
+        torch.ops.veloce.accumulate_and_update_many(
+            [v.weights for v in group], [v.opt_state for v in group], [v.grad for v in group],
+            [v.slots for v in group], [v.offsets for v in group], [v.psw for v in group], u.mode, False, u.kind,
+            u.lr, u.eps, u.beta1, u.beta2, u.weight_decay, u.step, False, skip,
+        )  # fmt: skip
 
 
 class _FiniteCheck:
@@ -779,16 +806,22 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
             # table listed twice (or shared by two modules) inserts on its own the second
             # time, after its first lookup (its layout is already checked).
             layouts: list = []
-            bags = {i: tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in local}
             first: dict[int, int] = {}
             train = [i for i in local if tables[i].training and first.setdefault(id(tables[i].table), i) == i]
-            if train:
-                train_tables = [tables[i].table for i in train]
-                slots = _insert_checked(
+            train_tables = [tables[i].table for i in train]
+
+            def checked_insert():  # on the insert stream while an update is in flight (veloce._update_stream)
+                bags = {i: tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in local}
+                if not train:
+                    return bags, None
+                return bags, _insert_checked(
                     layouts, {t.device for t in train_tables},
                     lambda bad: find_or_insert_many(train_tables, [bags[i][0] for i in train],
                                                     [tables[i].padding_idx for i in train], bad),
                 )  # fmt: skip
+
+            bags, slots = insert_beside_updates(train_tables, checked_insert)
+            if train:
                 for i, o in zip(train, _train_lookups([tables[i] for i in train], [bags[i] for i in train], slots)):
                     out[i] = o
             else:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
 
 from veloce import _ext
 from veloce._memory import empty_table
+from veloce._update_stream import UpdateFence, beside_updates
 from veloce.init import Initializer
 
 __all__ = ["HashTable", "TableFullError", "BUCKET_SIZE", "find_or_insert_many", "round_capacity"]
@@ -30,6 +31,7 @@ __all__ = ["HashTable", "TableFullError", "BUCKET_SIZE", "find_or_insert_many", 
 BUCKET_SIZE = 32  # slots per bucket; csrc/include/veloce/hash.h kBucketSize
 _SCORE_POLICY = {"lru": 1, "lfu": 2, "none": 1}  # "none" keeps LRU scores (informative only)
 _EXPORT_CHUNK = 1 << 20
+_T = TypeVar("_T")
 
 
 class TableFullError(RuntimeError):
@@ -111,10 +113,15 @@ class HashTable(PlainAttrs, nn.Module):
         self.clock = 0  # LRU time: one tick per training lookup
         self.num_evicted = 0
         self.last_evicted = torch.empty(0, dtype=torch.long)
+        self._update_fence = None
         self._allocate(cap, dtype, torch.device(device) if device is not None else torch.device("cpu"))
 
     # Bookkeeping set on every training lookup (see PlainAttrs).
-    _PLAIN_ATTRS = frozenset({"size", "version", "clock", "num_evicted", "last_evicted"})
+    _PLAIN_ATTRS = frozenset({"size", "version", "clock", "num_evicted", "last_evicted", "_update_fence"})
+
+    # The sparse update last queued on a side stream (veloce._update_stream), until a use of
+    # the rows waited for it.
+    _update_fence: UpdateFence | None = None
 
     # ---- state ------------------------------------------------------------------------
     def _allocate(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -131,9 +138,34 @@ class HashTable(PlainAttrs, nn.Module):
 
     # The state is read straight from the buffer dict: several times per table per step,
     # where each attribute read of a buffer goes through nn.Module.__getattr__.
-    def _state(self) -> tuple[torch.Tensor, ...]:
+    def _state(self, join: bool = True) -> tuple[torch.Tensor, ...]:
+        """The five state tensors, for an op. ``join=False`` only for an insert that may not
+        evict: it runs beside a sparse update still in flight (see :meth:`_join_update`)."""
+        if join:
+            self._join_update()
         b = self._buffers
         return (b["keys"], b["digests"], b["scores"], b["weights"], b["opt_state"])
+
+    def _join_update(self) -> None:
+        """Makes the current stream wait (on the device, no host sync) for the sparse update
+        of this table queued on the update stream, if one may still run. Every use of the rows
+        or the optimizer state, and every change of the slots, comes after this; only an insert
+        that may not evict skips it (:mod:`veloce._update_stream` says why that is safe)."""
+        fence = self._update_fence
+        if fence is not None:
+            fence.join()
+            self._update_fence = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Reading the rows or the optimizer state (``table.weights``, by veloce or by the
+        # user) waits for the update in flight. The module's own attributes never get here.
+        if self._update_fence is not None and name in ("weights", "opt_state"):
+            self._join_update()
+        return super().__getattr__(name)
+
+    def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), ...: after the update
+        self._join_update()
+        return super()._apply(fn, recurse)
 
     @property
     def capacity(self) -> int:
@@ -187,9 +219,13 @@ class HashTable(PlainAttrs, nn.Module):
                              bad_input: torch.Tensor | None = None):  # fmt: skip
         """The op call ``allow_evict -> (slots, counts, evicted)`` that :meth:`_insert` retries
         (a retry passes ``bad_input`` again: it was false, or the first call had raised)."""
-        return lambda evict: torch.ops.veloce.find_or_insert(
-            *self._state(), *self._find_or_insert_args(ids, padding_id, evict), bad_input
-        )
+        def call(evict: bool):
+            state = self._state(join=evict)
+            return insert_beside_updates([self], lambda: torch.ops.veloce.find_or_insert(
+                *state, *self._find_or_insert_args(ids, padding_id, evict), bad_input
+            ))  # fmt: skip
+
+        return call
 
     def _find_or_insert_args(self, ids: torch.Tensor, padding_id: Optional[int], allow_evict: bool) -> tuple:
         init = self.initializer
@@ -237,6 +273,7 @@ class HashTable(PlainAttrs, nn.Module):
     def erase(self, ids: torch.Tensor) -> int:
         """Removes ``ids``; returns how many were present."""
         _ext.require()
+        self._join_update()  # a freed slot may be filled by the next insert
         erased = int(torch.ops.veloce.erase(self.keys, self.digests, ids).sum())
         if erased:
             self.size -= erased
@@ -256,6 +293,7 @@ class HashTable(PlainAttrs, nn.Module):
 
     def clear(self) -> None:
         """Removes every entry (keeps the capacity)."""
+        self._join_update()
         self.digests.zero_()
         self.size = 0
         self.version += 1
@@ -432,10 +470,13 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
     with _refused_calls_keep_clock(tables, bad_input):
         for t in tables:
             t._maybe_grow(bad_input)
-        args = [t._find_or_insert_args(i, p, t._allow_evict()) for t, i, p in zip(tables, ids, padding_ids)]
-        states = list(zip(*(t._state() for t in tables)))
+        evict = [t._allow_evict() for t in tables]
+        args = [t._find_or_insert_args(i, p, e) for t, i, p, e in zip(tables, ids, padding_ids, evict)]
+        states = list(zip(*(t._state(join=e) for t, e in zip(tables, evict))))
         per_arg = [list(a) for a in zip(*args)]
-        slots, counts, evicted = torch.ops.veloce.find_or_insert_many(*states, *per_arg, bad_input)
+        slots, counts, evicted = insert_beside_updates(
+            tables, lambda: torch.ops.veloce.find_or_insert_many(*states, *per_arg, bad_input)
+        )
     out = list(slots.split([i.numel() for i in ids]))
     counts = counts.tolist()  # a CPU tensor: no device sync
     evicted = evicted.split([c[2] for c in counts])
@@ -448,6 +489,17 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
         t._no_room(failed)  # grows, or raises TableFullError; the table is unchanged either way
         out[k] = t._insert(t._find_or_insert_call(ids[k], padding_ids[k]))
     return out
+
+
+def insert_beside_updates(tables: Sequence[HashTable], call: Callable[[], _T]) -> _T:
+    """``call()``, an inserting op over ``tables`` whose states were taken (joined where the
+    insert may evict), or a training forward's input checks and insert. While one of them
+    still has an update in flight, it runs on the high-priority insert stream, beside that
+    update (:func:`veloce._update_stream.beside_updates`)."""
+    for t in tables:
+        if t._update_fence is not None and t.device.type == "cuda":
+            return beside_updates(t.device, call)
+    return call()
 
 
 def _refuse_if_set(bad_input: torch.Tensor | None) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from veloce.embedding import DynamicEmbedding, lookup_many
+from veloce.table import insert_beside_updates
 
 EmbeddingFactory = Callable[[int], nn.Module]
 """Builds one embedding module of the given dimension.
@@ -77,8 +78,11 @@ def lookup(embeddings: nn.ModuleDict, sparse: torch.Tensor, model: str) -> list[
         raise ValueError(f"{model}: sparse must have shape (B, {len(embeddings)}), got {tuple(sparse.shape)}")
     if sparse.dtype != torch.int64:
         raise ValueError(f"{model}: sparse must be int64, got {sparse.dtype}")
-    cols = sparse.t().contiguous()  # (F, B): each feature's ids contiguous
     modules = list(embeddings.values())
+    tables = [m.table for m in modules if isinstance(m, DynamicEmbedding) and m.training]
+    # (F, B): each feature's ids contiguous. Beside a sparse update still in flight, like the
+    # inserts that read it (a copy queued on the current stream would wait for the update).
+    cols = insert_beside_updates(tables, lambda: sparse.t().contiguous())
     if all(isinstance(m, DynamicEmbedding) for m in modules):
         return lookup_many(modules, [cols[i].view(-1, 1) for i in range(len(modules))])  # one exchange when sharded
     return [emb(cols[i].view(-1, 1)) for i, emb in enumerate(modules)]

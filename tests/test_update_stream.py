@@ -1,0 +1,222 @@
+"""Sparse updates on the update stream (veloce._update_stream): the next step's insert runs
+beside the update, and every other use of a table's rows waits for it.
+
+The protocol (which accesses wait for the fence) is tested on any device with a spy fence;
+on CUDA, training with the update stream must give, bit for bit, what training on the
+current stream gives, also when the rows are read, erased, exported, grown or evicted
+right behind a large update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICES
+
+import veloce
+import veloce._update_stream as update_stream
+
+CUDA = [d for d in DEVICES if d != "cpu"]
+
+
+class SpyFence:
+    """Stands in for an UpdateFence: counts the waits."""
+
+    def __init__(self) -> None:
+        self.joins = 0
+
+    def join(self) -> None:
+        self.joins += 1
+
+
+def fenced(table: veloce.table.HashTable) -> SpyFence:
+    fence = SpyFence()
+    table._update_fence = fence
+    return fence
+
+
+def test_fence_protocol_inserts_without_eviction_skip_it_everything_else_waits():
+    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=64, optimizer=veloce.optim.Adam())
+    t = emb.table
+    t.find_or_insert(torch.arange(10))
+    # An insert that may not evict places new ids in free slots only: it does not wait,
+    # and neither does find (keys and digests are not the update's).
+    f = fenced(t)
+    t.find_or_insert(torch.arange(5, 20))
+    t.find(torch.arange(30))
+    veloce.table.find_or_insert_many([t], [torch.arange(20, 25)])
+    assert f.joins == 0 and t._update_fence is f
+    # Every other access waits once, and drops the fence.
+    accesses = {
+        "weights": lambda: t.weights,
+        "opt_state": lambda: t.opt_state,
+        "erase": lambda: t.erase(torch.tensor([1])),
+        "clear": t.clear,
+        "export": t.export,
+        "insert_or_assign": lambda: t.insert(torch.tensor([99]), torch.ones(1, 4)),
+        "resize": lambda: t.resize(2 * t.capacity),
+        "to": lambda: t.to(torch.float64),
+        "training lookup": lambda: emb(torch.tensor([[1, 2]])),
+        "DynamicEmbedding.find": lambda: emb.find(torch.tensor([1])),
+        "state_dict": emb.state_dict,
+    }
+    for name, access in accesses.items():
+        f = fenced(t)
+        access()
+        assert (f.joins, t._update_fence) == (1, None), name
+
+
+def test_fence_protocol_an_insert_that_may_evict_or_grow_waits():
+    # At max_capacity with eviction, new ids may take the slots of rows the update writes.
+    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=32, max_capacity=32, eviction="lru")
+    t = emb.table
+    t.find_or_insert(torch.arange(20))
+    f = fenced(t)
+    t.find_or_insert(torch.arange(100, 120))
+    assert (f.joins, t._update_fence) == (1, None)
+    f = fenced(t)
+    veloce.table.find_or_insert_many([t], [torch.arange(200, 202)])
+    assert (f.joins, t._update_fence) == (1, None)
+    # Growth rehashes every row.
+    grow = veloce.DynamicEmbedding(4, mode="sum", capacity=32).table
+    f = fenced(grow)
+    grow.find_or_insert(torch.arange(100))
+    assert grow.capacity > 32 and (f.joins, grow._update_fence) == (1, None)
+
+
+def test_updates_off_cuda_hold_no_fence():
+    emb = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=0.1))
+    emb(torch.tensor([[1, 2]])).sum().backward()
+    emb.step()
+    assert emb.table._update_fence is None
+
+
+def _train(device, enabled: bool, monkeypatch, n: int = 1 << 18, dim: int = 64, steps: int = 6) -> list:
+    """Steps over two grouped Adam tables and an SGD one (growth, new ids every step, an
+    evicting table at max_capacity), reading and changing the tables right behind each
+    update. Returns everything observed."""
+    monkeypatch.setattr(update_stream, "ENABLED", enabled)
+    gen = torch.Generator().manual_seed(0)
+    a = veloce.DynamicEmbedding(dim, mode="sum", capacity=1024, optimizer=veloce.optim.Adam(lr=0.01), device=device)
+    b = veloce.DynamicEmbedding(dim, mode="mean", capacity=1024, optimizer=veloce.optim.Adam(lr=0.01),
+                                device=device, seed=1)  # fmt: skip
+    c = veloce.DynamicEmbedding(dim, mode="sum", capacity=2 * n, max_capacity=2 * n, eviction="lru",
+                                optimizer=veloce.optim.SGD(lr=0.1), device=device, seed=2)  # fmt: skip
+    tables = [a, b, c]
+    seen = []
+    for step in range(steps):
+        ids = [torch.randint(0, 3 * n, (n,), generator=gen).to(device) for _ in tables]
+        outs = veloce.lookup_many(tables, [(i, torch.arange(0, n, 4, device=device)) for i in ids])
+        grads = [torch.randn(o.shape, generator=gen).to(device) for o in outs]
+        torch.autograd.backward(outs, grads)
+        veloce.step_tables(tables)
+        probe = ids[0][:64]
+        if step % 3 == 0:  # reads right behind the update
+            seen.append(a.table.weights[a.table.find(probe).clamp(min=0)].clone())
+            seen.append(b.find(ids[1][:64])[0])
+            seen.append(c.table.opt_state[:256].clone())
+        elif step % 3 == 1:  # changes right behind the update
+            a.erase(probe[:16])
+            b.insert(ids[1][:8], torch.full((8, dim), 0.5, device=device))
+            seen.append(c.export()["weights"].sum(0))
+        else:  # growth right behind the update
+            a.table.resize(2 * a.capacity)
+        seen.extend(o.detach().clone() for o in outs)
+    assert c.table.num_evicted > 0 and a.capacity > 1024  # both paths that must wait were taken
+    for t in tables:
+        e = t.export()
+        order = e["keys"].argsort()
+        seen.extend(e[k][order] for k in ("keys", "weights", "optimizer_state"))
+    torch.cuda.synchronize()
+    return [s.cpu() for s in seen]
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_update_stream_trains_bit_for_bit_as_the_current_stream(device, monkeypatch):
+    # Deterministic mode: CUDA inserts place conflicting new ids in order (else their slots,
+    # and so eviction, may differ between two runs).
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with_stream = _train(device, True, monkeypatch)
+        on_current = _train(device, False, monkeypatch)
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    assert len(with_stream) == len(on_current)
+    for k, (x, y) in enumerate(zip(with_stream, on_current)):
+        assert torch.equal(x, y), k
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_next_insert_runs_beside_the_update_and_the_lookup_waits(device, monkeypatch):
+    monkeypatch.setattr(update_stream, "ENABLED", True)
+    beside = []
+    monkeypatch.setattr(veloce.table, "beside_updates",
+                        lambda d, fn: beside.append(d) or update_stream.beside_updates(d, fn))  # fmt: skip
+    emb = veloce.DynamicEmbedding(64, mode="sum", capacity=1 << 22, optimizer=veloce.optim.Adam(), device=device)
+    ids = torch.arange(1 << 19, device=device)
+    emb(ids, ids).sum().backward()
+    emb.step()
+    fence = emb.table._update_fence
+    assert isinstance(fence, update_stream.UpdateFence)
+    emb.table.find_or_insert(ids + (1 << 19))  # new ids, free slots: beside the update
+    assert emb.table._update_fence is fence and len(beside) == 1
+    out = emb(ids[:4], ids[:4])  # the lookup reads the rows: after the update
+    assert emb.table._update_fence is None
+    torch.cuda.synchronize()
+    expected = emb.find(ids[:4])[0]
+    assert torch.equal(out.detach(), expected)
+
+
+def _train_dlrm(device, enabled: bool, monkeypatch, steps: int = 4) -> list:
+    monkeypatch.setattr(update_stream, "ENABLED", enabled)
+    from veloce.models import DLRM
+
+    torch.manual_seed(0)
+
+    def table(dim):
+        return veloce.DynamicEmbedding(dim, mode="sum", capacity=1 << 12, optimizer=veloce.optim.Adam(), device=device)
+
+    model = DLRM(4, 5, embedding_dim=16, bottom_mlp=(32, 16), embedding_factory=table).to(device)
+    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model)
+    gen = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(steps):
+        dense = torch.randn(4096, 4, generator=gen).to(device)
+        sparse = torch.randint(0, 20000, (4096, 5), generator=gen).to(device)
+        out = model(dense, sparse)
+        torch.nn.functional.binary_cross_entropy_with_logits(out, (sparse[:, 0] % 2).float()).backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append(out.detach().clone())
+    torch.cuda.synchronize()
+    return [s.cpu() for s in seen]
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_update_stream_dlrm_trains_bit_for_bit_as_the_current_stream(device, monkeypatch):
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with_stream = _train_dlrm(device, True, monkeypatch)
+        on_current = _train_dlrm(device, False, monkeypatch)
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    for x, y in zip(with_stream, on_current):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_bad_input_beside_an_update_changes_nothing_and_restores_the_stream(device, monkeypatch):
+    monkeypatch.setattr(update_stream, "ENABLED", True)
+    emb = veloce.DynamicEmbedding(8, mode="sum", capacity=1 << 12, optimizer=veloce.optim.SGD(lr=0.1), device=device)
+    ids = torch.arange(100, device=device)
+    emb(ids, ids).sum().backward()
+    emb.step()
+    assert emb.table._update_fence is not None
+    main = torch.cuda.current_stream(device)
+    with pytest.raises(ValueError, match="offsets"):  # checked on the insert stream, beside the update
+        emb(ids + 1000, torch.tensor([0, 5, 3], device=device))
+    assert torch.cuda.current_stream(device) == main
+    assert len(emb) == 100 and emb.table.find(ids + 1000).max() == -1
+    emb(ids + 1000, ids).sum().backward()  # a good forward after the refused one
+    assert len(emb) == 200

@@ -1,0 +1,127 @@
+"""Sparse updates on a stream of their own, beside the next step's insert.
+
+A training step ends with the fused sparse update (``accumulate_and_update``), the
+largest kernel of the step; the next step begins with the insert (``find_or_insert``),
+which reads a count back to the host. On one stream that read waits for the update too,
+so the host idles for the whole update, then launches the rest of the step while the GPU
+idles. On CUDA the updates therefore run on a per-device side stream (after everything
+queued on the current stream), and each updated table holds an :class:`UpdateFence`: an
+event after its update, and the update's inputs.
+
+The update writes the rows and optimizer state of rows that exist; it never touches keys,
+digests or scores. So the next insert may run beside it, as long as it only places new
+ids in free slots: :class:`veloce.table.HashTable` lets an insert that may not evict skip
+the fence, and makes every other access wait for it on the current stream, on the device
+(no host sync): reading ``weights`` or ``opt_state``, every op over the whole state
+(export, insert_or_assign, growth, an insert that may evict), erase, clear and moving the
+table. The training lookup reads ``weights`` and so waits for the update it needs.
+
+Beside means at once: the update's blocks fill the GPU, and the block scheduler serves
+the kernels of streams of equal priority in launch order, so an insert on the current
+stream would still start only when the update's last blocks do. An insert that skips a
+fence therefore runs on a high-priority stream (:func:`beside_updates`), whose blocks the
+scheduler takes first as the update's blocks finish. So do the training forward's input
+checks before it, which the insert waits for: kernels left on the current stream would
+start only after the update. (Other work queued on the current stream after the update,
+such as a model's dense layers before its lookups, still waits for the update's blocks,
+and the insert for it.)
+
+The inputs (gradients, slots, offsets) were allocated on the current stream; the fence
+keeps them alive until the current stream has waited for the update, so the caching
+allocator cannot hand their memory to work that would run before the update is done.
+
+``VELOCE_UPDATE_STREAM=0`` in the environment (read at import) runs the updates on the
+current stream instead.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["ENABLED", "UpdateFence", "beside_updates", "run_update"]
+
+ENABLED = os.environ.get("VELOCE_UPDATE_STREAM", "1") != "0"
+
+_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+_UPDATE, _INSERT = 0, -1  # stream priorities (lower is higher; torch clamps to the device's range)
+
+
+def _stream(device: torch.device, priority: int) -> torch.cuda.Stream:
+    s = _STREAMS.get((device, priority))
+    if s is None:
+        s = _STREAMS[(device, priority)] = torch.cuda.Stream(device, priority=priority)
+    return s
+
+
+class UpdateFence:
+    """Sparse updates queued on a device's update stream: the event after them, and the
+    tensors they read (held until a stream that goes on to use the tables waited)."""
+
+    __slots__ = ("device", "event", "inputs", "waited")
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device, inputs: Any) -> None:
+        self.event = event
+        self.device = device
+        self.inputs = inputs
+        self.waited: torch.cuda.Stream | None = None
+
+    def join(self) -> None:
+        """Makes the current stream wait (on the device) for the updates. Tables updated by
+        one call share the fence: the stream waits once."""
+        stream = torch.cuda.current_stream(self.device)
+        if self.waited != stream:
+            stream.wait_event(self.event)
+            self.waited = stream
+
+
+def run_update(device: torch.device, launch: Callable[[], None], inputs: Any) -> UpdateFence | None:
+    """``launch()`` (an update's op call) on ``device``'s update stream, behind all work
+    queued so far on the current stream; returns the fence for the updated tables. Off CUDA,
+    or with the stream disabled, launches on the current stream and returns None."""
+    if device.type != "cuda" or not ENABLED:
+        launch()
+        return None
+    side = _stream(device, _UPDATE)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        launch()
+    done = torch.cuda.Event()
+    done.record(side)
+    return UpdateFence(done, device, inputs)
+
+
+
+def beside_updates(device: torch.device, fn: Callable[[], Any]) -> Any:
+    """``fn()`` (an insert, or a training forward's input checks and insert) on ``device``'s
+    high-priority insert stream, behind all work queued so far on the current stream; the
+    current stream then waits for it. Every CUDA tensor in the result (walking tuples,
+    lists and dicts) is recorded as used by the current stream: it may have been allocated
+    on the insert stream. Run on the insert stream already (nested), just ``fn()``.
+
+    What ``fn`` reads it must read before it returns (ids are read before the insert's last
+    host sync); what it allocates and returns is recorded here."""
+    main = torch.cuda.current_stream(device)
+    side = _stream(device, _INSERT)
+    if main == side:
+        return fn()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = fn()
+    main.wait_stream(side)
+    _record(out, main)
+    return out
+
+
+def _record(obj: Any, stream: torch.cuda.Stream) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            obj.record_stream(stream)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _record(o, stream)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _record(o, stream)
