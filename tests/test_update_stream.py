@@ -65,6 +65,24 @@ def test_fence_protocol_inserts_without_eviction_skip_it_everything_else_waits()
         assert (f.joins, t._update_fence) == (1, None), name
 
 
+def test_copies_wait_for_the_update_and_leave_the_fence_behind():
+    import copy
+
+    emb = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.Adam())
+    emb(torch.tensor([[1, 2]])).sum().backward()
+    emb.step()
+    f = fenced(emb.table)
+    twin = copy.deepcopy(emb)
+    assert (f.joins, emb.table._update_fence, twin.table._update_fence) == (1, None, None)
+    assert torch.equal(twin.export()["weights"], emb.export()["weights"])
+
+
+def test_reading_the_dtype_does_not_wait():
+    t = veloce.DynamicEmbedding(4, mode="sum", dtype=torch.float64).table
+    f = fenced(t)
+    assert t.dtype == torch.float64 and f.joins == 0
+
+
 def test_fence_protocol_an_insert_that_may_evict_or_grow_waits():
     # At max_capacity with eviction, new ids may take the slots of rows the update writes.
     emb = veloce.DynamicEmbedding(4, mode="sum", capacity=32, max_capacity=32, eviction="lru")
@@ -201,6 +219,7 @@ def test_cuda_update_stream_dlrm_trains_bit_for_bit_as_the_current_stream(device
         on_current = _train_dlrm(device, False, monkeypatch)
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    assert len(with_stream) == len(on_current) == 4
     for x, y in zip(with_stream, on_current):
         assert torch.equal(x, y)
 
@@ -220,3 +239,46 @@ def test_cuda_bad_input_beside_an_update_changes_nothing_and_restores_the_stream
     assert len(emb) == 100 and emb.table.find(ids + 1000).max() == -1
     emb(ids + 1000, ids).sum().backward()  # a good forward after the refused one
     assert len(emb) == 200
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_a_table_stepped_twice_in_one_call_keeps_both_updates_inputs(device, monkeypatch):
+    """Two modules sharing one table take two update calls in one step_tables: the first
+    fence, replaced on the table by the second, stays in flight until it is done."""
+    monkeypatch.setattr(update_stream, "ENABLED", True)
+    fences = []
+
+    def spy(*args):
+        fences.append(update_stream.run_update(*args))
+        return fences[-1]
+
+    monkeypatch.setattr(veloce.embedding, "run_update", spy)
+    a = veloce.DynamicEmbedding(128, mode="sum", capacity=1 << 22, optimizer=veloce.optim.Adam(), device=device)
+    b = veloce.DynamicEmbedding(128, mode="sum", optimizer=veloce.optim.Adam(), device=device)
+    b.table = a.table
+    ids = torch.arange(1 << 20, device=device)
+    outs = veloce.lookup_many([a, b], [(ids, ids), (ids, ids)])
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    veloce.step_tables([a, b])
+    assert len(fences) == 2 and a.table._update_fence is fences[1]
+    assert all(f in update_stream._IN_FLIGHT or f.event.query() for f in fences)
+    _ = a.table.weights  # the current stream waits for the last one: it leaves the list
+    assert fences[1] not in update_stream._IN_FLIGHT
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_an_error_beside_an_update_still_makes_the_current_stream_wait(device, monkeypatch):
+    monkeypatch.setattr(update_stream, "ENABLED", True)
+    big = torch.ones(1 << 29, device=device)  # 2 GB: a kernel of about a millisecond
+
+    def fails():
+        big.mul_(1.0)  # on the insert stream
+        raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        update_stream.beside_updates(torch.device(device), fails)
+    after = torch.cuda.Event()
+    after.record(torch.cuda.current_stream(device))
+    assert not after.query()  # the current stream waits for the insert stream's kernel
+    torch.cuda.synchronize()

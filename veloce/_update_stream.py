@@ -26,9 +26,16 @@ start only after the update. (Other work queued on the current stream after the 
 such as a model's dense layers before its lookups, still waits for the update's blocks,
 and the insert for it.)
 
-The inputs (gradients, slots, offsets) were allocated on the current stream; the fence
-keeps them alive until the current stream has waited for the update, so the caching
-allocator cannot hand their memory to work that would run before the update is done.
+The inputs (gradients, slots, offsets, the table's tensors) were allocated on the current
+stream. Each fence stays in a list of fences in flight until the current stream has
+waited for it or its event has completed, and it holds the inputs: the caching allocator
+cannot hand their memory to work that would run before the update is done, also when a
+table is deleted or stepped twice in one call.
+
+One hazard is left to the caller: the update reads the tensors the forward and backward
+were given where it can use them as they are (1-D ``offsets``, ``per_sample_weights`` of
+the table's dtype, a ``gradient=`` passed to ``backward``) until it has run. Do not
+overwrite those in place before the next forward (or set ``VELOCE_UPDATE_STREAM=0``).
 
 ``VELOCE_UPDATE_STREAM=0`` in the environment (read at import) runs the updates on the
 current stream instead.
@@ -46,6 +53,7 @@ __all__ = ["ENABLED", "UpdateFence", "beside_updates", "run_update"]
 ENABLED = os.environ.get("VELOCE_UPDATE_STREAM", "1") != "0"
 
 _STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+_IN_FLIGHT: list[UpdateFence] = []  # fences not yet waited for, oldest first
 _UPDATE, _INSERT = 0, -1  # stream priorities (lower is higher; torch clamps to the device's range)
 
 
@@ -70,11 +78,14 @@ class UpdateFence:
 
     def join(self) -> None:
         """Makes the current stream wait (on the device) for the updates. Tables updated by
-        one call share the fence: the stream waits once."""
+        one call share the fence: the stream waits once. Work queued on this stream from
+        now on comes after the updates, so their inputs may go back to the allocator."""
         stream = torch.cuda.current_stream(self.device)
         if self.waited != stream:
             stream.wait_event(self.event)
             self.waited = stream
+            if self in _IN_FLIGHT:
+                _IN_FLIGHT.remove(self)
 
 
 def run_update(device: torch.device, launch: Callable[[], None], inputs: Any) -> UpdateFence | None:
@@ -84,13 +95,17 @@ def run_update(device: torch.device, launch: Callable[[], None], inputs: Any) ->
     if device.type != "cuda" or not ENABLED:
         launch()
         return None
+    while _IN_FLIGHT and _IN_FLIGHT[0].event.query():  # done: their inputs may be freed
+        _IN_FLIGHT.pop(0)
     side = _stream(device, _UPDATE)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         launch()
     done = torch.cuda.Event()
     done.record(side)
-    return UpdateFence(done, device, inputs)
+    fence = UpdateFence(done, device, inputs)
+    _IN_FLIGHT.append(fence)
+    return fence
 
 
 
@@ -108,9 +123,11 @@ def beside_updates(device: torch.device, fn: Callable[[], Any]) -> Any:
     if main == side:
         return fn()
     side.wait_stream(main)
-    with torch.cuda.stream(side):
-        out = fn()
-    main.wait_stream(side)
+    try:
+        with torch.cuda.stream(side):
+            out = fn()
+    finally:  # also when fn raises: a fence it joined was waited for on the insert stream
+        main.wait_stream(side)
     _record(out, main)
     return out
 

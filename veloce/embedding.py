@@ -202,7 +202,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         idx = missing.nonzero().squeeze(1)
         init = table.initializer
         extra = torch.ops.veloce.initialize(
-            ids[idx], self.embedding_dim, table.seed, init.kind, init.a, init.b, table.weights.dtype
+            ids[idx], self.embedding_dim, table.seed, init.kind, init.a, init.b, table.dtype
         )
         slots = slots.index_put((idx,), torch.arange(idx.numel(), device=ids.device) + table.capacity)
         return slots, extra
@@ -274,7 +274,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
                 raise ValueError(f"per_sample_weights must have shape ({ids.numel()},) like input, got {tuple(psw.shape)}")
             if psw.device != device:
                 raise ValueError(f"per_sample_weights is on {psw.device} but the table is on {device}")
-            psw = psw.to(self.table.weights.dtype)
+            psw = psw.to(self.table.dtype)
         return ids, offsets, psw
 
     # ---- the sparse optimizer ---------------------------------------------------------
@@ -457,7 +457,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             self._check_owned(ids)
         if weights.shape != (ids.numel(), self.embedding_dim):
             raise ValueError(f"weights must have shape ({ids.numel()}, {self.embedding_dim}), got {tuple(weights.shape)}")
-        self.table.insert(ids, weights.to(self.table.device, self.table.weights.dtype))
+        self.table.insert(ids, weights.to(self.table.device, self.table.dtype))
 
     @torch.no_grad()
     def erase(self, ids: torch.Tensor) -> int:
@@ -791,7 +791,7 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
         if t._shard is None:
             local.append(i)
             continue
-        key = (id(t._shard.group), t.embedding_dim, t.table.weights.dtype, t.training, t._shard.mode)
+        key = (id(t._shard.group), t.embedding_dim, t.table.dtype, t.training, t._shard.mode)
         groups.setdefault(key, []).append(i)
     if local:
         # A local table's error (bad input, a full table) must not leave the other ranks
@@ -1013,7 +1013,7 @@ class _SparseLookup(torch.autograd.Function):
                 grad_psws.append(None)
                 continue
             table = module.table
-            grad_out = g.contiguous().to(table.weights.dtype)
+            grad_out = g.contiguous().to(table.dtype)
             s = slots[j]
             if ctx.versions[j] != table.version:  # the table grew or evicted since forward
                 s = _reresolve(table, ids[j], s)

@@ -167,6 +167,18 @@ class HashTable(PlainAttrs, nn.Module):
         self._join_update()
         return super()._apply(fn, recurse)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # copy.deepcopy / pickle: the rows after the update; the fence (CUDA events) stays here.
+        self._join_update()
+        state = self.__dict__.copy()
+        state["_update_fence"] = None
+        return state
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The rows' dtype (read without waiting for an update in flight)."""
+        return self._buffers["weights"].dtype
+
     @property
     def capacity(self) -> int:
         """Number of slots currently allocated."""

@@ -82,7 +82,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     g = shard.group
     K, W = len(modules), g.size
     dev = bags[0][0].device
-    dtype = modules[0].table.weights.dtype
+    dtype = modules[0].table.dtype
     batch = _concat_bags(modules, bags, dtype, dev)
     table = torch.repeat_interleave(torch.arange(K, device=dev), host_tensor(batch.num_kept, dev),
                                     output_size=batch.ids.numel())  # fmt: skip

@@ -257,7 +257,7 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
     g = shard.group
     K = len(modules)
     dev = bags[0][0].device
-    dtype = modules[0].table.weights.dtype
+    dtype = modules[0].table.dtype
     cb = _concat_bags(modules, bags, dtype, dev)
     any_psw = cb.psw is not None
     total_bags = sum(cb.num_bags)
@@ -409,7 +409,7 @@ def _backward(ex: _Exchange, grads: Sequence[Optional[torch.Tensor]], psw_grad: 
 
 def _cat_grads(modules: list, grads: Sequence[Optional[torch.Tensor]], num_bags: list[int], dev) -> torch.Tensor:
     """The tables' output gradients as one (sum B, D) tensor (zeros for unused outputs)."""
-    dtype, dim = modules[0].table.weights.dtype, modules[0].embedding_dim
+    dtype, dim = modules[0].table.dtype, modules[0].embedding_dim
     return torch.cat([
         gr.to(dtype) if gr is not None else torch.zeros((n, dim), dtype=dtype, device=dev)
         for gr, n in zip(grads, num_bags)
