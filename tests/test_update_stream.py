@@ -101,6 +101,53 @@ def test_fence_protocol_an_insert_that_may_evict_or_grow_waits():
     assert grow.capacity > 32 and (f.joins, grow._update_fence) == (1, None)
 
 
+class FakeStream:
+    """Compares like torch.cuda.Stream: by id, and neither equal nor unequal to None."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait_event(self, event) -> None:
+        self.waits += 1
+
+    def __eq__(self, other):
+        return other is not None and other is self
+
+    def __ne__(self, other):
+        return other is not None and other is not self
+
+
+def test_update_fence_join_waits_once_per_stream_and_leaves_the_in_flight_list(monkeypatch):
+    main, other = FakeStream(), FakeStream()
+    current = [main]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    fence = update_stream.UpdateFence(event=object(), device=torch.device("cuda"), inputs=())
+    monkeypatch.setattr(update_stream, "_IN_FLIGHT", [fence])
+    fence.join()
+    fence.join()
+    assert (main.waits, update_stream._IN_FLIGHT) == (1, [])
+    current[0] = other
+    fence.join()
+    assert other.waits == 1
+
+
+class FakeEvent:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_fences_of_finished_updates_are_released_when_a_table_allocates(monkeypatch):
+    """A fence holds its update's inputs (a deleted table's rows among them) until waited for
+    or done; done ones are dropped before each update and each table allocation."""
+    done, running = (update_stream.UpdateFence(FakeEvent(d), torch.device("cuda"), ()) for d in (True, False))
+    monkeypatch.setattr(update_stream, "_IN_FLIGHT", [done, running])
+    veloce.table.HashTable(4, 1)
+    assert update_stream._IN_FLIGHT == [running]
+
+
 def test_updates_off_cuda_hold_no_fence():
     emb = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=0.1))
     emb(torch.tensor([[1, 2]])).sum().backward()
@@ -282,3 +329,20 @@ def test_cuda_an_error_beside_an_update_still_makes_the_current_stream_wait(devi
     after.record(torch.cuda.current_stream(device))
     assert not after.query()  # the current stream waits for the insert stream's kernel
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_reading_the_rows_makes_the_current_stream_wait_for_the_update(device, monkeypatch):
+    monkeypatch.setattr(update_stream, "ENABLED", True)
+    emb = veloce.DynamicEmbedding(8, mode="sum", optimizer=veloce.optim.SGD(lr=0.1), device=device)
+    big = torch.ones(1 << 29, device=device)  # 2 GB: a kernel of about a millisecond
+    fence = update_stream.run_update(torch.device(device), lambda: big.mul_(1.0), ())
+    emb.table._update_fence = fence
+    before = torch.cuda.Event()
+    before.record(torch.cuda.current_stream(device))
+    _ = emb.table.weights
+    after = torch.cuda.Event()
+    after.record(torch.cuda.current_stream(device))
+    assert not after.query()  # waits for the update stream's kernel
+    torch.cuda.synchronize()
+    assert before.query() and fence not in update_stream._IN_FLIGHT

@@ -48,7 +48,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ENABLED", "UpdateFence", "beside_updates", "run_update"]
+__all__ = ["ENABLED", "UpdateFence", "beside_updates", "release_done", "run_update"]
 
 ENABLED = os.environ.get("VELOCE_UPDATE_STREAM", "1") != "0"
 
@@ -81,11 +81,19 @@ class UpdateFence:
         one call share the fence: the stream waits once. Work queued on this stream from
         now on comes after the updates, so their inputs may go back to the allocator."""
         stream = torch.cuda.current_stream(self.device)
-        if self.waited != stream:
+        # Not `self.waited != stream` alone: torch's Stream compares unequal to None as False.
+        if self.waited is None or self.waited != stream:
             stream.wait_event(self.event)
             self.waited = stream
             if self in _IN_FLIGHT:
                 _IN_FLIGHT.remove(self)
+
+
+def release_done() -> None:
+    """Drops the fences whose updates have run: their inputs (a deleted table's rows among
+    them) go back to the allocator. Called before each update and each table allocation."""
+    if _IN_FLIGHT:
+        _IN_FLIGHT[:] = [f for f in _IN_FLIGHT if not f.event.query()]
 
 
 def run_update(device: torch.device, launch: Callable[[], None], inputs: Any) -> UpdateFence | None:
@@ -95,8 +103,7 @@ def run_update(device: torch.device, launch: Callable[[], None], inputs: Any) ->
     if device.type != "cuda" or not ENABLED:
         launch()
         return None
-    while _IN_FLIGHT and _IN_FLIGHT[0].event.query():  # done: their inputs may be freed
-        _IN_FLIGHT.pop(0)
+    release_done()
     side = _stream(device, _UPDATE)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):

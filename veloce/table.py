@@ -23,7 +23,7 @@ from torch import nn
 
 from veloce import _ext
 from veloce._memory import empty_table
-from veloce._update_stream import UpdateFence, beside_updates
+from veloce._update_stream import UpdateFence, beside_updates, release_done
 from veloce.init import Initializer
 
 __all__ = ["HashTable", "TableFullError", "BUCKET_SIZE", "find_or_insert_many", "round_capacity"]
@@ -125,6 +125,7 @@ class HashTable(PlainAttrs, nn.Module):
 
     # ---- state ------------------------------------------------------------------------
     def _allocate(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        release_done()  # rows of deleted tables whose last update has run
         opt_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         shapes = {
             "keys": ((capacity,), torch.long),
