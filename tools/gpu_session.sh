@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build veloce on the GPU machine and run the chosen stages; logs go to $OUT.
-#   tools/gpu_session.sh build test checks bench profile
+#   tools/gpu_session.sh build test checks bench profile streams
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/veloce-out}"; mkdir -p "$OUT"
@@ -60,6 +60,23 @@ for stage in "$@"; do
       n=$(nvidia-smi -L | wc -l); sizes=$(seq -s, 2 "$n")
       VELOCE_TEST_NCCL=1 VELOCE_TEST_WORLD_SIZES="$sizes" timeout 600 python3 -m pytest tests/test_distributed.py \
         -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_distributed.log" | tail -15
+      ;;
+    streams)
+      # Configuration 3 back to back with the update stream on and off (one build, runs in the
+      # order on, off, on, off), then the host path of each (--phases), checked and unchecked.
+      B="--device cuda --features 10 --ids-per-feature 1600000 --batch 104857 --bag 1 --dim 128 --dist zipf"
+      B="$B --alpha 1.05 --optimizers sgd,adam --no-dict --unchecked --steps 50 --warmup 5 --back-to-back"
+      for s in 1 0 1 0; do
+        VELOCE_UPDATE_STREAM=$s timeout 120 python3 benchmarks/bench_embedding.py $B >"$OUT/c3_stream$s.log" 2>&1 \
+          || tail -c 2000 "$OUT/c3_stream$s.log"
+        grep -E "^\| (sgd|adam)" "$OUT/c3_stream$s.log" | sed "s/^/stream=$s /" | tee -a "$OUT/c3_streams.log"
+      done
+      for s in 1 0; do
+        for flag in "" --unchecked; do
+          VELOCE_UPDATE_STREAM=$s timeout 100 python3 tools/profile_step.py --device cuda --phases $flag 2>&1 \
+            | tail -10 | sed "s/^/stream=$s${flag:+ unchecked} /" | tee -a "$OUT/phases_streams.log"
+        done
+      done
       ;;
     dist)
       # BENCHMARKS.md configuration 5 on 1, 2, 4 GPUs (as many as the machine has), sync and async.
