@@ -58,6 +58,8 @@ _UPDATE, _INSERT = 0, -1  # stream priorities (lower is higher; torch clamps to 
 
 
 def _stream(device: torch.device, priority: int) -> torch.cuda.Stream:
+    if device.index is None:  # one stream per device, however it is named
+        device = torch.device("cuda", torch.cuda.current_device())
     s = _STREAMS.get((device, priority))
     if s is None:
         s = _STREAMS[(device, priority)] = torch.cuda.Stream(device, priority=priority)
@@ -68,25 +70,32 @@ class UpdateFence:
     """Sparse updates queued on a device's update stream: the event after them, and the
     tensors they read (held until a stream that goes on to use the tables waited)."""
 
-    __slots__ = ("device", "event", "inputs", "waited")
+    __slots__ = ("device", "event", "inputs", "origin", "waited")
 
-    def __init__(self, event: torch.cuda.Event, device: torch.device, inputs: Any) -> None:
+    def __init__(self, event: torch.cuda.Event, device: torch.device, inputs: Any,
+                 origin: torch.cuda.Stream) -> None:  # fmt: skip
         self.event = event
         self.device = device
         self.inputs = inputs
-        self.waited: torch.cuda.Stream | None = None
+        self.origin = origin  # the stream the update was queued behind, and its inputs came from
+        self.waited = False  # the origin stream waited (itself, or through the insert stream)
 
-    def join(self) -> None:
-        """Makes the current stream wait (on the device) for the updates. Tables updated by
-        one call share the fence: the stream waits once. Work queued on this stream from
-        now on comes after the updates, so their inputs may go back to the allocator."""
+    def join(self) -> bool:
+        """Makes the current stream wait (on the device) for the updates. Returns whether
+        that covers the origin stream: the origin itself, or the insert stream, which the
+        origin waits for after (:func:`beside_updates`). Then work queued on the origin
+        from now on comes after the updates, their inputs may go back to the allocator,
+        and the tables drop the fence. A join on another stream waits each time and keeps
+        the fence. Tables updated by one call share the fence: the origin waits once."""
         stream = torch.cuda.current_stream(self.device)
-        # Not `self.waited != stream` alone: torch's Stream compares unequal to None as False.
-        if self.waited is None or self.waited != stream:
+        covers = stream == self.origin or stream == _STREAMS.get((stream.device, _INSERT))
+        if not (covers and self.waited):
             stream.wait_event(self.event)
-            self.waited = stream
+        if covers:
+            self.waited = True
             if self in _IN_FLIGHT:
                 _IN_FLIGHT.remove(self)
+        return covers
 
 
 def release_done() -> None:
@@ -105,15 +114,19 @@ def run_update(device: torch.device, launch: Callable[[], None], inputs: Any) ->
         return None
     release_done()
     side = _stream(device, _UPDATE)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        launch()
+    origin = torch.cuda.current_stream(device)
+    side.wait_stream(origin)
+    try:
+        with torch.cuda.stream(side):
+            launch()
+    except BaseException:  # kernels it queued before failing: what follows on origin waits for them
+        origin.wait_stream(side)
+        raise
     done = torch.cuda.Event()
     done.record(side)
-    fence = UpdateFence(done, device, inputs)
+    fence = UpdateFence(done, device, inputs, origin)
     _IN_FLIGHT.append(fence)
     return fence
-
 
 
 def beside_updates(device: torch.device, fn: Callable[[], Any]) -> Any:

@@ -153,8 +153,7 @@ class HashTable(PlainAttrs, nn.Module):
         or the optimizer state, and every change of the slots, comes after this; only an insert
         that may not evict skips it (:mod:`veloce._update_stream` says why that is safe)."""
         fence = self._update_fence
-        if fence is not None:
-            fence.join()
+        if fence is not None and fence.join():  # a join on a stream of the user's own keeps it
             self._update_fence = None
 
     def __getattr__(self, name: str) -> Any:
