@@ -14,7 +14,9 @@ ids in free slots: :class:`veloce.table.HashTable` lets an insert that may not e
 the fence, and makes every other access wait for it on the current stream, on the device
 (no host sync): reading ``weights`` or ``opt_state``, every op over the whole state
 (export, insert_or_assign, growth, an insert that may evict), erase, clear and moving the
-table. The training lookup reads ``weights`` and so waits for the update it needs.
+table. The training lookup reads ``weights`` and so waits for the update it needs. Such
+a wait on a stream of the user's own makes that stream wait and keeps the fence: the
+stream the update came from (its origin) still waits before its next use of the rows.
 
 Beside means at once: the update's blocks fill the GPU, and the block scheduler serves
 the kernels of streams of equal priority in launch order, so an insert on the current
