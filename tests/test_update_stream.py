@@ -123,7 +123,7 @@ def test_update_fence_join_covers_the_origin_stream_once_other_streams_every_tim
     main, other = FakeStream(), FakeStream()
     current = [other]
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
-    fence = update_stream.UpdateFence(object(), torch.device("cuda", 0), (), origin=main)
+    fence = update_stream.UpdateFence(object(), (), origin=main)
     monkeypatch.setattr(update_stream, "_IN_FLIGHT", [fence])
     # A stream of the user's own waits, each time, and the fence stays: the origin has not waited.
     assert (fence.join(), fence.join(), other.waits, update_stream._IN_FLIGHT) == (False, False, 2, [fence])
@@ -142,7 +142,7 @@ class FakeEvent:
 def test_fences_of_finished_updates_are_released_when_a_table_allocates(monkeypatch):
     """A fence holds its update's inputs (a deleted table's rows among them) until waited for
     or done; done ones are dropped before each update and each table allocation."""
-    done, running = (update_stream.UpdateFence(FakeEvent(d), torch.device("cuda"), (), None) for d in (True, False))
+    done, running = (update_stream.UpdateFence(FakeEvent(d), (), None) for d in (True, False))
     monkeypatch.setattr(update_stream, "_IN_FLIGHT", [done, running])
     veloce.table.HashTable(4, 1)
     assert update_stream._IN_FLIGHT == [running]
@@ -195,20 +195,27 @@ def _train(device, enabled: bool, monkeypatch, n: int = 1 << 18, dim: int = 64, 
     return [s.cpu() for s in seen]
 
 
-@pytest.mark.parametrize("device", CUDA)
-def test_cuda_update_stream_trains_bit_for_bit_as_the_current_stream(device, monkeypatch):
-    # Deterministic mode: CUDA inserts place conflicting new ids in order (else their slots,
-    # and so eviction, may differ between two runs).
+def _agree_with_and_without_streams(train, device, monkeypatch) -> int:
+    """Runs ``train(device, enabled, monkeypatch)`` with the update stream on, then off, and
+    checks that everything observed agrees bit for bit; returns how many tensors it compared.
+    In deterministic mode: CUDA inserts place conflicting new ids in order (else their slots,
+    and so eviction, may differ between two runs)."""
     was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        with_stream = _train(device, True, monkeypatch)
-        on_current = _train(device, False, monkeypatch)
+        with_stream = train(device, True, monkeypatch)
+        on_current = train(device, False, monkeypatch)
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
     assert len(with_stream) == len(on_current)
     for k, (x, y) in enumerate(zip(with_stream, on_current)):
         assert torch.equal(x, y), k
+    return len(with_stream)
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_update_stream_trains_bit_for_bit_as_the_current_stream(device, monkeypatch):
+    _agree_with_and_without_streams(_train, device, monkeypatch)
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -259,16 +266,7 @@ def _train_dlrm(device, enabled: bool, monkeypatch, steps: int = 4) -> list:
 
 @pytest.mark.parametrize("device", CUDA)
 def test_cuda_update_stream_dlrm_trains_bit_for_bit_as_the_current_stream(device, monkeypatch):
-    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        with_stream = _train_dlrm(device, True, monkeypatch)
-        on_current = _train_dlrm(device, False, monkeypatch)
-    finally:
-        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
-    assert len(with_stream) == len(on_current) == 4
-    for x, y in zip(with_stream, on_current):
-        assert torch.equal(x, y)
+    assert _agree_with_and_without_streams(_train_dlrm, device, monkeypatch) == 4
 
 
 @pytest.mark.parametrize("device", CUDA)

@@ -70,14 +70,12 @@ def _stream(device: torch.device, priority: int) -> torch.cuda.Stream:
 
 class UpdateFence:
     """Sparse updates queued on a device's update stream: the event after them, and the
-    tensors they read (held until a stream that goes on to use the tables waited)."""
+    tensors they read (held until the origin stream waited for them, or they have run)."""
 
-    __slots__ = ("device", "event", "inputs", "origin", "waited")
+    __slots__ = ("event", "inputs", "origin", "waited")
 
-    def __init__(self, event: torch.cuda.Event, device: torch.device, inputs: Any,
-                 origin: torch.cuda.Stream) -> None:  # fmt: skip
+    def __init__(self, event: torch.cuda.Event, inputs: Any, origin: torch.cuda.Stream) -> None:
         self.event = event
-        self.device = device
         self.inputs = inputs
         self.origin = origin  # the stream the update was queued behind, and its inputs came from
         self.waited = False  # the origin stream waited (itself, or through the insert stream)
@@ -89,7 +87,7 @@ class UpdateFence:
         from now on comes after the updates, their inputs may go back to the allocator,
         and the tables drop the fence. A join on another stream waits each time and keeps
         the fence. Tables updated by one call share the fence: the origin waits once."""
-        stream = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.current_stream(self.origin.device)
         covers = stream == self.origin or stream == _STREAMS.get((stream.device, _INSERT))
         if not (covers and self.waited):
             stream.wait_event(self.event)
@@ -126,7 +124,7 @@ def run_update(device: torch.device, launch: Callable[[], None], inputs: Any) ->
         raise
     done = torch.cuda.Event()
     done.record(side)
-    fence = UpdateFence(done, device, inputs, origin)
+    fence = UpdateFence(done, inputs, origin)
     _IN_FLIGHT.append(fence)
     return fence
 

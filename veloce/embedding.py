@@ -660,7 +660,8 @@ def _apply_updates(
     for idx in calls:
         group = [updates[i] for i in idx]
         # On CUDA the update runs on the update stream: the next step's insert does not wait
-        # for it (veloce._update_stream). The fence keeps the inputs alive until it is waited for.
+        # for it (veloce._update_stream). The fence keeps the inputs alive until the stream they
+        # came from waited for it, or it has run.
         fence = run_update(group[0].weights.device, functools.partial(_launch_update, group, skip), (group, skip))
         if fence is not None:
             for i in idx:
