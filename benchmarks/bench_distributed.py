@@ -36,6 +36,9 @@ import veloce
 from veloce.distributed import sharded as _sharded
 from veloce.models import DLRM
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _phases import Markers, marked_calls  # noqa: E402
+
 
 def zipf_ids(n: int, alpha: float, space: int, gen: torch.Generator, device) -> torch.Tensor:
     """Pareto-tailed ranks (rank k has probability ~ k^-alpha), clamped to the id space."""
@@ -57,8 +60,13 @@ def batches(args, rank: int, device) -> list:
     return out
 
 
+def sync_device(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def sync_all(device) -> None:
-    torch.cuda.synchronize(device)
+    sync_device(device)
     dist.barrier()
 
 
@@ -76,12 +84,12 @@ class ExchangeMeter:
         def wrapper(group, send, *rest, **kw):
             if not self.on:
                 return fn(group, send, *rest, **kw)
-            torch.cuda.synchronize(self.device)
+            sync_device(self.device)
             t = time.perf_counter()
             out = fn(group, send, *rest, **kw)
             if isinstance(out, tuple) and len(out) == 2 and hasattr(out[1], "wait"):
                 out[1].wait()
-            torch.cuda.synchronize(self.device)
+            sync_device(self.device)
             dt = time.perf_counter() - t
             nbytes = send.numel() * send.element_size() if count_bytes else 0
             self.seconds += dt
@@ -106,7 +114,7 @@ def a2a_baseline(total_bytes: int, world: int, device, reps: int = 10) -> float:
         sync_all(device)
         t = time.perf_counter()
         dist.all_to_all_single(recv, send)
-        torch.cuda.synchronize(device)
+        sync_device(device)
         if i >= 3:
             times.append(time.perf_counter() - t)
     return statistics.median(times)
@@ -114,11 +122,13 @@ def a2a_baseline(total_bytes: int, world: int, device, reps: int = 10) -> float:
 
 def run(args) -> None:
     faulthandler.dump_traceback_later(args.watchdog, exit=True)  # a hang prints every thread's stack
-    dist.init_process_group("nccl")
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", rank))
-    device = torch.device("cuda", local)
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
 
     def table(dim):
@@ -141,13 +151,14 @@ def run(args) -> None:
         opt.step()
         opt.zero_grad()
 
+    step.hp, step.loss_fn, step.opt = hp, loss_fn, opt
     gc.disable()  # collector pauses land in random steps (and stall every rank's collectives)
     times = []
     for i, b in enumerate(data[: args.warmup + args.steps]):
         sync_all(device)
         t = time.perf_counter()
         step(b)
-        torch.cuda.synchronize(device)
+        sync_device(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
     hp.flush()
@@ -168,6 +179,8 @@ def run(args) -> None:
         for _ in range(5):
             step(data[0])
     hp.flush()
+    if args.phases:
+        _phases(step, data, args, device, rank)
     # Instrumented pass: exchange time and bytes per step.
     meter.on = True
     for b in data[args.warmup + args.steps :]:
@@ -182,7 +195,7 @@ def run(args) -> None:
     base_s = a2a_baseline(int(mean_bytes.item() / world), world, device) if world > 1 else 0.0
     step_s = window_s
     row = {
-        "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "world_size": world,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__, "world_size": world,
         "sparse": args.sparse + ("+dedup" if args.dedup else ""),
         "staleness": args.staleness if args.sparse == "async" else 0,
         "batch_per_gpu": args.batch, "features": args.features, "dim": args.dim,
@@ -204,6 +217,55 @@ def run(args) -> None:
     dist.destroy_process_group()
 
 
+def _phases(step, data, args, device, rank: int) -> None:
+    """Markers at the host-side steps of the sharded lookup and the training step (every
+    rank runs them; rank 0 prints): where the host waits and where the GPU waits."""
+    import veloce.embedding
+
+    markers = Markers(device)
+    s = _sharded
+    targets = [
+        (veloce.embedding, "_check_offsets_many", "forward: bag layouts checked (host sync)"),
+        (veloce.embedding, "find_or_insert_many", "forward: local insert returned (host sync)"),
+        (s, "bucketize_bags", "forward: bucketized"),
+        (s, "exchange_headers", "forward: header exchanged (host sync)"),
+        (s, "find_or_insert_many", "forward: owner insert returned (host sync)"),
+        (s, "agree_sum", "agree_sum returned (host sync)"),
+        (s, "all_to_all", "all_to_all queued"),
+        (s, "combine_parts", "forward: parts combined"),
+        (torch.ops.veloce, "accumulate_and_update_many", "step: update launched"),
+    ]
+
+    def marked(b):
+        dense, sparse, label = b
+        markers.mark("start")
+        out = hp_forward(dense, sparse)
+        markers.mark("forward returned")
+        loss = loss_fn(out, label)
+        loss.backward()
+        markers.mark("backward returned")
+        opt.step()
+        markers.mark("step returned")
+        opt.zero_grad()
+        markers.mark("zero_grad returned")
+
+    hp_forward, loss_fn, opt = step.hp, step.loss_fn, step.opt
+    n = args.warmup + args.steps
+    gc.disable()
+    with marked_calls(markers, targets):
+        for b in data[args.warmup : n]:
+            marked(b)
+        sync_device(device)
+    markers.clear()
+    with marked_calls(markers, targets):
+        for b in data[args.warmup : n]:
+            marked(b)
+        sync_device(device)
+    gc.enable()
+    if rank == 0:
+        print(markers.report(f"rank 0 of {dist.get_world_size()}, {args.sparse}", args.steps), flush=True)
+
+
 def _profile(step, device, steps: int = 5) -> None:
     """Rank 0's view of ``steps`` steps: the ops taking the most host time and the host
     syncs per step (the other ranks run the same steps unprofiled)."""
@@ -212,7 +274,7 @@ def _profile(step, device, steps: int = 5) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
-        torch.cuda.synchronize(device)
+        sync_device(device)
     events = prof.key_averages()
     print(events.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60))
     for e in events:
@@ -242,6 +304,7 @@ def summarize(paths: list[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo, for a quick check")
     p.add_argument("--batch", type=int, default=16384, help="samples per GPU")
     p.add_argument("--features", type=int, default=26)
     p.add_argument("--dim", type=int, default=128)
@@ -256,6 +319,8 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true", help="print rank 0's host-time profile of 5 steps")
+    p.add_argument("--phases", action="store_true",
+                   help="print rank 0's host path of back-to-back steps (markers at each host sync and collective)")
     p.add_argument("--watchdog", type=float, default=240, help="seconds before a stuck run dumps its stacks and exits")
     p.add_argument("--summarize", nargs="+", default=None, help="JSON files of earlier runs: print the table")
     args = p.parse_args()

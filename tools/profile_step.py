@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
+import os
+import sys
 import time
 
 import torch
@@ -32,11 +33,14 @@ from torch.profiler import ProfilerActivity, profile
 
 import veloce
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from _phases import Markers, marked_calls  # noqa: E402
+
 SCRAMBLE = 0x9E3779B97F4A7C15 - (1 << 64)
 STEPS = 5
 
 
-def table_step(args, dev, markers: _Markers | None = None):
+def table_step(args, dev, markers: Markers | None = None):
     opt = veloce.optim.Adam() if args.optimizer == "adam" else veloce.optim.SGD(lr=0.01)
     emb = veloce.DynamicEmbedding(args.dim, mode="sum", capacity=2 * args.rows, optimizer=opt, device=dev,
                                   nonfinite_grad="apply" if args.unchecked else "raise")  # fmt: skip
@@ -95,55 +99,20 @@ def dlrm_step(args, dev):
     return step
 
 
-class _Markers:
-    """Host clock + CUDA event at named points of each step (no sync until the end)."""
-
-    def __init__(self, dev: torch.device) -> None:
-        self.cuda = dev.type == "cuda"
-        self.points: list[tuple[str, float, object]] = []
-
-    def mark(self, name: str) -> None:
-        ev = None
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-        self.points.append((name, time.perf_counter(), ev))
-
-
 @contextlib.contextmanager
-def _hooks(markers: _Markers):
+def _hooks(markers: Markers):
     """Marks the return of every table insert and sparse-update op call."""
     import veloce.distributed.sharded
     import veloce.embedding
     import veloce.table
 
-    table_cls = veloce.table.HashTable
-    insert = table_cls.find_or_insert
-    many = veloce.table.find_or_insert_many
-    importers = (veloce.table, veloce.embedding, veloce.distributed.sharded)  # modules that call it by name
-    ops = {name: getattr(torch.ops.veloce, name) for name in ("accumulate_and_update", "accumulate_and_update_many")}
-
-    def wrap(fn, name):
-        def call(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            markers.mark(name)
-            return out
-
-        return call
-
-    table_cls.find_or_insert = wrap(insert, "forward: insert returned (after its host sync)")
-    for module in importers:
-        module.find_or_insert_many = wrap(many, "forward: insert returned (after its host sync)")
-    for name, op in ops.items():
-        setattr(torch.ops.veloce, name, wrap(op, "step: update launched"))
-    try:
+    inserted = "forward: insert returned (after its host sync)"
+    targets = [(veloce.table.HashTable, "find_or_insert", inserted)]
+    # modules that call find_or_insert_many by name
+    targets += [(m, "find_or_insert_many", inserted) for m in (veloce.table, veloce.embedding, veloce.distributed.sharded)]
+    targets += [(torch.ops.veloce, n, "step: update launched") for n in ("accumulate_and_update", "accumulate_and_update_many")]
+    with marked_calls(markers, targets):
         yield
-    finally:
-        table_cls.find_or_insert = insert
-        for module in importers:
-            module.find_or_insert_many = many
-        for name, op in ops.items():
-            setattr(torch.ops.veloce, name, op)
 
 
 def phases(args, dev, steps: int = 30) -> None:
@@ -151,41 +120,19 @@ def phases(args, dev, steps: int = 30) -> None:
     step's start and the GPU lag (see the module docstring)."""
     if args.model != "table":
         raise SystemExit("--phases supports --model table")
-    markers = _Markers(dev)
+    markers = Markers(dev)
     emb_step = table_step(args, dev, markers)
     for _ in range(5):
         emb_step()
     if markers.cuda:
         torch.cuda.synchronize()
-    markers.points.clear()
+    markers.clear()
     with _hooks(markers):
         for _ in range(steps):
             emb_step()
         if markers.cuda:
             torch.cuda.synchronize()
-    # Split into steps at each "start" marker; times relative to the first start.
-    t_first, e_first = markers.points[0][1], markers.points[0][2]
-    rows: dict[str, list[tuple[float, float]]] = {}
-    order: list[str] = []
-    step_host = 0.0
-    for name, t, ev in markers.points:
-        host = (t - t_first) * 1e3
-        gpu = e_first.elapsed_time(ev) if ev is not None else float("nan")
-        if name == "start":
-            step_host = host
-        if name not in rows:
-            order.append(name)
-        rows.setdefault(name, []).append((host - step_host, gpu - host))
-    print(f"\nphases of {steps} back-to-back steps ({args.optimizer}, {'unchecked' if args.unchecked else 'checked'}):"
-          " median ms since the step's start on the host, and the GPU lag (GPU reached the point"
-          " that long after the host; near 0: the GPU waited for the host there)")  # fmt: skip
-    print(f"{'marker':<50} {'host':>8} {'GPU lag':>8}")
-    for name in order:
-        host = statistics.median(h for h, _ in rows[name])
-        lag = statistics.median(g for _, g in rows[name])
-        print(f"{name:<50} {host:8.3f} {lag:8.3f}")
-    total = (markers.points[-1][1] - t_first) * 1e3 / steps
-    print(f"host time per step (back to back): {total:.3f} ms")
+    print(markers.report(f"{args.optimizer}, {'unchecked' if args.unchecked else 'checked'}", steps))
 
 
 def main() -> None:
