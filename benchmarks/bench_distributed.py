@@ -133,7 +133,8 @@ def run(args) -> None:
 
     def table(dim):
         return veloce.DynamicEmbedding(
-            dim, mode="sum", capacity=args.capacity, optimizer=veloce.optim.RowWiseAdagrad(lr=0.01), device=device
+            dim, mode="sum", capacity=args.capacity, optimizer=veloce.optim.RowWiseAdagrad(lr=0.01), device=device,
+            nonfinite_grad=args.nonfinite,
         )
 
     model = DLRM(13, args.features, embedding_dim=args.dim, bottom_mlp=(512, 256, args.dim),
@@ -196,7 +197,7 @@ def run(args) -> None:
     step_s = window_s
     row = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__, "world_size": world,
-        "sparse": args.sparse + ("+dedup" if args.dedup else ""),
+        "sparse": args.sparse + ("+dedup" if args.dedup else ""), "nonfinite_grad": args.nonfinite,
         "staleness": args.staleness if args.sparse == "async" else 0,
         "batch_per_gpu": args.batch, "features": args.features, "dim": args.dim,
         "step_ms": step_s * 1e3, "samples_per_s": world * args.batch / step_s,
@@ -284,18 +285,23 @@ def _profile(step, device, steps: int = 5) -> None:
 
 def summarize(paths: list[str]) -> None:
     rows = [json.load(open(p)) for p in paths]
-    base = {r["sparse"]: r["samples_per_s"] for r in rows if r["world_size"] == 1}
-    sync = {r["world_size"]: r["samples_per_s"] for r in rows if r["sparse"] == "sync"}
+    for r in rows:  # runs of another nonfinite_grad policy are rows of their own
+        nf = r.get("nonfinite_grad", "raise")
+        r["label"] = r["sparse"] + ("" if nf == "raise" else f", {nf}")
+    base = {r["label"]: r["samples_per_s"] for r in rows if r["world_size"] == 1}
+    sync = {(r["world_size"], r["label"].replace("async", "sync")): r["samples_per_s"] for r in rows
+            if r["sparse"].startswith("sync")}  # fmt: skip
     r0 = rows[0]
     print(f"device: {r0['device']}, torch {r0['torch']}, fp32, {r0['features']} tables, dim {r0['dim']}, "
           f"bag 1, {r0['batch_per_gpu']} samples per GPU\n")  # fmt: skip
     print("| GPUs | sparse | step ms | synced step ms | samples/s | weak-scaling eff. | async/sync | exchange ms | "
           "exchange MB | a2a same bytes ms | exchange / a2a busbw |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (r["world_size"], r["sparse"])):
-        w, s = r["world_size"], r["sparse"]
+    for r in sorted(rows, key=lambda r: (r["world_size"], r["label"])):
+        w, s = r["world_size"], r["label"]
         eff = r["samples_per_s"] / (w * base[s]) if s in base else float("nan")
-        ratio = r["samples_per_s"] / sync[w] if s == "async" and w in sync else float("nan")
+        key = (w, s.replace("async", "sync"))
+        ratio = r["samples_per_s"] / sync[key] if s.startswith("async") and key in sync else float("nan")
         bw = (r["a2a_same_bytes_ms"] / r["exchange_ms"]) if w > 1 and r["exchange_ms"] else float("nan")
         synced = f"{r['step_ms_synced']:.2f}" if "step_ms_synced" in r else "-"
         print(f"| {w} | {s} | {r['step_ms']:.2f} | {synced} | {r['samples_per_s']:,.0f} | {eff:.1%} | {ratio:.2f} | "
@@ -313,6 +319,8 @@ def main() -> None:
     p.add_argument("--capacity", type=int, default=1 << 20, help="initial slots per table (grows when needed)")
     p.add_argument("--sparse", choices=("sync", "async"), default="sync")
     p.add_argument("--staleness", type=int, default=1)
+    p.add_argument("--nonfinite", choices=("raise", "raise_next", "apply"), default="raise",
+                   help="the tables' nonfinite_grad policy (raise_next: step() does not wait for the NaN/Inf check)")
     p.add_argument("--dedup", action="store_true", help="HybridParallel(dedup=True): one row per distinct id")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)

@@ -11,6 +11,8 @@ optimizer update, on one table holding every feature's ids. Side by side, same i
 * ``EmbeddingBag+dict``: the same, with raw ids remapped through a Python dict every
   step — what users do today for dynamic ids.
 * ``DynamicEmbedding``: raw int64 ids, no vocabulary, warm table (every id inserted).
+* with ``--raise-next``, also ``DynamicEmbedding`` with ``nonfinite_grad="raise_next"``:
+  the same check, read by the host one step later (step() does not wait for it).
 * with ``--unchecked``, also ``DynamicEmbedding`` with ``nonfinite_grad="apply"``: no
   NaN/Inf check of the gradient before the update (the default "raise" reads every
   gradient once more; torch's optimizers and FBGEMM's TBE do not check).
@@ -125,6 +127,8 @@ def main() -> None:
     p.add_argument("--no-dict", action="store_true", help="skip the Python-dict remapping baseline")
     p.add_argument("--unchecked", action="store_true",
                    help="also time DynamicEmbedding with nonfinite_grad='apply' (no NaN/Inf check)")
+    p.add_argument("--raise-next", action="store_true",
+                   help="also time DynamicEmbedding with nonfinite_grad='raise_next' (the check read a step late)")
     p.add_argument("--back-to-back", action="store_true",
                    help="time the steps back to back (no device sync between them), as training runs them")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
@@ -137,6 +141,10 @@ def main() -> None:
     raw_steps = [((i * SCRAMBLE), o) for i, o in steps]  # raw int64 ids, spread over the int64 range
     grad = torch.randn(args.batch * args.features, args.dim, device=device) * 1e-3
     results = []
+    variants = [("DynamicEmbedding", "raise")]
+    variants += [("raise_next", "raise_next")] if args.raise_next else []
+    variants += [("unchecked", "apply")] if args.unchecked else []
+    extras = [c for c, _ in variants[1:]]
 
     for opt_name in args.optimizers.split(","):
         row = {"optimizer": opt_name}
@@ -164,7 +172,7 @@ def main() -> None:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        for col, nonfinite in [("DynamicEmbedding", "raise"), ("unchecked", "apply")][: 1 + args.unchecked]:
+        for col, nonfinite in variants:
             # Load about 0.5 once every id is in (two-choice buckets grow near 0.9).
             emb = veloce.DynamicEmbedding(
                 args.dim, mode="sum", capacity=2 * rows_total, optimizer=veloce_optimizer(opt_name, args.lr),
@@ -195,16 +203,16 @@ def main() -> None:
         + (f"mean of {args.steps} steps back to back\n" if args.back_to_back
            else f"median of {args.steps} steps, each between two syncs\n")
     )
-    cols = ["EmbeddingBag", "EmbeddingBag+dict", "DynamicEmbedding"] + (["unchecked"] if args.unchecked else [])
-    extra = " | unchecked speedup" if args.unchecked else ""
+    cols = ["EmbeddingBag", "EmbeddingBag+dict", "DynamicEmbedding"] + extras
+    extra = "".join(f" | {c} speedup" for c in extras)
     print("| optimizer | " + " | ".join(f"{c} ms" for c in cols) + f" | speedup vs EmbeddingBag | vs +dict{extra} |")
-    print("|---" * (len(cols) + 3 + args.unchecked) + "|")
+    print("|---" * (len(cols) + 3 + len(extras)) + "|")
     for r in results:
         cells = [f"{r[c]:.2f}" if c in r else "-" for c in cols]
         su = f"{r['EmbeddingBag'] / r['DynamicEmbedding']:.2f}x" if "EmbeddingBag" in r else "-"
         sd = f"{r['EmbeddingBag+dict'] / r['DynamicEmbedding']:.2f}x" if "EmbeddingBag+dict" in r else "-"
-        if args.unchecked:
-            sd += f" | {r['EmbeddingBag'] / r['unchecked']:.2f}x" if "EmbeddingBag" in r else " | -"
+        for c in extras:
+            sd += f" | {r['EmbeddingBag'] / r[c]:.2f}x" if "EmbeddingBag" in r else " | -"
         print(f"| {r['optimizer']} | " + " | ".join(cells) + f" | {su} | {sd} |")
     if args.json:
         with open(args.json, "w") as f:

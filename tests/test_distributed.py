@@ -518,6 +518,31 @@ def test_nonfinite_gradient_raises_on_every_rank(device_kind):
         assert "over all ranks" in msg and "1 bag(s) holds NaN or Inf" in msg
 
 
+def _nan_on_one_owner_raise_next(rank, world, device_kind="cpu"):
+    """nonfinite_grad="raise_next" with a NaN reaching only rank 1's shard: no rank raises
+    in that step(); every rank raises in the next one, and no rank counts the bad step."""
+    device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
+    emb = veloce.DynamicEmbedding(4, mode="sum", device=device, nonfinite_grad="raise_next")
+    HybridParallel(nn.Sequential(emb), dense="none")
+    x = torch.tensor([[ids_owned_by(1, world, 1)[0]]], device=device)
+    (emb(x) * (float("nan") if rank == 0 else 1.0)).sum().backward()
+    emb.step()
+    emb.zero_grad()
+    emb(x).sum().backward()
+    try:
+        emb.step()
+    except FloatingPointError as e:
+        return str(e), emb.step_count
+    return "stepped", emb.step_count
+
+
+@pytest.mark.parametrize("device_kind", NCCL_OR_GLOO)
+def test_nonfinite_gradient_raise_next_raises_on_every_rank_one_step_later(device_kind):
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    for msg, steps in run_ranks(_nan_on_one_owner_raise_next, 2, device_kind, timeout=60, backend=backend):
+        assert "previous step()" in msg and steps == 0
+
+
 def _adam_intermittent(rank, world, batches):
     emb = veloce.DynamicEmbedding(2, mode="sum", optimizer=veloce.optim.Adam(lr=0.1), seed=3)
     HybridParallel(nn.Sequential(emb), dense="none")

@@ -476,6 +476,162 @@ def test_nonfinite_gradient_in_one_table_applies_no_table():
     assert a.step_count == 1 and b.step_count == 1
 
 
+# ---- nonfinite_grad="raise_next": the check read one step late --------------------------------
+def _raise_next_pair(device, optimizer=None):
+    """Two identical tables, "raise" and "raise_next"."""
+    return [
+        veloce.DynamicEmbedding(8, mode="sum", optimizer=optimizer or veloce.optim.Adam(lr=0.1), seed=4,
+                                nonfinite_grad=nf, device=device)
+        for nf in ("raise", "raise_next")
+    ]  # fmt: skip
+
+
+def _train_batch(emb, ids, scale=1.0):
+    (emb(ids) * scale).sum().backward()
+
+
+def _trained(emb) -> dict:
+    """What the optimizer changes: rows, their optimizer state, the step count (a lookup
+    also moves eviction scores; those are left out)."""
+    return {k: v for k, v in emb.export().items() if k != "scores"}
+
+
+def _assert_same_training(a: dict, b: dict) -> None:
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_raise_next_with_finite_gradients_equals_raise(device):
+    """With finite gradients "raise_next" trains bit for bit like "raise" (Adam: the step
+    counts agree too)."""
+    eager, late = _raise_next_pair(device)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        ids = torch.randint(0, 40, (16, 3), generator=g).to(device)
+        for t in (eager, late):
+            _train_batch(t, ids)
+            t.step()
+            t.zero_grad()
+    a, b = eager.export(), late.export()
+    assert int(b["step"]) == int(a["step"]) == 4
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_raise_next_applies_nothing_of_a_bad_step_and_raises_at_the_next(device):
+    """A NaN gradient under "raise_next": step() returns, the update skips itself (rows and
+    optimizer state unchanged), the step is not counted, and the next step() raises before
+    applying its own gradient, which stays pending. Training then goes on exactly as a
+    table that never saw the bad batch."""
+    ref, emb = _raise_next_pair(device)
+    ids = torch.tensor([[1, 2], [3, 4]], device=device)
+    for t in (ref, emb):
+        _train_batch(t, ids)
+        t.step()
+        t.zero_grad()
+    before = _trained(emb)
+    _train_batch(emb, ids, float("nan"))
+    emb.step()  # no raise: the host did not read the check
+    emb.zero_grad()
+    _assert_same_training(before, _trained(emb))  # reads the rows (and the check): nothing applied
+    assert emb.step_count == 1
+    _train_batch(emb, ids)
+    with pytest.raises(FloatingPointError, match="previous step"):
+        emb.step()
+    _assert_same_training(before, _trained(emb))
+    assert emb._pending and emb.step_count == 1  # this step's gradient is kept
+    emb.step()  # applies it: the error was raised once
+    emb.zero_grad()
+    _train_batch(ref, ids)
+    ref.step()
+    ref.zero_grad()
+    _assert_same_training(_trained(ref), _trained(emb))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_raise_next_failed_step_is_not_counted_by_exports_and_loads(device):
+    """state_dict() right after a failed "raise_next" step holds the step count before it;
+    loading a state_dict drops the pending error (the table is replaced)."""
+    _, emb = _raise_next_pair(device)
+    ids = torch.tensor([[5, 6]], device=device)
+    _train_batch(emb, ids)
+    emb.step()
+    emb.zero_grad()
+    _train_batch(emb, ids, float("inf"))
+    emb.step()
+    emb.zero_grad()
+    sd = emb.state_dict()
+    assert int(sd["step"]) == 1
+    emb.load_state_dict(sd)
+    _train_batch(emb, ids)
+    emb.step()  # no error: the load replaced the table
+    assert emb.step_count == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_raise_next_bad_table_rolls_back_every_table_of_its_step(device):
+    """A bad gradient in one "raise_next" table of a step_tables call: no table of that call
+    was applied (they shared the skip flag), none counts the step, and each raises once."""
+    a, b = (veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.Adam(), nonfinite_grad="raise_next",
+                                    seed=k, device=device) for k in range(2))  # fmt: skip
+    ids = torch.tensor([[1, 2]], device=device)
+    _train_batch(a, ids)
+    _train_batch(b, ids, float("nan"))
+    before = (_trained(a), _trained(b))
+    veloce.step_tables([a, b])
+    _assert_same_training(before[0], _trained(a))
+    _assert_same_training(before[1], _trained(b))
+    assert (a.step_count, b.step_count) == (0, 0)
+    with pytest.raises(FloatingPointError, match="1 of its 2 checked"):
+        veloce.step_tables([a, b])
+    veloce.step_tables([a, b])  # the error was raised once; nothing pending, nothing counted
+    assert (a.step_count, b.step_count) == (0, 0)
+
+
+def test_raise_next_with_a_raise_table_reads_the_check_now():
+    """A step over a "raise" and a "raise_next" table reads the check at once (the "raise"
+    table's contract): a NaN raises in this step(), and nothing is applied."""
+    a = veloce.DynamicEmbedding(4, mode="sum", nonfinite_grad="raise", seed=1)
+    b = veloce.DynamicEmbedding(4, mode="sum", nonfinite_grad="raise_next", seed=2)
+    ids = torch.tensor([[1, 2]])
+    _train_batch(a, ids)
+    _train_batch(b, ids, float("nan"))
+    before = (snapshot(a), snapshot(b))
+    with pytest.raises(FloatingPointError, match="NaN or Inf"):
+        veloce.step_tables([a, b])
+    assert_same_snapshot(before[0], snapshot(a))
+    assert_same_snapshot(before[1], snapshot(b))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_raise_next_step_does_not_wait_for_the_device(capfd):
+    """nonfinite_grad='raise_next': step() makes no synchronizing call at all (not even the
+    event wait of "raise"): a long device sleep queued before it is still running when it
+    returns."""
+    emb = veloce.DynamicEmbedding(64, mode="sum", optimizer=veloce.optim.Adam(), device="cuda",
+                                  nonfinite_grad="raise_next")  # fmt: skip
+    ids = torch.randint(0, 500, (4096, 3), device="cuda")
+    emb(ids).sum().backward()
+    emb.step()
+    emb.zero_grad()
+    emb(ids).sum().backward()
+    torch.cuda.synchronize()
+    capfd.readouterr()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s or more of device time, ahead of the check
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        emb.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    done = torch.cuda.Event()
+    done.record()
+    assert not done.query(), "step() waited for the device"
+    assert capfd.readouterr().err.count("called a synchronizing CUDA operation") == 0
+    assert emb.step_count == 2
+
+
 # ---- step_tables: alike tables share one fused update ----------------------------------------
 class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the calls of each op (by schema name) under the mode."""

@@ -273,6 +273,7 @@ def apply(plan: Plan, optimizer) -> None:
             m.table.load_entries(entries)
         except (ValueError, RuntimeError) as exc:
             raise CheckpointError(f"table {name!r}: cannot hold the checkpoint's {entries['keys'].numel()} rows: {exc}")
+        m._drop_verdict()
         m.step_count, m.table.clock = step, clock
         m._pending.clear()
     for target, value in plan.dense.values():

@@ -26,7 +26,8 @@ __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
 
 _T = TypeVar("_T")
 _MODES = {"sum": 0, "mean": 1}
-_NONFINITE = ("raise", "skip", "apply")
+_NONFINITE = ("raise", "raise_next", "skip", "apply")
+_CHECKED = ("raise", "raise_next")  # policies whose step() checks every gradient before applying any
 _UNKNOWN = ("init", "zeros")
 
 
@@ -58,7 +59,10 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         device: where the table lives.
         unknown: eval-mode value of ids not in the table: "init" or "zeros".
         nonfinite_grad: what :meth:`step` does with NaN/Inf gradient rows: "raise"
-            (default; nothing is applied), "skip" (those rows are not updated) or "apply".
+            (default; nothing is applied), "raise_next" (nothing is applied either, but
+            step() does not wait for the check: the update skips itself on the device, and
+            the next step() raises; see :meth:`step`), "skip" (those rows are not updated)
+            or "apply".
 
     Shape:
         - input: (N,) with ``offsets`` (B,) (or (B+1,) with ``include_last_offset``),
@@ -121,7 +125,11 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             embedding_dim, optimizer.state_dim(embedding_dim), capacity=capacity, max_capacity=max_capacity,
             eviction=eviction, initializer=initializer, seed=seed, dtype=dtype, device=device,
         )  # fmt: skip
-        self.step_count = 0  # sparse optimizer steps applied (Adam's t)
+        self._steps = 0  # sparse optimizer steps applied (Adam's t): step_count
+        # nonfinite_grad="raise_next": the check of the last step() while unread, and the
+        # error it found once read (raised by the next step()).
+        self._verdict: Optional[_DeferredCheck] = None
+        self._nonfinite_error: Optional[FloatingPointError] = None
         # Inputs of the backward passes since the last step (gradient accumulation).
         self._pending: list[_Pending] = []
         self._last_lr: Optional[float] = None  # the learning rate of the last step()
@@ -130,7 +138,27 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         self._shard: Optional[Any] = None
 
     # Bookkeeping set on every training step (see PlainAttrs).
-    _PLAIN_ATTRS = frozenset({"step_count", "_pending", "_last_lr", "_had_backward"})
+    _PLAIN_ATTRS = frozenset({"_steps", "_verdict", "_nonfinite_error", "_pending", "_last_lr", "_had_backward"})
+
+    @property
+    def step_count(self) -> int:
+        """Sparse optimizer steps applied (Adam's t). With nonfinite_grad="raise_next",
+        reading it first reads the last step's check (a step whose gradient held NaN/Inf
+        was not applied and does not count)."""
+        if self._verdict is not None:
+            self._verdict.settle()
+        return self._steps
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._steps = value
+
+    def _drop_verdict(self) -> None:
+        """Before a load replaces the table: settles the last step's check (other tables of
+        that step roll back consistently) and forgets its error for this table."""
+        if self._verdict is not None:
+            self._verdict.settle()
+        self._nonfinite_error = None
 
     # ---- nn.EmbeddingBag-compatible forward -------------------------------------------
     def forward(
@@ -329,11 +357,23 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
 
         On CUDA the update is queued on an update stream (:mod:`veloce._update_stream`):
         the next forward's insert runs beside it, and every read of the rows waits for it
-        on the device."""
+        on the device.
+
+        NaN/Inf gradients (``nonfinite_grad``): with "raise", step() waits for the
+        device's check of the gradient and raises ``FloatingPointError`` before anything
+        is applied (the gradient stays pending). With "raise_next" it does not wait: the
+        update is queued behind the check and skips itself on the device when the check
+        fails, and the *next* step() raises ``FloatingPointError`` before applying
+        anything of its own. The failed step is then not counted (``step_count``) and its
+        gradient is gone; the gradient pending at the raise is kept (``zero_grad()`` drops
+        it, ``step()`` applies it). On a GPU this saves a wait for the whole backward pass
+        in every step. Reading ``step_count``, ``export()`` or ``state_dict()`` reads the
+        check first, so they never count a step that was not applied."""
         step_tables([self], [lr])
 
     def _apply_pending(self, lr: Optional[float]) -> None:
         """Applies the pending gradient (its nonfinite_grad check included) and books the step."""
+        _raise_deferred([self])
         update = self._prepare_update(lr)
         if update is not None:
             _apply_updates([self], [update])
@@ -396,7 +436,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
                 b = ~torch.isfinite(e.grad).all(dim=1)
                 num_bad += int(b.sum())
             bad.append(b)
-        if self.nonfinite_grad == "raise":
+        if self.nonfinite_grad in _CHECKED:
             where = "its"
             if self._shard is not None:
                 num_bad, where = self._shard.agree(num_bad), "this table's (over all ranks)"
@@ -514,6 +554,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         except ValueError as exc:
             error_msgs.append(f"while loading DynamicEmbedding {prefix!r}: {exc}")
             return
+        self._drop_verdict()
         self.step_count = int(state_dict[prefix + "step"])
         self.table.clock = int(state_dict[prefix + "clock"])
         self._pending.clear()
@@ -554,14 +595,16 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
     for t, lr in zip(tables, lrs):
         once.setdefault(id(t), (t, lr))
     tables, lrs = [t for t, _ in once.values()], [lr for _, lr in once.values()]
-    check = _FiniteCheck([t for t in tables if t.nonfinite_grad == "raise"])
+    _raise_deferred(tables)  # the last step's "raise_next" check, before anything of this step
+    checked = [t for t in tables if t.nonfinite_grad in _CHECKED]
+    check = _FiniteCheck(checked)
     # On one device the updates are queued behind the check with its result as their skip
     # flag, and the host reads that result afterwards: it waits for the check, not for the
     # updates, and the GPU never idles between them. Otherwise the result is read first.
     skip = check.skip_flag({t.table.device for t in tables})
     if skip is None:
         _raise_nonfinite(tables, check.result())
-    updates = [t._prepare_update(lr, known_finite=t.nonfinite_grad == "raise") for t, lr in zip(tables, lrs)]
+    updates = [t._prepare_update(lr, known_finite=t.nonfinite_grad in _CHECKED) for t, lr in zip(tables, lrs)]
     ready = [i for i, u in enumerate(updates) if u is not None]
     applied: list[int] = []  # indices into ready, of the updates whose op call returned
     try:
@@ -571,11 +614,63 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
             for j in applied:
                 tables[ready[j]]._book(updates[ready[j]])
         raise
-    if skip is not None and not all(check.result().values()):
+    # "raise_next" alone: the host does not read the check now. Every update carried its
+    # flag, so if it failed nothing was applied: reading it later rolls the booking back.
+    deferred = skip is not None and all(t.nonfinite_grad == "raise_next" for t in checked)
+    if skip is not None and not deferred and not all(check.result().values()):
         # Nothing was applied (every call carried the set flag): raise, before any booking.
         _raise_nonfinite(tables, check.result())
+    verdict = _DeferredCheck(check, tables) if deferred and checked else None
     for t, u in zip(tables, updates):
         t._book(u)
+    if verdict is not None:
+        for t in tables:
+            t._verdict = verdict
+
+
+class _DeferredCheck:
+    """The nonfinite_grad="raise_next" check of one step_tables call, read when needed.
+
+    Every update of that call was queued with the check's result as its skip flag, so a
+    failed check applied nothing: :meth:`settle` then puts every table's step count and
+    last learning rate back to what they were before the call and leaves the error for its
+    next step(). Sharded tables' flags are summed over the ranks, so every rank reads the
+    same result and raises in the same step()."""
+
+    def __init__(self, check: "_FiniteCheck", tables: Sequence["DynamicEmbedding"]) -> None:
+        self.check = check
+        self.before = [(t, t.step_count, t._last_lr) for t in tables]  # read before booking
+
+    def settle(self) -> None:
+        finite = self.check.result()  # the device finished this check long ago, as a rule
+        flagged = sum(not ok for ok in finite.values())
+        error = None
+        if flagged:
+            error = FloatingPointError(
+                f"DynamicEmbedding.step: the gradient of the previous step() held NaN or Inf in {flagged} of its "
+                f"{len(finite)} checked table(s) (nonfinite_grad='raise_next' reads the device's check one step "
+                f"late); nothing of that step was applied and its gradient was dropped. The gradient pending now "
+                f"was not applied either: call zero_grad() to drop it, or step() to apply it."
+            )  # fmt: skip
+        for t, steps, lr in self.before:
+            if t._verdict is not self:  # settled already, or a load replaced the table since
+                continue
+            t._verdict = None
+            if error is not None:
+                t._steps, t._last_lr, t._nonfinite_error = steps, lr, error
+
+
+def _raise_deferred(tables: Sequence["DynamicEmbedding"]) -> None:
+    """Raises the error a "raise_next" check of an earlier step found in any of ``tables``
+    (each table's error is raised once)."""
+    error = None
+    for t in tables:
+        if t._verdict is not None:
+            t._verdict.settle()
+        if t._nonfinite_error is not None:
+            error, t._nonfinite_error = error or t._nonfinite_error, None
+    if error is not None:
+        raise error
 
 
 def _raise_nonfinite(tables: Sequence["DynamicEmbedding"], finite: dict[int, bool]) -> None:
