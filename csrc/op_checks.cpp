@@ -319,10 +319,16 @@ void check_exchange_ids(const char* op, const at::Tensor& ids, int64_t world_siz
   TORCH_CHECK(world_size >= 1, op, ": world_size must be >= 1, got ", world_size);
 }
 
-int64_t check_bucketize_args(const char* op, const at::Tensor& ids, const at::Tensor& offsets,
-                             bool include_last_offset, int64_t world_size) {
+int64_t check_bucketize_shapes(const char* op, const at::Tensor& ids, const at::Tensor& offsets,
+                               bool include_last_offset, int64_t world_size) {
   check_exchange_ids(op, ids, world_size);
   check_same_device(op, "offsets", offsets, "ids", ids);
+  return check_offsets_shape(op, offsets, ids.numel(), include_last_offset);
+}
+
+int64_t check_bucketize_args(const char* op, const at::Tensor& ids, const at::Tensor& offsets,
+                             bool include_last_offset, int64_t world_size) {
+  check_bucketize_shapes(op, ids, offsets, include_last_offset, world_size);
   return check_offsets(op, offsets, ids.numel(), include_last_offset);
 }
 

@@ -110,7 +110,7 @@ TORCH_LIBRARY(veloce, m) {
       "Tensor part_splits)");
   // out (num_bags, D): out[b] = the sum of parts[p] over p with bag_of_part[p] == b, added in
   // part order (deterministic); bags without parts are zero.
-  m.def("combine_parts(Tensor parts, Tensor bag_of_part, int num_bags) -> Tensor");
+  m.def("combine_parts(Tensor parts, Tensor bag_of_part, int num_bags, bool check_bags=True) -> Tensor");
 
   // ---- optimizer: fused sparse update ---------------------------------------------------
   // In place on rows slots (U,) (unique) of weights (C, D) and opt_state (C, S), with

@@ -8,6 +8,7 @@ bigger machines; VELOCE_TEST_NCCL=1 also runs them with NCCL on GPUs.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -86,6 +87,8 @@ def test_combine_parts_sums_in_part_order(device, dtype):
         want[b] += parts[p].double()
     torch.testing.assert_close(out.double(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-2)
     assert out[[2, 4, 6]].abs().sum() == 0  # bags without parts
+    # check_bags=False (the sharded lookup's call: indices from bucketize_bags) sums alike
+    assert torch.equal(torch.ops.veloce.combine_parts(parts, bag, 7, False), out)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -98,6 +101,7 @@ def test_exchange_ops_opcheck(device):
     parts = torch.randn(4, 3, dtype=torch.float64, device=device, requires_grad=True)
     bag = torch.tensor([1, 0, 1, 3], device=device)
     torch.library.opcheck(torch.ops.veloce.combine_parts.default, (parts, bag, 4))
+    torch.library.opcheck(torch.ops.veloce.combine_parts.default, (parts, bag, 4, False))
     assert torch.autograd.gradcheck(lambda p: combine_parts(p, bag, 4), (parts,))
 
 
@@ -112,9 +116,16 @@ def test_exchange_ops_bad_input(device):
         bucketize_bags(ids, torch.tensor([1, 2], device=device), 2)
     with pytest.raises(RuntimeError, match=r"offsets\[1\] = 7 is past the end"):
         bucketize_bags(ids, torch.tensor([0, 7], device=device), 2)
+    with pytest.raises(RuntimeError, match=r"offsets must be non-decreasing, got offsets\[1\] = 2 > offsets\[2\] = 1"):
+        bucketize_bags(ids, torch.tensor([0, 2, 1], device=device), 2)
+    with pytest.raises(RuntimeError, match=r"offsets\[1\] = 4 is past the end"):
+        bucketize_bags(torch.empty(0, dtype=torch.long, device=device), torch.tensor([0, 4], device=device), 2)
     parts = torch.randn(2, 4, device=device)
     with pytest.raises(RuntimeError, match=r"bag_of_part\[1\] = 5 is not a bag index in \[0, num_bags = 3\)"):
         combine_parts(parts, torch.tensor([0, 5], device=device), 3)
+    if device == "cpu":  # the CPU kernel checks even with check_bags=False (it costs no sync there)
+        with pytest.raises(RuntimeError, match=r"bag_of_part\[1\] = 5 is not a bag index"):
+            torch.ops.veloce.combine_parts(parts, torch.tensor([0, 5], device=device), 3, False)
     with pytest.raises(RuntimeError, match=r"bag_of_part.size\(0\) must equal the number of parts .* \(2\), got 1"):
         combine_parts(parts, torch.tensor([0], device=device), 3)
 
@@ -646,25 +657,38 @@ def _one_rank_fails(rank, world, case, grouped):
     b = veloce.DynamicEmbedding(4, mode="sum")
     HybridParallel(nn.ModuleList([a, b]), dense="none")
     x = torch.tensor([[1], [2]])
+    xa = xb = x
     if case == "bad input" and rank == 0:
-        x = x.float()  # only rank 0 passes bad input
+        xa = xb = x.float()  # only rank 0 passes bad input
     if case == "full table":  # rank 0 asks for more new ids than rank 1's shard may hold
-        x = torch.tensor(ids_owned_by(1, world, 40)).view(-1, 1) if rank == 0 else x
+        xa = xb = torch.tensor(ids_owned_by(1, world, 40)).view(-1, 1) if rank == 0 else x
+    # Bad offsets on rank 0, checked on the device and read back with the exchange's header:
+    # past the end (the concatenated layout of the tables is bad too), or (second table) not
+    # starting at 0, which only the per-table check finds.
+    flat = torch.tensor([1, 2, 3])
+    if case == "offsets past the end":
+        xa = xb = (flat, torch.tensor([0, 5] if rank == 0 else [0, 2]))
+    if case == "offsets not from 0":
+        xa, xb = (flat, torch.tensor([0, 2])), (flat, torch.tensor([1, 2] if rank == 0 else [0, 2]))
     try:
-        veloce.lookup_many([a, b], [x, x]) if grouped else a(x)
+        veloce.lookup_many([a, b], [xa, xb]) if grouped else (a(*xb) if isinstance(xb, tuple) else a(xb))
     except Exception as e:  # noqa: BLE001 - the test reports what each rank raised
         return type(e).__name__, str(e)
     return "ok", ""
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["one table", "lookup_many"])
-@pytest.mark.parametrize("case", ["bad input", "full table"])
+@pytest.mark.parametrize("case", ["bad input", "full table", "offsets past the end", "offsets not from 0"])
 def test_an_error_on_one_rank_stops_every_rank(case, grouped):
     """Bad input on one rank, or a full table on one owner, raises there and an
     ExchangeError on the others, instead of leaving them waiting in the exchange."""
     (t0, m0), (t1, m1) = run_ranks(_one_rank_fails, 2, case, grouped, timeout=60)
     if case == "bad input":
         assert t0 == "TypeError" and "input must hold int64" in m0
+        assert t1 == "ExchangeError" and "rank 0 could not take part" in m1
+    elif case.startswith("offsets"):
+        want = r"offsets\[-1\] = 5 is past the end" if case.endswith("end") else "offsets must start at 0"
+        assert t0 == "ValueError" and re.search(want, m0), m0
         assert t1 == "ExchangeError" and "rank 0 could not take part" in m1
     else:
         assert t1 == "TableFullError" and "eviction='none'" in m1

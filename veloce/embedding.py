@@ -170,9 +170,11 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         """Pooled embeddings of ``input`` bags; see the class docstring for shapes."""
         _ext.require()
         if self._shard is not None:
+            # The offsets' values are checked with the exchange's header (sharded_lookup).
+            deferred: list = []
             with self._shard.abandon_on_error():  # bad input here fails every rank, not just this one
-                ids, offsets, psw = self._bags(input, offsets, per_sample_weights)
-            return self._shard.lookup(self, ids, offsets, psw)
+                ids, offsets, psw = self._bags(input, offsets, per_sample_weights, deferred=deferred)
+            return self._shard.lookup(self, ids, offsets, psw, deferred)
         layouts: list = []
         if not self.training:
             return self._lookup(*self._bags(input, offsets, per_sample_weights, deferred=layouts), unchecked=layouts)
@@ -931,8 +933,8 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
         with tables[idx[0]]._shard.abandon_on_error():  # bad input fails every rank, not just this one
             layouts = []
             bags = [tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in idx]
-            _check_offsets_many(layouts)
-        for i, o in zip(idx, sharded_lookup([tables[i] for i in idx], bags)):
+        # The layouts' offsets are checked with the exchange's header (one host sync for both).
+        for i, o in zip(idx, sharded_lookup([tables[i] for i in idx], bags, layouts)):
             out[i] = o
     return out  # type: ignore[return-value]
 

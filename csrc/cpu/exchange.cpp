@@ -143,7 +143,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
   return {perm, id_splits, bag_of_part, part_lengths, part_splits};
 }
 
-at::Tensor combine_parts_cpu(const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags) {
+// check_bags=false only saves a device read on CUDA: here the check costs no sync and always runs.
+at::Tensor combine_parts_cpu(const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags,
+                             bool /*check_bags*/) {
   constexpr const char* op = "veloce::combine_parts";
   check_combine_parts_args(op, parts, bag_of_part, num_bags);
   const at::Tensor p_c = parts.contiguous(), b_c = bag_of_part.contiguous();

@@ -124,7 +124,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
     const at::Tensor& ids, const at::Tensor& offsets, bool include_last_offset, int64_t world_size,
     std::optional<int64_t> padding_id) {
   constexpr const char* op = "veloce::bucketize_bags";
-  const int64_t B = check_bucketize_args(op, ids, offsets, include_last_offset, world_size);
+  // The layout's values are checked on the device and read back with the output sizes (one
+  // host sync for both); the kernels before that read are safe on any offsets.
+  const int64_t B = check_bucketize_shapes(op, ids, offsets, include_last_offset, world_size);
   const c10::cuda::CUDAGuard guard(ids.device());
   const int64_t N = ids.numel();
   check_num_ids_cuda(op, N);
@@ -133,6 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
   const auto opts = ids.options();
   const int32_t W = static_cast<int32_t>(world_size);
   if (N == 0) {
+    check_offsets(op, offsets, N, include_last_offset);
     at::Tensor none = at::empty({0}, opts);
     return {none, at::zeros({W}, opts), none.clone(), none.clone(), at::zeros({W}, opts)};
   }
@@ -160,12 +163,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
     return cub::DeviceScan::InclusiveSum(temp, bytes, flag.data_ptr<int32_t>(), part_id.data_ptr<int32_t>(), n,
                                          stream());
   });
-  at::Tensor sizes = at::empty({2 * world_size + 2}, opts);
+  at::Tensor sizes = at::empty({2 * world_size + 3}, opts);  // splits, M, P, bad layout
   splits_kernel<<<grid_for(world_size + 1), kThreads, 0, stream()>>>(skeys.data_ptr<int32_t>(),
                                                                       part_id.data_ptr<int32_t>(), N, W,
                                                                       sizes.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const at::Tensor host = sizes.narrow(0, 2 * world_size, 2).cpu();  // sync: sizes the outputs
+  sizes.narrow(0, 2 * world_size + 2, 1).copy_(offsets_bad_flag(off_c, N, include_last_offset));
+  const at::Tensor host = sizes.narrow(0, 2 * world_size, 3).cpu();  // sync: sizes the outputs
+  if (host.data_ptr<int64_t>()[2] != 0) check_offsets(op, offsets, N, include_last_offset);  // raises
   const int64_t M = host.data_ptr<int64_t>()[0], P = host.data_ptr<int64_t>()[1];
   at::Tensor perm = at::empty({M}, opts), bag_of_part = at::empty({P}, opts);
   at::Tensor part_start = at::empty({P}, opts), part_lengths = at::empty({P}, opts);
@@ -203,7 +208,11 @@ __global__ void combine_kernel(const scalar_t* __restrict__ parts, const int32_t
   out[t] = static_cast<scalar_t>(a);
 }
 
-at::Tensor combine_parts_cuda(const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags) {
+// check_bags=false skips the range check of bag_of_part (a device read): for callers whose
+// parts come from bucketize_bags. The kernels stay in bounds on any input (order and first
+// index parts), so a bad index gives wrong sums, never a bad memory access.
+at::Tensor combine_parts_cuda(const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags,
+                              bool check_bags) {
   constexpr const char* op = "veloce::combine_parts";
   check_combine_parts_args(op, parts, bag_of_part, num_bags);
   const c10::cuda::CUDAGuard guard(parts.device());
@@ -213,8 +222,7 @@ at::Tensor combine_parts_cuda(const at::Tensor& parts, const at::Tensor& bag_of_
   at::Tensor out = at::zeros({num_bags, D}, parts.options());
   if (P == 0 || D == 0) return out;
   const at::Tensor bags = bag_of_part.contiguous();
-  const bool bad = bags.lt(0).logical_or(bags.ge(num_bags)).any().item<bool>();
-  if (bad) {
+  if (check_bags && bags.lt(0).logical_or(bags.ge(num_bags)).any().item<bool>()) {
     const at::Tensor host = bags.cpu();
     check_bag_indices(op, host.data_ptr<int64_t>(), P, num_bags);
   }

@@ -8,7 +8,7 @@ with an error on every rank instead of hanging or reading garbage.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,8 @@ class Group:
 
 
 def exchange_headers(
-    group: Group, sizes: Sequence[torch.Tensor], signature: Sequence[int], what: str
+    group: Group, sizes: Sequence[torch.Tensor], signature: Sequence[int], what: str,
+    bad_input: Optional[torch.Tensor] = None, raise_bad_input: Optional[Callable[[], None]] = None,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Sends ``sizes[k][r]`` to every rank ``r``; returns, per field ``k``, what this rank
     sends to each peer and what each peer sends to it (``sent[k][peer]``,
@@ -45,7 +46,13 @@ def exchange_headers(
     rank raises :class:`ExchangeError` (each sees at least one disagreeing peer). The
     fixed width is what makes one all-to-all (and one host read) enough: ranks that
     disagree on the number of fields still exchange rows of the same size, so none hangs.
-    More fields than fit follow in a second all-to-all, once the signatures agree."""
+    More fields than fit follow in a second all-to-all, once the signatures agree.
+
+    ``bad_input``: a bool on the device, this rank's input check not yet read back. It
+    travels in the header (this rank then abandons the exchange, as
+    :func:`abandon_exchange` does) and is read back with it: when set, this rank calls
+    ``raise_bad_input`` (which raises the detailed error) and the others raise
+    :class:`ExchangeError`."""
     w = group.size
     dev = sizes[0].device
     k = len(sizes)
@@ -58,9 +65,15 @@ def exchange_headers(
     fields = torch.stack([s.to(dev, torch.long) for s in sizes], 1)
     if inline:
         row[:, SIGNATURE_WIDTH : SIGNATURE_WIDTH + k] = fields
+    if bad_input is not None:
+        row[:, 0].masked_fill_(bad_input.to(dev), _ABANDONED)
     theirs = torch.empty_like(row)
     dist.all_to_all_single(theirs, row, group=group.group)
     sent_rows, recv_rows = torch.stack([row, theirs]).tolist()  # the host sync that sizes the payloads
+    if sent_rows and sent_rows[0][0] == _ABANDONED:
+        if raise_bad_input is not None:
+            raise_bad_input()
+        raise ExchangeError(f"{what}: this rank's input was flagged bad, but its check found nothing")
     for peer, got in enumerate(recv_rows):
         sig = got[:SIGNATURE_WIDTH]
         if sig[0] == _ABANDONED:

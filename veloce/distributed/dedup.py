@@ -78,7 +78,13 @@ def _distinct(ids: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, tor
     return order[new], inverse
 
 
-def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False):
+def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False,
+                 layouts: Sequence[tuple] = ()):  # fmt: skip
+    if layouts:  # the deferred bag layouts, checked before anything else (sharded_lookup)
+        from veloce.embedding import _check_offsets_many
+
+        with shard.abandon_on_error():
+            _check_offsets_many(layouts)
     g = shard.group
     K, W = len(modules), g.size
     dev = bags[0][0].device

@@ -42,7 +42,7 @@ from veloce.distributed._comm import (
     ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all, exchange_headers,
 )  # fmt: skip
 from veloce.ops.embedding import pooled_lookup_kernel
-from veloce.ops.exchange import bucketize_bags, combine_parts
+from veloce.ops.exchange import bucketize_bags
 from veloce.table import find_or_insert_many
 
 __all__ = ["Shard", "table_shard", "sharded_lookup"]
@@ -90,9 +90,10 @@ class Shard:
     steps: int = 0  # optimizer steps taken (async bookkeeping)
     in_flight: deque = field(default_factory=deque)
 
-    def lookup(self, module, ids, offsets, psw) -> torch.Tensor:
-        """The sharded equivalent of ``module``'s local pooled lookup."""
-        return sharded_lookup([module], [(ids, offsets, psw)])[0]
+    def lookup(self, module, ids, offsets, psw, layouts: Sequence[tuple] = ()) -> torch.Tensor:
+        """The sharded equivalent of ``module``'s local pooled lookup (``layouts``: see
+        :func:`sharded_lookup`)."""
+        return sharded_lookup([module], [(ids, offsets, psw)], layouts)[0]
 
     def collect(self, module) -> None:
         """Before the owner's step(): async gradients that are due (sent ``staleness``
@@ -164,21 +165,25 @@ class _Exchange:
         return _backward(self, grads, psw_grad)
 
 
-def sharded_lookup(modules: Sequence, bags: Sequence[tuple]) -> list[torch.Tensor]:
+def sharded_lookup(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple] = ()) -> list[torch.Tensor]:
     """Pooled lookups of K sharded tables (same group, dim and dtype) in one exchange.
 
-    ``bags[k]`` is ``(ids, offsets, per_sample_weights)`` as validated by the module."""
+    ``bags[k]`` is ``(ids, offsets, per_sample_weights)`` as validated by the module, but
+    for the offsets' values of the bag ``layouts`` its ``_bags`` deferred: those are checked
+    on the device and read back with the exchange's header (one host sync for both). A bad
+    layout raises its error on this rank, and the other ranks raise ExchangeError."""
     shard = modules[0]._shard
     anchor_needed = any(m.training for m in modules) and torch.is_grad_enabled()
     psws = [b[2] for b in bags]
     if not anchor_needed:
         with torch.no_grad():
-            outs, _ = _forward_for(shard)(shard, modules, bags)
+            outs, _ = _forward_for(shard)(shard, modules, bags, False, layouts)
         return list(outs)
     from veloce.embedding import autograd_anchor  # embedding imports this module
 
     psw_grad = any(p is not None and p.requires_grad for p in psws)
-    return list(_GroupedLookup.apply(autograd_anchor(bags[0][0].device), shard, modules, bags, psw_grad, *psws))
+    return list(_GroupedLookup.apply(autograd_anchor(bags[0][0].device), shard, modules, bags, psw_grad, layouts,
+                                     *psws))  # fmt: skip
 
 
 def _forward_for(shard: Shard):
@@ -202,7 +207,7 @@ def _drop_padding(module, ids, offsets, psw):
     dropped_before = torch.cumsum(~keep, 0) - (~keep).long()  # pads strictly before each position
     n = ids.numel()
     if starts.numel():
-        at = starts.clamp(max=max(n - 1, 0))
+        at = starts.clamp(min=0, max=max(n - 1, 0))  # in range even for a layout not yet checked
         shift = dropped_before[at] if n else torch.zeros_like(starts)
         shift = torch.where(starts >= n, (~keep).sum().expand_as(starts), shift)
         starts = starts - shift
@@ -253,28 +258,58 @@ def _shift_segments(values: torch.Tensor, lengths: list[int], sizes: list[int]) 
     return values + shift
 
 
-def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False):
+def _layout_flag(layouts: Sequence[tuple], dev: torch.device) -> Optional[torch.Tensor]:
+    """Whether any deferred bag layout is bad, as a bool on ``dev`` (nothing read back);
+    None when there is nothing to check there (layouts on other devices are checked now)."""
+    if not layouts:
+        return None
+    from veloce.embedding import _check_offsets_many, _offsets_flags
+
+    flags = _offsets_flags(layouts)
+    if not flags:
+        return None
+    if set(flags) != {dev}:
+        _check_offsets_many(layouts, flags)
+        return None
+    return flags[dev]
+
+
+def _raise_bad_layout(layouts: Sequence[tuple]) -> None:
+    """Raises the detailed error of the first bad layout, if one is bad."""
+    from veloce.embedding import _check_offsets_many
+
+    _check_offsets_many(layouts)
+
+
+def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False,
+             layouts: Sequence[tuple] = ()):  # fmt: skip
     g = shard.group
     K = len(modules)
     dev = bags[0][0].device
     dtype = modules[0].table.dtype
-    cb = _concat_bags(modules, bags, dtype, dev)
-    any_psw = cb.psw is not None
-    total_bags = sum(cb.num_bags)
-    b = bucketize_bags(cb.ids, cb.starts, g.size)
+    with shard.abandon_on_error():  # an error before the header: the other ranks raise in theirs
+        bad_layout = _layout_flag(layouts, dev)
+        cb = _concat_bags(modules, bags, dtype, dev)
+        any_psw = cb.psw is not None
+        total_bags = sum(cb.num_bags)
+        try:
+            b = bucketize_bags(cb.ids, cb.starts, g.size)
+        except RuntimeError:  # the concatenated layout is bad: say which table's is
+            _raise_bad_layout(layouts)
+            raise
 
-    # Per (owner, table): parts and ids, for the owner to split what it receives by table.
-    bag_bounds = host_tensor([0, *itertools.accumulate(cb.num_bags)][:-1], dev)
-    P = b.bag_of_part.numel()
-    table_of_part = torch.searchsorted(bag_bounds, b.bag_of_part, right=True) - 1
-    owner_of_part = torch.repeat_interleave(torch.arange(g.size, device=dev), b.part_splits, output_size=P)
-    cell = owner_of_part * K + table_of_part
-    parts_nk = torch.zeros(g.size * K, dtype=torch.long, device=dev).index_add_(0, cell, torch.ones_like(cell))
-    ids_nk = torch.zeros(g.size * K, dtype=torch.long, device=dev).index_add_(0, cell, b.part_lengths)
+        # Per (owner, table): parts and ids, for the owner to split what it receives by table.
+        bag_bounds = host_tensor([0, *itertools.accumulate(cb.num_bags)][:-1], dev)
+        P = b.bag_of_part.numel()
+        table_of_part = torch.searchsorted(bag_bounds, b.bag_of_part, right=True) - 1
+        owner_of_part = torch.repeat_interleave(torch.arange(g.size, device=dev), b.part_splits, output_size=P)
+        cell = owner_of_part * K + table_of_part
+        parts_nk = torch.zeros(g.size * K, dtype=torch.long, device=dev).index_add_(0, cell, torch.ones_like(cell))
+        ids_nk = torch.zeros(g.size * K, dtype=torch.long, device=dev).index_add_(0, cell, b.part_lengths)
     signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(any_psw), int(psw_grad), 0)
     fields = [b.id_splits, b.part_splits, *parts_nk.view(g.size, K).t(), *ids_nk.view(g.size, K).t()]
     what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
-    sent, recv = exchange_headers(g, fields, signature, what)
+    sent, recv = exchange_headers(g, fields, signature, what, bad_layout, lambda: _raise_bad_layout(layouts))
     id_splits, part_splits = sent[0], sent[1]
     recv_ids_n, recv_parts_n = recv[0], recv[1]
     recv_parts_nk, recv_ids_nk = recv[2 : 2 + K], recv[2 + K :]  # [k][peer]
@@ -301,7 +336,8 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
     served, partial = _serve_tables(modules, t_ids, t_starts, t_psw, part_order)
 
     parts = all_to_all(g, partial, recv_parts_n, part_splits)
-    out = combine_parts(parts, b.bag_of_part, total_bags)
+    # bag_of_part comes from bucketize_bags: in range, so no check (on CUDA, a host sync).
+    out = torch.ops.veloce.combine_parts(parts, b.bag_of_part, total_bags, False)
     scale = _mean_scale(modules, cb, dtype, dev)
     if scale is not None:
         out = out * scale.unsqueeze(1)
@@ -352,31 +388,50 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[t
     (``order`` maps received to table-major)."""
     served, pooled = [], []
     error: Optional[Exception] = None
+    # One insert op for the training tables (a table listed twice, or shared by two modules,
+    # inserts on its own the second time, after its first part is served: the insert may
+    # move its rows).
+    first: dict[int, int] = {}
+    train = [k for k, m in enumerate(modules) if m.training and first.setdefault(id(m.table), k) == k]
+    # The ranks agree on failures right after the inserts (where an owner's errors come
+    # from), while the device is idle: the agreement does not wait for the lookups. With a
+    # table inserting twice, or no insert at all (evaluation), they agree after serving.
+    early = bool(train) and sum(m.training for m in modules) == len(train)
+    group = modules[0]._shard.group
     try:
-        # One insert op for the training tables (a table listed twice, or shared by two
-        # modules, inserts on its own the second time, after its first part is served: the
-        # insert may move its rows).
-        first: dict[int, int] = {}
-        train = [k for k, m in enumerate(modules) if m.training and first.setdefault(id(m.table), k) == k]
         slots: list = [None] * len(modules)
         for k, s in zip(train, find_or_insert_many([modules[k].table for k in train], [ids[k] for k in train])):
             slots[k] = s
+    except Exception as e:  # e.g. TableFullError on this owner: every rank must stop, not wait
+        error = e
+    if early:
+        _agree_no_failure(group, error)
+    try:
         for k, (m, ids_k, starts_k, psw_k) in enumerate(zip(modules, ids, starts, psw)):
             if m.training and slots[k] is None:
                 slots[k] = m.table.find_or_insert(ids_k)
             s, p = _serve(m, ids_k, starts_k, psw_k, slots[k])
             served.append(s)
             pooled.append(p)
-    except Exception as e:  # e.g. TableFullError on this owner: every rank must stop, not wait
+    except Exception as e:
+        if early:  # past the agreement (a lookup launch failed): this rank's own error
+            raise
         error = e
-    failed = agree_sum(modules[0]._shard.group, int(error is not None))
+    if not early:
+        _agree_no_failure(group, error)
+    flat = torch.cat(pooled)
+    return served, torch.empty_like(flat).index_copy_(0, order, flat)
+
+
+def _agree_no_failure(group: Group, error: Optional[Exception]) -> None:
+    """Every rank learns whether any failed: this rank raises its own ``error``, or
+    :class:`ExchangeError` when only others failed (a collective: every rank calls it)."""
+    failed = agree_sum(group, int(error is not None))
     if error is not None:
         raise error
     if failed:  # only other ranks failed
         raise ExchangeError(f"a sharded lookup failed on {failed} other rank(s) (their errors say why, e.g. a full "
                             f"table); every rank stops here")  # fmt: skip
-    flat = torch.cat(pooled)
-    return served, torch.empty_like(flat).index_copy_(0, order, flat)
 
 
 def _serve(module, ids, offsets, psw, slots):
@@ -495,13 +550,13 @@ class _GroupedLookup(torch.autograd.Function):
     require one."""
 
     @staticmethod
-    def forward(ctx, anchor, shard, modules, bags, psw_grad, *psws):  # type: ignore[override]
-        outs, ex = _forward_for(shard)(shard, modules, bags, psw_grad)
+    def forward(ctx, anchor, shard, modules, bags, psw_grad, layouts, *psws):  # type: ignore[override]
+        outs, ex = _forward_for(shard)(shard, modules, bags, psw_grad, layouts)
         ctx.ex = ex
         return outs
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        psw_needed = list(ctx.needs_input_grad[5:])
+        psw_needed = list(ctx.needs_input_grad[6:])
         psw_grads = ctx.ex.backward(grads, psw_needed)
-        return (None, None, None, None, None, *psw_grads)
+        return (None, None, None, None, None, None, *psw_grads)

@@ -85,6 +85,11 @@ def combine_parts(parts: torch.Tensor, bag_of_part: torch.Tensor, num_bags: int)
     part order (deterministic on every device). Differentiable w.r.t. ``parts``.
 
     Shape: parts ``(P, D)``, bag_of_part ``(P,)`` int64 in ``[0, num_bags)`` -> ``(num_bags, D)``.
+
+    The op's fourth argument, ``check_bags`` (default True), can be False when
+    ``bag_of_part`` comes from :func:`bucketize_bags`: on CUDA that skips the range check's
+    device read (a host sync); an index out of range then gives wrong sums, never a bad
+    memory access. The CPU kernel always checks.
     """
     _ext.require()
     return torch.ops.veloce.combine_parts(parts, bag_of_part, num_bags)
@@ -101,7 +106,7 @@ def _fake_bucketize_bags(ids, offsets, include_last_offset, world_size, padding_
     return new(m), new(world_size), new(p), new(p), new(world_size)
 
 
-def _fake_combine_parts(parts, bag_of_part, num_bags):
+def _fake_combine_parts(parts, bag_of_part, num_bags, check_bags=True):
     return parts.new_empty((num_bags, parts.shape[1]))
 
 
@@ -111,7 +116,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out: torch.Tensor):
     (bag_of_part,) = ctx.saved_tensors
-    return grad_out.index_select(0, bag_of_part), None, None
+    return grad_out.index_select(0, bag_of_part), None, None, None
 
 
 if _ext.loaded:

@@ -129,6 +129,8 @@ void check_slot_values(const char* op, const int64_t* s, int64_t n, int64_t limi
 void check_exchange_ids(const char* op, const at::Tensor& ids, int64_t world_size);
 // bucketize_bags: check_exchange_ids, offsets on ids' device and the bag layout
 // (check_offsets); returns the number of bags B.
+int64_t check_bucketize_shapes(const char* op, const at::Tensor& ids, const at::Tensor& offsets,
+                               bool include_last_offset, int64_t world_size);  // all but the layout's values
 int64_t check_bucketize_args(const char* op, const at::Tensor& ids, const at::Tensor& offsets,
                              bool include_last_offset, int64_t world_size);
 // CUDA kernels sort owners as int32 keys.
