@@ -91,3 +91,33 @@ def marked_calls(markers: Markers, targets: Iterable[tuple[object, str, str]]):
     finally:
         for owner, attr, fn in reversed(saved):
             setattr(owner, attr, fn)
+
+
+def print_idle_gaps(prof, steps: int, top: int = 15) -> None:
+    """From a torch.profiler run of ``steps`` steps: the device's busy and idle time per step, and the largest idle gaps, summed per
+    (activity before, activity after) pair."""
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA
+    )
+    if not spans:
+        return
+    gaps: dict[tuple[str, str], list[float]] = {}
+    end, last = spans[0][1], spans[0][2]
+    idle = 0.0
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gap = start - end
+            idle += gap
+            g = gaps.setdefault((last[:45], name[:45]), [0, 0.0])
+            g[0] += 1
+            g[1] += gap
+        if stop >= end:
+            end, last = stop, name
+    span = spans[-1][1] - spans[0][0]
+    print(f"\ndevice per step: {span / steps / 1e3:.3f} ms from first to last activity, "
+          f"{(span - idle) / steps / 1e3:.3f} ms busy, {idle / steps / 1e3:.3f} ms idle")  # fmt: skip
+    print(f"largest idle gaps (summed over {steps} steps): total us, count, after -> before")
+    for (before, after), (count, total) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"{total:10.1f} {count:5d}  {before} -> {after}")

@@ -37,7 +37,7 @@ from veloce.distributed import sharded as _sharded
 from veloce.models import DLRM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _phases import Markers, marked_calls  # noqa: E402
+from _phases import Markers, marked_calls, print_idle_gaps  # noqa: E402
 
 
 def zipf_ids(n: int, alpha: float, space: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -174,11 +174,13 @@ def run(args) -> None:
     sync_all(device)
     window_s = (time.perf_counter() - t) / args.steps
     gc.enable()
-    if args.profile and rank == 0:
-        _profile(lambda: step(data[0]), device)
-    elif args.profile:
-        for _ in range(5):
-            step(data[0])
+    if args.profile:  # every rank: a profiled rank alone would fall behind the others
+        sync_all(device)
+        if args.profile == "-":
+            _profile(lambda: step(data[0]), device, sys.stdout if rank == 0 else open(os.devnull, "w"))
+        else:
+            with open(f"{args.profile}.rank{rank}.txt", "w") as f:
+                _profile(lambda: step(data[0]), device, f)
     hp.flush()
     if args.phases:
         _phases(step, data, args, device, rank)
@@ -233,7 +235,7 @@ def _phases(step, data, args, device, rank: int) -> None:
         (s, "find_or_insert_many", "forward: owner insert returned (host sync)"),
         (s, "agree_sum", "agree_sum returned (host sync)"),
         (s, "all_to_all", "all_to_all queued"),
-        (s, "combine_parts", "forward: parts combined"),
+        (torch.ops.veloce, "combine_parts", "forward: parts combined"),
         (torch.ops.veloce, "accumulate_and_update_many", "step: update launched"),
     ]
 
@@ -267,20 +269,32 @@ def _phases(step, data, args, device, rank: int) -> None:
         print(markers.report(f"rank 0 of {dist.get_world_size()}, {args.sparse}", args.steps), flush=True)
 
 
-def _profile(step, device, steps: int = 5) -> None:
-    """Rank 0's view of ``steps`` steps: the ops taking the most host time and the host
-    syncs per step (the other ranks run the same steps unprofiled)."""
+def _profile(step, device, out, steps: int = 5) -> None:
+    """This rank's view of ``steps`` steps (every rank is profiled, so none runs ahead):
+    the ops taking the most host and device time, the host syncs per step and the device's
+    idle gaps, written to ``out``."""
+    import contextlib
+    import io
+
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
         for _ in range(steps):
             step()
         sync_device(device)
     events = prof.key_averages()
-    print(events.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60))
-    for e in events:
-        if e.key.startswith("cuda") and ("Synchronize" in e.key or "Memcpy" in e.key):
-            print(f"per step: {e.count / steps:8.1f} x {e.key}")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print(events.table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60))
+        if device.type == "cuda":
+            print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
+        for e in events:
+            if e.key.startswith("cuda") and ("Synchronize" in e.key or "Memcpy" in e.key):
+                print(f"per step: {e.count / steps:8.1f} x {e.key} ({e.cpu_time_total / steps / 1e3:.3f} ms host)")
+        if device.type == "cuda":
+            print_idle_gaps(prof, steps, top=25)
+    out.write(buf.getvalue())
 
 
 def summarize(paths: list[str]) -> None:
@@ -326,7 +340,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--json", default=None)
-    p.add_argument("--profile", action="store_true", help="print rank 0's host-time profile of 5 steps")
+    p.add_argument("--profile", nargs="?", const="-", default=None,
+                   help="profile 5 steps on every rank: print rank 0's ops, host syncs and device idle gaps, or "
+                        "with a path prefix write each rank's to PREFIX.rankN.txt")  # fmt: skip
     p.add_argument("--phases", action="store_true",
                    help="print rank 0's host path of back-to-back steps (markers at each host sync and collective)")
     p.add_argument("--watchdog", type=float, default=240, help="seconds before a stuck run dumps its stacks and exits")

@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 import veloce
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from _phases import Markers, marked_calls  # noqa: E402
+from _phases import Markers, marked_calls, print_idle_gaps  # noqa: E402
 
 SCRAMBLE = 0x9E3779B97F4A7C15 - (1 << 64)
 STEPS = 5
@@ -186,36 +186,6 @@ def main() -> None:
             print(f"idle-gap analysis failed: {exc!r}")
     if args.trace:
         prof.export_chrome_trace(args.trace)
-
-
-def print_idle_gaps(prof, steps: int, top: int = 15) -> None:
-    """The device's busy and idle time per step, and the largest idle gaps, summed per
-    (activity before, activity after) pair."""
-    from torch.autograd import DeviceType
-
-    spans = sorted(
-        (e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA
-    )
-    if not spans:
-        return
-    gaps: dict[tuple[str, str], list[float]] = {}
-    end, last = spans[0][1], spans[0][2]
-    idle = 0.0
-    for start, stop, name in spans[1:]:
-        if start > end:
-            gap = start - end
-            idle += gap
-            g = gaps.setdefault((last[:45], name[:45]), [0, 0.0])
-            g[0] += 1
-            g[1] += gap
-        if stop >= end:
-            end, last = stop, name
-    span = spans[-1][1] - spans[0][0]
-    print(f"\ndevice per step: {span / steps / 1e3:.3f} ms from first to last activity, "
-          f"{(span - idle) / steps / 1e3:.3f} ms busy, {idle / steps / 1e3:.3f} ms idle")  # fmt: skip
-    print(f"largest idle gaps (summed over {steps} steps): total us, count, after -> before")
-    for (before, after), (count, total) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]:
-        print(f"{total:10.1f} {count:5d}  {before} -> {after}")
 
 
 if __name__ == "__main__":
