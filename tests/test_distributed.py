@@ -768,3 +768,28 @@ def test_shift_segments_adds_the_sizes_of_the_segments_before(segments, seed):
         base += s
     want = torch.cat(want) if want else values
     assert torch.equal(_shift_segments(values, lengths, sizes), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_counts_per_owner_and_table_equal_a_scatter_add(device, world):
+    """The sharded lookup's per-(owner, table) part and id counts (a search over sorted
+    keys) equal the plain scatter-add over every part, with empty tables and empty bags."""
+    from veloce.distributed.sharded import _counts_per_owner_and_table
+
+    g = torch.Generator().manual_seed(world)
+    num_bags = [5, 0, 7, 1, 0, 9]
+    K = len(num_bags)
+    lengths = torch.randint(0, 4, (sum(num_bags),), generator=g)
+    ids = torch.randint(-(2**62), 2**62, (int(lengths.sum()),), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)[:-1]])
+    b = bucketize_bags(ids.to(device), offsets.to(device), world)
+    parts_nk, ids_nk = _counts_per_owner_and_table(b, num_bags, world, torch.device(device))
+    bounds = torch.tensor([0, *torch.tensor(num_bags).cumsum(0).tolist()][:-1], device=device)
+    table = torch.searchsorted(bounds, b.bag_of_part, right=True) - 1
+    owner = torch.repeat_interleave(torch.arange(world, device=device), b.part_splits)
+    cell = owner * K + table
+    want_parts = torch.zeros(world * K, dtype=torch.long, device=device).index_add_(0, cell, torch.ones_like(cell))
+    want_ids = torch.zeros(world * K, dtype=torch.long, device=device).index_add_(0, cell, b.part_lengths)
+    assert torch.equal(parts_nk, want_parts) and torch.equal(ids_nk, want_ids)
+    assert int(ids_nk.sum()) == ids.numel()

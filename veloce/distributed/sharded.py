@@ -298,14 +298,7 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
             _raise_bad_layout(layouts)
             raise
 
-        # Per (owner, table): parts and ids, for the owner to split what it receives by table.
-        bag_bounds = host_tensor([0, *itertools.accumulate(cb.num_bags)][:-1], dev)
-        P = b.bag_of_part.numel()
-        table_of_part = torch.searchsorted(bag_bounds, b.bag_of_part, right=True) - 1
-        owner_of_part = torch.repeat_interleave(torch.arange(g.size, device=dev), b.part_splits, output_size=P)
-        cell = owner_of_part * K + table_of_part
-        parts_nk = torch.zeros(g.size * K, dtype=torch.long, device=dev).index_add_(0, cell, torch.ones_like(cell))
-        ids_nk = torch.zeros(g.size * K, dtype=torch.long, device=dev).index_add_(0, cell, b.part_lengths)
+        parts_nk, ids_nk = _counts_per_owner_and_table(b, cb.num_bags, g.size, dev)
     signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(any_psw), int(psw_grad), 0)
     fields = [b.id_splits, b.part_splits, *parts_nk.view(g.size, K).t(), *ids_nk.view(g.size, K).t()]
     what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
@@ -345,6 +338,26 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
                    part_splits, recv_ids_n, recv_parts_n, part_order, id_order, parts_per_table,
                    ids_per_table, served)  # fmt: skip
     return _per_table(out, cb.num_bags), ex
+
+
+def _counts_per_owner_and_table(b, num_bags: list[int], world: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (owner, table), flattened owner-major: the number of parts and of ids sent, for
+    the owner to split what it receives by table.
+
+    Parts come sorted by (owner, bag), and the bags table after table, so the parts of
+    owner r and table k are one run of the sorted keys ``owner * B + bag``: a search for
+    the W * K run starts gives both counts (the ids through a prefix sum of the part
+    lengths). A scatter-add into the W * K cells would serialize on their atomics."""
+    B = sum(num_bags)
+    P = b.bag_of_part.numel()
+    owner = torch.repeat_interleave(torch.arange(world, device=dev), b.part_splits, output_size=P)
+    keys = owner * B + b.bag_of_part  # non-decreasing
+    table_starts = host_tensor([0, *itertools.accumulate(num_bags)][:-1], dev)
+    run_starts = (torch.arange(world, device=dev) * B).unsqueeze(1) + table_starts.unsqueeze(0)
+    bounds = torch.cat([run_starts.reshape(-1), host_tensor([world * B], dev)])
+    pos = torch.searchsorted(keys, bounds)
+    ids_before = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.cumsum(b.part_lengths, 0)])
+    return pos.diff(), ids_before[pos].diff()
 
 
 def _per_table(out: torch.Tensor, num_bags: list[int]) -> tuple[torch.Tensor, ...]:
