@@ -554,6 +554,33 @@ def test_nonfinite_gradient_raise_next_raises_on_every_rank_one_step_later(devic
         assert "previous step()" in msg and steps == 0
 
 
+def _async_flush_after_a_failed_step(rank, world):
+    """Async mode, "raise_next": a NaN gradient (sent by rank 0) fails the owners' check at
+    the step that applies it; flush() then raises on every rank before moving anything, and
+    the next flush() applies what is still in flight, leaving nothing pending."""
+    emb = veloce.DynamicEmbedding(4, mode="sum", nonfinite_grad="raise_next", seed=5)
+    hp = HybridParallel(nn.Sequential(emb), sparse="async", staleness=1, dense="none")
+    x = torch.tensor([[ids_owned_by(0, world, 1)[0], ids_owned_by(1, world, 1)[0]]])
+    out = []
+    for scale in (1.0, float("nan") if rank == 0 else 1.0, 1.0):
+        (emb(x) * scale).sum().backward()
+        emb.step()  # applies the gradients sent one step earlier (the NaN ones at the third step)
+        emb.zero_grad()
+    try:
+        hp.flush()
+        out.append("flushed")
+    except FloatingPointError as e:
+        out.append("previous step()" in str(e))
+    hp.flush()
+    out += [len(emb._shard.in_flight), len(emb._pending), emb.step_count]
+    return out
+
+
+def test_async_flush_after_a_failed_raise_next_step():
+    for got in run_ranks(_async_flush_after_a_failed_step, 2, timeout=60):
+        assert got == [True, 0, 0, 2], got
+
+
 def _adam_intermittent(rank, world, batches):
     emb = veloce.DynamicEmbedding(2, mode="sum", optimizer=veloce.optim.Adam(lr=0.1), seed=3)
     HybridParallel(nn.Sequential(emb), dense="none")
@@ -670,6 +697,13 @@ def _one_rank_fails(rank, world, case, grouped):
         xa = xb = (flat, torch.tensor([0, 5] if rank == 0 else [0, 2]))
     if case == "offsets not from 0":
         xa, xb = (flat, torch.tensor([0, 2])), (flat, torch.tensor([1, 2] if rank == 0 else [0, 2]))
+    if case == "lookup fails" and rank == 0:  # an owner's lookup fails after its inserts (e.g. out of memory)
+        from veloce.distributed import sharded
+
+        def failing_serve(*args):
+            raise RuntimeError("simulated: out of memory in the owner's lookup")
+
+        sharded._serve = failing_serve
     try:
         veloce.lookup_many([a, b], [xa, xb]) if grouped else (a(*xb) if isinstance(xb, tuple) else a(xb))
     except Exception as e:  # noqa: BLE001 - the test reports what each rank raised
@@ -678,7 +712,8 @@ def _one_rank_fails(rank, world, case, grouped):
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["one table", "lookup_many"])
-@pytest.mark.parametrize("case", ["bad input", "full table", "offsets past the end", "offsets not from 0"])
+@pytest.mark.parametrize("case", ["bad input", "full table", "offsets past the end", "offsets not from 0",
+                                  "lookup fails"])  # fmt: skip
 def test_an_error_on_one_rank_stops_every_rank(case, grouped):
     """Bad input on one rank, or a full table on one owner, raises there and an
     ExchangeError on the others, instead of leaving them waiting in the exchange."""
@@ -690,6 +725,9 @@ def test_an_error_on_one_rank_stops_every_rank(case, grouped):
         want = r"offsets\[-1\] = 5 is past the end" if case.endswith("end") else "offsets must start at 0"
         assert t0 == "ValueError" and re.search(want, m0), m0
         assert t1 == "ExchangeError" and "rank 0 could not take part" in m1
+    elif case == "lookup fails":
+        assert t0 == "RuntimeError" and "simulated" in m0
+        assert t1 == "ExchangeError" and "failed on 1 other rank(s)" in m1
     else:
         assert t1 == "TableFullError" and "eviction='none'" in m1
         assert t0 == "ExchangeError" and "failed on 1 other rank(s)" in m0

@@ -590,6 +590,64 @@ def test_raise_next_bad_table_rolls_back_every_table_of_its_step(device):
     assert (a.step_count, b.step_count) == (0, 0)
 
 
+def test_raise_next_error_comes_before_the_dense_step_of_combined_optimizer():
+    """CombinedOptimizer raises the last step's "raise_next" error before its dense step:
+    the call applies nothing, dense or sparse, and the next call applies this step once."""
+    emb = veloce.DynamicEmbedding(4, mode="sum", nonfinite_grad="raise_next", seed=3)
+    lin = torch.nn.Linear(4, 1)
+    model = torch.nn.ModuleDict({"emb": emb, "lin": lin})
+    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), model)
+    ids = torch.tensor([[1, 2]])
+    (lin(emb(ids)).sum() + (emb(ids) * float("nan")).sum()).backward()  # NaN reaches the table only
+    opt.step()
+    opt.zero_grad()
+    lin(emb(ids)).sum().backward()
+    dense = [p.detach().clone() for p in lin.parameters()]
+    rows = _trained(emb)
+    with pytest.raises(FloatingPointError, match="previous step"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(dense, lin.parameters()))
+    _assert_same_training(rows, _trained(emb))
+    opt.step()  # applies this step's gradients, dense and sparse, once
+    assert not all(torch.equal(a, b) for a, b in zip(dense, lin.parameters()))
+    assert emb.step_count == 1
+
+
+def test_raise_next_step_count_set_after_a_failed_step_is_kept():
+    """A step count set from outside (a restore) replaces the failed step's bookkeeping:
+    reading the check later neither rolls it back nor raises."""
+    _, emb = _raise_next_pair("cpu")
+    ids = torch.tensor([[1, 2]])
+    _train_batch(emb, ids, float("nan"))
+    emb.step()
+    emb.zero_grad()
+    emb.step_count = 100
+    assert emb.step_count == 100
+    _train_batch(emb, ids)
+    emb.step()
+    assert emb.step_count == 101
+
+
+def test_raise_next_copies_and_old_pickles():
+    """deepcopy reads the last step's check first (it holds device events); a module
+    pickled when step_count was a plain attribute loads with its count."""
+    _, emb = _raise_next_pair("cpu")
+    ids = torch.tensor([[1, 2]])
+    _train_batch(emb, ids)
+    emb.step()
+    emb.zero_grad()
+    _train_batch(emb, ids, float("inf"))
+    emb.step()
+    twin = copy.deepcopy(emb)
+    assert twin.step_count == emb.step_count == 1 and twin._verdict is None
+    state = emb.__getstate__()
+    state["step_count"] = state.pop("_steps")
+    del state["_verdict"], state["_nonfinite_error"]
+    old = veloce.DynamicEmbedding.__new__(veloce.DynamicEmbedding)
+    old.__setstate__(state)
+    assert old.step_count == 1 and old._verdict is None
+
+
 def test_raise_next_with_a_raise_table_reads_the_check_now():
     """A step over a "raise" and a "raise_next" table reads the check at once (the "raise"
     table's contract): a NaN raises in this step(), and nothing is applied."""

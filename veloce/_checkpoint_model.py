@@ -273,8 +273,7 @@ def apply(plan: Plan, optimizer) -> None:
             m.table.load_entries(entries)
         except (ValueError, RuntimeError) as exc:
             raise CheckpointError(f"table {name!r}: cannot hold the checkpoint's {entries['keys'].numel()} rows: {exc}")
-        m._drop_verdict()
-        m.step_count, m.table.clock = step, clock
+        m.step_count, m.table.clock = step, clock  # drops the last step's unread check
         m._pending.clear()
     for target, value in plan.dense.values():
         target.copy_(value)
@@ -296,7 +295,7 @@ class Undo:
     def __init__(self, plan: Plan, optimizer) -> None:
         self.tables = [
             (m, {b: getattr(m.table, b) for b in self._BUFFERS}, m.table.size, m.table.version, m.table.clock,
-             m.step_count, list(m._pending))
+             m.step_count, list(m._pending), m._nonfinite_error)
             for m, *_ in plan.tables.values()
         ]  # fmt: skip
         self.dense = [(target, target.detach().clone()) for target, _ in plan.dense.values()]
@@ -306,11 +305,12 @@ class Undo:
     @torch.no_grad()
     def restore(self) -> None:
         """Puts back what was kept (idempotent)."""
-        for m, buffers, size, version, clock, step, pending in self.tables:
+        for m, buffers, size, version, clock, step, pending, error in self.tables:
             for b, t in buffers.items():
                 m.table.register_buffer(b, t, persistent=False)
             m.table.size, m.table.version, m.table.clock, m.step_count = size, version, clock, step
             m._pending[:] = pending
+            m._nonfinite_error = error  # a "raise_next" error the failed load had dropped
         for target, value in self.dense:
             target.copy_(value)
         if self.opt_state is not None:

@@ -151,7 +151,25 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
 
     @step_count.setter
     def step_count(self, value: int) -> None:
+        # A value set from outside (a restore) replaces the last step's bookkeeping: a check
+        # of that step read later must not roll it back, nor raise for it.
+        self._drop_verdict()
         self._steps = value
+
+    def __getstate__(self) -> dict[str, Any]:
+        # copy.deepcopy / pickle: the last step's check read first (it holds CUDA events).
+        if self._verdict is not None:
+            self._verdict.settle()
+        return super().__getstate__()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Modules pickled before step_count became a property kept it as a plain attribute.
+        if "step_count" in state:
+            state = dict(state)
+            state["_steps"] = state.pop("step_count")
+        state.setdefault("_verdict", None)
+        state.setdefault("_nonfinite_error", None)
+        super().__setstate__(state)
 
     def _drop_verdict(self) -> None:
         """Before a load replaces the table: settles the last step's check (other tables of
@@ -370,7 +388,10 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         gradient is gone; the gradient pending at the raise is kept (``zero_grad()`` drops
         it, ``step()`` applies it). On a GPU this saves a wait for the whole backward pass
         in every step. Reading ``step_count``, ``export()`` or ``state_dict()`` reads the
-        check first, so they never count a step that was not applied."""
+        check first, so they never count a step that was not applied. When one call steps
+        tables on several devices, or with a "raise" table, the check is read at once, as
+        with "raise". A failed check skips every update of its call, those of "skip" and
+        "apply" tables in it too; each of its tables then raises at its next step()."""
         step_tables([self], [lr])
 
     def _apply_pending(self, lr: Optional[float]) -> None:
@@ -414,10 +435,10 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             # A gradient over no rows (a lookup of no ids, or a shard that received none)
             # still counts as a step, as for torch's SparseAdam: every shard of a table
             # keeps the step count of one process.
-            self.step_count += int(self._had_backward)
+            self._steps += int(self._had_backward)
         else:
             self._pending.clear()
-            self.step_count = update.step
+            self._steps = update.step
             self._last_lr = update.requested_lr
         self._had_backward = False
 
@@ -556,8 +577,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         except ValueError as exc:
             error_msgs.append(f"while loading DynamicEmbedding {prefix!r}: {exc}")
             return
-        self._drop_verdict()
-        self.step_count = int(state_dict[prefix + "step"])
+        self.step_count = int(state_dict[prefix + "step"])  # drops the last step's unread check
         self.table.clock = int(state_dict[prefix + "clock"])
         self._pending.clear()
 
@@ -590,6 +610,9 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
     lrs = [None] * len(tables) if lrs is None else list(lrs)
     if len(lrs) != len(tables):
         raise ValueError(f"step_tables: {len(tables)} tables but {len(lrs)} learning rates")
+    # The last step's "raise_next" check first, before anything of this step (async
+    # gradients stay in flight: zero_grad() after the error does not drop them).
+    _raise_deferred(tables)
     for t in tables:
         if t._shard is not None:
             t._shard.collect(t)  # gradients other ranks sent for this shard's rows
@@ -597,7 +620,6 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
     for t, lr in zip(tables, lrs):
         once.setdefault(id(t), (t, lr))
     tables, lrs = [t for t, _ in once.values()], [lr for _, lr in once.values()]
-    _raise_deferred(tables)  # the last step's "raise_next" check, before anything of this step
     checked = [t for t in tables if t.nonfinite_grad in _CHECKED]
     check = _FiniteCheck(checked)
     # On one device the updates are queued behind the check with its result as their skip

@@ -202,14 +202,17 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # noqa: D102 - documented on the class
+        from veloce.embedding import _raise_deferred, step_tables  # veloce.embedding imports this module
+
+        # A "raise_next" error of the last step is raised before the dense step too: this
+        # step then applies nothing, dense or sparse.
+        _raise_deferred([table for _, table in self.tables])
         loss = None
         if self.dense is not None:
             loss = self.dense.step(closure)
         elif closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        from veloce.embedding import step_tables  # veloce.embedding imports this module
-
         # One device read-back for every table's finiteness check (see step_tables).
         step_tables([table for _, table in self.tables], [group["lr"] for group in self._sparse_groups])
         return loss

@@ -134,6 +134,9 @@ class HybridParallel(nn.Module):
         """Async mode: waits for every sparse gradient still in flight and applies it, so
         the tables hold every update (call before evaluating, exporting or checkpointing
         at the end of training). Collective: every rank calls it. A no-op in sync mode."""
+        from veloce.embedding import _raise_deferred
+
+        _raise_deferred([m for _, m in self.tables])  # a failed step's error first: nothing moved yet
         for _, m in self.tables:
             if m._shard is not None and m._shard.in_flight:
                 m._shard.flush(m)

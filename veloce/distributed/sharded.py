@@ -401,37 +401,26 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[t
     (``order`` maps received to table-major)."""
     served, pooled = [], []
     error: Optional[Exception] = None
-    # One insert op for the training tables (a table listed twice, or shared by two modules,
-    # inserts on its own the second time, after its first part is served: the insert may
-    # move its rows).
-    first: dict[int, int] = {}
-    train = [k for k, m in enumerate(modules) if m.training and first.setdefault(id(m.table), k) == k]
-    # The ranks agree on failures right after the inserts (where an owner's errors come
-    # from), while the device is idle: the agreement does not wait for the lookups. With a
-    # table inserting twice, or no insert at all (evaluation), they agree after serving.
-    early = bool(train) and sum(m.training for m in modules) == len(train)
-    group = modules[0]._shard.group
     try:
+        # One insert op for the training tables (a table listed twice, or shared by two
+        # modules, inserts on its own the second time, after its first part is served: the
+        # insert may move its rows).
+        first: dict[int, int] = {}
+        train = [k for k, m in enumerate(modules) if m.training and first.setdefault(id(m.table), k) == k]
         slots: list = [None] * len(modules)
         for k, s in zip(train, find_or_insert_many([modules[k].table for k in train], [ids[k] for k in train])):
             slots[k] = s
-    except Exception as e:  # e.g. TableFullError on this owner: every rank must stop, not wait
-        error = e
-    if early:
-        _agree_no_failure(group, error)
-    try:
         for k, (m, ids_k, starts_k, psw_k) in enumerate(zip(modules, ids, starts, psw)):
             if m.training and slots[k] is None:
                 slots[k] = m.table.find_or_insert(ids_k)
             s, p = _serve(m, ids_k, starts_k, psw_k, slots[k])
             served.append(s)
             pooled.append(p)
-    except Exception as e:
-        if early:  # past the agreement (a lookup launch failed): this rank's own error
-            raise
+    except Exception as e:  # e.g. TableFullError on this owner: every rank must stop, not wait
         error = e
-    if not early:
-        _agree_no_failure(group, error)
+    # After serving, not right after the inserts: a lookup can fail too (out of memory for
+    # its output), and a rank raising past the agreement would leave the others waiting.
+    _agree_no_failure(modules[0]._shard.group, error)
     flat = torch.cat(pooled)
     return served, torch.empty_like(flat).index_copy_(0, order, flat)
 
