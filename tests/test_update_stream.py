@@ -337,13 +337,19 @@ def test_cuda_an_error_beside_an_update_still_makes_the_current_stream_wait(devi
     assert bool((x.clone() == 1).all())  # the current stream waited for the insert stream
 
 
-@pytest.mark.parametrize("device", CUDA)
-def test_cuda_reading_the_rows_makes_the_current_stream_wait_for_the_update(device, monkeypatch):
-    monkeypatch.setattr(update_stream, "ENABLED", True)
+def _table_behind_a_slow_update(device):
+    """A table whose fence is a slow fill of ``x`` (zeros until it has run) on the update stream."""
     emb = veloce.DynamicEmbedding(8, mode="sum", optimizer=veloce.optim.SGD(lr=0.1), device=device)
     x = torch.zeros(1024, device=device)
     fence = update_stream.run_update(torch.device(device), _slow_fill(x), ())
     emb.table._update_fence = fence
+    return emb, x, fence
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_reading_the_rows_makes_the_current_stream_wait_for_the_update(device, monkeypatch):
+    monkeypatch.setattr(update_stream, "ENABLED", True)
+    emb, x, fence = _table_behind_a_slow_update(device)
     _ = emb.table.weights  # joins
     assert bool((x.clone() == 1).all()) and emb.table._update_fence is None
     assert fence not in update_stream._IN_FLIGHT
@@ -352,10 +358,7 @@ def test_cuda_reading_the_rows_makes_the_current_stream_wait_for_the_update(devi
 @pytest.mark.parametrize("device", CUDA)
 def test_cuda_a_join_on_a_stream_of_ones_own_waits_but_keeps_the_fence(device, monkeypatch):
     monkeypatch.setattr(update_stream, "ENABLED", True)
-    emb = veloce.DynamicEmbedding(8, mode="sum", optimizer=veloce.optim.SGD(lr=0.1), device=device)
-    x = torch.zeros(1024, device=device)
-    fence = update_stream.run_update(torch.device(device), _slow_fill(x), ())
-    emb.table._update_fence = fence
+    emb, x, fence = _table_behind_a_slow_update(device)
     mine = torch.cuda.Stream(device)
     with torch.cuda.stream(mine):
         _ = emb.table.weights

@@ -145,8 +145,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         """Sparse optimizer steps applied (Adam's t). With nonfinite_grad="raise_next",
         reading it first reads the last step's check (a step whose gradient held NaN/Inf
         was not applied and does not count)."""
-        if self._verdict is not None:
-            self._verdict.settle()
+        self._settle_check()
         return self._steps
 
     @step_count.setter
@@ -158,8 +157,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         # copy.deepcopy / pickle: the last step's check read first (it holds CUDA events).
-        if self._verdict is not None:
-            self._verdict.settle()
+        self._settle_check()
         return super().__getstate__()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -171,11 +169,15 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         state.setdefault("_nonfinite_error", None)
         super().__setstate__(state)
 
+    def _settle_check(self) -> None:
+        """Reads the last step's unread "raise_next" check, if any (see _DeferredCheck)."""
+        if self._verdict is not None:
+            self._verdict.settle()
+
     def _drop_verdict(self) -> None:
         """Before a load replaces the table: settles the last step's check (other tables of
         that step roll back consistently) and forgets its error for this table."""
-        if self._verdict is not None:
-            self._verdict.settle()
+        self._settle_check()
         self._nonfinite_error = None
 
     # ---- nn.EmbeddingBag-compatible forward -------------------------------------------
@@ -689,8 +691,7 @@ def _raise_deferred(tables: Sequence["DynamicEmbedding"]) -> None:
     (each table's error is raised once)."""
     error = None
     for t in tables:
-        if t._verdict is not None:
-            t._verdict.settle()
+        t._settle_check()
         if t._nonfinite_error is not None:
             error, t._nonfinite_error = error or t._nonfinite_error, None
     if error is not None:
