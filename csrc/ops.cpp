@@ -104,10 +104,15 @@ TORCH_LIBRARY(veloce, m) {
   // id_splits (W,): how many go to each owner. Each bag is cut into parts, one per owner
   // it has ids on, ordered by (owner, bag): bag_of_part (P,), part_lengths (P,) (the ids of
   // part p are consecutive in perm) and part_splits (W,): parts per owner.
+  // exact_sizes=False: the same values without a host sync on CUDA, in outputs of upper-bound
+  // sizes: perm (N,) ends with the padding positions (ascending), bag_of_part and
+  // part_lengths (N,) hold the P parts first and zeros after (P = part_splits.sum()); the
+  // CUDA kernel then skips the check of the offsets' values (its read-back) and stays in
+  // bounds on any offsets, for callers that check the layout themselves.
   m.def(
       "bucketize_bags(Tensor ids, Tensor offsets, bool include_last_offset, int world_size, "
-      "int? padding_id=None) -> (Tensor perm, Tensor id_splits, Tensor bag_of_part, Tensor part_lengths, "
-      "Tensor part_splits)");
+      "int? padding_id=None, bool exact_sizes=True) -> (Tensor perm, Tensor id_splits, Tensor bag_of_part, "
+      "Tensor part_lengths, Tensor part_splits)");
   // out (num_bags, D): out[b] = the sum of parts[p] over p with bag_of_part[p] == b, added in
   // part order (deterministic); bags without parts are zero.
   m.def("combine_parts(Tensor parts, Tensor bag_of_part, int num_bags, bool check_bags=True) -> Tensor");

@@ -73,6 +73,14 @@ def test_bucketize_bags_matches_reference(device, bags, w, pad, last):
     want = ref_bucketize(ids, offsets, w, pad)
     assert [t.tolist() for t in got] == list(want)
     assert owner_of(t_ids, w).tolist() == [ref_owner(i, w) for i in ids]
+    # exact_sizes=False: the same values in N rows each (padding positions last in perm,
+    # zeros after the parts)
+    loose = bucketize_bags(t_ids, t_off, w, include_last_offset=last, padding_id=pad, exact_sizes=False)
+    perm, id_splits, bag_of_part, part_lengths, part_splits = want
+    rest = [0] * (len(ids) - len(bag_of_part))
+    assert loose.perm.tolist() == perm + [i for i, x in enumerate(ids) if x == pad]
+    assert loose.id_splits.tolist() == id_splits and loose.part_splits.tolist() == part_splits
+    assert loose.bag_of_part.tolist() == bag_of_part + rest and loose.part_lengths.tolist() == part_lengths + rest
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -98,6 +106,8 @@ def test_exchange_ops_opcheck(device):
     torch.library.opcheck(torch.ops.veloce.owner_of.default, (ids, 3))
     torch.library.opcheck(torch.ops.veloce.bucketize_bags.default, (ids, offsets, False, 3, None))
     torch.library.opcheck(torch.ops.veloce.bucketize_bags.default, (ids, offsets, False, 2, 5))
+    torch.library.opcheck(torch.ops.veloce.bucketize_bags.default, (ids, offsets, False, 3, None, False))
+    torch.library.opcheck(torch.ops.veloce.bucketize_bags.default, (ids, offsets, False, 2, 5, False))
     parts = torch.randn(4, 3, dtype=torch.float64, device=device, requires_grad=True)
     bag = torch.tensor([1, 0, 1, 3], device=device)
     torch.library.opcheck(torch.ops.veloce.combine_parts.default, (parts, bag, 4))
@@ -823,6 +833,11 @@ def test_counts_per_owner_and_table_equal_a_scatter_add(device, world):
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)[:-1]])
     b = bucketize_bags(ids.to(device), offsets.to(device), world)
     parts_nk, ids_nk = _counts_per_owner_and_table(b, num_bags, world, torch.device(device))
+    # the sharded lookup's call: padding parts after the real ones change nothing
+    loose = bucketize_bags(ids.to(device), offsets.to(device), world, exact_sizes=False)
+    assert loose.bag_of_part.numel() > b.bag_of_part.numel()  # some bags are empty or repeat an owner
+    for got, want in zip(_counts_per_owner_and_table(loose, num_bags, world, torch.device(device)), (parts_nk, ids_nk)):
+        assert torch.equal(got, want)
     bounds = torch.tensor([0, *torch.tensor(num_bags).cumsum(0).tolist()][:-1], device=device)
     table = torch.searchsorted(bounds, b.bag_of_part, right=True) - 1
     owner = torch.repeat_interleave(torch.arange(world, device=device), b.part_splits)
@@ -831,3 +846,29 @@ def test_counts_per_owner_and_table_equal_a_scatter_add(device, world):
     want_ids = torch.zeros(world * K, dtype=torch.long, device=device).index_add_(0, cell, b.part_lengths)
     assert torch.equal(parts_nk, want_parts) and torch.equal(ids_nk, want_ids)
     assert int(ids_nk.sum()) == ids.numel()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_requester_ops_never_wait_for_the_device():
+    """What a sharded lookup runs before its header's read-back (bucketize_bags with
+    exact_sizes=False, the per-(owner, table) counts) and combine_parts(check_bags=False)
+    queue without a host synchronization, so the header's read is the forward's first."""
+    from veloce.distributed.sharded import _counts_per_owner_and_table
+
+    ids = torch.randint(-(2**62), 2**62, (5000,), device="cuda")
+    offsets = torch.arange(0, 5000, 5, device="cuda")
+    parts = torch.randn(4000, 64, device="cuda")
+    bag_of_part = torch.randint(0, 1000, (4000,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        b = bucketize_bags(ids, offsets, 3, exact_sizes=False)
+        counts = _counts_per_owner_and_table(b, [400, 600], 3, torch.device("cuda"))
+        out = torch.ops.veloce.combine_parts(parts, bag_of_part, 1000, False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    exact = bucketize_bags(ids, offsets, 3)
+    P = int(exact.part_splits.sum())
+    assert torch.equal(b.bag_of_part[:P], exact.bag_of_part) and torch.equal(b.part_lengths[:P], exact.part_lengths)
+    assert int(counts[1].sum()) == 5000
+    assert torch.equal(out, combine_parts(parts, bag_of_part, 1000))

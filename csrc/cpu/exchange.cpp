@@ -57,7 +57,7 @@ Chunks chunks_for(int64_t num_bags, int64_t num_ids, int64_t world_size) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize_bags_cpu(
     const at::Tensor& ids, const at::Tensor& offsets, bool include_last_offset, int64_t world_size,
-    std::optional<int64_t> padding_id) {
+    std::optional<int64_t> padding_id, bool exact_sizes) {
   const int64_t B = check_bucketize_args("veloce::bucketize_bags", ids, offsets, include_last_offset, world_size);
   const int64_t N = ids.numel();
   const int64_t W = world_size;
@@ -118,9 +118,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
       part_split[w] += np;
     }
   }
-  at::Tensor perm = at::empty({M}, ids.options());
-  at::Tensor bag_of_part = at::empty({P}, ids.options());
-  at::Tensor part_lengths = at::zeros({P}, ids.options());
+  // exact_sizes=False: N rows each (the CUDA kernel's sizes without its sync), the parts'
+  // tails zero and perm's tail the padding positions, ascending. The offsets are checked
+  // either way: here that costs no sync.
+  at::Tensor perm = at::empty({exact_sizes ? M : N}, ids.options());
+  at::Tensor bag_of_part = at::zeros({exact_sizes ? P : N}, ids.options());
+  at::Tensor part_lengths = at::zeros({exact_sizes ? P : N}, ids.options());
   int64_t* pm = perm.data_ptr<int64_t>();
   int64_t* bp = bag_of_part.data_ptr<int64_t>();
   int64_t* pl = part_lengths.data_ptr<int64_t>();
@@ -140,6 +143,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
       });
     }
   });
+  if (!exact_sizes && M < N) {
+    int64_t next = M;
+    for (int64_t i = 0; i < N; ++i) {
+      if (id[i] == pad) pm[next++] = i;  // M < N only with a padding id
+    }
+  }
   return {perm, id_splits, bag_of_part, part_lengths, part_splits};
 }
 

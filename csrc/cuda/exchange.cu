@@ -6,10 +6,12 @@
 // sort of (key, position) on the key's significant bits gives perm; a flag marks the first
 // position of every part (a new owner or a new bag), an inclusive scan numbers the parts,
 // and W threads binary-search the sorted keys for the per-owner splits. One device-to-host
-// copy (the sizes) per call.
+// copy (the sizes, with the offsets' check) per call; none with exact_sizes=False, where
+// the outputs have N rows and the kernels read M and P from device memory.
 //
 // combine_parts: a stable radix sort of the parts by bag gives each bag its parts in part
-// order; one thread per (bag, column) sums them in that order (deterministic, no atomics).
+// order; a group of lanes per bag sums them in that order with 16-byte accesses
+// (deterministic, no atomics).
 
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -114,15 +116,17 @@ __global__ void parts_kernel(const int32_t* __restrict__ flag, const int32_t* __
   }
 }
 
-__global__ void part_lengths_kernel(const int64_t* __restrict__ part_start, int64_t P, int64_t m,
-                                    int64_t* __restrict__ lengths) {
+// lengths[q] for the parts q < P; mp = [M, P] in device memory (read here, not by the host).
+__global__ void part_lengths_kernel(const int64_t* __restrict__ part_start, const int64_t* __restrict__ mp,
+                                    int64_t limit, int64_t* __restrict__ lengths) {
   const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (q < P) lengths[q] = (q + 1 < P ? part_start[q + 1] : m) - part_start[q];
+  const int64_t m = mp[0], P = mp[1];
+  if (q < P && q < limit) lengths[q] = (q + 1 < P ? part_start[q + 1] : m) - part_start[q];
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize_bags_cuda(
     const at::Tensor& ids, const at::Tensor& offsets, bool include_last_offset, int64_t world_size,
-    std::optional<int64_t> padding_id) {
+    std::optional<int64_t> padding_id, bool exact_sizes) {
   constexpr const char* op = "veloce::bucketize_bags";
   // The layout's values are checked on the device and read back with the output sizes (one
   // host sync for both); the kernels before that read are safe on any offsets.
@@ -135,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
   const auto opts = ids.options();
   const int32_t W = static_cast<int32_t>(world_size);
   if (N == 0) {
-    check_offsets(op, offsets, N, include_last_offset);
+    if (exact_sizes) check_offsets(op, offsets, N, include_last_offset);
     at::Tensor none = at::empty({0}, opts);
     return {none, at::zeros({W}, opts), none.clone(), none.clone(), at::zeros({W}, opts)};
   }
@@ -146,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
       id_c.data_ptr<int64_t>(), N, off_c.data_ptr<int64_t>(), B, W, padding_id.has_value(),
       padding_id.value_or(0), keys.data_ptr<int32_t>(), pos.data_ptr<int32_t>(), bag.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // Stable: within an owner, positions (hence bags) stay ascending.
+  // Stable: within an owner, positions (hence bags) stay ascending; padding (key W) last.
   at::Tensor skeys = at::empty_like(keys), spos = at::empty_like(pos);
   const int n = static_cast<int>(N);
   const int end_bit = std::max(1, bit_width(static_cast<uint64_t>(W)));
@@ -168,20 +172,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
                                                                       part_id.data_ptr<int32_t>(), N, W,
                                                                       sizes.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  sizes.narrow(0, 2 * world_size + 2, 1).copy_(offsets_bad_flag(off_c, N, include_last_offset));
-  const at::Tensor host = sizes.narrow(0, 2 * world_size, 3).cpu();  // sync: sizes the outputs
-  if (host.data_ptr<int64_t>()[2] != 0) check_offsets(op, offsets, N, include_last_offset);  // raises
-  const int64_t M = host.data_ptr<int64_t>()[0], P = host.data_ptr<int64_t>()[1];
-  at::Tensor perm = at::empty({M}, opts), bag_of_part = at::empty({P}, opts);
-  at::Tensor part_start = at::empty({P}, opts), part_lengths = at::empty({P}, opts);
+  // Exact sizes: M and P read back (a sync), with the offsets' check. Otherwise N rows
+  // each, the kernels reading M and P from device memory: no sync.
+  int64_t M = N, P = N;
+  if (exact_sizes) {
+    sizes.narrow(0, 2 * world_size + 2, 1).copy_(offsets_bad_flag(off_c, N, include_last_offset));
+    const at::Tensor host = sizes.narrow(0, 2 * world_size, 3).cpu();  // sync: sizes the outputs
+    if (host.data_ptr<int64_t>()[2] != 0) check_offsets(op, offsets, N, include_last_offset);  // raises
+    M = host.data_ptr<int64_t>()[0];
+    P = host.data_ptr<int64_t>()[1];
+  }
+  at::Tensor perm = at::empty({M}, opts), part_start = at::empty({P}, opts);
+  at::Tensor bag_of_part = exact_sizes ? at::empty({P}, opts) : at::zeros({P}, opts);
+  at::Tensor part_lengths = exact_sizes ? at::empty({P}, opts) : at::zeros({P}, opts);
   if (M > 0) {
+    // Sorted positions j < M are the sent ones; beyond M (exact_sizes=False) the padding
+    // positions, whose flag is 0: perm gets them, the parts do not.
     parts_kernel<<<grid_for(M), kThreads, 0, stream()>>>(flag.data_ptr<int32_t>(), part_id.data_ptr<int32_t>(),
                                                         spos.data_ptr<int32_t>(), bag.data_ptr<int32_t>(), M,
                                                         perm.data_ptr<int64_t>(), bag_of_part.data_ptr<int64_t>(),
                                                         part_start.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    part_lengths_kernel<<<grid_for(P), kThreads, 0, stream()>>>(part_start.data_ptr<int64_t>(), P, M,
-                                                               part_lengths.data_ptr<int64_t>());
+  }
+  if (P > 0) {
+    part_lengths_kernel<<<grid_for(P), kThreads, 0, stream()>>>(
+        part_start.data_ptr<int64_t>(), sizes.data_ptr<int64_t>() + 2 * world_size, P,
+        part_lengths.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {perm, sizes.narrow(0, 0, world_size).clone(), bag_of_part, part_lengths,
@@ -195,17 +211,33 @@ __global__ void bag_starts_kernel(const int32_t* __restrict__ sbags, int64_t P, 
   if (b <= num_bags) first[b] = static_cast<int32_t>(lower_bound_key(sbags, P, static_cast<int32_t>(b)));
 }
 
-template <typename scalar_t>
+// A group of `lanes` threads per bag; each lane owns V consecutive columns (one 16-byte
+// access per part row when V > 1), strides over D, and adds the bag's parts in part
+// order. Every output element is written (bags without parts get zeros).
+template <typename scalar_t, int V>
 __global__ void combine_kernel(const scalar_t* __restrict__ parts, const int32_t* __restrict__ order,
-                               const int32_t* __restrict__ first, int64_t num_bags, int64_t D,
+                               const int32_t* __restrict__ first, int64_t num_bags, int64_t D, int lanes,
                                scalar_t* __restrict__ out) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= num_bags * D) return;
-  const int64_t b = t / D, d = t - b * D;
-  acc_t a = 0;
-  for (int32_t k = first[b]; k < first[b + 1]; ++k) a += static_cast<acc_t>(parts[order[k] * D + d]);
-  out[t] = static_cast<scalar_t>(a);
+  const int64_t b = t >> (__ffs(lanes) - 1);  // lanes: a power of two
+  if (b >= num_bags) return;
+  const int lane = static_cast<int>(t & (lanes - 1));
+  const int32_t lo = first[b], hi = first[b + 1];
+  for (int64_t c = static_cast<int64_t>(lane) * V; c < D; c += static_cast<int64_t>(lanes) * V) {
+    acc_t a[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) a[j] = 0;
+    for (int32_t k = lo; k < hi; ++k) {
+      const Pack<scalar_t, V> p = load_pack<scalar_t, V>(parts + static_cast<int64_t>(order[k]) * D + c);
+#pragma unroll
+      for (int j = 0; j < V; ++j) a[j] += static_cast<acc_t>(p.v[j]);
+    }
+    Pack<scalar_t, V> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = static_cast<scalar_t>(a[j]);
+    store_pack<scalar_t, V>(out + b * D + c, o);
+  }
 }
 
 // check_bags=false skips the range check of bag_of_part (a device read): for callers whose
@@ -219,8 +251,8 @@ at::Tensor combine_parts_cuda(const at::Tensor& parts, const at::Tensor& bag_of_
   const int64_t P = parts.size(0), D = parts.size(1);
   check_num_ids_cuda(op, P);
   check_num_bags_cuda(op, num_bags);
-  at::Tensor out = at::zeros({num_bags, D}, parts.options());
-  if (P == 0 || D == 0) return out;
+  if (P == 0 || D == 0) return at::zeros({num_bags, D}, parts.options());
+  at::Tensor out = at::empty({num_bags, D}, parts.options());  // the kernel writes every element
   const at::Tensor bags = bag_of_part.contiguous();
   if (check_bags && bags.lt(0).logical_or(bags.ge(num_bags)).any().item<bool>()) {
     const at::Tensor host = bags.cpu();
@@ -240,11 +272,22 @@ at::Tensor combine_parts_cuda(const at::Tensor& parts, const at::Tensor& bag_of_
   bag_starts_kernel<<<grid_for(num_bags + 1), kThreads, 0, stream()>>>(skeys.data_ptr<int32_t>(), P, num_bags,
                                                                        first.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (num_bags == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, parts.scalar_type(), "combine_parts_cuda", [&] {
-    combine_kernel<scalar_t><<<grid_for(num_bags * D), kThreads, 0, stream()>>>(
-        p_c.data_ptr<scalar_t>(), order.data_ptr<int32_t>(), first.data_ptr<int32_t>(), num_bags, D,
-        out.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto launch = [&](auto vec) {
+      constexpr int V = decltype(vec)::value;
+      const int lanes = lanes_for(D, V);
+      combine_kernel<scalar_t, V><<<grid_for(num_bags * lanes), kThreads, 0, stream()>>>(
+          p_c.data_ptr<scalar_t>(), order.data_ptr<int32_t>(), first.data_ptr<int32_t>(), num_bags, D, lanes,
+          out.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const bool vec = D % vec16<scalar_t>() == 0 && aligned16(p_c.data_ptr()) && aligned16(out.data_ptr());
+    if (vec) {
+      launch(std::integral_constant<int, vec16<scalar_t>()>());
+    } else {
+      launch(std::integral_constant<int, 1>());
+    }
   });
   return out;
 }

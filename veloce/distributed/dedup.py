@@ -22,8 +22,8 @@ import torch
 from veloce._device import host_tensor
 from veloce.distributed._comm import all_to_all, exchange_headers
 from veloce.distributed.sharded import (
-    _SUM, Shard, _cat_grads, _concat_bags, _deliver, _mean_scale, _per_table, _segment_gather_index,
-    _serve_tables, _split_psw_grads, _tags_hash,
+    _SUM, Shard, _cat_grads, _concat_bags, _deliver, _mean_scale, _per_table, _received_order,
+    _serve_tables, _table_major, _split_psw_grads, _tags_hash,
 )  # fmt: skip
 from veloce.ops.exchange import owner_of
 
@@ -43,8 +43,7 @@ class _RowExchange:
     send_order: torch.Tensor  # (U,) distinct ids in the order sent (by owner, table)
     id_splits: list[int]
     recv_ids_n: list[int]
-    recv_order: torch.Tensor  # received ids -> table-major order
-    ids_per_table: list[int]
+    recv_ids_nk: list  # [k][peer]: ids received of table k from each peer
     served: list
 
     def backward(self, grads, psw_grad: list[bool]) -> list:
@@ -56,7 +55,7 @@ class _RowExchange:
                                                           False, U)  # fmt: skip
         row_grads = torch.zeros_like(self.rows).index_copy_(0, slots, per_row) / g.size  # averaged, as DDP
         _deliver(self.shard, self.modules, self.served, row_grads[self.send_order], self.id_splits,
-                 self.recv_ids_n, self.recv_order, self.ids_per_table, sync=False)  # fmt: skip
+                 self.recv_ids_n, self.recv_ids_nk, sync=False)  # fmt: skip
         if not any(psw_grad):
             return [None] * len(self.modules)
         from veloce.embedding import _psw_grad
@@ -104,13 +103,11 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
 
     # The owner: per peer, ids come table after table; serve each table's block.
     recv_ids = all_to_all(g, u_ids[send_order], id_splits, recv_ids_n)
-    seg_len = host_tensor([recv_ids_nk[k][p] for p in range(W) for k in range(K)], dev)
-    table_major = torch.arange(W * K, device=dev).view(W, K).t().reshape(-1)
-    recv_order = _segment_gather_index(seg_len, table_major, recv_ids.numel())
     ids_per_table = [sum(c) for c in recv_ids_nk]
-    t_ids = recv_ids[recv_order].split(ids_per_table)
+    t_ids = _table_major(recv_ids, recv_ids_nk).split(ids_per_table)
     every = torch.arange(max(ids_per_table, default=0), device=dev)  # parts of one id each: part i starts at i
-    served, back = _serve_tables(modules, t_ids, [every[:n] for n in ids_per_table], [None] * K, recv_order)
+    served, rows = _serve_tables(modules, t_ids, [every[:n] for n in ids_per_table], [None] * K)
+    back = _received_order(rows, recv_ids_nk)
 
     got = all_to_all(g, back, recv_ids_n, id_splits)  # rows in the order sent
     u_rows = torch.empty_like(got).index_copy_(0, send_order, got)
@@ -119,5 +116,5 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     if scale is not None:
         out = out * scale.unsqueeze(1)
     ex = _RowExchange(modules, shard, batch, inverse, u_rows, scale, send_order, id_splits, recv_ids_n,
-                      recv_order, ids_per_table, served)  # fmt: skip
+                      recv_ids_nk, served)  # fmt: skip
     return _per_table(out, batch.num_bags), ex

@@ -155,10 +155,8 @@ class _Exchange:
     part_splits: list[int]
     recv_ids_n: list[int]
     recv_parts_n: list[int]
-    part_order: torch.Tensor  # received parts -> table-major order
-    id_order: torch.Tensor  # received ids -> table-major order
-    parts_per_table: list[int]  # received, per table
-    ids_per_table: list[int]
+    recv_parts_nk: list  # [k][peer]: parts received of table k from each peer
+    recv_ids_nk: list  # [k][peer]: ids received of table k from each peer
     served: list  # _Served per table
 
     def backward(self, grads, psw_grad: list[bool]) -> list:
@@ -292,8 +290,11 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
         cb = _concat_bags(modules, bags, dtype, dev)
         any_psw = cb.psw is not None
         total_bags = sum(cb.num_bags)
+        # Without waiting for the device: its sizes come back with the header's (the split
+        # sizes sum to them). The layout is checked by the tables (on CUDA in the header);
+        # the CPU kernel checks it again, and fails on a bad concatenated layout.
         try:
-            b = bucketize_bags(cb.ids, cb.starts, g.size)
+            b = bucketize_bags(cb.ids, cb.starts, g.size, exact_sizes=False)
         except RuntimeError:  # the concatenated layout is bad: say which table's is
             _raise_bad_layout(layouts)
             raise
@@ -305,38 +306,37 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
     sent, recv = exchange_headers(g, fields, signature, what, bad_layout, lambda: _raise_bad_layout(layouts))
     id_splits, part_splits = sent[0], sent[1]
     recv_ids_n, recv_parts_n = recv[0], recv[1]
+    # The parts, without bucketize_bags' padding rows (every position is sent: the
+    # concatenated bags hold no padding id).
+    P = sum(part_splits)
+    bag_of_part, part_lengths = b.bag_of_part[:P], b.part_lengths[:P]
     recv_parts_nk, recv_ids_nk = recv[2 : 2 + K], recv[2 + K :]  # [k][peer]
 
-    recv_ids, recv_len = _all_to_all_pair(g, cb.ids[b.perm], b.part_lengths, id_splits, part_splits, recv_ids_n,
+    recv_ids, recv_len = _all_to_all_pair(g, cb.ids[b.perm], part_lengths, id_splits, part_splits, recv_ids_n,
                                           recv_parts_n)  # fmt: skip
     recv_psw = all_to_all(g, cb.psw[b.perm], id_splits, recv_ids_n) if any_psw else None
 
-    # The owner: received parts come peer-major, table-major within a peer; serve each
-    # table from its own contiguous block (table-major order).
-    counts = host_tensor([recv_parts_nk[k][p] for p in range(g.size) for k in range(K)], dev)
-    table_of_recv = torch.repeat_interleave(torch.arange(K, device=dev).repeat(g.size), counts,
-                                            output_size=recv_len.numel())  # fmt: skip
-    part_order = torch.sort(table_of_recv, stable=True).indices
-    id_order = _segment_gather_index(recv_len, part_order, sum(recv_ids_n))
+    # The owner: what it receives comes in blocks, one per (peer, table), peer-major; each
+    # table is served from its own contiguous run (the blocks regrouped table-major).
     parts_per_table = [sum(c) for c in recv_parts_nk]
     ids_per_table = [sum(c) for c in recv_ids_nk]
-    t_ids = recv_ids[id_order].split(ids_per_table)
+    t_ids = _table_major(recv_ids, recv_ids_nk).split(ids_per_table)
+    t_len = _table_major(recv_len, recv_parts_nk)
     # Each table's part starts: one exclusive sum over all parts, shifted back per table.
-    sorted_len = recv_len[part_order]
-    starts = _shift_segments(torch.cumsum(sorted_len, 0) - sorted_len, parts_per_table, [-n for n in ids_per_table])
+    starts = _shift_segments(torch.cumsum(t_len, 0) - t_len, parts_per_table, [-n for n in ids_per_table])
     t_starts = starts.split(parts_per_table)
-    t_psw = recv_psw[id_order].split(ids_per_table) if any_psw else [None] * K
-    served, partial = _serve_tables(modules, t_ids, t_starts, t_psw, part_order)
+    t_psw = _table_major(recv_psw, recv_ids_nk).split(ids_per_table) if any_psw else [None] * K
+    served, pooled = _serve_tables(modules, t_ids, t_starts, t_psw)
+    partial = _received_order(pooled, recv_parts_nk)
 
     parts = all_to_all(g, partial, recv_parts_n, part_splits)
     # bag_of_part comes from bucketize_bags: in range, so no check (on CUDA, a host sync).
-    out = torch.ops.veloce.combine_parts(parts, b.bag_of_part, total_bags, False)
+    out = torch.ops.veloce.combine_parts(parts, bag_of_part, total_bags, False)
     scale = _mean_scale(modules, cb, dtype, dev)
     if scale is not None:
         out = out * scale.unsqueeze(1)
-    ex = _Exchange(modules, shard, cb, b.perm, b.bag_of_part, scale, id_splits,
-                   part_splits, recv_ids_n, recv_parts_n, part_order, id_order, parts_per_table,
-                   ids_per_table, served)  # fmt: skip
+    ex = _Exchange(modules, shard, cb, b.perm, bag_of_part, scale, id_splits, part_splits, recv_ids_n,
+                   recv_parts_n, recv_parts_nk, recv_ids_nk, served)  # fmt: skip
     return _per_table(out, cb.num_bags), ex
 
 
@@ -354,15 +354,18 @@ def _all_to_all_pair(group: Group, a: torch.Tensor, b: torch.Tensor, a_splits: l
 
 def _counts_per_owner_and_table(b, num_bags: list[int], world: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (owner, table), flattened owner-major: the number of parts and of ids sent, for
-    the owner to split what it receives by table.
+    the owner to split what it receives by table. ``b`` may hold padding parts after the
+    real ones (``bucketize_bags(exact_sizes=False)``: bag 0, length 0); nothing is read back.
 
     Parts come sorted by (owner, bag), and the bags table after table, so the parts of
-    owner r and table k are one run of the sorted keys ``owner * B + bag``: a search for
-    the W * K run starts gives both counts (the ids through a prefix sum of the part
-    lengths). A scatter-add into the W * K cells would serialize on their atomics."""
+    owner r and table k are one run of the sorted keys ``owner * B + bag`` (padding parts:
+    owner W, key W * B, past every real key): a search for the W * K run starts gives both
+    counts (the ids through a prefix sum of the part lengths). A scatter-add into the W * K
+    cells would serialize on their atomics."""
     B = sum(num_bags)
     P = b.bag_of_part.numel()
-    owner = torch.repeat_interleave(torch.arange(world, device=dev), b.part_splits, output_size=P)
+    ends = torch.cumsum(b.part_splits, 0)
+    owner = torch.searchsorted(ends, torch.arange(P, device=dev), right=True)  # W past the real parts
     keys = owner * B + b.bag_of_part  # non-decreasing
     table_starts = host_tensor([0, *itertools.accumulate(num_bags)][:-1], dev)
     run_starts = (torch.arange(world, device=dev) * B).unsqueeze(1) + table_starts.unsqueeze(0)
@@ -386,14 +389,28 @@ def _tags_hash(modules) -> int:
     return h
 
 
-def _segment_gather_index(lengths: torch.Tensor, order: torch.Tensor, total: int) -> torch.Tensor:
-    """Positions of the elements of segments (given by ``lengths``) taken in ``order``."""
-    starts = torch.cumsum(lengths, 0) - lengths
-    new_len = lengths[order]
-    seg_start = torch.repeat_interleave(starts[order], new_len, output_size=total)
-    new_starts = torch.cumsum(new_len, 0) - new_len
-    within = torch.arange(total, device=lengths.device) - torch.repeat_interleave(new_starts, new_len, output_size=total)
-    return seg_start + within
+def _table_major(t: torch.Tensor, counts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Rows received from an all-to-all, one block per (peer, table) in peer-major order
+    (``counts[k][p]`` rows of table k from peer p), regrouped table-major (each table's
+    blocks in peer order): ``t`` itself when there is one table or one peer, otherwise one
+    copy. A block-wise regrouping: no per-row index is built or gathered through."""
+    K, W = len(counts), len(counts[0]) if counts else 0
+    if K <= 1 or W <= 1:
+        return t
+    pieces = t.split([counts[k][p] for p in range(W) for k in range(K)])
+    return torch.cat([pieces[p * K + k] for k in range(K) for p in range(W)])
+
+
+def _received_order(per_table: Sequence[torch.Tensor], counts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The inverse of :func:`_table_major`: per-table rows (table k's blocks in peer order)
+    as one tensor, peer-major, in the order the all-to-all back to the peers sends."""
+    K, W = len(counts), len(counts[0]) if counts else 0
+    if K == 1:
+        return per_table[0]
+    if W <= 1:
+        return torch.cat(list(per_table))
+    pieces = [t.split(list(c)) for t, c in zip(per_table, counts)]
+    return torch.cat([pieces[k][p] for p in range(W) for k in range(K)])
 
 
 def _mean_scale(modules: list, batch: _Batch, dtype: torch.dtype, dev: torch.device) -> Optional[torch.Tensor]:
@@ -407,10 +424,10 @@ def _mean_scale(modules: list, batch: _Batch, dtype: torch.dtype, dev: torch.dev
 
 
 def _serve_tables(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[torch.Tensor],
-                  psw: Sequence[Optional[torch.Tensor]], order: torch.Tensor):
+                  psw: Sequence[Optional[torch.Tensor]]) -> tuple[list, list]:
     """The owner's half of a grouped lookup: each table serves its block (parts starting
-    at ``starts[k]`` in ``ids[k]``); the pooled parts come back in received order
-    (``order`` maps received to table-major)."""
+    at ``starts[k]`` in ``ids[k]``). Returns per table its :class:`_Served` and its pooled
+    parts."""
     served, pooled = [], []
     error: Optional[Exception] = None
     try:
@@ -433,8 +450,7 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[t
     # After serving, not right after the inserts: a lookup can fail too (out of memory for
     # its output), and a rank raising past the agreement would leave the others waiting.
     _agree_no_failure(modules[0]._shard.group, error)
-    flat = torch.cat(pooled)
-    return served, torch.empty_like(flat).index_copy_(0, order, flat)
+    return served, pooled
 
 
 def _agree_no_failure(group: Group, error: Optional[Exception]) -> None:
@@ -470,7 +486,7 @@ def _backward(ex: _Exchange, grads: Sequence[Optional[torch.Tensor]], psw_grad: 
     grad_parts = grad.index_select(0, ex.bag_of_part) / g.size  # averaged over ranks, as DDP
     want_psw = any(psw_grad)
     per_table = _deliver(shard, ex.modules, ex.served, grad_parts, ex.part_splits, ex.recv_parts_n,
-                         ex.part_order, ex.parts_per_table, sync=want_psw)  # fmt: skip
+                         ex.recv_parts_nk, sync=want_psw)  # fmt: skip
     if not want_psw:
         return [None] * len(ex.modules)
     return _psw_grads(ex, per_table, psw_grad)
@@ -503,10 +519,12 @@ def _split_psw_grads(flat: torch.Tensor, kept: list, num_ids: list[int], wanted:
 
 
 def _deliver(shard: Shard, modules: list, served: list, rows: torch.Tensor, send_splits: list[int],
-             recv_splits: list[int], order: torch.Tensor, per_table: list[int], sync: bool):
+             recv_splits: list[int], recv_nk: Sequence[Sequence[int]], sync: bool):
     """Sends gradient ``rows`` to their owners, who keep their tables' shares (the received
-    rows taken in ``order``, split ``per_table``) as pending gradients: now in sync mode
-    (returns those shares), or ``staleness`` steps later in async mode (returns None)."""
+    rows regrouped per table, ``recv_nk[k][p]`` of table k from peer p) as pending
+    gradients: now in sync mode (returns those shares), or ``staleness`` steps later in
+    async mode (returns None)."""
+    per_table = [sum(c) for c in recv_nk]
     if not sync and shard.mode == "async" and shard.staleness > 0:
         recv, work = all_to_all(shard.grad_group, rows, send_splits, recv_splits, async_op=True)
         landed: dict[str, list] = {}
@@ -514,14 +532,14 @@ def _deliver(shard: Shard, modules: list, served: list, rows: torch.Tensor, send
         def table_grads() -> list:
             if "grads" not in landed:
                 work.wait()
-                landed["grads"] = recv[order].split(per_table)
+                landed["grads"] = _table_major(recv, recv_nk).split(per_table)
             return landed["grads"]
 
         for k, m in enumerate(modules):
             m._shard.in_flight.append(_InFlight(m._shard.steps, lambda k=k: table_grads()[k], served[k]))
         return None
     recv = all_to_all(shard.group, rows, send_splits, recv_splits)
-    shares = recv[order].split(per_table)
+    shares = _table_major(recv, recv_nk).split(per_table)
     for m, s, gk in zip(modules, served, shares):
         _record(m, s, gk)
     return shares
@@ -532,12 +550,11 @@ def _psw_grads(ex: _Exchange, per_table: Sequence[torch.Tensor], psw_grad: list[
     from veloce.embedding import _psw_grad
 
     g = ex.shard.group
-    mine = torch.cat([
+    mine = [
         _psw_grad(m.table.weights, _current_slots(m, s), s.offsets, gk, False)
         for m, s, gk in zip(ex.modules, ex.served, per_table)
-    ])  # fmt: skip
-    received_order = torch.empty_like(mine).index_copy_(0, ex.id_order, mine)
-    back = all_to_all(g, received_order, ex.recv_ids_n, ex.id_splits)
+    ]  # fmt: skip
+    back = all_to_all(g, _received_order(mine, ex.recv_ids_nk), ex.recv_ids_n, ex.id_splits)
     flat = torch.zeros(ex.perm.numel(), dtype=back.dtype, device=back.device).index_copy_(0, ex.perm, back)
     return _split_psw_grads(flat, ex.batch.kept, ex.batch.num_ids, psw_grad)
 

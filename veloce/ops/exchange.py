@@ -58,6 +58,7 @@ def bucketize_bags(
     world_size: int,
     include_last_offset: bool = False,
     padding_id: Optional[int] = None,
+    exact_sizes: bool = True,
 ) -> Buckets:
     """Groups the ids of a batch of bags by owner and cuts each bag into per-owner parts.
 
@@ -72,12 +73,21 @@ def bucketize_bags(
         world_size: number of owners W >= 1.
         include_last_offset: as ``nn.EmbeddingBag``.
         padding_id: an id that is dropped.
+        exact_sizes: False returns the same values without waiting for the device (on
+            CUDA the exact sizes need a host sync), in tensors of upper-bound sizes: ``perm``
+            has N entries (the padding positions last), ``bag_of_part`` and
+            ``part_lengths`` have N, the ``P = part_splits.sum()`` parts first and zeros
+            after. The CUDA kernel then does not check the offsets' values (that check is
+            read back with the sizes): it stays in bounds on any offsets, and the caller
+            checks the layout itself (the sharded lookup sends its check in the exchange's
+            header, read back with the split sizes).
 
     Returns:
         :class:`Buckets`.
     """
     _ext.require()
-    return Buckets(*torch.ops.veloce.bucketize_bags(ids, offsets, include_last_offset, world_size, padding_id))
+    return Buckets(*torch.ops.veloce.bucketize_bags(ids, offsets, include_last_offset, world_size, padding_id,
+                                                    exact_sizes))  # fmt: skip
 
 
 def combine_parts(parts: torch.Tensor, bag_of_part: torch.Tensor, num_bags: int) -> torch.Tensor:
@@ -99,10 +109,13 @@ def _fake_owner_of(ids, world_size):
     return torch.empty_like(ids)
 
 
-def _fake_bucketize_bags(ids, offsets, include_last_offset, world_size, padding_id=None):
+def _fake_bucketize_bags(ids, offsets, include_last_offset, world_size, padding_id=None, exact_sizes=True):
+    new = ids.new_empty
+    if not exact_sizes:  # upper-bound sizes: static
+        n = ids.shape[0]
+        return new(n), new(world_size), new(n), new(n), new(world_size)
     ctx = torch.library.get_ctx()
     m, p = ctx.new_dynamic_size(), ctx.new_dynamic_size()
-    new = ids.new_empty
     return new(m), new(world_size), new(p), new(p), new(world_size)
 
 
