@@ -84,16 +84,22 @@ def test_bucketize_bags_matches_reference(device, bags, w, pad, last):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_combine_parts_sums_in_part_order(device, dtype):
-    g = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [1, 8, 33, 64, 1000])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_combine_parts_sums_in_part_order(device, dtype, dim, aligned):
+    """Every pack width of the CUDA kernel (16-byte packs when dim allows and the rows are
+    aligned, one element per lane otherwise) against a float64 reference."""
+    g = torch.Generator().manual_seed(dim)
     bag = torch.tensor([0, 3, 3, 1, 0, 3, 5], device=device)
-    parts = torch.randn(7, 33, generator=g, dtype=torch.float64).to(device, dtype)
+    flat = torch.randn(7 * dim + 1, generator=g, dtype=torch.float64).to(device, dtype)
+    parts = flat[:-1].view(7, dim) if aligned else flat[1:].view(7, dim)  # storage offset of one element
     out = combine_parts(parts, bag, 7)
-    want = torch.zeros(7, 33, dtype=torch.float64, device=device)
+    want = torch.zeros(7, dim, dtype=torch.float64, device=device)
     for p, b in enumerate(bag.tolist()):
         want[b] += parts[p].double()
-    torch.testing.assert_close(out.double(), want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-2)
+    low = dtype in (torch.bfloat16, torch.float16)
+    torch.testing.assert_close(out.double(), want, rtol=1e-2 if low else 1e-6, atol=1e-2 if low else 1e-6)
     assert out[[2, 4, 6]].abs().sum() == 0  # bags without parts
     # check_bags=False (the sharded lookup's call: indices from bucketize_bags) sums alike
     assert torch.equal(torch.ops.veloce.combine_parts(parts, bag, 7, False), out)
@@ -130,6 +136,20 @@ def test_exchange_ops_bad_input(device):
         bucketize_bags(ids, torch.tensor([0, 2, 1], device=device), 2)
     with pytest.raises(RuntimeError, match=r"offsets\[1\] = 4 is past the end"):
         bucketize_bags(torch.empty(0, dtype=torch.long, device=device), torch.tensor([0, 4], device=device), 2)
+    # exact_sizes=False: CPU still checks; CUDA does not (the caller checks the layout), and
+    # stays in bounds: every part's bag is a bag, and the splits sum to at most N
+    ids9 = torch.arange(9, device=device)
+    for bad in ([1, 2], [0, 7, 3], [0, 20], [0, -5, 4], [-3], [5, 5, 5, 100]):
+        off = torch.tensor(bad, device=device)
+        if device == "cpu":
+            with pytest.raises(RuntimeError, match="offsets"):
+                bucketize_bags(ids9, off, 3, exact_sizes=False)
+            continue
+        b = bucketize_bags(ids9, off, 3, exact_sizes=False)
+        P = int(b.part_splits.sum())
+        assert int(b.id_splits.sum()) == 9 and 0 <= P <= 9
+        assert P == 0 or (int(b.bag_of_part[:P].min()) >= 0 and int(b.bag_of_part[:P].max()) < len(bad))
+        assert sorted(b.perm.tolist()) == list(range(9))
     parts = torch.randn(2, 4, device=device)
     with pytest.raises(RuntimeError, match=r"bag_of_part\[1\] = 5 is not a bag index in \[0, num_bags = 3\)"):
         combine_parts(parts, torch.tensor([0, 5], device=device), 3)

@@ -122,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
   // tails zero and perm's tail the padding positions, ascending. The offsets are checked
   // either way: here that costs no sync.
   at::Tensor perm = at::empty({exact_sizes ? M : N}, ids.options());
-  at::Tensor bag_of_part = at::zeros({exact_sizes ? P : N}, ids.options());
+  at::Tensor bag_of_part = exact_sizes ? at::empty({P}, ids.options()) : at::zeros({N}, ids.options());
   at::Tensor part_lengths = at::zeros({exact_sizes ? P : N}, ids.options());
   int64_t* pm = perm.data_ptr<int64_t>();
   int64_t* bp = bag_of_part.data_ptr<int64_t>();

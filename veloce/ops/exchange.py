@@ -28,6 +28,10 @@ class Buckets(NamedTuple):
         bag_of_part: (P,) the bag of each part; parts are ordered by (owner, bag).
         part_lengths: (P,) ids per part; part ``p``'s ids are consecutive in ``perm``.
         part_splits: (W,) parts per owner.
+
+    With ``bucketize_bags(..., exact_sizes=False)``, ``perm``, ``bag_of_part`` and
+    ``part_lengths`` have N rows: ``perm`` ends with the padding positions, the parts
+    arrays hold the ``part_splits.sum()`` parts first, then zeros.
     """
 
     perm: torch.Tensor
