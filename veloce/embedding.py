@@ -141,6 +141,17 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
     _PLAIN_ATTRS = frozenset({"_steps", "_verdict", "_nonfinite_error", "_pending", "_last_lr", "_had_backward"})
 
     @property
+    def table(self) -> HashTable:
+        """The :class:`~veloce.table.HashTable` holding the rows (a submodule). Read on
+        every host path of a step, many times per table: this property finds it directly,
+        where nn.Module's attribute fallback would search parameters, buffers and modules
+        (about 10% of a 26-table sharded step's host time on a CPU)."""
+        try:
+            return self._modules["table"]
+        except KeyError:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute 'table'") from None
+
+    @property
     def step_count(self) -> int:
         """Sparse optimizer steps applied (Adam's t). With nonfinite_grad="raise_next",
         reading it first reads the last step's check (a step whose gradient held NaN/Inf

@@ -1,0 +1,97 @@
+"""Host CPU time of a training step, on the CPU, without a GPU: the cost of veloce's Python.
+
+On two GPUs the sharded DLRM step of configuration 5 is bound by its host path (the
+ninth session's phases in benchmarks/README.md): the time the main thread spends in
+Python and in launching work. On a CPU with a tiny batch, the main thread's CPU time per
+step (``time.thread_time``, which a wait does not count) measures that path closely and
+repeatably. Compare changes with interleaved runs.
+
+    python tools/host_time.py                # 26 sharded tables (one process, gloo)
+    python tools/host_time.py --local        # the same model without sharding
+    python tools/host_time.py --profile tottime   # then a cProfile of 100 steps
+
+The sharded path runs in one process: the tables are sharded over a gloo group of one
+rank, so other ranks' waits and scheduling do not add noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench_distributed import batches
+
+import veloce
+from veloce.models import DLRM
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--features", type=int, default=26)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--local", action="store_true", help="no sharding: the single-process path")
+    p.add_argument("--profile", default=None, help="a pstats sort key: print a cProfile of 100 more steps")
+    args = p.parse_args()
+    args.alpha, args.id_space, args.profile_steps = 1.05, 10**7, 0
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+
+    def table(dim):
+        return veloce.DynamicEmbedding(dim, mode="sum", capacity=1 << 14, nonfinite_grad="raise_next",
+                                       optimizer=veloce.optim.RowWiseAdagrad(lr=0.01))  # fmt: skip
+
+    model = DLRM(13, args.features, embedding_dim=args.dim, bottom_mlp=(32, args.dim), top_mlp=(32, 1),
+                 embedding_factory=table)  # fmt: skip
+    hp = veloce.distributed.HybridParallel(model, sparse="sync")
+    if not args.local:
+        hp._shard_tables(None)  # sharded over the one rank: the sharded path's host work
+    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), hp)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    data = batches(args, 0, torch.device("cpu"))
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+    for i, (dense, sparse, label) in enumerate(data):
+        t0 = time.thread_time()
+        out = hp(dense, sparse)
+        t1 = time.thread_time()
+        loss_fn(out, label).backward()
+        t2 = time.thread_time()
+        opt.step()
+        opt.zero_grad()
+        t3 = time.thread_time()
+        if i >= args.warmup:
+            for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+                times[k].append(dt)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    what = "local" if args.local else "sharded"
+    print(f"{what}, {args.features} tables: main-thread CPU ms per step (median of {args.steps}): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in med.items()) + f", total {sum(med.values()):.3f}")  # fmt: skip
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile(time.thread_time)
+        prof.enable()
+        for dense, sparse, label in data[:100]:
+            loss_fn(hp(dense, sparse), label).backward()
+            opt.step()
+            opt.zero_grad()
+        prof.disable()
+        pstats.Stats(prof).sort_stats(args.profile).print_stats(40)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
