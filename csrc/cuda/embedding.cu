@@ -66,16 +66,6 @@ int64_t check_bags_and_slots_cuda(const char* op, const at::Tensor& offsets, con
   return B;
 }
 
-// V = 16 bytes of elements when D allows it and every row pointer is 16-byte aligned.
-template <typename scalar_t>
-bool can_vectorize(int64_t D, std::initializer_list<const void*> ptrs) {
-  if (D % vec16<scalar_t>() != 0) return false;
-  for (const void* p : ptrs) {
-    if (p != nullptr && !aligned16(p)) return false;
-  }
-  return true;
-}
-
 // ---- pooled_lookup ----------------------------------------------------------------------
 
 // A lane group takes up to kMaxBags consecutive bags (kBags = 1 or kMaxBags; the launcher

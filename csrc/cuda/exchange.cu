@@ -282,8 +282,7 @@ at::Tensor combine_parts_cuda(const at::Tensor& parts, const at::Tensor& bag_of_
           out.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    const bool vec = D % vec16<scalar_t>() == 0 && aligned16(p_c.data_ptr()) && aligned16(out.data_ptr());
-    if (vec) {
+    if (can_vectorize<scalar_t>(D, {p_c.data_ptr(), out.data_ptr()})) {
       launch(std::integral_constant<int, vec16<scalar_t>()>());
     } else {
       launch(std::integral_constant<int, 1>());

@@ -367,9 +367,9 @@ def _counts_per_owner_and_table(b, num_bags: list[int], world: int, dev) -> tupl
     ends = torch.cumsum(b.part_splits, 0)
     owner = torch.searchsorted(ends, torch.arange(P, device=dev), right=True)  # W past the real parts
     keys = owner * B + b.bag_of_part  # non-decreasing
-    table_starts = host_tensor([0, *itertools.accumulate(num_bags)][:-1], dev)
-    run_starts = (torch.arange(world, device=dev) * B).unsqueeze(1) + table_starts.unsqueeze(0)
-    bounds = torch.cat([run_starts.reshape(-1), host_tensor([world * B], dev)])
+    table_starts = [0, *itertools.accumulate(num_bags)][:-1]
+    # The run starts r * B + (table k's first bag), then the end: known on the host, one copy.
+    bounds = host_tensor([r * B + start for r in range(world) for start in table_starts] + [world * B], dev)
     pos = torch.searchsorted(keys, bounds)
     ids_before = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.cumsum(b.part_lengths, 0)])
     return pos.diff(), ids_before[pos].diff()

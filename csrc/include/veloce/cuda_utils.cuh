@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -143,6 +144,17 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, V>& x) {
 template <typename T>
 constexpr int vec16() {
   return static_cast<int>(16 / sizeof(T));
+}
+
+// Rows of D elements can be read V = vec16<T>() at a time: D allows it and every row
+// pointer (null ones skipped) is 16-byte aligned.
+template <typename T>
+bool can_vectorize(int64_t D, std::initializer_list<const void*> ptrs) {
+  if (D % vec16<T>() != 0) return false;
+  for (const void* p : ptrs) {
+    if (p != nullptr && !aligned16(p)) return false;
+  }
+  return true;
 }
 
 // ---- bucket probing (device) ---------------------------------------------------------
