@@ -957,9 +957,9 @@ def test_lookup_many_bad_offsets_in_one_table_change_no_table():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_cuda_lookup_many_of_known_ids_waits_for_the_device_once(capfd):
-    """Eight tables with 1-D offsets: one read-back sizes the inserts (none new) and carries
-    the flag of every bag layout (bad_input); per table it would be 16 (8 before the flag
-    rode on the insert: 2 per call)."""
+    """Eight tables with 1-D offsets: one read-back of the inserts' counters (none new)
+    carries the flag of every bag layout (bad_input); per table it would be 16 (8 before
+    the flag rode on the insert: 2 per call)."""
     # Room for every id: a table due to grow reads the flag before growing (one more sync).
     tables = [veloce.DynamicEmbedding(16, mode="sum", device="cuda", seed=k, capacity=1 << 13) for k in range(8)]
     ids = torch.randint(0, 1000, (4096,), device="cuda")
@@ -977,12 +977,31 @@ def test_cuda_lookup_many_of_known_ids_waits_for_the_device_once(capfd):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_training_forward_of_new_ids_waits_for_the_device_once(capfd):
+    """New ids cost no extra wait either: the missing positions are grouped on the device
+    without their count being read back, and the one read of the counters decides their
+    placement (new ids that share no bucket with each other: a big, empty table)."""
+    emb = veloce.DynamicEmbedding(16, mode="sum", capacity=1 << 22, device="cuda")
+    ids = torch.arange(16, device="cuda") * 7919  # 32 of 131072 buckets: shared by chance with p < 0.5%
+    offsets = torch.arange(0, 16, 4, device="cuda")
+    torch.cuda.synchronize()
+    capfd.readouterr()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        out = emb(ids, offsets)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert capfd.readouterr().err.count("called a synchronizing CUDA operation") == 1
+    assert out.shape == (4, 16) and len(emb) == 16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 @pytest.mark.parametrize("layout", ["1-D offsets", "2-D input"])
 def test_cuda_training_forward_of_known_ids_waits_for_the_device_once(layout, capfd):
-    """A training forward of ids already in the table waits once: the insert's count of
-    missing ids, which also carries the offsets' flag (it took two reads before). The table
-    is sized so that it is not due to grow (growth reads the device back): with the default
-    capacity, whether the first call's ~980 ids grew it depended on the random ids."""
+    """A training forward of ids already in the table waits once: the insert's counters,
+    which also carry the offsets' flag (it took two reads before). The table is sized so
+    that it is not due to grow (growth reads the device back): with the default capacity,
+    whether the first call's ~980 ids grew it depended on the random ids."""
     emb = veloce.DynamicEmbedding(16, mode="sum", capacity=1 << 14, device="cuda")
     ids = torch.randint(0, 1000, (4096,), device="cuda")
     args = (ids, torch.arange(0, 4096, 4, device="cuda")) if layout == "1-D offsets" else (ids.view(1024, 4),)

@@ -41,6 +41,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--local", action="store_true", help="no sharding: the single-process path")
     p.add_argument("--profile", default=None, help="a pstats sort key: print a cProfile of 100 more steps")
+    p.add_argument("--ops", action="store_true",
+                   help="then count the torch ops dispatched per step (on a GPU, each launches work)")
     args = p.parse_args()
     args.alpha, args.id_space, args.profile_steps = 1.05, 10**7, 0
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -90,7 +92,33 @@ def main() -> None:
             opt.zero_grad()
         prof.disable()
         pstats.Stats(prof).sort_stats(args.profile).print_stats(40)
+    if args.ops:
+        _count_ops(lambda d, s, y: (loss_fn(hp(d, s), y).backward(), opt.step(), opt.zero_grad()), data[:10])
     dist.destroy_process_group()
+
+
+def _count_ops(step, data) -> None:
+    """Prints the torch ops (aten, veloce, c10d) that ``step`` dispatches per batch of ``data``."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        for batch in data:
+            step(*batch)
+    n = len(data)
+    print(f"torch ops dispatched per step: {sum(count.ops.values()) / n:.1f}")
+    for name, c in count.ops.most_common(40):
+        print(f"  {c / n:7.1f}  {name}")
 
 
 if __name__ == "__main__":

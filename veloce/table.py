@@ -428,7 +428,7 @@ def find_or_insert_many(
     """``[t.find_or_insert(i, p) for t, i, p in zip(tables, ids, padding_ids)]`` in one op.
 
     The result and every table's state are those of the separate calls. On CUDA the
-    tables share their host syncs (one to three for the whole call instead of per
+    tables share their host syncs (one or two for the whole call instead of per
     table), which is what makes a step over many tables fast. Tables may differ in
     capacity, dim, dtype, policies and device (one op call per device), but each table
     is listed once. A table that finds no room grows (or evicts) and retries alone, as its own

@@ -6,10 +6,10 @@
 // on a digest match.
 //
 // Inserting ops (find_or_insert, insert_or_assign) run in phases:
-//   1. find every id in parallel (no mutation); find_or_insert compacts the misses;
-//   2. group ids with a CUB radix sort (id, position) -> runs, so each distinct new id is
-//      inserted by exactly one thread; classify the new ids (conflicted or not, and for
-//      the others whether they will need to evict or fail);
+//   1. find every id in parallel (no mutation); find_or_insert flags the misses;
+//   2. group the (missing) positions by id through a scratch hash set (group_ids), so each
+//      distinct new id is inserted by exactly one thread; classify the new ids (conflicted
+//      or not, and for the others whether they will need to evict or fail);
 //   3a. claim: each new id CASes the 32-bit word holding 4 digests to take the lowest
 //       empty slot of its emptier bucket (bucket_a on a tie), retrying on contention;
 //       ids whose two buckets are full are queued;
@@ -17,28 +17,28 @@
 //       lowest-score slot of its 64 candidates not touched by this call (a bitmap of
 //       found + claimed slots); ownership is an atomicOr on that bitmap;
 //   4. if any id found no room: every claimed slot gets its saved key and digest back
-//      (nothing else was written yet) and counts = [0, failed]; when the failure is
-//      known from phase 2 already (no conflicted ids), nothing is claimed at all;
+//       (nothing else was written yet) and counts = [0, failed]; when the failure is
+//       known from phase 2 already (no conflicted ids), nothing is claimed at all;
 //   5. on success only: new rows are initialised, scores updated, slots mapped back.
+// Phases 1 and 2 write scratch memory only: the table changes from phase 3 on.
 //
 // Host syncs (device-to-host reads; each costs tens of microseconds and drains the launch
-// queue). Sizes the host cannot know are replaced by upper bounds, with the exact count
-// read from device memory by the kernels; what remains:
-//   a. find_or_insert only: the number m of missing positions, which sizes the grouping
-//      sort (CUB's radix sort takes its length from the host). m = 0 ends the call.
-//      The caller's bad_input flag rides in the same copy: a set flag ends the call with
-//      an error before phase 2 (the probe changed nothing), so a caller that checks its
-//      input on the device (DynamicEmbedding's bag layouts) pays no sync of its own. When
-//      no table has ids (no sync a), the flag is read alone.
+// queue). Sizes the host cannot know are replaced by upper bounds (the n positions of the
+// call), with the exact count read from device memory by the kernels; what remains:
 //   b. one copy of the counters after phase 2: U (sizes the per-id launches after it),
 //      the new ids (inserted; 0 ends the call), the conflicted ids (choose sequential or
 //      racing placement, and size the sequential order) and the classification. Without
 //      conflicted ids the outcome (inserted, failed, evicted) is fully known here.
+//      find_or_insert: the caller's bad_input flag rides in the same copy: a set flag ends
+//      the call with an error before phase 3 (nothing changed), so a caller that checks
+//      its input on the device (DynamicEmbedding's bag layouts) pays no sync of its own.
+//      When no table has ids (no sync b), the flag is read alone.
 //   c. only with conflicted ids: one more copy after phase 3, for failed (rollback or not)
 //      and the number of evicted keys (sizes evicted_keys).
-// counts is computed on the host and returned as a CPU tensor. Per call: find_or_insert
-// 1 sync without new ids, 2 with new ids and no conflicted ones (evicting or not), 3 with
-// conflicted ones; insert_or_assign 1, or 2 with conflicted ids; erase none.
+// (An earlier version also read the number of missing positions back after phase 1, to
+// size a radix sort that grouped them: "sync a".) counts is computed on the host and
+// returned as a CPU tensor. Per call: find_or_insert and insert_or_assign 1 sync, or 2 with
+// conflicted ids; erase none.
 //
 // Same placement as the CPU kernel (which inserts in order of first occurrence): a new id
 // that shares neither bucket with another new id of the call meets the same buckets in
@@ -58,8 +58,6 @@
 #include <utility>
 #include <vector>
 
-#include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_scan.cuh>
 #include <cub/device/device_select.cuh>
 
 #include "hash_table_device.cuh"
@@ -71,71 +69,100 @@ namespace veloce {
 namespace cuda {
 namespace {
 
-// find_or_insert success: initial rows, zero state, starting score of the new ids.
-// Block (32, 8): one row per threadIdx.y, columns over threadIdx.x.
+// find_or_insert success: initial rows, zero state, starting score of the new ids. One warp
+// per 32 distinct ids: lane j loads id (base + j)'s state, slot and id, then the warp fills
+// the 32 rows in turn, columns over lanes. With one row per warp, the dependent loads before
+// each row's stores bounded the kernel (0.6 TB/s on 420k rows of 256 bytes).
 template <typename scalar_t>
 __global__ void init_rows_kernel(Uniques u, scalar_t* __restrict__ weights, int64_t D,
                                  at::opmath_type<scalar_t>* __restrict__ state, int64_t S,
                                  int64_t* __restrict__ scores, int64_t start_score, int64_t seed, int64_t kind,
                                  double a, double b) {
-  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (!u.has(k)) return;
-  const int8_t st = u.state[k];
-  if (st != kClaimed && st != kEvicted) return;
-  const int64_t s = u.slot[k];
-  const int64_t id = u.id[k];
-  for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
-    weights[s * D + c] = to_weight<scalar_t>(init_value(seed, id, c, kind, a, b));
+  constexpr unsigned kAll = 0xffffffffu;
+  const int64_t k = thread_index();
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  int64_t slot = -1, id = 0;
+  if (u.has(k)) {
+    const int8_t st = u.state[k];
+    if (st == kClaimed || st == kEvicted) {
+      slot = u.slot[k];
+      id = u.id[k];
+    }
   }
-  for (int64_t c = threadIdx.x; c < S; c += blockDim.x) state[s * S + c] = 0;
-  if (threadIdx.x == 0) scores[s] = start_score;
+  if (__ballot_sync(kAll, slot >= 0) == 0) return;  // the whole warp
+  for (int j = 0; j < 32; ++j) {
+    const int64_t s = __shfl_sync(kAll, slot, j);
+    if (s < 0) continue;
+    scalar_t* const row = weights + s * D;
+    init_columns(seed, __shfl_sync(kAll, id, j), D, kind, a, b, lane, 32,
+                 [&](int64_t c, double v) { row[c] = to_weight<scalar_t>(v); });
+    for (int64_t c = lane; c < S; c += 32) state[s * S + c] = 0;
+    if (lane == 0) scores[s] = start_score;
+  }
 }
 
 // insert_or_assign success: the last occurrence of each distinct id writes its row,
-// state and score. begin (U + 1,) delimits each id's run of sorted positions.
+// state and score (last_pos, occurrences: from group_ids). One warp per 32 distinct ids,
+// as init_rows_kernel: lane j loads id (base + j)'s bookkeeping and sets its score, then
+// the warp copies the 32 rows in turn.
 template <typename scalar_t>
-__global__ void assign_rows_kernel(Uniques u, const int32_t* __restrict__ sorted_pos,
-                                   const int32_t* __restrict__ begin, scalar_t* __restrict__ weights,
+__global__ void assign_rows_kernel(Uniques u, const int32_t* __restrict__ last_pos,
+                                   const int32_t* __restrict__ occurrences, scalar_t* __restrict__ weights,
                                    const scalar_t* __restrict__ values, int64_t D,
                                    at::opmath_type<scalar_t>* __restrict__ state,
                                    const at::opmath_type<scalar_t>* __restrict__ opt_values, int64_t S,
                                    int64_t* __restrict__ scores, const int64_t* __restrict__ score_values,
                                    int64_t policy, int64_t score_value) {
-  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (!u.has(k)) return;
-  const int64_t s = u.slot[k];
-  const int8_t st = u.state[k];
-  const bool fresh = st == kClaimed || st == kEvicted;
-  const int64_t last = sorted_pos[begin[k + 1] - 1];  // stable sort: the run ends at the last position
-  for (int64_t c = threadIdx.x; c < D; c += blockDim.x) weights[s * D + c] = values[last * D + c];
-  if (opt_values != nullptr) {
-    for (int64_t c = threadIdx.x; c < S; c += blockDim.x) state[s * S + c] = opt_values[last * S + c];
-  } else if (fresh) {
-    for (int64_t c = threadIdx.x; c < S; c += blockDim.x) state[s * S + c] = 0;
+  constexpr unsigned kAll = 0xffffffffu;
+  const int64_t k = thread_index();
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  int64_t slot = -1, last = 0;
+  bool fresh = false;
+  if (u.has(k)) {
+    slot = u.slot[k];
+    const int8_t st = u.state[k];
+    fresh = st == kClaimed || st == kEvicted;
+    last = last_pos[k];
+    int64_t sc;
+    if (score_values != nullptr) {
+      sc = score_values[last];
+    } else {
+      sc = fresh ? (policy == kScoreLRU ? score_value : 0) : scores[slot];
+      if (policy == kScoreLRU) sc = score_value;
+      if (policy == kScoreLFU) sc += occurrences[k];
+    }
+    scores[slot] = sc;
   }
-  if (threadIdx.x != 0) return;
-  if (score_values != nullptr) {
-    scores[s] = score_values[last];
-    return;
+  const unsigned rows = __ballot_sync(kAll, slot >= 0);
+  if (rows == 0) return;  // the whole warp
+  const unsigned fresh_rows = __ballot_sync(kAll, fresh);
+  for (int j = 0; j < 32; ++j) {
+    if (!((rows >> j) & 1u)) continue;
+    const int64_t s = __shfl_sync(kAll, slot, j);
+    const int64_t src = __shfl_sync(kAll, last, j);
+    for (int64_t c = lane; c < D; c += 32) weights[s * D + c] = values[src * D + c];
+    if (opt_values != nullptr) {
+      for (int64_t c = lane; c < S; c += 32) state[s * S + c] = opt_values[src * S + c];
+    } else if ((fresh_rows >> j) & 1u) {
+      for (int64_t c = lane; c < S; c += 32) state[s * S + c] = 0;
+    }
   }
-  int64_t sc = fresh ? (policy == kScoreLRU ? score_value : 0) : scores[s];
-  if (policy == kScoreLRU) sc = score_value;
-  if (policy == kScoreLFU) sc += begin[k + 1] - begin[k];
-  scores[s] = sc;
 }
 
-// slots[position] = slot of its run, for every sorted entry.
-__global__ void map_slots_kernel(const int32_t* __restrict__ sorted_pos, const int32_t* __restrict__ run,
-                                 int64_t m, const int64_t* __restrict__ uniq_slot, int64_t* __restrict__ slots) {
-  const int64_t j = thread_index();
-  if (j < m) slots[sorted_pos[j]] = uniq_slot[run[j]];
-}
-
-// Per non-padding position: LRU sets score_value, LFU adds 1.
-__global__ void score_positions_kernel(const int64_t* __restrict__ slots, int64_t n, int64_t* scores,
-                                       int64_t policy, int64_t score_value) {
+// slots[i] = slot of position i's distinct id, for every grouped position (active[i], or
+// all when active is null).
+__global__ void map_slots_kernel(const uint8_t* __restrict__ active, const int32_t* __restrict__ group, int64_t n,
+                                 const int64_t* __restrict__ uniq_slot, int64_t* __restrict__ slots) {
   const int64_t i = thread_index();
-  if (i >= n) return;
+  if (i < n && (active == nullptr || active[i])) slots[i] = uniq_slot[group[i]];
+}
+
+// Per non-padding position: LRU sets score_value, LFU adds 1. skip: positions to leave
+// out (null for none): LRU skips the new ids, whose rows started at score_value.
+__global__ void score_positions_kernel(const int64_t* __restrict__ slots, const uint8_t* __restrict__ skip, int64_t n,
+                                       int64_t* scores, int64_t policy, int64_t score_value) {
+  const int64_t i = thread_index();
+  if (i >= n || (skip != nullptr && skip[i])) return;
   const int64_t s = slots[i];
   if (s < 0) return;
   if (policy == kScoreLRU) {
@@ -147,110 +174,182 @@ __global__ void score_positions_kernel(const int64_t* __restrict__ slots, int64_
   }
 }
 
-__global__ void erase_kernel(Table t, Uniques u, const int32_t* __restrict__ sorted_pos,
-                             const int32_t* __restrict__ begin, bool* __restrict__ erased) {
+__global__ void erase_kernel(Table t, Uniques u, const int32_t* __restrict__ first_pos, bool* __restrict__ erased) {
   const int64_t k = thread_index();
   if (!u.has(k)) return;
   const int64_t s = u.slot[k];
   if (s < 0) return;
   t.digests[s] = kEmptyDigest;
-  erased[sorted_pos[begin[k]]] = true;  // stable sort: the run starts at the first position
+  erased[first_pos[k]] = true;
 }
 
+// Block (32, 8): one row per threadIdx.y.
 template <typename scalar_t>
 __global__ void initialize_kernel(const int64_t* __restrict__ ids, int64_t n, int64_t dim, int64_t seed,
                                   int64_t kind, double a, double b, scalar_t* __restrict__ out) {
-  const int64_t e = thread_index();
-  if (e >= n * dim) return;
-  out[e] = to_weight<scalar_t>(init_value(seed, ids[e / dim], e % dim, kind, a, b));
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (k >= n) return;
+  scalar_t* const row = out + k * dim;
+  init_columns(seed, ids[k], dim, kind, a, b, threadIdx.x, blockDim.x,
+               [&](int64_t c, double v) { row[c] = to_weight<scalar_t>(v); });
 }
 
-// Grouping pass helpers: heads of runs of equal sorted ids, then run index per entry.
-__global__ void run_heads_kernel(const int64_t* __restrict__ sorted, int64_t m, int32_t* __restrict__ heads) {
-  const int64_t j = thread_index();
-  if (j < m) heads[j] = (j == 0 || sorted[j] != sorted[j - 1]) ? 1 : 0;
+// ---- grouping: the distinct ids of a call ------------------------------------------------
+// Positions are grouped by id through a scratch open-addressing set (linear probing, load
+// <= 1/2) instead of a sort: one CAS per position to claim an id's scratch slot, whose winner
+// numbers the id; then, after a launch boundary, every position reads its id's number. A
+// radix sort of 64-bit ids took 8 passes and about 20 launches; this takes 4 launches and no
+// size from the host, so it runs over all n positions with an `active` flag each.
+//
+// Every int64 is a valid id, so the scratch set's empty marker kGroupEmpty is one too: that
+// id takes the spare scratch slot past the set (claimed by a flag), never the set itself.
+constexpr int64_t kGroupEmpty = std::numeric_limits<int64_t>::min();
+
+struct GroupScratch {
+  int64_t* keys;      // (C,) ids, kGroupEmpty where free
+  int32_t* index;     // (C + 1,) the distinct id's number, written by the slot's winner
+  int32_t* spare;     // claim flag of slot C (the id kGroupEmpty)
+  int64_t mask;       // C - 1
+};
+
+// Claims each active position's id a scratch slot; the winner numbers the id (*num), writes
+// it and starts its slot, state, first/last position and count. where[i] = the position's
+// scratch slot.
+__global__ void group_claim_kernel(const int64_t* __restrict__ ids, const uint8_t* __restrict__ active, int64_t n,
+                                   GroupScratch g, int64_t* __restrict__ where, int64_t* __restrict__ uniq_id,
+                                   int64_t* __restrict__ uniq_slot, int8_t* __restrict__ uniq_state,
+                                   int32_t* __restrict__ first_pos, int32_t* __restrict__ last_pos,
+                                   int32_t* __restrict__ occurrences, int32_t* num) {
+  const int64_t i = thread_index();
+  const bool on = i < n && (active == nullptr || active[i]);
+  int64_t h = 0, id = 0;
+  bool won = false;
+  if (on) {
+    id = ids[i];
+    if (id == kGroupEmpty) {
+      h = g.mask + 1;
+      // A plain read first: a hot id's later positions find it claimed without an atomic.
+      won = __ldcg(g.spare) == 0 && atomicExch(g.spare, 1) == 0;
+    } else {
+      h = static_cast<int64_t>(fmix64(static_cast<uint64_t>(id)) & static_cast<uint64_t>(g.mask));
+      while (true) {
+        int64_t seen = __ldcg(g.keys + h);
+        if (seen == kGroupEmpty) {
+          seen = static_cast<int64_t>(atomicCAS(reinterpret_cast<unsigned long long*>(g.keys + h),
+                                                static_cast<unsigned long long>(kGroupEmpty),
+                                                static_cast<unsigned long long>(id)));
+          if (seen == kGroupEmpty) {
+            won = true;
+            break;
+          }
+        }
+        if (seen == id) break;
+        h = (h + 1) & g.mask;
+      }
+    }
+    where[i] = h;
+  }
+  const int32_t k = block_reserve(won, num);
+  if (!won) return;
+  g.index[h] = k;
+  uniq_id[k] = id;
+  uniq_slot[k] = -1;
+  uniq_state[k] = kPresent;
+  first_pos[k] = std::numeric_limits<int32_t>::max();
+  if (last_pos != nullptr) {
+    last_pos[k] = -1;
+    occurrences[k] = 0;
+  }
 }
 
-__global__ void runs_kernel(const int64_t* __restrict__ sorted, const int32_t* __restrict__ sorted_pos, int64_t m,
-                            int32_t* __restrict__ run, int64_t* __restrict__ uniq_id,
-                            int32_t* __restrict__ first_pos, int32_t* __restrict__ begin, int32_t* num) {
-  const int64_t j = thread_index();
-  if (j >= m) return;
-  const int32_t r = run[j] - 1;  // inclusive sum of heads -> 0-based run
-  run[j] = r;
-  if (j == 0 || sorted[j] != sorted[j - 1]) {
-    uniq_id[r] = sorted[j];
-    first_pos[r] = sorted_pos[j];  // stable sort: positions ascend within a run
-    begin[r] = static_cast<int32_t>(j);
+// Per active position: its distinct id's number (group), and that id's first position (and
+// last position and count, when asked for). Lanes of a warp that share an id combine first,
+// so a hot id costs one atomic per warp, not per position.
+__global__ void group_assign_kernel(const uint8_t* __restrict__ active, int64_t n, const int64_t* __restrict__ where,
+                                    const int32_t* __restrict__ index, int32_t* __restrict__ group,
+                                    int32_t* __restrict__ first_pos, int32_t* __restrict__ last_pos,
+                                    int32_t* __restrict__ occurrences) {
+  const int64_t i = thread_index();
+  const bool on = i < n && (active == nullptr || active[i]);
+  const unsigned lanes = __ballot_sync(0xffffffffu, on);
+  if (!on) return;
+  const int32_t k = index[where[i]];
+  group[i] = k;
+  const unsigned same = __match_any_sync(lanes, k);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int lowest = __ffs(same) - 1, highest = 31 - __clz(same);
+  // Positions grow with the lane: the lowest lane of the group holds its first position.
+  if (lane == lowest) {
+    atomicMin(first_pos + k, static_cast<int32_t>(i));
+    if (occurrences != nullptr) atomicAdd(occurrences + k, __popc(same));
   }
-  if (j == m - 1) {  // the last run: U = r + 1 runs
-    begin[r + 1] = static_cast<int32_t>(m);
-    *num = r + 1;
-  }
+  if (last_pos != nullptr && lane == highest) atomicMax(last_pos + k, static_cast<int32_t>(i));
 }
 
 // ---- host-side building blocks ---------------------------------------------------------
 
-// ids grouped by value: positions sorted by (id, position), their run, and per run the id,
-// its first position and its first sorted entry (begin[U] = m). The number of runs U is
-// written to *num on the device, so the per-run arrays have the upper bound m entries,
-// of which the first U are used (no sync here).
-struct Runs {
-  at::Tensor sorted_pos;  // (m,) int32
-  at::Tensor run;         // (m,) int32
-  at::Tensor uniq_id;     // (m,) int64
-  at::Tensor first_pos;   // (m,) int32
-  at::Tensor begin;       // (m + 1,) int32
-};
-
-Runs group_ids(const at::Tensor& ids, const at::Tensor& pos, int32_t* num) {  // (m,) int64, (m,) int32; m > 0
-  const int64_t m = ids.numel();
-  const int num_items = static_cast<int>(m);
-  at::Tensor sorted_ids = at::empty_like(ids);
-  Runs r;
-  r.sorted_pos = at::empty_like(pos);
-  cub_call(ids, [&](void* temp, size_t& bytes) {
-    return cub::DeviceRadixSort::SortPairs(temp, bytes, ids.data_ptr<int64_t>(), sorted_ids.data_ptr<int64_t>(),
-                                           pos.data_ptr<int32_t>(), r.sorted_pos.data_ptr<int32_t>(), num_items, 0,
-                                           64, stream());
-  });
-  at::Tensor heads = at::empty({m}, pos.options());
-  run_heads_kernel<<<grid_for(m), kThreads, 0, stream()>>>(sorted_ids.data_ptr<int64_t>(), m,
-                                                           heads.data_ptr<int32_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  r.run = at::empty({m}, pos.options());
-  cub_call(ids, [&](void* temp, size_t& bytes) {
-    return cub::DeviceScan::InclusiveSum(temp, bytes, heads.data_ptr<int32_t>(), r.run.data_ptr<int32_t>(),
-                                         num_items, stream());
-  });
-  r.uniq_id = at::empty({m}, ids.options());
-  r.first_pos = at::empty({m}, pos.options());
-  r.begin = at::empty({m + 1}, pos.options());
-  runs_kernel<<<grid_for(m), kThreads, 0, stream()>>>(
-      sorted_ids.data_ptr<int64_t>(), r.sorted_pos.data_ptr<int32_t>(), m, r.run.data_ptr<int32_t>(),
-      r.uniq_id.data_ptr<int64_t>(), r.first_pos.data_ptr<int32_t>(), r.begin.data_ptr<int32_t>(), num);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return r;
-}
-
-// Owns the per-distinct-id state of one call. ids is group_ids' uniq_id: m entries, the
-// first U (*num, in device memory) used. n is m until the host reads U and sets n = U,
-// so that later launches cover U ids only.
+// Owns the per-distinct-id state of one call: arrays of n entries (n positions grouped),
+// of which group_ids fills the first U (U in *num, in device memory): the id, slot -1 and
+// state kPresent. n is the upper bound until the host reads U and sets n = U, so that later
+// launches cover U ids only.
 struct UniqueTensors {
   at::Tensor id, slot, state, old_key, old_digest;
   const int32_t* num;
   int64_t n;
-  UniqueTensors(const at::Tensor& ids, const int32_t* num) : id(ids), num(num), n(ids.numel()) {
-    slot = at::full({n}, -1, ids.options());
-    state = at::zeros({n}, ids.options().dtype(at::kChar));
-    old_key = at::empty({n}, ids.options());
-    old_digest = at::empty({n}, ids.options().dtype(at::kByte));
+  UniqueTensors(const at::Tensor& like, int64_t n, const int32_t* num) : num(num), n(n) {
+    id = at::empty({n}, like.options());
+    slot = at::empty({n}, like.options());
+    state = at::empty({n}, like.options().dtype(at::kChar));
+    old_key = at::empty({n}, like.options());
+    old_digest = at::empty({n}, like.options().dtype(at::kByte));
   }
   Uniques view() const {
     return {id.data_ptr<int64_t>(),      slot.data_ptr<int64_t>(),       state.data_ptr<int8_t>(),
             old_key.data_ptr<int64_t>(), old_digest.data_ptr<uint8_t>(), num, n};
   }
 };
+
+// The grouping of a call's active positions by id (the distinct ids themselves go to
+// UniqueTensors). Arrays of n entries (the upper bound), the first U used.
+struct Groups {
+  at::Tensor first_pos;    // (n,) int32: distinct id k's first position
+  at::Tensor last_pos;     // (n,) int32: its last position (with_last only)
+  at::Tensor occurrences;  // (n,) int32: its number of positions (with_last only)
+  at::Tensor group;        // (n,) int32: per active position, its distinct id k
+};
+
+// Groups the n positions of ids (active: (n,) flags, or null for all) into ut (n entries;
+// *ut.num must be 0 on entry). Nothing is read back.
+Groups group_ids(const at::Tensor& ids, const uint8_t* active, UniqueTensors& ut, bool with_last) {
+  const int64_t n = ids.numel();
+  int64_t cap = 64;
+  while (cap < 2 * n) cap *= 2;
+  const at::TensorOptions i32 = ids.options().dtype(at::kInt);
+  const at::Tensor keys = at::full({cap}, kGroupEmpty, ids.options());
+  const at::Tensor index = at::empty({cap + 1}, i32);
+  const at::Tensor spare = at::zeros({1}, i32);
+  const at::Tensor where = at::empty({n}, ids.options());  // a scratch slot may pass 2^31
+  Groups r;
+  r.first_pos = at::empty({n}, i32);
+  r.group = at::empty({n}, i32);
+  if (with_last) {
+    r.last_pos = at::empty({n}, i32);
+    r.occurrences = at::empty({n}, i32);
+  }
+  int32_t* const last = with_last ? r.last_pos.data_ptr<int32_t>() : nullptr;
+  int32_t* const occ = with_last ? r.occurrences.data_ptr<int32_t>() : nullptr;
+  const GroupScratch g{keys.data_ptr<int64_t>(), index.data_ptr<int32_t>(), spare.data_ptr<int32_t>(), cap - 1};
+  group_claim_kernel<<<grid_for(n), kThreads, 0, stream()>>>(
+      ids.data_ptr<int64_t>(), active, n, g, where.data_ptr<int64_t>(), ut.id.data_ptr<int64_t>(),
+      ut.slot.data_ptr<int64_t>(), ut.state.data_ptr<int8_t>(), r.first_pos.data_ptr<int32_t>(), last, occ,
+      const_cast<int32_t*>(ut.num));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  group_assign_kernel<<<grid_for(n), kThreads, 0, stream()>>>(active, n, where.data_ptr<int64_t>(),
+                                                               index.data_ptr<int32_t>(), r.group.data_ptr<int32_t>(),
+                                                               r.first_pos.data_ptr<int32_t>(), last, occ);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return r;
+}
 
 // Device counters of one inserting call (int32: at most 2^31 - 1 ids per call), copied to
 // the host together; indices into the counters tensor.
@@ -308,7 +407,7 @@ struct InsertOutcome {
 // every table's counters in one copy: classify (launches only), then place (the host
 // reads counters, launches the placement), then, only when place returns true (conflicted
 // ids: their fate is known on the device only), settle after another read of counters.
-// The distinct ids and their runs are owned by the caller and passed to each stage.
+// The distinct ids and their grouping are owned by the caller and passed to each stage.
 class Placement {
  public:
   Placement(const Table& t, const at::Tensor& counters, uint32_t* touched, bool allow_evict)
@@ -334,7 +433,7 @@ class Placement {
 
   // Phases 3a and 3b from the counters read after classify (sync b); sets ut.n = U.
   // Returns whether settle() must follow, after another read of the counters (sync c).
-  bool place(const int32_t* c, UniqueTensors& ut, const Runs& runs) {
+  bool place(const int32_t* c, UniqueTensors& ut, const Groups& groups) {
     ut.n = c[counter::kUniques];
     const Uniques u = ut.view();
     out.inserted = c[counter::kNew];
@@ -368,7 +467,7 @@ class Placement {
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     if (sequential) {
-      const at::Tensor order = select_in_first_occurrence_order(ut, runs.first_pos, n_conflicted_,
+      const at::Tensor order = select_in_first_occurrence_order(ut, groups.first_pos, n_conflicted_,
                                                                 IsConflicted{conflicted_.data_ptr<uint8_t>()});
       sequential_insert_kernel<<<1, 1, 0, stream()>>>(t_, u, order.data_ptr<int64_t>(), n_conflicted_,
                                                      allow_evict_, touched_, ctr + counter::kFailed,
@@ -376,12 +475,12 @@ class Placement {
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     if (n_conflicted_ > 0) return true;  // how the conflicted ids fared is known on the device only
-    note_evicted(allow_evict_ ? n_full : 0, ut, runs);  // none doomed (else failed above): every full id evicted
+    note_evicted(allow_evict_ ? n_full : 0, ut, groups);  // none doomed (else failed above): every full id evicted
     return false;
   }
 
   // Phase 4 (rollback on failure) from the counters read after place (sync c).
-  void settle(const int32_t* p, const UniqueTensors& ut, const Runs& runs) {
+  void settle(const int32_t* p, const UniqueTensors& ut, const Groups& groups) {
     // Without eviction every queued id failed; sequential failures are in kFailed either way.
     out.failed = p[counter::kFailed] + (allow_evict_ ? 0 : p[counter::kQueued]);
     if (out.failed > 0) {
@@ -390,14 +489,14 @@ class Placement {
       out.inserted = 0;
       return;
     }
-    note_evicted(p[counter::kEvicted], ut, runs);
+    note_evicted(p[counter::kEvicted], ut, groups);
   }
 
  private:
-  void note_evicted(int64_t n_evicted, const UniqueTensors& ut, const Runs& runs) {
+  void note_evicted(int64_t n_evicted, const UniqueTensors& ut, const Groups& groups) {
     if (n_evicted == 0) return;  // in insertion order, as the CPU kernel reports them
     out.evicted = ut.old_key.index_select(
-        0, select_in_first_occurrence_order(ut, runs.first_pos, n_evicted, IsEvicted{ut.view().state}));
+        0, select_in_first_occurrence_order(ut, groups.first_pos, n_evicted, IsEvicted{ut.view().state}));
   }
 
   Table t_;
@@ -409,14 +508,14 @@ class Placement {
 };
 
 // The three stages in a row, for an op over one table (insert_or_assign).
-InsertOutcome insert_uniques(const Table& t, UniqueTensors& ut, const Runs& runs, const at::Tensor& counters,
+InsertOutcome insert_uniques(const Table& t, UniqueTensors& ut, const Groups& groups, const at::Tensor& counters,
                              uint32_t* touched, bool allow_evict) {
   Placement p(t, counters, touched, allow_evict);
   p.classify(ut);
   const at::Tensor counted = counters.cpu();  // sync b
-  if (p.place(counted.data_ptr<int32_t>(), ut, runs)) {
+  if (p.place(counted.data_ptr<int32_t>(), ut, groups)) {
     const at::Tensor placed = counters.cpu();  // sync c
-    p.settle(placed.data_ptr<int32_t>(), ut, runs);
+    p.settle(placed.data_ptr<int32_t>(), ut, groups);
   }
   return p.out;
 }
@@ -467,9 +566,9 @@ at::Tensor find_cuda(const at::Tensor& keys, const at::Tensor& digests, const at
 }
 
 // One table's find_or_insert as stages, so that an op over K tables runs each stage for
-// every table before the next and pays syncs a, b and c once for all of them:
-//   probe()  phase 1 (launches); miss_count() is then the device count of missing positions
-//   group(m) with m read back (sync a): phases 2 up to classification (launches)
+// every table before the next and pays syncs b and c once for all of them:
+//   probe()  phase 1, then group(): the missing positions grouped by id and classified
+//            (launches only; nothing read back)
 //   place(counters read back, sync b) -> whether settle() must follow (sync c)
 //   finish() phase 5 and the op's result.
 struct FindOrInsertArgs {
@@ -496,44 +595,30 @@ class FindOrInsert {
   }
 
   bool empty() const { return n_ == 0; }
-  const at::Tensor& miss_count() const { return miss_count_; }
   const at::Tensor& counters() const { return counters_; }
 
-  void probe() {  // phase 1: find all, then compact the missing positions in order (CUB select is stable)
+  // Phase 1: find all (missing_ flags the positions to insert), then phases 2 up to the
+  // classification over the missing positions, one thread per distinct new id.
+  void probe_and_group() {
     slots_ = a_.slots.defined() ? a_.slots : at::empty_like(a_.ids);
     if (n_ == 0) return;
     t_ = table_of(a_.keys, a_.digests, a_.scores.data_ptr<int64_t>());
     touched_ = touched_bitmap(a_.allow_evict, a_.keys);
-    const at::Tensor missing = at::empty({n_}, a_.ids.options().dtype(at::kByte));
+    missing_ = at::empty({n_}, a_.ids.options().dtype(at::kByte));
     probe_kernel<<<grid_for(n_), kThreads, 0, stream()>>>(t_, a_.ids.data_ptr<int64_t>(), n_,
                                                           a_.padding_id.has_value(), a_.padding_id.value_or(0),
                                                           slots_.data_ptr<int64_t>(), words(touched_),
-                                                          missing.data_ptr<uint8_t>());
+                                                          missing_.data_ptr<uint8_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    miss_pos_ = at::empty({n_}, a_.ids.options().dtype(at::kInt));
-    miss_count_ = at::empty({1}, a_.ids.options().dtype(at::kInt));
-    cub_call(a_.ids, [&](void* temp, size_t& bytes) {
-      return cub::DeviceSelect::Flagged(temp, bytes, thrust::counting_iterator<int32_t>(0),
-                                        missing.data_ptr<uint8_t>(), miss_pos_.data_ptr<int32_t>(),
-                                        miss_count_.data_ptr<int32_t>(), static_cast<int>(n_), stream());
-    });
-  }
-
-  // Phases 2-4 run over the m missing positions, one thread per distinct new id.
-  void group(int64_t m) {
-    m_ = m;
-    if (m_ == 0) return;
-    const at::Tensor pos = miss_pos_.narrow(0, 0, m_);
     counters_ = new_counters(a_.ids);
-    int32_t* const num = counters_.data_ptr<int32_t>() + counter::kUniques;
-    runs_.emplace(group_ids(a_.ids.index_select(0, pos), pos, num));
-    ut_.emplace(runs_->uniq_id, num);
+    ut_.emplace(a_.ids, n_, counters_.data_ptr<int32_t>() + counter::kUniques);
+    groups_.emplace(group_ids(a_.ids, missing_.data_ptr<uint8_t>(), *ut_, false));
     placement_.emplace(t_, counters_, words(touched_), a_.allow_evict);
     placement_->classify(*ut_);
   }
 
-  bool place(const int32_t* counted) { return placement_->place(counted, *ut_, *runs_); }
-  void settle(const int32_t* placed) { placement_->settle(placed, *ut_, *runs_); }
+  bool place(const int32_t* counted) { return placement_->place(counted, *ut_, *groups_); }
+  void settle(const int32_t* placed) { placement_->settle(placed, *ut_, *groups_); }
 
   std::tuple<at::Tensor, at::Tensor, at::Tensor> finish() {
     const InsertOutcome r = placement_ ? placement_->out : InsertOutcome{};
@@ -542,26 +627,26 @@ class FindOrInsert {
       slots_.fill_(kPaddingSlot);
       return result(slots_, r, a_.keys);
     }
-    if (m_ > 0) {  // phase 5: new rows, then every missing position's slot
-      const Uniques u = ut_->view();
+    if (r.inserted > 0) {  // phase 5: new rows, then every missing position's slot
+      const Uniques u = ut_->view();  // n = U since place()
       const int64_t D = a_.weights.size(1), S = a_.opt_state.size(1);
       const int64_t start = a_.score_policy == kScoreLRU ? a_.score_value : 0;
-      const unsigned grid = static_cast<unsigned>(ceil_div(u.n, kRowBlock.y));
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a_.weights.scalar_type(), "find_or_insert_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        init_rows_kernel<scalar_t><<<grid, kRowBlock, 0, stream()>>>(
+        init_rows_kernel<scalar_t><<<grid_for(u.n), kThreads, 0, stream()>>>(
             u, a_.weights.data_ptr<scalar_t>(), D, a_.opt_state.data_ptr<acc_t>(), S, t_.scores, start, a_.seed,
             a_.init_kind, a_.init_a, a_.init_b);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
-      map_slots_kernel<<<grid_for(m_), kThreads, 0, stream()>>>(runs_->sorted_pos.data_ptr<int32_t>(),
-                                                                 runs_->run.data_ptr<int32_t>(), m_, u.slot,
+      map_slots_kernel<<<grid_for(n_), kThreads, 0, stream()>>>(missing_.data_ptr<uint8_t>(),
+                                                                 groups_->group.data_ptr<int32_t>(), n_, u.slot,
                                                                  slots_.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     if (a_.score_policy != kScoreNone) {
-      score_positions_kernel<<<grid_for(n_), kThreads, 0, stream()>>>(slots_.data_ptr<int64_t>(), n_, t_.scores,
-                                                                      a_.score_policy, a_.score_value);
+      const uint8_t* skip = a_.score_policy == kScoreLRU && r.inserted > 0 ? missing_.data_ptr<uint8_t>() : nullptr;
+      score_positions_kernel<<<grid_for(n_), kThreads, 0, stream()>>>(slots_.data_ptr<int64_t>(), skip, n_,
+                                                                      t_.scores, a_.score_policy, a_.score_value);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     return result(slots_, r, a_.keys);
@@ -569,11 +654,11 @@ class FindOrInsert {
 
  private:
   FindOrInsertArgs a_;
-  int64_t n_ = 0, m_ = 0;
+  int64_t n_ = 0;
   Table t_{};
-  at::Tensor touched_, slots_, miss_pos_, miss_count_, counters_;
-  std::optional<Runs> runs_;
+  at::Tensor touched_, slots_, missing_, counters_;
   std::optional<UniqueTensors> ut_;
+  std::optional<Groups> groups_;
   std::optional<Placement> placement_;
 };
 
@@ -582,46 +667,39 @@ at::Tensor read_back(const std::vector<at::Tensor>& parts) {
   return parts.size() == 1 ? parts[0].cpu() : at::cat(parts).cpu();
 }
 
-// Runs the stages of every call, each stage for all tables before the next: syncs a, b
-// and c happen once per op however many tables it inserts into (b and c only when some
-// table has new ids, c only when some has conflicted ones). bad_input (checked by the op)
-// is read with sync a, or alone when no table has ids; when set, `op` raises before any
-// table changes.
+// Runs the stages of every call, each stage for all tables before the next: syncs b and c
+// happen once per op however many tables it inserts into (c only when some table has
+// conflicted ids). bad_input (checked by the op) is read with sync b, or alone when no
+// table has ids; when set, `op` raises before any table changes (the probe and the
+// grouping write scratch memory only).
 std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> run_find_or_insert(
     const char* op, std::vector<FindOrInsert>& calls, const std::optional<at::Tensor>& bad_input) {
   std::vector<FindOrInsert*> live;
   for (auto& c : calls) {
-    c.probe();
+    c.probe_and_group();
     if (!c.empty()) live.push_back(&c);
   }
   // `extra` (int32 (1,)) is appended after the calls' parts, in the same copy.
-  auto read = [&](const std::vector<FindOrInsert*>& cs, auto what, const at::Tensor& extra = at::Tensor()) {
+  auto read = [&](const std::vector<FindOrInsert*>& cs, const at::Tensor& extra = at::Tensor()) {
     std::vector<at::Tensor> parts;
-    for (FindOrInsert* c : cs) parts.push_back((c->*what)());
+    for (FindOrInsert* c : cs) parts.push_back(c->counters());
     if (extra.defined()) parts.push_back(extra);
     return read_back(parts);
   };
   if (live.empty() && bad_input) {
-    check_bad_input_unset(op, bad_input->item<bool>());  // no sync a to ride on: read alone
+    check_bad_input_unset(op, bad_input->item<bool>());  // no sync b to ride on: read alone
   } else if (!live.empty()) {
     const at::Tensor flag = bad_input ? bad_input->reshape({1}).to(at::kInt) : at::Tensor();
-    const at::Tensor m = read(live, &FindOrInsert::miss_count, flag);  // sync a: sizes the grouping sorts
-    if (bad_input) check_bad_input_unset(op, m.data_ptr<int32_t>()[live.size()] != 0);  // before any change
-    std::vector<FindOrInsert*> missing;
+    const at::Tensor counted = read(live, flag);  // sync b
+    const int32_t* c = counted.data_ptr<int32_t>();
+    if (bad_input) check_bad_input_unset(op, c[live.size() * counter::kNum] != 0);  // before any change
+    std::vector<FindOrInsert*> unsettled;
     for (size_t k = 0; k < live.size(); ++k) {
-      live[k]->group(m.data_ptr<int32_t>()[k]);
-      if (m.data_ptr<int32_t>()[k] > 0) missing.push_back(live[k]);
+      if (live[k]->place(c + k * counter::kNum)) unsettled.push_back(live[k]);
     }
-    if (!missing.empty()) {
-      const at::Tensor counted = read(missing, &FindOrInsert::counters);  // sync b
-      std::vector<FindOrInsert*> unsettled;
-      for (size_t k = 0; k < missing.size(); ++k) {
-        if (missing[k]->place(counted.data_ptr<int32_t>() + k * counter::kNum)) unsettled.push_back(missing[k]);
-      }
-      if (!unsettled.empty()) {
-        const at::Tensor placed = read(unsettled, &FindOrInsert::counters);  // sync c
-        for (size_t k = 0; k < unsettled.size(); ++k) unsettled[k]->settle(placed.data_ptr<int32_t>() + k * counter::kNum);
-      }
+    if (!unsettled.empty()) {
+      const at::Tensor placed = read(unsettled);  // sync c
+      for (size_t k = 0; k < unsettled.size(); ++k) unsettled[k]->settle(placed.data_ptr<int32_t>() + k * counter::kNum);
     }
   }
   std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> out;
@@ -690,30 +768,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
   const at::Tensor touched = touched_bitmap(allow_evict, keys);
 
   const at::Tensor counters = new_counters(ids);
-  int32_t* const num = counters.data_ptr<int32_t>() + counter::kUniques;
-  const Runs runs = group_ids(ids, at::arange(n, ids.options().dtype(at::kInt)), num);
-  UniqueTensors ut(runs.uniq_id, num);
+  UniqueTensors ut(ids, n, counters.data_ptr<int32_t>() + counter::kUniques);
+  const Groups groups = group_ids(ids, nullptr, ut, true);
   find_uniques_kernel<<<grid_for(ut.n), kThreads, 0, stream()>>>(t, ut.view(), words(touched));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  r = insert_uniques(t, ut, runs, counters, words(touched), allow_evict);
+  r = insert_uniques(t, ut, groups, counters, words(touched), allow_evict);
   if (r.failed > 0) {
     slots.fill_(kPaddingSlot);
     return result(slots, r, keys);
   }
   const Uniques u = ut.view();
   const int64_t D = weights.size(1), S = opt_state.size(1);
-  const unsigned grid = static_cast<unsigned>(ceil_div(u.n, kRowBlock.y));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "insert_or_assign_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    assign_rows_kernel<scalar_t><<<grid, kRowBlock, 0, stream()>>>(
-        u, runs.sorted_pos.data_ptr<int32_t>(), runs.begin.data_ptr<int32_t>(), weights.data_ptr<scalar_t>(),
+    assign_rows_kernel<scalar_t><<<grid_for(u.n), kThreads, 0, stream()>>>(
+        u, groups.last_pos.data_ptr<int32_t>(), groups.occurrences.data_ptr<int32_t>(), weights.data_ptr<scalar_t>(),
         values.data_ptr<scalar_t>(), D, opt_state.data_ptr<acc_t>(),
         opt_values.defined() ? opt_values.data_ptr<acc_t>() : nullptr, S, t.scores,
         score_values.defined() ? score_values.data_ptr<int64_t>() : nullptr, score_policy, score_value);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   map_slots_kernel<<<grid_for(n), kThreads, 0, stream()>>>(
-      runs.sorted_pos.data_ptr<int32_t>(), runs.run.data_ptr<int32_t>(), n, u.slot, slots.data_ptr<int64_t>());
+      nullptr, groups.group.data_ptr<int32_t>(), n, u.slot, slots.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return result(slots, r, keys);
 }
@@ -730,15 +806,15 @@ at::Tensor erase_cuda(const at::Tensor& keys, at::Tensor& digests, const at::Ten
   if (n == 0) return erased;
   const Table t = table_of(keys, digests, nullptr);
   // U stays on the device: every launch covers the n grouped positions.
-  const at::Tensor num = at::empty({1}, ids.options().dtype(at::kInt));
-  const Runs runs = group_ids(ids, at::arange(n, ids.options().dtype(at::kInt)), num.data_ptr<int32_t>());
-  const UniqueTensors ut(runs.uniq_id, num.data_ptr<int32_t>());
+  const at::Tensor num = at::zeros({1}, ids.options().dtype(at::kInt));
+  UniqueTensors ut(ids, n, num.data_ptr<int32_t>());
+  const Groups groups = group_ids(ids, nullptr, ut, false);
   const Uniques u = ut.view();
   // Find first (read-only), then clear: a launch boundary between reads and writes.
   find_uniques_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  erase_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, runs.sorted_pos.data_ptr<int32_t>(),
-                                                         runs.begin.data_ptr<int32_t>(), erased.data_ptr<bool>());
+  erase_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, groups.first_pos.data_ptr<int32_t>(),
+                                                         erased.data_ptr<bool>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return erased;
 }
@@ -752,8 +828,9 @@ at::Tensor initialize_cuda(const at::Tensor& ids_in, int64_t dim, int64_t seed, 
   const int64_t n = ids.numel();
   at::Tensor out = at::empty({n, dim}, ids.options().dtype(dtype));
   if (n * dim == 0) return out;
+  const unsigned grid = static_cast<unsigned>(ceil_div(n, kRowBlock.y));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "initialize_cuda", [&] {
-    initialize_kernel<scalar_t><<<grid_for(n * dim), kThreads, 0, stream()>>>(
+    initialize_kernel<scalar_t><<<grid, kRowBlock, 0, stream()>>>(
         ids.data_ptr<int64_t>(), n, dim, seed, init_kind, init_a, init_b, out.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -59,6 +59,27 @@ __device__ __forceinline__ int32_t aggregated_inc(int32_t* counter) {
   return g.shfl(base, 0) + static_cast<int32_t>(g.thread_rank());
 }
 
+// Reserves one index per thread of the block whose `take` is set, from *counter, and
+// returns it (-1 for the others): one shared-memory atomic per warp and one global atomic
+// per block. Many warps adding to one global counter serialize in L2 (the grouping of
+// 420k new ids spent about 80 us in one atomic per warp); per block it is a few thousand.
+// Every thread of the (1-D, whole-warp) block must call it, none may have returned.
+__device__ __forceinline__ int32_t block_reserve(bool take, int32_t* counter) {
+  __shared__ int32_t count, base;
+  __syncthreads();  // a previous call's readers of base are done
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  const unsigned mask = __ballot_sync(0xffffffffu, take);
+  const unsigned lane = threadIdx.x % 32;
+  int32_t warp_base = 0;
+  if (lane == 0 && mask != 0) warp_base = atomicAdd(&count, __popc(mask));
+  warp_base = __shfl_sync(0xffffffffu, warp_base, 0);
+  __syncthreads();
+  if (threadIdx.x == 0 && count > 0) base = atomicAdd(counter, count);
+  __syncthreads();
+  return take ? base + warp_base + __popc(mask & ((1u << lane) - 1u)) : -1;
+}
+
 __device__ __forceinline__ void mark_touched(uint32_t* touched, int64_t slot) {
   atomicOr(touched + slot / kBucketSize, 1u << (slot % kBucketSize));
 }
@@ -199,8 +220,9 @@ __global__ void evict_kernel(Table t, Uniques u, uint32_t* touched, const int32_
 // New ids per bucket (a key whose two buckets coincide counts once), and the new ids.
 __global__ void bucket_use_kernel(Table t, Uniques u, int32_t* __restrict__ use, int32_t* n_new) {
   const int64_t k = thread_index();
-  if (!u.has(k) || u.slot[k] >= 0) return;
-  aggregated_inc(n_new);
+  const bool fresh = u.has(k) && u.slot[k] < 0;
+  block_reserve(fresh, n_new);
+  if (!fresh) return;
   const DeviceProbe p = device_probe(u.id[k], t.num_buckets);
   atomicAdd(use + p.a, 1);
   if (p.b != p.a) atomicAdd(use + p.b, 1);

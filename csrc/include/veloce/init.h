@@ -25,24 +25,72 @@ VELOCE_HD double unit_uniform(uint64_t bits) {
   return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0);
 }
 
-// The initial value of column `col` of the row for `id`.
-//   zeros: 0;  constant: a;  uniform: U(a, b);  normal: N(mean=a, std=b) (Box-Muller).
-VELOCE_HD double init_value(int64_t seed, int64_t id, int64_t col, int64_t kind, double a, double b) {
+// The bits every column of the row for `id` derives from.
+VELOCE_HD uint64_t init_row_bits(int64_t seed, int64_t id) {
+  return splitmix64(static_cast<uint64_t>(seed) ^ fmix64(static_cast<uint64_t>(id)));
+}
+
+// Normal columns 2 * pair and 2 * pair + 1: one Box-Muller pair (z0 from cos, z1 from sin).
+VELOCE_HD void init_normal_pair(uint64_t row, int64_t pair, double a, double b, double* z0, double* z1) {
+  const double u1 = unit_uniform(splitmix64(row + 2 * static_cast<uint64_t>(pair)));
+  const double u2 = unit_uniform(splitmix64(row + 2 * static_cast<uint64_t>(pair) + 1));
+  const double r = std::sqrt(-2.0 * std::log(u1));
+  const double theta = 6.283185307179586 * u2;
+  *z0 = a + b * (r * std::cos(theta));
+  *z1 = a + b * (r * std::sin(theta));
+}
+
+// Column `col` of a row whose bits are `row` (init_row_bits).
+VELOCE_HD double init_value_at(uint64_t row, int64_t col, int64_t kind, double a, double b) {
   if (kind == kInitZeros) return 0.0;
   if (kind == kInitConstant) return a;
-  const uint64_t row = splitmix64(static_cast<uint64_t>(seed) ^ fmix64(static_cast<uint64_t>(id)));
   if (kind == kInitUniform) {
     const double u = unit_uniform(splitmix64(row + static_cast<uint64_t>(col)));
     return a + (b - a) * u;
   }
-  // Normal: columns 2k and 2k+1 share one Box-Muller pair.
-  const uint64_t pair = static_cast<uint64_t>(col >> 1);
-  const double u1 = unit_uniform(splitmix64(row + 2 * pair));
-  const double u2 = unit_uniform(splitmix64(row + 2 * pair + 1));
-  const double r = std::sqrt(-2.0 * std::log(u1));
-  const double theta = 6.283185307179586 * u2;
-  const double z = (col & 1) ? r * std::sin(theta) : r * std::cos(theta);
-  return a + b * z;
+  double z0, z1;
+  init_normal_pair(row, col >> 1, a, b, &z0, &z1);
+  return (col & 1) ? z1 : z0;
+}
+
+// Columns lane, lane + lanes, ... (below dim) of the row for `id`: put(col, value) for each.
+// The id is hashed once, and a normal row's Box-Muller pairs are computed once each (a
+// lane takes both columns of a pair), so a kernel with a group of `lanes` threads per row
+// (or a CPU loop, lane 0 of 1) fills rows several times cheaper than init_value per column,
+// with the same values.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Put>
+VELOCE_HD void init_columns(int64_t seed, int64_t id, int64_t dim, int64_t kind, double a, double b, int64_t lane,
+                            int64_t lanes, Put&& put) {
+  if (kind == kInitZeros || kind == kInitConstant) {
+    const double v = kind == kInitZeros ? 0.0 : a;
+    for (int64_t c = lane; c < dim; c += lanes) put(c, v);
+    return;
+  }
+  const uint64_t row = init_row_bits(seed, id);
+  if (kind == kInitUniform) {
+    for (int64_t c = lane; c < dim; c += lanes) put(c, init_value_at(row, c, kind, a, b));
+    return;
+  }
+  for (int64_t p = lane; 2 * p < dim; p += lanes) {
+    double z0, z1;
+    init_normal_pair(row, p, a, b, &z0, &z1);
+    put(2 * p, z0);
+    if (2 * p + 1 < dim) put(2 * p + 1, z1);
+  }
+}
+
+// The initial value of column `col` of the row for `id`.
+//   zeros: 0;  constant: a;  uniform: U(a, b);  normal: N(mean=a, std=b) (Box-Muller: columns
+//   2k and 2k+1 share one pair). Kernels that fill whole rows hash the id once per row
+//   (init_row_bits) and, for normal rows, compute each pair once (init_normal_pair): the
+//   same values.
+VELOCE_HD double init_value(int64_t seed, int64_t id, int64_t col, int64_t kind, double a, double b) {
+  if (kind == kInitZeros) return 0.0;
+  if (kind == kInitConstant) return a;
+  return init_value_at(init_row_bits(seed, id), col, kind, a, b);
 }
 
 }  // namespace veloce
