@@ -248,7 +248,8 @@ scalar_t to_weight(double v) {
 
 template <typename scalar_t>
 void init_row(scalar_t* row, int64_t dim, int64_t seed, int64_t id, int64_t kind, double a, double b) {
-  init_columns(seed, id, dim, kind, a, b, 0, 1, [&](int64_t j, double v) { row[j] = to_weight<scalar_t>(v); });
+  init_columns(init_row_bits(seed, id), dim, kind, a, b, 0, 1,
+               [&](int64_t j, double v) { row[j] = to_weight<scalar_t>(v); });
 }
 
 // (slots, counts, evicted_keys) of an inserting op.

@@ -69,32 +69,44 @@ namespace veloce {
 namespace cuda {
 namespace {
 
-// find_or_insert success: initial rows, zero state, starting score of the new ids. One warp
-// per 32 distinct ids: lane j loads id (base + j)'s state, slot and id, then the warp fills
-// the 32 rows in turn, columns over lanes. With one row per warp, the dependent loads before
-// each row's stores bounded the kernel (0.6 TB/s on 420k rows of 256 bytes).
+// Rows per warp for a kernel over `rows` rows (row_warps): as many as keep every SM busy
+// with 32 warps, at most 32. One warp per row leaves each row's dependent loads exposed
+// (0.6 TB/s on 420k rows of 256 bytes); 32 rows per warp over few rows leaves SMs idle
+// (a normal initializer's rows cost microseconds each).
+inline int rows_per_warp(int64_t rows) {
+  const int64_t warps = static_cast<int64_t>(num_sms()) * 32;
+  return static_cast<int>(std::min<int64_t>(32, std::max<int64_t>(1, ceil_div(rows, warps))));
+}
+
+// Blocks of kThreads for `rows` rows at r rows per warp.
+inline unsigned row_warp_grid(int64_t rows, int r) { return grid_for(ceil_div(rows, r) * 32); }
+
+// find_or_insert success: initial rows, zero state, starting score of the new ids. Each warp
+// takes r consecutive distinct ids (rows_per_warp): lane j < r loads id (base + j)'s state and
+// slot and hashes its id, then the warp fills the r rows in turn, columns over lanes.
 template <typename scalar_t>
-__global__ void init_rows_kernel(Uniques u, scalar_t* __restrict__ weights, int64_t D,
+__global__ void init_rows_kernel(Uniques u, int r, scalar_t* __restrict__ weights, int64_t D,
                                  at::opmath_type<scalar_t>* __restrict__ state, int64_t S,
                                  int64_t* __restrict__ scores, int64_t start_score, int64_t seed, int64_t kind,
                                  double a, double b) {
   constexpr unsigned kAll = 0xffffffffu;
-  const int64_t k = thread_index();
   const int lane = static_cast<int>(threadIdx.x % 32);
-  int64_t slot = -1, id = 0;
-  if (u.has(k)) {
+  const int64_t k = thread_index() / 32 * r + lane;
+  int64_t slot = -1;
+  uint64_t bits = 0;  // the row's init bits: each lane hashes its own id once
+  if (lane < r && u.has(k)) {
     const int8_t st = u.state[k];
     if (st == kClaimed || st == kEvicted) {
       slot = u.slot[k];
-      id = u.id[k];
+      bits = init_row_bits(seed, u.id[k]);
     }
   }
   if (__ballot_sync(kAll, slot >= 0) == 0) return;  // the whole warp
-  for (int j = 0; j < 32; ++j) {
+  for (int j = 0; j < r; ++j) {
     const int64_t s = __shfl_sync(kAll, slot, j);
     if (s < 0) continue;
     scalar_t* const row = weights + s * D;
-    init_columns(seed, __shfl_sync(kAll, id, j), D, kind, a, b, lane, 32,
+    init_columns(__shfl_sync(kAll, bits, j), D, kind, a, b, lane, 32,
                  [&](int64_t c, double v) { row[c] = to_weight<scalar_t>(v); });
     for (int64_t c = lane; c < S; c += 32) state[s * S + c] = 0;
     if (lane == 0) scores[s] = start_score;
@@ -102,11 +114,11 @@ __global__ void init_rows_kernel(Uniques u, scalar_t* __restrict__ weights, int6
 }
 
 // insert_or_assign success: the last occurrence of each distinct id writes its row,
-// state and score (last_pos, occurrences: from group_ids). One warp per 32 distinct ids,
-// as init_rows_kernel: lane j loads id (base + j)'s bookkeeping and sets its score, then
-// the warp copies the 32 rows in turn.
+// state and score (last_pos, occurrences: from group_ids). Each warp takes r distinct ids,
+// as init_rows_kernel: lane j < r loads id (base + j)'s bookkeeping and sets its score, then
+// the warp copies the r rows in turn.
 template <typename scalar_t>
-__global__ void assign_rows_kernel(Uniques u, const int32_t* __restrict__ last_pos,
+__global__ void assign_rows_kernel(Uniques u, int r, const int32_t* __restrict__ last_pos,
                                    const int32_t* __restrict__ occurrences, scalar_t* __restrict__ weights,
                                    const scalar_t* __restrict__ values, int64_t D,
                                    at::opmath_type<scalar_t>* __restrict__ state,
@@ -114,11 +126,11 @@ __global__ void assign_rows_kernel(Uniques u, const int32_t* __restrict__ last_p
                                    int64_t* __restrict__ scores, const int64_t* __restrict__ score_values,
                                    int64_t policy, int64_t score_value) {
   constexpr unsigned kAll = 0xffffffffu;
-  const int64_t k = thread_index();
   const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t k = thread_index() / 32 * r + lane;
   int64_t slot = -1, last = 0;
   bool fresh = false;
-  if (u.has(k)) {
+  if (lane < r && u.has(k)) {
     slot = u.slot[k];
     const int8_t st = u.state[k];
     fresh = st == kClaimed || st == kEvicted;
@@ -136,7 +148,7 @@ __global__ void assign_rows_kernel(Uniques u, const int32_t* __restrict__ last_p
   const unsigned rows = __ballot_sync(kAll, slot >= 0);
   if (rows == 0) return;  // the whole warp
   const unsigned fresh_rows = __ballot_sync(kAll, fresh);
-  for (int j = 0; j < 32; ++j) {
+  for (int j = 0; j < r; ++j) {
     if (!((rows >> j) & 1u)) continue;
     const int64_t s = __shfl_sync(kAll, slot, j);
     const int64_t src = __shfl_sync(kAll, last, j);
@@ -190,7 +202,7 @@ __global__ void initialize_kernel(const int64_t* __restrict__ ids, int64_t n, in
   const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (k >= n) return;
   scalar_t* const row = out + k * dim;
-  init_columns(seed, ids[k], dim, kind, a, b, threadIdx.x, blockDim.x,
+  init_columns(init_row_bits(seed, ids[k]), dim, kind, a, b, threadIdx.x, blockDim.x,
                [&](int64_t c, double v) { row[c] = to_weight<scalar_t>(v); });
 }
 
@@ -319,15 +331,15 @@ struct Groups {
 };
 
 // Groups the n positions of ids (active: (n,) flags, or null for all) into ut (n entries;
-// *ut.num must be 0 on entry). Nothing is read back.
-Groups group_ids(const at::Tensor& ids, const uint8_t* active, UniqueTensors& ut, bool with_last) {
+// *ut.num and *spare, a device int32 for the scratch set, must be 0 on entry). Nothing is
+// read back.
+Groups group_ids(const at::Tensor& ids, const uint8_t* active, UniqueTensors& ut, int32_t* spare, bool with_last) {
   const int64_t n = ids.numel();
   int64_t cap = 64;
   while (cap < 2 * n) cap *= 2;
   const at::TensorOptions i32 = ids.options().dtype(at::kInt);
   const at::Tensor keys = at::full({cap}, kGroupEmpty, ids.options());
   const at::Tensor index = at::empty({cap + 1}, i32);
-  const at::Tensor spare = at::zeros({1}, i32);
   const at::Tensor where = at::empty({n}, ids.options());  // a scratch slot may pass 2^31
   Groups r;
   r.first_pos = at::empty({n}, i32);
@@ -338,7 +350,7 @@ Groups group_ids(const at::Tensor& ids, const uint8_t* active, UniqueTensors& ut
   }
   int32_t* const last = with_last ? r.last_pos.data_ptr<int32_t>() : nullptr;
   int32_t* const occ = with_last ? r.occurrences.data_ptr<int32_t>() : nullptr;
-  const GroupScratch g{keys.data_ptr<int64_t>(), index.data_ptr<int32_t>(), spare.data_ptr<int32_t>(), cap - 1};
+  const GroupScratch g{keys.data_ptr<int64_t>(), index.data_ptr<int32_t>(), spare, cap - 1};
   group_claim_kernel<<<grid_for(n), kThreads, 0, stream()>>>(
       ids.data_ptr<int64_t>(), active, n, g, where.data_ptr<int64_t>(), ut.id.data_ptr<int64_t>(),
       ut.slot.data_ptr<int64_t>(), ut.state.data_ptr<int8_t>(), r.first_pos.data_ptr<int32_t>(), last, occ,
@@ -363,6 +375,7 @@ enum : int {
   kQueued,      // ids queued by claim_kernel
   kFailed,      // ids that found no room in evict_kernel or sequential_insert_kernel
   kEvicted,     // ids placed by evicting a key
+  kGroupSpare,  // group_ids' claim of its spare scratch slot
   kNum
 };
 }  // namespace counter
@@ -612,7 +625,8 @@ class FindOrInsert {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     counters_ = new_counters(a_.ids);
     ut_.emplace(a_.ids, n_, counters_.data_ptr<int32_t>() + counter::kUniques);
-    groups_.emplace(group_ids(a_.ids, missing_.data_ptr<uint8_t>(), *ut_, false));
+    groups_.emplace(group_ids(a_.ids, missing_.data_ptr<uint8_t>(), *ut_,
+                              counters_.data_ptr<int32_t>() + counter::kGroupSpare, false));
     placement_.emplace(t_, counters_, words(touched_), a_.allow_evict);
     placement_->classify(*ut_);
   }
@@ -633,8 +647,9 @@ class FindOrInsert {
       const int64_t start = a_.score_policy == kScoreLRU ? a_.score_value : 0;
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a_.weights.scalar_type(), "find_or_insert_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        init_rows_kernel<scalar_t><<<grid_for(u.n), kThreads, 0, stream()>>>(
-            u, a_.weights.data_ptr<scalar_t>(), D, a_.opt_state.data_ptr<acc_t>(), S, t_.scores, start, a_.seed,
+        const int r = rows_per_warp(u.n);
+        init_rows_kernel<scalar_t><<<row_warp_grid(u.n, r), kThreads, 0, stream()>>>(
+            u, r, a_.weights.data_ptr<scalar_t>(), D, a_.opt_state.data_ptr<acc_t>(), S, t_.scores, start, a_.seed,
             a_.init_kind, a_.init_a, a_.init_b);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -769,7 +784,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
 
   const at::Tensor counters = new_counters(ids);
   UniqueTensors ut(ids, n, counters.data_ptr<int32_t>() + counter::kUniques);
-  const Groups groups = group_ids(ids, nullptr, ut, true);
+  const Groups groups = group_ids(ids, nullptr, ut, counters.data_ptr<int32_t>() + counter::kGroupSpare, true);
   find_uniques_kernel<<<grid_for(ut.n), kThreads, 0, stream()>>>(t, ut.view(), words(touched));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   r = insert_uniques(t, ut, groups, counters, words(touched), allow_evict);
@@ -781,8 +796,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
   const int64_t D = weights.size(1), S = opt_state.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "insert_or_assign_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    assign_rows_kernel<scalar_t><<<grid_for(u.n), kThreads, 0, stream()>>>(
-        u, groups.last_pos.data_ptr<int32_t>(), groups.occurrences.data_ptr<int32_t>(), weights.data_ptr<scalar_t>(),
+    const int r = rows_per_warp(u.n);
+    assign_rows_kernel<scalar_t><<<row_warp_grid(u.n, r), kThreads, 0, stream()>>>(
+        u, r, groups.last_pos.data_ptr<int32_t>(), groups.occurrences.data_ptr<int32_t>(), weights.data_ptr<scalar_t>(),
         values.data_ptr<scalar_t>(), D, opt_state.data_ptr<acc_t>(),
         opt_values.defined() ? opt_values.data_ptr<acc_t>() : nullptr, S, t.scores,
         score_values.defined() ? score_values.data_ptr<int64_t>() : nullptr, score_policy, score_value);
@@ -806,9 +822,9 @@ at::Tensor erase_cuda(const at::Tensor& keys, at::Tensor& digests, const at::Ten
   if (n == 0) return erased;
   const Table t = table_of(keys, digests, nullptr);
   // U stays on the device: every launch covers the n grouped positions.
-  const at::Tensor num = at::zeros({1}, ids.options().dtype(at::kInt));
+  const at::Tensor num = at::zeros({2}, ids.options().dtype(at::kInt));  // U, and group_ids' spare claim
   UniqueTensors ut(ids, n, num.data_ptr<int32_t>());
-  const Groups groups = group_ids(ids, nullptr, ut, false);
+  const Groups groups = group_ids(ids, nullptr, ut, num.data_ptr<int32_t>() + 1, false);
   const Uniques u = ut.view();
   // Find first (read-only), then clear: a launch boundary between reads and writes.
   find_uniques_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, nullptr);

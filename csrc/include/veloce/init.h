@@ -53,32 +53,29 @@ VELOCE_HD double init_value_at(uint64_t row, int64_t col, int64_t kind, double a
   return (col & 1) ? z1 : z0;
 }
 
-// Columns lane, lane + lanes, ... (below dim) of the row for `id`: put(col, value) for each.
-// The id is hashed once, and a normal row's Box-Muller pairs are computed once each (a
-// lane takes both columns of a pair), so a kernel with a group of `lanes` threads per row
-// (or a CPU loop, lane 0 of 1) fills rows several times cheaper than init_value per column,
-// with the same values.
+// Columns lane, lane + lanes, ... (below dim) of the row whose bits are `row`
+// (init_row_bits): put(col, value) for each. A normal row's Box-Muller pairs are computed
+// once each (a lane takes both columns of a pair), so a kernel with a group of `lanes`
+// threads per row (or a CPU loop, lane 0 of 1) that hashes each id once fills rows several
+// times cheaper than init_value per column, with the same values.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
 template <typename Put>
-VELOCE_HD void init_columns(int64_t seed, int64_t id, int64_t dim, int64_t kind, double a, double b, int64_t lane,
+VELOCE_HD void init_columns(uint64_t row, int64_t dim, int64_t kind, double a, double b, int64_t lane,
                             int64_t lanes, Put&& put) {
   if (kind == kInitZeros || kind == kInitConstant) {
     const double v = kind == kInitZeros ? 0.0 : a;
     for (int64_t c = lane; c < dim; c += lanes) put(c, v);
-    return;
-  }
-  const uint64_t row = init_row_bits(seed, id);
-  if (kind == kInitUniform) {
+  } else if (kind == kInitUniform) {
     for (int64_t c = lane; c < dim; c += lanes) put(c, init_value_at(row, c, kind, a, b));
-    return;
-  }
-  for (int64_t p = lane; 2 * p < dim; p += lanes) {
-    double z0, z1;
-    init_normal_pair(row, p, a, b, &z0, &z1);
-    put(2 * p, z0);
-    if (2 * p + 1 < dim) put(2 * p + 1, z1);
+  } else {
+    for (int64_t p = lane; 2 * p < dim; p += lanes) {
+      double z0, z1;
+      init_normal_pair(row, p, a, b, &z0, &z1);
+      put(2 * p, z0);
+      if (2 * p + 1 < dim) put(2 * p + 1, z1);
+    }
   }
 }
 
