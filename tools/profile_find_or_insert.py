@@ -1,0 +1,98 @@
+"""Where a CUDA ``find_or_insert`` call's time goes (BENCHMARKS.md configuration 1 shape).
+
+Fills a table of ``--capacity`` slots (dim ``--dim``, no optimizer state) to load 0.5, then
+calls ``find_or_insert`` with 2^20 keys per call, 60% of them present (as
+``benchmarks/bench_hash_table.py``): prints the CUDA-event time and host time of 8 calls,
+a torch.profiler table of 4 more, and the kernel timeline of the first profiled calls
+(start and duration in microseconds, and the idle gap before each: gaps after a
+device-to-host copy are the host's time between a sync and its next launch).
+
+    python tools/profile_find_or_insert.py                  # 2^26 slots, dim 64
+    python tools/profile_find_or_insert.py --capacity 4194304 --events 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench_hash_table import Table, fill, random_keys  # noqa: E402
+
+import veloce  # noqa: E402,F401  (registers the ops)
+
+
+def timeline(trace_path: str, events: int) -> None:
+    """The first ``events`` GPU activities of a Chrome trace, with the idle gap before each."""
+    with open(trace_path) as f:
+        trace = json.load(f)["traceEvents"]
+    gpu = sorted((e for e in trace if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])  # fmt: skip
+    if not gpu:
+        print("no GPU activity in the trace")
+        return
+    t0 = end = gpu[0]["ts"]
+    print(f"{'start us':>9} {'dur us':>8} {'gap us':>8}  activity")
+    for e in gpu[:events]:
+        print(f"{e['ts'] - t0:9.1f} {e['dur']:8.1f} {e['ts'] - end:8.1f}  {e['name'][:90]}")
+        end = max(end, e["ts"] + e["dur"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--capacity", type=int, default=1 << 26)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1 << 20)
+    p.add_argument("--events", type=int, default=40, help="GPU activities of the timeline to print")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_find_or_insert.py needs a CUDA device")
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(1)
+    t = Table(args.capacity, args.dim, dev)
+    present = fill(t, args.capacity // 2, args.batch, gen, dev)
+
+    def batch() -> torch.Tensor:
+        hits = present[torch.randint(0, present.numel(), (int(0.6 * args.batch),), generator=gen).to(dev)]
+        new = random_keys(args.batch - hits.numel(), gen, dev)
+        return torch.cat([hits, new])[torch.randperm(args.batch, generator=gen).to(dev)]
+
+    def call(ids: torch.Tensor, step: int) -> None:  # LRU, no eviction, uniform(-0.05, 0.05) rows
+        torch.ops.veloce.find_or_insert(*t.state(), ids, 1, step, False, 0, 2, -0.05, 0.05)
+
+    ids_list = [batch() for _ in range(12)]
+    torch.cuda.synchronize()
+    ms, host = [], []
+    for i, ids in enumerate(ids_list[:8]):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        h0 = time.perf_counter()
+        call(ids, i + 1)
+        h1 = time.perf_counter()
+        stop.record()
+        stop.synchronize()
+        ms.append(start.elapsed_time(stop))
+        host.append((h1 - h0) * 1e3)
+        torch.ops.veloce.erase(t.keys, t.digests, ids)  # keeps the load near 0.5
+    print(f"{torch.cuda.get_device_name(dev)}, {args.batch:,} keys per call: find_or_insert ms (CUDA events): "
+          f"{[round(x, 3) for x in ms]}; host ms: {[round(x, 3) for x in host]}")  # fmt: skip
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i, ids in enumerate(ids_list[8:]):
+            call(ids, 100 + i)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        timeline(path, args.events)
+
+
+if __name__ == "__main__":
+    main()
