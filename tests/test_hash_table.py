@@ -323,6 +323,37 @@ def test_many_repeats_of_few_ids_group_per_id(device):
     assert erased.nonzero().squeeze(1).tolist() == sorted(first.values())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.parametrize("kind", [0, 1, 2, 3])
+@pytest.mark.parametrize("dim", [1, 5, 37, 128])
+def test_cuda_initial_rows_equal_the_cpu_ones_bit_for_bit(kind, dim):
+    """A row's first value does not depend on the device: the CUDA kernels (a Box-Muller
+    pair per lane, lanes per row sized to the dim) give the CPU's bits, float64 too."""
+    ids = ids_tensor(EXTREME_IDS + list(range(-300, 300, 7)))
+    a, b = (0.25, 2.0) if kind == 3 else (-0.1, 0.3)
+    for dtype in (torch.float32, torch.float64):
+        cpu = ht.initialize(ids, dim, 99, kind, a, b, dtype)
+        cuda = ht.initialize(ids.cuda(), dim, 99, kind, a, b, dtype).cpu()
+        assert torch.equal(cuda, cpu), (dtype, (cuda != cpu).sum().item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", [2, 3], ids=["uniform", "normal"])
+def test_many_new_rows_in_one_call(device, kind):
+    """50k new ids in one call: the CUDA kernels write several rows per warp then (rows per
+    warp grow with the number of rows; 12 on an H100 here), including a last warp with
+    fewer rows. Every new row is the initializer's, every assigned row its value."""
+    ids = (torch.randperm(1 << 20, generator=torch.Generator().manual_seed(3))[:50_000] * 7919 - 12345).to(device)
+    t = make_table(1 << 17, dim=6, state=2, device=device)
+    slots, counts, _ = ht.find_or_insert(*t.tensors(), ids, 1, 5, False, 7, kind, -0.5, 0.5)
+    assert counts.tolist() == [ids.numel(), 0] and slots.unique().numel() == ids.numel()
+    assert torch.equal(t.weights[slots], ht.initialize(ids, 6, 7, kind, -0.5, 0.5, torch.float32))
+    assert not t.opt_state[slots].any() and bool((t.scores[slots] == 5).all())
+    values = torch.arange(ids.numel() * 6, dtype=torch.float32, device=device).view(-1, 6)
+    slots2, counts2, _ = ht.insert_or_assign(*t.tensors(), ids, values)
+    assert counts2.tolist() == [0, 0] and torch.equal(slots2, slots) and torch.equal(t.weights[slots], values)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_init_is_independent_of_order_batch_and_capacity(device):
     ids = EXTREME_IDS + list(range(-50, 50, 3))

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Build veloce on the GPU machine and run the chosen stages; logs go to $OUT.
 #   tools/gpu_session.sh build test checks bench profile streams
+# VELOCE_SAVE_BUILD=1 returns the built extension ($OUT/_C.abi3.so.gz, _C.key); a later call
+# that carries them in a folder named by VELOCE_PREBUILT skips the build while csrc/, setup.py
+# and torch are unchanged.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/veloce-out}"; mkdir -p "$OUT"
@@ -16,13 +19,29 @@ for stage in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
       python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
       start=$(date +%s)
-      # The machine's Python was built with /opt/gcc, whose g++ links libstdc++ statically:
-      # a private libstdc++ inside _C crashed while formatting any error message. Build
-      # with the system toolchain, which links the shared libstdc++ that torch uses.
-      export CC=gcc CXX=g++ LDSHARED="g++ -shared"
-      TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 \
-        || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
-      echo "build: $(( $(date +%s) - start )) s"
+      # The sources and torch a build comes from: a prebuilt extension is used only for the same.
+      key=$( { cat setup.py $(find csrc -type f | sort); python3 -c "import torch; print(torch.__version__)"; } \
+        | sha1sum | cut -c1-16)
+      # VELOCE_PREBUILT=DIR: a folder (carried into the call) holding _C.abi3.so.gz and _C.key
+      # from an earlier call's VELOCE_SAVE_BUILD=1: used instead of a build (about 3 minutes)
+      # when its key matches, e.g. for calls that change only Python.
+      if [ -n "${VELOCE_PREBUILT:-}" ] && [ "$(cat "$VELOCE_PREBUILT/_C.key" 2>/dev/null)" = "$key" ]; then
+        gunzip -c "$VELOCE_PREBUILT/_C.abi3.so.gz" > veloce/_C.abi3.so
+        echo "build: prebuilt extension $key"
+      else
+        # The machine's Python was built with /opt/gcc, whose g++ links libstdc++ statically:
+        # a private libstdc++ inside _C crashed while formatting any error message. Build
+        # with the system toolchain, which links the shared libstdc++ that torch uses.
+        export CC=gcc CXX=g++ LDSHARED="g++ -shared"
+        TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 \
+          || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
+        echo "build: $(( $(date +%s) - start )) s ($key)"
+        if [ "${VELOCE_SAVE_BUILD:-0}" = 1 ]; then  # for VELOCE_PREBUILT in later calls (files back: 16 MiB each)
+          strip --strip-debug -o /tmp/_C.stripped.so veloce/_C.abi3.so && gzip -9 -c /tmp/_C.stripped.so > "$OUT/_C.abi3.so.gz"
+          echo "$key" > "$OUT/_C.key"
+          ls -la "$OUT/_C.abi3.so.gz"
+        fi
+      fi
       python3 -c "import veloce; assert veloce._ext.has_cuda_kernels(), 'no CUDA kernels'; print('CUDA kernels: yes')"
       ;;
     test)

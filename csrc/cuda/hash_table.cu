@@ -69,7 +69,7 @@ namespace veloce {
 namespace cuda {
 namespace {
 
-// Rows per warp for a kernel over `rows` rows (row_warps): as many as keep every SM busy
+// Rows per warp for a kernel over `rows` rows (row_warp_grid): as many as keep every SM busy
 // with 32 warps, at most 32. One warp per row leaves each row's dependent loads exposed
 // (0.6 TB/s on 420k rows of 256 bytes); 32 rows per warp over few rows leaves SMs idle
 // (a normal initializer's rows cost microseconds each).
@@ -195,7 +195,7 @@ __global__ void erase_kernel(Table t, Uniques u, const int32_t* __restrict__ fir
   erased[first_pos[k]] = true;
 }
 
-// Block (32, 8): one row per threadIdx.y.
+// Block (lanes, rows): one row per threadIdx.y, its columns over threadIdx.x.
 template <typename scalar_t>
 __global__ void initialize_kernel(const int64_t* __restrict__ ids, int64_t n, int64_t dim, int64_t seed,
                                   int64_t kind, double a, double b, scalar_t* __restrict__ out) {
@@ -322,7 +322,10 @@ struct UniqueTensors {
 };
 
 // The grouping of a call's active positions by id (the distinct ids themselves go to
-// UniqueTensors). Arrays of n entries (the upper bound), the first U used.
+// UniqueTensors). Arrays of n entries (the upper bound), the first U used. Scratch memory
+// scales with the n positions, found ones included (the grouping runs before the host
+// knows how many are missing): about 16 bytes per position for the hash set (2n to 4n
+// slots of 8 + 4 bytes), 8 for `where`, and 8-16 for these arrays.
 struct Groups {
   at::Tensor first_pos;    // (n,) int32: distinct id k's first position
   at::Tensor last_pos;     // (n,) int32: its last position (with_last only)
@@ -559,8 +562,6 @@ uint32_t* words(const at::Tensor& t) {
   return t.defined() ? reinterpret_cast<uint32_t*>(t.data_ptr<int32_t>()) : nullptr;
 }
 
-constexpr dim3 kRowBlock(32, 8);
-
 // ---- ops -------------------------------------------------------------------------------
 
 at::Tensor find_cuda(const at::Tensor& keys, const at::Tensor& digests, const at::Tensor& ids_in) {
@@ -580,7 +581,7 @@ at::Tensor find_cuda(const at::Tensor& keys, const at::Tensor& digests, const at
 
 // One table's find_or_insert as stages, so that an op over K tables runs each stage for
 // every table before the next and pays syncs b and c once for all of them:
-//   probe()  phase 1, then group(): the missing positions grouped by id and classified
+//   probe_and_group()  phase 1, then the missing positions grouped by id and classified
 //            (launches only; nothing read back)
 //   place(counters read back, sync b) -> whether settle() must follow (sync c)
 //   finish() phase 5 and the op's result.
@@ -647,9 +648,9 @@ class FindOrInsert {
       const int64_t start = a_.score_policy == kScoreLRU ? a_.score_value : 0;
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a_.weights.scalar_type(), "find_or_insert_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        const int r = rows_per_warp(u.n);
-        init_rows_kernel<scalar_t><<<row_warp_grid(u.n, r), kThreads, 0, stream()>>>(
-            u, r, a_.weights.data_ptr<scalar_t>(), D, a_.opt_state.data_ptr<acc_t>(), S, t_.scores, start, a_.seed,
+        const int rows = rows_per_warp(u.n);
+        init_rows_kernel<scalar_t><<<row_warp_grid(u.n, rows), kThreads, 0, stream()>>>(
+            u, rows, a_.weights.data_ptr<scalar_t>(), D, a_.opt_state.data_ptr<acc_t>(), S, t_.scores, start, a_.seed,
             a_.init_kind, a_.init_a, a_.init_b);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -659,7 +660,8 @@ class FindOrInsert {
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     if (a_.score_policy != kScoreNone) {
-      const uint8_t* skip = a_.score_policy == kScoreLRU && r.inserted > 0 ? missing_.data_ptr<uint8_t>() : nullptr;
+      // Every missing position is a new row (r.inserted = 0: none is missing).
+      const uint8_t* skip = a_.score_policy == kScoreLRU ? missing_.data_ptr<uint8_t>() : nullptr;
       score_positions_kernel<<<grid_for(n_), kThreads, 0, stream()>>>(slots_.data_ptr<int64_t>(), skip, n_,
                                                                       t_.scores, a_.score_policy, a_.score_value);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -796,9 +798,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
   const int64_t D = weights.size(1), S = opt_state.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "insert_or_assign_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const int r = rows_per_warp(u.n);
-    assign_rows_kernel<scalar_t><<<row_warp_grid(u.n, r), kThreads, 0, stream()>>>(
-        u, r, groups.last_pos.data_ptr<int32_t>(), groups.occurrences.data_ptr<int32_t>(), weights.data_ptr<scalar_t>(),
+    const int rows = rows_per_warp(u.n);
+    assign_rows_kernel<scalar_t><<<row_warp_grid(u.n, rows), kThreads, 0, stream()>>>(
+        u, rows, groups.last_pos.data_ptr<int32_t>(), groups.occurrences.data_ptr<int32_t>(), weights.data_ptr<scalar_t>(),
         values.data_ptr<scalar_t>(), D, opt_state.data_ptr<acc_t>(),
         opt_values.defined() ? opt_values.data_ptr<acc_t>() : nullptr, S, t.scores,
         score_values.defined() ? score_values.data_ptr<int64_t>() : nullptr, score_policy, score_value);
@@ -844,9 +846,10 @@ at::Tensor initialize_cuda(const at::Tensor& ids_in, int64_t dim, int64_t seed, 
   const int64_t n = ids.numel();
   at::Tensor out = at::empty({n, dim}, ids.options().dtype(dtype));
   if (n * dim == 0) return out;
-  const unsigned grid = static_cast<unsigned>(ceil_div(n, kRowBlock.y));
+  const dim3 block(32, kThreads / 32);  // one warp per row (a review suggested fewer lanes for small dims)
+  const unsigned grid = static_cast<unsigned>(ceil_div(n, block.y));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "initialize_cuda", [&] {
-    initialize_kernel<scalar_t><<<grid, kRowBlock, 0, stream()>>>(
+    initialize_kernel<scalar_t><<<grid, block, 0, stream()>>>(
         ids.data_ptr<int64_t>(), n, dim, seed, init_kind, init_a, init_b, out.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

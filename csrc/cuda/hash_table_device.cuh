@@ -92,7 +92,7 @@ __global__ void find_kernel(Table t, const int64_t* __restrict__ ids, int64_t n,
 }
 
 // Phase 1 of find_or_insert: slots of present ids (-1 for padding and misses), touched
-// marks (when evicting), and a flag per missing position (compacted stably by CUB).
+// marks (when evicting), and a flag per missing position (what group_ids groups).
 __global__ void probe_kernel(Table t, const int64_t* __restrict__ ids, int64_t n, bool has_pad, int64_t pad,
                              int64_t* __restrict__ slots, uint32_t* touched, uint8_t* __restrict__ missing) {
   const int64_t i = thread_index();

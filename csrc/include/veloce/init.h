@@ -79,7 +79,8 @@ VELOCE_HD void init_columns(uint64_t row, int64_t dim, int64_t kind, double a, d
   }
 }
 
-// The initial value of column `col` of the row for `id`.
+// The initial value of column `col` of the row for `id`: the definition the row kernels
+// (init_columns) follow, and the formula tests/conftest.py's reference reimplements.
 //   zeros: 0;  constant: a;  uniform: U(a, b);  normal: N(mean=a, std=b) (Box-Muller: columns
 //   2k and 2k+1 share one pair). Kernels that fill whole rows hash the id once per row
 //   (init_row_bits) and, for normal rows, compute each pair once (init_normal_pair): the
