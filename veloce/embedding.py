@@ -1013,7 +1013,7 @@ def _insert_checked(
 
     Why: reading the layouts' flag back would cost a host sync of its own (on a GPU, the
     device idles while Python runs), and the insert reads the device back anyway (CUDA
-    find_or_insert's "sync a", the count of missing ids, before it changes anything). So
+    find_or_insert's counters of the new ids, before it changes anything). So
     the layouts' flags are combined into one and passed to the op as ``bad_input``: it
     travels in that same copy, and the op refuses the call (ValueError, nothing changed)
     when it is set. A training forward then waits for the device once instead of twice.
