@@ -347,7 +347,11 @@ class Grouped(nn.Module):
         return self.mlp(torch.cat([*outs, dense], 1)).squeeze(1)
 
 
-def _grouped_body(rank, world, device_kind, dedup=False):
+def _grouped_body(rank, world, device_kind, dedup=False, row_index=False):
+    if row_index:  # the owners regroup received blocks through a row index (as for many ranks x tables)
+        from veloce.distributed import sharded
+
+        sharded._BLOCKS_FOR_INDEX = 0
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     model = Grouped(device)
     hp = HybridParallel(model, sparse="sync", dedup=dedup)
@@ -356,10 +360,11 @@ def _grouped_body(rank, world, device_kind, dedup=False):
             "len": len(model.a), "w": model.w.item()}  # fmt: skip
 
 
+@pytest.mark.parametrize("row_index", [False, True], ids=["block regrouping", "row-index regrouping"])
 @pytest.mark.parametrize("dedup", [False, True], ids=["parts", "dedup"])
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_grouped_lookup_equals_one_process(world, dedup):
-    results = run_ranks(_grouped_body, world, "cpu", dedup, timeout=90)
+def test_grouped_lookup_equals_one_process(world, dedup, row_index):
+    results = run_ranks(_grouped_body, world, "cpu", dedup, row_index, timeout=90)
     model = Grouped()
     ref = {"preds": train(model, make_opt(model), 1, 0), "tables": tables_of(model, "abcd"), "eval": eval_preds(model)}
     check_sharded_equals_reference(results, ref, world)
@@ -836,6 +841,34 @@ def test_shift_segments_adds_the_sizes_of_the_segments_before(segments, seed):
         base += s
     want = torch.cat(want) if want else values
     assert torch.equal(_shift_segments(values, lengths, sizes), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tables, world", [(1, 4), (3, 1), (3, 2), (26, 5), (40, 8)])
+@pytest.mark.parametrize("through_index", [False, True], ids=["blocks", "row index"])
+def test_regrouping_received_blocks_table_major_and_back(device, tables, world, through_index, monkeypatch):
+    """An owner's received rows (one block per (peer, table), peer-major, some empty) come out
+    table-major, each table's blocks in peer order, and go back in received order: the same
+    whether regrouped block-wise or (many blocks) through one row index."""
+    from veloce.distributed import sharded
+
+    monkeypatch.setattr(sharded, "_BLOCKS_FOR_INDEX", 0 if through_index else 10**9)
+    g = torch.Generator().manual_seed(tables * 31 + world)
+    counts = torch.randint(0, 4, (tables, world), generator=g)
+    counts[0, 0] = 0
+    counts = counts.tolist()
+    blocks = {}  # (table, peer) -> its rows, (n, 3)
+    received = []
+    for p in range(world):
+        for k in range(tables):
+            blocks[k, p] = torch.randn(counts[k][p], 3, generator=g)
+            received.append(blocks[k, p])
+    received = torch.cat(received).to(device)
+    per_table = [torch.cat([blocks[k, p] for p in range(world)]) for k in range(tables)]
+    got = sharded._table_major(received, counts)
+    assert torch.equal(got.cpu(), torch.cat(per_table))
+    pieces = list(got.split([sum(c) for c in counts]))
+    assert torch.equal(sharded._received_order(pieces, counts), received)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -24,9 +24,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from bench_hash_table import Table, fill, random_keys  # noqa: E402
+from bench_hash_table import Table, fill, random_keys
 
-import veloce  # noqa: E402,F401  (registers the ops)
+import veloce  # noqa: F401  (registers the ops)
 
 
 def timeline(trace_path: str, events: int) -> None:
