@@ -18,12 +18,16 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["HostCopy", "host_tensor"]
+__all__ = ["HostCopy", "host_tensor", "to_device"]
 
 
 def host_tensor(values: Sequence, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype, device=device)``, queued without a host sync on CUDA."""
-    t = torch.tensor(values, dtype=dtype)
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on ``device``, queued without a host sync on CUDA."""
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

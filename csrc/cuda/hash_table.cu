@@ -89,7 +89,6 @@ __global__ void init_rows_kernel(Uniques u, int r, scalar_t* __restrict__ weight
                                  at::opmath_type<scalar_t>* __restrict__ state, int64_t S,
                                  int64_t* __restrict__ scores, int64_t start_score, int64_t seed, int64_t kind,
                                  double a, double b) {
-  constexpr unsigned kAll = 0xffffffffu;
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t k = thread_index() / 32 * r + lane;
   int64_t slot = -1;
@@ -101,12 +100,12 @@ __global__ void init_rows_kernel(Uniques u, int r, scalar_t* __restrict__ weight
       bits = init_row_bits(seed, u.id[k]);
     }
   }
-  if (__ballot_sync(kAll, slot >= 0) == 0) return;  // the whole warp
+  if (__ballot_sync(kFullWarp, slot >= 0) == 0) return;  // the whole warp
   for (int j = 0; j < r; ++j) {
-    const int64_t s = __shfl_sync(kAll, slot, j);
+    const int64_t s = __shfl_sync(kFullWarp, slot, j);
     if (s < 0) continue;
     scalar_t* const row = weights + s * D;
-    init_columns(__shfl_sync(kAll, bits, j), D, kind, a, b, lane, 32,
+    init_columns(__shfl_sync(kFullWarp, bits, j), D, kind, a, b, lane, 32,
                  [&](int64_t c, double v) { row[c] = to_weight<scalar_t>(v); });
     for (int64_t c = lane; c < S; c += 32) state[s * S + c] = 0;
     if (lane == 0) scores[s] = start_score;
@@ -125,7 +124,6 @@ __global__ void assign_rows_kernel(Uniques u, int r, const int32_t* __restrict__
                                    const at::opmath_type<scalar_t>* __restrict__ opt_values, int64_t S,
                                    int64_t* __restrict__ scores, const int64_t* __restrict__ score_values,
                                    int64_t policy, int64_t score_value) {
-  constexpr unsigned kAll = 0xffffffffu;
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t k = thread_index() / 32 * r + lane;
   int64_t slot = -1, last = 0;
@@ -145,13 +143,13 @@ __global__ void assign_rows_kernel(Uniques u, int r, const int32_t* __restrict__
     }
     scores[slot] = sc;
   }
-  const unsigned rows = __ballot_sync(kAll, slot >= 0);
+  const unsigned rows = __ballot_sync(kFullWarp, slot >= 0);
   if (rows == 0) return;  // the whole warp
-  const unsigned fresh_rows = __ballot_sync(kAll, fresh);
+  const unsigned fresh_rows = __ballot_sync(kFullWarp, fresh);
   for (int j = 0; j < r; ++j) {
     if (!((rows >> j) & 1u)) continue;
-    const int64_t s = __shfl_sync(kAll, slot, j);
-    const int64_t src = __shfl_sync(kAll, last, j);
+    const int64_t s = __shfl_sync(kFullWarp, slot, j);
+    const int64_t src = __shfl_sync(kFullWarp, last, j);
     for (int64_t c = lane; c < D; c += 32) weights[s * D + c] = values[src * D + c];
     if (opt_values != nullptr) {
       for (int64_t c = lane; c < S; c += 32) state[s * S + c] = opt_values[src * S + c];
@@ -283,7 +281,7 @@ __global__ void group_assign_kernel(const uint8_t* __restrict__ active, int64_t 
                                     int32_t* __restrict__ occurrences) {
   const int64_t i = thread_index();
   const bool on = i < n && (active == nullptr || active[i]);
-  const unsigned lanes = __ballot_sync(0xffffffffu, on);
+  const unsigned lanes = __ballot_sync(kFullWarp, on);
   if (!on) return;
   const int32_t k = index[where[i]];
   group[i] = k;

@@ -69,11 +69,11 @@ __device__ __forceinline__ int32_t block_reserve(bool take, int32_t* counter) {
   __syncthreads();  // a previous call's readers of base are done
   if (threadIdx.x == 0) count = 0;
   __syncthreads();
-  const unsigned mask = __ballot_sync(0xffffffffu, take);
+  const unsigned mask = __ballot_sync(kFullWarp, take);
   const unsigned lane = threadIdx.x % 32;
   int32_t warp_base = 0;
   if (lane == 0 && mask != 0) warp_base = atomicAdd(&count, __popc(mask));
-  warp_base = __shfl_sync(0xffffffffu, warp_base, 0);
+  warp_base = __shfl_sync(kFullWarp, warp_base, 0);
   __syncthreads();
   if (threadIdx.x == 0 && count > 0) base = atomicAdd(counter, count);
   __syncthreads();

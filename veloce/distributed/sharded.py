@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from veloce._device import host_tensor
+from veloce._device import host_tensor, to_device
 from veloce.distributed._comm import (
     ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all, exchange_headers,
 )  # fmt: skip
@@ -412,8 +412,7 @@ def _block_index(counts: Sequence[Sequence[int]], dev: torch.device, table_major
     else:
         sizes, shift = pm_sizes, (tm_start - pm_start).t().reshape(-1)
     total = int(tm_sizes.sum())
-    both = torch.stack([shift, sizes])
-    both = both.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else both.to(dev)
+    both = to_device(torch.stack([shift, sizes]), dev)
     return torch.arange(total, device=dev) + torch.repeat_interleave(both[0], both[1], output_size=total)
 
 

@@ -31,6 +31,7 @@ namespace veloce {
 namespace cuda {
 
 constexpr int kThreads = 256;
+constexpr unsigned kFullWarp = 0xffffffffu;  // every lane of a warp, for the *_sync intrinsics
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
