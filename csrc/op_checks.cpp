@@ -197,6 +197,39 @@ int64_t check_pooled_lookup_args(const char* op, const at::Tensor& weights, cons
   return extra_rows->size(0);
 }
 
+std::vector<std::string> check_pooled_lookup_many_args(const char* op, at::TensorList weights, at::TensorList slots,
+                                                       at::TensorList offsets,
+                                                       const c10::List<std::optional<at::Tensor>>& per_sample_weights,
+                                                       at::IntArrayRef mode,
+                                                       const c10::List<std::optional<at::Tensor>>& extra_rows,
+                                                       std::vector<int64_t>& extra) {
+  const int64_t K = check_list_lengths(op, "weights", weights.size(),
+                                       {{"slots", slots.size()}, {"offsets", offsets.size()},
+                                        {"per_sample_weights (None for a table without them)",
+                                         per_sample_weights.size()},
+                                        {"mode", mode.size()},
+                                        {"extra_rows (None for a table without them)", extra_rows.size()}});
+  std::vector<std::string> names;
+  names.reserve(K);
+  extra.assign(K, 0);
+  for (int64_t k = 0; k < K; ++k) {
+    names.push_back(table_op_name(op, k));
+    extra[k] = check_pooled_lookup_args(names.back().c_str(), weights[k], slots[k], offsets[k],
+                                        per_sample_weights.get(k), mode[k], extra_rows.get(k));
+    if (k == 0) continue;
+    TORCH_CHECK_VALUE(weights[k].device() == weights[0].device(), op, ": weights[", k, "] is on ", weights[k].device(),
+                      " but weights[0] is on ", weights[0].device(),
+                      "; the tables of one call share a device (call once per device)");
+    TORCH_CHECK_VALUE(weights[k].scalar_type() == weights[0].scalar_type(), op, ": weights[", k, "] is ",
+                      dtype_name(weights[k].scalar_type()), " but weights[0] is ",
+                      dtype_name(weights[0].scalar_type()), "; the tables of one call share a dtype");
+    TORCH_CHECK_VALUE(weights[k].size(1) == weights[0].size(1), op, ": weights[", k, "] has dim ", weights[k].size(1),
+                      " but weights[0] has dim ", weights[0].size(1),
+                      "; the tables of one call share an embedding dim");
+  }
+  return names;
+}
+
 void check_backward_inputs(const char* op, const at::Tensor& grad_output, const at::Tensor& slots,
                            const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
                            int64_t mode) {

@@ -89,6 +89,13 @@ TORCH_LIBRARY(veloce, m) {
   m.def(
       "pooled_lookup(Tensor weights, Tensor slots, Tensor offsets, Tensor? per_sample_weights, int mode, "
       "bool include_last_offset, Tensor? extra_rows=None, bool check_inputs=True) -> Tensor");
+  // pooled_lookup of K tables in one call: out[k] = pooled_lookup(weights[k], slots[k],
+  // offsets[k], per_sample_weights[k], mode[k], include_last_offset, extra_rows[k],
+  // check_inputs), each its own tensor. The tables share device, dtype and embedding dim
+  // (a table may appear more than once); on CUDA one launch serves up to 32 tables.
+  m.def(
+      "pooled_lookup_many(Tensor[] weights, Tensor[] slots, Tensor[] offsets, Tensor?[] per_sample_weights, "
+      "int[] mode, bool include_last_offset, Tensor?[] extra_rows, bool check_inputs=True) -> Tensor[]");
   // The backward of pooled_lookup w.r.t. weights, reduced per unique row: unique_slots
   // (U,) sorted ascending over slots in [0, num_rows), grad_rows (U, D). Deterministic.
   m.def(

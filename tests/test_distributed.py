@@ -738,7 +738,7 @@ def _one_rank_fails(rank, world, case, grouped):
         def failing_serve(*args):
             raise RuntimeError("simulated: out of memory in the owner's lookup")
 
-        sharded._serve = failing_serve
+        sharded._serve_all = failing_serve
     try:
         veloce.lookup_many([a, b], [xa, xb]) if grouped else (a(*xb) if isinstance(xb, tuple) else a(xb))
     except Exception as e:  # noqa: BLE001 - the test reports what each rank raised

@@ -433,3 +433,91 @@ def test_accumulate_grad_hot_slot_repeated_many_times(device, mode):
     dense = torch.zeros(C, D, dtype=torch.float64)
     dense[uniq.cpu()] = rows.cpu().double()
     torch.testing.assert_close(dense, w.grad, rtol=1e-4, atol=1e-3)
+
+
+# ---- pooled_lookup_many ---------------------------------------------------------------
+
+
+def _many_lookup_cases(device, dtype=torch.float32):
+    """Tables of one dim and dtype with everything that varies per table: sizes, bag lengths
+    (one id each, or mixed and empty), modes, per-sample weights, extra rows, a table with no
+    bags and one with no positions, and the first table again."""
+    g = torch.Generator().manual_seed(11)
+    cases = []
+    for k, (rows, lengths, mode, with_psw, num_extra) in enumerate([
+        (30, [1] * 50, 0, False, 0),
+        (7, [3, 0, 5, 1, 0, 0, 9, 2], 1, False, 2),
+        (100, [2, 2, 7, 1], 0, True, 0),
+        (5, [], 0, False, 0),
+        (12, [0, 0, 0], 1, False, 0),
+        (64, [4] * 40 + [0, 1], 0, True, 3),
+    ]):  # fmt: skip
+        weights = torch.randn(rows, 6, generator=g, dtype=torch.float64).to(device, dtype)
+        extra = torch.randn(num_extra, 6, generator=g, dtype=torch.float64).to(device, dtype) if num_extra else None
+        n = sum(lengths)
+        slots = torch.randint(-2, rows + num_extra, (n,), generator=g).to(device)
+        offsets = (torch.tensor([0] + lengths[:-1], dtype=torch.long).cumsum(0) if lengths else torch.zeros(0, dtype=torch.long)).to(device)
+        psw = torch.rand(n, generator=g, dtype=torch.float64).to(device, dtype) if with_psw else None
+        cases.append((weights, slots, offsets, psw, mode, extra))
+    cases.append(cases[0])
+    return cases
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_pooled_lookup_many_equals_one_lookup_per_table(device, dtype):
+    """Entry k of pooled_lookup_many is pooled_lookup of table k, bit for bit (on CUDA one
+    launch for all the tables, each reading its own arguments); each result is its own tensor."""
+    from veloce.ops.embedding import pooled_lookup_many
+
+    cases = _many_lookup_cases(device, dtype)
+    w, s, o, p, m, e = (list(x) for x in zip(*cases))
+    got = pooled_lookup_many(w, s, o, p, m, False, e)
+    assert len(got) == len(cases)
+    for out, (weights, slots, offsets, psw, mode, extra) in zip(got, cases):
+        assert torch.equal(out, pooled_lookup(weights, slots, offsets, psw, mode, False, extra))
+    assert len({out.data_ptr() for out in got if out.numel()}) == sum(out.numel() > 0 for out in got)
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_pooled_lookup_many_cuda_matches_cpu_over_launches(device):
+    """70 tables (three launches of at most 32), of varied bag lengths, against the CPU."""
+    from veloce.ops.embedding import pooled_lookup_many
+
+    g = torch.Generator().manual_seed(5)
+    w, s, o = [], [], []
+    for k in range(70):
+        n = int(torch.randint(0, 300, (1,), generator=g))
+        w.append(torch.randn(50 + k, 128, generator=g))
+        s.append(torch.randint(-1, 50 + k, (n,), generator=g))
+        cut = torch.randint(0, n + 1, (int(torch.randint(0, 40, (1,), generator=g)),), generator=g).sort().values
+        o.append(torch.cat([torch.zeros(1, dtype=torch.long), cut]))
+    want = pooled_lookup_many(w, s, o, None, "sum")
+    got = pooled_lookup_many([x.to(device) for x in w], [x.to(device) for x in s], [x.to(device) for x in o],
+                             None, "sum")  # fmt: skip
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pooled_lookup_many_opcheck(device):
+    cases = _many_lookup_cases(device, torch.float64)[:3]
+    w, s, o, p, m, e = (list(x) for x in zip(*cases))
+    torch.library.opcheck(torch.ops.veloce.pooled_lookup_many.default, (w, s, o, p, m, False, e))
+    from veloce.ops.embedding import pooled_lookup_many
+
+    assert pooled_lookup_many([], [], []) == []
+
+
+def test_pooled_lookup_many_bad_inputs_name_the_table():
+    from veloce.ops.embedding import pooled_lookup_many
+
+    w, s, o, _, _ = sample_inputs("cpu", torch.float32)
+    with pytest.raises(ValueError, match="one entry per table: weights has 2 but slots has 1"):
+        pooled_lookup_many([w, w], [s], [o, o])
+    with pytest.raises(ValueError, match="weights\\[1\\] has dim 3 but weights\\[0\\] has dim 5"):
+        pooled_lookup_many([w, torch.randn(4, 3)], [s, s.clamp(max=3)], [o, o])
+    with pytest.raises(ValueError, match="weights\\[1\\] is torch.float64 but weights\\[0\\] is torch.float32"):
+        pooled_lookup_many([w, w.double()], [s.clamp(max=11), s.clamp(max=11)], [o, o])
+    with pytest.raises(RuntimeError, match=r"pooled_lookup_many \(table 1\).*slots"):
+        pooled_lookup_many([w, w], [s.clamp(max=11), s + 100], [o, o])

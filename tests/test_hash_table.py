@@ -326,15 +326,19 @@ def test_many_repeats_of_few_ids_group_per_id(device):
 @pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
 @pytest.mark.parametrize("kind", [0, 1, 2, 3])
 @pytest.mark.parametrize("dim", [1, 5, 37, 128])
-def test_cuda_initial_rows_equal_the_cpu_ones_bit_for_bit(kind, dim):
+def test_cuda_initial_rows_equal_the_cpu_ones(kind, dim):
     """A row's first value does not depend on the device: the CUDA kernels (a Box-Muller
-    pair per lane, lanes per row sized to the dim) give the CPU's bits, float64 too."""
+    pair per lane, lanes per row sized to the dim) give the CPU's values, up to the last
+    bits of float64: CUDA's log, sin and cos differ from the C library's by an ulp or two,
+    and nvcc fuses a multiply and an add where the CPU build rounds twice."""
     ids = ids_tensor(EXTREME_IDS + list(range(-300, 300, 7)))
     a, b = (0.25, 2.0) if kind == 3 else (-0.1, 0.3)
-    for dtype in (torch.float32, torch.float64):
+    for dtype, tol in ((torch.float32, 1.2e-7), (torch.float64, 1e-14)):
         cpu = ht.initialize(ids, dim, 99, kind, a, b, dtype)
         cuda = ht.initialize(ids.cuda(), dim, 99, kind, a, b, dtype).cpu()
-        assert torch.equal(cuda, cpu), (dtype, (cuda != cpu).sum().item())
+        if kind < 2:
+            assert torch.equal(cuda, cpu), dtype
+        torch.testing.assert_close(cuda, cpu, rtol=tol, atol=tol, msg=lambda m, dtype=dtype: f"{dtype}: {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -19,7 +19,7 @@ from veloce._update_stream import run_update
 from veloce import init as _init
 from veloce import optim as _optim
 from veloce.ops import optimizer as _ops
-from veloce.ops.embedding import pooled_lookup_kernel
+from veloce.ops.embedding import pooled_lookup_kernels
 from veloce.table import HashTable, PlainAttrs, find_or_insert_many, insert_beside_updates
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
@@ -1125,10 +1125,9 @@ class _SparseLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, modules, ids, slots, offsets, *psws):  # type: ignore[override]
         ctx.set_materialize_grads(False)  # None stays None: an unused output sends no gradient
-        outs = []
-        for m, s, o, p in zip(modules, slots, offsets, psws):
-            outs.append(pooled_lookup_kernel(m.table.weights, s, o, p, _MODES[m.mode], m.include_last_offset, None,
-                                             False))  # fmt: skip
+        outs = pooled_lookup_kernels([m.table.weights for m in modules], slots, offsets, psws,
+                                     [_MODES[m.mode] for m in modules], [m.include_last_offset for m in modules],
+                                     [None] * len(modules))  # fmt: skip
         ctx.modules = modules
         ctx.versions = [m.table.version for m in modules]
         ctx.save_for_backward(*ids, *slots, *offsets, *psws)

@@ -90,12 +90,12 @@ void pooled_lookup_kernel(const scalar_t* weights,  // (C, D)
   });
 }
 
-at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& slots, const at::Tensor& offsets,
-                             const c10::optional<at::Tensor>& per_sample_weights, int64_t mode,
-                             bool include_last_offset, const c10::optional<at::Tensor>& extra_rows,
-                             bool /*check_inputs: the checks read host memory, no sync to save*/) {
-  constexpr const char* op = "veloce::pooled_lookup";
-  const int64_t M = check_pooled_lookup_args(op, weights, slots, offsets, per_sample_weights, mode, extra_rows);
+// One table's lookup, its arguments checked except offsets and slot values (`op`: the
+// name its errors give).
+at::Tensor pooled_lookup_one(const char* op, const at::Tensor& weights, const at::Tensor& slots,
+                             const at::Tensor& offsets, const c10::optional<at::Tensor>& per_sample_weights,
+                             int64_t mode, bool include_last_offset, const c10::optional<at::Tensor>& extra_rows,
+                             int64_t M) {
   const int64_t C = weights.size(0);
   const int64_t D = weights.size(1);
   const int64_t N = slots.numel();
@@ -116,6 +116,34 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& slots,
                                    p.defined() ? p.data_ptr<scalar_t>() : nullptr, mode == kMean,
                                    out.data_ptr<scalar_t>());
   });
+  return out;
+}
+
+at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& slots, const at::Tensor& offsets,
+                             const c10::optional<at::Tensor>& per_sample_weights, int64_t mode,
+                             bool include_last_offset, const c10::optional<at::Tensor>& extra_rows,
+                             bool /*check_inputs: the checks read host memory, no sync to save*/) {
+  constexpr const char* op = "veloce::pooled_lookup";
+  const int64_t M = check_pooled_lookup_args(op, weights, slots, offsets, per_sample_weights, mode, extra_rows);
+  return pooled_lookup_one(op, weights, slots, offsets, per_sample_weights, mode, include_last_offset, extra_rows, M);
+}
+
+// pooled_lookup over K tables: the specification of the grouped op (the CUDA one serves
+// every table in one launch), here table after table.
+std::vector<at::Tensor> pooled_lookup_many_cpu(at::TensorList weights, at::TensorList slots, at::TensorList offsets,
+                                               const c10::List<std::optional<at::Tensor>>& per_sample_weights,
+                                               at::IntArrayRef mode, bool include_last_offset,
+                                               const c10::List<std::optional<at::Tensor>>& extra_rows,
+                                               bool /*check_inputs: as pooled_lookup_cpu*/) {
+  std::vector<int64_t> M;
+  const std::vector<std::string> names = check_pooled_lookup_many_args(
+      "veloce::pooled_lookup_many", weights, slots, offsets, per_sample_weights, mode, extra_rows, M);
+  std::vector<at::Tensor> out;
+  out.reserve(weights.size());
+  for (size_t k = 0; k < weights.size(); ++k) {
+    out.push_back(pooled_lookup_one(names[k].c_str(), weights[k], slots[k], offsets[k], per_sample_weights.get(k),
+                                    mode[k], include_last_offset, extra_rows.get(k), M[k]));
+  }
   return out;
 }
 
@@ -446,6 +474,7 @@ void accumulate_and_update_many_cpu(at::TensorList weights, at::TensorList opt_s
 
 TORCH_LIBRARY_IMPL(veloce, CPU, m) {
   m.impl("pooled_lookup", &veloce::pooled_lookup_cpu);
+  m.impl("pooled_lookup_many", &veloce::pooled_lookup_many_cpu);
   m.impl("accumulate_grad", &veloce::accumulate_grad_cpu);
   m.impl("accumulate_and_update", &veloce::accumulate_and_update_cpu);
   m.impl("accumulate_and_update_many", &veloce::accumulate_and_update_many_cpu);

@@ -78,20 +78,42 @@ int64_t check_bags_and_slots_cuda(const char* op, const at::Tensor& offsets, con
 // about 8 registers fewer, which keeps its occupancy that of the one-bag kernel.
 constexpr int kMaxBags = 4;
 
-template <typename scalar_t, int V, int kBags>
-__global__ void pooled_lookup_kernel(const scalar_t* __restrict__ weights,  // (C, D)
-                                     int64_t C,
-                                     const scalar_t* __restrict__ extra,  // (M, D) or null
-                                     int64_t D,
-                                     const int64_t* __restrict__ slots,    // (N,)
-                                     const int64_t* __restrict__ offsets,  // (num_offsets,)
-                                     int64_t num_offsets, int64_t B, int64_t N,
-                                     const scalar_t* __restrict__ psw,  // (N,) or null
-                                     bool mean, int lanes,
-                                     int bags_per_group,  // 1 .. kBags
-                                     scalar_t* __restrict__ out) {  // (B, D)
+// One table of a pooled lookup launch (pooled_lookup is the launch of one table,
+// pooled_lookup_many of up to kMaxLookupGroup: table blockIdx.y).
+struct LookupArgs {
+  const void* weights;     // (C, D) scalar_t
+  const void* extra;       // (M, D) scalar_t, or null
+  const int64_t* slots;    // (N,)
+  const int64_t* offsets;  // (num_offsets,)
+  const void* psw;         // (N,) scalar_t, or null
+  void* out;               // (B, D) scalar_t
+  int64_t C, num_offsets, B, N;
+  int32_t mean;
+  int32_t bags_per_group;  // 1 .. kBags
+};
+
+constexpr int kMaxLookupGroup = 32;
+
+template <int MaxK>
+struct LookupGroup {
+  LookupArgs t[MaxK];
+};
+static_assert(sizeof(LookupGroup<kMaxLookupGroup>) <= 3 * 1024, "LookupGroup is too large for a kernel parameter");
+
+template <typename scalar_t, int V, int kBags, int MaxK>
+__global__ void pooled_lookup_kernel(const __grid_constant__ LookupGroup<MaxK> g, int64_t D, int lanes) {
   using acc_t = at::opmath_type<scalar_t>;
   using pos_t = std::conditional_t<kBags == 1, int64_t, int32_t>;
+  const LookupArgs& a = g.t[MaxK == 1 ? 0 : blockIdx.y];
+  const scalar_t* __restrict__ weights = static_cast<const scalar_t*>(a.weights);
+  const scalar_t* __restrict__ extra = static_cast<const scalar_t*>(a.extra);
+  const int64_t* __restrict__ slots = a.slots;
+  const int64_t* __restrict__ offsets = a.offsets;
+  const scalar_t* __restrict__ psw = static_cast<const scalar_t*>(a.psw);
+  scalar_t* __restrict__ out = static_cast<scalar_t*>(a.out);
+  const int64_t C = a.C, num_offsets = a.num_offsets, B = a.B, N = a.N;
+  const bool mean = a.mean != 0;
+  const int bags_per_group = a.bags_per_group;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t b0 = (t >> (__ffs(lanes) - 1)) * bags_per_group;  // lanes: a power of two
   if (b0 >= B) return;
@@ -174,54 +196,133 @@ __global__ void pooled_lookup_kernel(const scalar_t* __restrict__ weights,  // (
   }
 }
 
+// One table's lookup, checked, its output allocated: the launch arguments (and the tensors
+// behind them).
+struct LookupTable {
+  at::Tensor w, s, o, e, p, out;
+  int64_t B = 0;
+};
+
+LookupTable lookup_table(const char* op, const at::Tensor& weights, const at::Tensor& slots, const at::Tensor& offsets,
+                         const std::optional<at::Tensor>& per_sample_weights, bool include_last_offset,
+                         const std::optional<at::Tensor>& extra_rows, int64_t M, bool check_inputs) {
+  LookupTable t;
+  t.s = slots.contiguous();
+  t.o = offsets.contiguous();
+  const int64_t N = t.s.numel();
+  // One device check and read-back (a sync) unless the caller vouches for the inputs.
+  t.B = check_inputs ? check_bags_and_slots_cuda(op, t.o, t.s, N, include_last_offset, weights.size(0) + M,
+                                                 M > 0 ? "weights.size(0) + extra_rows.size(0)" : "weights.size(0)")
+                     : check_offsets_shape(op, t.o, N, include_last_offset);
+  if (t.B > 0) check_num_bags_cuda(op, t.B);
+  t.w = weights.contiguous();
+  t.e = extra_rows.has_value() ? extra_rows->contiguous() : at::Tensor();
+  t.p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
+  t.out = at::empty({t.B, weights.size(1)}, weights.options());
+  return t;
+}
+
+// The lookups of tables ts (one dtype and dim D), kMaxLookupGroup per launch.
+void launch_lookups(const std::vector<LookupTable*>& ts, const std::vector<int64_t>& modes, int64_t D) {
+  std::vector<size_t> live;
+  for (size_t k = 0; k < ts.size(); ++k) {
+    if (ts[k]->B > 0 && D > 0) live.push_back(k);
+  }
+  if (live.empty()) return;
+  // Bags per lane group: about kUnroll positions at the mean bag length (bags of one:
+  // kMaxBags; of kUnroll or more: 1). Only the speed depends on it, not the result. The
+  // grouped kernel counts positions in int32: a table with more takes groups of one bag.
+  bool int32_positions = true;
+  for (size_t k : live) int32_positions &= ts[k]->s.numel() <= std::numeric_limits<int32_t>::max() - kUnroll;
+  std::vector<int> bpg(ts.size(), 1);
+  bool grouped = false;
+  for (size_t k : live) {
+    const int64_t B = ts[k]->B, N = ts[k]->s.numel();
+    bpg[k] = int32_positions ? static_cast<int>(std::clamp<int64_t>(kUnroll * B / std::max<int64_t>(N, 1), 1, kMaxBags))
+                             : 1;
+    grouped |= bpg[k] > 1;
+  }
+  const at::Tensor& w0 = ts[live[0]]->w;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w0.scalar_type(), "pooled_lookup_cuda", [&] {
+    auto launch = [&](auto vec, auto max_k) {
+      constexpr int V = decltype(vec)::value;
+      constexpr int MaxK = decltype(max_k)::value;
+      const int lanes = lanes_for(D, V);
+      for (size_t first = 0; first < live.size(); first += MaxK) {
+        const size_t K = std::min<size_t>(MaxK, live.size() - first);
+        LookupGroup<MaxK> g{};
+        int64_t most = 0;
+        for (size_t j = 0; j < K; ++j) {
+          const size_t k = live[first + j];
+          const LookupTable& t = *ts[k];
+          g.t[j] = LookupArgs{t.w.data_ptr(), t.e.defined() ? t.e.data_ptr() : nullptr, t.s.data_ptr<int64_t>(),
+                              t.o.data_ptr<int64_t>(), t.p.defined() ? t.p.data_ptr() : nullptr, t.out.data_ptr(),
+                              t.w.size(0), t.o.numel(), t.B, t.s.numel(), modes[k] == kMean, bpg[k]};
+          most = std::max<int64_t>(most, ceil_div(t.B, bpg[k]) * lanes);  // at most 2^31 * 32: 2^28 blocks
+        }
+        const dim3 grid(grid_for(most), static_cast<unsigned>(K));
+        auto kernel = grouped ? pooled_lookup_kernel<scalar_t, V, kMaxBags, MaxK>
+                              : pooled_lookup_kernel<scalar_t, V, 1, MaxK>;
+        kernel<<<grid, kThreads, 0, stream()>>>(g, D, lanes);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    };
+    bool vec = true;
+    for (size_t k : live) {
+      const LookupTable& t = *ts[k];
+      vec &= can_vectorize<scalar_t>(D, {t.w.data_ptr(), t.e.defined() ? t.e.data_ptr() : nullptr, t.out.data_ptr()});
+    }
+    auto with_k = [&](auto v) {
+      if (live.size() == 1) {
+        launch(v, std::integral_constant<int, 1>());
+      } else {
+        launch(v, std::integral_constant<int, kMaxLookupGroup>());
+      }
+    };
+    if (vec) {
+      with_k(std::integral_constant<int, vec16<scalar_t>()>());
+    } else {
+      with_k(std::integral_constant<int, 1>());
+    }
+  });
+}
+
 at::Tensor pooled_lookup_cuda(const at::Tensor& weights, const at::Tensor& slots, const at::Tensor& offsets,
                               const std::optional<at::Tensor>& per_sample_weights, int64_t mode,
                               bool include_last_offset, const std::optional<at::Tensor>& extra_rows,
                               bool check_inputs) {
   constexpr const char* op = "veloce::pooled_lookup";
   const int64_t M = check_pooled_lookup_args(op, weights, slots, offsets, per_sample_weights, mode, extra_rows);
-  const int64_t C = weights.size(0);
-  const int64_t D = weights.size(1);
   const c10::cuda::CUDAGuard guard(weights.device());
-  const int64_t N = slots.numel();
-  const at::Tensor s = slots.contiguous();
-  const at::Tensor o = offsets.contiguous();
-  // One device check and read-back (a sync) unless the caller vouches for the inputs.
-  const int64_t B = check_inputs ? check_bags_and_slots_cuda(op, o, s, N, include_last_offset, C + M,
-                                                             M > 0 ? "weights.size(0) + extra_rows.size(0)"
-                                                                   : "weights.size(0)")
-                                 : check_offsets_shape(op, o, N, include_last_offset);
-  const at::Tensor w = weights.contiguous();
-  const at::Tensor e = extra_rows.has_value() ? extra_rows->contiguous() : at::Tensor();
-  const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
-  at::Tensor out = at::empty({B, D}, weights.options());
-  if (B == 0 || D == 0) return out;
-  check_num_bags_cuda(op, B);
-  // Bags per lane group: about kUnroll positions at the mean bag length (bags of one:
-  // kMaxBags; of kUnroll or more: 1). Only the speed depends on it, not the result.
-  int bags_per_group = static_cast<int>(std::clamp<int64_t>(kUnroll * B / std::max<int64_t>(N, 1), 1, kMaxBags));
-  if (N > std::numeric_limits<int32_t>::max() - kUnroll) bags_per_group = 1;  // int32 positions
-  const int64_t groups = ceil_div(B, bags_per_group);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "pooled_lookup_cuda", [&] {
-    const scalar_t* ep = e.defined() ? e.data_ptr<scalar_t>() : nullptr;
-    const scalar_t* pp = p.defined() ? p.data_ptr<scalar_t>() : nullptr;
-    auto launch = [&](auto vec) {
-      constexpr int V = decltype(vec)::value;
-      const int lanes = lanes_for(D, V);
-      const int64_t threads = groups * lanes;  // at most 2^31 * 32: 2^28 blocks
-      auto kernel =
-          bags_per_group > 1 ? pooled_lookup_kernel<scalar_t, V, kMaxBags> : pooled_lookup_kernel<scalar_t, V, 1>;
-      kernel<<<grid_for(threads), kThreads, 0, stream()>>>(
-          w.data_ptr<scalar_t>(), C, ep, D, s.data_ptr<int64_t>(), o.data_ptr<int64_t>(), o.numel(), B, N, pp,
-          mode == kMean, lanes, bags_per_group, out.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (can_vectorize<scalar_t>(D, {w.data_ptr(), ep, out.data_ptr()})) {
-      launch(std::integral_constant<int, vec16<scalar_t>()>());
-    } else {
-      launch(std::integral_constant<int, 1>());
-    }
-  });
+  LookupTable t = lookup_table(op, weights, slots, offsets, per_sample_weights, include_last_offset, extra_rows, M,
+                               check_inputs);
+  launch_lookups({&t}, {mode}, weights.size(1));
+  return t.out;
+}
+
+std::vector<at::Tensor> pooled_lookup_many_cuda(at::TensorList weights, at::TensorList slots, at::TensorList offsets,
+                                                const c10::List<std::optional<at::Tensor>>& per_sample_weights,
+                                                at::IntArrayRef mode, bool include_last_offset,
+                                                const c10::List<std::optional<at::Tensor>>& extra_rows,
+                                                bool check_inputs) {
+  std::vector<int64_t> M;
+  const std::vector<std::string> names = check_pooled_lookup_many_args(
+      "veloce::pooled_lookup_many", weights, slots, offsets, per_sample_weights, mode, extra_rows, M);
+  const size_t K = weights.size();
+  if (K == 0) return {};
+  const c10::cuda::CUDAGuard guard(weights[0].device());
+  std::vector<LookupTable> ts;
+  ts.reserve(K);
+  for (size_t k = 0; k < K; ++k) {  // every table checked before any launch
+    ts.push_back(lookup_table(names[k].c_str(), weights[k], slots[k], offsets[k], per_sample_weights.get(k),
+                              include_last_offset, extra_rows.get(k), M[k], check_inputs));
+  }
+  std::vector<LookupTable*> ptrs;
+  for (LookupTable& t : ts) ptrs.push_back(&t);
+  launch_lookups(ptrs, std::vector<int64_t>(mode.begin(), mode.end()), weights[0].size(1));
+  std::vector<at::Tensor> out;
+  out.reserve(K);
+  for (LookupTable& t : ts) out.push_back(t.out);
   return out;
 }
 
@@ -1158,6 +1259,7 @@ void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_
 
 TORCH_LIBRARY_IMPL(veloce, CUDA, m) {
   m.impl("pooled_lookup", &veloce::cuda::pooled_lookup_cuda);
+  m.impl("pooled_lookup_many", &veloce::cuda::pooled_lookup_many_cuda);
   m.impl("accumulate_grad", &veloce::cuda::accumulate_grad_cuda);
   m.impl("accumulate_and_update", &veloce::cuda::accumulate_and_update_cuda);
   m.impl("accumulate_and_update_many", &veloce::cuda::accumulate_and_update_many_cuda);

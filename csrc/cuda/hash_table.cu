@@ -40,6 +40,12 @@
 // returned as a CPU tensor. Per call: find_or_insert and insert_or_assign 1 sync, or 2 with
 // conflicted ids; erase none.
 //
+// An op over K tables (find_or_insert_many; the single-table ops are K = 1) runs each kernel
+// once for all of them: table j is blockIdx.y, its arguments a TableCall (in
+// hash_table_device.cuh) copied to the device before the launches of each host stage, and
+// its scratch arrays live in a few allocations shared by the call. About 20 launches per
+// op, where one set of launches per table made about 300 for the 26 tables of a DLRM step.
+//
 // Same placement as the CPU kernel (which inserts in order of first occurrence): a new id
 // that shares neither bucket with another new id of the call meets the same buckets in
 // any order, so 3a/3b place it exactly as the CPU does. The new ids that do share a
@@ -51,14 +57,14 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
-#include <thrust/iterator/counting_iterator.h>
-
+#include <algorithm>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include <cub/device/device_select.cuh>
+#include <cub/device/device_radix_sort.cuh>
 
 #include "hash_table_device.cuh"
 #include "veloce/cuda_utils.cuh"
@@ -79,16 +85,18 @@ inline int rows_per_warp(int64_t rows) {
 }
 
 // Blocks of kThreads for `rows` rows at r rows per warp.
-inline unsigned row_warp_grid(int64_t rows, int r) { return grid_for(ceil_div(rows, r) * 32); }
+inline int64_t row_warp_threads(int64_t rows, int r) { return ceil_div(rows, r) * 32; }
 
 // find_or_insert success: initial rows, zero state, starting score of the new ids. Each warp
 // takes r consecutive distinct ids (rows_per_warp): lane j < r loads id (base + j)'s state and
-// slot and hashes its id, then the warp fills the r rows in turn, columns over lanes.
-template <typename scalar_t>
-__global__ void init_rows_kernel(Uniques u, int r, scalar_t* __restrict__ weights, int64_t D,
-                                 at::opmath_type<scalar_t>* __restrict__ state, int64_t S,
-                                 int64_t* __restrict__ scores, int64_t start_score, int64_t seed, int64_t kind,
-                                 double a, double b) {
+// slot and hashes its id, then the warp fills the r rows in turn, columns over lanes. Runs
+// for the tables whose rows are scalar_t.
+template <typename scalar_t, class Calls>
+__global__ void init_rows_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageInitRows);
+  if (c == nullptr || c->dtype != static_cast<int32_t>(c10::CppTypeToScalarType<scalar_t>::value)) return;
+  const int r = c->rows_per_warp;
+  const Uniques u = c->u;
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t k = thread_index() / 32 * r + lane;
   int64_t slot = -1;
@@ -97,33 +105,40 @@ __global__ void init_rows_kernel(Uniques u, int r, scalar_t* __restrict__ weight
     const int8_t st = u.state[k];
     if (st == kClaimed || st == kEvicted) {
       slot = u.slot[k];
-      bits = init_row_bits(seed, u.id[k]);
+      bits = init_row_bits(c->seed, u.id[k]);
     }
   }
   if (__ballot_sync(kFullWarp, slot >= 0) == 0) return;  // the whole warp
+  using acc_t = at::opmath_type<scalar_t>;
+  scalar_t* const weights = static_cast<scalar_t*>(c->weights);
+  acc_t* const state = static_cast<acc_t*>(c->state);
+  const int64_t D = c->D, S = c->S;
+  const int64_t kind = c->init_kind;
+  const double a = c->init_a, b = c->init_b;
   for (int j = 0; j < r; ++j) {
     const int64_t s = __shfl_sync(kFullWarp, slot, j);
     if (s < 0) continue;
     scalar_t* const row = weights + s * D;
     init_columns(__shfl_sync(kFullWarp, bits, j), D, kind, a, b, lane, 32,
-                 [&](int64_t c, double v) { row[c] = to_weight<scalar_t>(v); });
-    for (int64_t c = lane; c < S; c += 32) state[s * S + c] = 0;
-    if (lane == 0) scores[s] = start_score;
+                 [&](int64_t col, double v) { row[col] = to_weight<scalar_t>(v); });
+    for (int64_t col = lane; col < S; col += 32) state[s * S + col] = 0;
+    if (lane == 0) c->t.scores[s] = c->score_value;  // the call's starting score (LRU), else 0
   }
 }
 
 // insert_or_assign success: the last occurrence of each distinct id writes its row,
-// state and score (last_pos, occurrences: from group_ids). Each warp takes r distinct ids,
-// as init_rows_kernel: lane j < r loads id (base + j)'s bookkeeping and sets its score, then
-// the warp copies the r rows in turn.
-template <typename scalar_t>
-__global__ void assign_rows_kernel(Uniques u, int r, const int32_t* __restrict__ last_pos,
-                                   const int32_t* __restrict__ occurrences, scalar_t* __restrict__ weights,
-                                   const scalar_t* __restrict__ values, int64_t D,
-                                   at::opmath_type<scalar_t>* __restrict__ state,
-                                   const at::opmath_type<scalar_t>* __restrict__ opt_values, int64_t S,
-                                   int64_t* __restrict__ scores, const int64_t* __restrict__ score_values,
-                                   int64_t policy, int64_t score_value) {
+// state and score (last_pos, occurrences: from the grouping). Each warp takes r distinct
+// ids, as init_rows_kernel: lane j < r loads id (base + j)'s bookkeeping and sets its
+// score, then the warp copies the r rows in turn.
+template <typename scalar_t, class Calls>
+__global__ void assign_rows_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageAssignRows);
+  if (c == nullptr || c->dtype != static_cast<int32_t>(c10::CppTypeToScalarType<scalar_t>::value)) return;
+  using acc_t = at::opmath_type<scalar_t>;
+  const int r = c->rows_per_warp;
+  const Uniques u = c->u;
+  int64_t* const scores = c->t.scores;
+  const int64_t policy = c->score_policy;
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t k = thread_index() / 32 * r + lane;
   int64_t slot = -1, last = 0;
@@ -132,65 +147,76 @@ __global__ void assign_rows_kernel(Uniques u, int r, const int32_t* __restrict__
     slot = u.slot[k];
     const int8_t st = u.state[k];
     fresh = st == kClaimed || st == kEvicted;
-    last = last_pos[k];
+    last = c->last_pos[k];
     int64_t sc;
-    if (score_values != nullptr) {
-      sc = score_values[last];
+    if (c->score_values != nullptr) {
+      sc = c->score_values[last];
     } else {
-      sc = fresh ? (policy == kScoreLRU ? score_value : 0) : scores[slot];
-      if (policy == kScoreLRU) sc = score_value;
-      if (policy == kScoreLFU) sc += occurrences[k];
+      sc = fresh ? (policy == kScoreLRU ? c->score_value : 0) : scores[slot];
+      if (policy == kScoreLRU) sc = c->score_value;
+      if (policy == kScoreLFU) sc += c->occurrences[k];
     }
     scores[slot] = sc;
   }
   const unsigned rows = __ballot_sync(kFullWarp, slot >= 0);
   if (rows == 0) return;  // the whole warp
   const unsigned fresh_rows = __ballot_sync(kFullWarp, fresh);
+  scalar_t* const weights = static_cast<scalar_t*>(c->weights);
+  const scalar_t* const values = static_cast<const scalar_t*>(c->values);
+  acc_t* const state = static_cast<acc_t*>(c->state);
+  const acc_t* const opt_values = static_cast<const acc_t*>(c->opt_values);
+  const int64_t D = c->D, S = c->S;
   for (int j = 0; j < r; ++j) {
     if (!((rows >> j) & 1u)) continue;
     const int64_t s = __shfl_sync(kFullWarp, slot, j);
     const int64_t src = __shfl_sync(kFullWarp, last, j);
-    for (int64_t c = lane; c < D; c += 32) weights[s * D + c] = values[src * D + c];
+    for (int64_t col = lane; col < D; col += 32) weights[s * D + col] = values[src * D + col];
     if (opt_values != nullptr) {
-      for (int64_t c = lane; c < S; c += 32) state[s * S + c] = opt_values[src * S + c];
+      for (int64_t col = lane; col < S; col += 32) state[s * S + col] = opt_values[src * S + col];
     } else if ((fresh_rows >> j) & 1u) {
-      for (int64_t c = lane; c < S; c += 32) state[s * S + c] = 0;
+      for (int64_t col = lane; col < S; col += 32) state[s * S + col] = 0;
     }
   }
 }
 
 // slots[i] = slot of position i's distinct id, for every grouped position (active[i], or
 // all when active is null).
-__global__ void map_slots_kernel(const uint8_t* __restrict__ active, const int32_t* __restrict__ group, int64_t n,
-                                 const int64_t* __restrict__ uniq_slot, int64_t* __restrict__ slots) {
+template <class Calls>
+__global__ void map_slots_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageMapSlots);
   const int64_t i = thread_index();
-  if (i < n && (active == nullptr || active[i])) slots[i] = uniq_slot[group[i]];
+  if (c == nullptr || i >= c->n || (c->active != nullptr && !c->active[i])) return;
+  c->slots[i] = c->u.slot[c->group[i]];
 }
 
-// Per non-padding position: LRU sets score_value, LFU adds 1. skip: positions to leave
-// out (null for none): LRU skips the new ids, whose rows started at score_value.
-__global__ void score_positions_kernel(const int64_t* __restrict__ slots, const uint8_t* __restrict__ skip, int64_t n,
-                                       int64_t* scores, int64_t policy, int64_t score_value) {
+// Per non-padding position: LRU sets score_value, LFU adds 1. score_skip: positions to
+// leave out (null for none): LRU skips the new ids, whose rows started at score_value.
+template <class Calls>
+__global__ void score_positions_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageScore);
   const int64_t i = thread_index();
-  if (i >= n || (skip != nullptr && skip[i])) return;
-  const int64_t s = slots[i];
+  if (c == nullptr || i >= c->n || (c->score_skip != nullptr && c->score_skip[i])) return;
+  const int64_t s = c->slots[i];
   if (s < 0) return;
-  if (policy == kScoreLRU) {
+  int64_t* const scores = c->t.scores;
+  if (c->score_policy == kScoreLRU) {
     // A hot id repeats thousands of times in a batch: its later positions find the score
     // set (in L1 or L2) and skip the store instead of queueing on one address.
-    if (scores[s] != score_value) scores[s] = score_value;
+    if (scores[s] != c->score_value) scores[s] = c->score_value;
   } else {
     atomicAdd(reinterpret_cast<unsigned long long*>(scores + s), 1ull);
   }
 }
 
-__global__ void erase_kernel(Table t, Uniques u, const int32_t* __restrict__ first_pos, bool* __restrict__ erased) {
+template <class Calls>
+__global__ void erase_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageErase);
   const int64_t k = thread_index();
-  if (!u.has(k)) return;
-  const int64_t s = u.slot[k];
+  if (c == nullptr || !c->u.has(k)) return;
+  const int64_t s = c->u.slot[k];
   if (s < 0) return;
-  t.digests[s] = kEmptyDigest;
-  erased[first_pos[k]] = true;
+  c->t.digests[s] = kEmptyDigest;
+  c->erased[c->first_pos[k]] = true;
 }
 
 // Block (lanes, rows): one row per threadIdx.y, its columns over threadIdx.x.
@@ -208,38 +234,32 @@ __global__ void initialize_kernel(const int64_t* __restrict__ ids, int64_t n, in
 // Positions are grouped by id through a scratch open-addressing set (linear probing, load
 // <= 1/2) instead of a sort: one CAS per position to claim an id's scratch slot, whose winner
 // numbers the id; then, after a launch boundary, every position reads its id's number. A
-// radix sort of 64-bit ids took 8 passes and about 20 launches; this takes 4 launches and no
+// radix sort of 64-bit ids took 8 passes and about 20 launches; this takes 2 launches and no
 // size from the host, so it runs over all n positions with an `active` flag each.
 //
 // Every int64 is a valid id, so the scratch set's empty marker kGroupEmpty is one too: that
 // id takes the spare scratch slot past the set (claimed by a flag), never the set itself.
 constexpr int64_t kGroupEmpty = std::numeric_limits<int64_t>::min();
 
-struct GroupScratch {
-  int64_t* keys;      // (C,) ids, kGroupEmpty where free
-  int32_t* index;     // (C + 1,) the distinct id's number, written by the slot's winner
-  int32_t* spare;     // claim flag of slot C (the id kGroupEmpty)
-  int64_t mask;       // C - 1
-};
-
-// Claims each active position's id a scratch slot; the winner numbers the id (*num), writes
-// it and starts its slot, state, first/last position and count. where[i] = the position's
-// scratch slot.
-__global__ void group_claim_kernel(const int64_t* __restrict__ ids, const uint8_t* __restrict__ active, int64_t n,
-                                   GroupScratch g, int64_t* __restrict__ where, int64_t* __restrict__ uniq_id,
-                                   int64_t* __restrict__ uniq_slot, int8_t* __restrict__ uniq_state,
-                                   int32_t* __restrict__ first_pos, int32_t* __restrict__ last_pos,
-                                   int32_t* __restrict__ occurrences, int32_t* num) {
+// Claims each active position's id a scratch slot; the winner numbers the id (counter
+// kUniques), writes it and starts its slot, state, first/last position and count.
+// where[i] = the position's scratch slot.
+template <class Calls>
+__global__ void group_claim_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageGroup);
+  if (c == nullptr) return;
   const int64_t i = thread_index();
-  const bool on = i < n && (active == nullptr || active[i]);
+  const bool on = i < c->n && (c->active == nullptr || c->active[i]);
+  const GroupScratch g = c->g;
   int64_t h = 0, id = 0;
   bool won = false;
   if (on) {
-    id = ids[i];
+    id = c->ids[i];
     if (id == kGroupEmpty) {
       h = g.mask + 1;
+      int32_t* const spare = c->ctr + counter::kGroupSpare;
       // A plain read first: a hot id's later positions find it claimed without an atomic.
-      won = __ldcg(g.spare) == 0 && atomicExch(g.spare, 1) == 0;
+      won = __ldcg(spare) == 0 && atomicExch(spare, 1) == 0;
     } else {
       h = static_cast<int64_t>(fmix64(static_cast<uint64_t>(id)) & static_cast<uint64_t>(g.mask));
       while (true) {
@@ -257,289 +277,523 @@ __global__ void group_claim_kernel(const int64_t* __restrict__ ids, const uint8_
         h = (h + 1) & g.mask;
       }
     }
-    where[i] = h;
+    c->where[i] = h;
   }
-  const int32_t k = block_reserve(won, num);
+  const int32_t k = block_reserve(won, c->ctr + counter::kUniques);
   if (!won) return;
+  const Uniques u = c->u;
   g.index[h] = k;
-  uniq_id[k] = id;
-  uniq_slot[k] = -1;
-  uniq_state[k] = kPresent;
-  first_pos[k] = std::numeric_limits<int32_t>::max();
-  if (last_pos != nullptr) {
-    last_pos[k] = -1;
-    occurrences[k] = 0;
+  const_cast<int64_t*>(u.id)[k] = id;
+  u.slot[k] = -1;
+  u.state[k] = kPresent;
+  c->first_pos[k] = std::numeric_limits<int32_t>::max();
+  if (c->last_pos != nullptr) {
+    c->last_pos[k] = -1;
+    c->occurrences[k] = 0;
   }
 }
 
 // Per active position: its distinct id's number (group), and that id's first position (and
 // last position and count, when asked for). Lanes of a warp that share an id combine first,
 // so a hot id costs one atomic per warp, not per position.
-__global__ void group_assign_kernel(const uint8_t* __restrict__ active, int64_t n, const int64_t* __restrict__ where,
-                                    const int32_t* __restrict__ index, int32_t* __restrict__ group,
-                                    int32_t* __restrict__ first_pos, int32_t* __restrict__ last_pos,
-                                    int32_t* __restrict__ occurrences) {
+template <class Calls>
+__global__ void group_assign_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageGroup);
+  if (c == nullptr) return;
   const int64_t i = thread_index();
-  const bool on = i < n && (active == nullptr || active[i]);
+  const bool on = i < c->n && (c->active == nullptr || c->active[i]);
   const unsigned lanes = __ballot_sync(kFullWarp, on);
   if (!on) return;
-  const int32_t k = index[where[i]];
-  group[i] = k;
+  const int32_t k = c->g.index[c->where[i]];
+  c->group[i] = k;
   const unsigned same = __match_any_sync(lanes, k);
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int lowest = __ffs(same) - 1, highest = 31 - __clz(same);
   // Positions grow with the lane: the lowest lane of the group holds its first position.
   if (lane == lowest) {
-    atomicMin(first_pos + k, static_cast<int32_t>(i));
-    if (occurrences != nullptr) atomicAdd(occurrences + k, __popc(same));
+    atomicMin(c->first_pos + k, static_cast<int32_t>(i));
+    if (c->occurrences != nullptr) atomicAdd(c->occurrences + k, __popc(same));
   }
-  if (last_pos != nullptr && lane == highest) atomicMax(last_pos + k, static_cast<int32_t>(i));
+  if (c->last_pos != nullptr && lane == highest) atomicMax(c->last_pos + k, static_cast<int32_t>(i));
 }
 
-// ---- host-side building blocks ---------------------------------------------------------
+// ---- host side ---------------------------------------------------------------------------
 
-// Owns the per-distinct-id state of one call: arrays of n entries (n positions grouped),
-// of which group_ids fills the first U (U in *num, in device memory): the id, slot -1 and
-// state kPresent. n is the upper bound until the host reads U and sets n = U, so that later
-// launches cover U ids only.
-struct UniqueTensors {
-  at::Tensor id, slot, state, old_key, old_digest;
-  const int32_t* num;
-  int64_t n;
-  UniqueTensors(const at::Tensor& like, int64_t n, const int32_t* num) : num(num), n(n) {
-    id = at::empty({n}, like.options());
-    slot = at::empty({n}, like.options());
-    state = at::empty({n}, like.options().dtype(at::kChar));
-    old_key = at::empty({n}, like.options());
-    old_digest = at::empty({n}, like.options().dtype(at::kByte));
-  }
-  Uniques view() const {
-    return {id.data_ptr<int64_t>(),      slot.data_ptr<int64_t>(),       state.data_ptr<int8_t>(),
-            old_key.data_ptr<int64_t>(), old_digest.data_ptr<uint8_t>(), num, n};
-  }
-};
+// A TableCalls::launch callable for `kernel` (a kernel template over its Calls parameter).
+#define VELOCE_OVER_TABLES(kernel) \
+  [](auto calls, dim3 grid, int block) { kernel<<<grid, block, 0, stream()>>>(calls); }
 
-// The grouping of a call's active positions by id (the distinct ids themselves go to
-// UniqueTensors). Arrays of n entries (the upper bound), the first U used. Scratch memory
-// scales with the n positions, found ones included (the grouping runs before the host
-// knows how many are missing): about 16 bytes per position for the hash set (2n to 4n
-// slots of 8 + 4 bytes), 8 for `where`, and 8-16 for these arrays.
-struct Groups {
-  at::Tensor first_pos;    // (n,) int32: distinct id k's first position
-  at::Tensor last_pos;     // (n,) int32: its last position (with_last only)
-  at::Tensor occurrences;  // (n,) int32: its number of positions (with_last only)
-  at::Tensor group;        // (n,) int32: per active position, its distinct id k
-};
-
-// Groups the n positions of ids (active: (n,) flags, or null for all) into ut (n entries;
-// *ut.num and *spare, a device int32 for the scratch set, must be 0 on entry). Nothing is
-// read back.
-Groups group_ids(const at::Tensor& ids, const uint8_t* active, UniqueTensors& ut, int32_t* spare, bool with_last) {
-  const int64_t n = ids.numel();
-  int64_t cap = 64;
-  while (cap < 2 * n) cap *= 2;
-  const at::TensorOptions i32 = ids.options().dtype(at::kInt);
-  const at::Tensor keys = at::full({cap}, kGroupEmpty, ids.options());
-  const at::Tensor index = at::empty({cap + 1}, i32);
-  const at::Tensor where = at::empty({n}, ids.options());  // a scratch slot may pass 2^31
-  Groups r;
-  r.first_pos = at::empty({n}, i32);
-  r.group = at::empty({n}, i32);
-  if (with_last) {
-    r.last_pos = at::empty({n}, i32);
-    r.occurrences = at::empty({n}, i32);
-  }
-  int32_t* const last = with_last ? r.last_pos.data_ptr<int32_t>() : nullptr;
-  int32_t* const occ = with_last ? r.occurrences.data_ptr<int32_t>() : nullptr;
-  const GroupScratch g{keys.data_ptr<int64_t>(), index.data_ptr<int32_t>(), spare, cap - 1};
-  group_claim_kernel<<<grid_for(n), kThreads, 0, stream()>>>(
-      ids.data_ptr<int64_t>(), active, n, g, where.data_ptr<int64_t>(), ut.id.data_ptr<int64_t>(),
-      ut.slot.data_ptr<int64_t>(), ut.state.data_ptr<int8_t>(), r.first_pos.data_ptr<int32_t>(), last, occ,
-      const_cast<int32_t*>(ut.num));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  group_assign_kernel<<<grid_for(n), kThreads, 0, stream()>>>(active, n, where.data_ptr<int64_t>(),
-                                                               index.data_ptr<int32_t>(), r.group.data_ptr<int32_t>(),
-                                                               r.first_pos.data_ptr<int32_t>(), last, occ);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return r;
-}
-
-// Device counters of one inserting call (int32: at most 2^31 - 1 ids per call), copied to
-// the host together; indices into the counters tensor.
-namespace counter {
-enum : int {
-  kUniques,     // U, written by group_ids
-  kNew,         // distinct ids not in the table
-  kConflicted,  // new ids sharing a bucket with another new id
-  kFull,        // unconflicted new ids whose two buckets are full
-  kDoomed,      // kFull ids with every eviction candidate touched (when evicting)
-  kQueued,      // ids queued by claim_kernel
-  kFailed,      // ids that found no room in evict_kernel or sequential_insert_kernel
-  kEvicted,     // ids placed by evicting a key
-  kGroupSpare,  // group_ids' claim of its spare scratch slot
-  kNum
-};
-}  // namespace counter
-
-at::Tensor new_counters(const at::Tensor& ids) { return at::zeros({counter::kNum}, ids.options().dtype(at::kInt)); }
-
-// Predicates over the distinct ids for select_in_first_occurrence_order.
-struct IsConflicted {
-  const uint8_t* conflicted;
-  __device__ bool operator()(int64_t k) const { return conflicted[k] != 0; }
-};
-
-struct IsEvicted {
-  const int8_t* state;
-  __device__ bool operator()(int64_t k) const { return state[k] == kEvicted; }
-};
-
-// The distinct ids k (ut.n = U) with pred(k), as (count,) int64 indices in order of first
-// occurrence (the CPU kernel's insertion order). count, the number of such ids, is already
-// on the host, so nothing waits for the device to size the result.
-template <typename Pred>
-at::Tensor select_in_first_occurrence_order(const UniqueTensors& ut, const at::Tensor& first_pos, int64_t count,
-                                            Pred pred) {
-  at::Tensor idx = at::empty({count}, ut.id.options());
-  at::Tensor num_selected = at::empty({1}, ut.id.options().dtype(at::kInt));  // = count, unread
-  cub_call(idx, [&](void* temp, size_t& bytes) {
-    return cub::DeviceSelect::If(temp, bytes, thrust::counting_iterator<int64_t>(0), idx.data_ptr<int64_t>(),
-                                 num_selected.data_ptr<int32_t>(), static_cast<int>(ut.n), pred, stream());
-  });
-  return idx.index_select(0, first_pos.index_select(0, idx).argsort());
-}
-
-struct InsertOutcome {
-  int64_t inserted = 0;
-  int64_t failed = 0;
-  at::Tensor evicted;  // (E,) int64
-};
-
-// Phases 2 (classification), 3a, 3b and 4 over the distinct ids whose slot is still -1,
-// U of them counted in counter::kUniques by group_ids, in three stages split at syncs b
-// and c of the list at the top of this file, so that an op over several tables reads
-// every table's counters in one copy: classify (launches only), then place (the host
-// reads counters, launches the placement), then, only when place returns true (conflicted
-// ids: their fate is known on the device only), settle after another read of counters.
-// The distinct ids and their grouping are owned by the caller and passed to each stage.
-class Placement {
+// Many arrays in one allocation: add() reserves (in bytes, 16-aligned), allocate() makes
+// the buffer, ptr()/view() give each array.
+class Arena {
  public:
-  Placement(const Table& t, const at::Tensor& counters, uint32_t* touched, bool allow_evict)
-      : t_(t), counters_(counters), touched_(touched), allow_evict_(allow_evict) {}
-
-  InsertOutcome out;
-
-  void classify(const UniqueTensors& ut) {  // phase 2
-    int32_t* ctr = counters_.data_ptr<int32_t>();
-    const Uniques u = ut.view();  // n: the upper bound
-    const at::Tensor use = at::zeros({t_.num_buckets}, ut.id.options().dtype(at::kInt));
-    conflicted_ = at::empty({u.n}, ut.id.options().dtype(at::kByte));
-    // Allocated here, before any table of a many-op call is written: an allocation failure
-    // in a later stage would leave an earlier table's claimed slots without their rows.
-    overflow_ = at::empty({u.n}, ut.id.options().dtype(at::kInt));
-    bucket_use_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t_, u, use.data_ptr<int32_t>(), ctr + counter::kNew);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    classify_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(
-        t_, u, use.data_ptr<int32_t>(), touched_, conflicted_.data_ptr<uint8_t>(), ctr + counter::kConflicted,
-        ctr + counter::kFull, ctr + counter::kDoomed);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  template <typename T>
+  int64_t add(int64_t count) {
+    const int64_t off = ceil_div(size_, 16) * 16;
+    size_ = off + count * static_cast<int64_t>(sizeof(T));
+    return off;
   }
-
-  // Phases 3a and 3b from the counters read after classify (sync b); sets ut.n = U.
-  // Returns whether settle() must follow, after another read of the counters (sync c).
-  bool place(const int32_t* c, UniqueTensors& ut, const Groups& groups) {
-    ut.n = c[counter::kUniques];
-    const Uniques u = ut.view();
-    out.inserted = c[counter::kNew];
-    if (out.inserted == 0) return false;
-    n_conflicted_ = c[counter::kConflicted];
-    const int64_t n_full = c[counter::kFull];
-    if (n_conflicted_ == 0) {  // each new id alone in its buckets: classify_kernel decided its fate
-      out.failed = allow_evict_ ? c[counter::kDoomed] : n_full;
-      if (out.failed > 0) {  // nothing written yet: no rollback
-        out.inserted = 0;
-        return false;
-      }
-    }
-    // Deterministic mode (torch.use_deterministic_algorithms) always places conflicting ids
-    // in order, whatever their number, so placement (and hence eviction) repeats exactly.
-    const bool sequential = n_conflicted_ > 0 && (n_conflicted_ <= kSequentialMax ||
-                                                  at::globalContext().deterministicAlgorithms());
-    int32_t* ctr = counters_.data_ptr<int32_t>();
-    claim_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t_, u,
-                                                           sequential ? conflicted_.data_ptr<uint8_t>() : nullptr,
-                                                           touched_, overflow_.data_ptr<int32_t>(),
-                                                           ctr + counter::kQueued);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    // claim_kernel queues exactly the full unconflicted ids, plus conflicted ones that race
-    // and find both buckets full: at most max_queued, the exact number is on the device.
-    const int64_t max_queued = n_full + (sequential ? 0 : n_conflicted_);
-    if (allow_evict_ && max_queued > 0) {
-      evict_kernel<<<grid_for(max_queued), kThreads, 0, stream()>>>(
-          t_, u, touched_, overflow_.data_ptr<int32_t>(), ctr + counter::kQueued, ctr + counter::kFailed,
-          ctr + counter::kEvicted);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    if (sequential) {
-      const at::Tensor order = select_in_first_occurrence_order(ut, groups.first_pos, n_conflicted_,
-                                                                IsConflicted{conflicted_.data_ptr<uint8_t>()});
-      sequential_insert_kernel<<<1, 1, 0, stream()>>>(t_, u, order.data_ptr<int64_t>(), n_conflicted_,
-                                                     allow_evict_, touched_, ctr + counter::kFailed,
-                                                     ctr + counter::kEvicted);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    if (n_conflicted_ > 0) return true;  // how the conflicted ids fared is known on the device only
-    note_evicted(allow_evict_ ? n_full : 0, ut, groups);  // none doomed (else failed above): every full id evicted
-    return false;
+  void allocate(const at::TensorOptions& o, bool zero) {
+    const int64_t bytes = std::max<int64_t>(size_, 1);
+    buf_ = zero ? at::zeros({bytes}, o.dtype(at::kByte)) : at::empty({bytes}, o.dtype(at::kByte));
   }
-
-  // Phase 4 (rollback on failure) from the counters read after place (sync c).
-  void settle(const int32_t* p, const UniqueTensors& ut, const Groups& groups) {
-    // Without eviction every queued id failed; sequential failures are in kFailed either way.
-    out.failed = p[counter::kFailed] + (allow_evict_ ? 0 : p[counter::kQueued]);
-    if (out.failed > 0) {
-      rollback_kernel<<<grid_for(ut.n), kThreads, 0, stream()>>>(t_, ut.view());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      out.inserted = 0;
-      return;
-    }
-    note_evicted(p[counter::kEvicted], ut, groups);
+  template <typename T>
+  T* ptr(int64_t off) const {
+    return reinterpret_cast<T*>(buf_.data_ptr<uint8_t>() + off);
+  }
+  at::Tensor view(int64_t off, int64_t count, at::ScalarType t) const {
+    return buf_.narrow(0, off, count * static_cast<int64_t>(c10::elementSize(t))).view(t);
   }
 
  private:
-  void note_evicted(int64_t n_evicted, const UniqueTensors& ut, const Groups& groups) {
-    if (n_evicted == 0) return;  // in insertion order, as the CPU kernel reports them
-    out.evicted = ut.old_key.index_select(
-        0, select_in_first_occurrence_order(ut, groups.first_pos, n_evicted, IsEvicted{ut.view().state}));
-  }
-
-  Table t_;
-  at::Tensor counters_;
-  uint32_t* touched_;
-  bool allow_evict_;
-  at::Tensor conflicted_, overflow_;
-  int64_t n_conflicted_ = 0;
+  int64_t size_ = 0;
+  at::Tensor buf_;
 };
 
-// The three stages in a row, for an op over one table (insert_or_assign).
-InsertOutcome insert_uniques(const Table& t, UniqueTensors& ut, const Groups& groups, const at::Tensor& counters,
-                             uint32_t* touched, bool allow_evict) {
-  Placement p(t, counters, touched, allow_evict);
-  p.classify(ut);
-  const at::Tensor counted = counters.cpu();  // sync b
-  if (p.place(counted.data_ptr<int32_t>(), ut, groups)) {
-    const at::Tensor placed = counters.cpu();  // sync c
-    p.settle(placed.data_ptr<int32_t>(), ut, groups);
+// The TableCalls of one op call, on the host and (copied before each launch that follows a
+// change) on the device.
+class TableCalls {
+ public:
+  TableCalls(int64_t K, const at::Tensor& like) : calls_(static_cast<size_t>(K)), like_(like) {
+    TORCH_CHECK_VALUE(K <= 65535, "an inserting op takes at most 65535 tables at once, got ", K);
   }
-  return p.out;
+  int64_t size() const { return static_cast<int64_t>(calls_.size()); }
+  const TableCall& operator[](int64_t j) const { return calls_[static_cast<size_t>(j)]; }
+  TableCall& edit(int64_t j) {  // the device copy is refreshed before the next launch
+    dirty_ = true;
+    return calls_[static_cast<size_t>(j)];
+  }
+
+  // launch(calls, grid, block) of a kernel (VELOCE_OVER_TABLES) over the tables in
+  // `stage`: grid (x, K), x covering the largest threads(j) of them; no launch when none
+  // takes part. One table: its TableCall is the kernel parameter; several: an array on the
+  // device, copied there when it changed since the last launch.
+  template <typename Launch, typename Threads>
+  void launch(Launch go, uint32_t stage, Threads threads, int block = kThreads) {
+    int64_t most = 0;
+    for (int64_t j = 0; j < size(); ++j) {
+      if (calls_[static_cast<size_t>(j)].stages & stage) most = std::max<int64_t>(most, threads(j));
+    }
+    if (most == 0) return;
+    const dim3 grid(grid_for(most, block), static_cast<unsigned>(size()));
+    if (size() == 1) {
+      go(OneCall{calls_[0]}, grid, block);
+    } else {
+      go(DeviceCalls{device()}, grid, block);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+ private:
+  // One copy of the array from pinned memory, queued on the current stream (no host wait);
+  // the caching host allocator keeps the pinned block until the copy has run.
+  const TableCall* device() {
+    if (dirty_ || !dev_.defined()) {
+      const int64_t bytes = size() * static_cast<int64_t>(sizeof(TableCall));
+      at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      std::memcpy(host.data_ptr(), calls_.data(), static_cast<size_t>(bytes));
+      dev_ = host.to(like_.device(), /*non_blocking=*/true);
+      kept_.push_back(dev_);  // earlier copies stay valid for the launches queued on them
+      dirty_ = false;
+    }
+    return reinterpret_cast<const TableCall*>(dev_.data_ptr<uint8_t>());
+  }
+
+  std::vector<TableCall> calls_;
+  at::Tensor like_, dev_;
+  std::vector<at::Tensor> kept_;
+  bool dirty_ = true;
+};
+
+// Scratch-set slots for n grouped positions: a power of two >= 2n (load <= 1/2).
+int64_t group_capacity(int64_t n) {
+  int64_t cap = 64;
+  while (cap < 2 * n) cap *= 2;
+  return cap;
 }
+
+// What an inserting op asks of each table.
+enum class Mode { kFindOrInsert, kAssign, kErase };
+
+// One table's arguments and outcome; `slots` (N,) int64 is written (a view into the op's
+// output for find_or_insert_many).
+struct InsertTable {
+  at::Tensor keys, digests, scores, weights, opt_state, ids;
+  int64_t score_policy = kScoreNone, score_value = 0;
+  bool allow_evict = false;
+  int64_t seed = 0, init_kind = 0;
+  double init_a = 0, init_b = 0;
+  std::optional<int64_t> padding_id;
+  at::Tensor values, opt_values, score_values;  // insert_or_assign
+  at::Tensor slots, erased;
+  // outcome
+  int64_t inserted = 0, failed = 0;
+  at::Tensor evicted;
+  // host bookkeeping between stages
+  int64_t uniques = 0, conflicted = 0, full = 0;
+  bool settle = false;
+  int64_t old_key_off = 0;
+};
+
+// Runs an inserting op over tables (stages at the top of this file), each kernel once for
+// all of them. Syncs b and c happen once per op however many tables it inserts into (c
+// only when some table has conflicted ids). find_or_insert: bad_input is read with sync b,
+// or alone when no table has ids; when set, `op` raises before any table changes (phases
+// 1-2 write scratch memory only).
+class Inserter {
+ public:
+  Inserter(const char* op, Mode mode, std::vector<InsertTable>& tables)
+      : op_(op), mode_(mode), tabs_(tables), calls_(static_cast<int64_t>(tables.size()), tables[0].keys) {}
+
+  void run(const std::optional<at::Tensor>& bad_input) {
+    prepare();
+    if (mode_ == Mode::kFindOrInsert) calls_.launch(VELOCE_OVER_TABLES(probe_kernel), kStageProbe, positions());
+    calls_.launch(VELOCE_OVER_TABLES(group_claim_kernel), kStageGroup, positions());
+    calls_.launch(VELOCE_OVER_TABLES(group_assign_kernel), kStageGroup, positions());
+    if (mode_ != Mode::kFindOrInsert) calls_.launch(VELOCE_OVER_TABLES(find_uniques_kernel), kStageFindUniques, positions());
+    if (mode_ == Mode::kErase) {  // U stays on the device: every launch covers the n grouped positions
+      calls_.launch(VELOCE_OVER_TABLES(erase_kernel), kStageErase, positions());
+      return;
+    }
+    calls_.launch(VELOCE_OVER_TABLES(bucket_use_kernel), kStageClassify, positions());
+    calls_.launch(VELOCE_OVER_TABLES(classify_kernel), kStageClassify, positions());
+    const bool live = std::any_of(tabs_.begin(), tabs_.end(), [](const InsertTable& t) { return t.ids.numel() > 0; });
+    if (!live) {
+      if (bad_input) check_bad_input_unset(op_, bad_input->item<bool>());  // no sync b to ride on: read alone
+      return;
+    }
+    const int64_t K = calls_.size();
+    if (bad_input) counters_.narrow(0, K * counter::kNum, 1).copy_(bad_input->reshape({1}));
+    const at::Tensor counted = counters_.cpu();  // sync b
+    if (bad_input) check_bad_input_unset(op_, counted.data_ptr<int32_t>()[K * counter::kNum] != 0);
+    place(counted.data_ptr<int32_t>());
+    if (std::any_of(tabs_.begin(), tabs_.end(), [](const InsertTable& t) { return t.settle; })) {
+      const at::Tensor placed = counters_.cpu();  // sync c
+      settle(placed.data_ptr<int32_t>());
+    }
+    finish();
+  }
+
+ private:
+  // Threads per table: its positions, or its distinct ids (known after sync b).
+  struct Positions {
+    const TableCalls* calls;
+    int64_t operator()(int64_t j) const { return (*calls)[j].n; }
+  };
+  struct Distinct {
+    const std::vector<InsertTable>* tabs;
+    int64_t operator()(int64_t j) const { return (*tabs)[static_cast<size_t>(j)].uniques; }
+  };
+  Positions positions() const { return {&calls_}; }
+  Distinct uniques() const { return {&tabs_}; }
+
+  // Scratch for every table in three allocations (plain, zeroed, and the scratch sets'
+  // keys), and each table's TableCall.
+  void prepare() {
+    const int64_t K = calls_.size();
+    const bool with_last = mode_ == Mode::kAssign;
+    Arena plain, zeroed;
+    struct Offsets {
+      int64_t active, where, group, id, slot, old_key, state, old_digest, first, last, occ, conflicted, overflow,
+          index, use, touched, keys;
+    };
+    std::vector<Offsets> off(static_cast<size_t>(K));
+    const int64_t counters_off = zeroed.add<int32_t>(K * counter::kNum + 1);  // + bad_input's flag
+    int64_t key_slots = 0;
+    for (int64_t j = 0; j < K; ++j) {
+      const InsertTable& t = tabs_[static_cast<size_t>(j)];
+      const int64_t n = t.ids.numel();
+      Offsets& o = off[static_cast<size_t>(j)];
+      o = {};
+      if (n == 0) continue;
+      const int64_t cap = group_capacity(n);
+      const int64_t buckets = t.keys.numel() / kBucketSize;
+      if (mode_ == Mode::kFindOrInsert) o.active = plain.add<uint8_t>(n);
+      o.where = plain.add<int64_t>(n);  // a scratch slot may pass 2^31
+      o.group = plain.add<int32_t>(n);
+      o.id = plain.add<int64_t>(n);
+      o.slot = plain.add<int64_t>(n);
+      o.old_key = plain.add<int64_t>(n);
+      o.state = plain.add<int8_t>(n);
+      o.old_digest = plain.add<uint8_t>(n);
+      o.first = plain.add<int32_t>(n);
+      if (with_last) {
+        o.last = plain.add<int32_t>(n);
+        o.occ = plain.add<int32_t>(n);
+      }
+      o.index = plain.add<int32_t>(cap + 1);
+      if (mode_ != Mode::kErase) {
+        o.conflicted = plain.add<uint8_t>(n);
+        o.overflow = plain.add<int32_t>(n);
+        o.use = zeroed.add<int32_t>(buckets);
+        if (t.allow_evict) o.touched = zeroed.add<int32_t>(buckets);  // one word per bucket
+      }
+      o.keys = key_slots;
+      key_slots += cap;
+    }
+    const at::TensorOptions opts = tabs_[0].keys.options();
+    plain.allocate(opts, false);
+    zeroed.allocate(opts, true);
+    const at::Tensor group_keys = at::full({std::max<int64_t>(key_slots, 1)}, kGroupEmpty, opts);
+    plain_ = plain;
+    counters_ = zeroed.view(counters_off, K * counter::kNum + 1, at::kInt);
+    keep_.push_back(group_keys);
+    for (int64_t j = 0; j < K; ++j) {
+      InsertTable& t = tabs_[static_cast<size_t>(j)];
+      const Offsets& o = off[static_cast<size_t>(j)];
+      TableCall& c = calls_.edit(j);
+      c = TableCall{};
+      c.n = t.ids.numel();
+      c.ctr = zeroed.ptr<int32_t>(counters_off) + j * counter::kNum;
+      if (c.n == 0) continue;
+      c.t = table_of(t.keys, t.digests, t.scores.defined() ? t.scores.data_ptr<int64_t>() : nullptr);
+      c.u = Uniques{plain.ptr<int64_t>(o.id),    plain.ptr<int64_t>(o.slot),      plain.ptr<int8_t>(o.state),
+                    plain.ptr<int64_t>(o.old_key), plain.ptr<uint8_t>(o.old_digest), c.ctr + counter::kUniques,
+                    c.n};
+      t.old_key_off = o.old_key;
+      c.ids = t.ids.data_ptr<int64_t>();
+      c.active = mode_ == Mode::kFindOrInsert ? plain.ptr<uint8_t>(o.active) : nullptr;
+      c.slots = t.slots.defined() ? t.slots.data_ptr<int64_t>() : nullptr;
+      c.has_pad = t.padding_id.has_value();
+      c.pad = t.padding_id.value_or(0);
+      c.touched = t.allow_evict && mode_ != Mode::kErase ? reinterpret_cast<uint32_t*>(zeroed.ptr<int32_t>(o.touched))
+                                                         : nullptr;
+      c.g = GroupScratch{group_keys.data_ptr<int64_t>() + o.keys, plain.ptr<int32_t>(o.index), group_capacity(c.n) - 1};
+      c.where = plain.ptr<int64_t>(o.where);
+      c.group = plain.ptr<int32_t>(o.group);
+      c.first_pos = plain.ptr<int32_t>(o.first);
+      c.last_pos = with_last ? plain.ptr<int32_t>(o.last) : nullptr;
+      c.occurrences = with_last ? plain.ptr<int32_t>(o.occ) : nullptr;
+      c.allow_evict = t.allow_evict;
+      c.score_policy = t.score_policy;
+      c.score_value = t.score_value;
+      c.erased = t.erased.defined() ? t.erased.data_ptr<bool>() : nullptr;
+      if (mode_ == Mode::kFindOrInsert) {
+        c.stages = kStageProbe | kStageGroup | kStageClassify;
+      } else if (mode_ == Mode::kAssign) {
+        c.stages = kStageGroup | kStageFindUniques | kStageClassify;
+      } else {
+        c.stages = kStageGroup | kStageFindUniques | kStageErase;
+      }
+      if (mode_ == Mode::kErase) continue;
+      c.use = zeroed.ptr<int32_t>(o.use);
+      c.conflicted = plain.ptr<uint8_t>(o.conflicted);
+      c.overflow = plain.ptr<int32_t>(o.overflow);
+      c.weights = t.weights.data_ptr();
+      c.state = t.opt_state.data_ptr();
+      c.D = t.weights.size(1);
+      c.S = t.opt_state.size(1);
+      c.dtype = static_cast<int32_t>(t.weights.scalar_type());
+      c.seed = t.seed;
+      c.init_kind = t.init_kind;
+      c.init_a = t.init_a;
+      c.init_b = t.init_b;
+      if (mode_ == Mode::kAssign) {
+        c.values = t.values.data_ptr();
+        c.opt_values = t.opt_values.defined() ? t.opt_values.data_ptr() : nullptr;
+        c.score_values = t.score_values.defined() ? t.score_values.data_ptr<int64_t>() : nullptr;
+      }
+    }
+    keep_.push_back(zeroed.view(0, 1, at::kByte));  // the zeroed arena (counters_ views it too)
+  }
+
+  // Phases 3a and 3b from the counters read after classify (sync b). A table's outcome is
+  // known here when none of its new ids is conflicted; else settle() follows sync c.
+  void place(const int32_t* counted) {
+    std::vector<int64_t> sequential, no_conflict_evicting;
+    for (int64_t j = 0; j < calls_.size(); ++j) {
+      InsertTable& t = tabs_[static_cast<size_t>(j)];
+      if (t.ids.numel() == 0) continue;
+      const int32_t* c = counted + j * counter::kNum;
+      t.uniques = c[counter::kUniques];
+      TableCall& call = calls_.edit(j);
+      call.u.n = t.uniques;
+      call.stages = 0;
+      t.inserted = c[counter::kNew];
+      if (t.inserted == 0) continue;
+      t.conflicted = c[counter::kConflicted];
+      t.full = c[counter::kFull];
+      if (t.conflicted == 0) {  // each new id alone in its buckets: classify_kernel decided its fate
+        t.failed = t.allow_evict ? c[counter::kDoomed] : t.full;
+        if (t.failed > 0) {  // nothing written yet: no rollback
+          t.inserted = 0;
+          continue;
+        }
+      }
+      // Deterministic mode (torch.use_deterministic_algorithms) always places conflicting ids
+      // in order, whatever their number, so placement (and hence eviction) repeats exactly.
+      const bool seq = t.conflicted > 0 && (t.conflicted <= kSequentialMax ||
+                                            at::globalContext().deterministicAlgorithms());
+      call.stages = kStageClaim;
+      call.claim_skip = seq ? call.conflicted : nullptr;
+      // claim_kernel queues exactly the full unconflicted ids, plus conflicted ones that race
+      // and find both buckets full: at most that many, the exact number is on the device.
+      if (t.allow_evict && t.full + (seq ? 0 : t.conflicted) > 0) call.stages |= kStageEvict;
+      if (seq) {
+        call.stages |= kStageSequential;
+        sequential.push_back(j);
+      }
+      t.settle = t.conflicted > 0;  // how the conflicted ids fared is known on the device only
+      if (!t.settle && t.allow_evict && t.full > 0) no_conflict_evicting.push_back(j);
+    }
+    if (!sequential.empty()) {
+      order(sequential, /*select=*/0, [&](int64_t j) { return tabs_[static_cast<size_t>(j)].conflicted; });
+    }
+    calls_.launch(VELOCE_OVER_TABLES(claim_kernel), kStageClaim, uniques());
+    calls_.launch(VELOCE_OVER_TABLES(evict_kernel), kStageEvict, [this](int64_t j) {
+      const InsertTable& t = tabs_[static_cast<size_t>(j)];
+      return t.full + (calls_[j].claim_skip != nullptr ? 0 : t.conflicted);
+    });
+    calls_.launch(VELOCE_OVER_TABLES(sequential_insert_kernel), kStageSequential, [](int64_t) { return int64_t{1}; }, 32);
+    // None doomed (else failed above): every full id evicted.
+    note_evicted(no_conflict_evicting, [&](int64_t j) { return tabs_[static_cast<size_t>(j)].full; });
+  }
+
+  // Phase 4 (rollback on failure) from the counters read after place (sync c).
+  void settle(const int32_t* placed) {
+    std::vector<int64_t> evicting;
+    std::vector<int64_t> evicted(static_cast<size_t>(calls_.size()), 0);
+    for (int64_t j = 0; j < calls_.size(); ++j) {
+      InsertTable& t = tabs_[static_cast<size_t>(j)];
+      TableCall& call = calls_.edit(j);
+      call.stages = 0;
+      if (!t.settle) continue;
+      const int32_t* p = placed + j * counter::kNum;
+      // Without eviction every queued id failed; sequential failures are in kFailed either way.
+      t.failed = p[counter::kFailed] + (t.allow_evict ? 0 : p[counter::kQueued]);
+      if (t.failed > 0) {
+        call.stages = kStageRollback;
+        t.inserted = 0;
+      } else if (p[counter::kEvicted] > 0) {
+        evicting.push_back(j);
+        evicted[static_cast<size_t>(j)] = p[counter::kEvicted];
+      }
+    }
+    calls_.launch(VELOCE_OVER_TABLES(rollback_kernel), kStageRollback, uniques());
+    note_evicted(evicting, [&](int64_t j) { return evicted[static_cast<size_t>(j)]; });
+  }
+
+  // Phase 5 on success: new (or assigned) rows, then every grouped position's slot, then
+  // the scores of the positions (find_or_insert).
+  void finish() {
+    std::vector<at::ScalarType> dtypes;
+    for (int64_t j = 0; j < calls_.size(); ++j) {
+      InsertTable& t = tabs_[static_cast<size_t>(j)];
+      TableCall& call = calls_.edit(j);
+      call.stages = 0;
+      if (t.ids.numel() == 0) continue;
+      if (t.failed > 0) {
+        t.slots.fill_(kPaddingSlot);
+        continue;
+      }
+      if (mode_ == Mode::kAssign) {
+        call.stages = kStageAssignRows | kStageMapSlots;
+      } else {
+        if (t.inserted > 0) call.stages = kStageInitRows | kStageMapSlots;
+        // Every missing position is a new row (or, with none inserted, none is missing).
+        if (t.score_policy != kScoreNone) call.stages |= kStageScore;
+        call.score_skip = t.score_policy == kScoreLRU ? call.active : nullptr;
+        // New rows start at the call's score (LRU; the positions' score too), else at 0.
+        call.score_value = t.score_policy == kScoreLRU ? t.score_value : 0;
+      }
+      call.rows_per_warp = rows_per_warp(t.uniques);
+      if (std::find(dtypes.begin(), dtypes.end(), t.weights.scalar_type()) == dtypes.end()) {
+        dtypes.push_back(t.weights.scalar_type());
+      }
+    }
+    auto rows = [this](int64_t j) { return row_warp_threads(tabs_[static_cast<size_t>(j)].uniques, calls_[j].rows_per_warp); };
+    for (const at::ScalarType dt : dtypes) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "insert_rows_cuda", [&] {
+        if (mode_ == Mode::kAssign) {
+          calls_.launch(VELOCE_OVER_TABLES(assign_rows_kernel<scalar_t>), kStageAssignRows, rows);
+        } else {
+          calls_.launch(VELOCE_OVER_TABLES(init_rows_kernel<scalar_t>), kStageInitRows, rows);
+        }
+      });
+    }
+    calls_.launch(VELOCE_OVER_TABLES(map_slots_kernel), kStageMapSlots, positions());
+    calls_.launch(VELOCE_OVER_TABLES(score_positions_kernel), kStageScore, positions());
+  }
+
+  // For each table j of `which`, count(j) of its distinct ids (conflicted ones, select 0,
+  // or evicted ones, select 1) in order of first occurrence (the CPU kernel's insertion
+  // order): one sort of (table rank, first position) keys for all of them. Sets each
+  // table's TableCall order and order_count; returns the sorted ids.
+  template <typename Count>
+  at::Tensor order(const std::vector<int64_t>& which, int32_t select, Count count) {
+    int64_t total = 0;
+    for (int64_t j : which) total += tabs_[static_cast<size_t>(j)].uniques;
+    const at::TensorOptions opts = tabs_[0].keys.options();
+    at::Tensor buf = at::empty({4, total}, opts);  // keys, ids, sorted keys, sorted ids
+    int64_t* const keys = buf[0].data_ptr<int64_t>();
+    int64_t* const ids = buf[1].data_ptr<int64_t>();
+    const int64_t end = static_cast<int64_t>(which.size()) << 32;  // first positions are below 2^31
+    std::vector<uint32_t> saved(static_cast<size_t>(calls_.size()));
+    for (int64_t j = 0; j < calls_.size(); ++j) {
+      TableCall& c = calls_.edit(j);
+      saved[static_cast<size_t>(j)] = c.stages;
+      c.stages = 0;
+    }
+    int64_t base = 0, rank = 0;
+    for (int64_t j : which) {
+      TableCall& c = calls_.edit(j);
+      c.stages = kStageOrder;
+      c.select = select;
+      c.order_keys = keys + base;
+      c.order_ids = ids + base;
+      c.order_base = rank++ << 32;
+      c.order_end = end;
+      base += tabs_[static_cast<size_t>(j)].uniques;
+    }
+    calls_.launch(VELOCE_OVER_TABLES(order_keys_kernel), kStageOrder, uniques());
+    const at::Tensor sorted = buf[3];
+    cub_call(buf, [&](void* temp, size_t& bytes) {
+      return cub::DeviceRadixSort::SortPairs(temp, bytes, keys, buf[2].data_ptr<int64_t>(), ids,
+                                             sorted.data_ptr<int64_t>(), static_cast<int>(total), 0,
+                                             bit_width(static_cast<uint64_t>(end)), stream());
+    });
+    for (int64_t j = 0; j < calls_.size(); ++j) calls_.edit(j).stages = saved[static_cast<size_t>(j)];
+    int64_t start = 0;
+    for (int64_t j : which) {
+      TableCall& c = calls_.edit(j);
+      c.order = sorted.data_ptr<int64_t>() + start;
+      c.order_count = count(j);
+      start += c.order_count;
+    }
+    keep_.push_back(buf);
+    return sorted;
+  }
+
+  // The evicted keys of tables `which` (count(j) each), in insertion order, as the CPU
+  // kernel reports them.
+  template <typename Count>
+  void note_evicted(const std::vector<int64_t>& which, Count count) {
+    if (which.empty()) return;
+    const at::Tensor sorted = order(which, /*select=*/1, count);
+    int64_t start = 0;
+    for (int64_t j : which) {
+      InsertTable& t = tabs_[static_cast<size_t>(j)];
+      const int64_t m = count(j);
+      const at::Tensor old_key = plain_.view(t.old_key_off, t.uniques, at::kLong);
+      t.evicted = old_key.index_select(0, sorted.narrow(0, start, m));
+      start += m;
+    }
+  }
+
+  const char* op_;
+  Mode mode_;
+  std::vector<InsertTable>& tabs_;
+  TableCalls calls_;
+  Arena plain_;
+  at::Tensor counters_;  // (K * kNum + 1,) int32: every table's counters and bad_input's flag
+  std::vector<at::Tensor> keep_;
+};
 
 // counts is built on the host from host values and stays there (a CPU tensor), so reading
 // it costs no sync.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> result(at::Tensor slots, const InsertOutcome& r,
-                                                      const at::Tensor& keys) {
-  at::Tensor counts = at::tensor(std::vector<int64_t>{r.inserted, r.failed}, at::kLong);
-  return {slots, counts, r.evicted.defined() ? r.evicted : at::empty({0}, keys.options())};
+std::tuple<at::Tensor, at::Tensor, at::Tensor> result(const InsertTable& t) {
+  at::Tensor counts = at::tensor(std::vector<int64_t>{t.inserted, t.failed}, at::kLong);
+  return {t.slots, counts, t.evicted.defined() ? t.evicted : at::empty({0}, t.keys.options())};
 }
 
 // The shared checks of the inserting ops plus the CUDA-only ones; returns the contiguous ids.
@@ -550,14 +804,6 @@ at::Tensor check_insert_args_cuda(const char* op, const at::Tensor& keys, const 
   check_cuda_table(op, keys, digests);
   check_num_ids_cuda(op, ids.numel());
   return ids.contiguous();
-}
-
-at::Tensor touched_bitmap(bool allow_evict, const at::Tensor& keys) {  // one word per bucket
-  return allow_evict ? at::zeros({keys.numel() / kBucketSize}, keys.options().dtype(at::kInt)) : at::Tensor();
-}
-
-uint32_t* words(const at::Tensor& t) {
-  return t.defined() ? reinterpret_cast<uint32_t*>(t.data_ptr<int32_t>()) : nullptr;
 }
 
 // ---- ops -------------------------------------------------------------------------------
@@ -577,150 +823,30 @@ at::Tensor find_cuda(const at::Tensor& keys, const at::Tensor& digests, const at
   return slots;
 }
 
-// One table's find_or_insert as stages, so that an op over K tables runs each stage for
-// every table before the next and pays syncs b and c once for all of them:
-//   probe_and_group()  phase 1, then the missing positions grouped by id and classified
-//            (launches only; nothing read back)
-//   place(counters read back, sync b) -> whether settle() must follow (sync c)
-//   finish() phase 5 and the op's result.
-struct FindOrInsertArgs {
-  at::Tensor keys, digests, scores, weights, opt_state, ids;
-  int64_t score_policy, score_value;
-  bool allow_evict;
-  int64_t seed, init_kind;
-  double init_a, init_b;
-  std::optional<int64_t> padding_id;
-  at::Tensor slots;  // (N,) int64 to write the slots to (a view into the op's output), or undefined
-};
-
-class FindOrInsert {
- public:
-  // table: the table's index in an op over several tables (named in error messages), or -1.
-  explicit FindOrInsert(FindOrInsertArgs a, int64_t table = -1) : a_(std::move(a)) {
-    const std::string name =
-        table < 0 ? "veloce::find_or_insert" : table_op_name("veloce::find_or_insert_many", table);
-    const char* op = name.c_str();
-    a_.ids = check_insert_args_cuda(op, a_.keys, a_.digests, a_.scores, a_.weights, a_.opt_state, a_.ids,
-                                    a_.score_policy);
-    check_init(op, a_.init_kind, a_.init_a, a_.init_b);
-    n_ = a_.ids.numel();
-  }
-
-  bool empty() const { return n_ == 0; }
-  const at::Tensor& counters() const { return counters_; }
-
-  // Phase 1: find all (missing_ flags the positions to insert), then phases 2 up to the
-  // classification over the missing positions, one thread per distinct new id.
-  void probe_and_group() {
-    slots_ = a_.slots.defined() ? a_.slots : at::empty_like(a_.ids);
-    if (n_ == 0) return;
-    t_ = table_of(a_.keys, a_.digests, a_.scores.data_ptr<int64_t>());
-    touched_ = touched_bitmap(a_.allow_evict, a_.keys);
-    missing_ = at::empty({n_}, a_.ids.options().dtype(at::kByte));
-    probe_kernel<<<grid_for(n_), kThreads, 0, stream()>>>(t_, a_.ids.data_ptr<int64_t>(), n_,
-                                                          a_.padding_id.has_value(), a_.padding_id.value_or(0),
-                                                          slots_.data_ptr<int64_t>(), words(touched_),
-                                                          missing_.data_ptr<uint8_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    counters_ = new_counters(a_.ids);
-    ut_.emplace(a_.ids, n_, counters_.data_ptr<int32_t>() + counter::kUniques);
-    groups_.emplace(group_ids(a_.ids, missing_.data_ptr<uint8_t>(), *ut_,
-                              counters_.data_ptr<int32_t>() + counter::kGroupSpare, false));
-    placement_.emplace(t_, counters_, words(touched_), a_.allow_evict);
-    placement_->classify(*ut_);
-  }
-
-  bool place(const int32_t* counted) { return placement_->place(counted, *ut_, *groups_); }
-  void settle(const int32_t* placed) { placement_->settle(placed, *ut_, *groups_); }
-
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> finish() {
-    const InsertOutcome r = placement_ ? placement_->out : InsertOutcome{};
-    if (n_ == 0) return result(slots_, r, a_.keys);
-    if (r.failed > 0) {
-      slots_.fill_(kPaddingSlot);
-      return result(slots_, r, a_.keys);
-    }
-    if (r.inserted > 0) {  // phase 5: new rows, then every missing position's slot
-      const Uniques u = ut_->view();  // n = U since place()
-      const int64_t D = a_.weights.size(1), S = a_.opt_state.size(1);
-      const int64_t start = a_.score_policy == kScoreLRU ? a_.score_value : 0;
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a_.weights.scalar_type(), "find_or_insert_cuda", [&] {
-        using acc_t = at::opmath_type<scalar_t>;
-        const int rows = rows_per_warp(u.n);
-        init_rows_kernel<scalar_t><<<row_warp_grid(u.n, rows), kThreads, 0, stream()>>>(
-            u, rows, a_.weights.data_ptr<scalar_t>(), D, a_.opt_state.data_ptr<acc_t>(), S, t_.scores, start, a_.seed,
-            a_.init_kind, a_.init_a, a_.init_b);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
-      map_slots_kernel<<<grid_for(n_), kThreads, 0, stream()>>>(missing_.data_ptr<uint8_t>(),
-                                                                 groups_->group.data_ptr<int32_t>(), n_, u.slot,
-                                                                 slots_.data_ptr<int64_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    if (a_.score_policy != kScoreNone) {
-      // Every missing position is a new row (r.inserted = 0: none is missing).
-      const uint8_t* skip = a_.score_policy == kScoreLRU ? missing_.data_ptr<uint8_t>() : nullptr;
-      score_positions_kernel<<<grid_for(n_), kThreads, 0, stream()>>>(slots_.data_ptr<int64_t>(), skip, n_,
-                                                                      t_.scores, a_.score_policy, a_.score_value);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    return result(slots_, r, a_.keys);
-  }
-
- private:
-  FindOrInsertArgs a_;
-  int64_t n_ = 0;
-  Table t_{};
-  at::Tensor touched_, slots_, missing_, counters_;
-  std::optional<UniqueTensors> ut_;
-  std::optional<Groups> groups_;
-  std::optional<Placement> placement_;
-};
-
-// The int32 device tensors `parts`, concatenated and read back in one copy (one sync).
-at::Tensor read_back(const std::vector<at::Tensor>& parts) {
-  return parts.size() == 1 ? parts[0].cpu() : at::cat(parts).cpu();
-}
-
-// Runs the stages of every call, each stage for all tables before the next: syncs b and c
-// happen once per op however many tables it inserts into (c only when some table has
-// conflicted ids). bad_input (checked by the op) is read with sync b, or alone when no
-// table has ids; when set, `op` raises before any table changes (the probe and the
-// grouping write scratch memory only).
-std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> run_find_or_insert(
-    const char* op, std::vector<FindOrInsert>& calls, const std::optional<at::Tensor>& bad_input) {
-  std::vector<FindOrInsert*> live;
-  for (auto& c : calls) {
-    c.probe_and_group();
-    if (!c.empty()) live.push_back(&c);
-  }
-  // `extra` (int32 (1,)) is appended after the calls' parts, in the same copy.
-  auto read = [&](const std::vector<FindOrInsert*>& cs, const at::Tensor& extra = at::Tensor()) {
-    std::vector<at::Tensor> parts;
-    for (FindOrInsert* c : cs) parts.push_back(c->counters());
-    if (extra.defined()) parts.push_back(extra);
-    return read_back(parts);
-  };
-  if (live.empty() && bad_input) {
-    check_bad_input_unset(op, bad_input->item<bool>());  // no sync b to ride on: read alone
-  } else if (!live.empty()) {
-    const at::Tensor flag = bad_input ? bad_input->reshape({1}).to(at::kInt) : at::Tensor();
-    const at::Tensor counted = read(live, flag);  // sync b
-    const int32_t* c = counted.data_ptr<int32_t>();
-    if (bad_input) check_bad_input_unset(op, c[live.size() * counter::kNum] != 0);  // before any change
-    std::vector<FindOrInsert*> unsettled;
-    for (size_t k = 0; k < live.size(); ++k) {
-      if (live[k]->place(c + k * counter::kNum)) unsettled.push_back(live[k]);
-    }
-    if (!unsettled.empty()) {
-      const at::Tensor placed = read(unsettled);  // sync c
-      for (size_t k = 0; k < unsettled.size(); ++k) unsettled[k]->settle(placed.data_ptr<int32_t>() + k * counter::kNum);
-    }
-  }
-  std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> out;
-  out.reserve(calls.size());
-  for (auto& c : calls) out.push_back(c.finish());
-  return out;
+// One table of find_or_insert(_many), checked (`op`: the name its errors give).
+InsertTable find_or_insert_table(const std::string& op, const at::Tensor& keys, const at::Tensor& digests,
+                                 const at::Tensor& scores, const at::Tensor& weights, const at::Tensor& opt_state,
+                                 const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict,
+                                 int64_t seed, int64_t init_kind, double init_a, double init_b,
+                                 std::optional<int64_t> padding_id, at::Tensor slots) {
+  InsertTable t;
+  t.ids = check_insert_args_cuda(op.c_str(), keys, digests, scores, weights, opt_state, ids, score_policy);
+  check_init(op.c_str(), init_kind, init_a, init_b);
+  t.keys = keys;
+  t.digests = digests;
+  t.scores = scores;
+  t.weights = weights;
+  t.opt_state = opt_state;
+  t.score_policy = score_policy;
+  t.score_value = score_value;
+  t.allow_evict = allow_evict;
+  t.seed = seed;
+  t.init_kind = init_kind;
+  t.init_a = init_a;
+  t.init_b = init_b;
+  t.padding_id = padding_id;
+  t.slots = slots.defined() ? slots : at::empty_like(t.ids);
+  return t;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
@@ -731,11 +857,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
   constexpr const char* op = "veloce::find_or_insert";
   // First: a CUDA flag beside a CPU table lands here, and its error should name bad_input.
   check_bad_input(op, bad_input, keys);
-  std::vector<FindOrInsert> calls;
-  calls.emplace_back(FindOrInsertArgs{keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
-                                      allow_evict, seed, init_kind, init_a, init_b, padding_id});
+  std::vector<InsertTable> tables;
+  tables.push_back(find_or_insert_table(op, keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
+                                        allow_evict, seed, init_kind, init_a, init_b, padding_id, at::Tensor()));
   const c10::cuda::CUDAGuard guard(keys.device());
-  return run_find_or_insert(op, calls, bad_input)[0];
+  Inserter(op, Mode::kFindOrInsert, tables).run(bad_input);
+  return result(tables[0]);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
@@ -750,18 +877,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
                                                    padding_id, bad_input);
   int64_t total = 0;
   for (const at::Tensor& i : ids) total += i.numel();
+  if (K == 0) return many_result(at::empty({0}, at::kLong), {});
   at::Tensor slots = at::empty({total}, keys[0].options());
-  std::vector<FindOrInsert> calls;
-  calls.reserve(K);
+  std::vector<InsertTable> tables;
+  tables.reserve(K);
   for (int64_t k = 0, start = 0; k < K; start += ids[k].numel(), ++k) {  // all checked before anything runs
-    calls.emplace_back(FindOrInsertArgs{keys[k], digests[k], scores[k], weights[k], opt_state[k], ids[k],
-                                        score_policy[k], score_value[k], allow_evict.get(k), seed[k], init_kind[k],
-                                        init_a[k], init_b[k], padding_id.get(k),
-                                        slots.narrow(0, start, ids[k].numel())},
-                       k);
+    tables.push_back(find_or_insert_table(table_op_name(op, k), keys[k], digests[k], scores[k], weights[k],
+                                          opt_state[k], ids[k], score_policy[k], score_value[k], allow_evict.get(k),
+                                          seed[k], init_kind[k], init_a[k], init_b[k], padding_id.get(k),
+                                          slots.narrow(0, start, ids[k].numel())));
   }
   const c10::cuda::CUDAGuard guard(keys[0].device());
-  return many_result(slots, run_find_or_insert(op, calls, bad_input));
+  Inserter(op, Mode::kFindOrInsert, tables).run(bad_input);
+  std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> per_table;
+  per_table.reserve(K);
+  for (const InsertTable& t : tables) per_table.push_back(result(t));
+  return many_result(slots, per_table);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
@@ -769,45 +900,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
     const at::Tensor& ids_in, const at::Tensor& values_in, const std::optional<at::Tensor>& opt_values_in,
     const std::optional<at::Tensor>& score_values_in, int64_t score_policy, int64_t score_value, bool allow_evict) {
   constexpr const char* op = "veloce::insert_or_assign";
-  const at::Tensor ids = check_insert_args_cuda(op, keys, digests, scores, weights, opt_state, ids_in, score_policy);
-  const int64_t n = ids.numel();
-  check_assign_values(op, keys, weights, opt_state, n, values_in, opt_values_in, score_values_in);
-  const at::Tensor values = values_in.contiguous();
-  const at::Tensor opt_values = opt_values_in ? opt_values_in->contiguous() : at::Tensor();
-  const at::Tensor score_values = score_values_in ? score_values_in->contiguous() : at::Tensor();
+  std::vector<InsertTable> tables(1);
+  InsertTable& t = tables[0];
+  t.ids = check_insert_args_cuda(op, keys, digests, scores, weights, opt_state, ids_in, score_policy);
+  check_assign_values(op, keys, weights, opt_state, t.ids.numel(), values_in, opt_values_in, score_values_in);
+  t.keys = keys;
+  t.digests = digests;
+  t.scores = scores;
+  t.weights = weights;
+  t.opt_state = opt_state;
+  t.values = values_in.contiguous();
+  t.opt_values = opt_values_in ? opt_values_in->contiguous() : at::Tensor();
+  t.score_values = score_values_in ? score_values_in->contiguous() : at::Tensor();
+  t.score_policy = score_policy;
+  t.score_value = score_value;
+  t.allow_evict = allow_evict;
   const c10::cuda::CUDAGuard guard(keys.device());
-  at::Tensor slots = at::empty_like(ids);
-  InsertOutcome r;
-  if (n == 0) return result(slots, r, keys);
-  const Table t = table_of(keys, digests, scores.data_ptr<int64_t>());
-  const at::Tensor touched = touched_bitmap(allow_evict, keys);
-
-  const at::Tensor counters = new_counters(ids);
-  UniqueTensors ut(ids, n, counters.data_ptr<int32_t>() + counter::kUniques);
-  const Groups groups = group_ids(ids, nullptr, ut, counters.data_ptr<int32_t>() + counter::kGroupSpare, true);
-  find_uniques_kernel<<<grid_for(ut.n), kThreads, 0, stream()>>>(t, ut.view(), words(touched));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  r = insert_uniques(t, ut, groups, counters, words(touched), allow_evict);
-  if (r.failed > 0) {
-    slots.fill_(kPaddingSlot);
-    return result(slots, r, keys);
-  }
-  const Uniques u = ut.view();
-  const int64_t D = weights.size(1), S = opt_state.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "insert_or_assign_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const int rows = rows_per_warp(u.n);
-    assign_rows_kernel<scalar_t><<<row_warp_grid(u.n, rows), kThreads, 0, stream()>>>(
-        u, rows, groups.last_pos.data_ptr<int32_t>(), groups.occurrences.data_ptr<int32_t>(), weights.data_ptr<scalar_t>(),
-        values.data_ptr<scalar_t>(), D, opt_state.data_ptr<acc_t>(),
-        opt_values.defined() ? opt_values.data_ptr<acc_t>() : nullptr, S, t.scores,
-        score_values.defined() ? score_values.data_ptr<int64_t>() : nullptr, score_policy, score_value);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  map_slots_kernel<<<grid_for(n), kThreads, 0, stream()>>>(
-      nullptr, groups.group.data_ptr<int32_t>(), n, u.slot, slots.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return result(slots, r, keys);
+  t.slots = at::empty_like(t.ids);
+  Inserter(op, Mode::kAssign, tables).run(std::nullopt);
+  return result(t);
 }
 
 at::Tensor erase_cuda(const at::Tensor& keys, at::Tensor& digests, const at::Tensor& ids_in) {
@@ -816,23 +927,15 @@ at::Tensor erase_cuda(const at::Tensor& keys, at::Tensor& digests, const at::Ten
   check_cuda_table(op, keys, digests);
   check_num_ids_cuda(op, ids_in.numel());
   const c10::cuda::CUDAGuard guard(keys.device());
-  const at::Tensor ids = ids_in.contiguous();
-  const int64_t n = ids.numel();
-  at::Tensor erased = at::zeros({n}, ids.options().dtype(at::kBool));
-  if (n == 0) return erased;
-  const Table t = table_of(keys, digests, nullptr);
-  // U stays on the device: every launch covers the n grouped positions.
-  const at::Tensor num = at::zeros({2}, ids.options().dtype(at::kInt));  // U, and group_ids' spare claim
-  UniqueTensors ut(ids, n, num.data_ptr<int32_t>());
-  const Groups groups = group_ids(ids, nullptr, ut, num.data_ptr<int32_t>() + 1, false);
-  const Uniques u = ut.view();
+  std::vector<InsertTable> tables(1);
+  InsertTable& t = tables[0];
+  t.keys = keys;
+  t.digests = digests;
+  t.ids = ids_in.contiguous();
+  t.erased = at::zeros({t.ids.numel()}, t.ids.options().dtype(at::kBool));
   // Find first (read-only), then clear: a launch boundary between reads and writes.
-  find_uniques_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  erase_kernel<<<grid_for(u.n), kThreads, 0, stream()>>>(t, u, groups.first_pos.data_ptr<int32_t>(),
-                                                         erased.data_ptr<bool>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return erased;
+  Inserter(op, Mode::kErase, tables).run(std::nullopt);
+  return t.erased;
 }
 
 at::Tensor initialize_cuda(const at::Tensor& ids_in, int64_t dim, int64_t seed, int64_t init_kind, double init_a,

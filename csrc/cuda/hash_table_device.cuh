@@ -84,6 +84,128 @@ __device__ __forceinline__ void mark_touched(uint32_t* touched, int64_t slot) {
   atomicOr(touched + slot / kBucketSize, 1u << (slot % kBucketSize));
 }
 
+// ---- the calls --------------------------------------------------------------------------
+//
+// An inserting op (find_or_insert, find_or_insert_many, insert_or_assign, erase) runs each
+// of its kernels once for all the tables it changes: table j of the call is blockIdx.y of
+// every launch, its arguments the TableCall j of an array that the host copies to the device
+// before each host stage (hash_table.cu, TableCalls). A table that does not take part in a
+// kernel (its `stages` bit unset) returns from it at once. One launch per kernel instead of
+// one per table: the 26 tables of a DLRM step made about 300 launches and 400 allocations
+// per insert, milliseconds of host time on a path that the GPU waits for.
+
+// Device counters of one table of an inserting call (int32: at most 2^31 - 1 ids per call),
+// copied to the host together; indices into the table's counters.
+namespace counter {
+enum : int {
+  kUniques,     // U, written by group_claim_kernel
+  kNew,         // distinct ids not in the table
+  kConflicted,  // new ids sharing a bucket with another new id
+  kFull,        // unconflicted new ids whose two buckets are full
+  kDoomed,      // kFull ids with every eviction candidate touched (when evicting)
+  kQueued,      // ids queued by claim_kernel
+  kFailed,      // ids that found no room in evict_kernel or sequential_insert_kernel
+  kEvicted,     // ids placed by evicting a key
+  kGroupSpare,  // group_claim_kernel's claim of its spare scratch slot
+  kNum
+};
+}  // namespace counter
+
+// The grouping's scratch open-addressing set of one table (group_ids in hash_table.cu).
+struct GroupScratch {
+  int64_t* keys;   // (C,) ids, kGroupEmpty where free
+  int32_t* index;  // (C + 1,) the distinct id's number, written by the slot's winner
+  int64_t mask;    // C - 1
+};
+
+// Stages (bits of TableCall::stages): which kernels a table takes part in.
+enum Stage : uint32_t {
+  kStageProbe = 1u << 0,        // probe_kernel (find_or_insert)
+  kStageGroup = 1u << 1,        // group_claim_kernel, group_assign_kernel
+  kStageFindUniques = 1u << 2,  // find_uniques_kernel (insert_or_assign, erase)
+  kStageClassify = 1u << 3,     // bucket_use_kernel, classify_kernel
+  kStageClaim = 1u << 4,        // claim_kernel
+  kStageEvict = 1u << 5,        // evict_kernel
+  kStageSequential = 1u << 6,   // sequential_insert_kernel
+  kStageRollback = 1u << 7,     // rollback_kernel
+  kStageInitRows = 1u << 8,     // init_rows_kernel
+  kStageAssignRows = 1u << 9,   // assign_rows_kernel
+  kStageMapSlots = 1u << 10,    // map_slots_kernel
+  kStageScore = 1u << 11,       // score_positions_kernel
+  kStageErase = 1u << 12,       // erase_kernel
+  kStageOrder = 1u << 13,       // order_keys_kernel
+};
+
+// One table of an inserting call, as its kernels read it (device memory).
+struct TableCall {
+  Table t;
+  Uniques u;                 // the distinct ids; u.n: positions grouped (an upper bound of U)
+  uint32_t stages;           // Stage bits
+  int32_t has_pad;           // find_or_insert: positions equal to pad get slot -1
+  int64_t pad;
+  const int64_t* ids;        // (n,) the call's ids
+  int64_t n;                 // positions
+  uint8_t* active;           // (n,) the positions grouped (find_or_insert: the misses, which
+                             // probe_kernel flags), or null: all
+  int64_t* slots;            // (n,) the slot of each position (the op's output)
+  uint32_t* touched;         // one word per bucket when evicting, else null
+  int32_t* ctr;              // (counter::kNum,) the call's counters for this table
+  GroupScratch g;
+  int64_t* where;            // (n,) each grouped position's scratch slot
+  int32_t* first_pos;        // (n,) per distinct id: its first position
+  int32_t* last_pos;         // (n,) its last position (insert_or_assign), or null
+  int32_t* occurrences;      // (n,) its count of positions (insert_or_assign), or null
+  int32_t* group;            // (n,) per grouped position: its distinct id
+  int32_t* use;              // (buckets,) new ids per bucket
+  uint8_t* conflicted;       // (n,) per distinct id
+  int32_t* overflow;         // (n,) ids whose buckets were full, queued by claim_kernel
+  const uint8_t* claim_skip; // conflicted when placed sequentially (claim_kernel leaves them), else null
+  const int64_t* order;      // sequential placement order (distinct ids), order_count of them
+  int64_t order_count;
+  int32_t allow_evict;
+  int32_t select;            // order_keys_kernel: 0 conflicted ids, 1 evicted ids
+  int64_t* order_keys;       // (U,) order_keys_kernel's output: sort keys
+  int64_t* order_ids;        // (U,) and the distinct ids sorted with them
+  int64_t order_base;        // the table's first key: its ids sort after every earlier table's
+  int64_t order_end;         // the key of ids not selected: after every table's selected ones
+  // rows (init_rows_kernel, assign_rows_kernel)
+  void* weights;             // (C, D) scalar_t
+  void* state;               // (C, S) opmath of scalar_t
+  const void* values;        // (n, D) insert_or_assign's values
+  const void* opt_values;    // (n, S), or null
+  const int64_t* score_values;  // (n,), or null
+  int64_t D, S;
+  int32_t dtype;             // the weights' at::ScalarType: a row kernel runs for one dtype
+  int32_t rows_per_warp;
+  int64_t score_policy, score_value;
+  int64_t seed, init_kind;
+  double init_a, init_b;
+  const uint8_t* score_skip; // positions score_positions_kernel leaves out, or null
+  bool* erased;              // erase's output
+};
+
+// Where a launch finds its TableCalls: in device memory (an op over several tables, copied
+// there once per host stage), or the one table's as the kernel parameter itself (a
+// single-table op: no copy to wait for, and the arguments in the constant bank as plain
+// kernel arguments would be). Kernels take either as a __grid_constant__ parameter.
+struct DeviceCalls {
+  const TableCall* calls;
+  __device__ __forceinline__ const TableCall* at(unsigned j) const { return calls + j; }
+};
+struct OneCall {
+  TableCall call;
+  __device__ __forceinline__ const TableCall* at(unsigned) const { return &call; }
+};
+static_assert(sizeof(OneCall) <= 1024, "a TableCall must stay a small kernel parameter (4 KiB at most)");
+
+// The TableCall of this block's table when it takes part in `stage`, else null (the whole
+// block returns: the tests are uniform over the block).
+template <class Calls>
+__device__ __forceinline__ const TableCall* call_in(const Calls& calls, uint32_t stage) {
+  const TableCall* c = calls.at(blockIdx.y);
+  return (c->stages & stage) ? c : nullptr;
+}
+
 // ---- kernels ---------------------------------------------------------------------------
 
 __global__ void find_kernel(Table t, const int64_t* __restrict__ ids, int64_t n, int64_t* __restrict__ slots) {
@@ -93,28 +215,33 @@ __global__ void find_kernel(Table t, const int64_t* __restrict__ ids, int64_t n,
 
 // Phase 1 of find_or_insert: slots of present ids (-1 for padding and misses), touched
 // marks (when evicting), and a flag per missing position (what group_ids groups).
-__global__ void probe_kernel(Table t, const int64_t* __restrict__ ids, int64_t n, bool has_pad, int64_t pad,
-                             int64_t* __restrict__ slots, uint32_t* touched, uint8_t* __restrict__ missing) {
+template <class Calls>
+__global__ void probe_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageProbe);
   const int64_t i = thread_index();
-  if (i >= n) return;
-  const int64_t id = ids[i];
-  const bool is_pad = has_pad && id == pad;
+  if (c == nullptr || i >= c->n) return;
+  const Table t = c->t;
+  const int64_t id = c->ids[i];
+  const bool is_pad = c->has_pad && id == c->pad;
   int64_t s = kPaddingSlot;
   if (!is_pad) {
     s = find_slot_device(t.keys, t.digests, t.num_buckets, id);
-    if (s >= 0 && touched != nullptr) mark_touched(touched, s);
+    if (s >= 0 && c->touched != nullptr) mark_touched(c->touched, s);
   }
-  slots[i] = s;
-  missing[i] = !is_pad && s < 0;
+  c->slots[i] = s;
+  c->active[i] = !is_pad && s < 0;
 }
 
 // Slots of distinct ids (insert_or_assign, erase), touched marks when evicting.
-__global__ void find_uniques_kernel(Table t, Uniques u, uint32_t* touched) {
+template <class Calls>
+__global__ void find_uniques_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageFindUniques);
   const int64_t k = thread_index();
-  if (!u.has(k)) return;
-  const int64_t s = find_slot_device(t.keys, t.digests, t.num_buckets, u.id[k]);
-  u.slot[k] = s;
-  if (s >= 0 && touched != nullptr) mark_touched(touched, s);
+  if (c == nullptr || !c->u.has(k)) return;
+  const Table t = c->t;
+  const int64_t s = find_slot_device(t.keys, t.digests, t.num_buckets, c->u.id[k]);
+  c->u.slot[k] = s;
+  if (s >= 0 && c->touched != nullptr) mark_touched(c->touched, s);
 }
 
 // Word w of a bucket's digests, w uniform across unrolled compares (no local memory).
@@ -126,12 +253,16 @@ __device__ __forceinline__ uint32_t digest_word(const BucketDigests& d, int w) {
 }
 
 // Phase 3a: each distinct id not in the table claims an empty slot by CAS on the digest
-// word; both buckets full -> queued in `overflow` (counted in *n_overflow). Ids flagged
-// in `skip` are left to sequential_insert_kernel.
-__global__ void claim_kernel(Table t, Uniques u, const uint8_t* __restrict__ skip, uint32_t* touched,
-                             int32_t* __restrict__ overflow, int32_t* n_overflow) {
+// word; both buckets full -> queued in `overflow` (counted in counter kQueued). Ids flagged
+// in `claim_skip` are left to sequential_insert_kernel.
+template <class Calls>
+__global__ void claim_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageClaim);
   const int64_t k = thread_index();
-  if (!u.has(k) || u.slot[k] >= 0 || (skip != nullptr && skip[k])) return;
+  if (c == nullptr) return;
+  const Uniques u = c->u;
+  if (!u.has(k) || u.slot[k] >= 0 || (c->claim_skip != nullptr && c->claim_skip[k])) return;
+  const Table t = c->t;
   const int64_t key = u.id[k];
   const DeviceProbe p = device_probe(key, t.num_buckets);
   for (;;) {
@@ -140,7 +271,7 @@ __global__ void claim_kernel(Table t, Uniques u, const uint8_t* __restrict__ ski
     const uint32_t ea = empty_mask(da);
     const uint32_t eb = p.b != p.a ? empty_mask(db) : 0u;
     if ((ea | eb) == 0) {
-      overflow[aggregated_inc(n_overflow)] = static_cast<int32_t>(k);
+      c->overflow[aggregated_inc(c->ctr + counter::kQueued)] = static_cast<int32_t>(k);
       return;
     }
     const bool use_a = __popc(ea) >= __popc(eb);
@@ -157,7 +288,7 @@ __global__ void claim_kernel(Table t, Uniques u, const uint8_t* __restrict__ ski
       t.keys[s] = key;
       u.slot[k] = s;
       u.state[k] = kClaimed;
-      if (touched != nullptr) mark_touched(touched, s);
+      if (c->touched != nullptr) mark_touched(c->touched, s);
       return;
     }
     // Another id changed this word first: reload and choose again.
@@ -190,77 +321,104 @@ __device__ __forceinline__ int64_t eviction_victim(const Table& t, const DeviceP
 // ties to the lowest slot of bucket_a, then bucket_b. Only touched bits change
 // concurrently here; scores are not written until the call succeeds. The grid covers an
 // upper bound; the number queued is read where claim_kernel counted it.
-__global__ void evict_kernel(Table t, Uniques u, uint32_t* touched, const int32_t* __restrict__ overflow,
-                             const int32_t* n_overflow, int32_t* n_failed, int32_t* n_evicted) {
+template <class Calls>
+__global__ void evict_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageEvict);
   const int64_t j = thread_index();
-  if (j >= *n_overflow) return;
-  const int64_t k = overflow[j];
+  if (c == nullptr || j >= c->ctr[counter::kQueued]) return;
+  const Table t = c->t;
+  const Uniques u = c->u;
+  const int64_t k = c->overflow[j];
   const int64_t key = u.id[k];
   const DeviceProbe p = device_probe(key, t.num_buckets);
   for (;;) {
-    const int64_t best = eviction_victim(t, p, touched);
+    const int64_t best = eviction_victim(t, p, c->touched);
     if (best < 0) {  // every candidate was touched by this call
       u.state[k] = kFailed;
-      aggregated_inc(n_failed);
+      aggregated_inc(c->ctr + counter::kFailed);
       return;
     }
     const uint32_t bit = 1u << (best % kBucketSize);
-    if (atomicOr(touched + best / kBucketSize, bit) & bit) continue;  // lost it to another id
+    if (atomicOr(c->touched + best / kBucketSize, bit) & bit) continue;  // lost it to another id
     u.old_key[k] = t.keys[best];
     u.old_digest[k] = t.digests[best];
     t.keys[best] = key;
     t.digests[best] = static_cast<uint8_t>(p.digest);
     u.slot[k] = best;
     u.state[k] = kEvicted;
-    aggregated_inc(n_evicted);
+    aggregated_inc(c->ctr + counter::kEvicted);
     return;
   }
 }
 
 // New ids per bucket (a key whose two buckets coincide counts once), and the new ids.
-__global__ void bucket_use_kernel(Table t, Uniques u, int32_t* __restrict__ use, int32_t* n_new) {
+template <class Calls>
+__global__ void bucket_use_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageClassify);
+  if (c == nullptr) return;
   const int64_t k = thread_index();
-  const bool fresh = u.has(k) && u.slot[k] < 0;
-  block_reserve(fresh, n_new);
+  const bool fresh = c->u.has(k) && c->u.slot[k] < 0;
+  block_reserve(fresh, c->ctr + counter::kNew);
   if (!fresh) return;
-  const DeviceProbe p = device_probe(u.id[k], t.num_buckets);
-  atomicAdd(use + p.a, 1);
-  if (p.b != p.a) atomicAdd(use + p.b, 1);
+  const DeviceProbe p = device_probe(c->u.id[k], c->t.num_buckets);
+  atomicAdd(c->use + p.a, 1);
+  if (p.b != p.a) atomicAdd(c->use + p.b, 1);
 }
 
 // conflicted[k]: new id k shares a bucket with another new id. An unconflicted new id is
 // alone in its buckets for the whole call (claims, evictions and sequential inserts write
 // digests, keys and touched bits only in the writer's own buckets), so its fate is decided
-// now: both buckets full -> claim_kernel queues it (*n_full), and with eviction (touched
-// given) every candidate already touched -> evict_kernel fails it (*n_doomed); else it
+// now: both buckets full -> claim_kernel queues it (kFull), and with eviction (touched
+// given) every candidate already touched -> evict_kernel fails it (kDoomed); else it
 // is placed.
-__global__ void classify_kernel(Table t, Uniques u, const int32_t* __restrict__ use, const uint32_t* touched,
-                                uint8_t* __restrict__ conflicted, int32_t* n_conflicted, int32_t* n_full,
-                                int32_t* n_doomed) {
+template <class Calls>
+__global__ void classify_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageClassify);
   const int64_t k = thread_index();
-  if (!u.has(k)) return;
-  bool c = false;
-  if (u.slot[k] < 0) {
-    const DeviceProbe p = device_probe(u.id[k], t.num_buckets);
-    c = use[p.a] > 1 || use[p.b] > 1;
+  if (c == nullptr || !c->u.has(k)) return;
+  const Table t = c->t;
+  bool conflict = false;
+  if (c->u.slot[k] < 0) {
+    const DeviceProbe p = device_probe(c->u.id[k], t.num_buckets);
+    conflict = c->use[p.a] > 1 || c->use[p.b] > 1;
     // No digest changes during this kernel, so the read-only path is safe.
-    if (!c && empty_mask(load_bucket<false>(t.digests, p.a)) == 0 &&
+    if (!conflict && empty_mask(load_bucket<false>(t.digests, p.a)) == 0 &&
         (p.b == p.a || empty_mask(load_bucket<false>(t.digests, p.b)) == 0)) {
-      aggregated_inc(n_full);
-      if (touched != nullptr && touched[p.a] == ~0u && touched[p.b] == ~0u) aggregated_inc(n_doomed);
+      aggregated_inc(c->ctr + counter::kFull);
+      const uint32_t* touched = c->touched;
+      if (touched != nullptr && touched[p.a] == ~0u && touched[p.b] == ~0u) aggregated_inc(c->ctr + counter::kDoomed);
     }
   }
-  conflicted[k] = c;
-  if (c) aggregated_inc(n_conflicted);
+  c->conflicted[k] = conflict;
+  if (conflict) aggregated_inc(c->ctr + counter::kConflicted);
 }
 
-// The conflicted new ids, one thread, in order of first occurrence: the CPU kernel's
-// sequential logic step for step (they share buckets only among themselves).
-__global__ void sequential_insert_kernel(Table t, Uniques u, const int64_t* __restrict__ order, int64_t count,
-                                         bool allow_evict, uint32_t* touched, int32_t* n_failed,
-                                         int32_t* n_evicted) {
-  for (int64_t j = 0; j < count; ++j) {
-    const int64_t k = order[j];
+// Sort keys of the distinct ids some tables must take in order of first occurrence (the
+// CPU kernel's insertion order): order_base + first position for the selected ones
+// (`select`: conflicted, or evicted), order_end for the others. One sort of every table's
+// keys then lists each table's selected ids in order, table after table.
+template <class Calls>
+__global__ void order_keys_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageOrder);
+  const int64_t k = thread_index();
+  if (c == nullptr || k >= c->u.n) return;  // u.n = U here (after the counters' read)
+  const bool take = c->select == 0 ? c->conflicted[k] != 0 : c->u.state[k] == kEvicted;
+  c->order_keys[k] = take ? c->order_base + c->first_pos[k] : c->order_end;
+  c->order_ids[k] = k;
+}
+
+// The conflicted new ids of each table, one thread per table, in order of first occurrence:
+// the CPU kernel's sequential logic step for step (they share buckets only among themselves).
+template <class Calls>
+__global__ void sequential_insert_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageSequential);
+  if (c == nullptr || threadIdx.x != 0) return;
+  const Table t = c->t;
+  const Uniques u = c->u;
+  int32_t* const ctr = c->ctr;
+  uint32_t* const touched = c->touched;
+  for (int64_t j = 0; j < c->order_count; ++j) {
+    const int64_t k = c->order[j];
     const int64_t key = u.id[k];
     const DeviceProbe p = device_probe(key, t.num_buckets);
     const BucketDigests da = load_bucket<true>(t.digests, p.a);
@@ -271,12 +429,12 @@ __global__ void sequential_insert_kernel(Table t, Uniques u, const int64_t* __re
     if ((ea | eb) != 0) {
       const bool use_a = __popc(ea) >= __popc(eb);
       s = (use_a ? p.a : p.b) * kBucketSize + (__ffs(use_a ? ea : eb) - 1);
-    } else if (allow_evict) {
+    } else if (c->allow_evict) {
       s = eviction_victim(t, p, touched);
     }
     if (s < 0) {
       u.state[k] = kFailed;
-      *n_failed += 1;
+      ctr[counter::kFailed] += 1;
       continue;
     }
     const uint8_t old_digest = t.digests[s];
@@ -286,20 +444,23 @@ __global__ void sequential_insert_kernel(Table t, Uniques u, const int64_t* __re
     t.digests[s] = static_cast<uint8_t>(p.digest);
     u.slot[k] = s;
     u.state[k] = old_digest == kEmptyDigest ? kClaimed : kEvicted;
-    if (old_digest != kEmptyDigest) *n_evicted += 1;
+    if (old_digest != kEmptyDigest) ctr[counter::kEvicted] += 1;
     if (touched != nullptr) touched[s / kBucketSize] |= 1u << (s % kBucketSize);
   }
 }
 
 // Phase 4 (failure): restore every slot this call claimed. Slots are distinct.
-__global__ void rollback_kernel(Table t, Uniques u) {
+template <class Calls>
+__global__ void rollback_kernel(const __grid_constant__ Calls calls) {
+  const TableCall* c = call_in(calls, kStageRollback);
   const int64_t k = thread_index();
-  if (!u.has(k)) return;
+  if (c == nullptr || !c->u.has(k)) return;
+  const Uniques u = c->u;
   const int8_t st = u.state[k];
   if (st != kClaimed && st != kEvicted) return;
   const int64_t s = u.slot[k];
-  t.keys[s] = u.old_key[k];
-  t.digests[s] = u.old_digest[k];
+  c->t.keys[s] = u.old_key[k];
+  c->t.digests[s] = u.old_digest[k];
 }
 
 }  // namespace

@@ -41,7 +41,7 @@ from veloce._device import host_tensor, to_device
 from veloce.distributed._comm import (
     ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all, exchange_headers,
 )  # fmt: skip
-from veloce.ops.embedding import pooled_lookup_kernel
+from veloce.ops.embedding import pooled_lookup_kernels
 from veloce.ops.exchange import bucketize_bags
 from veloce.table import find_or_insert_many
 
@@ -461,7 +461,8 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[t
     """The owner's half of a grouped lookup: each table serves its block (parts starting
     at ``starts[k]`` in ``ids[k]``). Returns per table its :class:`_Served` and its pooled
     parts."""
-    served, pooled = [], []
+    served: list = []
+    pooled: list = []
     error: Optional[Exception] = None
     try:
         # One insert op for the training tables (a table listed twice, or shared by two
@@ -472,12 +473,15 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[t
         slots: list = [None] * len(modules)
         for k, s in zip(train, find_or_insert_many([modules[k].table for k in train], [ids[k] for k in train])):
             slots[k] = s
-        for k, (m, ids_k, starts_k, psw_k) in enumerate(zip(modules, ids, starts, psw)):
-            if m.training and slots[k] is None:
-                slots[k] = m.table.find_or_insert(ids_k)
-            s, p = _serve(m, ids_k, starts_k, psw_k, slots[k])
-            served.append(s)
-            pooled.append(p)
+        if len(first) == sum(m.training for m in modules):  # no repeated training table: one lookup op
+            served, pooled = _serve_all(modules, ids, starts, psw, slots)
+        else:
+            for k, (m, ids_k, starts_k, psw_k) in enumerate(zip(modules, ids, starts, psw)):
+                if m.training and slots[k] is None:
+                    slots[k] = m.table.find_or_insert(ids_k)
+                s, p = _serve_all([m], [ids_k], [starts_k], [psw_k], [slots[k]])
+                served += s
+                pooled += p
     except Exception as e:  # e.g. TableFullError on this owner: every rank must stop, not wait
         error = e
     # After serving, not right after the inserts: a lookup can fail too (out of memory for
@@ -497,16 +501,22 @@ def _agree_no_failure(group: Group, error: Optional[Exception]) -> None:
                             f"table); every rank stops here")  # fmt: skip
 
 
-def _serve(module, ids, offsets, psw, slots):
-    """The owner's half of a lookup for one table: the sum of each received part (parts
-    start at ``offsets``), from the received ids' ``slots`` (training: inserted already)
-    or, for None, the slots of an evaluation lookup."""
-    table = module.table
-    extra = None
-    if slots is None:
-        slots, extra = module._eval_slots(ids)
-    partial = pooled_lookup_kernel(table.weights, slots, offsets, psw, _SUM, False, extra, False)
-    return _Served(ids, slots, offsets, psw, table.version), partial
+def _serve_all(modules: list, ids: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor],
+               psw: Sequence[torch.Tensor | None], slots: list) -> tuple[list, list]:
+    """The owner's half of a lookup for tables ``modules``: per table its :class:`_Served`
+    and the sum of each received part (parts start at ``offsets[k]``), from the received
+    ids' ``slots[k]`` (training: inserted already) or, for None, the slots of an evaluation
+    lookup. One lookup op for all tables (:func:`pooled_lookup_kernels`)."""
+    extra: list = [None] * len(modules)
+    slots = list(slots)
+    for k, m in enumerate(modules):
+        if slots[k] is None:
+            slots[k], extra[k] = m._eval_slots(ids[k])
+    weights = [m.table.weights for m in modules]
+    partial = pooled_lookup_kernels(weights, slots, offsets, psw, [_SUM] * len(modules), [False] * len(modules),
+                                    extra)  # fmt: skip
+    served = [_Served(i, s, o, p, m.table.version) for m, i, s, o, p in zip(modules, ids, slots, offsets, psw)]
+    return served, partial
 
 
 def _backward(ex: _Exchange, grads: Sequence[Optional[torch.Tensor]], psw_grad: list[bool]):

@@ -13,11 +13,13 @@ mean), ``slot >= C`` reads ``extra_rows[slot - C]``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from veloce import _ext
 
-__all__ = ["MODES", "accumulate_grad", "pooled_lookup"]
+__all__ = ["MODES", "accumulate_grad", "pooled_lookup", "pooled_lookup_many"]
 
 #: Pooling modes by name, as in ``nn.EmbeddingBag``.
 MODES = {"sum": 0, "mean": 1}
@@ -81,6 +83,57 @@ def pooled_lookup(
     )
 
 
+def pooled_lookup_many(
+    weights: Sequence[torch.Tensor],
+    slots: Sequence[torch.Tensor],
+    offsets: Sequence[torch.Tensor],
+    per_sample_weights: Sequence[torch.Tensor | None] | None = None,
+    mode: Sequence[int | str] | int | str = "sum",
+    include_last_offset: bool = False,
+    extra_rows: Sequence[torch.Tensor | None] | None = None,
+    check_inputs: bool = True,
+) -> list[torch.Tensor]:
+    """:func:`pooled_lookup` of K tables in one call: entry ``k`` of the result is
+    ``pooled_lookup(weights[k], slots[k], offsets[k], per_sample_weights[k], mode[k],
+    include_last_offset, extra_rows[k], check_inputs)``, bit for bit, each its own tensor.
+
+    The tables share device, dtype and embedding dim (a table may appear more than once).
+    On CUDA one kernel launch serves up to 32 tables, where K calls of
+    :func:`pooled_lookup` launch K kernels: on a model with many tables the host time of
+    the launches is what the GPU waits for. Not differentiable: for callers that route
+    the gradients themselves (``DynamicEmbedding``'s training lookups).
+
+    Args:
+        weights, slots, offsets: per table, as for :func:`pooled_lookup`.
+        per_sample_weights: per table, a tensor or None (None: no table has them).
+        mode: per table, or one for all: ``"sum"`` / 0 or ``"mean"`` / 1.
+        include_last_offset: as for :func:`pooled_lookup`, for every table.
+        extra_rows: per table, a tensor or None (None: no table has them).
+        check_inputs: as for :func:`pooled_lookup` (on CUDA one host sync per table).
+
+    Returns:
+        The K pooled ``(B_k, D)`` tensors.
+
+    Example::
+
+        >>> w = [torch.randn(10, 4), torch.randn(6, 4)]
+        >>> outs = pooled_lookup_many(w, [torch.tensor([1, 2]), torch.tensor([5])],
+        ...                           [torch.tensor([0, 1]), torch.tensor([0])], mode=["sum", "mean"])
+        >>> [tuple(o.shape) for o in outs]
+        [(2, 4), (1, 4)]
+    """
+    _ext.require()
+    k = len(weights)
+    modes = [_mode_id(mode)] * k if isinstance(mode, (int, str)) else [_mode_id(m) for m in mode]
+    psw = [None] * k if per_sample_weights is None else list(per_sample_weights)
+    extra = [None] * k if extra_rows is None else list(extra_rows)
+    if not weights and not slots and not offsets and not psw and not extra:  # no tensor to dispatch on
+        return []
+    return list(torch.ops.veloce.pooled_lookup_many(
+        list(weights), list(slots), list(offsets), psw, modes, include_last_offset, extra, check_inputs
+    ))  # fmt: skip
+
+
 def accumulate_grad(
     grad_output: torch.Tensor,
     slots: torch.Tensor,
@@ -137,6 +190,41 @@ def pooled_lookup_kernel(*args) -> torch.Tensor:
         return torch.ops.veloce.pooled_lookup(*args)
 
 
+def pooled_lookup_many_kernel(*args) -> list[torch.Tensor]:
+    """``torch.ops.veloce.pooled_lookup_many(*args)`` below the autograd key, as
+    :func:`pooled_lookup_kernel`."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.veloce.pooled_lookup_many(*args)
+
+
+def pooled_lookup_kernels(weights: Sequence[torch.Tensor], slots: Sequence[torch.Tensor],
+                          offsets: Sequence[torch.Tensor], psws: Sequence[torch.Tensor | None],
+                          modes: Sequence[int], include_last_offset: Sequence[bool],
+                          extra_rows: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:  # fmt: skip
+    """The lookups of K tables with ``check_inputs=False``, below the autograd key (as
+    :func:`pooled_lookup_kernel`): one ``pooled_lookup_many`` per group of tables that share
+    device, dtype, dim and ``include_last_offset`` (a model's tables are usually one group),
+    ``pooled_lookup`` for a table alone in its group."""
+    groups: dict[tuple, list[int]] = {}
+    for k, w in enumerate(weights):
+        groups.setdefault((w.device, w.dtype, w.shape[1], bool(include_last_offset[k])), []).append(k)
+    out: list = [None] * len(weights)
+    with torch._C._AutoDispatchBelowAutograd():
+        for (_, _, _, ilo), idx in groups.items():
+            if len(idx) == 1:
+                k = idx[0]
+                out[k] = torch.ops.veloce.pooled_lookup(weights[k], slots[k], offsets[k], psws[k], modes[k], ilo,
+                                                        extra_rows[k], False)  # fmt: skip
+                continue
+            res = torch.ops.veloce.pooled_lookup_many(
+                [weights[k] for k in idx], [slots[k] for k in idx], [offsets[k] for k in idx], [psws[k] for k in idx],
+                [modes[k] for k in idx], ilo, [extra_rows[k] for k in idx], False,
+            )  # fmt: skip
+            for k, o in zip(idx, res):
+                out[k] = o
+    return out
+
+
 def _num_bags(offsets: torch.Tensor, include_last_offset: bool) -> int:
     n = offsets.shape[0]
     if include_last_offset:
@@ -153,6 +241,18 @@ def _fake_pooled_lookup(
     torch._check(slots.dtype == torch.int64, lambda: f"slots must be int64, got {slots.dtype}")
     torch._check(mode in (0, 1), lambda: f"mode must be 0 (sum) or 1 (mean), got {mode}")
     return weights.new_empty((_num_bags(offsets, include_last_offset), weights.shape[1]))
+
+
+def _fake_pooled_lookup_many(weights, slots, offsets, per_sample_weights, mode, include_last_offset, extra_rows,
+                             check_inputs=True):  # fmt: skip
+    torch._check(
+        len(slots) == len(weights) and len(offsets) == len(weights) and len(mode) == len(weights),
+        lambda: "pooled_lookup_many: one entry per table in every list",
+    )
+    return [
+        _fake_pooled_lookup(w, s, o, p, m, include_last_offset, e)
+        for w, s, o, p, m, e in zip(weights, slots, offsets, per_sample_weights, mode, extra_rows)
+    ]
 
 
 def _fake_accumulate_grad(
@@ -201,5 +301,6 @@ def _backward(ctx, grad_output: torch.Tensor):
 
 if _ext.loaded:
     torch.library.register_fake("veloce::pooled_lookup")(_fake_pooled_lookup)
+    torch.library.register_fake("veloce::pooled_lookup_many")(_fake_pooled_lookup_many)
     torch.library.register_fake("veloce::accumulate_grad")(_fake_accumulate_grad)
     torch.library.register_autograd("veloce::pooled_lookup", _backward, setup_context=_setup_context)

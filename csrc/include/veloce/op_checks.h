@@ -73,6 +73,16 @@ int64_t check_pooled_lookup_args(const char* op, const at::Tensor& weights, cons
                                  const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
                                  int64_t mode, const std::optional<at::Tensor>& extra_rows);
 
+// pooled_lookup_many: one entry per table in every list, each table as
+// check_pooled_lookup_args (named table_op_name(op, k)), all on one device with one dtype
+// and embedding dim. Returns the tables' names; extra[k] = M of table k.
+std::vector<std::string> check_pooled_lookup_many_args(const char* op, at::TensorList weights, at::TensorList slots,
+                                                       at::TensorList offsets,
+                                                       const c10::List<std::optional<at::Tensor>>& per_sample_weights,
+                                                       at::IntArrayRef mode,
+                                                       const c10::List<std::optional<at::Tensor>>& extra_rows,
+                                                       std::vector<int64_t>& extra);
+
 // The backward inputs (accumulate_grad, accumulate_and_update) before the bag layout:
 // grad_output (B, D) rows, slots (N,) int64, devices, mode and per_sample_weights.
 void check_backward_inputs(const char* op, const at::Tensor& grad_output, const at::Tensor& slots,
