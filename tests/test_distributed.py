@@ -344,6 +344,9 @@ class Grouped(nn.Module):
     def forward(self, dense, ids_a, offsets_a, psw_a, ids_b):
         tables = [self.a, self.b, self.c, self.d]
         outs = veloce.lookup_many(tables, [(ids_a, offsets_a, psw_a * self.w), ids_b, ids_b, ids_b])
+        # An output changed in place, as nn.EmbeddingBag's may be: the sharded lookup's outputs
+        # share one buffer (without being views), so this must touch b's rows only.
+        outs[1].mul_(0.5)
         return self.mlp(torch.cat([*outs, dense], 1)).squeeze(1)
 
 
