@@ -418,10 +418,19 @@ enum class Mode { kFindOrInsert, kAssign, kErase };
 // One table's arguments and outcome; `slots` (N,) int64 is written (a view into the op's
 // output for find_or_insert_many).
 struct InsertTable {
-  at::Tensor keys, digests, scores, weights, opt_state, ids;
+  InsertTable(at::Tensor keys, at::Tensor digests, at::Tensor scores, at::Tensor weights, at::Tensor opt_state,
+              at::Tensor ids)
+      : keys(std::move(keys)),
+        digests(std::move(digests)),
+        scores(std::move(scores)),
+        weights(std::move(weights)),
+        opt_state(std::move(opt_state)),
+        ids(std::move(ids)) {}
+
+  at::Tensor keys, digests, scores, weights, opt_state, ids;  // ids contiguous; erase: no scores, rows or state
   int64_t score_policy = kScoreNone, score_value = 0;
   bool allow_evict = false;
-  int64_t seed = 0, init_kind = 0;
+  int64_t seed = 0, init_kind = 0;  // find_or_insert's initializer
   double init_a = 0, init_b = 0;
   std::optional<int64_t> padding_id;
   at::Tensor values, opt_values, score_values;  // insert_or_assign
@@ -829,14 +838,9 @@ InsertTable find_or_insert_table(const std::string& op, const at::Tensor& keys, 
                                  const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict,
                                  int64_t seed, int64_t init_kind, double init_a, double init_b,
                                  std::optional<int64_t> padding_id, at::Tensor slots) {
-  InsertTable t;
-  t.ids = check_insert_args_cuda(op.c_str(), keys, digests, scores, weights, opt_state, ids, score_policy);
+  InsertTable t(keys, digests, scores, weights, opt_state,
+                check_insert_args_cuda(op.c_str(), keys, digests, scores, weights, opt_state, ids, score_policy));
   check_init(op.c_str(), init_kind, init_a, init_b);
-  t.keys = keys;
-  t.digests = digests;
-  t.scores = scores;
-  t.weights = weights;
-  t.opt_state = opt_state;
   t.score_policy = score_policy;
   t.score_value = score_value;
   t.allow_evict = allow_evict;
@@ -900,15 +904,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
     const at::Tensor& ids_in, const at::Tensor& values_in, const std::optional<at::Tensor>& opt_values_in,
     const std::optional<at::Tensor>& score_values_in, int64_t score_policy, int64_t score_value, bool allow_evict) {
   constexpr const char* op = "veloce::insert_or_assign";
-  std::vector<InsertTable> tables(1);
-  InsertTable& t = tables[0];
-  t.ids = check_insert_args_cuda(op, keys, digests, scores, weights, opt_state, ids_in, score_policy);
+  std::vector<InsertTable> tables;
+  InsertTable& t = tables.emplace_back(
+      keys, digests, scores, weights, opt_state,
+      check_insert_args_cuda(op, keys, digests, scores, weights, opt_state, ids_in, score_policy));
   check_assign_values(op, keys, weights, opt_state, t.ids.numel(), values_in, opt_values_in, score_values_in);
-  t.keys = keys;
-  t.digests = digests;
-  t.scores = scores;
-  t.weights = weights;
-  t.opt_state = opt_state;
   t.values = values_in.contiguous();
   t.opt_values = opt_values_in ? opt_values_in->contiguous() : at::Tensor();
   t.score_values = score_values_in ? score_values_in->contiguous() : at::Tensor();
@@ -927,11 +927,8 @@ at::Tensor erase_cuda(const at::Tensor& keys, at::Tensor& digests, const at::Ten
   check_cuda_table(op, keys, digests);
   check_num_ids_cuda(op, ids_in.numel());
   const c10::cuda::CUDAGuard guard(keys.device());
-  std::vector<InsertTable> tables(1);
-  InsertTable& t = tables[0];
-  t.keys = keys;
-  t.digests = digests;
-  t.ids = ids_in.contiguous();
+  std::vector<InsertTable> tables;
+  InsertTable& t = tables.emplace_back(keys, digests, at::Tensor(), at::Tensor(), at::Tensor(), ids_in.contiguous());
   t.erased = at::zeros({t.ids.numel()}, t.ids.options().dtype(at::kBool));
   // Find first (read-only), then clear: a launch boundary between reads and writes.
   Inserter(op, Mode::kErase, tables).run(std::nullopt);
