@@ -507,6 +507,10 @@ def test_pooled_lookup_many_opcheck(device):
     from veloce.ops.embedding import pooled_lookup_many
 
     assert pooled_lookup_many([], [], []) == []
+    with pytest.raises(ValueError, match="not differentiable, but an input requires grad"):
+        pooled_lookup_many([w[0].clone().requires_grad_(True)], s[:1], o[:1])
+    with torch.no_grad():
+        assert len(pooled_lookup_many([w[0].clone().requires_grad_(True)], s[:1], o[:1])) == 1
 
 
 def test_pooled_lookup_many_bad_inputs_name_the_table():

@@ -101,7 +101,8 @@ def pooled_lookup_many(
     On CUDA one kernel launch serves up to 32 tables, where K calls of
     :func:`pooled_lookup` launch K kernels: on a model with many tables the host time of
     the launches is what the GPU waits for. Not differentiable: for callers that route
-    the gradients themselves (``DynamicEmbedding``'s training lookups).
+    the gradients themselves (``DynamicEmbedding``'s training lookups); inputs that
+    require grad are refused (use :func:`pooled_lookup`, which is differentiable).
 
     Args:
         weights, slots, offsets: per table, as for :func:`pooled_lookup`.
@@ -129,6 +130,11 @@ def pooled_lookup_many(
     extra = [None] * k if extra_rows is None else list(extra_rows)
     if not weights and not slots and not offsets and not psw and not extra:  # no tensor to dispatch on
         return []
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*weights, *psw, *extra)):
+        raise ValueError(
+            "pooled_lookup_many is not differentiable, but an input requires grad; use pooled_lookup per table "
+            "for gradients, or call it under torch.no_grad()"
+        )
     return list(torch.ops.veloce.pooled_lookup_many(
         list(weights), list(slots), list(offsets), psw, modes, include_last_offset, extra, check_inputs
     ))  # fmt: skip
