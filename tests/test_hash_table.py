@@ -572,6 +572,38 @@ def test_find_or_insert_many_equals_separate_calls(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_find_or_insert_many_places_conflicting_ids_of_many_tables_like_the_cpu(device):
+    """40 small tables (two buckets each), every one with new ids that share buckets, the
+    first ten also at max capacity and evicting: one call places the conflicted ids of all
+    tables in order of first occurrence (on CUDA one sort and one launch for all of them),
+    so slots, evicted keys and every table's state equal the CPU kernel's, table by table.
+    More tables than one launch group of any per-launch limit, some with no ids."""
+    gen = torch.Generator().manual_seed(21)
+    names = ("score_policy", "score_value", "allow_evict", "seed", "init_kind", "init_a", "init_b", "padding_id")
+    tables, ids, args = [], [], {name: [] for name in names}
+    for j in range(40):
+        evicting = j < 10
+        t = make_table(32 if evicting else 64, dim=3, device="cpu")
+        if evicting:  # full: every new id evicts
+            ht.insert_or_assign(*t.tensors(), ids_tensor(range(1000, 1032)), torch.zeros(32, 3),
+                                score_values=ids_tensor(torch.randint(0, 50, (32,), generator=gen).tolist()))
+        tables.append(t)
+        n = 0 if j % 13 == 12 else int(torch.randint(5, 20 if evicting else 40, (1,), generator=gen))
+        ids.append(ids_tensor(torch.randint(-500, 500, (n,), generator=gen).tolist()))
+        for name, v in zip(names, (1 + j % 2, j + 1, evicting, j, 2, -0.5, 0.5, None)):
+            args[name].append(v)
+    want_tables = [t.clone() for t in tables]
+    want = ht.find_or_insert_many([t.tensors() for t in want_tables], ids, *args.values())
+    got_tables = [Table(*(x.to(device) for x in t.tensors())) for t in tables]
+    got = ht.find_or_insert_many([t.tensors() for t in got_tables], [i.to(device) for i in ids], *args.values())
+    assert got[1].tolist() == want[1].tolist()
+    assert want[1][:10, 2].sum() > 0 and want[1][:, 1].sum() == 0  # evictions, and no table without room
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[2].cpu(), want[2])
+    for j, (g, w) in enumerate(zip(got_tables, want_tables)):
+        g.assert_equal(w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_find_or_insert_many_bad_input_changes_no_table(device):
     tables, ids, args = many_case(device)
     before = [t.clone() for t in tables]
