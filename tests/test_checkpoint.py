@@ -13,6 +13,7 @@ import pickle
 import random
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -699,3 +700,35 @@ def test_sharded_training_resumed_on_three_ranks_equals_the_uninterrupted_run(tm
         assert all((p["step"], p["clock"]) == (want["step"], want["clock"]) for p in parts), name
     for r in results:
         assert_same({k: v for k, v in ref.mlp.state_dict().items()}, r["mlp"], "mlp", close=True)
+
+
+def _die_holding_the_bar_lock() -> None:
+    """Child: killed while it holds the progress bars' write lock (as a checkpoint writer
+    can be, mid-bar)."""
+    from veloce._progress import Bar
+
+    Bar.get_lock().acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_forked_process_killed_mid_bar_leaves_the_parents_bars_working():
+    """tqdm's default lock is shared with forked processes: a child SIGKILLed while holding
+    it left every later bar of the parent (even a disabled one) waiting forever, which hung
+    test_sigkill_at_random_times_leaves_a_loadable_checkpoint once in CI. veloce's bars
+    (checkpoint progress, the Trainer's) lock within their process only."""
+    from veloce._checkpoint_io import progress
+    from veloce._progress import Bar
+
+    list(Bar(range(3), disable=True))  # the lock exists before the fork, as in a training process
+    p = _fork(_die_holding_the_bar_lock)
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    done = threading.Event()
+
+    def bars():
+        list(progress(range(5), rows=1, desc="rows"))
+        list(Bar(range(5), disable=True))
+        done.set()
+
+    threading.Thread(target=bars, daemon=True).start()
+    assert done.wait(30), "a progress bar waited for a lock a killed child holds"

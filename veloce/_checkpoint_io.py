@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
+
+from veloce._progress import Bar
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -245,5 +246,5 @@ def agree(fn: Callable[[], Any]) -> Any:
 
 def progress(items: Iterable, rows: int, desc: str) -> Iterable:
     """``items`` with a progress bar on rank 0 when more than PROGRESS_ROWS rows move."""
-    return tqdm(items, desc=desc, disable=rows <= PROGRESS_ROWS or world()[0] != 0, leave=False)
+    return Bar(items, desc=desc, disable=rows <= PROGRESS_ROWS or world()[0] != 0, leave=False)
 

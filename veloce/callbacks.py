@@ -190,11 +190,11 @@ class ProgressBar(Callback):
 
     def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
         try:
-            from tqdm.auto import tqdm
-        except ImportError:
+            from veloce._progress import Bar
+        except ImportError:  # no tqdm: a printed line per log
             return
         total = trainer.steps_per_epoch()
-        self.bar = tqdm(total=total, initial=trainer.steps_in_epoch, unit="step", desc=f"epoch {epoch}",
+        self.bar = Bar(total=total, initial=trainer.steps_in_epoch, unit="step", desc=f"epoch {epoch}",
                         dynamic_ncols=True, file=sys.stderr)  # fmt: skip
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
