@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build veloce on the GPU machine and run the chosen stages; logs go to $OUT.
 #   tools/gpu_session.sh build test checks bench profile streams
+# At most 8 files come back from $OUT: the build keeps its log under /tmp unless it fails, and
+# the card and torch version go to $OUT/gpu.txt.
 # VELOCE_SAVE_BUILD=1 returns the built extension ($OUT/_C.abi3.so.gz, _C.key); a later call
 # that carries them in a folder named by VELOCE_PREBUILT skips the build while csrc/, setup.py
 # and torch are unchanged.
@@ -33,8 +35,8 @@ for stage in "$@"; do
         # a private libstdc++ inside _C crashed while formatting any error message. Build
         # with the system toolchain, which links the shared libstdc++ that torch uses.
         export CC=gcc CXX=g++ LDSHARED="g++ -shared"
-        TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 \
-          || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
+        TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace >/tmp/veloce_build.log 2>&1 \
+          || { cp /tmp/veloce_build.log "$OUT/build.log"; grep -E "error|Error" /tmp/veloce_build.log | head -40; exit 1; }
         echo "build: $(( $(date +%s) - start )) s ($key)"
         if [ "${VELOCE_SAVE_BUILD:-0}" = 1 ]; then  # for VELOCE_PREBUILT in later calls (files back: 16 MiB each)
           strip --strip-debug -o /tmp/_C.stripped.so veloce/_C.abi3.so && gzip -9 -c /tmp/_C.stripped.so > "$OUT/_C.abi3.so.gz"
