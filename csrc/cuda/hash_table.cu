@@ -7,7 +7,7 @@
 //
 // Inserting ops (find_or_insert, insert_or_assign) run in phases:
 //   1. find every id in parallel (no mutation); find_or_insert flags the misses;
-//   2. group the (missing) positions by id through a scratch hash set (group_ids), so each
+//   2. group the (missing) positions by id through a scratch hash set (group_claim_kernel), so each
 //      distinct new id is inserted by exactly one thread; classify the new ids (conflicted
 //      or not, and for the others whether they will need to evict or fail);
 //   3a. claim: each new id CASes the 32-bit word holding 4 digests to take the lowest
@@ -42,7 +42,8 @@
 //
 // An op over K tables (find_or_insert_many; the single-table ops are K = 1) runs each kernel
 // once for all of them: table j is blockIdx.y, its arguments a TableCall (in
-// hash_table_device.cuh) copied to the device before the launches of each host stage, and
+// hash_table_device.cuh; one table's is the kernel parameter, several are an array copied to
+// the device before the launches of each host stage that changed them), and
 // its scratch arrays live in a few allocations shared by the call. About 20 launches per
 // op, where one set of launches per table made about 300 for the 26 tables of a DLRM step.
 //
@@ -185,7 +186,7 @@ template <class Calls>
 __global__ void map_slots_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageMapSlots);
   const int64_t i = thread_index();
-  if (c == nullptr || i >= c->n || (c->active != nullptr && !c->active[i])) return;
+  if (c == nullptr || !grouped(c, i)) return;
   c->slots[i] = c->u.slot[c->group[i]];
 }
 
@@ -249,7 +250,7 @@ __global__ void group_claim_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageGroup);
   if (c == nullptr) return;
   const int64_t i = thread_index();
-  const bool on = i < c->n && (c->active == nullptr || c->active[i]);
+  const bool on = grouped(c, i);
   const GroupScratch g = c->g;
   int64_t h = 0, id = 0;
   bool won = false;
@@ -301,7 +302,7 @@ __global__ void group_assign_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageGroup);
   if (c == nullptr) return;
   const int64_t i = thread_index();
-  const bool on = i < c->n && (c->active == nullptr || c->active[i]);
+  const bool on = grouped(c, i);
   const unsigned lanes = __ballot_sync(kFullWarp, on);
   if (!on) return;
   const int32_t k = c->g.index[c->where[i]];
@@ -440,6 +441,7 @@ struct InsertTable {
   at::Tensor evicted;
   // host bookkeeping between stages
   int64_t uniques = 0, conflicted = 0, full = 0;
+  int64_t max_queued = 0;  // ids claim_kernel may queue for evict_kernel
   bool settle = false;
   int64_t old_key_off = 0;
 };
@@ -459,7 +461,9 @@ class Inserter {
     if (mode_ == Mode::kFindOrInsert) calls_.launch(VELOCE_OVER_TABLES(probe_kernel), kStageProbe, positions());
     calls_.launch(VELOCE_OVER_TABLES(group_claim_kernel), kStageGroup, positions());
     calls_.launch(VELOCE_OVER_TABLES(group_assign_kernel), kStageGroup, positions());
-    if (mode_ != Mode::kFindOrInsert) calls_.launch(VELOCE_OVER_TABLES(find_uniques_kernel), kStageFindUniques, positions());
+    if (mode_ != Mode::kFindOrInsert) {
+      calls_.launch(VELOCE_OVER_TABLES(find_uniques_kernel), kStageFindUniques, positions());
+    }
     if (mode_ == Mode::kErase) {  // U stays on the device: every launch covers the n grouped positions
       calls_.launch(VELOCE_OVER_TABLES(erase_kernel), kStageErase, positions());
       return;
@@ -637,7 +641,8 @@ class Inserter {
       call.claim_skip = seq ? call.conflicted : nullptr;
       // claim_kernel queues exactly the full unconflicted ids, plus conflicted ones that race
       // and find both buckets full: at most that many, the exact number is on the device.
-      if (t.allow_evict && t.full + (seq ? 0 : t.conflicted) > 0) call.stages |= kStageEvict;
+      t.max_queued = t.full + (seq ? 0 : t.conflicted);
+      if (t.allow_evict && t.max_queued > 0) call.stages |= kStageEvict;
       if (seq) {
         call.stages |= kStageSequential;
         sequential.push_back(j);
@@ -649,11 +654,10 @@ class Inserter {
       order(sequential, /*select=*/0, [&](int64_t j) { return tabs_[static_cast<size_t>(j)].conflicted; });
     }
     calls_.launch(VELOCE_OVER_TABLES(claim_kernel), kStageClaim, uniques());
-    calls_.launch(VELOCE_OVER_TABLES(evict_kernel), kStageEvict, [this](int64_t j) {
-      const InsertTable& t = tabs_[static_cast<size_t>(j)];
-      return t.full + (calls_[j].claim_skip != nullptr ? 0 : t.conflicted);
-    });
-    calls_.launch(VELOCE_OVER_TABLES(sequential_insert_kernel), kStageSequential, [](int64_t) { return int64_t{1}; }, 32);
+    calls_.launch(VELOCE_OVER_TABLES(evict_kernel), kStageEvict,
+                  [this](int64_t j) { return tabs_[static_cast<size_t>(j)].max_queued; });
+    calls_.launch(VELOCE_OVER_TABLES(sequential_insert_kernel), kStageSequential,
+                  [](int64_t) { return int64_t{1}; }, 32);
     // None doomed (else failed above): every full id evicted.
     note_evicted(no_conflict_evicting, [&](int64_t j) { return tabs_[static_cast<size_t>(j)].full; });
   }
@@ -710,7 +714,9 @@ class Inserter {
         dtypes.push_back(t.weights.scalar_type());
       }
     }
-    auto rows = [this](int64_t j) { return row_warp_threads(tabs_[static_cast<size_t>(j)].uniques, calls_[j].rows_per_warp); };
+    auto rows = [this](int64_t j) {
+      return row_warp_threads(tabs_[static_cast<size_t>(j)].uniques, calls_[j].rows_per_warp);
+    };
     for (const at::ScalarType dt : dtypes) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "insert_rows_cuda", [&] {
         if (mode_ == Mode::kAssign) {

@@ -111,7 +111,7 @@ enum : int {
 };
 }  // namespace counter
 
-// The grouping's scratch open-addressing set of one table (group_ids in hash_table.cu).
+// The grouping's scratch open-addressing set of one table (group_claim_kernel in hash_table.cu).
 struct GroupScratch {
   int64_t* keys;   // (C,) ids, kGroupEmpty where free
   int32_t* index;  // (C + 1,) the distinct id's number, written by the slot's winner
@@ -198,6 +198,11 @@ struct OneCall {
 };
 static_assert(sizeof(OneCall) <= 1024, "a TableCall must stay a small kernel parameter (4 KiB at most)");
 
+// Whether position i of the call is grouped (find_or_insert: a miss; otherwise every position).
+__device__ __forceinline__ bool grouped(const TableCall* c, int64_t i) {
+  return i < c->n && (c->active == nullptr || c->active[i]);
+}
+
 // The TableCall of this block's table when it takes part in `stage`, else null (the whole
 // block returns: the tests are uniform over the block).
 template <class Calls>
@@ -214,7 +219,7 @@ __global__ void find_kernel(Table t, const int64_t* __restrict__ ids, int64_t n,
 }
 
 // Phase 1 of find_or_insert: slots of present ids (-1 for padding and misses), touched
-// marks (when evicting), and a flag per missing position (what group_ids groups).
+// marks (when evicting), and a flag per missing position (the positions the grouping groups).
 template <class Calls>
 __global__ void probe_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageProbe);

@@ -186,31 +186,17 @@ def accumulate_grad(
     )
 
 
-def pooled_lookup_kernel(*args) -> torch.Tensor:
-    """``torch.ops.veloce.pooled_lookup(*args)`` straight to the backend kernel, below the
-    autograd key: for callers that are the lookup's autograd themselves
-    (``DynamicEmbedding``'s training lookup, the owner's half of a sharded lookup). The
-    op's own autograd registration, in Python, would only redispatch: some microseconds of
-    host time per call, per table, per step. The result does not require grad."""
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.veloce.pooled_lookup(*args)
-
-
-def pooled_lookup_many_kernel(*args) -> list[torch.Tensor]:
-    """``torch.ops.veloce.pooled_lookup_many(*args)`` below the autograd key, as
-    :func:`pooled_lookup_kernel`."""
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.veloce.pooled_lookup_many(*args)
-
-
 def pooled_lookup_kernels(weights: Sequence[torch.Tensor], slots: Sequence[torch.Tensor],
                           offsets: Sequence[torch.Tensor], psws: Sequence[torch.Tensor | None],
                           modes: Sequence[int], include_last_offset: Sequence[bool],
                           extra_rows: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:  # fmt: skip
-    """The lookups of K tables with ``check_inputs=False``, below the autograd key (as
-    :func:`pooled_lookup_kernel`): one ``pooled_lookup_many`` per group of tables that share
-    device, dtype, dim and ``include_last_offset`` (a model's tables are usually one group),
-    ``pooled_lookup`` for a table alone in its group."""
+    """The lookups of K tables with ``check_inputs=False``, straight to the backend kernels,
+    below the autograd key: for callers that are the lookups' autograd themselves
+    (``DynamicEmbedding``'s training lookups, the owner's half of a sharded lookup), where the
+    op's own autograd registration, in Python, would only redispatch. One
+    ``pooled_lookup_many`` per group of tables that share device, dtype, dim and
+    ``include_last_offset`` (a model's tables are usually one group), ``pooled_lookup`` for a
+    table alone in its group. The results do not require grad."""
     groups: dict[tuple, list[int]] = {}
     for k, w in enumerate(weights):
         groups.setdefault((w.device, w.dtype, w.shape[1], bool(include_last_offset[k])), []).append(k)
