@@ -355,8 +355,20 @@ class Arena {
 // change) on the device.
 class TableCalls {
  public:
-  TableCalls(int64_t K, const at::Tensor& like) : calls_(static_cast<size_t>(K)), like_(like) {
+  // An op's host stages change the calls at most this often (Inserter: prepare, ordering
+  // and placement, the evicted keys' ordering, settle, its ordering, finish).
+  static constexpr int64_t kMaxUploads = 8;
+
+  // Several tables: the memory of every copy to the device is taken now, before any table
+  // is written, so that a later stage (a rollback, the new rows) cannot fail to allocate
+  // after the tables have changed.
+  TableCalls(int64_t K, const at::Tensor& like) : calls_(static_cast<size_t>(K)) {
     TORCH_CHECK_VALUE(K <= 65535, "an inserting op takes at most 65535 tables at once, got ", K);
+    if (K > 1) {
+      const int64_t bytes = kMaxUploads * K * static_cast<int64_t>(sizeof(TableCall));
+      host_ = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      dev_ = at::empty({bytes}, like.options().dtype(at::kByte));
+    }
   }
   int64_t size() const { return static_cast<int64_t>(calls_.size()); }
   const TableCall& operator[](int64_t j) const { return calls_[static_cast<size_t>(j)]; }
@@ -386,23 +398,27 @@ class TableCalls {
   }
 
  private:
-  // One copy of the array from pinned memory, queued on the current stream (no host wait);
-  // the caching host allocator keeps the pinned block until the copy has run.
+  // One copy of the array from pinned memory, queued on the current stream (no host wait),
+  // into the next of the kMaxUploads regions taken at construction: the launches queued on
+  // earlier copies still read theirs. The caching host allocator keeps the pinned block
+  // until the copies have run.
   const TableCall* device() {
-    if (dirty_ || !dev_.defined()) {
-      const int64_t bytes = size() * static_cast<int64_t>(sizeof(TableCall));
-      at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-      std::memcpy(host.data_ptr(), calls_.data(), static_cast<size_t>(bytes));
-      dev_ = host.to(like_.device(), /*non_blocking=*/true);
-      kept_.push_back(dev_);  // earlier copies stay valid for the launches queued on them
+    const int64_t bytes = size() * static_cast<int64_t>(sizeof(TableCall));
+    if (dirty_) {
+      TORCH_INTERNAL_ASSERT(uploads_ < kMaxUploads, "an inserting op changed its TableCalls too often");
+      const int64_t off = uploads_++ * bytes;
+      std::memcpy(host_.data_ptr<uint8_t>() + off, calls_.data(), static_cast<size_t>(bytes));
+      dev_.narrow(0, off, bytes).copy_(host_.narrow(0, off, bytes), /*non_blocking=*/true);
+      current_ = reinterpret_cast<const TableCall*>(dev_.data_ptr<uint8_t>() + off);
       dirty_ = false;
     }
-    return reinterpret_cast<const TableCall*>(dev_.data_ptr<uint8_t>());
+    return current_;
   }
 
   std::vector<TableCall> calls_;
-  at::Tensor like_, dev_;
-  std::vector<at::Tensor> kept_;
+  at::Tensor host_, dev_;  // pinned and device memory for kMaxUploads copies (several tables)
+  const TableCall* current_ = nullptr;
+  int64_t uploads_ = 0;
   bool dirty_ = true;
 };
 
@@ -461,6 +477,10 @@ class Inserter {
     if (mode_ == Mode::kFindOrInsert) calls_.launch(VELOCE_OVER_TABLES(probe_kernel), kStageProbe, positions());
     calls_.launch(VELOCE_OVER_TABLES(group_claim_kernel), kStageGroup, positions());
     calls_.launch(VELOCE_OVER_TABLES(group_assign_kernel), kStageGroup, positions());
+    // The scratch sets and `where` are done with: their memory goes back now (reused in
+    // stream order), not at the op's end, to keep the placement's peak memory down.
+    grouping_ = Arena();
+    group_keys_ = at::Tensor();
     if (mode_ != Mode::kFindOrInsert) {
       calls_.launch(VELOCE_OVER_TABLES(find_uniques_kernel), kStageFindUniques, positions());
     }
@@ -505,7 +525,7 @@ class Inserter {
   void prepare() {
     const int64_t K = calls_.size();
     const bool with_last = mode_ == Mode::kAssign;
-    Arena plain, zeroed;
+    Arena plain, zeroed, grouping;
     struct Offsets {
       int64_t active, where, group, id, slot, old_key, state, old_digest, first, last, occ, conflicted, overflow,
           index, use, touched, keys;
@@ -522,7 +542,7 @@ class Inserter {
       const int64_t cap = group_capacity(n);
       const int64_t buckets = t.keys.numel() / kBucketSize;
       if (mode_ == Mode::kFindOrInsert) o.active = plain.add<uint8_t>(n);
-      o.where = plain.add<int64_t>(n);  // a scratch slot may pass 2^31
+      o.where = grouping.add<int64_t>(n);  // a scratch slot may pass 2^31
       o.group = plain.add<int32_t>(n);
       o.id = plain.add<int64_t>(n);
       o.slot = plain.add<int64_t>(n);
@@ -534,7 +554,7 @@ class Inserter {
         o.last = plain.add<int32_t>(n);
         o.occ = plain.add<int32_t>(n);
       }
-      o.index = plain.add<int32_t>(cap + 1);
+      o.index = grouping.add<int32_t>(cap + 1);
       if (mode_ != Mode::kErase) {
         o.conflicted = plain.add<uint8_t>(n);
         o.overflow = plain.add<int32_t>(n);
@@ -547,10 +567,12 @@ class Inserter {
     const at::TensorOptions opts = tabs_[0].keys.options();
     plain.allocate(opts, false);
     zeroed.allocate(opts, true);
+    grouping.allocate(opts, false);
     const at::Tensor group_keys = at::full({std::max<int64_t>(key_slots, 1)}, kGroupEmpty, opts);
     plain_ = plain;
+    grouping_ = grouping;
+    group_keys_ = group_keys;
     counters_ = zeroed.view(counters_off, K * counter::kNum + 1, at::kInt);
-    keep_.push_back(group_keys);
     for (int64_t j = 0; j < K; ++j) {
       InsertTable& t = tabs_[static_cast<size_t>(j)];
       const Offsets& o = off[static_cast<size_t>(j)];
@@ -571,8 +593,9 @@ class Inserter {
       c.pad = t.padding_id.value_or(0);
       c.touched = t.allow_evict && mode_ != Mode::kErase ? reinterpret_cast<uint32_t*>(zeroed.ptr<int32_t>(o.touched))
                                                          : nullptr;
-      c.g = GroupScratch{group_keys.data_ptr<int64_t>() + o.keys, plain.ptr<int32_t>(o.index), group_capacity(c.n) - 1};
-      c.where = plain.ptr<int64_t>(o.where);
+      c.g = GroupScratch{group_keys.data_ptr<int64_t>() + o.keys, grouping.ptr<int32_t>(o.index),
+                         group_capacity(c.n) - 1};
+      c.where = grouping.ptr<int64_t>(o.where);
       c.group = plain.ptr<int32_t>(o.group);
       c.first_pos = plain.ptr<int32_t>(o.first);
       c.last_pos = with_last ? plain.ptr<int32_t>(o.last) : nullptr;
@@ -730,19 +753,20 @@ class Inserter {
     calls_.launch(VELOCE_OVER_TABLES(score_positions_kernel), kStageScore, positions());
   }
 
-  // For each table j of `which`, count(j) of its distinct ids (conflicted ones, select 0,
-  // or evicted ones, select 1) in order of first occurrence (the CPU kernel's insertion
-  // order): one sort of (table rank, first position) keys for all of them. Sets each
-  // table's TableCall order and order_count; returns the sorted ids.
+  // For each table j of `which`, its count(j) distinct ids that are conflicted (select 0)
+  // or evicted (select 1), in order of first occurrence (the CPU kernel's insertion order):
+  // compacted, then one sort of (table rank, first position) keys for all of them. Sets
+  // each table's TableCall order and order_count; returns the sorted ids.
   template <typename Count>
   at::Tensor order(const std::vector<int64_t>& which, int32_t select, Count count) {
     int64_t total = 0;
-    for (int64_t j : which) total += tabs_[static_cast<size_t>(j)].uniques;
+    for (int64_t j : which) total += count(j);
+    TORCH_CHECK(total <= std::numeric_limits<int32_t>::max(), op_, ": ", total,
+                " ids to place in order at once; at most 2^31 - 1");
     const at::TensorOptions opts = tabs_[0].keys.options();
     at::Tensor buf = at::empty({4, total}, opts);  // keys, ids, sorted keys, sorted ids
     int64_t* const keys = buf[0].data_ptr<int64_t>();
     int64_t* const ids = buf[1].data_ptr<int64_t>();
-    const int64_t end = static_cast<int64_t>(which.size()) << 32;  // first positions are below 2^31
     std::vector<uint32_t> saved(static_cast<size_t>(calls_.size()));
     for (int64_t j = 0; j < calls_.size(); ++j) {
       TableCall& c = calls_.edit(j);
@@ -756,16 +780,16 @@ class Inserter {
       c.select = select;
       c.order_keys = keys + base;
       c.order_ids = ids + base;
-      c.order_base = rank++ << 32;
-      c.order_end = end;
-      base += tabs_[static_cast<size_t>(j)].uniques;
+      c.order_base = rank++ << 32;  // first positions are below 2^31
+      base += count(j);
     }
     calls_.launch(VELOCE_OVER_TABLES(order_keys_kernel), kStageOrder, uniques());
     const at::Tensor sorted = buf[3];
+    const int end_bit = bit_width((static_cast<uint64_t>(rank - 1) << 32) | std::numeric_limits<int32_t>::max());
     cub_call(buf, [&](void* temp, size_t& bytes) {
       return cub::DeviceRadixSort::SortPairs(temp, bytes, keys, buf[2].data_ptr<int64_t>(), ids,
-                                             sorted.data_ptr<int64_t>(), static_cast<int>(total), 0,
-                                             bit_width(static_cast<uint64_t>(end)), stream());
+                                             sorted.data_ptr<int64_t>(), static_cast<int>(total), 0, end_bit,
+                                             stream());
     });
     for (int64_t j = 0; j < calls_.size(); ++j) calls_.edit(j).stages = saved[static_cast<size_t>(j)];
     int64_t start = 0;
@@ -799,7 +823,8 @@ class Inserter {
   Mode mode_;
   std::vector<InsertTable>& tabs_;
   TableCalls calls_;
-  Arena plain_;
+  Arena plain_, grouping_;
+  at::Tensor group_keys_;
   at::Tensor counters_;  // (K * kNum + 1,) int32: every table's counters and bad_input's flag
   std::vector<at::Tensor> keep_;
 };

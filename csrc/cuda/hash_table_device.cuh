@@ -107,7 +107,9 @@ enum : int {
   kFailed,      // ids that found no room in evict_kernel or sequential_insert_kernel
   kEvicted,     // ids placed by evicting a key
   kGroupSpare,  // group_claim_kernel's claim of its spare scratch slot
-  kNum
+  kOrdered,     // order_keys_kernel's selected ids: conflicted (kOrdered) or evicted (kOrdered + 1)
+  kOrderedEnd,
+  kNum = kOrderedEnd + 1
 };
 }  // namespace counter
 
@@ -164,10 +166,9 @@ struct TableCall {
   int64_t order_count;
   int32_t allow_evict;
   int32_t select;            // order_keys_kernel: 0 conflicted ids, 1 evicted ids
-  int64_t* order_keys;       // (U,) order_keys_kernel's output: sort keys
-  int64_t* order_ids;        // (U,) and the distinct ids sorted with them
+  int64_t* order_keys;       // order_keys_kernel's output: the selected ids' sort keys
+  int64_t* order_ids;        // and the ids sorted with them (as many as the host counted)
   int64_t order_base;        // the table's first key: its ids sort after every earlier table's
-  int64_t order_end;         // the key of ids not selected: after every table's selected ones
   // rows (init_rows_kernel, assign_rows_kernel)
   void* weights;             // (C, D) scalar_t
   void* state;               // (C, S) opmath of scalar_t
@@ -398,18 +399,20 @@ __global__ void classify_kernel(const __grid_constant__ Calls calls) {
   if (conflict) aggregated_inc(c->ctr + counter::kConflicted);
 }
 
-// Sort keys of the distinct ids some tables must take in order of first occurrence (the
-// CPU kernel's insertion order): order_base + first position for the selected ones
-// (`select`: conflicted, or evicted), order_end for the others. One sort of every table's
-// keys then lists each table's selected ids in order, table after table.
+// The distinct ids some tables must take in order of first occurrence (the CPU kernel's
+// insertion order), `select`ed (conflicted ones, or evicted ones), compacted with their sort
+// keys order_base + first position (in any order: the sort orders them). One sort of every
+// table's selected ids then lists each table's in order, table after table.
 template <class Calls>
 __global__ void order_keys_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageOrder);
   const int64_t k = thread_index();
   if (c == nullptr || k >= c->u.n) return;  // u.n = U here (after the counters' read)
   const bool take = c->select == 0 ? c->conflicted[k] != 0 : c->u.state[k] == kEvicted;
-  c->order_keys[k] = take ? c->order_base + c->first_pos[k] : c->order_end;
-  c->order_ids[k] = k;
+  if (!take) return;
+  const int32_t at = aggregated_inc(c->ctr + counter::kOrdered + c->select);
+  c->order_keys[at] = c->order_base + c->first_pos[k];
+  c->order_ids[at] = k;
 }
 
 // The conflicted new ids of each table, one thread per table, in order of first occurrence:
