@@ -1,9 +1,10 @@
 """Where a CUDA ``find_or_insert`` call's time goes (BENCHMARKS.md configuration 1 shape).
 
 Fills a table of ``--capacity`` slots (dim ``--dim``, no optimizer state) to load 0.5, then
-calls ``find_or_insert`` with 2^20 keys per call, 60% of them present (as
-``benchmarks/bench_hash_table.py``): prints the CUDA-event time and host time of 8 calls,
-a torch.profiler table of 4 more, and the kernel timeline of the first profiled calls
+calls ``find_or_insert`` with 2^20 keys per call, 60% of them present, each call's new ids
+erased after it (as ``benchmarks/bench_hash_table.py``): prints the CUDA-event time and
+host time of ``--calls`` calls, a torch.profiler table of 4 more (with their erases), and
+the GPU timeline of the first profiled calls
 (start and duration in microseconds, and the idle gap before each: gaps after a
 device-to-host copy are the host's time between a sync and its next launch).
 
@@ -51,6 +52,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1 << 20)
     p.add_argument("--events", type=int, default=40, help="GPU activities of the timeline to print")
+    p.add_argument("--calls", type=int, default=20, help="timed calls (their median is printed)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_find_or_insert.py needs a CUDA device")
@@ -59,18 +61,20 @@ def main() -> None:
     t = Table(args.capacity, args.dim, dev)
     present = fill(t, args.capacity // 2, args.batch, gen, dev)
 
-    def batch() -> torch.Tensor:
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:  # the call's ids, and its new ones
         hits = present[torch.randint(0, present.numel(), (int(0.6 * args.batch),), generator=gen).to(dev)]
         new = random_keys(args.batch - hits.numel(), gen, dev)
-        return torch.cat([hits, new])[torch.randperm(args.batch, generator=gen).to(dev)]
+        return torch.cat([hits, new])[torch.randperm(args.batch, generator=gen).to(dev)], new
 
     def call(ids: torch.Tensor, step: int) -> None:  # LRU, no eviction, uniform(-0.05, 0.05) rows
         torch.ops.veloce.find_or_insert(*t.state(), ids, 1, step, False, 0, 2, -0.05, 0.05)
 
-    ids_list = [batch() for _ in range(12)]
+    # As bench_hash_table.py: each call's ids drawn right before it, its new ids erased
+    # after it (untimed), so the load stays put.
     torch.cuda.synchronize()
     ms, host = [], []
-    for i, ids in enumerate(ids_list[:8]):
+    for i in range(args.calls):
+        ids, new = batch()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         h0 = time.perf_counter()
@@ -80,12 +84,15 @@ def main() -> None:
         stop.synchronize()
         ms.append(start.elapsed_time(stop))
         host.append((h1 - h0) * 1e3)
-        torch.ops.veloce.erase(t.keys, t.digests, ids)  # keeps the load near 0.5
+        torch.ops.veloce.erase(t.keys, t.digests, new)
     print(f"{torch.cuda.get_device_name(dev)}, {args.batch:,} keys per call: find_or_insert ms (CUDA events): "
-          f"{[round(x, 3) for x in ms]}; host ms: {[round(x, 3) for x in host]}")  # fmt: skip
+          f"{[round(x, 3) for x in ms]} (median {sorted(ms)[len(ms) // 2]:.3f}); host ms: "
+          f"{[round(x, 3) for x in host]}")  # fmt: skip
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i, ids in enumerate(ids_list[8:]):
+        for i in range(4):
+            ids, new = batch()
             call(ids, 100 + i)
+            torch.ops.veloce.erase(t.keys, t.digests, new)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     with tempfile.TemporaryDirectory() as tmp:
