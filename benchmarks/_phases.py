@@ -42,6 +42,19 @@ class Markers:
 
     def report(self, title: str, steps: int) -> str:
         """The table of median host time and GPU lag per marker (call after a device sync)."""
+        rows, total = self.medians(steps)
+        lines = [
+            f"\nphases of {steps} back-to-back steps ({title}): median ms since the step's start on the host, and the "
+            "GPU lag (GPU reached the point that long after the host; near 0: the GPU waited for the host there)",
+            f"{'marker':<50} {'host':>8} {'GPU lag':>8}",
+        ]
+        lines += [f"{name:<50} {host:8.3f} {lag:8.3f}" for name, host, lag in rows]
+        lines.append(f"host time per step (back to back): {total:.3f} ms")
+        return "\n".join(lines)
+
+    def medians(self, steps: int) -> tuple[list[tuple[str, float, float]], float]:
+        """Per marker (in order of first appearance): its name, median host ms since the
+        step's start and median GPU lag; and the host ms per step (call after a device sync)."""
         t_first, e_first = self.points[0][1], self.points[0][2]
         rows: dict[str, list[tuple[float, float]]] = {}
         order: list[str] = []
@@ -54,18 +67,9 @@ class Markers:
             if name not in rows:
                 order.append(name)
             rows.setdefault(name, []).append((host - step_host, gpu - host))
-        lines = [
-            f"\nphases of {steps} back-to-back steps ({title}): median ms since the step's start on the host, and the "
-            "GPU lag (GPU reached the point that long after the host; near 0: the GPU waited for the host there)",
-            f"{'marker':<50} {'host':>8} {'GPU lag':>8}",
-        ]
-        for name in order:
-            host = statistics.median(h for h, _ in rows[name])
-            lag = statistics.median(g for _, g in rows[name])
-            lines.append(f"{name:<50} {host:8.3f} {lag:8.3f}")
-        total = (self.points[-1][1] - t_first) * 1e3 / steps
-        lines.append(f"host time per step (back to back): {total:.3f} ms")
-        return "\n".join(lines)
+        out = [(name, statistics.median(h for h, _ in rows[name]), statistics.median(g for _, g in rows[name]))
+               for name in order]  # fmt: skip
+        return out, (self.points[-1][1] - t_first) * 1e3 / steps
 
 
 @contextlib.contextmanager

@@ -250,17 +250,48 @@ def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
         opt.zero_grad()
         markers.mark("zero_grad returned")
 
+    # The ids each owner inserts per step: Zipf-hot ids make some owners' share larger.
+    received = []
+    insert = s.find_or_insert_many
+
+    def counted(tables, ids, *a, **k):
+        received.append(sum(i.numel() for i in ids))
+        return insert(tables, ids, *a, **k)
+
     n = args.warmup + args.steps
     gc.disable()
-    for _ in range(2):  # a warm-up pass through the markers, then the measured one
-        markers.clear()
-        with marked_calls(markers, targets):
-            for b in data[args.warmup : n]:
-                marked(b)
-            sync_device(device)
+    s.find_or_insert_many = counted
+    try:
+        for _ in range(2):  # a warm-up pass through the markers, then the measured one
+            markers.clear()
+            received.clear()
+            with marked_calls(markers, targets):
+                for b in data[args.warmup : n]:
+                    marked(b)
+                sync_device(device)
+    finally:
+        s.find_or_insert_many = insert
     gc.enable()
     if rank == 0:
         print(markers.report(f"rank 0 of {dist.get_world_size()}, {args.sparse}", args.steps), flush=True)
+    # Every rank's view: where the ranks wait for each other (a collective ends when the
+    # last rank reaches it), and how evenly the owners' work is shared.
+    mine = {"phases": markers.medians(args.steps), "ids_per_step": sum(received) / max(args.steps, 1)}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        w = len(every)
+        print(f"\nevery rank (host ms since the step's start / GPU lag), {args.sparse}:")
+        print(f"{'marker':<46}" + "".join(f" {'rank ' + str(r):>15}" for r in range(w)))
+        for i, (name, _, _) in enumerate(every[0]["phases"][0]):
+            cells = []
+            for e in every:
+                rows = e["phases"][0]
+                cells.append(f"{rows[i][1]:7.3f}/{rows[i][2]:6.3f}" if i < len(rows) and rows[i][0] == name else "-")
+            print(f"{name:<46}" + "".join(f" {c:>15}" for c in cells))
+        print(f"{'host ms per step':<46}" + "".join(f" {e['phases'][1]:>15.3f}" for e in every))
+        print(f"{'ids inserted per step (owner)':<46}" + "".join(f" {e['ids_per_step']:>15,.0f}" for e in every),
+              flush=True)  # fmt: skip
 
 
 def _profile(step, device, out, steps: int = 5) -> None:
