@@ -107,9 +107,11 @@ def _count_ops(step, data) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.ops: collections.Counter = collections.Counter()
+            self.callers: collections.Counter = collections.Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self.ops[str(func.overloadpacket)] += 1
+            self.callers[_veloce_caller()] += 1
             return func(*args, **(kwargs or {}))
 
     with Count() as count:
@@ -119,6 +121,27 @@ def _count_ops(step, data) -> None:
     print(f"torch ops dispatched per step: {sum(count.ops.values()) / n:.1f}")
     for name, c in count.ops.most_common(40):
         print(f"  {c / n:7.1f}  {name}")
+    print("by the innermost veloce (or model) function that dispatched them:")
+    for name, c in count.callers.most_common(30):
+        print(f"  {c / n:7.1f}  {name}")
+
+
+def _veloce_caller() -> str:
+    """``file:function`` of the innermost frame in veloce's package (else the first frame
+    outside torch), for attributing a dispatched op."""
+    f = sys._getframe(2)
+    first = None
+    while f is not None:
+        name = f.f_code.co_filename
+        if "/veloce/" in name and "/tools/" not in name:
+            return f"{os.path.relpath(name, _ROOT)}:{f.f_code.co_name}"
+        if first is None and "/torch/" not in name:
+            first = f"{os.path.basename(name)}:{f.f_code.co_name}"
+        f = f.f_back
+    return first or "?"
+
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 if __name__ == "__main__":
