@@ -132,16 +132,17 @@ def _veloce_caller() -> str:
     f = sys._getframe(2)
     first = None
     while f is not None:
-        name = f.f_code.co_filename
-        if "/veloce/" in name and "/tools/" not in name:
+        name = os.path.abspath(f.f_code.co_filename)
+        if name.startswith(_PACKAGE):
             return f"{os.path.relpath(name, _ROOT)}:{f.f_code.co_name}"
-        if first is None and "/torch/" not in name:
+        if first is None and f"{os.sep}torch{os.sep}" not in name:
             first = f"{os.path.basename(name)}:{f.f_code.co_name}"
         f = f.f_back
     return first or "?"
 
 
-_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE = os.path.join(_ROOT, "veloce") + os.sep  # the package, not the repository (which may be named veloce)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -86,7 +87,7 @@ def main() -> None:
         host.append((h1 - h0) * 1e3)
         torch.ops.veloce.erase(t.keys, t.digests, new)
     print(f"{torch.cuda.get_device_name(dev)}, {args.batch:,} keys per call: find_or_insert ms (CUDA events): "
-          f"{[round(x, 3) for x in ms]} (median {sorted(ms)[len(ms) // 2]:.3f}); host ms: "
+          f"{[round(x, 3) for x in ms]} (median {statistics.median(ms):.3f}); host ms: "
           f"{[round(x, 3) for x in host]}")  # fmt: skip
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(4):
