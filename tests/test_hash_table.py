@@ -757,36 +757,213 @@ def test_bad_input_on_cuda_beside_a_cpu_table_is_refused():
         ht.find_or_insert_many([t.tensors()], [ids], *([v] for v in args.values()), bad_input=cuda_flag)
 
 
+def may_run_out_of_room(t: Table, ids: torch.Tensor) -> bool:
+    """The CUDA insert's rule for a second host sync, from the reference hash: whether some
+    new id of `ids` shares a bucket with another new id (conflicted) while each of its two
+    buckets has fewer empty slots than new ids that may take them."""
+    nb = t.keys.numel() // 32
+    keys, digests = t.keys.tolist(), t.digests.tolist()
+    present = {k for k, d in zip(keys, digests) if d}
+    new = [i for i in dict.fromkeys(ids.tolist()) if i not in present]
+    use: dict[int, int] = {}
+    pairs = []
+    for i in new:
+        a, b, _ = probe(i, nb)
+        pairs.append((a, b))
+        for k in {a, b}:
+            use[k] = use.get(k, 0) + 1
+
+    def free(k):
+        return digests[k * 32 : k * 32 + 32].count(0)
+
+    return any((use[a] > 1 or use[b] > 1) and free(a) < use[a] and free(b) < use[b] for a, b in pairs)
+
+
+def nearly_full_table(capacity: int) -> Table:
+    """A CPU table filled in chunks of 64 ids until a chunk no longer fits (a failing insert
+    leaves the table unchanged)."""
+    t = make_table(capacity)
+    for start in range(0, capacity, 64):
+        _, counts, _ = ht.find_or_insert(*t.tensors(), ids_tensor(range(start, start + 64)), 0, 0, False, 0, 0, 0.0, 0.0)
+        if counts[1] > 0:
+            return t
+    raise AssertionError("the table never filled up")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
-@pytest.mark.parametrize("new_ids, conflicted, want_syncs", [(False, False, 1), (True, False, 1), (True, True, 2)])
+@pytest.mark.parametrize("case", ["known", "alone", "shared", "nearly full"])
 @pytest.mark.parametrize("with_flag", [False, True], ids=["no bad_input", "bad_input False"])
-def test_find_or_insert_many_syncs_once_per_stage_on_cuda(new_ids, conflicted, want_syncs, with_flag, capfd):
-    """Eight tables cost the host syncs of one: 1 with or without new ids, 2 when new ids
-    share buckets (the sync debug mode reports each device-to-host read on stderr). An
-    unset bad_input flag rides on the first of them and adds none."""
-    tables = [make_table(4096, device="cuda") for _ in range(8)]
-    known = ids_tensor(range(1000), "cuda")
-    for t in tables:
-        ht.find_or_insert(*t.tensors(), known)
-    if not new_ids:
-        ids = [known[k * 100 : k * 100 + 300] for k in range(8)]
-    elif not conflicted:
-        ids = [ids_tensor([10_000 + k], "cuda") for k in range(8)]  # one new id each: alone in its buckets
+@pytest.mark.parametrize("deterministic", [False, True], ids=["racing", "in order"])
+def test_find_or_insert_many_syncs_once_per_stage_on_cuda(case, with_flag, deterministic, capfd):
+    """Eight tables cost the host syncs of one: 1 (no new ids; new ids alone in their buckets;
+    new ids sharing buckets with room for all of them), 2 only when new ids that share
+    buckets may fill both of theirs (the sync debug mode reports each device-to-host read on
+    stderr). An unset bad_input flag rides on the first and adds none. Either way the
+    outcome equals the CPU kernel's from the same tables: counts and the ids present, and
+    in deterministic mode (new ids sharing buckets placed in order) every count, slot and
+    evicted key; racing, the inserted counts, which tables fail, and the keys present."""
+    if case == "nearly full":
+        tables = [nearly_full_table(4096) for _ in range(8)]
+        ids = [ids_tensor(range(100_000 + 1000 * k, 100_300 + 1000 * k)) for k in range(8)]
     else:
-        ids = [ids_tensor(range(20_000, 20_600), "cuda") for _ in range(8)]  # 600 new ids in 128 buckets
+        tables = [make_table(4096) for _ in range(8)]
+        for t in tables:
+            ht.find_or_insert(*t.tensors(), ids_tensor(range(1000)), 1, 3, False, 0, 0, 0.0, 0.0)
+        if case == "known":
+            ids = [ids_tensor(range(k * 100, k * 100 + 300)) for k in range(8)]
+        elif case == "alone":
+            ids = [ids_tensor([10_000 + k]) for k in range(8)]
+        else:  # 600 new ids in 128 buckets, about 24 empty slots each: more than 256 race
+            ids = [ids_tensor(range(20_000 + 1000 * k, 20_600 + 1000 * k)) for k in range(8)]
+    short = [may_run_out_of_room(t, i) for t, i in zip(tables, ids)]
+    assert any(short) == (case == "nearly full")  # each case is what it claims to be
+    on_cpu = [t.clone() for t in tables]
+    tables = [Table(*(x.cuda() for x in t.tensors())) for t in tables]
     n = len(tables)
-    args = ([1] * n, [3] * n, [False] * n, [0] * n, [0] * n, [0.0] * n, [0.0] * n, [None] * n)
+    evicting = [k % 2 == 1 for k in range(n)]  # nearly full: the odd tables evict, the even ones fail
+    args = ([1] * n, [3] * n, evicting, [0] * n, [0] * n, [0.0] * n, [0.0] * n, [None] * n)
     bad_input = torch.zeros((), dtype=torch.bool, device="cuda") if with_flag else None
+    on_device = [i.cuda() for i in ids]  # copied before the count starts
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.cuda.synchronize()
     capfd.readouterr()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        _, counts, _ = ht.find_or_insert_many([t.tensors() for t in tables], ids, *args, bad_input=bad_input)
+        slots, counts, evicted = ht.find_or_insert_many(
+            [t.tensors() for t in tables], on_device, *args, bad_input=bad_input
+        )
     finally:
         torch.cuda.set_sync_debug_mode("default")
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
     syncs = capfd.readouterr().err.count("called a synchronizing CUDA operation")
-    assert syncs == want_syncs
-    assert counts[:, 1].sum() == 0 and bool((counts[:, 0] > 0).all()) == new_ids
+    assert syncs == 1 + any(short)
+    before = [set(c.keys[c.digests != 0].tolist()) for c in on_cpu]
+    want_slots, want_counts, want_evicted = ht.find_or_insert_many([t.tensors() for t in on_cpu], ids, *args)
+    # Inserted, and whether the table failed: near capacity, racing ids may use the empty
+    # slots otherwise than the CPU's order does, and so fail in other numbers.
+    assert torch.equal(counts[:, 0], want_counts[:, 0]) and torch.equal(counts[:, 1] > 0, want_counts[:, 1] > 0)
+    assert bool((counts[:, 0] > 0).any()) == (case != "known")
+    if case == "nearly full":  # both outcomes of the second sync: failures and evictions
+        assert bool((counts[0::2, 1] > 0).all()) and bool((counts[1::2, 2] > 0).all())
+    sizes = [len(i) for i in ids]
+    if deterministic:
+        for t, c in zip(tables, on_cpu):
+            t.assert_equal(c)
+        assert torch.equal(counts, want_counts)
+        assert torch.equal(slots.cpu(), want_slots) and torch.equal(evicted.cpu(), want_evicted)
+        return
+    # Racing ids may take other slots than the CPU's, and so evict other keys: a failed
+    # table unchanged, else each position's slot holding its id and the keys present those
+    # before, less the evicted ones, plus the call's ids.
+    for k, (t, c, old) in enumerate(zip(tables, on_cpu, before)):
+        keys, digests = t.keys.cpu(), t.digests.cpu()
+        gone = set(evicted.cpu().split(counts[:, 2].tolist())[k].tolist())
+        if counts[k, 1] > 0:
+            t.assert_equal(c)
+            continue
+        assert len(gone) == counts[k, 2] and gone <= old
+        assert set(keys[digests != 0].tolist()) == (old - gone) | set(ids[k].tolist())
+        assert torch.equal(keys[slots.cpu().split(sizes)[k]], ids[k])
+
+
+def decided_case(nb: int = 1024) -> tuple[Table, list[int], list[int], list[int]]:
+    """A table whose insert the CUDA kernel settles at its first sync although new ids share
+    buckets: buckets 0 to nb/2 - 1 full, the others half full, scores 0-2 (ties). Returns
+    (table, alone, shared, touched): 155 new ids alone in full buckets (5 of them with both
+    buckets the same), which evict (or fail); 600 new ids sharing half-full buckets, none of
+    which can run out of room; and keys of the alone ids' buckets, found by the call and so
+    not evictable (all of bucket_a for every fourth id: its victim comes from bucket_b)."""
+    rng = random.Random(7)
+    t = make_table(nb * 32)
+    keys, digests, fill = [0] * (nb * 32), [0] * (nb * 32), [0] * nb
+    want = [32 if q < nb // 2 else 16 for q in range(nb)]
+    left, cand = sum(want), 1
+    while left:  # each key in its bucket_a
+        a, _, d = probe(cand, nb)
+        if fill[a] < want[a]:
+            keys[a * 32 + fill[a]], digests[a * 32 + fill[a]] = cand, d
+            fill[a] += 1
+            left -= 1
+        cand += 1
+    t.keys.copy_(ids_tensor(keys))
+    t.digests.copy_(torch.tensor(digests, dtype=torch.uint8))
+    t.scores.copy_(torch.tensor([rng.randrange(3) for _ in range(nb * 32)]))
+    alone, used, same = [], set(), 0
+    for c in range(10**7, 10**7 + 10**6):
+        a, b, _ = probe(c, nb)
+        if a >= nb // 2 or b >= nb // 2 or {a, b} & used or (a == b and same == 5) or (a != b and len(alone) - same == 150):
+            continue
+        alone.append(c)
+        used |= {a, b}
+        same += a == b
+        if len(alone) == 155:
+            break
+    assert len(alone) == 155
+    shared = [c for c in range(2 * 10**7, 2 * 10**7 + 10**5) if min(probe(c, nb)[:2]) >= nb // 2][:600]
+    touched = []
+    for j, c in enumerate(alone):
+        a, b, _ = probe(c, nb)
+        bucket = keys[a * 32 : a * 32 + 32]
+        touched += bucket if j % 4 == 0 and a != b else rng.sample(bucket, rng.randrange(20))
+    return t, alone, shared, touched
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.parametrize("op", ["find_or_insert", "insert_or_assign"])
+@pytest.mark.parametrize("case", ["evict", "no room", "doomed"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["racing", "in order"])
+def test_cuda_insert_settled_at_the_first_sync_equals_cpu(op, case, deterministic, capfd):
+    """New ids that share buckets with room for all of them beside new ids alone in full
+    buckets: one host sync, and the CPU kernel's outcome. With eviction every alone id
+    evicts its bucket pair's least-score untouched key (from bucket_b where bucket_a is all
+    touched); without, the call fails on them; "doomed": one id finds every candidate
+    touched and fails the call. Counts, evicted keys and the alone ids' slots equal the CPU's
+    (in deterministic mode every slot and the whole table)."""
+    t, alone, shared, touched = decided_case()
+    nb = t.keys.numel() // 32
+    ids = alone + shared + touched
+    random.Random(3).shuffle(ids)
+    if case == "doomed":
+        a, b, _ = probe(alone[1], nb)
+        ids += t.keys[a * 32 : a * 32 + 32].tolist() + t.keys[b * 32 : b * 32 + 32].tolist()
+    assert not may_run_out_of_room(t, ids_tensor(ids))
+    evict = case != "no room"
+    want, want_evicts = {"evict": ([755, 0], 155), "no room": ([0, 155], 0), "doomed": ([0, 1], 0)}[case]
+
+    def call(x: Table, ids_: torch.Tensor):
+        if op == "find_or_insert":
+            return ht.find_or_insert(*x.tensors(), ids_, 1, 9, evict, 0, 0, 0.0, 0.0)
+        values = torch.ones(len(ids_), x.weights.shape[1], device=ids_.device)
+        return ht.insert_or_assign(*x.tensors(), ids_, values, None, None, 1, 9, evict)
+
+    cpu = t.clone()
+    want_slots, want_counts, want_evicted = call(cpu, ids_tensor(ids))
+    assert want_counts.tolist() == want and want_evicted.numel() == want_evicts
+    gpu = Table(*(x.cuda() for x in t.tensors()))
+    on_device = ids_tensor(ids, "cuda")
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.cuda.synchronize()
+    capfd.readouterr()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        slots, counts, evicted = call(gpu, on_device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    assert capfd.readouterr().err.count("called a synchronizing CUDA operation") == 1
+    assert counts.tolist() == want and torch.equal(evicted.cpu(), want_evicted)  # the same victims, in order
+    if deterministic or counts[1] > 0:  # in order, or failed (both unchanged)
+        gpu.assert_equal(cpu)
+        if counts[1] == 0:
+            assert torch.equal(slots.cpu(), want_slots)
+        return
+    is_alone = torch.tensor([i in set(alone) for i in ids])
+    assert torch.equal(slots.cpu()[is_alone], want_slots[is_alone])  # unconflicted: placed as on the CPU
+    keys, digests = gpu.keys.cpu(), gpu.digests.cpu()
+    assert set(keys[digests != 0].tolist()) == set(cpu.keys[cpu.digests != 0].tolist())
+    assert torch.equal(keys[slots.cpu()], ids_tensor(ids))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")

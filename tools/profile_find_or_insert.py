@@ -1,8 +1,9 @@
 """Where a CUDA ``find_or_insert`` call's time goes (BENCHMARKS.md configuration 1 shape).
 
-Fills a table of ``--capacity`` slots (dim ``--dim``, no optimizer state) to load 0.5, then
-calls ``find_or_insert`` with 2^20 keys per call, 60% of them present, each call's new ids
-erased after it (as ``benchmarks/bench_hash_table.py``): prints the CUDA-event time and
+Fills a table of ``--capacity`` slots (dim ``--dim``, no optimizer state) to ``--load``
+(default 0.5), then calls ``find_or_insert`` with 2^20 keys per call, 60% of them present,
+each call's new ids erased after it, or at load 1.0 inserted with eviction and kept (as
+``benchmarks/bench_hash_table.py``): prints the CUDA-event time and
 host time of ``--calls`` calls, a torch.profiler table of 4 more (with their erases), and
 the GPU timeline of the first profiled calls
 (start and duration in microseconds, and the idle gap before each: gaps after a
@@ -10,6 +11,7 @@ device-to-host copy are the host's time between a sync and its next launch).
 
     python tools/profile_find_or_insert.py                  # 2^26 slots, dim 64
     python tools/profile_find_or_insert.py --capacity 4194304 --events 60
+    python tools/profile_find_or_insert.py --load 1.0        # every new id evicts a key
 """
 
 from __future__ import annotations
@@ -54,21 +56,27 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1 << 20)
     p.add_argument("--events", type=int, default=40, help="GPU activities of the timeline to print")
     p.add_argument("--calls", type=int, default=20, help="timed calls (their median is printed)")
+    p.add_argument("--load", type=float, default=0.5, help="load factor to fill to (1.0: inserts evict)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_find_or_insert.py needs a CUDA device")
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(1)
     t = Table(args.capacity, args.dim, dev)
-    present = fill(t, args.capacity // 2, args.batch, gen, dev)
+    present = fill(t, int(args.load * args.capacity), args.batch, gen, dev)
+    evict = args.load >= 0.999
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:  # the call's ids, and its new ones
         hits = present[torch.randint(0, present.numel(), (int(0.6 * args.batch),), generator=gen).to(dev)]
         new = random_keys(args.batch - hits.numel(), gen, dev)
         return torch.cat([hits, new])[torch.randperm(args.batch, generator=gen).to(dev)], new
 
-    def call(ids: torch.Tensor, step: int) -> None:  # LRU, no eviction, uniform(-0.05, 0.05) rows
-        torch.ops.veloce.find_or_insert(*t.state(), ids, 1, step, False, 0, 2, -0.05, 0.05)
+    def call(ids: torch.Tensor, step: int) -> None:  # LRU, uniform(-0.05, 0.05) rows
+        torch.ops.veloce.find_or_insert(*t.state(), ids, 1, step, evict, 0, 2, -0.05, 0.05)
+
+    def erase(new: torch.Tensor) -> None:  # keeps the load (at load 1.0 the evictions do)
+        if not evict:
+            torch.ops.veloce.erase(t.keys, t.digests, new)
 
     # As bench_hash_table.py: each call's ids drawn right before it, its new ids erased
     # after it (untimed), so the load stays put.
@@ -85,7 +93,7 @@ def main() -> None:
         stop.synchronize()
         ms.append(start.elapsed_time(stop))
         host.append((h1 - h0) * 1e3)
-        torch.ops.veloce.erase(t.keys, t.digests, new)
+        erase(new)
     print(f"{torch.cuda.get_device_name(dev)}, {args.batch:,} keys per call: find_or_insert ms (CUDA events): "
           f"{[round(x, 3) for x in ms]} (median {statistics.median(ms):.3f}); host ms: "
           f"{[round(x, 3) for x in host]}")  # fmt: skip
@@ -93,7 +101,7 @@ def main() -> None:
         for i in range(4):
             ids, new = batch()
             call(ids, 100 + i)
-            torch.ops.veloce.erase(t.keys, t.digests, new)
+            erase(new)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,10 +15,10 @@
 //       ids whose two buckets are full are queued;
 //   3b. evict (allow_evict only, a separate launch after 3a): a queued id takes the
 //       lowest-score slot of its 64 candidates not touched by this call (a bitmap of
-//       found + claimed slots); ownership is an atomicOr on that bitmap;
+//       found + claimed slots), a warp per id; ownership is an atomicOr on that bitmap;
 //   4. if any id found no room: every claimed slot gets its saved key and digest back
 //       (nothing else was written yet) and counts = [0, failed]; when the failure is
-//       known from phase 2 already (no conflicted ids), nothing is claimed at all;
+//       known from phase 2 already (no unsafe conflicted ids, below), nothing is claimed at all;
 //   5. on success only: new rows are initialised, scores updated, slots mapped back.
 // Phases 1 and 2 write scratch memory only: the table changes from phase 3 on.
 //
@@ -28,17 +28,19 @@
 //   b. one copy of the counters after phase 2: U (sizes the per-id launches after it),
 //      the new ids (inserted; 0 ends the call), the conflicted ids (choose sequential or
 //      racing placement, and size the sequential order) and the classification. Without
-//      conflicted ids the outcome (inserted, failed, evicted) is fully known here.
+//      conflicted ids the outcome (inserted, failed, evicted) is fully known here; so it is
+//      when every conflicted id has a bucket with at least as many empty slots as new ids
+//      that may take them (none "unsafe", classify_kernel), the usual case far from full.
 //      find_or_insert: the caller's bad_input flag rides in the same copy: a set flag ends
 //      the call with an error before phase 3 (nothing changed), so a caller that checks
 //      its input on the device (DynamicEmbedding's bag layouts) pays no sync of its own.
 //      When no table has ids (no sync b), the flag is read alone.
-//   c. only with conflicted ids: one more copy after phase 3, for failed (rollback or not)
-//      and the number of evicted keys (sizes evicted_keys).
+//   c. only with unsafe conflicted ids: one more copy after phase 3, for failed (rollback
+//      or not) and the number of evicted keys (sizes evicted_keys).
 // (An earlier version also read the number of missing positions back after phase 1, to
 // size a radix sort that grouped them: "sync a".) counts is computed on the host and
 // returned as a CPU tensor. Per call: find_or_insert and insert_or_assign 1 sync, or 2 with
-// conflicted ids; erase none.
+// unsafe conflicted ids; erase none.
 //
 // An op over K tables (find_or_insert_many; the single-table ops are K = 1) runs each kernel
 // once for all of them: table j is blockIdx.y, its arguments a TableCall (in
@@ -53,7 +55,9 @@
 // bucket ("conflicted") are inserted by one thread in order of first occurrence, when
 // there are at most kSequentialMax of them (always the case in small batches and in
 // large, sparsely filled tables); beyond that they race in 3a/3b too, and only their
-// placement (not the found/missing sets, values or counts) may differ from the CPU's.
+// placement (not the found/missing sets, values or counts) may differ from the CPU's;
+// near capacity that includes which keys they evict, and how many ids of a failing call
+// found no room.
 
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -464,7 +468,7 @@ struct InsertTable {
 
 // Runs an inserting op over tables (stages at the top of this file), each kernel once for
 // all of them. Syncs b and c happen once per op however many tables it inserts into (c
-// only when some table has conflicted ids). find_or_insert: bad_input is read with sync b,
+// only when some table has unsafe conflicted ids). find_or_insert: bad_input is read with sync b,
 // or alone when no table has ids; when set, `op` raises before any table changes (phases
 // 1-2 write scratch memory only).
 class Inserter {
@@ -649,7 +653,10 @@ class Inserter {
       if (t.inserted == 0) continue;
       t.conflicted = c[counter::kConflicted];
       t.full = c[counter::kFull];
-      if (t.conflicted == 0) {  // each new id alone in its buckets: classify_kernel decided its fate
+      // Each new id alone in its buckets, or every conflicted one sure of an empty slot:
+      // classify_kernel decided every id's fate, and only unconflicted ids can fail or evict.
+      const bool decided = t.conflicted == 0 || c[counter::kUnsafe] == 0;
+      if (decided) {
         t.failed = t.allow_evict ? c[counter::kDoomed] : t.full;
         if (t.failed > 0) {  // nothing written yet: no rollback
           t.inserted = 0;
@@ -663,22 +670,23 @@ class Inserter {
       call.stages = kStageClaim;
       call.claim_skip = seq ? call.conflicted : nullptr;
       // claim_kernel queues exactly the full unconflicted ids, plus conflicted ones that race
-      // and find both buckets full: at most that many, the exact number is on the device.
-      t.max_queued = t.full + (seq ? 0 : t.conflicted);
+      // and find both buckets full (none when decided): at most that many, the exact number
+      // is on the device.
+      t.max_queued = t.full + (seq || decided ? 0 : t.conflicted);
       if (t.allow_evict && t.max_queued > 0) call.stages |= kStageEvict;
       if (seq) {
         call.stages |= kStageSequential;
         sequential.push_back(j);
       }
-      t.settle = t.conflicted > 0;  // how the conflicted ids fared is known on the device only
+      t.settle = !decided;  // how the conflicted ids fared is known on the device only
       if (!t.settle && t.allow_evict && t.full > 0) no_conflict_evicting.push_back(j);
     }
     if (!sequential.empty()) {
       order(sequential, /*select=*/0, [&](int64_t j) { return tabs_[static_cast<size_t>(j)].conflicted; });
     }
     calls_.launch(VELOCE_OVER_TABLES(claim_kernel), kStageClaim, uniques());
-    calls_.launch(VELOCE_OVER_TABLES(evict_kernel), kStageEvict,
-                  [this](int64_t j) { return tabs_[static_cast<size_t>(j)].max_queued; });
+    calls_.launch(VELOCE_OVER_TABLES(evict_kernel), kStageEvict,  // a warp per queued id
+                  [this](int64_t j) { return tabs_[static_cast<size_t>(j)].max_queued * 32; });
     calls_.launch(VELOCE_OVER_TABLES(sequential_insert_kernel), kStageSequential,
                   [](int64_t) { return int64_t{1}; }, 32);
     // None doomed (else failed above): every full id evicted.

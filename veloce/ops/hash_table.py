@@ -145,8 +145,9 @@ def find_or_insert_many(
     """:func:`find_or_insert` on K tables in one op: entry k of every argument is table k's.
 
     The results and tables equal those of K separate calls. On CUDA the calls share their
-    host syncs: one when no table has a new id, two with new ids, three when some new ids
-    share buckets, however many tables there are (separate calls sync that often each).
+    host syncs: one, or two when some new ids share buckets that may both fill up during
+    the call (near capacity), however many tables there are (separate calls sync that often
+    each).
     The tables must be distinct and on one device; they may differ in everything else.
 
     Args:
