@@ -757,6 +757,23 @@ def test_bad_input_on_cuda_beside_a_cpu_table_is_refused():
         ht.find_or_insert_many([t.tensors()], [ids], *([v] for v in args.values()), bad_input=cuda_flag)
 
 
+def counting_syncs(fn, capfd, deterministic: bool):
+    """``fn()`` under ``torch.use_deterministic_algorithms(deterministic)`` and CUDA's sync
+    debug mode, which reports each device-to-host read on stderr: its result and the number
+    of host syncs it made."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.cuda.synchronize()
+    capfd.readouterr()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        out = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    return out, capfd.readouterr().err.count("called a synchronizing CUDA operation")
+
+
 def may_run_out_of_room(t: Table, ids: torch.Tensor) -> bool:
     """The CUDA insert's rule for a second host sync, from the reference hash: whether some
     new id of `ids` shares a bucket with another new id (conflicted) while each of its two
@@ -824,19 +841,10 @@ def test_find_or_insert_many_syncs_once_per_stage_on_cuda(case, with_flag, deter
     args = ([1] * n, [3] * n, evicting, [0] * n, [0] * n, [0.0] * n, [0.0] * n, [None] * n)
     bad_input = torch.zeros((), dtype=torch.bool, device="cuda") if with_flag else None
     on_device = [i.cuda() for i in ids]  # copied before the count starts
-    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.cuda.synchronize()
-    capfd.readouterr()
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        slots, counts, evicted = ht.find_or_insert_many(
-            [t.tensors() for t in tables], on_device, *args, bad_input=bad_input
-        )
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
-    syncs = capfd.readouterr().err.count("called a synchronizing CUDA operation")
+    (slots, counts, evicted), syncs = counting_syncs(
+        lambda: ht.find_or_insert_many([t.tensors() for t in tables], on_device, *args, bad_input=bad_input),
+        capfd, deterministic,
+    )
     assert syncs == 1 + any(short)
     before = [set(c.keys[c.digests != 0].tolist()) for c in on_cpu]
     want_slots, want_counts, want_evicted = ht.find_or_insert_many([t.tensors() for t in on_cpu], ids, *args)
@@ -942,17 +950,8 @@ def test_cuda_insert_settled_at_the_first_sync_equals_cpu(op, case, deterministi
     assert want_counts.tolist() == want and want_evicted.numel() == want_evicts
     gpu = Table(*(x.cuda() for x in t.tensors()))
     on_device = ids_tensor(ids, "cuda")
-    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.cuda.synchronize()
-    capfd.readouterr()
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        slots, counts, evicted = call(gpu, on_device)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
-    assert capfd.readouterr().err.count("called a synchronizing CUDA operation") == 1
+    (slots, counts, evicted), syncs = counting_syncs(lambda: call(gpu, on_device), capfd, deterministic)
+    assert syncs == 1
     assert counts.tolist() == want and torch.equal(evicted.cpu(), want_evicted)  # the same victims, in order
     if deterministic or counts[1] > 0:  # in order, or failed (both unchanged)
         gpu.assert_equal(cpu)
