@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# A/B stages on the GPU machine: a baseline tree (a tarball, the device's copy of the
+# repository has no .git) against the working tree, in one call or in several calls on one
+# warm machine. Every comparison runs the builds interleaved (old, new, new, old, ...): step
+# times of one build move by several milliseconds between calls on these machines, so only
+# numbers of one call compare.
+#
+#   here:    mkdir -p .gpu && git archive --format=tar <baseline> > .gpu/old.tar   (.gpu/ is git-ignored)
+#   device:  bash tools/gpu_ab_stages.sh build tests c1        (run with carry=[".gpu"])
+#            bash tools/gpu_ab_stages.sh prebuilt c5 memcheck   (a later call: the saved builds)
+#
+# Stages:
+#   build      build both trees side by side (about 3-4 minutes), save both extensions
+#              under $OUT/b/ (copy them to .gpu/b/ here for `prebuilt` in later calls)
+#   buildnew   build the working tree only; the baseline from .gpu/b/old.so.gz
+#   prebuilt   unpack .gpu/b/{old,new}.so.gz instead of building (same sources only!)
+#   tests      the hash-table CUDA tests, then the NCCL tests on 2 ranks
+#   cudasuite  pytest -k "cuda or nonfinite or update_stream"
+#   memcheck   compute-sanitizer memcheck on the hash-table CUDA tests
+#   c1         configuration 1 (find, find_or_insert) at LOADS (default 0.5,0.75), interleaved
+#   c3         configuration 3 (SGD, Adam; checked and unchecked), interleaved
+#   c5         configuration 5 on W GPUs (default: all), sync, raise_next, interleaved 3x
+#   w1         configuration 5 on one GPU, interleaved 2x
+#   phases     configuration 5's host path (--phases) of the new tree on W GPUs
+# Environment: OUT (default /tmp/ab-out), OLD_TAR (default .gpu/old.tar), W, LOADS.
+# At most 8 files come back from $OUT: summary.txt gathers the stages' short results.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/ab-out}"; mkdir -p "$OUT"
+OLD_TAR="${OLD_TAR:-.gpu/old.tar}"
+NEW=$PWD
+OLD=/tmp/ab-old
+S=$(date +%s)
+t() { echo "t=$(( $(date +%s) - S )) s" | tee -a "$OUT/summary.txt"; }
+say() { tee -a "$OUT/summary.txt"; }
+tree() { if [ "$1" = old ]; then echo "$OLD"; else echo "$NEW"; fi; }
+# The machine's Python was built with /opt/gcc (tools/gpu_session.sh says why the system one).
+export CC=gcc CXX=g++ LDSHARED="g++ -shared"
+
+unpack_old() {
+  [ -f "$OLD_TAR" ] || { echo "no baseline tarball at $OLD_TAR (see this script's header)" | say; exit 2; }
+  rm -rf "$OLD" && mkdir -p "$OLD" && tar -xf "$OLD_TAR" -C "$OLD"
+}
+build_in() {  # build_in DIR JOBS LOG
+  (cd "$1" && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS="$2" python3 setup.py build_ext --inplace >"$3" 2>&1) \
+    || { echo "BUILD FAILED in $1" | say; grep -E "error" "$3" | head -30; cp "$3" "$OUT/"; exit 1; }
+}
+check_kernels() {
+  for d in "$OLD" "$NEW"; do
+    (cd "$d" && PYTHONPATH="$d" python3 -c "import veloce; assert veloce._ext.has_cuda_kernels(); print('$d: CUDA kernels')")
+  done | say
+}
+c5_run() {  # c5_run TAG GPUS
+  local d; d=$(tree "$1")
+  (cd "$d" && PYTHONPATH="$d" timeout 150 torchrun --standalone --nproc_per_node="$2" benchmarks/bench_distributed.py \
+     --sparse sync --nonfinite raise_next --steps 30 --json "/tmp/ab_c5_$1_w$2.json" >"/tmp/ab_c5_$1_w$2.log" 2>&1)
+  echo "w=$2 $1: $(grep -o '"step_ms": [0-9.]*\|"step_ms_synced": [0-9.]*' "/tmp/ab_c5_$1_w$2.json" | tr '\n' ' ')" | say
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | say
+for stage in "$@"; do
+  echo "== $stage" | say
+  case "$stage" in
+    build)
+      unpack_old
+      build_in "$OLD" 8 /tmp/ab_build_old.log &
+      build_in "$NEW" 8 /tmp/ab_build_new.log
+      wait
+      check_kernels
+      mkdir -p "$OUT/b"
+      for pair in "old:$OLD" "new:$NEW"; do
+        strip --strip-debug -o "/tmp/ab_${pair%%:*}.so" "${pair#*:}/veloce/_C.abi3.so"
+        gzip -6 -c "/tmp/ab_${pair%%:*}.so" > "$OUT/b/${pair%%:*}.so.gz"
+      done
+      t ;;
+    buildnew)
+      unpack_old
+      gunzip -c .gpu/b/old.so.gz > "$OLD/veloce/_C.abi3.so"
+      build_in "$NEW" 16 /tmp/ab_build_new.log
+      check_kernels; t ;;
+    prebuilt)
+      unpack_old
+      gunzip -c .gpu/b/old.so.gz > "$OLD/veloce/_C.abi3.so" && gunzip -c .gpu/b/new.so.gz > veloce/_C.abi3.so
+      check_kernels; t ;;
+    tests)
+      PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/test_hash_table.py -q -p no:cacheprovider -k cuda 2>&1 \
+        | tee "$OUT/pytest_hash.txt" | tail -3 | say
+      VELOCE_TEST_NCCL=1 VELOCE_TEST_WORLD_SIZES=2 PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/test_distributed.py \
+        -q -p no:cacheprovider -k "nccl or cuda" 2>&1 | tee "$OUT/pytest_nccl.txt" | tail -3 | say
+      t ;;
+    cudasuite)
+      PYTHONPATH=$NEW timeout 500 python3 -m pytest tests -q -p no:cacheprovider -k "cuda or nonfinite or update_stream" \
+        2>&1 | tee "$OUT/pytest_cuda.txt" | tail -3 | say
+      t ;;
+    memcheck)
+      PYTHONPATH=$NEW timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+        tests/test_hash_table.py -q -p no:cacheprovider -k "cuda and not hypothesis" 2>&1 | tail -4 | say
+      t ;;
+    c1)
+      for tag in old new new old; do
+        d=$(tree $tag)
+        (cd "$d" && PYTHONPATH="$d" timeout 150 python3 benchmarks/bench_hash_table.py --dims 64 --loads "${LOADS:-0.5,0.75}" \
+           --ops find,find_or_insert 2>&1 | grep -E "^\| 64" | sed "s/^/$tag /") | say
+      done
+      t ;;
+    c3)
+      B="--device cuda --features 10 --ids-per-feature 1600000 --batch 104857 --bag 1 --dim 128 --dist zipf --alpha 1.05"
+      B="$B --optimizers sgd,adam --no-dict --unchecked --steps 50 --warmup 5"
+      for tag in old new new old; do
+        d=$(tree $tag)
+        (cd "$d" && PYTHONPATH="$d" timeout 200 python3 benchmarks/bench_embedding.py $B 2>&1 \
+           | grep -E "^\| (sgd|adam)" | sed "s/^/$tag /") | say
+      done
+      t ;;
+    c5)
+      gpus=${W:-$(nvidia-smi -L | wc -l)}
+      for tag in old new new old old new; do c5_run $tag "$gpus"; done
+      t ;;
+    w1)
+      for tag in old new new old; do c5_run $tag 1; done
+      t ;;
+    phases)
+      gpus=${W:-$(nvidia-smi -L | wc -l)}
+      PYTHONPATH=$NEW timeout 150 torchrun --standalone --nproc_per_node="$gpus" benchmarks/bench_distributed.py \
+        --sparse sync --nonfinite raise_next --steps 20 --phases > "$OUT/phases_new_w$gpus.txt" 2>&1
+      t ;;
+    *)
+      echo "unknown stage $stage (see this script's header)" | say; exit 2 ;;
+  esac
+done
+echo "done" | say
