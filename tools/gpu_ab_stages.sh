@@ -19,6 +19,8 @@
 #   memcheck   compute-sanitizer memcheck on the hash-table CUDA tests
 #   c1         configuration 1 (find, find_or_insert) at LOADS (default 0.5,0.75), interleaved
 #   c3         configuration 3 (SGD, Adam; checked and unchecked), interleaved
+#   c3phases   configuration 3's host path (tools/profile_step.py --phases, Adam, checked and
+#              unchecked) of both trees
 #   c5         configuration 5 on W GPUs (default: all), sync, raise_next, interleaved 3x
 #   w1         configuration 5 on one GPU, interleaved 2x
 #   phases     configuration 5's host path (--phases) of the new tree on W GPUs
@@ -110,6 +112,15 @@ for stage in "$@"; do
         d=$(tree $tag)
         (cd "$d" && PYTHONPATH="$d" timeout 200 python3 benchmarks/bench_embedding.py $B 2>&1 \
            | grep -E "^\| (sgd|adam)" | sed "s/^/$tag /") | say
+      done
+      t ;;
+    c3phases)
+      for tag in old new; do
+        d=$(tree $tag)
+        for flag in "" --unchecked; do
+          (cd "$d" && PYTHONPATH="$d" timeout 120 python3 tools/profile_step.py --device cuda --phases $flag 2>&1 \
+             | tail -10 | sed "s/^/$tag${flag:+ unchecked} /") | tee -a "$OUT/phases_c3.txt"
+        done
       done
       t ;;
     c5)

@@ -28,7 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from bench_hash_table import Table, fill, random_keys
+from bench_hash_table import Table, evicts, fill, random_keys
 
 import veloce  # noqa: F401  (registers the ops)
 
@@ -64,7 +64,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     t = Table(args.capacity, args.dim, dev)
     present = fill(t, int(args.load * args.capacity), args.batch, gen, dev)
-    evict = args.load >= 0.999
+    evict = evicts(args.load)
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:  # the call's ids, and its new ones
         hits = present[torch.randint(0, present.numel(), (int(0.6 * args.batch),), generator=gen).to(dev)]
