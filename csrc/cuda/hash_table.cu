@@ -69,7 +69,7 @@
 #include <utility>
 #include <vector>
 
-#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_select.cuh>
 
 #include "hash_table_device.cuh"
 #include "veloce/cuda_utils.cuh"
@@ -463,7 +463,6 @@ struct InsertTable {
   int64_t uniques = 0, conflicted = 0, full = 0;
   int64_t max_queued = 0;  // ids claim_kernel may queue for evict_kernel
   bool settle = false;
-  int64_t old_key_off = 0;
 };
 
 // Runs an inserting op over tables (stages at the top of this file), each kernel once for
@@ -589,7 +588,6 @@ class Inserter {
       c.u = Uniques{plain.ptr<int64_t>(o.id),    plain.ptr<int64_t>(o.slot),      plain.ptr<int8_t>(o.state),
                     plain.ptr<int64_t>(o.old_key), plain.ptr<uint8_t>(o.old_digest), c.ctr + counter::kUniques,
                     c.n};
-      t.old_key_off = o.old_key;
       c.ids = t.ids.data_ptr<int64_t>();
       c.active = mode_ == Mode::kFindOrInsert ? plain.ptr<uint8_t>(o.active) : nullptr;
       c.slots = t.slots.defined() ? t.slots.data_ptr<int64_t>() : nullptr;
@@ -763,52 +761,58 @@ class Inserter {
 
   // For each table j of `which`, its count(j) distinct ids that are conflicted (select 0)
   // or evicted (select 1), in order of first occurrence (the CPU kernel's insertion order):
-  // compacted, then one sort of (table rank, first position) keys for all of them. Sets
-  // each table's TableCall order and order_count; returns the sorted ids.
+  // each flagged at its first position, in one flag array over the positions of every
+  // table of `which`, one table after another; then one select of the flagged values (CUB
+  // DeviceSelect::Flagged) lists them all, table after table. The values are the ids'
+  // numbers (select 0: sets each table's TableCall order and order_count) or the keys they
+  // evicted (select 1). Four launches, where a radix sort of (table, position) keys took
+  // about ten and a gather. Returns the list (sum of count(j) entries).
   template <typename Count>
   at::Tensor order(const std::vector<int64_t>& which, int32_t select, Count count) {
-    int64_t total = 0;
-    for (int64_t j : which) total += count(j);
-    TORCH_CHECK(total <= std::numeric_limits<int32_t>::max(), op_, ": ", total,
-                " ids to place in order at once; at most 2^31 - 1");
+    int64_t total = 0, positions = 0;
+    for (int64_t j : which) {
+      total += count(j);
+      positions += calls_[j].n;
+    }
     const at::TensorOptions opts = tabs_[0].keys.options();
-    at::Tensor buf = at::empty({4, total}, opts);  // keys, ids, sorted keys, sorted ids
-    int64_t* const keys = buf[0].data_ptr<int64_t>();
-    int64_t* const ids = buf[1].data_ptr<int64_t>();
+    const at::Tensor flags = at::zeros({positions}, opts.dtype(at::kByte));
+    // The flagged values, then the list (sized for every position: a wrong count cannot
+    // overrun it), then the number selected.
+    at::Tensor buf = at::empty({2 * positions + 1}, opts);
+    int64_t* const values = buf.data_ptr<int64_t>();
     std::vector<uint32_t> saved(static_cast<size_t>(calls_.size()));
     for (int64_t j = 0; j < calls_.size(); ++j) {
       TableCall& c = calls_.edit(j);
       saved[static_cast<size_t>(j)] = c.stages;
       c.stages = 0;
     }
-    int64_t base = 0, rank = 0;
+    int64_t base = 0;
     for (int64_t j : which) {
       TableCall& c = calls_.edit(j);
       c.stages = kStageOrder;
       c.select = select;
-      c.order_keys = keys + base;
-      c.order_ids = ids + base;
-      c.order_base = rank++ << 32;  // first positions are below 2^31
-      base += count(j);
+      c.order_flags = flags.data_ptr<uint8_t>() + base;
+      c.order_values = values + base;
+      base += c.n;
     }
-    calls_.launch(VELOCE_OVER_TABLES(order_keys_kernel), kStageOrder, uniques());
-    const at::Tensor sorted = buf[3];
-    const int end_bit = bit_width((static_cast<uint64_t>(rank - 1) << 32) | std::numeric_limits<int32_t>::max());
+    calls_.launch(VELOCE_OVER_TABLES(order_flags_kernel), kStageOrder, uniques());
+    const at::Tensor list = buf.narrow(0, positions, total);
     cub_call(buf, [&](void* temp, size_t& bytes) {
-      return cub::DeviceRadixSort::SortPairs(temp, bytes, keys, buf[2].data_ptr<int64_t>(), ids,
-                                             sorted.data_ptr<int64_t>(), static_cast<int>(total), 0, end_bit,
-                                             stream());
+      return cub::DeviceSelect::Flagged(temp, bytes, values, flags.data_ptr<uint8_t>(), values + positions,
+                                        values + 2 * positions, positions, stream());
     });
     for (int64_t j = 0; j < calls_.size(); ++j) calls_.edit(j).stages = saved[static_cast<size_t>(j)];
-    int64_t start = 0;
-    for (int64_t j : which) {
-      TableCall& c = calls_.edit(j);
-      c.order = sorted.data_ptr<int64_t>() + start;
-      c.order_count = count(j);
-      start += c.order_count;
+    if (select == 0) {
+      int64_t start = 0;
+      for (int64_t j : which) {
+        TableCall& c = calls_.edit(j);
+        c.order = list.data_ptr<int64_t>() + start;
+        c.order_count = count(j);
+        start += c.order_count;
+      }
     }
     keep_.push_back(buf);
-    return sorted;
+    return list;
   }
 
   // The evicted keys of tables `which` (count(j) each), in insertion order, as the CPU
@@ -816,13 +820,11 @@ class Inserter {
   template <typename Count>
   void note_evicted(const std::vector<int64_t>& which, Count count) {
     if (which.empty()) return;
-    const at::Tensor sorted = order(which, /*select=*/1, count);
+    const at::Tensor keys = order(which, /*select=*/1, count);
     int64_t start = 0;
     for (int64_t j : which) {
-      InsertTable& t = tabs_[static_cast<size_t>(j)];
       const int64_t m = count(j);
-      const at::Tensor old_key = plain_.view(t.old_key_off, t.uniques, at::kLong);
-      t.evicted = old_key.index_select(0, sorted.narrow(0, start, m));
+      tabs_[static_cast<size_t>(j)].evicted = keys.narrow(0, start, m);
       start += m;
     }
   }

@@ -108,9 +108,7 @@ enum : int {
   kFailed,      // ids that found no room in evict_kernel or sequential_insert_kernel
   kEvicted,     // ids placed by evicting a key
   kGroupSpare,  // group_claim_kernel's claim of its spare scratch slot
-  kOrdered,     // order_keys_kernel's selected ids: conflicted (kOrdered) or evicted (kOrdered + 1)
-  kOrderedEnd,
-  kNum = kOrderedEnd + 1
+  kNum
 };
 }  // namespace counter
 
@@ -136,7 +134,7 @@ enum Stage : uint32_t {
   kStageMapSlots = 1u << 10,    // map_slots_kernel
   kStageScore = 1u << 11,       // score_positions_kernel
   kStageErase = 1u << 12,       // erase_kernel
-  kStageOrder = 1u << 13,       // order_keys_kernel
+  kStageOrder = 1u << 13,       // order_flags_kernel
 };
 
 // One table of an inserting call, as its kernels read it (device memory).
@@ -166,10 +164,10 @@ struct TableCall {
   const int64_t* order;      // sequential placement order (distinct ids), order_count of them
   int64_t order_count;
   int32_t allow_evict;
-  int32_t select;            // order_keys_kernel: 0 conflicted ids, 1 evicted ids
-  int64_t* order_keys;       // order_keys_kernel's output: the selected ids' sort keys
-  int64_t* order_ids;        // and the ids sorted with them (as many as the host counted)
-  int64_t order_base;        // the table's first key: its ids sort after every earlier table's
+  int32_t select;            // order_flags_kernel: 0 conflicted ids, 1 evicted ids
+  uint8_t* order_flags;      // order_flags_kernel's output, per position of the call: set at the
+  int64_t* order_values;     // first position of each selected id, with its number (select 0) or
+                             // the key it evicted (select 1)
   // rows (init_rows_kernel, assign_rows_kernel)
   void* weights;             // (C, D) scalar_t
   void* state;               // (C, S) opmath of scalar_t
@@ -479,19 +477,19 @@ __global__ void classify_kernel(const __grid_constant__ Calls calls) {
 }
 
 // The distinct ids some tables must take in order of first occurrence (the CPU kernel's
-// insertion order), `select`ed (conflicted ones, or evicted ones), compacted with their sort
-// keys order_base + first position (in any order: the sort orders them). One sort of every
-// table's selected ids then lists each table's in order, table after table.
+// insertion order), `select`ed (conflicted ones, or evicted ones), flagged at their first
+// positions: the tables' position ranges lie one after another, so one select of the
+// flagged values lists every table's in order, table after table, without a sort.
 template <class Calls>
-__global__ void order_keys_kernel(const __grid_constant__ Calls calls) {
+__global__ void order_flags_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageOrder);
   const int64_t k = thread_index();
   if (c == nullptr || k >= c->u.n) return;  // u.n = U here (after the counters' read)
   const bool take = c->select == 0 ? c->conflicted[k] != 0 : c->u.state[k] == kEvicted;
   if (!take) return;
-  const int32_t at = aggregated_inc(c->ctr + counter::kOrdered + c->select);
-  c->order_keys[at] = c->order_base + c->first_pos[k];
-  c->order_ids[at] = k;
+  const int64_t at = c->first_pos[k];
+  c->order_flags[at] = 1;
+  c->order_values[at] = c->select == 0 ? k : c->u.old_key[k];
 }
 
 // The conflicted new ids of each table, one thread per table, in order of first occurrence:
