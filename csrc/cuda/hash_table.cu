@@ -776,10 +776,12 @@ class Inserter {
     }
     const at::TensorOptions opts = tabs_[0].keys.options();
     const at::Tensor flags = at::zeros({positions}, opts.dtype(at::kByte));
-    // The flagged values, then the list (sized for every position: a wrong count cannot
-    // overrun it), then the number selected.
-    at::Tensor buf = at::empty({2 * positions + 1}, opts);
+    const at::Tensor buf = at::empty({positions + 1}, opts);  // the flagged values, then the number selected
     int64_t* const values = buf.data_ptr<int64_t>();
+    // Its own allocation: the evicted keys are returned from it (at offset 0, as the op's fake
+    // kernel makes them), and hold no more memory than they need. count(j) is exact: it comes
+    // from the counters read back (kConflicted, kFull, kEvicted) of the ids flagged here.
+    const at::Tensor list = at::empty({total}, opts);
     std::vector<uint32_t> saved(static_cast<size_t>(calls_.size()));
     for (int64_t j = 0; j < calls_.size(); ++j) {
       TableCall& c = calls_.edit(j);
@@ -796,10 +798,9 @@ class Inserter {
       base += c.n;
     }
     calls_.launch(VELOCE_OVER_TABLES(order_flags_kernel), kStageOrder, uniques());
-    const at::Tensor list = buf.narrow(0, positions, total);
     cub_call(buf, [&](void* temp, size_t& bytes) {
-      return cub::DeviceSelect::Flagged(temp, bytes, values, flags.data_ptr<uint8_t>(), values + positions,
-                                        values + 2 * positions, positions, stream());
+      return cub::DeviceSelect::Flagged(temp, bytes, values, flags.data_ptr<uint8_t>(), list.data_ptr<int64_t>(),
+                                        values + positions, positions, stream());
     });
     for (int64_t j = 0; j < calls_.size(); ++j) calls_.edit(j).stages = saved[static_cast<size_t>(j)];
     if (select == 0) {
@@ -811,7 +812,7 @@ class Inserter {
         start += c.order_count;
       }
     }
-    keep_.push_back(buf);
+    keep_.push_back(list);  // the sequential placement reads it
     return list;
   }
 
