@@ -139,7 +139,9 @@ def run(args) -> None:
 
     model = DLRM(13, args.features, embedding_dim=args.dim, bottom_mlp=(512, 256, args.dim),
                  top_mlp=(1024, 1024, 512, 256, 1), embedding_factory=table).to(device)  # fmt: skip
-    hp = veloce.distributed.HybridParallel(model, sparse=args.sparse, staleness=args.staleness, dedup=args.dedup)
+    lookup_errors = args.lookup_errors or ("raise_next" if args.nonfinite == "raise_next" else "raise")
+    hp = veloce.distributed.HybridParallel(model, sparse=args.sparse, staleness=args.staleness, dedup=args.dedup,
+                                           lookup_errors=lookup_errors)  # fmt: skip
     opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), hp)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     data = batches(args, rank, device)
@@ -365,6 +367,9 @@ def main() -> None:
     p.add_argument("--staleness", type=int, default=1)
     p.add_argument("--nonfinite", choices=("raise", "raise_next", "apply"), default="raise",
                    help="the tables' nonfinite_grad policy (raise_next: step() does not wait for the NaN/Inf check)")
+    p.add_argument("--lookup-errors", choices=("raise", "raise_next"), default=None,
+                   help="HybridParallel(lookup_errors=...); default: raise_next with --nonfinite raise_next (neither "
+                        "waits for the device in the step), else raise")  # fmt: skip
     p.add_argument("--dedup", action="store_true", help="HybridParallel(dedup=True): one row per distinct id")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)

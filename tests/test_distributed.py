@@ -259,10 +259,10 @@ def make_opt(model):
     return veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
 
 
-def _sharded_body(rank, world, device_kind, dedup=False):
+def _sharded_body(rank, world, device_kind, dedup=False, lookup_errors="raise"):
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     model = Small(device)
-    hp = HybridParallel(model, sparse="sync", dedup=dedup)
+    hp = HybridParallel(model, sparse="sync", dedup=dedup, lookup_errors=lookup_errors)
     preds = train(hp, make_opt(hp), world, rank, device=device)
     tables = tables_of(model)
     for name, t in tables.items():  # every key lives on its owner
@@ -304,10 +304,11 @@ def check_sharded_equals_reference(results, ref, world):
     assert sum(r["len"] for r in results) == len(ref["tables"]["a"]["keys"])
 
 
-@pytest.mark.parametrize("dedup", [False, True], ids=["parts", "dedup"])
+@pytest.mark.parametrize("dedup, lookup_errors", [(False, "raise"), (True, "raise"), (False, "raise_next")],
+                         ids=["parts", "dedup", "parts, lookup_errors=raise_next"])  # fmt: skip
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_sharded_sync_equals_one_process(world, dedup):
-    results = run_ranks(_sharded_body, world, "cpu", dedup, timeout=90)
+def test_sharded_sync_equals_one_process(world, dedup, lookup_errors):
+    results = run_ranks(_sharded_body, world, "cpu", dedup, lookup_errors, timeout=90)
     check_sharded_equals_reference(results, reference(), world)
 
 
@@ -316,8 +317,9 @@ def test_sharded_sync_equals_one_process(world, dedup):
 def test_sharded_sync_equals_one_process_nccl(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
-    results = run_ranks(_sharded_body, world, "cuda", timeout=120, backend="nccl")
-    check_sharded_equals_reference(results, reference(), world)
+    for lookup_errors in ("raise", "raise_next"):
+        results = run_ranks(_sharded_body, world, "cuda", False, lookup_errors, timeout=120, backend="nccl")
+        check_sharded_equals_reference(results, reference(), world)
     model = Grouped()
     ref = {"preds": train(model, make_opt(model), 1, 0), "tables": tables_of(model, "abcd"), "eval": eval_preds(model)}
     for dedup in (False, True):
@@ -769,6 +771,87 @@ def test_an_error_on_one_rank_stops_every_rank(case, grouped):
     else:
         assert t1 == "TableFullError" and "eviction='none'" in m1
         assert t0 == "ExchangeError" and "failed on 1 other rank(s)" in m0
+
+
+def _owner_fails_deferred(rank, world, case, where, device_kind="cpu"):
+    """lookup_errors="raise_next": an owner fails in a forward; the forward returns on every
+    rank, and every rank raises at `where` (nothing of the step applied), then trains on."""
+    device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
+    torch.manual_seed(0)
+    a = veloce.DynamicEmbedding(4, mode="sum", max_capacity=32, eviction="none", device=device)
+    b = veloce.DynamicEmbedding(4, mode="sum", device=device)
+    lin = nn.Linear(4, 1).to(device)
+    hp = HybridParallel(nn.ModuleList([a, b, lin]), dense="none", lookup_errors="raise_next")
+    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), hp)
+    x = torch.tensor([[1], [2]], device=device)
+    ok = x
+    if case == "full table":  # rank 0 asks for more new ids than rank 1's shard of `a` may hold
+        x = torch.tensor(ids_owned_by(1, world, 40), device=device).view(-1, 1) if rank == 0 else x
+    veloce.lookup_many([a, b], [ok, ok])[0].sum().backward()  # a step that works, pending
+    if case == "lookup fails" and rank == 0:
+        from veloce.distributed import sharded
+
+        real = sharded._serve_all
+
+        def failing_serve(*args):
+            sharded._serve_all = real  # fails once
+            raise RuntimeError("simulated: out of memory in the owner's lookup")
+
+        sharded._serve_all = failing_serve
+    before = ([t.export() for t in (a, b)], [p.detach().clone() for p in lin.parameters()], a.step_count)
+    pa, pb = veloce.lookup_many([a, b], [x, x])  # returns on every rank
+    (lin(pa + pb).sum()).backward()
+    # The failed owner served zeros for both tables (its insert op or lookup serves them
+    # together): exactly the rows of the ids it owns are zero.
+    failed = 1 if case == "full table" else 0
+    owned = owner_of(x.view(-1).cpu(), world) == failed
+    got = [all(torch.equal((p == 0).all(1).cpu(), owned) for p in (pa, pb))]
+    try:
+        if where == "step":
+            opt.step()
+        elif where == "lookup":
+            veloce.lookup_many([a, b], [ok, ok])
+        else:
+            hp.flush()
+        got.append(("none", ""))
+    except Exception as e:  # noqa: BLE001 - the test reports what each rank raised
+        got.append((type(e).__name__, str(e)))
+    after = ([t.export() for t in (a, b)], [p.detach() for p in lin.parameters()], a.step_count)
+    same = before[2] == after[2] and all(torch.equal(p, q) for p, q in zip(before[1], after[1]))
+    for e0, e1 in zip(before[0], after[0]):  # every row there before: its weights and state untouched
+        at = {k: i for i, k in enumerate(e1["keys"].tolist())}
+        rows = torch.tensor([at[k] for k in e0["keys"].tolist()], dtype=torch.long)
+        same = same and torch.equal(e0["weights"], e1["weights"][rows])
+        same = same and torch.equal(e0["optimizer_state"], e1["optimizer_state"][rows])
+    got.append(same)
+    # Raised once: the ranks go on training together.
+    opt.zero_grad()
+    veloce.lookup_many([a, b], [ok, ok])[0].sum().backward()
+    opt.step()
+    got.append(a.step_count)
+    return got
+
+
+@pytest.mark.parametrize("device_kind", NCCL_OR_GLOO)
+@pytest.mark.parametrize("where", ["step", "lookup", "flush"])
+@pytest.mark.parametrize("case", ["full table", "lookup fails"])
+def test_a_deferred_owner_failure_raises_on_every_rank_at_the_next_step(case, where, device_kind):
+    """HybridParallel(lookup_errors="raise_next"): an owner's failure (a full table, a
+    failed lookup) does not stop the forward; every rank raises at its next step(), lookup
+    or flush(): the failed owner its own error, the others ExchangeError, before anything
+    of the step (dense or sparse) is applied. Then training goes on without a hang."""
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    results = run_ranks(_owner_fails_deferred, 2, case, where, device_kind, timeout=90, backend=backend)
+    failed = 1 if case == "full table" else 0
+    for rank, (zeros_where_failed, (kind, msg), unchanged, steps) in enumerate(results):
+        assert zeros_where_failed, rank
+        if rank == failed:
+            want = ("TableFullError", "eviction='none'") if case == "full table" else ("RuntimeError", "simulated")
+            assert kind == want[0] and want[1] in msg, (rank, kind, msg)
+        else:
+            assert kind == "ExchangeError" and "failed on 1 other rank(s)" in msg, (rank, kind, msg)
+        assert unchanged, rank  # nothing of the failed step applied: tables, dense parameters, step count
+        assert steps == 1, rank  # the next step works (the failed one was not counted)
 
 
 def _many_tables(rank, world, counts):

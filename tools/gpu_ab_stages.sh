@@ -12,7 +12,7 @@
 # Stages:
 #   build      build both trees side by side (about 3-4 minutes), save both extensions
 #              under $OUT/b/ (copy them to .gpu/b/ here for `prebuilt` in later calls)
-#   buildnew   build the working tree only; the baseline from .gpu/b/old.so.gz
+#   buildnew   build the working tree only (saved as $OUT/b/new.so.gz); the baseline from .gpu/b/old.so.gz
 #   prebuilt   unpack .gpu/b/{old,new}.so.gz instead of building (same sources only!)
 #   tests      the hash-table CUDA tests, then the NCCL tests on 2 ranks
 #   cudasuite  pytest -k "cuda or nonfinite or update_stream"
@@ -52,6 +52,10 @@ check_kernels() {
     (cd "$d" && PYTHONPATH="$d" python3 -c "import veloce; assert veloce._ext.has_cuda_kernels(); print('$d: CUDA kernels')")
   done | say
 }
+save_build() {  # save_build TAG DIR: the extension, stripped and gzipped, to $OUT/b/TAG.so.gz
+  mkdir -p "$OUT/b"
+  strip --strip-debug -o "/tmp/ab_$1.so" "$2/veloce/_C.abi3.so" && gzip -6 -c "/tmp/ab_$1.so" > "$OUT/b/$1.so.gz"
+}
 c5_run() {  # c5_run TAG GPUS
   local d; d=$(tree "$1")
   (cd "$d" && PYTHONPATH="$d" timeout 150 torchrun --standalone --nproc_per_node="$2" benchmarks/bench_distributed.py \
@@ -69,17 +73,13 @@ for stage in "$@"; do
       build_in "$NEW" 8 /tmp/ab_build_new.log
       wait
       check_kernels
-      mkdir -p "$OUT/b"
-      for pair in "old:$OLD" "new:$NEW"; do
-        strip --strip-debug -o "/tmp/ab_${pair%%:*}.so" "${pair#*:}/veloce/_C.abi3.so"
-        gzip -6 -c "/tmp/ab_${pair%%:*}.so" > "$OUT/b/${pair%%:*}.so.gz"
-      done
+      save_build old "$OLD"; save_build new "$NEW"
       t ;;
     buildnew)
       unpack_old
       gunzip -c .gpu/b/old.so.gz > "$OLD/veloce/_C.abi3.so"
       build_in "$NEW" 16 /tmp/ab_build_new.log
-      check_kernels; t ;;
+      check_kernels; save_build new "$NEW"; t ;;
     prebuilt)
       unpack_old
       gunzip -c .gpu/b/old.so.gz > "$OLD/veloce/_C.abi3.so" && gunzip -c .gpu/b/new.so.gz > veloce/_C.abi3.so

@@ -200,6 +200,7 @@ class StrategyConfig:
     sparse: Literal["sync", "async"] = "sync"
     staleness: int = 1
     dense: Literal["ddp"] = "ddp"
+    lookup_errors: Literal["raise", "raise_next"] = "raise"
 
     def __post_init__(self) -> None:
         _non_negative(self, "staleness")

@@ -699,7 +699,13 @@ class _DeferredCheck:
 
 def _raise_deferred(tables: Sequence["DynamicEmbedding"]) -> None:
     """Raises the error a "raise_next" check of an earlier step found in any of ``tables``
-    (each table's error is raised once)."""
+    (each table's error is raised once), or an owner's failure of a sharded lookup that
+    ``HybridParallel(lookup_errors="raise_next")`` deferred."""
+    from veloce.distributed._comm import raise_deferred_failures  # veloce.distributed imports this module
+
+    groups = {id(t._shard.group): t._shard.group for t in tables if t._shard is not None}
+    for group in groups.values():
+        raise_deferred_failures(group)
     error = None
     for t in tables:
         t._settle_check()

@@ -13,9 +13,10 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from veloce._device import host_tensor
+from veloce._device import HostCopy, host_tensor
 
-__all__ = ["ExchangeError", "exchange_headers", "all_to_all", "abandon_exchange", "agree_sum", "Group"]
+__all__ = ["ExchangeError", "exchange_headers", "all_to_all", "abandon_exchange", "agree_sum", "Group",
+           "DeferredFailure", "raise_deferred_failures"]  # fmt: skip
 
 
 class ExchangeError(RuntimeError):
@@ -30,6 +31,8 @@ class Group:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = dist.get_backend(group)
+        # Owners' failures agreed on the device and not read back yet (lookup_errors="raise_next").
+        self.unread: list[DeferredFailure] = []
 
 
 def exchange_headers(
@@ -121,6 +124,47 @@ def agree_sum_tensor(group: Group, counts: torch.Tensor) -> torch.Tensor:
     t = counts.to(_device(group))
     dist.all_reduce(t, group=group.group)
     return t
+
+
+class DeferredFailure:
+    """Whether an owner failed in one sharded forward, agreed over the group on the device
+    and read back later (``HybridParallel(lookup_errors="raise_next")``).
+
+    The all-reduce of one count per rank is queued without a host read: the forward goes
+    on (a failed owner sends zero partial sums), and :func:`raise_deferred_failures`
+    raises on every rank at the next step(), sharded lookup or flush(), when the device
+    finished the count long ago, as a rule."""
+
+    def __init__(self, group: Group, error: Optional[BaseException], what: str) -> None:
+        self.count = HostCopy(agree_sum_tensor(group, host_tensor([int(error is not None)], _device(group))))
+        self.error = error
+        self.what = what
+
+    def raise_if_failed(self) -> None:
+        failed = int(self.count.tolist()[0])
+        if self.error is not None:
+            note = getattr(self.error, "add_note", None)
+            if note is not None:
+                note(f"(raised late: {self.what} failed on this owner in an earlier forward; "
+                     f"HybridParallel(lookup_errors='raise_next') reports it here)")  # fmt: skip
+            raise self.error
+        if failed:
+            raise ExchangeError(
+                f"{self.what}: a sharded lookup of an earlier forward failed on {failed} other rank(s) (their errors "
+                f"say why, e.g. a full table). With lookup_errors='raise_next' this is raised at the next step(), "
+                f"lookup or flush(): no sparse update of that forward was applied (with CombinedOptimizer no dense "
+                f"one either); every rank stops here"
+            )  # fmt: skip
+
+
+def raise_deferred_failures(group: Group) -> None:
+    """Reads the group's unread :class:`DeferredFailure` checks (a host read each, of a count
+    the device has usually finished) and raises the first failure: this rank's own error,
+    or :class:`ExchangeError` when only other ranks failed. Every rank reads the same
+    counts, so every rank raises in the same call."""
+    checks, group.unread = group.unread, []
+    for check in checks:
+        check.raise_if_failed()
 
 
 def _device(group: Group) -> torch.device:

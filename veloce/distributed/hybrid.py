@@ -16,6 +16,7 @@ __all__ = ["HybridParallel"]
 
 _SPARSE = ("sync", "async")
 _DENSE = ("ddp", "none")
+_LOOKUP_ERRORS = ("raise", "raise_next")
 
 
 class HybridParallel(nn.Module):
@@ -43,6 +44,16 @@ class HybridParallel(nn.Module):
         dedup: send each distinct id of a batch once and pool on the requester (one row per
             distinct id each way) instead of pooling bag parts on the owners: faster when
             ids repeat within a batch (hot ids, bags of one id). Same results.
+        lookup_errors: what a sharded lookup does when an owner fails to serve it (a full
+            table without eviction, out of memory): ``"raise"`` (default): every rank
+            raises in that forward (the owner its own error, the others
+            :class:`~veloce.distributed.ExchangeError`); the ranks agree through a
+            collective read back to the host in every training forward. ``"raise_next"``:
+            that agreement stays on the device and is read back later, which saves a host
+            sync per forward. The forward then returns, with zeros for the failed owner's
+            parts, and every rank raises at its next ``step()`` (before anything of the
+            step is applied, dense parameters too with ``CombinedOptimizer``), sharded
+            lookup or ``flush()``; that forward's gradients are not applied.
         process_group: the ranks to shard over (default: the whole world).
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
@@ -66,6 +77,7 @@ class HybridParallel(nn.Module):
         staleness: int = 1,
         dense: str = "ddp",
         dedup: bool = False,
+        lookup_errors: str = "raise",
         process_group: Optional[dist.ProcessGroup] = None,
         **ddp_kwargs: Any,
     ) -> None:
@@ -76,6 +88,8 @@ class HybridParallel(nn.Module):
             raise ValueError(f"HybridParallel: sparse must be 'sync' or 'async', got {sparse!r}")
         if dense not in _DENSE:
             raise ValueError(f"HybridParallel: dense must be 'ddp' or 'none', got {dense!r}")
+        if lookup_errors not in _LOOKUP_ERRORS:
+            raise ValueError(f"HybridParallel: lookup_errors must be 'raise' or 'raise_next', got {lookup_errors!r}")
         if not isinstance(staleness, int) or staleness < 0:
             raise ValueError(f"HybridParallel: staleness must be an int >= 0, got {staleness!r}")
         if not dist.is_available() or not dist.is_initialized():
@@ -88,6 +102,7 @@ class HybridParallel(nn.Module):
         self.module = model
         self.sparse = sparse
         self.dedup = bool(dedup)
+        self.lookup_errors = lookup_errors
         self.staleness = staleness if sparse == "async" else 0
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -117,7 +132,8 @@ class HybridParallel(nn.Module):
         lookup_group = Group(dist.new_group(ranks=ranks, backend=backend, **local))
         grad_group = Group(dist.new_group(ranks=ranks, backend=backend, **local)) if self.sparse == "async" else None
         for tag, (name, m) in enumerate(self.tables):
-            m._shard = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group, self.dedup)
+            m._shard = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group, self.dedup,
+                             self.lookup_errors)  # fmt: skip
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the wrapped model (through DDP when dense parameters are data-parallel)."""
@@ -152,6 +168,7 @@ class HybridParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"sparse={self.sparse!r}, staleness={self.staleness}, dedup={self.dedup}, world_size={self.world_size}, "
+            f"sparse={self.sparse!r}, staleness={self.staleness}, dedup={self.dedup}, "
+            f"lookup_errors={self.lookup_errors!r}, world_size={self.world_size}, "
             f"tables={len(self.tables)}, dense={'ddp' if self._ddp is not None else 'none'}"
         )

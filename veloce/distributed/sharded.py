@@ -39,7 +39,8 @@ import torch
 
 from veloce._device import host_tensor, to_device
 from veloce.distributed._comm import (
-    ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all, exchange_headers,
+    DeferredFailure, ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all,
+    exchange_headers, raise_deferred_failures,
 )  # fmt: skip
 from veloce.ops.embedding import pooled_lookup_kernels
 from veloce.ops.exchange import bucketize_bags
@@ -79,6 +80,9 @@ class Shard:
         grad_group: async only: a second group for the gradient exchanges.
         dedup: send each distinct id once and pool on the requester (see
             :mod:`veloce.distributed.dedup`) instead of pooling parts on the owners.
+        lookup_errors: "raise" (an owner's failure raises on every rank in the forward,
+            through a collective read back there) or "raise_next" (agreed on the device,
+            read back at the next step(), lookup or flush(); see ``HybridParallel``).
     """
 
     group: Group
@@ -87,6 +91,7 @@ class Shard:
     staleness: int = 1
     grad_group: Optional[Group] = None
     dedup: bool = False
+    lookup_errors: str = "raise"
     steps: int = 0  # optimizer steps taken (async bookkeeping)
     in_flight: deque = field(default_factory=deque)
 
@@ -132,7 +137,8 @@ class Shard:
 # ---- one exchange for K tables --------------------------------------------------------------
 @dataclass
 class _Served:
-    """What an owner served one table in a forward: the received parts and their slots."""
+    """What an owner served one table in a forward: the received parts and their slots.
+    (None in its place: the owner failed, and the parts' gradients are dropped.)"""
 
     ids: torch.Tensor  # (R,) received ids
     slots: torch.Tensor  # (R,) their slots at forward time
@@ -171,6 +177,7 @@ def sharded_lookup(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
     on the device and read back with the exchange's header (one host sync for both). A bad
     layout raises its error on this rank, and the other ranks raise ExchangeError."""
     shard = modules[0]._shard
+    raise_deferred_failures(shard.group)  # an earlier forward's failure first, before anything moves
     anchor_needed = any(m.training for m in modules) and torch.is_grad_enabled()
     psws = [b[2] for b in bags]
     if not anchor_needed:
@@ -473,7 +480,14 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[t
                   psw: Sequence[Optional[torch.Tensor]]) -> tuple[list, list]:
     """The owner's half of a grouped lookup: each table serves its block (parts starting
     at ``starts[k]`` in ``ids[k]``). Returns per table its :class:`_Served` and its pooled
-    parts."""
+    parts.
+
+    If this owner fails (a full table, a lookup out of memory), every rank must stop, and
+    none may be left waiting in a collective. With ``lookup_errors="raise"`` the ranks
+    agree on it here (a collective and a host read) and raise. With "raise_next" the
+    agreement stays on the device (:class:`DeferredFailure`): a failed owner serves zero
+    partial sums (and None for each :class:`_Served`: its gradients are dropped), and
+    every rank raises at its next step(), lookup or flush()."""
     served: list = []
     pooled: list = []
     error: Optional[Exception] = None
@@ -499,8 +513,16 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[t
         error = e
     # After serving, not right after the inserts: a lookup can fail too (out of memory for
     # its output), and a rank raising past the agreement would leave the others waiting.
-    _agree_no_failure(modules[0]._shard.group, error)
-    return served, pooled
+    shard = modules[0]._shard
+    if shard.lookup_errors == "raise":
+        _agree_no_failure(shard.group, error)
+        return served, pooled
+    what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
+    shard.group.unread.append(DeferredFailure(shard.group, error, what))
+    if error is None:
+        return served, pooled
+    dtype, dim, dev = modules[0].table.dtype, modules[0].embedding_dim, ids[0].device
+    return [None] * len(modules), [torch.zeros((s.numel(), dim), dtype=dtype, device=dev) for s in starts]
 
 
 def _agree_no_failure(group: Group, error: Optional[Exception]) -> None:
@@ -607,8 +629,9 @@ def _psw_grads(ex: _Exchange, per_table: Sequence[torch.Tensor], psw_grad: list[
 
     g = ex.shard.group
     mine = [
-        _psw_grad(m.table.weights, _current_slots(m, s), s.offsets, gk, False)
-        for m, s, gk in zip(ex.modules, ex.served, per_table)
+        _psw_grad(m.table.weights, _current_slots(m, s), s.offsets, gk, False) if s is not None
+        else gk.new_zeros(sum(n))  # a failed owner (lookup_errors="raise_next"): the step raises anyway
+        for m, s, gk, n in zip(ex.modules, ex.served, per_table, ex.recv_ids_nk)
     ]  # fmt: skip
     back = all_to_all(g, _received_order(mine, ex.recv_ids_nk), ex.recv_ids_n, ex.id_splits)
     flat = torch.zeros(ex.perm.numel(), dtype=back.dtype, device=back.device).index_copy_(0, ex.perm, back)
@@ -623,10 +646,13 @@ def _current_slots(module, served: _Served) -> torch.Tensor:
     return _reresolve(module.table, served.ids, served.slots)
 
 
-def _record(module, served: _Served, grad: torch.Tensor) -> None:
-    """The owner keeps received part gradients until its step(), like a local backward."""
+def _record(module, served: Optional[_Served], grad: torch.Tensor) -> None:
+    """The owner keeps received part gradients until its step(), like a local backward
+    (none where it failed to serve them: that step raises)."""
     from veloce.embedding import _Pending
 
+    if served is None:
+        return
     module._accumulate(_Pending(served.ids, served.slots, served.offsets, served.psw, grad, _SUM, False,
                                 served.version))  # fmt: skip
 
