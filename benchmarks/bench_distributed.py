@@ -154,12 +154,23 @@ def run(args) -> None:
         opt.step()
         opt.zero_grad()
 
+    # --prefetch: each step's sparse exchange starts right after the step before it, from the
+    # batch on the CPU (pinned, as a loader's pin_memory yields it); the forward is given the
+    # same batch on the device.
+    on_cpu = [(d.cpu().pin_memory(), s.cpu().pin_memory()) if cuda else (d, s) for d, s, _ in data]
+
+    def prefetch(i, end):  # batch i's exchange, unless i is past the run's last step
+        if args.prefetch and i < end:
+            hp.prefetch(*on_cpu[i])
+
     gc.disable()  # collector pauses land in random steps (and stall every rank's collectives)
     times = []
+    prefetch(0, 1)
     for i, b in enumerate(data[: args.warmup + args.steps]):
         sync_all(device)
         t = time.perf_counter()
         step(b)
+        prefetch(i + 1, args.warmup + args.steps)
         sync_device(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
@@ -169,8 +180,10 @@ def run(args) -> None:
     # applied (flush) before the clock stops.
     sync_all(device)
     t = time.perf_counter()
-    for b in data[args.warmup : args.warmup + args.steps]:
+    prefetch(args.warmup, args.warmup + 1)
+    for i, b in enumerate(data[args.warmup : args.warmup + args.steps], args.warmup):
         step(b)
+        prefetch(i + 1, args.warmup + args.steps)
     hp.flush()
     sync_all(device)
     window_s = (time.perf_counter() - t) / args.steps
@@ -200,7 +213,8 @@ def run(args) -> None:
     step_s = window_s
     row = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__, "world_size": world,
-        "sparse": args.sparse + ("+dedup" if args.dedup else ""), "nonfinite_grad": args.nonfinite,
+        "sparse": args.sparse + ("+dedup" if args.dedup else "") + ("+prefetch" if args.prefetch else ""),
+        "nonfinite_grad": args.nonfinite,
         "staleness": args.staleness if args.sparse == "async" else 0,
         "batch_per_gpu": args.batch, "features": args.features, "dim": args.dim,
         "step_ms": step_s * 1e3, "samples_per_s": world * args.batch / step_s,
@@ -370,6 +384,8 @@ def main() -> None:
     p.add_argument("--lookup-errors", choices=("raise", "raise_next"), default=None,
                    help="HybridParallel(lookup_errors=...); default: raise_next with --nonfinite raise_next (neither "
                         "waits for the device in the step), else raise")  # fmt: skip
+    p.add_argument("--prefetch", action="store_true",
+                   help="HybridParallel.prefetch: each step's sparse exchange starts after the previous step")
     p.add_argument("--dedup", action="store_true", help="HybridParallel(dedup=True): one row per distinct id")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)

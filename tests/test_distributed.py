@@ -182,6 +182,9 @@ class Small(nn.Module):
         eb = self.b(ids_b)
         return self.mlp(torch.cat([ea, eb, dense], 1)).squeeze(1)
 
+    def sparse_lookups(self, dense, ids_a, offsets_a, psw_a, ids_b):  # for HybridParallel.prefetch
+        return [([self.a], [(ids_a, offsets_a, psw_a)]), ([self.b], [ids_b])]
+
 
 def global_batch(step: int, size: int = 12):
     """A deterministic global batch: jagged bags (0-4 ids, some empty) over a few hundred
@@ -222,22 +225,32 @@ def rank_slice(batch, lo: int, hi: int):
 STEPS = 20
 
 
-def train(model, opt, world: int, rank: int, steps: int = STEPS, device="cpu"):
+def train(model, opt, world: int, rank: int, steps: int = STEPS, device="cpu", prefetch=False):
     """Trains with the global batch split over ranks; each rank's loss is its share of the
-    global mean (sum * world / global size), so DDP's average equals the global mean."""
-    preds = []
-    for step in range(steps):
+    global mean (sum * world / global size), so DDP's average equals the global mean.
+    ``prefetch``: each step's sparse exchange starts after the previous step
+    (HybridParallel.prefetch, given the batch on the CPU as a loader yields it)."""
+
+    def rank_batch(step):
         batch = global_batch(step)
         size = batch[0].numel()
         sizes = split_sizes(step, size, world)
         lo = sum(sizes[:rank])
         inputs, label = rank_slice(batch, lo, lo + sizes[rank])
-        inputs = [t.to(device) for t in inputs]
-        out = model(*inputs)
+        return inputs, label, size
+
+    preds = []
+    if prefetch:
+        model.prefetch(*rank_batch(0)[0])
+    for step in range(steps):
+        inputs, label, size = rank_batch(step)
+        out = model(*[t.to(device) for t in inputs])
         loss = nn.functional.binary_cross_entropy_with_logits(out, label.to(device), reduction="sum")
         (loss * world / size).backward()
         opt.step()
         opt.zero_grad()
+        if prefetch and step + 1 < steps:
+            model.prefetch(*rank_batch(step + 1)[0])
         preds.append(out.detach().cpu())
     return preds
 
@@ -259,11 +272,18 @@ def make_opt(model):
     return veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
 
 
-def _sharded_body(rank, world, device_kind, dedup=False, lookup_errors="raise"):
+def _sharded_body(rank, world, device_kind, dedup=False, lookup_errors="raise", prefetch=False):
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     model = Small(device)
     hp = HybridParallel(model, sparse="sync", dedup=dedup, lookup_errors=lookup_errors)
-    preds = train(hp, make_opt(hp), world, rank, device=device)
+    from veloce.distributed import sharded
+
+    dispatch, calls = sharded._dispatch, []
+    sharded._dispatch = lambda *a, **k: calls.append(1) or dispatch(*a, **k)
+    preds = train(hp, make_opt(hp), world, rank, device=device, prefetch=prefetch)
+    sharded._dispatch = dispatch
+    if not dedup:  # each lookup's first half ran once: prefetched, or in its forward
+        assert len(calls) == 2 * STEPS and not model.a._shard.group.prefetched, (len(calls), prefetch)
     tables = tables_of(model)
     for name, t in tables.items():  # every key lives on its owner
         assert (owner_of(t["keys"], world) == rank).all(), f"table {name} holds keys it does not own"
@@ -304,11 +324,12 @@ def check_sharded_equals_reference(results, ref, world):
     assert sum(r["len"] for r in results) == len(ref["tables"]["a"]["keys"])
 
 
-@pytest.mark.parametrize("dedup, lookup_errors", [(False, "raise"), (True, "raise"), (False, "raise_next")],
-                         ids=["parts", "dedup", "parts, lookup_errors=raise_next"])  # fmt: skip
+@pytest.mark.parametrize("dedup, lookup_errors, prefetch", [
+    (False, "raise", False), (True, "raise", False), (False, "raise_next", False), (False, "raise_next", True),
+], ids=["parts", "dedup", "parts, lookup_errors=raise_next", "parts, raise_next, prefetch"])  # fmt: skip
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_sharded_sync_equals_one_process(world, dedup, lookup_errors):
-    results = run_ranks(_sharded_body, world, "cpu", dedup, lookup_errors, timeout=90)
+def test_sharded_sync_equals_one_process(world, dedup, lookup_errors, prefetch):
+    results = run_ranks(_sharded_body, world, "cpu", dedup, lookup_errors, prefetch, timeout=90)
     check_sharded_equals_reference(results, reference(), world)
 
 
@@ -317,8 +338,8 @@ def test_sharded_sync_equals_one_process(world, dedup, lookup_errors):
 def test_sharded_sync_equals_one_process_nccl(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
-    for lookup_errors in ("raise", "raise_next"):
-        results = run_ranks(_sharded_body, world, "cuda", False, lookup_errors, timeout=120, backend="nccl")
+    for lookup_errors, prefetch in (("raise", False), ("raise_next", False), ("raise", True)):
+        results = run_ranks(_sharded_body, world, "cuda", False, lookup_errors, prefetch, timeout=120, backend="nccl")
         check_sharded_equals_reference(results, reference(), world)
     model = Grouped()
     ref = {"preds": train(model, make_opt(model), 1, 0), "tables": tables_of(model, "abcd"), "eval": eval_preds(model)}
@@ -852,6 +873,88 @@ def test_a_deferred_owner_failure_raises_on_every_rank_at_the_next_step(case, wh
             assert kind == "ExchangeError" and "failed on 1 other rank(s)" in msg, (rank, kind, msg)
         assert unchanged, rank  # nothing of the failed step applied: tables, dense parameters, step count
         assert steps == 1, rank  # the next step works (the failed one was not counted)
+
+
+def _model_prefetched(rank, world, name, prefetch, device_kind):
+    from veloce.models import DLRM, DeepFM
+
+    device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
+    torch.manual_seed(0)
+
+    def table(dim):  # small: the tables grow while prefetched
+        return veloce.DynamicEmbedding(dim, mode="sum", capacity=16, device=device)
+
+    cls = DLRM if name == "DLRM" else DeepFM
+    model = cls(2, 3, embedding_dim=4, **({"bottom_mlp": (4,), "top_mlp": (4, 1)} if name == "DLRM" else {}),
+                embedding_factory=table).to(device)  # fmt: skip
+    hp = HybridParallel(model, lookup_errors="raise_next")
+    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), hp)
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(8, 2, generator=g), torch.randint(0, 200, (8, 3), generator=g)) for _ in range(6)]
+    preds = []
+    if prefetch:
+        hp.prefetch(*batches[0])  # on the CPU, as a loader yields them
+    for i, (dense, sparse) in enumerate(batches):
+        out = hp(dense.to(device), sparse.to(device))
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if prefetch and i + 1 < len(batches):
+            hp.prefetch(*batches[i + 1])
+        preds.append(out.detach().cpu())
+    tables = {n: {k: v.cpu() for k, v in m.export().items()} for n, m in model.named_modules()
+              if isinstance(m, veloce.DynamicEmbedding)}  # fmt: skip
+    return preds, tables
+
+
+@pytest.mark.parametrize("device_kind", NCCL_OR_GLOO)
+@pytest.mark.parametrize("name", ["DLRM", "DeepFM"])
+def test_prefetched_training_equals_training_without(name, device_kind):
+    """HybridParallel.prefetch with veloce.models (one exchange of 3 tables, or two): the
+    same predictions and tables, bit for bit, as without it, while the tables grow."""
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    runs = [run_ranks(_model_prefetched, 2, name, p, device_kind, timeout=90, backend=backend) for p in (False, True)]
+    for (p0, t0), (p1, t1) in zip(*runs):
+        assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+        for n in t0:
+            o0, o1 = t0[n]["keys"].argsort(), t1[n]["keys"].argsort()
+            assert t0[n]["keys"].numel() > 16  # grown
+            for k in ("keys", "weights", "optimizer_state"):
+                assert torch.equal(t0[n][k][o0], t1[n][k][o1]), (n, k)
+
+
+def _prefetch_misuse(rank, world, case):
+    model = Small()
+    hp = HybridParallel(model, dedup=case == "dedup")
+    inputs, _ = rank_slice(global_batch(0), 6 * rank, 6 * rank + 6)
+    try:
+        if case == "no sparse_lookups":
+            HybridParallel(nn.ModuleList([veloce.DynamicEmbedding(4)])).prefetch(torch.tensor([[1]]))
+        if case == "bad input" and rank == 0:
+            inputs = (*inputs[:4], inputs[4].float())  # only rank 0's, of the second table
+        hp.prefetch(*inputs)
+        if case == "other shapes":
+            hp(*rank_slice(global_batch(0), 4 * rank, 4 * rank + 4)[0])
+        elif case == "eval":
+            hp.eval()
+            hp(*inputs)
+    except (TypeError, ValueError, ExchangeError) as e:
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+@pytest.mark.parametrize("case", ["no sparse_lookups", "dedup", "other shapes", "eval", "bad input"])
+def test_prefetch_misuse_raises_on_every_rank(case):
+    want = {
+        "no sparse_lookups": ("TypeError", "has no sparse_lookups"),
+        "dedup": ("ValueError", "not available with dedup=True"),
+        "other shapes": ("ValueError", "differ in shape from those prefetched"),
+        "eval": ("ValueError", "is not the one prefetched next"),
+    }.get(case)
+    for rank, (kind, msg) in enumerate(run_ranks(_prefetch_misuse, 2, case, timeout=60)):
+        if case == "bad input":  # rank 0's own error; rank 1 learns of it in the prefetch's exchange
+            want = ("TypeError", "input must hold int64") if rank == 0 else ("ExchangeError", "could not take part")
+        assert kind == want[0] and want[1] in msg, (rank, kind, msg)
 
 
 def _many_tables(rank, world, counts):

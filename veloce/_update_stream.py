@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ENABLED", "UpdateFence", "beside_updates", "release_done", "run_update"]
+__all__ = ["ENABLED", "UpdateFence", "beside_updates", "prefetch_stream", "release_done", "run_update"]
 
 ENABLED = os.environ.get("VELOCE_UPDATE_STREAM", "1") != "0"
 
@@ -150,6 +150,12 @@ def beside_updates(device: torch.device, fn: Callable[[], Any]) -> Any:
         main.wait_stream(side)
     _record(out, main)
     return out
+
+
+def prefetch_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream of ``HybridParallel.prefetch``'s exchanges: the high-priority insert
+    stream (their inserts run there anyway, beside the updates)."""
+    return _stream(device, _INSERT)
 
 
 def _record(obj: Any, stream: torch.cuda.Stream) -> None:

@@ -913,24 +913,9 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
     Returns:
         One pooled ``(B, D)`` tensor per table.
     """
-    if len(tables) != len(inputs):
-        raise ValueError(f"lookup_many: {len(tables)} tables but {len(inputs)} inputs")
-    _ext.require()
-    # (input, offsets, per_sample_weights), the missing ones None
-    args = [(tuple(x) if isinstance(x, (tuple, list)) else (x,)) for x in inputs]
-    args = [a + (None,) * (3 - len(a)) for a in args]
+    args, groups, local = _lookup_groups(tables, inputs, "lookup_many")
     out: list[Optional[torch.Tensor]] = [None] * len(tables)
-    groups: dict[tuple, list[int]] = {}
-    local: list[int] = []
     aranges: dict = {}  # the offsets of 2-D inputs, shared by the tables (see _bags)
-    for i, t in enumerate(tables):
-        if not isinstance(t, DynamicEmbedding):
-            raise TypeError(f"lookup_many: tables[{i}] is a {type(t).__name__}, not a DynamicEmbedding")
-        if t._shard is None:
-            local.append(i)
-            continue
-        key = (id(t._shard.group), t.embedding_dim, t.table.dtype, t.training, t._shard.mode)
-        groups.setdefault(key, []).append(i)
     if local:
         # A local table's error (bad input, a full table) must not leave the other ranks
         # waiting in this call's first sharded exchange: this rank abandons it, so they
@@ -977,6 +962,45 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
         for i, o in zip(idx, sharded_lookup([tables[i] for i in idx], bags, layouts)):
             out[i] = o
     return out  # type: ignore[return-value]
+
+
+def _lookup_groups(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], what: str):
+    """``lookup_many``'s inputs as ``(input, offsets, per_sample_weights)`` per table (the
+    missing ones None), the sharded tables grouped by exchange (same process group, dim,
+    dtype, training mode and sparse mode: one exchange each), and the local tables."""
+    if len(tables) != len(inputs):
+        raise ValueError(f"{what}: {len(tables)} tables but {len(inputs)} inputs")
+    _ext.require()
+    args = [(tuple(x) if isinstance(x, (tuple, list)) else (x,)) for x in inputs]
+    args = [a + (None,) * (3 - len(a)) for a in args]
+    groups: dict[tuple, list[int]] = {}
+    local: list[int] = []
+    for i, t in enumerate(tables):
+        if not isinstance(t, DynamicEmbedding):
+            raise TypeError(f"{what}: tables[{i}] is a {type(t).__name__}, not a DynamicEmbedding")
+        if t._shard is None:
+            local.append(i)
+            continue
+        key = (id(t._shard.group), t.embedding_dim, t.table.dtype, t.training, t._shard.mode)
+        groups.setdefault(key, []).append(i)
+    return args, groups, local
+
+
+def dispatch_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> None:
+    """The first half of a later ``lookup_many(tables, inputs)`` of sharded tables, run now:
+    each exchange's ids go to their owners, which insert them
+    (:meth:`veloce.distributed.HybridParallel.prefetch` calls it; local tables are looked
+    up in full later). The later call finds it and runs only the second half."""
+    from veloce.distributed.sharded import dispatch_group
+
+    args, groups, _ = _lookup_groups(tables, inputs, "prefetch")
+    aranges: dict = {}
+    for idx in groups.values():
+        shard = tables[idx[0]]._shard
+        with shard.abandon_on_error(shard.dispatch_group):  # bad input fails every rank, not just this one
+            layouts: list = []
+            bags = [tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in idx]
+        dispatch_group([tables[i] for i in idx], bags, layouts)
 
 
 def _check_offsets(offsets: torch.Tensor, n: int, include_last_offset: bool) -> None:

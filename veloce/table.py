@@ -126,6 +126,12 @@ class HashTable(PlainAttrs, nn.Module):
     # ---- state ------------------------------------------------------------------------
     def _allocate(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         release_done()  # rows of deleted tables whose last update has run
+        for old in self._buffers.values():
+            # The buffers replaced here may have been read by work queued on a stream other
+            # than the one they were allocated on (a growth during HybridParallel.prefetch,
+            # on its side stream): their memory must not be reused before that work ran.
+            if old is not None and old.is_cuda:
+                old.record_stream(torch.cuda.current_stream(old.device))
         opt_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         shapes = {
             "keys": ((capacity,), torch.long),

@@ -8,6 +8,7 @@ with an error on every rank instead of hanging or reading garbage.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -33,6 +34,8 @@ class Group:
         self.backend = dist.get_backend(group)
         # Owners' failures agreed on the device and not read back yet (lookup_errors="raise_next").
         self.unread: list[DeferredFailure] = []
+        # Forwards' first halves dispatched ahead by HybridParallel.prefetch, oldest first.
+        self.prefetched: deque = deque()
 
 
 def exchange_headers(

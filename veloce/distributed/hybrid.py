@@ -14,6 +14,32 @@ from veloce.distributed.sharded import Shard
 
 __all__ = ["HybridParallel"]
 
+
+def _tensors(obj: Any) -> list:
+    """The tensors in nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def _to_device(obj: Any, dev: torch.device) -> Any:
+    """``obj`` with its CPU tensors copied to ``dev`` without a host sync (pinned staging)."""
+    from veloce._device import to_device
+
+    if isinstance(obj, torch.Tensor):
+        return to_device(obj, dev) if obj.device.type == "cpu" else obj
+    if isinstance(obj, tuple):
+        return tuple(_to_device(o, dev) for o in obj)
+    if isinstance(obj, list):
+        return [_to_device(o, dev) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _to_device(o, dev) for k, o in obj.items()}
+    return obj
+
 _SPARSE = ("sync", "async")
 _DENSE = ("ddp", "none")
 _LOOKUP_ERRORS = ("raise", "raise_next")
@@ -131,13 +157,83 @@ class HybridParallel(nn.Module):
         local = {"use_local_synchronization": True} if ranks is not None else {}
         lookup_group = Group(dist.new_group(ranks=ranks, backend=backend, **local))
         grad_group = Group(dist.new_group(ranks=ranks, backend=backend, **local)) if self.sparse == "async" else None
+        # prefetch()'s exchanges too: they run while the previous step's are still queued.
+        # (NCCL sets a communicator up at its first collective: unused, it costs nothing.)
+        dispatch_group = Group(dist.new_group(ranks=ranks, backend=backend, **local))
         for tag, (name, m) in enumerate(self.tables):
             m._shard = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group, self.dedup,
-                             self.lookup_errors)  # fmt: skip
+                             self.lookup_errors, dispatch_group)  # fmt: skip
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the wrapped model (through DDP when dense parameters are data-parallel)."""
         return (self._ddp or self.module)(*args, **kwargs)
+
+    @torch.no_grad()
+    def prefetch(self, *args: Any, **kwargs: Any) -> None:
+        """Starts the sparse exchange of a later ``forward(*args, **kwargs)`` now: the ids go
+        to their owners, which insert them. Call it right after ``step()`` with the next
+        batch (TorchRec pipelines its input distribution the same way)::
+
+            model.prefetch(*next_inputs)
+            for inputs, target in batches:              # next_inputs is the first
+                loss_fn(model(*inputs), target).backward(); opt.step(); opt.zero_grad()
+                model.prefetch(*following_inputs)       # before the next forward, if any
+
+        The forward then runs only the exchange's second half (the owners' lookups and the
+        partial sums back), with no host sync when ``lookup_errors="raise_next"``; the
+        first half's host syncs (the split sizes, the inserts' counts) wait for this
+        exchange alone while the GPU still runs the previous step. On CUDA it runs on a
+        high-priority side stream; tensors on the CPU (as a data loader yields them) are
+        copied to the device there. Tensors already on the GPU make that stream wait for all
+        work queued so far (they may come from it): correct, but then nothing overlaps.
+
+        Results are those of the forward alone, bit for bit: the inserts run after the last
+        step's updates were queued, as the forward's would. The model must say which
+        lookups its forward makes: ``model.sparse_lookups(*args, **kwargs)`` returns them as
+        ``[(tables, inputs), ...]`` groups in call order, each as :func:`veloce.lookup_many`
+        takes them (``veloce.models`` define it). Each prefetched group is taken by the next
+        sharded lookup of the same tables; a forward that looks up other tables or inputs
+        of other shapes raises ``ValueError``. Collective: every rank calls it. A no-op at
+        world size 1. Not available with ``dedup=True``.
+        """
+        lookups = getattr(self.module, "sparse_lookups", None)
+        if lookups is None:
+            raise TypeError(
+                f"HybridParallel.prefetch: {type(self.module).__name__} has no sparse_lookups(*inputs) method "
+                f"returning the [(tables, inputs)] groups its forward looks up (veloce.models define one)"
+            )  # fmt: skip
+        if self.world_size == 1 or not self.tables:
+            return
+        from veloce._update_stream import prefetch_stream
+        from veloce.embedding import dispatch_many
+
+        dev = self.tables[0][1].table.device
+        if dev.type != "cuda":
+            for tables, inputs in lookups(*args, **kwargs):
+                dispatch_many(tables, inputs)
+            return
+        groups = {id(m._shard.group): m._shard.group for _, m in self.tables}.values()
+        queued = [len(g.prefetched) for g in groups]
+        main, side = torch.cuda.current_stream(dev), prefetch_stream(dev)
+        on_gpu = [t for t in _tensors((args, kwargs)) if t.is_cuda]
+        if on_gpu:
+            side.wait_stream(main)  # they may come from work queued there
+        try:
+            with torch.cuda.stream(side):
+                args, kwargs = _to_device((args, kwargs), dev)
+                for t in on_gpu:
+                    t.record_stream(side)
+                for tables, inputs in lookups(*args, **kwargs):
+                    dispatch_many(tables, inputs)
+        finally:
+            # Work queued from now on comes after the exchange (its results, and a table
+            # grown or rows evicted on the side stream); the previous step's does not.
+            main.wait_stream(side)
+        for g, n in zip(groups, queued):
+            for d in list(g.prefetched)[n:]:
+                for t in d.tensors():
+                    if t is not None and t.is_cuda:
+                        t.record_stream(main)  # allocated on the side stream, used on main
 
     def train(self, mode: bool = True) -> "HybridParallel":
         super().train(mode)

@@ -92,6 +92,7 @@ class Shard:
     grad_group: Optional[Group] = None
     dedup: bool = False
     lookup_errors: str = "raise"
+    dispatch_group: Optional[Group] = None  # prefetched first halves exchange on it (HybridParallel.prefetch)
     steps: int = 0  # optimizer steps taken (async bookkeeping)
     in_flight: deque = field(default_factory=deque)
 
@@ -118,13 +119,14 @@ class Shard:
         return agree_sum_tensor(self.group, counts)
 
     @contextlib.contextmanager
-    def abandon_on_error(self):
+    def abandon_on_error(self, group: Optional[Group] = None):
         """If the block raises (bad input found before the exchange), this rank still takes
-        part in the exchange's first step so that the other ranks raise too."""
+        part in the exchange's first step (on ``group``, by default the lookups' group) so
+        that the other ranks raise too."""
         try:
             yield
         except Exception:
-            abandon_exchange(self.group)
+            abandon_exchange(group or self.group)
             raise
 
     def flush(self, module) -> None:
@@ -178,17 +180,61 @@ def sharded_lookup(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
     layout raises its error on this rank, and the other ranks raise ExchangeError."""
     shard = modules[0]._shard
     raise_deferred_failures(shard.group)  # an earlier forward's failure first, before anything moves
+    dispatched = _take_dispatched(shard.group, modules, bags)
     anchor_needed = any(m.training for m in modules) and torch.is_grad_enabled()
     psws = [b[2] for b in bags]
     if not anchor_needed:
         with torch.no_grad():
-            outs, _ = _forward_for(shard)(shard, modules, bags, False, layouts)
+            outs, _ = _run_forward(shard, modules, bags, False, layouts, dispatched)
         return list(outs)
     from veloce.embedding import autograd_anchor  # embedding imports this module
 
     psw_grad = any(p is not None and p.requires_grad for p in psws)
     return list(_GroupedLookup.apply(autograd_anchor(bags[0][0].device), shard, modules, bags, psw_grad, layouts,
-                                     *psws))  # fmt: skip
+                                     dispatched, *psws))  # fmt: skip
+
+
+def _run_forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool, layouts: Sequence[tuple],
+                 dispatched: Optional["_Dispatched"]):  # fmt: skip
+    if dispatched is not None:
+        return _finish(shard, dispatched)
+    return _forward_for(shard)(shard, modules, bags, psw_grad, layouts)
+
+
+def dispatch_group(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple] = ()) -> None:
+    """Runs the first half of a later :func:`sharded_lookup` of ``modules`` (one exchange)
+    now and queues it on the group, where that lookup takes it (see
+    :meth:`veloce.distributed.HybridParallel.prefetch`)."""
+    shard = modules[0]._shard
+    if shard.dedup:
+        raise ValueError(
+            "HybridParallel.prefetch: not available with dedup=True (the exchange of distinct ids is not split "
+            "in two halves); construct HybridParallel with dedup=False to prefetch"
+        )  # fmt: skip
+    raise_deferred_failures(shard.group)
+    psw_grad = any(b[2] is not None and b[2].requires_grad for b in bags)
+    shard.group.prefetched.append(_dispatch(shard, list(modules), bags, psw_grad, layouts, shard.dispatch_group))
+
+
+def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple]) -> Optional["_Dispatched"]:
+    """The prefetched first half of this lookup, if one is queued (it must be this
+    lookup's: the same tables in the same mode, inputs of the same shapes)."""
+    if not group.prefetched:
+        return None
+    d = group.prefetched.popleft()
+    tags = [m._shard.tag for m in modules]
+    if [id(m) for m in d.modules] != [id(m) for m in modules] or d.training != tuple(m.training for m in modules):
+        raise ValueError(
+            f"HybridParallel.prefetch: this lookup of tables {tags} (training={[m.training for m in modules]}) is "
+            f"not the one prefetched next (tables {[m._shard.tag for m in d.modules]}, training={list(d.training)}); "
+            f"call forward with the inputs given to prefetch, in the order prefetched, in the same train/eval mode"
+        )  # fmt: skip
+    if d.shapes != _bag_shapes(bags):
+        raise ValueError(
+            f"HybridParallel.prefetch: the inputs of this lookup of tables {tags} differ in shape from those "
+            f"prefetched for it; call forward with the inputs given to prefetch"
+        )  # fmt: skip
+    return d
 
 
 def _forward_for(shard: Shard):
@@ -286,17 +332,61 @@ def _raise_bad_layout(layouts: Sequence[tuple]) -> None:
     _check_offsets_many(layouts)
 
 
+@dataclass
+class _Dispatched:
+    """A sharded forward's first half (:func:`_dispatch`): the ids at their owners and
+    inserted there. Everything up to the forward's last host sync but the owners'
+    agreement; :func:`_finish` does the rest (no host sync with lookup_errors="raise_next").
+    :meth:`HybridParallel.prefetch` dispatches a later forward's lookups ahead of time."""
+
+    modules: list
+    batch: _Batch
+    perm: torch.Tensor
+    bag_of_part: torch.Tensor
+    id_splits: list[int]
+    part_splits: list[int]
+    recv_ids_n: list[int]
+    recv_parts_n: list[int]
+    recv_parts_nk: list  # [k][peer]
+    recv_ids_nk: list  # [k][peer]
+    ids: list  # per table: the ids its owner received (this rank owns them)
+    starts: list  # per table: the starts of the received parts in them
+    psw: list  # per table: the received per-sample weights, or None
+    slots: list  # per table: the slots of the inserted ids (training), or None
+    error: Optional[Exception]  # this owner's insert failed (its agreement is in _finish)
+    shapes: tuple = ()  # the bags' shapes, to check a prefetched dispatch against its forward's
+    training: tuple = ()  # the tables' modes then (an evaluation lookup inserts nothing)
+
+    def tensors(self) -> list:
+        """Every tensor the forward's second half and backward use (for record_stream)."""
+        b = self.batch
+        return [b.ids, b.starts, b.psw, *b.kept, self.perm, self.bag_of_part, *self.ids, *self.starts, *self.psw,
+                *self.slots]  # fmt: skip
+
+
+def _bag_shapes(bags: Sequence[tuple]) -> tuple:
+    return tuple((i.shape, o.shape, None if p is None else p.shape) for i, o, p in bags)
+
+
 def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False,
              layouts: Sequence[tuple] = ()):  # fmt: skip
-    g = shard.group
+    return _finish(shard, _dispatch(shard, modules, bags, psw_grad, layouts))
+
+
+def _dispatch(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False,
+              layouts: Sequence[tuple] = (), group: Optional[Group] = None) -> _Dispatched:  # fmt: skip
+    """The forward's first half: bucketing, the header (a host sync), the ids' all-to-all
+    and the owners' inserts (their host syncs); nothing of it waits for the tables' rows.
+    Its exchanges run on ``group`` (by default the lookups' group; a prefetch has its own,
+    so that they do not queue behind the previous step's exchanges)."""
+    g = group or shard.group
     K = len(modules)
     dev = bags[0][0].device
     dtype = modules[0].table.dtype
-    with shard.abandon_on_error():  # an error before the header: the other ranks raise in theirs
+    with shard.abandon_on_error(g):  # an error before the header: the other ranks raise in theirs
         bad_layout = _layout_flag(layouts, dev)
         cb = _concat_bags(modules, bags, dtype, dev)
         any_psw = cb.psw is not None
-        total_bags = sum(cb.num_bags)
         # Without waiting for the device: its sizes come back with the header's (the split
         # sizes sum to them). The layout is checked by the tables (on CUDA in the header);
         # the CPU kernel checks it again, and fails on a bad concatenated layout.
@@ -333,17 +423,29 @@ def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool 
     starts = _shift_segments(torch.cumsum(t_len, 0) - t_len, parts_per_table, [-n for n in ids_per_table])
     t_starts = starts.split(parts_per_table)
     t_psw = _table_major(recv_psw, recv_ids_nk).split(ids_per_table) if any_psw else [None] * K
-    served, pooled = _serve_tables(modules, t_ids, t_starts, t_psw)
-    partial = _received_order(pooled, recv_parts_nk)
+    slots, error = _insert_tables(modules, t_ids)
+    return _Dispatched(modules, cb, b.perm, bag_of_part, id_splits, part_splits, recv_ids_n, recv_parts_n,
+                       recv_parts_nk, recv_ids_nk, list(t_ids), list(t_starts), list(t_psw), slots, error,
+                       _bag_shapes(bags), tuple(m.training for m in modules))  # fmt: skip
 
-    parts = all_to_all(g, partial, recv_parts_n, part_splits)
+
+def _finish(shard: Shard, d: _Dispatched):
+    """The forward's second half: the owners' lookups and agreement, the partial sums back,
+    combined per bag."""
+    g, modules, cb = shard.group, d.modules, d.batch
+    dtype, dev = modules[0].table.dtype, cb.ids.device
+    served, pooled = _serve_inserted(modules, d.ids, d.starts, d.psw, d.slots, d.error)
+    partial = _received_order(pooled, d.recv_parts_nk)
+
+    parts = all_to_all(g, partial, d.recv_parts_n, d.part_splits)
     # bag_of_part comes from bucketize_bags: in range, so no check (on CUDA, a host sync).
-    out = torch.ops.veloce.combine_parts(parts, bag_of_part, total_bags, False)
+    total_bags = sum(cb.num_bags)
+    out = torch.ops.veloce.combine_parts(parts, d.bag_of_part, total_bags, False)
     scale = _mean_scale(modules, cb, dtype, dev)
     if scale is not None:
         out = out * scale.unsqueeze(1)
-    ex = _Exchange(modules, shard, cb, b.perm, bag_of_part, scale, id_splits, part_splits, recv_ids_n,
-                   recv_parts_n, recv_parts_nk, recv_ids_nk, served)  # fmt: skip
+    ex = _Exchange(modules, shard, cb, d.perm, d.bag_of_part, scale, d.id_splits, d.part_splits, d.recv_ids_n,
+                   d.recv_parts_n, d.recv_parts_nk, d.recv_ids_nk, served)  # fmt: skip
     return _per_table(out, cb.num_bags), ex
 
 
@@ -477,12 +579,38 @@ def _mean_scale(modules: list, batch: _Batch, dtype: torch.dtype, dev: torch.dev
 
 
 def _serve_tables(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[torch.Tensor],
-                  psw: Sequence[Optional[torch.Tensor]]) -> tuple[list, list]:
+                  psw: Sequence[Optional[torch.Tensor]]) -> tuple[list, list]:  # fmt: skip
     """The owner's half of a grouped lookup: each table serves its block (parts starting
     at ``starts[k]`` in ``ids[k]``). Returns per table its :class:`_Served` and its pooled
-    parts.
+    parts (:func:`_insert_tables`, then :func:`_serve_inserted`)."""
+    slots, error = _insert_tables(modules, ids)
+    return _serve_inserted(modules, ids, starts, psw, slots, error)
 
-    If this owner fails (a full table, a lookup out of memory), every rank must stop, and
+
+def _insert_tables(modules: list, ids: Sequence[torch.Tensor]) -> tuple[list, Optional[Exception]]:
+    """The owner inserts the received ids of its training tables: one op for all of them.
+    Returns per table the slots (None for evaluation tables, and for a table listed twice,
+    or shared by two modules, after its first: it inserts on its own when served, after
+    its first part is, since an insert may move its rows), and the error that stopped the
+    inserts, if one did (every rank must learn of it before any raises)."""
+    slots: list = [None] * len(modules)
+    try:
+        first: dict[int, int] = {}
+        train = [k for k, m in enumerate(modules) if m.training and first.setdefault(id(m.table), k) == k]
+        for k, s in zip(train, find_or_insert_many([modules[k].table for k in train], [ids[k] for k in train])):
+            slots[k] = s
+    except Exception as e:  # e.g. TableFullError on this owner: every rank must stop, not wait
+        return slots, e
+    return slots, None
+
+
+def _serve_inserted(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[torch.Tensor],
+                    psw: Sequence[Optional[torch.Tensor]], slots: list,
+                    error: Optional[Exception]) -> tuple[list, list]:  # fmt: skip
+    """The owner's lookups after :func:`_insert_tables` (its ``slots`` and ``error``), and
+    the owners' agreement on whether any failed.
+
+    If this owner failed (a full table, a lookup out of memory), every rank must stop, and
     none may be left waiting in a collective. With ``lookup_errors="raise"`` the ranks
     agree on it here (a collective and a host read) and raise. With "raise_next" the
     agreement stays on the device (:class:`DeferredFailure`): a failed owner serves zero
@@ -490,27 +618,22 @@ def _serve_tables(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[t
     every rank raises at its next step(), lookup or flush()."""
     served: list = []
     pooled: list = []
-    error: Optional[Exception] = None
-    try:
-        # One insert op for the training tables (a table listed twice, or shared by two
-        # modules, inserts on its own the second time, after its first part is served: the
-        # insert may move its rows).
-        first: dict[int, int] = {}
-        train = [k for k, m in enumerate(modules) if m.training and first.setdefault(id(m.table), k) == k]
-        slots: list = [None] * len(modules)
-        for k, s in zip(train, find_or_insert_many([modules[k].table for k in train], [ids[k] for k in train])):
-            slots[k] = s
-        if len(first) == sum(m.training for m in modules):  # no repeated training table: one lookup op
-            served, pooled = _serve_all(modules, ids, starts, psw, slots)
-        else:
-            for k, (m, ids_k, starts_k, psw_k) in enumerate(zip(modules, ids, starts, psw)):
-                if m.training and slots[k] is None:
-                    slots[k] = m.table.find_or_insert(ids_k)
-                s, p = _serve_all([m], [ids_k], [starts_k], [psw_k], [slots[k]])
-                served += s
-                pooled += p
-    except Exception as e:  # e.g. TableFullError on this owner: every rank must stop, not wait
-        error = e
+    if error is None:
+        try:
+            first: dict[int, int] = {}
+            repeated = any(m.training and first.setdefault(id(m.table), k) != k for k, m in enumerate(modules))
+            if not repeated:  # one lookup op
+                served, pooled = _serve_all(modules, ids, starts, psw, slots)
+            else:
+                slots = list(slots)
+                for k, (m, ids_k, starts_k, psw_k) in enumerate(zip(modules, ids, starts, psw)):
+                    if m.training and slots[k] is None:
+                        slots[k] = m.table.find_or_insert(ids_k)
+                    s, p = _serve_all([m], [ids_k], [starts_k], [psw_k], [slots[k]])
+                    served += s
+                    pooled += p
+        except Exception as e:  # e.g. out of memory for the lookup's output
+            error = e
     # After serving, not right after the inserts: a lookup can fail too (out of memory for
     # its output), and a rank raising past the agreement would leave the others waiting.
     shard = modules[0]._shard
@@ -663,13 +786,13 @@ class _GroupedLookup(torch.autograd.Function):
     require one."""
 
     @staticmethod
-    def forward(ctx, anchor, shard, modules, bags, psw_grad, layouts, *psws):  # type: ignore[override]
-        outs, ex = _forward_for(shard)(shard, modules, bags, psw_grad, layouts)
+    def forward(ctx, anchor, shard, modules, bags, psw_grad, layouts, dispatched, *psws):  # type: ignore[override]
+        outs, ex = _run_forward(shard, modules, bags, psw_grad, layouts, dispatched)
         ctx.ex = ex
         return outs
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        psw_needed = list(ctx.needs_input_grad[6:])
+        psw_needed = list(ctx.needs_input_grad[7:])
         psw_grads = ctx.ex.backward(grads, psw_needed)
-        return (None, None, None, None, None, None, *psw_grads)
+        return (None, None, None, None, None, None, None, *psw_grads)

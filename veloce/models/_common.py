@@ -74,6 +74,21 @@ def make_embeddings(names: list[str], dim: int, factory: EmbeddingFactory | None
 
 def lookup(embeddings: nn.ModuleDict, sparse: torch.Tensor, model: str) -> list[torch.Tensor]:
     """Looks up column ``i`` of ``sparse`` (B, F) in the ``i``-th embedding: F tensors (B, dim)."""
+    modules, cols = _columns(embeddings, sparse, model)
+    if all(isinstance(m, DynamicEmbedding) for m in modules):
+        return lookup_many(modules, cols)  # one exchange when sharded
+    return [emb(c) for c, emb in zip(cols, modules)]
+
+
+def sparse_lookups(embeddings: nn.ModuleDict, sparse: torch.Tensor, model: str) -> list[tuple[list, list]]:
+    """The lookups :func:`lookup` makes, as ``[(tables, inputs)]`` for
+    ``HybridParallel.prefetch`` (none when some embedding is not a ``DynamicEmbedding``)."""
+    modules, cols = _columns(embeddings, sparse, model)
+    return [(modules, cols)] if all(isinstance(m, DynamicEmbedding) for m in modules) else []
+
+
+def _columns(embeddings: nn.ModuleDict, sparse: torch.Tensor, model: str) -> tuple[list, list[torch.Tensor]]:
+    """The embeddings, and column ``i`` of ``sparse`` (B, F) as a (B, 1) input of the ``i``-th."""
     if sparse.dim() != 2 or sparse.shape[1] != len(embeddings):
         raise ValueError(f"{model}: sparse must have shape (B, {len(embeddings)}), got {tuple(sparse.shape)}")
     if sparse.dtype != torch.int64:
@@ -83,9 +98,7 @@ def lookup(embeddings: nn.ModuleDict, sparse: torch.Tensor, model: str) -> list[
     # (F, B): each feature's ids contiguous. Beside a sparse update still in flight, like the
     # inserts that read it (a copy queued on the current stream would wait for the update).
     cols = insert_beside_updates(tables, lambda: sparse.t().contiguous())
-    if all(isinstance(m, DynamicEmbedding) for m in modules):
-        return lookup_many(modules, [cols[i].view(-1, 1) for i in range(len(modules))])  # one exchange when sharded
-    return [emb(cols[i].view(-1, 1)) for i, emb in enumerate(modules)]
+    return modules, [cols[i].view(-1, 1) for i in range(len(modules))]
 
 
 def check_sizes(num_dense: int, embedding_dim: int, model: str) -> None:

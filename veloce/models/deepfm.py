@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from veloce.models._common import (
-    EmbeddingFactory, check_dense, check_sizes, feature_names, lookup, make_embeddings, mlp,
+    EmbeddingFactory, check_dense, check_sizes, feature_names, lookup, make_embeddings, mlp, sparse_lookups,
 )  # fmt: skip
 
 
@@ -68,6 +68,11 @@ class DeepFM(nn.Module):
         self.deep = mlp(
             fields * embedding_dim, [*deep_mlp, 1], last_activation=False, name="DeepFM: deep_mlp"
         )
+
+    def sparse_lookups(self, dense: torch.Tensor | None, sparse: torch.Tensor) -> list[tuple[list, list]]:
+        """The table lookups ``forward(dense, sparse)`` makes, in order, as ``[(tables,
+        inputs)]`` (for :meth:`veloce.distributed.HybridParallel.prefetch`)."""
+        return sparse_lookups(self.embeddings, sparse, "DeepFM") + sparse_lookups(self.first_order, sparse, "DeepFM")
 
     def forward(self, dense: torch.Tensor | None, sparse: torch.Tensor) -> torch.Tensor:
         """Click logits of a batch.

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from veloce.models._common import (
-    EmbeddingFactory, check_dense, check_sizes, feature_names, lookup, make_embeddings, mlp,
+    EmbeddingFactory, check_dense, check_sizes, feature_names, lookup, make_embeddings, mlp, sparse_lookups,
 )  # fmt: skip
 
 
@@ -78,6 +78,11 @@ class DLRM(nn.Module):
         self._pairs = li * n + lj
         top_in = n * (n - 1) // 2 + (embedding_dim if num_dense else 0)
         self.top = mlp(top_in, top_mlp, last_activation=False, name="DLRM: top_mlp")
+
+    def sparse_lookups(self, dense: torch.Tensor | None, sparse: torch.Tensor) -> list[tuple[list, list]]:
+        """The table lookups ``forward(dense, sparse)`` makes, in order, as ``[(tables,
+        inputs)]`` (for :meth:`veloce.distributed.HybridParallel.prefetch`)."""
+        return sparse_lookups(self.embeddings, sparse, "DLRM")
 
     def forward(self, dense: torch.Tensor | None, sparse: torch.Tensor) -> torch.Tensor:
         """Click logits of a batch.
