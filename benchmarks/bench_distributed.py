@@ -253,7 +253,7 @@ def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
         (torch.ops.veloce, "accumulate_and_update_many", "step: update launched"),
     ]
 
-    def marked(b):
+    def marked(b, following):
         dense, sparse, label = b
         markers.mark("start")
         out = hp(dense, sparse)
@@ -265,6 +265,9 @@ def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
         markers.mark("step returned")
         opt.zero_grad()
         markers.mark("zero_grad returned")
+        if following is not None:  # --prefetch: the next step's exchange, from the batch on the CPU
+            hp.prefetch(*following)
+            markers.mark("prefetch returned")
 
     # The ids each owner inserts per step: Zipf-hot ids make some owners' share larger.
     received = []
@@ -282,8 +285,11 @@ def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
             markers.clear()
             received.clear()
             with marked_calls(markers, targets):
-                for b in data[args.warmup : n]:
-                    marked(b)
+                ahead = [(d.cpu(), s_.cpu()) for d, s_, _ in data[args.warmup : n]] if args.prefetch else None
+                if ahead:
+                    hp.prefetch(*ahead[0])
+                for i, b in enumerate(data[args.warmup : n]):
+                    marked(b, ahead[i + 1] if ahead and i + 1 < len(ahead) else None)
                 sync_device(device)
     finally:
         s.find_or_insert_many = insert

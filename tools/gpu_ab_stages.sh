@@ -23,10 +23,13 @@
 #              unchecked) of both trees
 #   c5         configuration 5 on W GPUs (default: all), sync, raise_next, interleaved 3x
 #   w1         configuration 5 on one GPU, interleaved 2x
+#   c5p        configuration 5 of the new tree on W GPUs, with and without --prefetch, interleaved 3x
 #   phases     configuration 5's host path (--phases) of the new tree on W GPUs
-# Environment: OUT (default /tmp/ab-out), OLD_TAR (default .gpu/old.tar), W, LOADS.
+# Environment: OUT (default /tmp/ab-out), OLD_TAR (default .gpu/old.tar), W, LOADS, PHASES_ARGS
+# (more bench_distributed arguments for `phases`, e.g. --prefetch).
 # At most 8 files come back from $OUT: summary.txt gathers the stages' short results.
 set -uo pipefail
+PHASES_ARGS="${PHASES_ARGS:-}"
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/ab-out}"; mkdir -p "$OUT"
 OLD_TAR="${OLD_TAR:-.gpu/old.tar}"
@@ -56,11 +59,12 @@ save_build() {  # save_build TAG DIR: the extension, stripped and gzipped, to $O
   mkdir -p "$OUT/b"
   strip --strip-debug -o "/tmp/ab_$1.so" "$2/veloce/_C.abi3.so" && gzip -6 -c "/tmp/ab_$1.so" > "$OUT/b/$1.so.gz"
 }
-c5_run() {  # c5_run TAG GPUS
-  local d; d=$(tree "$1")
-  (cd "$d" && PYTHONPATH="$d" timeout 150 torchrun --standalone --nproc_per_node="$2" benchmarks/bench_distributed.py \
-     --sparse sync --nonfinite raise_next --steps 30 --json "/tmp/ab_c5_$1_w$2.json" >"/tmp/ab_c5_$1_w$2.log" 2>&1)
-  echo "w=$2 $1: $(grep -o '"step_ms": [0-9.]*\|"step_ms_synced": [0-9.]*' "/tmp/ab_c5_$1_w$2.json" | tr '\n' ' ')" | say
+c5_run() {  # c5_run TAG GPUS [EXTRA ARGS...]; TAG old or new (new+prefetch: the new tree, --prefetch)
+  local tag=$1 w=$2; shift 2
+  local d; d=$(tree "${tag%%+*}")
+  (cd "$d" && PYTHONPATH="$d" timeout 150 torchrun --standalone --nproc_per_node="$w" benchmarks/bench_distributed.py \
+     --sparse sync --nonfinite raise_next --steps 30 --json "/tmp/ab_c5_${tag}_w$w.json" "$@" >"/tmp/ab_c5_${tag}_w$w.log" 2>&1)
+  echo "w=$w $tag: $(grep -o '"step_ms": [0-9.]*\|"step_ms_synced": [0-9.]*' "/tmp/ab_c5_${tag}_w$w.json" | tr '\n' ' ')" | say
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | say
@@ -130,10 +134,16 @@ for stage in "$@"; do
     w1)
       for tag in old new new old; do c5_run $tag 1; done
       t ;;
+    c5p)
+      gpus=${W:-$(nvidia-smi -L | wc -l)}
+      for tag in new new+prefetch new+prefetch new new new+prefetch; do
+        if [ "$tag" = new ]; then c5_run new "$gpus"; else c5_run new+prefetch "$gpus" --prefetch; fi
+      done
+      t ;;
     phases)
       gpus=${W:-$(nvidia-smi -L | wc -l)}
       PYTHONPATH=$NEW timeout 150 torchrun --standalone --nproc_per_node="$gpus" benchmarks/bench_distributed.py \
-        --sparse sync --nonfinite raise_next --steps 20 --phases > "$OUT/phases_new_w$gpus.txt" 2>&1
+        --sparse sync --nonfinite raise_next --steps 20 --phases $PHASES_ARGS > "$OUT/phases_new_w$gpus.txt" 2>&1
       t ;;
     *)
       echo "unknown stage $stage (see this script's header)" | say; exit 2 ;;
