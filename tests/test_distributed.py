@@ -892,6 +892,10 @@ def _model_prefetched(rank, world, name, prefetch, device_kind):
     g = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(8, 2, generator=g), torch.randint(0, 200, (8, 3), generator=g)) for _ in range(6)]
     preds = []
+    from veloce.distributed import sharded
+
+    dispatch, calls = sharded._dispatch, []
+    sharded._dispatch = lambda *a, **k: calls.append(1) or dispatch(*a, **k)
     if prefetch:
         hp.prefetch(*batches[0])  # on the CPU, as a loader yields them
     for i, (dense, sparse) in enumerate(batches):
@@ -902,6 +906,9 @@ def _model_prefetched(rank, world, name, prefetch, device_kind):
         if prefetch and i + 1 < len(batches):
             hp.prefetch(*batches[i + 1])
         preds.append(out.detach().cpu())
+    sharded._dispatch = dispatch
+    groups = 1 if name == "DLRM" else 2  # DeepFM looks its embeddings and first-order weights up apart
+    assert len(calls) == groups * len(batches), len(calls)  # each first half once: prefetched ones were taken
     tables = {n: {k: v.cpu() for k, v in m.export().items()} for n, m in model.named_modules()
               if isinstance(m, veloce.DynamicEmbedding)}  # fmt: skip
     return preds, tables
@@ -933,6 +940,11 @@ def _prefetch_misuse(rank, world, case):
         if case == "bad input" and rank == 0:
             inputs = (*inputs[:4], inputs[4].float())  # only rank 0's, of the second table
         hp.prefetch(*inputs)
+        if case == "two ahead":
+            hp.prefetch(*inputs)
+        if case == "table changed":  # between prefetch and forward: the prefetched slots are stale
+            model.a.table.resize(model.a.table.capacity * 2)
+            hp(*inputs)
         if case == "other shapes":
             hp(*rank_slice(global_batch(0), 4 * rank, 4 * rank + 4)[0])
         elif case == "eval":
@@ -943,18 +955,99 @@ def _prefetch_misuse(rank, world, case):
     return "ok", ""
 
 
-@pytest.mark.parametrize("case", ["no sparse_lookups", "dedup", "other shapes", "eval", "bad input"])
+@pytest.mark.parametrize("case", ["no sparse_lookups", "dedup", "other shapes", "eval", "bad input", "two ahead",
+                                  "table changed"])  # fmt: skip
 def test_prefetch_misuse_raises_on_every_rank(case):
     want = {
         "no sparse_lookups": ("TypeError", "has no sparse_lookups"),
         "dedup": ("ValueError", "not available with dedup=True"),
         "other shapes": ("ValueError", "differ in shape from those prefetched"),
         "eval": ("ValueError", "is not the one prefetched next"),
+        "two ahead": ("ValueError", "already have a prefetched lookup that no forward has taken"),
+        "table changed": ("ValueError", "changed between prefetch and this forward"),
     }.get(case)
     for rank, (kind, msg) in enumerate(run_ranks(_prefetch_misuse, 2, case, timeout=60)):
         if case == "bad input":  # rank 0's own error; rank 1 learns of it in the prefetch's exchange
             want = ("TypeError", "input must hold int64") if rank == 0 else ("ExchangeError", "could not take part")
         assert kind == want[0] and want[1] in msg, (rank, kind, msg)
+
+
+class _OneTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = veloce.DynamicEmbedding(4, mode="sum", seed=3)
+        self.w = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.w(self.a(ids)).squeeze(1)
+
+    def sparse_lookups(self, ids):
+        return [([self.a], [ids])]
+
+
+def _one_rank_forwards_other_inputs(rank, world, lookup_errors, one_lookup):
+    model = _OneTable() if one_lookup else Small()
+    hp = HybridParallel(model, lookup_errors=lookup_errors)
+    opt = make_opt(hp)
+    if one_lookup:
+        inputs = (torch.arange(6).view(3, 2) + 10 * rank,)
+    else:
+        inputs, _ = rank_slice(global_batch(0), 6 * rank, 6 * rank + 6)
+    hp.prefetch(*inputs)
+    if rank == 0:  # only rank 0 passes other inputs to the forward than it prefetched
+        inputs = (torch.arange(4).view(2, 2),) if one_lookup else rank_slice(global_batch(0), 0, 4)[0]
+    where = "forward"
+    try:
+        hp(*inputs).sum().backward()
+        where = "step"
+        opt.step()
+    except (ValueError, ExchangeError) as e:
+        return where, type(e).__name__, str(e)
+    return where, "ok", ""
+
+
+@pytest.mark.parametrize("lookup_errors, one_lookup", [("raise", False), ("raise_next", False), ("raise_next", True)],
+                         ids=["raise", "raise_next, two lookups", "raise_next, one lookup"])  # fmt: skip
+def test_a_prefetch_mismatch_on_one_rank_raises_on_every_rank(lookup_errors, one_lookup):
+    """Rank 0's forward is given inputs of other shapes than it prefetched; rank 1's are
+    right. Rank 0 still takes part in every collective: every rank raises, none waits: in
+    the forward ("raise"; or "raise_next" at the model's next lookup), or at step()
+    ("raise_next" with one lookup: rank 0's forward goes on with zeros, its backward sends
+    zeros, and nothing is applied)."""
+    results = run_ranks(_one_rank_forwards_other_inputs, 2, lookup_errors, one_lookup, timeout=60)
+    where = "step" if one_lookup else "forward"
+    (w0, k0, m0), (w1, k1, m1) = results
+    assert (w0, k0) == (where, "ValueError") and "differ in shape from those prefetched" in m0, results[0]
+    assert (w1, k1) == (where, "ExchangeError") and "failed on 1 other rank(s)" in m1, results[1]
+
+
+def _async_failure(rank, world):
+    a = veloce.DynamicEmbedding(4, mode="sum", max_capacity=32, eviction="none", seed=5)
+    hp = HybridParallel(nn.ModuleList([a]), sparse="async", staleness=1, dense="none", lookup_errors="raise_next")
+    mine = torch.tensor(ids_owned_by(0, world, 2)).view(-1, 1)  # rows of rank 0, which does not fail
+    a(mine).sum().backward()
+    a.step()  # applied one step late: by the flush
+    a.zero_grad()
+    hp.flush()  # nothing in flight
+    full = torch.tensor(ids_owned_by(1, world, 40)).view(-1, 1) if rank == 0 else mine
+    (a(torch.cat([mine, full])).sum()).backward()  # rank 1's shard is too small: it fails
+    try:
+        a.step()
+        got = "none"
+    except Exception as e:  # noqa: BLE001
+        got = type(e).__name__
+    a.zero_grad()
+    before = a.export()["weights"].clone()
+    for _ in range(3):  # nothing of the failed step is applied later, in flight or not
+        a.step()
+    hp.flush()
+    return got, torch.equal(before, a.export()["weights"])
+
+
+def test_a_deferred_failure_drops_the_async_gradients_in_flight():
+    (g0, same0), (g1, same1) = run_ranks(_async_failure, 2, timeout=60)
+    assert (g0, g1) == ("ExchangeError", "TableFullError")
+    assert same0 and same1
 
 
 def _many_tables(rank, world, counts):

@@ -45,12 +45,14 @@ current stream instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["ENABLED", "UpdateFence", "beside_updates", "prefetch_stream", "release_done", "run_update"]
+__all__ = ["ENABLED", "UpdateFence", "beside_updates", "prefetch_stream", "prefetching", "release_done",
+           "run_update", "wait_prefetch_origin"]  # fmt: skip
 
 ENABLED = os.environ.get("VELOCE_UPDATE_STREAM", "1") != "0"
 
@@ -156,6 +158,30 @@ def prefetch_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream of ``HybridParallel.prefetch``'s exchanges: the high-priority insert
     stream (their inserts run there anyway, beside the updates)."""
     return _stream(device, _INSERT)
+
+
+_PREFETCH_ORIGIN: list = []  # the event on the current stream where a prefetch in progress began
+
+
+@contextlib.contextmanager
+def prefetching(origin: torch.cuda.Event):
+    """While ``HybridParallel.prefetch`` runs on the insert stream without waiting for the
+    current stream: ``origin``, recorded on that stream when it began, is what every access
+    to a table's rows or slots waits for (:func:`wait_prefetch_origin`). The inserts that
+    may not evict need not; a growth or an eviction then also waits for work queued before
+    the prefetch (an update with the update stream off, or whose fence the current stream
+    already joined)."""
+    _PREFETCH_ORIGIN.append(origin)
+    try:
+        yield
+    finally:
+        _PREFETCH_ORIGIN.pop()
+
+
+def wait_prefetch_origin(device: torch.device) -> None:
+    """Inside :func:`prefetching`: the current stream waits for the prefetch's origin."""
+    if _PREFETCH_ORIGIN and device.type == "cuda":
+        torch.cuda.current_stream(device).wait_event(_PREFETCH_ORIGIN[-1])
 
 
 def _record(obj: Any, stream: torch.cuda.Stream) -> None:

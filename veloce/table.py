@@ -23,7 +23,7 @@ from torch import nn
 
 from veloce import _ext
 from veloce._memory import empty_table
-from veloce._update_stream import UpdateFence, beside_updates, release_done
+from veloce._update_stream import UpdateFence, beside_updates, release_done, wait_prefetch_origin
 from veloce.init import Initializer
 
 __all__ = ["HashTable", "TableFullError", "BUCKET_SIZE", "find_or_insert_many", "round_capacity"]
@@ -161,6 +161,7 @@ class HashTable(PlainAttrs, nn.Module):
         fence = self._update_fence
         if fence is not None and fence.join():  # a join on a stream of the user's own keeps it
             self._update_fence = None
+        wait_prefetch_origin(self.device)  # inside HybridParallel.prefetch: after what came before it
 
     def __getattr__(self, name: str) -> Any:
         # Reading the rows or the optimizer state (``table.weights``, by veloce or by the

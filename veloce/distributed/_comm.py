@@ -36,6 +36,8 @@ class Group:
         self.unread: list[DeferredFailure] = []
         # Forwards' first halves dispatched ahead by HybridParallel.prefetch, oldest first.
         self.prefetched: deque = deque()
+        # Called before a DeferredFailure raises: drops the failed forward's gradients.
+        self.on_failure: Optional[Callable[[], None]] = None
 
 
 def exchange_headers(
@@ -156,7 +158,7 @@ class DeferredFailure:
                 f"{self.what}: a sharded lookup of an earlier forward failed on {failed} other rank(s) (their errors "
                 f"say why, e.g. a full table). With lookup_errors='raise_next' this is raised at the next step(), "
                 f"lookup or flush(): no sparse update of that forward was applied (with CombinedOptimizer no dense "
-                f"one either); every rank stops here"
+                f"one either) and its sparse gradients were dropped; every rank stops here"
             )  # fmt: skip
 
 
@@ -167,7 +169,12 @@ def raise_deferred_failures(group: Group) -> None:
     counts, so every rank raises in the same call."""
     checks, group.unread = group.unread, []
     for check in checks:
-        check.raise_if_failed()
+        try:
+            check.raise_if_failed()
+        except BaseException:
+            if group.on_failure is not None:
+                group.on_failure()
+            raise
 
 
 def _device(group: Group) -> torch.device:

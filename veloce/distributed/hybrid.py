@@ -40,6 +40,7 @@ def _to_device(obj: Any, dev: torch.device) -> Any:
         return {k: _to_device(o, dev) for k, o in obj.items()}
     return obj
 
+
 _SPARSE = ("sync", "async")
 _DENSE = ("ddp", "none")
 _LOOKUP_ERRORS = ("raise", "raise_next")
@@ -79,7 +80,8 @@ class HybridParallel(nn.Module):
             sync per forward. The forward then returns, with zeros for the failed owner's
             parts, and every rank raises at its next ``step()`` (before anything of the
             step is applied, dense parameters too with ``CombinedOptimizer``), sharded
-            lookup or ``flush()``; that forward's gradients are not applied.
+            lookup or ``flush()``; the sparse gradients not yet applied then are dropped
+            (that forward's never apply, in async mode either).
         process_group: the ranks to shard over (default: the whole world).
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
@@ -163,6 +165,10 @@ class HybridParallel(nn.Module):
         for tag, (name, m) in enumerate(self.tables):
             m._shard = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group, self.dedup,
                              self.lookup_errors, dispatch_group)  # fmt: skip
+        from veloce.distributed.sharded import drop_failed_gradients
+
+        modules = [m for _, m in self.tables]
+        lookup_group.on_failure = lambda: drop_failed_gradients(modules)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the wrapped model (through DDP when dense parameters are data-parallel)."""
@@ -192,9 +198,11 @@ class HybridParallel(nn.Module):
         lookups its forward makes: ``model.sparse_lookups(*args, **kwargs)`` returns them as
         ``[(tables, inputs), ...]`` groups in call order, each as :func:`veloce.lookup_many`
         takes them (``veloce.models`` define it). Each prefetched group is taken by the next
-        sharded lookup of the same tables; a forward that looks up other tables or inputs
-        of other shapes raises ``ValueError``. Collective: every rank calls it. A no-op at
-        world size 1. Not available with ``dedup=True``.
+        sharded lookup of the same tables; a forward that looks up other tables raises
+        ``ValueError``, one given inputs of other shapes fails on every rank (see
+        ``docs/distributed.md``). Prefetch one batch ahead: a table whose prefetched lookup
+        no forward has taken yet cannot be prefetched again. Collective: every rank calls
+        it. A no-op at world size 1. Not available with ``dedup=True``.
         """
         lookups = getattr(self.module, "sparse_lookups", None)
         if lookups is None:
@@ -204,7 +212,7 @@ class HybridParallel(nn.Module):
             )  # fmt: skip
         if self.world_size == 1 or not self.tables:
             return
-        from veloce._update_stream import prefetch_stream
+        from veloce._update_stream import prefetch_stream, prefetching
         from veloce.embedding import dispatch_many
 
         dev = self.tables[0][1].table.device
@@ -218,8 +226,10 @@ class HybridParallel(nn.Module):
         on_gpu = [t for t in _tensors((args, kwargs)) if t.is_cuda]
         if on_gpu:
             side.wait_stream(main)  # they may come from work queued there
+        origin = torch.cuda.Event()
+        origin.record(main)  # what a growth or an eviction on the side stream waits for
         try:
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), prefetching(origin):
                 args, kwargs = _to_device((args, kwargs), dev)
                 for t in on_gpu:
                     t.record_stream(side)
@@ -229,11 +239,11 @@ class HybridParallel(nn.Module):
             # Work queued from now on comes after the exchange (its results, and a table
             # grown or rows evicted on the side stream); the previous step's does not.
             main.wait_stream(side)
-        for g, n in zip(groups, queued):
-            for d in list(g.prefetched)[n:]:
-                for t in d.tensors():
-                    if t is not None and t.is_cuda:
-                        t.record_stream(main)  # allocated on the side stream, used on main
+            for g, n in zip(groups, queued):  # also those queued before a later group failed
+                for d in list(g.prefetched)[n:]:
+                    for t in d.tensors():
+                        if t is not None and t.is_cuda:
+                            t.record_stream(main)  # allocated on the side stream, used on main
 
     def train(self, mode: bool = True) -> "HybridParallel":
         super().train(mode)

@@ -166,6 +166,7 @@ class _Exchange:
     recv_parts_nk: list  # [k][peer]: parts received of table k from each peer
     recv_ids_nk: list  # [k][peer]: ids received of table k from each peer
     served: list  # _Served per table
+    refused: bool = False  # a prefetched exchange this rank's forward could not use (see _run_forward)
 
     def backward(self, grads, psw_grad: list[bool]) -> list:
         return _backward(self, grads, psw_grad)
@@ -195,10 +196,21 @@ def sharded_lookup(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
 
 
 def _run_forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool, layouts: Sequence[tuple],
-                 dispatched: Optional["_Dispatched"]):  # fmt: skip
-    if dispatched is not None:
-        return _finish(shard, dispatched)
-    return _forward_for(shard)(shard, modules, bags, psw_grad, layouts)
+                 dispatched: Optional[tuple]):  # fmt: skip
+    if dispatched is None:
+        return _forward_for(shard)(shard, modules, bags, psw_grad, layouts)
+    d, refusal = dispatched
+    outs, ex = _finish(shard, d, refusal)  # raises here with lookup_errors="raise"
+    if refusal is None:
+        return outs, ex
+    # "raise_next": every rank raises at its next step(). Until then this rank's forward
+    # goes on with zeros of its own bags' shapes, and its backward sends zero gradients of
+    # the prefetched sizes (every collective as the other ranks run it).
+    ex.refused = True
+    dim, dtype = modules[0].embedding_dim, modules[0].table.dtype
+    outs = tuple(torch.zeros((o.numel() - int(m.include_last_offset), dim), dtype=dtype, device=o.device)
+                 for m, (_, o, _) in zip(modules, bags))  # fmt: skip
+    return outs, ex
 
 
 def dispatch_group(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple] = ()) -> None:
@@ -211,30 +223,57 @@ def dispatch_group(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
             "HybridParallel.prefetch: not available with dedup=True (the exchange of distinct ids is not split "
             "in two halves); construct HybridParallel with dedup=False to prefetch"
         )  # fmt: skip
+    # An insert into a table whose prefetched slots no forward has taken yet could grow it
+    # or evict under them. (The queue is the same on every rank: all raise here, none waits.)
+    pending = {id(m.table) for d in shard.group.prefetched for m in d.modules}
+    clash = [m._shard.tag for m in modules if id(m.table) in pending]
+    if clash:
+        raise ValueError(
+            f"HybridParallel.prefetch: table(s) {clash} already have a prefetched lookup that no forward has taken "
+            f"yet: prefetch one batch ahead (after step(), before the next forward), and a model must look each "
+            f"table up once per forward to be prefetched"
+        )  # fmt: skip
     raise_deferred_failures(shard.group)
     psw_grad = any(b[2] is not None and b[2].requires_grad for b in bags)
     shard.group.prefetched.append(_dispatch(shard, list(modules), bags, psw_grad, layouts, shard.dispatch_group))
 
 
-def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple]) -> Optional["_Dispatched"]:
-    """The prefetched first half of this lookup, if one is queued (it must be this
-    lookup's: the same tables in the same mode, inputs of the same shapes)."""
+def drop_failed_gradients(modules: Sequence) -> None:
+    """After an owner's deferred failure (``lookup_errors="raise_next"``), before it raises:
+    the sparse gradients not yet applied are dropped, pending ones and, in async mode, those
+    the failed step's backward sent (earlier steps' stay in flight), so no part of that
+    forward's gradient is applied later."""
+    for m in modules:
+        m._pending.clear()
+        m._had_backward = False
+        shard = m._shard
+        if shard is not None and shard.in_flight:
+            shard.in_flight = deque(f for f in shard.in_flight if f.step < shard.steps)
+
+
+def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple]) -> Optional[tuple]:
+    """The prefetched first half of this lookup, if one is queued: ``(dispatched,
+    refusal)``. It must be this lookup's: the same tables in the same mode (the same on
+    every rank: else every rank raises here, and the queue is dropped), inputs of the same
+    shapes (this rank's own: else ``refusal``, which :func:`_finish` turns into an error on
+    every rank)."""
     if not group.prefetched:
         return None
     d = group.prefetched.popleft()
     tags = [m._shard.tag for m in modules]
     if [id(m) for m in d.modules] != [id(m) for m in modules] or d.training != tuple(m.training for m in modules):
+        group.prefetched.clear()
         raise ValueError(
             f"HybridParallel.prefetch: this lookup of tables {tags} (training={[m.training for m in modules]}) is "
             f"not the one prefetched next (tables {[m._shard.tag for m in d.modules]}, training={list(d.training)}); "
             f"call forward with the inputs given to prefetch, in the order prefetched, in the same train/eval mode"
         )  # fmt: skip
     if d.shapes != _bag_shapes(bags):
-        raise ValueError(
+        return d, ValueError(
             f"HybridParallel.prefetch: the inputs of this lookup of tables {tags} differ in shape from those "
             f"prefetched for it; call forward with the inputs given to prefetch"
         )  # fmt: skip
-    return d
+    return d, None
 
 
 def _forward_for(shard: Shard):
@@ -356,6 +395,7 @@ class _Dispatched:
     error: Optional[Exception]  # this owner's insert failed (its agreement is in _finish)
     shapes: tuple = ()  # the bags' shapes, to check a prefetched dispatch against its forward's
     training: tuple = ()  # the tables' modes then (an evaluation lookup inserts nothing)
+    versions: tuple = ()  # the tables' versions after the inserts (the slots hold until they change)
 
     def tensors(self) -> list:
         """Every tensor the forward's second half and backward use (for record_stream)."""
@@ -426,15 +466,26 @@ def _dispatch(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool
     slots, error = _insert_tables(modules, t_ids)
     return _Dispatched(modules, cb, b.perm, bag_of_part, id_splits, part_splits, recv_ids_n, recv_parts_n,
                        recv_parts_nk, recv_ids_nk, list(t_ids), list(t_starts), list(t_psw), slots, error,
-                       _bag_shapes(bags), tuple(m.training for m in modules))  # fmt: skip
+                       _bag_shapes(bags), tuple(m.training for m in modules),
+                       tuple(m.table.version for m in modules))  # fmt: skip
 
 
-def _finish(shard: Shard, d: _Dispatched):
+def _finish(shard: Shard, d: _Dispatched, refusal: Optional[Exception] = None):
     """The forward's second half: the owners' lookups and agreement, the partial sums back,
-    combined per bag."""
+    combined per bag. ``refusal``: this rank cannot use a prefetched ``d`` (its forward's
+    inputs differ): it still takes part in every collective, and fails through the owners'
+    agreement, so that every rank raises, none waits."""
     g, modules, cb = shard.group, d.modules, d.batch
     dtype, dev = modules[0].table.dtype, cb.ids.device
-    served, pooled = _serve_inserted(modules, d.ids, d.starts, d.psw, d.slots, d.error)
+    error = d.error or refusal
+    changed = [m._shard.tag for m, v in zip(modules, d.versions) if m.table.version != v]
+    if error is None and changed:  # prefetched slots of a table grown, evicted or erased since
+        error = ValueError(
+            f"HybridParallel.prefetch: table(s) {changed} changed between prefetch and this forward (an insert, "
+            f"erase or load grew the table or moved its rows); call prefetch after step() and before the forward, "
+            f"with nothing in between that inserts into the tables"
+        )  # fmt: skip
+    served, pooled = _serve_inserted(modules, d.ids, d.starts, d.psw, d.slots, error)
     partial = _received_order(pooled, d.recv_parts_nk)
 
     parts = all_to_all(g, partial, d.recv_parts_n, d.part_splits)
@@ -681,6 +732,8 @@ def _backward(ex: _Exchange, grads: Sequence[Optional[torch.Tensor]], psw_grad: 
     """Sends each part's gradient to its owner; returns per-table per-sample-weight
     gradients (None where not needed)."""
     shard, g = ex.shard, ex.shard.group
+    if ex.refused:  # zeros of the prefetched bags' shapes: the same collectives, nothing to apply
+        grads = [None] * len(ex.modules)
     grad = _cat_grads(ex.modules, grads, ex.batch.num_bags, ex.perm.device)
     if ex.scale is not None:
         grad = grad * ex.scale.unsqueeze(1)
@@ -690,7 +743,8 @@ def _backward(ex: _Exchange, grads: Sequence[Optional[torch.Tensor]], psw_grad: 
                          ex.recv_parts_nk, sync=want_psw)  # fmt: skip
     if not want_psw:
         return [None] * len(ex.modules)
-    return _psw_grads(ex, per_table, psw_grad)
+    psw_grads = _psw_grads(ex, per_table, psw_grad)
+    return [None] * len(ex.modules) if ex.refused else psw_grads
 
 
 def _cat_grads(modules: list, grads: Sequence[Optional[torch.Tensor]], num_bags: list[int], dev) -> torch.Tensor:
