@@ -961,7 +961,7 @@ def test_prefetch_misuse_raises_on_every_rank(case):
     want = {
         "no sparse_lookups": ("TypeError", "has no sparse_lookups"),
         "dedup": ("ValueError", "not available with dedup=True"),
-        "other shapes": ("ValueError", "differ in shape from those prefetched"),
+        "other shapes": ("ValueError", "differ in shape"),
         "eval": ("ValueError", "is not the one prefetched next"),
         "two ahead": ("ValueError", "already have a prefetched lookup that no forward has taken"),
         "table changed": ("ValueError", "changed between prefetch and this forward"),
@@ -1017,8 +1017,64 @@ def test_a_prefetch_mismatch_on_one_rank_raises_on_every_rank(lookup_errors, one
     results = run_ranks(_one_rank_forwards_other_inputs, 2, lookup_errors, one_lookup, timeout=60)
     where = "step" if one_lookup else "forward"
     (w0, k0, m0), (w1, k1, m1) = results
-    assert (w0, k0) == (where, "ValueError") and "differ in shape from those prefetched" in m0, results[0]
+    assert (w0, k0) == (where, "ValueError") and "differ in shape" in m0, results[0]
     assert (w1, k1) == (where, "ExchangeError") and "failed on 1 other rank(s)" in m1, results[1]
+
+
+class _WeightedTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = veloce.DynamicEmbedding(4, mode="sum", seed=3)
+        self.w = nn.Linear(4, 1)
+
+    def forward(self, ids, offsets, psw):
+        return self.w(self.a(ids, offsets, per_sample_weights=psw)).squeeze(1)
+
+    def sparse_lookups(self, ids, offsets, psw):
+        return [([self.a], [(ids, offsets, psw)])]
+
+
+def _prefetched_then_other(rank, world, lookup_errors, case):
+    hp = HybridParallel(_WeightedTable(), lookup_errors=lookup_errors)
+    opt = make_opt(hp)
+    ids, offsets, psw = torch.arange(6) + 10 * rank, torch.tensor([0, 2, 4]), torch.rand(6, requires_grad=True)
+    hp.prefetch(ids, offsets, psw)
+    if rank == 0:  # rank 0's forward is given other input than it prefetched
+        if case == "weights without grad":  # the other ranks' backward exchanges weight gradients: so must it
+            ids, offsets, psw = ids[:4], offsets[:2], torch.rand(4)
+        elif case == "no weights":
+            ids, offsets, psw = ids[:4], offsets[:2], None
+        else:  # bad input: its check fails before any exchange
+            psw = psw[:5]
+    out = []
+    for attempt in ("forward", "step", "again"):  # then the ranks train on together
+        try:
+            if attempt == "step":
+                opt.step()
+            else:
+                hp(ids, offsets, psw).sum().backward()
+            out.append("ok")
+        except (ValueError, ExchangeError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+            opt.zero_grad()
+            ids, offsets, psw = torch.arange(6) + 10 * rank, torch.tensor([0, 2, 4]), torch.rand(6)
+    return out
+
+
+@pytest.mark.parametrize("lookup_errors, case", [
+    ("raise_next", "weights without grad"), ("raise_next", "no weights"), ("raise", "bad input"),
+])  # fmt: skip
+def test_a_refused_prefetch_keeps_every_collective(lookup_errors, case):
+    """A rank whose forward cannot take its prefetched exchange still runs what the others
+    run (the per-sample weights' gradient exchange in backward too, which the prefetched
+    signature asked for), then every rank raises together and the ranks train on."""
+    (r0, r1) = run_ranks(_prefetched_then_other, 2, lookup_errors, case, timeout=60)
+    if lookup_errors == "raise":
+        assert r0[0].startswith("ValueError: per_sample_weights must have shape") and r0[1:] == ["ok", "ok"], r0
+        assert r1[0].startswith("ExchangeError") and r1[1:] == ["ok", "ok"], r1
+    else:
+        assert r0[0] == "ok" and "differ in shape" in r0[1] and r0[2] == "ok", r0
+        assert r1[0] == "ok" and r1[1].startswith("ExchangeError") and r1[2] == "ok", r1
 
 
 def _async_failure(rank, world):

@@ -624,7 +624,8 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
     if len(lrs) != len(tables):
         raise ValueError(f"step_tables: {len(tables)} tables but {len(lrs)} learning rates")
     # The last step's "raise_next" check first, before anything of this step (async
-    # gradients stay in flight: zero_grad() after the error does not drop them).
+    # gradients stay in flight: zero_grad() after the error does not drop them; an owner's
+    # deferred lookup failure drops the failed step's, see HybridParallel(lookup_errors=)).
     _raise_deferred(tables)
     for t in tables:
         if t._shard is not None:
@@ -997,7 +998,7 @@ def dispatch_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -
     aranges: dict = {}
     for idx in groups.values():
         shard = tables[idx[0]]._shard
-        with shard.abandon_on_error(shard.dispatch_group):  # bad input fails every rank, not just this one
+        with shard.abandon_on_error(shard.dispatch_group or shard.group):  # bad input fails every rank
             layouts: list = []
             bags = [tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in idx]
         dispatch_group([tables[i] for i in idx], bags, layouts)

@@ -114,14 +114,18 @@ class HashTable(PlainAttrs, nn.Module):
         self.num_evicted = 0
         self.last_evicted = torch.empty(0, dtype=torch.long)
         self._update_fence = None
+        self._cleared = None
         self._allocate(cap, dtype, torch.device(device) if device is not None else torch.device("cpu"))
 
     # Bookkeeping set on every training lookup (see PlainAttrs).
-    _PLAIN_ATTRS = frozenset({"size", "version", "clock", "num_evicted", "last_evicted", "_update_fence"})
+    _PLAIN_ATTRS = frozenset({"size", "version", "clock", "num_evicted", "last_evicted", "_update_fence", "_cleared"})
 
     # The sparse update last queued on a side stream (veloce._update_stream), until a use of
     # the rows waited for it.
     _update_fence: UpdateFence | None = None
+    # After clear() on CUDA (queued, not waited for): its event, until an op on the state
+    # waited for it (an insert of HybridParallel.prefetch may run on a side stream).
+    _cleared: Any = None
 
     # ---- state ------------------------------------------------------------------------
     def _allocate(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -150,6 +154,9 @@ class HashTable(PlainAttrs, nn.Module):
         evict: it runs beside a sparse update still in flight (see :meth:`_join_update`)."""
         if join:
             self._join_update()
+        if self._cleared is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._cleared)
+            self._cleared = None
         b = self._buffers
         return (b["keys"], b["digests"], b["scores"], b["weights"], b["opt_state"])
 
@@ -179,6 +186,7 @@ class HashTable(PlainAttrs, nn.Module):
         self._join_update()
         state = self.__dict__.copy()
         state["_update_fence"] = None
+        state["_cleared"] = None  # a CUDA event; the clear is queued before any later use here
         return state
 
     @property
@@ -316,6 +324,9 @@ class HashTable(PlainAttrs, nn.Module):
         self.digests.zero_()
         self.size = 0
         self.version += 1
+        if self.digests.is_cuda:
+            self._cleared = torch.cuda.Event()
+            self._cleared.record(torch.cuda.current_stream(self.device))
 
     # ---- growth -----------------------------------------------------------------------
     def _at_max(self) -> bool:

@@ -172,6 +172,7 @@ def raise_deferred_failures(group: Group) -> None:
         try:
             check.raise_if_failed()
         except BaseException:
+            group.prefetched.clear()  # every rank stops: what was prefetched is not taken
             if group.on_failure is not None:
                 group.on_failure()
             raise

@@ -122,10 +122,18 @@ class Shard:
     def abandon_on_error(self, group: Optional[Group] = None):
         """If the block raises (bad input found before the exchange), this rank still takes
         part in the exchange's first step (on ``group``, by default the lookups' group) so
-        that the other ranks raise too."""
+        that the other ranks raise too. A lookup whose first half was prefetched starts at
+        its second half: this rank takes the prefetched exchange and fails through the
+        owners' agreement there instead (see :func:`_finish`)."""
         try:
             yield
-        except Exception:
+        except Exception as e:
+            if group is None and self.group.prefetched:
+                _finish(self, self.group.prefetched.popleft(), refusal=e)  # raises with lookup_errors="raise"
+                # "raise_next": the other ranks go on and raise at their next step(); this
+                # one cannot go on with input it cannot read, and they may wait for it in
+                # a later collective (docs/distributed.md says so).
+                raise
             abandon_exchange(group or self.group)
             raise
 
@@ -167,6 +175,7 @@ class _Exchange:
     recv_ids_nk: list  # [k][peer]: ids received of table k from each peer
     served: list  # _Served per table
     refused: bool = False  # a prefetched exchange this rank's forward could not use (see _run_forward)
+    prefetched_psw_grad: bool = False  # refused: what the other ranks' backward does (their signature's)
 
     def backward(self, grads, psw_grad: list[bool]) -> list:
         return _backward(self, grads, psw_grad)
@@ -181,16 +190,16 @@ def sharded_lookup(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
     layout raises its error on this rank, and the other ranks raise ExchangeError."""
     shard = modules[0]._shard
     raise_deferred_failures(shard.group)  # an earlier forward's failure first, before anything moves
-    dispatched = _take_dispatched(shard.group, modules, bags)
     anchor_needed = any(m.training for m in modules) and torch.is_grad_enabled()
     psws = [b[2] for b in bags]
+    psw_grad = anchor_needed and any(p is not None and p.requires_grad for p in psws)
+    dispatched = _take_dispatched(shard.group, modules, bags, psw_grad)
     if not anchor_needed:
         with torch.no_grad():
             outs, _ = _run_forward(shard, modules, bags, False, layouts, dispatched)
         return list(outs)
     from veloce.embedding import autograd_anchor  # embedding imports this module
 
-    psw_grad = any(p is not None and p.requires_grad for p in psws)
     return list(_GroupedLookup.apply(autograd_anchor(bags[0][0].device), shard, modules, bags, psw_grad, layouts,
                                      dispatched, *psws))  # fmt: skip
 
@@ -206,7 +215,7 @@ def _run_forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     # "raise_next": every rank raises at its next step(). Until then this rank's forward
     # goes on with zeros of its own bags' shapes, and its backward sends zero gradients of
     # the prefetched sizes (every collective as the other ranks run it).
-    ex.refused = True
+    ex.refused, ex.prefetched_psw_grad = True, d.psw_grad
     dim, dtype = modules[0].embedding_dim, modules[0].table.dtype
     outs = tuple(torch.zeros((o.numel() - int(m.include_last_offset), dim), dtype=dtype, device=o.device)
                  for m, (_, o, _) in zip(modules, bags))  # fmt: skip
@@ -251,7 +260,7 @@ def drop_failed_gradients(modules: Sequence) -> None:
             shard.in_flight = deque(f for f in shard.in_flight if f.step < shard.steps)
 
 
-def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple]) -> Optional[tuple]:
+def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple], psw_grad: bool) -> Optional[tuple]:
     """The prefetched first half of this lookup, if one is queued: ``(dispatched,
     refusal)``. It must be this lookup's: the same tables in the same mode (the same on
     every rank: else every rank raises here, and the queue is dropped), inputs of the same
@@ -268,10 +277,11 @@ def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple]) -> 
             f"not the one prefetched next (tables {[m._shard.tag for m in d.modules]}, training={list(d.training)}); "
             f"call forward with the inputs given to prefetch, in the order prefetched, in the same train/eval mode"
         )  # fmt: skip
-    if d.shapes != _bag_shapes(bags):
+    if d.shapes != _bag_shapes(bags) or d.psw_grad != psw_grad:
         return d, ValueError(
-            f"HybridParallel.prefetch: the inputs of this lookup of tables {tags} differ in shape from those "
-            f"prefetched for it; call forward with the inputs given to prefetch"
+            f"HybridParallel.prefetch: the inputs of this lookup of tables {tags} differ in shape (or in whether "
+            f"per-sample weights require grad) from those prefetched for it; call forward with the inputs given "
+            f"to prefetch"
         )  # fmt: skip
     return d, None
 
@@ -396,6 +406,7 @@ class _Dispatched:
     shapes: tuple = ()  # the bags' shapes, to check a prefetched dispatch against its forward's
     training: tuple = ()  # the tables' modes then (an evaluation lookup inserts nothing)
     versions: tuple = ()  # the tables' versions after the inserts (the slots hold until they change)
+    psw_grad: bool = False  # per-sample weights' gradients asked for (in the header's signature)
 
     def tensors(self) -> list:
         """Every tensor the forward's second half and backward use (for record_stream)."""
@@ -467,7 +478,7 @@ def _dispatch(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool
     return _Dispatched(modules, cb, b.perm, bag_of_part, id_splits, part_splits, recv_ids_n, recv_parts_n,
                        recv_parts_nk, recv_ids_nk, list(t_ids), list(t_starts), list(t_psw), slots, error,
                        _bag_shapes(bags), tuple(m.training for m in modules),
-                       tuple(m.table.version for m in modules))  # fmt: skip
+                       tuple(m.table.version for m in modules), bool(psw_grad))  # fmt: skip
 
 
 def _finish(shard: Shard, d: _Dispatched, refusal: Optional[Exception] = None):
@@ -703,6 +714,8 @@ def _agree_no_failure(group: Group, error: Optional[Exception]) -> None:
     """Every rank learns whether any failed: this rank raises its own ``error``, or
     :class:`ExchangeError` when only others failed (a collective: every rank calls it)."""
     failed = agree_sum(group, int(error is not None))
+    if error is not None or failed:
+        group.prefetched.clear()  # every rank stops: what was prefetched is not taken
     if error is not None:
         raise error
     if failed:  # only other ranks failed
@@ -738,6 +751,8 @@ def _backward(ex: _Exchange, grads: Sequence[Optional[torch.Tensor]], psw_grad: 
     if ex.scale is not None:
         grad = grad * ex.scale.unsqueeze(1)
     grad_parts = grad.index_select(0, ex.bag_of_part) / g.size  # averaged over ranks, as DDP
+    if ex.refused:  # the other ranks' collectives, whatever this rank's forward was given
+        psw_grad = [ex.prefetched_psw_grad] * len(ex.modules)
     want_psw = any(psw_grad)
     per_table = _deliver(shard, ex.modules, ex.served, grad_parts, ex.part_splits, ex.recv_parts_n,
                          ex.recv_parts_nk, sync=want_psw)  # fmt: skip
