@@ -1077,6 +1077,50 @@ def test_a_refused_prefetch_keeps_every_collective(lookup_errors, case):
         assert r1[0] == "ok" and r1[1].startswith("ExchangeError") and r1[2] == "ok", r1
 
 
+class _LearnedWeights(_WeightedTable):
+    """Per-sample weights computed by the model from a parameter: they require grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, ids, offsets, psw):
+        return super().forward(ids, offsets, psw * self.scale)
+
+    def sparse_lookups(self, ids, offsets, psw):
+        return super().sparse_lookups(ids, offsets, psw * self.scale)
+
+
+def _learned_weights(rank, world, prefetch):
+    torch.manual_seed(0)
+    model = _LearnedWeights()
+    hp = HybridParallel(model, lookup_errors="raise_next")
+    opt = make_opt(hp)
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randint(0, 50, (6,), generator=g), torch.tensor([0, 2, 4]), torch.rand(6, generator=g))
+               for _ in range(4)]  # fmt: skip
+    outs = []
+    for i, b in enumerate(batches):
+        if prefetch:
+            hp.prefetch(*b)
+        out = hp(*b)
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+        outs.append(out.detach())
+    return outs, model.scale.detach().clone()
+
+
+def test_prefetch_with_per_sample_weights_the_model_computes():
+    """Weights that require grad (computed from a parameter, in sparse_lookups as in
+    forward): the prefetched exchange matches the forward's, and training equals training
+    without prefetch, the weights' parameter included."""
+    base, pre = (run_ranks(_learned_weights, 2, p, timeout=60) for p in (False, True))
+    for (o0, s0), (o1, s1) in zip(base, pre):
+        assert all(torch.equal(a, b) for a, b in zip(o0, o1)) and torch.equal(s0, s1)
+        assert not torch.equal(s0, torch.ones(1))  # the weights' parameter learned
+
+
 def _async_failure(rank, world):
     a = veloce.DynamicEmbedding(4, mode="sum", max_capacity=32, eviction="none", seed=5)
     hp = HybridParallel(nn.ModuleList([a]), sparse="async", staleness=1, dense="none", lookup_errors="raise_next")

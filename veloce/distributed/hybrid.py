@@ -174,7 +174,6 @@ class HybridParallel(nn.Module):
         """Runs the wrapped model (through DDP when dense parameters are data-parallel)."""
         return (self._ddp or self.module)(*args, **kwargs)
 
-    @torch.no_grad()
     def prefetch(self, *args: Any, **kwargs: Any) -> None:
         """Starts the sparse exchange of a later ``forward(*args, **kwargs)`` now: the ids go
         to their owners, which insert them. Call it right after ``step()`` with the next
@@ -204,6 +203,8 @@ class HybridParallel(nn.Module):
         no forward has taken yet cannot be prefetched again. Collective: every rank calls
         it. A no-op at world size 1. Not available with ``dedup=True``.
         """
+        # Not under no_grad: whether per-sample weights require grad is part of the exchange's
+        # signature, and must be what the forward will see (weights computed by the model too).
         lookups = getattr(self.module, "sparse_lookups", None)
         if lookups is None:
             raise TypeError(
