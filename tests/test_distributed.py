@@ -1307,3 +1307,21 @@ def test_cuda_requester_ops_never_wait_for_the_device():
     assert torch.equal(b.bag_of_part[:P], exact.bag_of_part) and torch.equal(b.part_lengths[:P], exact.part_lengths)
     assert int(counts[1].sum()) == 5000
     assert torch.equal(out, combine_parts(parts, bag_of_part, 1000))
+
+
+def _table_listed_twice(rank, world):
+    a, b = veloce.DynamicEmbedding(4, mode="sum", seed=1), veloce.DynamicEmbedding(4, mode="sum", seed=2)
+    HybridParallel(nn.ModuleList([a, b]), dense="none")
+    x = torch.arange(8).view(4, 2) + 100 * rank
+    outs = veloce.lookup_many([a, b, a], [x, x, x + 50])  # `a` twice: its second part inserts when served
+    return [o.detach() for o in outs], len(a)
+
+
+def test_sharded_lookup_of_a_table_listed_twice_equals_one_process():
+    results = run_ranks(_table_listed_twice, 2, timeout=60)
+    a, b = veloce.DynamicEmbedding(4, mode="sum", seed=1), veloce.DynamicEmbedding(4, mode="sum", seed=2)
+    for rank, (outs, _) in enumerate(results):
+        x = torch.arange(8).view(4, 2) + 100 * rank
+        for got, want in zip(outs, [a(x), b(x), a(x + 50)]):
+            torch.testing.assert_close(got, want)
+    assert sum(n for _, n in results) == 32  # every id of `a` once, on its owner

@@ -682,8 +682,8 @@ def _serve_inserted(modules: list, ids: Sequence[torch.Tensor], starts: Sequence
     pooled: list = []
     if error is None:
         try:
-            first: dict[int, int] = {}
-            repeated = any(m.training and first.setdefault(id(m.table), k) != k for k, m in enumerate(modules))
+            # _insert_tables left None for a training table only where it repeats an earlier one
+            repeated = any(m.training and s is None for m, s in zip(modules, slots))
             if not repeated:  # one lookup op
                 served, pooled = _serve_all(modules, ids, starts, psw, slots)
             else:
