@@ -71,10 +71,15 @@ def sync_all(device) -> None:
 
 
 class ExchangeMeter:
-    """Wraps veloce's exchange calls with a device sync and a clock (instrumented pass)."""
+    """Wraps veloce's exchange calls with a device sync and a clock (instrumented pass).
+
+    ``aligned``: every rank also meets the others (a barrier) before the clock starts, as
+    :func:`a2a_baseline` does before each of its runs: the time is then the transfer's
+    alone. Without it, a call's time also counts the wait for the last rank to reach it
+    (the ranks' host paths differ by a few hundred microseconds from step to step)."""
 
     def __init__(self, device) -> None:
-        self.device, self.seconds, self.bytes, self.on = device, 0.0, 0, False
+        self.device, self.seconds, self.bytes, self.on, self.aligned = device, 0.0, 0, False, False
         self.calls: dict[str, list] = {}  # call site -> [seconds, bytes, calls]
         self._a2a, self._hdr = _sharded.all_to_all, _sharded.exchange_headers
         _sharded.all_to_all = self._timed(self._a2a, count_bytes=True)
@@ -84,7 +89,7 @@ class ExchangeMeter:
         def wrapper(group, send, *rest, **kw):
             if not self.on:
                 return fn(group, send, *rest, **kw)
-            sync_device(self.device)
+            sync_all(self.device) if self.aligned else sync_device(self.device)
             t = time.perf_counter()
             out = fn(group, send, *rest, **kw)
             if isinstance(out, tuple) and len(out) == 2 and hasattr(out[1], "wait"):
@@ -147,21 +152,26 @@ def run(args) -> None:
     data = batches(args, rank, device)
     meter = ExchangeMeter(device)
 
-    def step(b):
-        dense, sparse, label = b
-        loss = loss_fn(hp(dense, sparse), label)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    # --prefetch: each step's sparse exchange starts right after the step before it, from the
-    # batch on the CPU (pinned, as a loader's pin_memory yields it); the forward is given the
-    # same batch on the device.
+    # --prefetch: each step's sparse exchange starts right after the step before it (or, with
+    # --prefetch-at backward, after its backward: beside its tail on the GPU), from the batch on
+    # the CPU (pinned, as a loader's pin_memory yields it); the forward is given the same batch
+    # on the device.
     on_cpu = [(d.cpu().pin_memory(), s.cpu().pin_memory()) if cuda else (d, s) for d, s, _ in data]
 
     def prefetch(i, end):  # batch i's exchange, unless i is past the run's last step
         if args.prefetch and i < end:
             hp.prefetch(*on_cpu[i])
+
+    def step(b, following=None):  # following: (i, end) of the batch to prefetch after this step
+        dense, sparse, label = b
+        loss = loss_fn(hp(dense, sparse), label)
+        loss.backward()
+        if following is not None and args.prefetch_at == "backward":
+            prefetch(*following)
+        opt.step()
+        opt.zero_grad()
+        if following is not None and args.prefetch_at == "step":
+            prefetch(*following)
 
     gc.disable()  # collector pauses land in random steps (and stall every rank's collectives)
     times = []
@@ -169,8 +179,7 @@ def run(args) -> None:
     for i, b in enumerate(data[: args.warmup + args.steps]):
         sync_all(device)
         t = time.perf_counter()
-        step(b)
-        prefetch(i + 1, args.warmup + args.steps)
+        step(b, (i + 1, args.warmup + args.steps))
         sync_device(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
@@ -182,11 +191,12 @@ def run(args) -> None:
     t = time.perf_counter()
     prefetch(args.warmup, args.warmup + 1)
     for i, b in enumerate(data[args.warmup : args.warmup + args.steps], args.warmup):
-        step(b)
-        prefetch(i + 1, args.warmup + args.steps)
+        step(b, (i + 1, args.warmup + args.steps))
     hp.flush()
     sync_all(device)
     window_s = (time.perf_counter() - t) / args.steps
+    if args.cprofile:  # rank 0's host time by Python function, over the same steps again
+        _cprofile(step, data, prefetch, hp, args, device, rank)
     gc.enable()
     if args.profile:  # every rank: a profiled rank alone would fall behind the others
         sync_all(device)
@@ -198,14 +208,20 @@ def run(args) -> None:
     hp.flush()
     if args.phases:
         _phases(hp, loss_fn, opt, data, args, device, rank)
-    # Instrumented pass: exchange time and bytes per step.
-    meter.on = True
-    for b in data[args.warmup + args.steps :]:
-        step(b)
-    meter.on = False
-    hp.flush()
-    ex_s = meter.seconds / args.profile_steps
-    ex_bytes = meter.bytes // args.profile_steps
+    # Instrumented passes: exchange time and bytes per step; then the same steps with the
+    # ranks aligned before each exchange (the transfers' own time, as the baseline's).
+    passes = {}
+    for aligned in (False, True):
+        meter.seconds, meter.bytes, meter.calls, meter.aligned, meter.on = 0.0, 0, {}, aligned, True
+        for b in data[args.warmup + args.steps :]:
+            step(b)
+        meter.on = False
+        hp.flush()
+        passes[aligned] = (meter.seconds, meter.bytes, {
+            site: {"ms": v[0] * 1e3 / args.profile_steps, "MB": v[1] / 2**20 / args.profile_steps,
+                   "calls": v[2] / args.profile_steps} for site, v in meter.calls.items()})  # fmt: skip
+    ex_s = passes[False][0] / args.profile_steps
+    ex_bytes = passes[False][1] // args.profile_steps
     # The baseline moves the ranks' mean exchange bytes (all ranks must move the same amount).
     mean_bytes = torch.tensor([float(ex_bytes)], device=device)
     dist.all_reduce(mean_bytes)
@@ -213,7 +229,8 @@ def run(args) -> None:
     step_s = window_s
     row = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__, "world_size": world,
-        "sparse": args.sparse + ("+dedup" if args.dedup else "") + ("+prefetch" if args.prefetch else ""),
+        "sparse": args.sparse + ("+dedup" if args.dedup else "") + ("+prefetch" if args.prefetch else "")
+                  + ("@backward" if args.prefetch and args.prefetch_at == "backward" else ""),
         "nonfinite_grad": args.nonfinite,
         "staleness": args.staleness if args.sparse == "async" else 0,
         "batch_per_gpu": args.batch, "features": args.features, "dim": args.dim,
@@ -224,8 +241,9 @@ def run(args) -> None:
         "exchange_busbw_GBs": ex_bytes * (world - 1) / world / ex_s / 1e9 if world > 1 and ex_s else None,
         "a2a_busbw_GBs": ex_bytes * (world - 1) / world / base_s / 1e9 if world > 1 and base_s else None,
         "rows_per_rank": sum(len(m) for _, m in hp.tables),
-        "exchange_calls": {site: {"ms": v[0] * 1e3 / args.profile_steps, "MB": v[1] / 2**20 / args.profile_steps,
-                                  "calls": v[2] / args.profile_steps} for site, v in meter.calls.items()},
+        "exchange_calls": passes[False][2],
+        "exchange_aligned_ms": passes[True][0] / args.profile_steps * 1e3,
+        "exchange_aligned_calls": passes[True][2],
     }  # fmt: skip
     if rank == 0:
         print(json.dumps(row))
@@ -233,6 +251,32 @@ def run(args) -> None:
             with open(args.json, "w") as f:
                 json.dump(row, f, indent=1)
     dist.destroy_process_group()
+
+
+def _cprofile(step, data, prefetch, hp, args, device, rank: int) -> None:
+    """The timed window's steps once more, rank 0 under cProfile (every rank runs them, so
+    the collectives meet): where the host's time goes, by Python function. cProfile slows
+    Python code down (about 2x), not the waits, so compare functions with each other."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    n = args.warmup + args.steps
+    sync_all(device)
+    prefetch(args.warmup, n)
+    if rank == 0:
+        prof.enable()
+    for i, b in enumerate(data[args.warmup : n], args.warmup):
+        step(b, (i + 1, n))
+    sync_device(device)
+    if rank == 0:
+        prof.disable()
+        with open(args.cprofile, "w") as f:
+            f.write(f"cProfile of rank 0, {args.steps} steps (divide by that for per step)\n")
+            st = pstats.Stats(prof, stream=f)
+            st.sort_stats("tottime").print_stats(45)
+            st.sort_stats("cumulative").print_stats(60)
+    hp.flush()
 
 
 def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
@@ -261,11 +305,15 @@ def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
         loss = loss_fn(out, label)
         loss.backward()
         markers.mark("backward returned")
+        early = following is not None and args.prefetch_at == "backward"
+        if early:  # --prefetch-at backward: the next step's exchange beside this one's tail
+            hp.prefetch(*following)
+            markers.mark("prefetch returned")
         opt.step()
         markers.mark("step returned")
         opt.zero_grad()
         markers.mark("zero_grad returned")
-        if following is not None:  # --prefetch: the next step's exchange, from the batch on the CPU
+        if following is not None and not early:  # --prefetch: the next step's exchange, from the batch on the CPU
             hp.prefetch(*following)
             markers.mark("prefetch returned")
 
@@ -356,8 +404,9 @@ def summarize(paths: list[str]) -> None:
     print(f"device: {r0['device']}, torch {r0['torch']}, fp32, {r0['features']} tables, dim {r0['dim']}, "
           f"bag 1, {r0['batch_per_gpu']} samples per GPU\n")  # fmt: skip
     print("| GPUs | sparse | step ms | synced step ms | samples/s | weak-scaling eff. | async/sync | exchange ms | "
-          "exchange MB | a2a same bytes ms | exchange / a2a busbw | payload ms | payload / a2a busbw |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "exchange MB | a2a same bytes ms | exchange / a2a busbw | payload ms | payload / a2a busbw | "
+          "payload ms, ranks aligned | aligned payload / a2a busbw |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["world_size"], r["label"])):
         w, s = r["world_size"], r["label"]
         eff = r["samples_per_s"] / (w * base[s]) if s in base else float("nan")
@@ -369,9 +418,13 @@ def summarize(paths: list[str]) -> None:
         # exchange starts with one), so the payload all-to-alls alone are shown too.
         payload = sum(c["ms"] for c in r.get("exchange_calls", {}).values() if c["MB"] > 0)
         pbw = r["a2a_same_bytes_ms"] / payload if w > 1 and payload else float("nan")
+        # With the ranks aligned before each call (a barrier, as the baseline's runs have),
+        # the time is the transfers' own, without the wait for the last rank to arrive.
+        apay = sum(c["ms"] for c in r.get("exchange_aligned_calls", {}).values() if c["MB"] > 0)
+        apbw = r["a2a_same_bytes_ms"] / apay if w > 1 and apay else float("nan")
         print(f"| {w} | {s} | {r['step_ms']:.2f} | {synced} | {r['samples_per_s']:,.0f} | {eff:.1%} | {ratio:.2f} | "
               f"{r['exchange_ms']:.2f} | {r['exchange_MB']:.1f} | {r['a2a_same_bytes_ms']:.2f} | {bw:.1%} | "
-              f"{payload:.2f} | {pbw:.1%} |")
+              f"{payload:.2f} | {pbw:.1%} | {apay:.2f} | {apbw:.1%} |")
 
 
 def main() -> None:
@@ -392,6 +445,11 @@ def main() -> None:
                         "waits for the device in the step), else raise")  # fmt: skip
     p.add_argument("--prefetch", action="store_true",
                    help="HybridParallel.prefetch: each step's sparse exchange starts after the previous step")
+    p.add_argument("--prefetch-at", choices=("step", "backward"), default="step",
+                   help="--prefetch: start the next batch's exchange after step() or after backward() (beside "
+                        "the backward's tail on the GPU; its update is queued after the inserts)")
+    p.add_argument("--cprofile", default=None, metavar="PATH",
+                   help="write rank 0's cProfile of the timed steps (run again) to PATH")
     p.add_argument("--dedup", action="store_true", help="HybridParallel(dedup=True): one row per distinct id")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)

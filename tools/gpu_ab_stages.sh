@@ -25,8 +25,13 @@
 #   w1         configuration 5 on one GPU, interleaved 2x
 #   c5p        configuration 5 of the new tree on W GPUs, with and without --prefetch, interleaved 3x
 #   phases     configuration 5's host path (--phases) of the new tree on W GPUs
+#   c5v        configuration 5 of the new tree on W GPUs, one run per variant in VARIANTS
+#              (';'-separated bench_distributed arguments, '-' for none), interleaved REPS times
+#              (default 2), e.g. VARIANTS="-;--prefetch;--prefetch --prefetch-at backward"
+#   summarize  the table of every configuration-5 run of this call (bench_distributed --summarize)
+#   cprofile   rank 0's cProfile of configuration 5 on W GPUs (CPROFILE_ARGS: more arguments)
 # Environment: OUT (default /tmp/ab-out), OLD_TAR (default .gpu/old.tar), W, LOADS, PHASES_ARGS
-# (more bench_distributed arguments for `phases`, e.g. --prefetch).
+# (more bench_distributed arguments for `phases`, e.g. --prefetch), VARIANTS, REPS, CPROFILE_ARGS.
 # At most 8 files come back from $OUT: summary.txt gathers the stages' short results.
 set -uo pipefail
 PHASES_ARGS="${PHASES_ARGS:-}"
@@ -139,6 +144,29 @@ for stage in "$@"; do
       for tag in new new+prefetch new+prefetch new new new+prefetch; do
         if [ "$tag" = new ]; then c5_run new "$gpus"; else c5_run new+prefetch "$gpus" --prefetch; fi
       done
+      t ;;
+    c5v)
+      gpus=${W:-$(nvidia-smi -L | wc -l)}
+      IFS=';' read -r -a variants <<< "${VARIANTS:--}"
+      for r in $(seq "${REPS:-2}"); do
+        for i in "${!variants[@]}"; do
+          v=${variants[$i]}; [ "$v" = - ] && v=""
+          # shellcheck disable=SC2086  # a variant is several arguments
+          c5_run "new+v$i" "$gpus" $v
+          echo "   (v$i: ${v:-no extra arguments})" | say
+        done
+      done
+      t ;;
+    summarize)
+      (cd "$NEW" && PYTHONPATH="$NEW" python3 benchmarks/bench_distributed.py --summarize /tmp/ab_c5_*.json) \
+        | tee "$OUT/c5_table.md" | tail -n +4 | cut -d'|' -f2-4,6-8,12-16 | say
+      t ;;
+    cprofile)
+      gpus=${W:-$(nvidia-smi -L | wc -l)}
+      # shellcheck disable=SC2086
+      PYTHONPATH=$NEW timeout 200 torchrun --standalone --nproc_per_node="$gpus" benchmarks/bench_distributed.py \
+        --sparse sync --nonfinite raise_next --steps 20 --profile-steps 2 --cprofile "$OUT/cprofile_w$gpus.txt" \
+        ${CPROFILE_ARGS:-} > /tmp/ab_cprofile.log 2>&1 || tail -20 /tmp/ab_cprofile.log | say
       t ;;
     phases)
       gpus=${W:-$(nvidia-smi -L | wc -l)}

@@ -192,8 +192,13 @@ class HybridParallel(nn.Module):
         copied to the device there. Tensors already on the GPU make that stream wait for all
         work queued so far (they may come from it): correct, but then nothing overlaps.
 
-        Results are those of the forward alone, bit for bit: the inserts run after the last
-        step's updates were queued, as the forward's would. The model must say which
+        It may also be called between ``backward()`` and ``step()``: the inserts then run
+        beside the backward's tail, before that step's update is queued, which finds the
+        rows a growth moved by their ids (and gives rows evicted meanwhile nothing, as the
+        next insert would have evicted them after it).
+
+        Results are those of the forward alone, bit for bit (tested, sync and async, with
+        the tables growing while prefetched). The model must say which
         lookups its forward makes: ``model.sparse_lookups(*args, **kwargs)`` returns them as
         ``[(tables, inputs), ...]`` groups in call order, each as :func:`veloce.lookup_many`
         takes them (``veloce.models`` define it). Each prefetched group is taken by the next
