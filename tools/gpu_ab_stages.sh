@@ -28,6 +28,7 @@
 #   c5v        configuration 5 of the new tree on W GPUs, one run per variant in VARIANTS
 #              (';'-separated bench_distributed arguments, '-' for none), interleaved REPS times
 #              (default 2), e.g. VARIANTS="-;--prefetch;--prefetch --prefetch-at backward"
+#   c5ab       configuration 5 of both trees on W GPUs with AB_ARGS (e.g. --prefetch), interleaved 3x
 #   summarize  the table of every configuration-5 run of this call (bench_distributed --summarize)
 #   cprofile   rank 0's cProfile of configuration 5 on W GPUs (CPROFILE_ARGS: more arguments)
 # Environment: OUT (default /tmp/ab-out), OLD_TAR (default .gpu/old.tar), W, LOADS, PHASES_ARGS
@@ -156,6 +157,11 @@ for stage in "$@"; do
           echo "   (v$i: ${v:-no extra arguments})" | say
         done
       done
+      t ;;
+    c5ab)
+      gpus=${W:-$(nvidia-smi -L | wc -l)}
+      # shellcheck disable=SC2086  # AB_ARGS is several arguments
+      for tag in old new new old old new; do c5_run $tag "$gpus" ${AB_ARGS:-}; done
       t ;;
     summarize)
       (cd "$NEW" && PYTHONPATH="$NEW" python3 benchmarks/bench_distributed.py --summarize /tmp/ab_c5_*.json) \

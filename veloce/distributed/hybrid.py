@@ -41,6 +41,15 @@ def _to_device(obj: Any, dev: torch.device) -> Any:
     return obj
 
 
+def _high_priority(backend: str) -> Any:
+    """Process group options whose collectives run on a high-priority stream (NCCL), else None."""
+    if backend != "nccl" or not hasattr(dist, "ProcessGroupNCCL"):
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
+
+
 _SPARSE = ("sync", "async")
 _DENSE = ("ddp", "none")
 _LOOKUP_ERRORS = ("raise", "raise_next")
@@ -161,7 +170,11 @@ class HybridParallel(nn.Module):
         grad_group = Group(dist.new_group(ranks=ranks, backend=backend, **local)) if self.sparse == "async" else None
         # prefetch()'s exchanges too: they run while the previous step's are still queued.
         # (NCCL sets a communicator up at its first collective: unused, it costs nothing.)
-        dispatch_group = Group(dist.new_group(ranks=ranks, backend=backend, **local))
+        # Its NCCL stream has high priority, like the side stream prefetch() runs on: the
+        # header's all-to-all would otherwise start only once the kernels queued before it on
+        # the current stream (the previous step's tail) have left the GPU's SMs.
+        urgent = _high_priority(backend)
+        dispatch_group = Group(dist.new_group(ranks=ranks, backend=backend, pg_options=urgent, **local))
         for tag, (name, m) in enumerate(self.tables):
             m._shard = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group, self.dedup,
                              self.lookup_errors, dispatch_group)  # fmt: skip
