@@ -81,9 +81,9 @@ class ExchangeMeter:
     def __init__(self, device) -> None:
         self.device, self.seconds, self.bytes, self.on, self.aligned = device, 0.0, 0, False, False
         self.calls: dict[str, list] = {}  # call site -> [seconds, bytes, calls]
-        self._a2a, self._hdr = _sharded.all_to_all, _sharded.exchange_headers
+        self._a2a, self._hdr = _sharded.all_to_all, _sharded.begin_headers
         _sharded.all_to_all = self._timed(self._a2a, count_bytes=True)
-        _sharded.exchange_headers = self._timed(self._hdr, count_bytes=False)
+        _sharded.begin_headers = self._timed(self._hdr, count_bytes=False)  # the header swap's all-to-all
 
     def _timed(self, fn, count_bytes: bool):
         def wrapper(group, send, *rest, **kw):
@@ -146,7 +146,7 @@ def run(args) -> None:
                  top_mlp=(1024, 1024, 512, 256, 1), embedding_factory=table).to(device)  # fmt: skip
     lookup_errors = args.lookup_errors or ("raise_next" if args.nonfinite == "raise_next" else "raise")
     hp = veloce.distributed.HybridParallel(model, sparse=args.sparse, staleness=args.staleness, dedup=args.dedup,
-                                           lookup_errors=lookup_errors)  # fmt: skip
+                                           lookup_errors=lookup_errors, prefetch_depth=args.prefetch_depth)  # fmt: skip
     opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), hp)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     data = batches(args, rank, device)
@@ -165,6 +165,8 @@ def run(args) -> None:
     def step(b, following=None):  # following: (i, end) of the batch to prefetch after this step
         dense, sparse, label = b
         loss = loss_fn(hp(dense, sparse), label)
+        if following is not None and args.prefetch_at == "forward":
+            prefetch(*following)
         loss.backward()
         if following is not None and args.prefetch_at == "backward":
             prefetch(*following)
@@ -230,7 +232,8 @@ def run(args) -> None:
     row = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__, "world_size": world,
         "sparse": args.sparse + ("+dedup" if args.dedup else "") + ("+prefetch" if args.prefetch else "")
-                  + ("@backward" if args.prefetch and args.prefetch_at == "backward" else ""),
+                  + (f"@{args.prefetch_at}" if args.prefetch and args.prefetch_at != "step" else "")
+                  + ("/header" if args.prefetch and args.prefetch_depth == "header" else ""),
         "nonfinite_grad": args.nonfinite,
         "staleness": args.staleness if args.sparse == "async" else 0,
         "batch_per_gpu": args.batch, "features": args.features, "dim": args.dim,
@@ -289,7 +292,8 @@ def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
     targets = [
         (veloce.embedding, "find_or_insert_many", "forward: local insert returned (host sync)"),
         (s, "bucketize_bags", "forward: bucketized"),
-        (s, "exchange_headers", "forward: header exchanged (host sync)"),
+        (s, "begin_headers", "forward: header queued"),
+        (s, "finish_headers", "forward: header exchanged (host sync)"),
         (s, "find_or_insert_many", "forward: owner insert returned (host sync)"),
         (s, "agree_sum", "agree_sum returned (host sync)"),
         (s, "all_to_all", "all_to_all queued"),
@@ -303,6 +307,9 @@ def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
         out = hp(dense, sparse)
         markers.mark("forward returned")
         loss = loss_fn(out, label)
+        if following is not None and args.prefetch_at == "forward":
+            hp.prefetch(*following)
+            markers.mark("prefetch returned")
         loss.backward()
         markers.mark("backward returned")
         early = following is not None and args.prefetch_at == "backward"
@@ -313,7 +320,7 @@ def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
         markers.mark("step returned")
         opt.zero_grad()
         markers.mark("zero_grad returned")
-        if following is not None and not early:  # --prefetch: the next step's exchange, from the batch on the CPU
+        if following is not None and args.prefetch_at == "step":  # --prefetch: the next step's exchange, from the CPU
             hp.prefetch(*following)
             markers.mark("prefetch returned")
 
@@ -445,9 +452,13 @@ def main() -> None:
                         "waits for the device in the step), else raise")  # fmt: skip
     p.add_argument("--prefetch", action="store_true",
                    help="HybridParallel.prefetch: each step's sparse exchange starts after the previous step")
-    p.add_argument("--prefetch-at", choices=("step", "backward"), default="step",
-                   help="--prefetch: start the next batch's exchange after step() or after backward() (beside "
-                        "the backward's tail on the GPU; its update is queued after the inserts)")
+    p.add_argument("--prefetch-at", choices=("step", "backward", "forward"), default="step",
+                   help="--prefetch: start the next batch's exchange after step(), after backward() (beside "
+                        "the backward's tail on the GPU; its update is queued after the inserts) or, with "
+                        "--prefetch-depth header, right after the forward")
+    p.add_argument("--prefetch-depth", choices=("inserts", "header"), default="inserts",
+                   help="--prefetch: HybridParallel(prefetch_depth=...): the exchange up to the owners' inserts, or "
+                        "only the bucketing and the header (no host sync in prefetch)")
     p.add_argument("--cprofile", default=None, metavar="PATH",
                    help="write rank 0's cProfile of the timed steps (run again) to PATH")
     p.add_argument("--dedup", action="store_true", help="HybridParallel(dedup=True): one row per distinct id")
@@ -463,6 +474,9 @@ def main() -> None:
     p.add_argument("--watchdog", type=float, default=240, help="seconds before a stuck run dumps its stacks and exits")
     p.add_argument("--summarize", nargs="+", default=None, help="JSON files of earlier runs: print the table")
     args = p.parse_args()
+    if args.prefetch_at == "forward" and args.prefetch_depth != "header":
+        p.error("--prefetch-at forward needs --prefetch-depth header (the inserts of the next batch would run "
+                "before this step's backward)")
     if args.summarize:
         summarize(args.summarize)
     else:

@@ -228,7 +228,8 @@ STEPS = 20
 def train(model, opt, world: int, rank: int, steps: int = STEPS, device="cpu", prefetch=False):
     """Trains with the global batch split over ranks; each rank's loss is its share of the
     global mean (sum * world / global size), so DDP's average equals the global mean.
-    ``prefetch``: each step's sparse exchange starts after the previous step
+    ``prefetch``: each step's sparse exchange starts after the previous step (True), or
+    after the previous forward ("forward", for prefetch_depth="header")
     (HybridParallel.prefetch, given the batch on the CPU as a loader yields it)."""
 
     def rank_batch(step):
@@ -245,11 +246,13 @@ def train(model, opt, world: int, rank: int, steps: int = STEPS, device="cpu", p
     for step in range(steps):
         inputs, label, size = rank_batch(step)
         out = model(*[t.to(device) for t in inputs])
+        if prefetch == "forward" and step + 1 < steps:
+            model.prefetch(*rank_batch(step + 1)[0])
         loss = nn.functional.binary_cross_entropy_with_logits(out, label.to(device), reduction="sum")
         (loss * world / size).backward()
         opt.step()
         opt.zero_grad()
-        if prefetch and step + 1 < steps:
+        if prefetch is True and step + 1 < steps:
             model.prefetch(*rank_batch(step + 1)[0])
         preds.append(out.detach().cpu())
     return preds
@@ -275,13 +278,14 @@ def make_opt(model):
 def _sharded_body(rank, world, device_kind, dedup=False, lookup_errors="raise", prefetch=False):
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     model = Small(device)
-    hp = HybridParallel(model, sparse="sync", dedup=dedup, lookup_errors=lookup_errors)
+    depth = "header" if prefetch == "forward" else "inserts"
+    hp = HybridParallel(model, sparse="sync", dedup=dedup, lookup_errors=lookup_errors, prefetch_depth=depth)
     from veloce.distributed import sharded
 
-    dispatch, calls = sharded._dispatch, []
-    sharded._dispatch = lambda *a, **k: calls.append(1) or dispatch(*a, **k)
+    begin, calls = sharded._begin, []  # every first half starts there (prefetched or in its forward)
+    sharded._begin = lambda *a, **k: calls.append(1) or begin(*a, **k)
     preds = train(hp, make_opt(hp), world, rank, device=device, prefetch=prefetch)
-    sharded._dispatch = dispatch
+    sharded._begin = begin
     if not dedup:  # each lookup's first half ran once: prefetched, or in its forward
         assert len(calls) == 2 * STEPS and not model.a._shard.group.prefetched, (len(calls), prefetch)
     tables = tables_of(model)
@@ -326,7 +330,9 @@ def check_sharded_equals_reference(results, ref, world):
 
 @pytest.mark.parametrize("dedup, lookup_errors, prefetch", [
     (False, "raise", False), (True, "raise", False), (False, "raise_next", False), (False, "raise_next", True),
-], ids=["parts", "dedup", "parts, lookup_errors=raise_next", "parts, raise_next, prefetch"])  # fmt: skip
+    (False, "raise_next", "forward"),
+], ids=["parts", "dedup", "parts, lookup_errors=raise_next", "parts, raise_next, prefetch",
+        "parts, raise_next, prefetch the header after the forward"])  # fmt: skip
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_sharded_sync_equals_one_process(world, dedup, lookup_errors, prefetch):
     results = run_ranks(_sharded_body, world, "cpu", dedup, lookup_errors, prefetch, timeout=90)
@@ -338,7 +344,7 @@ def test_sharded_sync_equals_one_process(world, dedup, lookup_errors, prefetch):
 def test_sharded_sync_equals_one_process_nccl(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
-    for lookup_errors, prefetch in (("raise", False), ("raise_next", False), ("raise", True)):
+    for lookup_errors, prefetch in (("raise", False), ("raise_next", False), ("raise", True), ("raise_next", "forward")):
         results = run_ranks(_sharded_body, world, "cuda", False, lookup_errors, prefetch, timeout=120, backend="nccl")
         check_sharded_equals_reference(results, reference(), world)
     model = Grouped()
@@ -876,6 +882,8 @@ def test_a_deferred_owner_failure_raises_on_every_rank_at_the_next_step(case, wh
 
 
 def _model_prefetched(rank, world, name, prefetch, device_kind, sparse="sync", at="step"):
+    """``at``: where the next batch is prefetched: after "step", "backward", or "forward"
+    (the last with prefetch_depth="header")."""
     from veloce.models import DLRM, DeepFM
 
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
@@ -887,19 +895,22 @@ def _model_prefetched(rank, world, name, prefetch, device_kind, sparse="sync", a
     cls = DLRM if name == "DLRM" else DeepFM
     model = cls(2, 3, embedding_dim=4, **({"bottom_mlp": (4,), "top_mlp": (4, 1)} if name == "DLRM" else {}),
                 embedding_factory=table).to(device)  # fmt: skip
-    hp = HybridParallel(model, sparse=sparse, lookup_errors="raise_next")
+    hp = HybridParallel(model, sparse=sparse, lookup_errors="raise_next",
+                        prefetch_depth="header" if at == "forward" else "inserts")  # fmt: skip
     opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), hp)
     g = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(8, 2, generator=g), torch.randint(0, 200, (8, 3), generator=g)) for _ in range(6)]
     preds = []
     from veloce.distributed import sharded
 
-    dispatch, calls = sharded._dispatch, []
-    sharded._dispatch = lambda *a, **k: calls.append(1) or dispatch(*a, **k)
+    begin, calls = sharded._begin, []  # every first half starts there (prefetched or in its forward)
+    sharded._begin = lambda *a, **k: calls.append(1) or begin(*a, **k)
     if prefetch:
         hp.prefetch(*batches[0])  # on the CPU, as a loader yields them
     for i, (dense, sparse) in enumerate(batches):
         out = hp(dense.to(device), sparse.to(device))
+        if prefetch and at == "forward" and i + 1 < len(batches):
+            hp.prefetch(*batches[i + 1])
         out.square().mean().backward()
         # at="backward": the next batch's inserts run before this step's update is queued (the
         # update finds rows moved by a growth by their ids), beside the backward's tail.
@@ -911,7 +922,7 @@ def _model_prefetched(rank, world, name, prefetch, device_kind, sparse="sync", a
             hp.prefetch(*batches[i + 1])
         preds.append(out.detach().cpu())
     hp.flush()
-    sharded._dispatch = dispatch
+    sharded._begin = begin
     groups = 1 if name == "DLRM" else 2  # DeepFM looks its embeddings and first-order weights up apart
     assert len(calls) == groups * len(batches), len(calls)  # each first half once: prefetched ones were taken
     tables = {n: {k: v.cpu() for k, v in m.export().items()} for n, m in model.named_modules()
@@ -922,6 +933,7 @@ def _model_prefetched(rank, world, name, prefetch, device_kind, sparse="sync", a
 @pytest.mark.parametrize("device_kind", NCCL_OR_GLOO)
 @pytest.mark.parametrize("name, sparse, at", [
     ("DLRM", "sync", "step"), ("DeepFM", "sync", "step"), ("DLRM", "sync", "backward"), ("DeepFM", "async", "backward"),
+    ("DLRM", "sync", "forward"), ("DeepFM", "async", "forward"),
 ])  # fmt: skip
 def test_prefetched_training_equals_training_without(name, sparse, at, device_kind):
     """HybridParallel.prefetch with veloce.models (one exchange of 3 tables, or two), called
@@ -939,9 +951,9 @@ def test_prefetched_training_equals_training_without(name, sparse, at, device_ki
                 assert torch.equal(t0[n][k][o0], t1[n][k][o1]), (n, k)
 
 
-def _prefetch_misuse(rank, world, case):
+def _prefetch_misuse(rank, world, case, depth):
     model = Small()
-    hp = HybridParallel(model, dedup=case == "dedup")
+    hp = HybridParallel(model, dedup=case == "dedup", prefetch_depth=depth)
     inputs, _ = rank_slice(global_batch(0), 6 * rank, 6 * rank + 6)
     try:
         if case == "no sparse_lookups":
@@ -949,10 +961,12 @@ def _prefetch_misuse(rank, world, case):
         if case == "bad input" and rank == 0:
             inputs = (*inputs[:4], inputs[4].float())  # only rank 0's, of the second table
         hp.prefetch(*inputs)
+        if case == "bad input":  # with depth "header", rank 1 learns of it in its forward's header
+            hp(*inputs)
         if case == "two ahead":
             hp.prefetch(*inputs)
         if case == "table changed":  # between prefetch and forward: the prefetched slots are stale
-            model.a.table.resize(model.a.table.capacity * 2)
+            model.a.table.resize(model.a.table.capacity * 2)  # (with depth "header", nothing was inserted yet)
             hp(*inputs)
         if case == "other shapes":
             hp(*rank_slice(global_batch(0), 4 * rank, 4 * rank + 4)[0])
@@ -964,18 +978,19 @@ def _prefetch_misuse(rank, world, case):
     return "ok", ""
 
 
+@pytest.mark.parametrize("depth", ["inserts", "header"])
 @pytest.mark.parametrize("case", ["no sparse_lookups", "dedup", "other shapes", "eval", "bad input", "two ahead",
                                   "table changed"])  # fmt: skip
-def test_prefetch_misuse_raises_on_every_rank(case):
+def test_prefetch_misuse_raises_on_every_rank(case, depth):
     want = {
         "no sparse_lookups": ("TypeError", "has no sparse_lookups"),
         "dedup": ("ValueError", "not available with dedup=True"),
         "other shapes": ("ValueError", "differ in shape"),
         "eval": ("ValueError", "is not the one prefetched next"),
         "two ahead": ("ValueError", "already have a prefetched lookup that no forward has taken"),
-        "table changed": ("ValueError", "changed between prefetch and this forward"),
+        "table changed": ("ValueError", "changed between prefetch and this forward") if depth == "inserts" else ("ok", ""),
     }.get(case)
-    for rank, (kind, msg) in enumerate(run_ranks(_prefetch_misuse, 2, case, timeout=60)):
+    for rank, (kind, msg) in enumerate(run_ranks(_prefetch_misuse, 2, case, depth, timeout=60)):
         if case == "bad input":  # rank 0's own error; rank 1 learns of it in the prefetch's exchange
             want = ("TypeError", "input must hold int64") if rank == 0 else ("ExchangeError", "could not take part")
         assert kind == want[0] and want[1] in msg, (rank, kind, msg)

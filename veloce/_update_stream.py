@@ -52,7 +52,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["ENABLED", "UpdateFence", "beside_updates", "prefetch_stream", "prefetching", "release_done",
-           "run_update", "wait_prefetch_origin"]  # fmt: skip
+           "run_update", "wait_prefetch_origin", "on_prefetch_stream"]  # fmt: skip
 
 ENABLED = os.environ.get("VELOCE_UPDATE_STREAM", "1") != "0"
 
@@ -176,6 +176,31 @@ def prefetching(origin: torch.cuda.Event):
         yield
     finally:
         _PREFETCH_ORIGIN.pop()
+
+
+@contextlib.contextmanager
+def on_prefetch_stream(device: torch.device, wait: bool = False):
+    """Runs the block on the prefetch stream (:func:`prefetch_stream`) under
+    :func:`prefetching`, its origin recorded on the current stream now; afterwards the
+    current stream waits for everything the block queued. ``wait``: the prefetch stream
+    first waits for the current one too (the block reads tensors that come from it).
+    Yields the current stream (None on a CPU, where the block just runs): tensors the
+    block allocates and later work uses there need ``record_stream`` on it."""
+    if device.type != "cuda":
+        yield None
+        return
+    main, side = torch.cuda.current_stream(device), prefetch_stream(device)
+    if wait:
+        side.wait_stream(main)
+    origin = torch.cuda.Event()
+    origin.record(main)  # what a growth or an eviction on the side stream waits for
+    try:
+        with torch.cuda.stream(side), prefetching(origin):
+            yield main
+    finally:
+        # Work queued from now on comes after the block's (its results, and a table grown
+        # or rows evicted on the side stream); the work queued before it does not.
+        main.wait_stream(side)
 
 
 def wait_prefetch_origin(device: torch.device) -> None:

@@ -987,21 +987,25 @@ def _lookup_groups(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], 
     return args, groups, local
 
 
-def dispatch_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> None:
+def dispatch_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], depth: str = "inserts") -> None:
     """The first half of a later ``lookup_many(tables, inputs)`` of sharded tables, run now:
     each exchange's ids go to their owners, which insert them
     (:meth:`veloce.distributed.HybridParallel.prefetch` calls it; local tables are looked
-    up in full later). The later call finds it and runs only the second half."""
-    from veloce.distributed.sharded import dispatch_group
+    up in full later). The later call finds it and runs only the second half.
+    ``depth="header"``: only the first half's start (no host sync); the later call runs the rest."""
+    from veloce.distributed.sharded import deferring_errors, dispatch_group
 
     args, groups, _ = _lookup_groups(tables, inputs, "prefetch")
     aranges: dict = {}
     for idx in groups.values():
         shard = tables[idx[0]]._shard
-        with shard.abandon_on_error(shard.dispatch_group or shard.group):  # bad input fails every rank
-            layouts: list = []
-            bags = [tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in idx]
-        dispatch_group([tables[i] for i in idx], bags, layouts)
+        group_tables = [tables[i] for i in idx]
+        with deferring_errors(shard, group_tables, depth) as failed:
+            with shard.abandon_on_error(shard.dispatch_group or shard.group):  # bad input fails every rank
+                layouts: list = []
+                bags = [tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in idx]
+        if not failed:
+            dispatch_group(group_tables, bags, layouts, depth)
 
 
 def _check_offsets(offsets: torch.Tensor, n: int, include_last_offset: bool) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from veloce._device import HostCopy, host_tensor
 
-__all__ = ["ExchangeError", "exchange_headers", "all_to_all", "abandon_exchange", "agree_sum", "Group",
+__all__ = ["ExchangeError", "exchange_headers", "begin_headers", "finish_headers", "Header", "all_to_all", "abandon_exchange", "agree_sum", "Group",
            "DeferredFailure", "raise_deferred_failures"]  # fmt: skip
 
 
@@ -41,10 +41,12 @@ class Group:
 
 
 def exchange_headers(
-    group: Group, sizes: Sequence[torch.Tensor], signature: Sequence[int], what: str,
+    group: Group, sizes: torch.Tensor | Sequence[torch.Tensor], signature: Sequence[int], what: str,
     bad_input: Optional[torch.Tensor] = None, raise_bad_input: Optional[Callable[[], None]] = None,
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Sends ``sizes[k][r]`` to every rank ``r``; returns, per field ``k``, what this rank
+    """Sends ``sizes[r, k]`` to every rank ``r`` (``sizes``: (world size, fields), one
+    column per field, on the group's device; or a sequence of (world size,) fields);
+    returns, per field ``k``, what this rank
     sends to each peer and what each peer sends to it (``sent[k][peer]``,
     ``received[k][peer]``).
 
@@ -61,23 +63,54 @@ def exchange_headers(
     :func:`abandon_exchange` does) and is read back with it: when set, this rank calls
     ``raise_bad_input`` (which raises the detailed error) and the others raise
     :class:`ExchangeError`."""
+    return finish_headers(group, begin_headers(group, sizes, signature, bad_input), what, raise_bad_input)
+
+
+class Header:
+    """A header swap queued by :func:`begin_headers`, not read back yet."""
+
+    def __init__(self, mine: list[int], fields: torch.Tensor, inline: bool, rows: HostCopy) -> None:
+        self.mine, self.fields, self.inline, self.rows = mine, fields, inline, rows
+
+
+def begin_headers(
+    group: Group, sizes: torch.Tensor | Sequence[torch.Tensor], signature: Sequence[int],
+    bad_input: Optional[torch.Tensor] = None,
+) -> Header:
+    """The first half of :func:`exchange_headers`: queues the header swap and the copy of
+    its rows to the host, without waiting for either. :func:`finish_headers` reads them
+    (the swap's host sync) and checks the signatures. Between the two, this rank may
+    queue other work; every rank must finish the swap before the group's next collective."""
     w = group.size
-    dev = sizes[0].device
-    k = len(sizes)
+    if not isinstance(sizes, torch.Tensor):  # one (w,) tensor per field
+        sizes = torch.stack([s.to(sizes[0].device, torch.long) for s in sizes], 1)
+    dev = sizes.device
+    if sizes.dim() != 2 or sizes.shape[0] != w:
+        raise ValueError(f"exchange_headers: sizes must have shape ({w}, fields), got {tuple(sizes.shape)}")
+    k = sizes.shape[1]
     mine = [k, *signature]
     if len(mine) != SIGNATURE_WIDTH:
         raise ValueError(f"exchange_headers: a signature holds {SIGNATURE_WIDTH - 1} ints, got {len(signature)}")
     inline = k <= INLINE_FIELDS
     row = torch.zeros(w, HEADER_WIDTH, dtype=torch.long, device=dev)
     row[:, :SIGNATURE_WIDTH] = host_tensor(mine, dev)
-    fields = torch.stack([s.to(dev, torch.long) for s in sizes], 1)
+    fields = sizes.long()
     if inline:
         row[:, SIGNATURE_WIDTH : SIGNATURE_WIDTH + k] = fields
     if bad_input is not None:
         row[:, 0].masked_fill_(bad_input.to(dev), _ABANDONED)
     theirs = torch.empty_like(row)
     dist.all_to_all_single(theirs, row, group=group.group)
-    sent_rows, recv_rows = torch.stack([row, theirs]).tolist()  # the host sync that sizes the payloads
+    return Header(mine, fields, inline, HostCopy(torch.stack([row, theirs])))
+
+
+def finish_headers(
+    group: Group, header: Header, what: str, raise_bad_input: Optional[Callable[[], None]] = None
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The second half of :func:`exchange_headers` (which says what it returns and raises):
+    the header rows read back (the host sync that sizes the payloads) and checked."""
+    mine, k, inline = header.mine, header.fields.shape[1], header.inline
+    sent_rows, recv_rows = header.rows.tolist()
     if sent_rows and sent_rows[0][0] == _ABANDONED:
         if raise_bad_input is not None:
             raise_bad_input()
@@ -97,7 +130,7 @@ def exchange_headers(
             )
     if inline:
         return _columns(sent_rows, SIGNATURE_WIDTH, k), _columns(recv_rows, SIGNATURE_WIDTH, k)
-    fields = fields.contiguous()
+    fields = header.fields.contiguous()
     recv = torch.empty_like(fields)
     dist.all_to_all_single(recv, fields, group=group.group)
     sent_rows, recv_rows = torch.stack([fields, recv]).tolist()

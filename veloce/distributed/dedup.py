@@ -98,7 +98,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     ids_nk = torch.zeros(W * K, dtype=torch.long, device=dev).index_add_(0, cell, torch.ones_like(cell)).view(W, K)
     signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(batch.psw is not None), int(psw_grad), 1)
     what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
-    sent, recv = exchange_headers(g, [ids_nk.sum(1), *ids_nk.t()], signature, what)
+    sent, recv = exchange_headers(g, torch.cat([ids_nk.sum(1, keepdim=True), ids_nk], 1), signature, what)
     id_splits, recv_ids_n, recv_ids_nk = sent[0], recv[0], recv[1:]  # recv_ids_nk[k][peer]
 
     # The owner: per peer, ids come table after table; serve each table's block.

@@ -53,6 +53,7 @@ def _high_priority(backend: str) -> Any:
 _SPARSE = ("sync", "async")
 _DENSE = ("ddp", "none")
 _LOOKUP_ERRORS = ("raise", "raise_next")
+_PREFETCH_DEPTHS = ("inserts", "header")
 
 
 class HybridParallel(nn.Module):
@@ -91,6 +92,13 @@ class HybridParallel(nn.Module):
             step is applied, dense parameters too with ``CombinedOptimizer``), sharded
             lookup or ``flush()``; the sparse gradients not yet applied then are dropped
             (that forward's never apply, in async mode either).
+        prefetch_depth: how much of a later forward's exchange :meth:`prefetch` runs:
+            ``"inserts"`` (default): the bucketing of ids by owner, the header, the ids'
+            all-to-all and the owners' inserts (prefetch waits for the device there).
+            ``"header"``: the bucketing and the header's all-to-all only, queued without a
+            host sync (prefetch returns at once, so it may be called as early as right
+            after the previous forward); the forward reads the header and runs the rest
+            on the prefetch stream, its inserts where its own would run.
         process_group: the ranks to shard over (default: the whole world).
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
@@ -115,6 +123,7 @@ class HybridParallel(nn.Module):
         dense: str = "ddp",
         dedup: bool = False,
         lookup_errors: str = "raise",
+        prefetch_depth: str = "inserts",
         process_group: Optional[dist.ProcessGroup] = None,
         **ddp_kwargs: Any,
     ) -> None:
@@ -127,6 +136,8 @@ class HybridParallel(nn.Module):
             raise ValueError(f"HybridParallel: dense must be 'ddp' or 'none', got {dense!r}")
         if lookup_errors not in _LOOKUP_ERRORS:
             raise ValueError(f"HybridParallel: lookup_errors must be 'raise' or 'raise_next', got {lookup_errors!r}")
+        if prefetch_depth not in _PREFETCH_DEPTHS:
+            raise ValueError(f"HybridParallel: prefetch_depth must be 'inserts' or 'header', got {prefetch_depth!r}")
         if not isinstance(staleness, int) or staleness < 0:
             raise ValueError(f"HybridParallel: staleness must be an int >= 0, got {staleness!r}")
         if not dist.is_available() or not dist.is_initialized():
@@ -140,6 +151,7 @@ class HybridParallel(nn.Module):
         self.sparse = sparse
         self.dedup = bool(dedup)
         self.lookup_errors = lookup_errors
+        self.prefetch_depth = prefetch_depth
         self.staleness = staleness if sparse == "async" else 0
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -231,38 +243,31 @@ class HybridParallel(nn.Module):
             )  # fmt: skip
         if self.world_size == 1 or not self.tables:
             return
-        from veloce._update_stream import prefetch_stream, prefetching
+        from veloce._update_stream import on_prefetch_stream
         from veloce.embedding import dispatch_many
 
         dev = self.tables[0][1].table.device
         if dev.type != "cuda":
             for tables, inputs in lookups(*args, **kwargs):
-                dispatch_many(tables, inputs)
+                dispatch_many(tables, inputs, self.prefetch_depth)
             return
         groups = {id(m._shard.group): m._shard.group for _, m in self.tables}.values()
         queued = [len(g.prefetched) for g in groups]
-        main, side = torch.cuda.current_stream(dev), prefetch_stream(dev)
         on_gpu = [t for t in _tensors((args, kwargs)) if t.is_cuda]
-        if on_gpu:
-            side.wait_stream(main)  # they may come from work queued there
-        origin = torch.cuda.Event()
-        origin.record(main)  # what a growth or an eviction on the side stream waits for
-        try:
-            with torch.cuda.stream(side), prefetching(origin):
+        # Inputs on the GPU may come from work queued on the current stream: wait for it.
+        with on_prefetch_stream(dev, wait=bool(on_gpu)) as main:
+            try:
                 args, kwargs = _to_device((args, kwargs), dev)
                 for t in on_gpu:
-                    t.record_stream(side)
+                    t.record_stream(torch.cuda.current_stream(dev))
                 for tables, inputs in lookups(*args, **kwargs):
-                    dispatch_many(tables, inputs)
-        finally:
-            # Work queued from now on comes after the exchange (its results, and a table
-            # grown or rows evicted on the side stream); the previous step's does not.
-            main.wait_stream(side)
-            for g, n in zip(groups, queued):  # also those queued before a later group failed
-                for d in list(g.prefetched)[n:]:
-                    for t in d.tensors():
-                        if t is not None and t.is_cuda:
-                            t.record_stream(main)  # allocated on the side stream, used on main
+                    dispatch_many(tables, inputs, self.prefetch_depth)
+            finally:
+                for g, n in zip(groups, queued):  # also those queued before a later group failed
+                    for d in list(g.prefetched)[n:]:
+                        for t in d.tensors():
+                            if t is not None and t.is_cuda:
+                                t.record_stream(main)  # allocated on the side stream, used on main
 
     def train(self, mode: bool = True) -> "HybridParallel":
         super().train(mode)
@@ -294,6 +299,7 @@ class HybridParallel(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"sparse={self.sparse!r}, staleness={self.staleness}, dedup={self.dedup}, "
-            f"lookup_errors={self.lookup_errors!r}, world_size={self.world_size}, "
+            f"lookup_errors={self.lookup_errors!r}, prefetch_depth={self.prefetch_depth!r}, "
+            f"world_size={self.world_size}, "
             f"tables={len(self.tables)}, dense={'ddp' if self._ddp is not None else 'none'}"
         )

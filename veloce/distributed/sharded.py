@@ -38,9 +38,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from veloce._device import host_tensor, to_device
+from veloce._update_stream import on_prefetch_stream
 from veloce.distributed._comm import (
     DeferredFailure, ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all,
-    exchange_headers, raise_deferred_failures,
+    Header, begin_headers, finish_headers, raise_deferred_failures,
 )  # fmt: skip
 from veloce.ops.embedding import pooled_lookup_kernels
 from veloce.ops.exchange import bucketize_bags
@@ -129,7 +130,8 @@ class Shard:
             yield
         except Exception as e:
             if group is None and self.group.prefetched:
-                _finish(self, self.group.prefetched.popleft(), refusal=e)  # raises with lookup_errors="raise"
+                # raises with lookup_errors="raise"
+                _finish(self, _complete(self.group.prefetched.popleft()), refusal=e)
                 # "raise_next": the other ranks go on and raise at their next step(); this
                 # one cannot go on with input it cannot read, and they may wait for it in
                 # a later collective (docs/distributed.md says so).
@@ -222,10 +224,12 @@ def _run_forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     return outs, ex
 
 
-def dispatch_group(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple] = ()) -> None:
+def dispatch_group(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple] = (),
+                   depth: str = "inserts") -> None:  # fmt: skip
     """Runs the first half of a later :func:`sharded_lookup` of ``modules`` (one exchange)
     now and queues it on the group, where that lookup takes it (see
-    :meth:`veloce.distributed.HybridParallel.prefetch`)."""
+    :meth:`veloce.distributed.HybridParallel.prefetch`). ``depth="header"``: only its start
+    (bucketing, the header swap queued; no host sync): the lookup runs the rest."""
     shard = modules[0]._shard
     if shard.dedup:
         raise ValueError(
@@ -242,8 +246,14 @@ def dispatch_group(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
             f"yet: prefetch one batch ahead (after step(), before the next forward), and a model must look each "
             f"table up once per forward to be prefetched"
         )  # fmt: skip
-    raise_deferred_failures(shard.group)
     psw_grad = any(b[2] is not None and b[2].requires_grad for b in bags)
+    if depth == "header":  # nothing moves in the tables: an earlier failure is raised by the lookup
+        with deferring_errors(shard, modules, depth) as failed:  # _begin abandons its header on an error
+            begun = _begin(shard, list(modules), bags, psw_grad, layouts, shard.dispatch_group)
+        if not failed:
+            shard.group.prefetched.append(begun)
+        return
+    raise_deferred_failures(shard.group)
     shard.group.prefetched.append(_dispatch(shard, list(modules), bags, psw_grad, layouts, shard.dispatch_group))
 
 
@@ -277,6 +287,7 @@ def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple], psw
             f"not the one prefetched next (tables {[m._shard.tag for m in d.modules]}, training={list(d.training)}); "
             f"call forward with the inputs given to prefetch, in the order prefetched, in the same train/eval mode"
         )  # fmt: skip
+    d = _complete(d)  # every rank, whatever its inputs: the rest of the first half is collective
     if d.shapes != _bag_shapes(bags) or d.psw_grad != psw_grad:
         return d, ValueError(
             f"HybridParallel.prefetch: the inputs of this lookup of tables {tags} differ in shape (or in whether "
@@ -284,6 +295,54 @@ def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple], psw
             f"to prefetch"
         )  # fmt: skip
     return d, None
+
+
+@dataclass
+class _Abandoned:
+    """A prefetch (``prefetch_depth="header"``) that failed on this rank before its header
+    (bad input): this rank abandoned the header swap, and the forward that takes it raises
+    ``error`` here, the others :class:`ExchangeError` (see :func:`deferring_errors`)."""
+
+    modules: list
+    training: tuple
+    error: Exception
+
+
+@contextlib.contextmanager
+def deferring_errors(shard: Shard, modules: Sequence, depth: str):
+    """Around the part of a prefetch of ``modules`` that abandons its header swap on an
+    error (bad input; :meth:`Shard.abandon_on_error`). With ``depth="header"`` the error is
+    kept for the forward that takes the prefetch, where every rank raises (this rank its
+    own error, the others an ExchangeError from the abandoned header): prefetch has no host
+    sync in which the other ranks could learn of it, and raising here would leave them
+    waiting in their next collective. Yields a list that holds the error once kept. Other
+    depths raise at once (every rank does, in the prefetch's own header swap)."""
+    failed: list = []
+    try:
+        yield failed
+    except Exception as e:
+        if depth != "header":
+            raise
+        failed.append(e)
+        shard.group.prefetched.append(_Abandoned(list(modules), tuple(m.training for m in modules), e))
+
+
+def _complete(d: Any) -> _Dispatched:
+    """A prefetched first half, finished if only its start was prefetched
+    (``prefetch_depth="header"``): the header read back, the ids' all-to-all and the owners'
+    inserts, on the prefetch stream (their host syncs wait for them alone, not for the
+    previous step's tail on the current stream) and the prefetch's process group."""
+    if isinstance(d, _Abandoned):
+        raise d.error
+    if not isinstance(d, _Begun):
+        return d
+    with on_prefetch_stream(d.batch.ids.device) as main:
+        done = _end(d)
+    if main is not None:
+        for t in done.tensors():
+            if t is not None and t.is_cuda:
+                t.record_stream(main)  # allocated on the prefetch stream, used on the current one
+    return done
 
 
 def _forward_for(shard: Shard):
@@ -354,7 +413,8 @@ def _shift_segments(values: torch.Tensor, lengths: list[int], sizes: list[int]) 
     if not any(b and n for b, n in zip(bases, lengths)):
         return values
     dev = values.device
-    shift = torch.repeat_interleave(host_tensor(bases, dev), host_tensor(lengths, dev), output_size=values.numel())
+    both = host_tensor([bases, lengths], dev)  # (2, segments): one copy
+    shift = torch.repeat_interleave(both[0], both[1], output_size=values.numel())
     return values + shift
 
 
@@ -430,6 +490,34 @@ def _dispatch(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool
     and the owners' inserts (their host syncs); nothing of it waits for the tables' rows.
     Its exchanges run on ``group`` (by default the lookups' group; a prefetch has its own,
     so that they do not queue behind the previous step's exchanges)."""
+    return _end(_begin(shard, modules, bags, psw_grad, layouts, group))
+
+
+@dataclass
+class _Begun:
+    """The start of a forward's first half (:func:`_begin`): the ids bucketed by owner and
+    the header swap queued, nothing read back. :func:`_end` goes on from there."""
+
+    group: Group
+    modules: list
+    batch: _Batch
+    buckets: Any  # bucketize_bags' result
+    header: Header
+    layouts: Sequence[tuple]
+    shapes: tuple
+    training: tuple
+    psw_grad: bool
+
+    def tensors(self) -> list:
+        """The tensors :func:`_end` reads (for record_stream)."""
+        b, k = self.batch, self.buckets
+        return [b.ids, b.starts, b.psw, *b.kept, k.perm, k.bag_of_part, k.part_lengths, k.id_splits, k.part_splits]
+
+
+def _begin(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False,
+           layouts: Sequence[tuple] = (), group: Optional[Group] = None) -> _Begun:  # fmt: skip
+    """The first half's start, without a host sync: the bags concatenated and bucketed by
+    owner, the header swap queued (on ``group``, by default the lookups' group)."""
     g = group or shard.group
     K = len(modules)
     dev = bags[0][0].device
@@ -449,9 +537,22 @@ def _dispatch(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool
 
         parts_nk, ids_nk = _counts_per_owner_and_table(b, cb.num_bags, g.size, dev)
     signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(any_psw), int(psw_grad), 0)
-    fields = [b.id_splits, b.part_splits, *parts_nk.view(g.size, K).t(), *ids_nk.view(g.size, K).t()]
+    # One column per field: the ids and parts per owner, then per (owner, table) the parts and ids.
+    fields = torch.cat([b.id_splits.view(-1, 1), b.part_splits.view(-1, 1), parts_nk.view(g.size, K),
+                        ids_nk.view(g.size, K)], 1)  # fmt: skip
+    header = begin_headers(g, fields, signature, bad_layout)
+    return _Begun(g, list(modules), cb, b, header, layouts, _bag_shapes(bags), tuple(m.training for m in modules),
+                  bool(psw_grad))  # fmt: skip
+
+
+def _end(begun: _Begun) -> _Dispatched:
+    """The first half's end (:func:`_begin` started it): the header read back (a host sync),
+    the ids' all-to-all and the owners' inserts (their host syncs), on ``begun.group``."""
+    g, modules, cb, b, layouts = begun.group, begun.modules, begun.batch, begun.buckets, begun.layouts
+    K = len(modules)
+    any_psw = cb.psw is not None
     what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
-    sent, recv = exchange_headers(g, fields, signature, what, bad_layout, lambda: _raise_bad_layout(layouts))
+    sent, recv = finish_headers(g, begun.header, what, lambda: _raise_bad_layout(layouts))
     id_splits, part_splits = sent[0], sent[1]
     recv_ids_n, recv_parts_n = recv[0], recv[1]
     # The parts, without bucketize_bags' padding rows (every position is sent: the
@@ -477,8 +578,8 @@ def _dispatch(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool
     slots, error = _insert_tables(modules, t_ids)
     return _Dispatched(modules, cb, b.perm, bag_of_part, id_splits, part_splits, recv_ids_n, recv_parts_n,
                        recv_parts_nk, recv_ids_nk, list(t_ids), list(t_starts), list(t_psw), slots, error,
-                       _bag_shapes(bags), tuple(m.training for m in modules),
-                       tuple(m.table.version for m in modules), bool(psw_grad))  # fmt: skip
+                       begun.shapes, begun.training, tuple(m.table.version for m in modules),
+                       begun.psw_grad)  # fmt: skip
 
 
 def _finish(shard: Shard, d: _Dispatched, refusal: Optional[Exception] = None):

@@ -98,7 +98,7 @@ def _columns(embeddings: nn.ModuleDict, sparse: torch.Tensor, model: str) -> tup
     # (F, B): each feature's ids contiguous. Beside a sparse update still in flight, like the
     # inserts that read it (a copy queued on the current stream would wait for the update).
     cols = insert_beside_updates(tables, lambda: sparse.t().contiguous())
-    return modules, [cols[i].view(-1, 1) for i in range(len(modules))]
+    return modules, list(cols.unsqueeze(2).unbind(0))  # one op for every column's (B, 1) view
 
 
 def check_sizes(num_dense: int, embedding_dim: int, model: str) -> None:
