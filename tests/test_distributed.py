@@ -965,6 +965,8 @@ def _prefetch_misuse(rank, world, case, depth):
             hp(*inputs)
         if case == "two ahead":
             hp.prefetch(*inputs)
+        if case == "two ahead, bad input on one rank":  # the misuse is found first, on every rank
+            hp.prefetch(*((inputs[0], inputs[1].float(), *inputs[2:]) if rank == 0 else inputs))  # the first table's
         if case == "table changed":  # between prefetch and forward: the prefetched slots are stale
             model.a.table.resize(model.a.table.capacity * 2)  # (with depth "header", nothing was inserted yet)
             hp(*inputs)
@@ -980,7 +982,7 @@ def _prefetch_misuse(rank, world, case, depth):
 
 @pytest.mark.parametrize("depth", ["inserts", "header"])
 @pytest.mark.parametrize("case", ["no sparse_lookups", "dedup", "other shapes", "eval", "bad input", "two ahead",
-                                  "table changed"])  # fmt: skip
+                                  "two ahead, bad input on one rank", "table changed"])  # fmt: skip
 def test_prefetch_misuse_raises_on_every_rank(case, depth):
     want = {
         "no sparse_lookups": ("TypeError", "has no sparse_lookups"),
@@ -988,6 +990,7 @@ def test_prefetch_misuse_raises_on_every_rank(case, depth):
         "other shapes": ("ValueError", "differ in shape"),
         "eval": ("ValueError", "is not the one prefetched next"),
         "two ahead": ("ValueError", "already have a prefetched lookup that no forward has taken"),
+        "two ahead, bad input on one rank": ("ValueError", "already have a prefetched lookup that no forward has taken"),
         "table changed": ("ValueError", "changed between prefetch and this forward") if depth == "inserts" else ("ok", ""),
     }.get(case)
     for rank, (kind, msg) in enumerate(run_ranks(_prefetch_misuse, 2, case, depth, timeout=60)):

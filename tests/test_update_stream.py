@@ -366,3 +366,45 @@ def test_cuda_a_join_on_a_stream_of_ones_own_waits_but_keeps_the_fence(device, m
     assert emb.table._update_fence is fence and fence in update_stream._IN_FLIGHT  # the origin has not
     _ = emb.table.weights
     assert emb.table._update_fence is None
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("change", ["resize", "insert", "erase", "clear", "load"])
+def test_cuda_a_change_of_the_table_is_waited_for_by_the_prefetch_streams_next_insert(device, change):
+    """A change queued on the current stream outside the training inserts (resize,
+    insert_or_assign, erase, clear, load) leaves an event; the next op on the prefetch
+    stream (HybridParallel.prefetch's inserts, which do not wait for the current stream)
+    waits for it, and one on the current stream does not consume it. The insert there then
+    sees the changed table."""
+    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=64, device=device)
+    t = emb.table
+    ids = torch.arange(1, 41, device=device)
+    t.find_or_insert(ids)
+    assert t._changed is None  # training inserts leave none
+    main = torch.cuda.current_stream(device)
+    if change == "resize":
+        t.resize(4 * t.capacity)
+    elif change == "insert":
+        t.insert(ids[:5], torch.full((5, 4), 7.0, device=device))
+    elif change == "erase":
+        t.erase(ids[:5])
+    elif change == "clear":
+        t.clear()
+    else:
+        t.load_entries(t.export())
+    assert t._changed is not None and t._changed[1] == main
+    t.find(ids)  # an op on the current stream: ordered after the change anyway; keeps the event
+    t._state()
+    assert t._changed is not None
+    side = update_stream.prefetch_stream(torch.device(device))
+    side.wait_stream(main)  # (the ids)
+    with torch.cuda.stream(side):
+        slots = t.find_or_insert(ids)
+    assert t._changed is None  # waited for there, by the insert's first use of the state
+    main.wait_stream(side)
+    got = emb.export() if change != "clear" else None
+    present = t.find(ids)
+    assert (present >= 0).all() and torch.equal(present, slots)
+    if change == "insert":
+        rows = dict(zip(got["keys"].tolist(), got["weights"].tolist()))
+        assert all(rows[i] == [7.0] * 4 for i in range(1, 6))

@@ -179,11 +179,13 @@ def prefetching(origin: torch.cuda.Event):
 
 
 @contextlib.contextmanager
-def on_prefetch_stream(device: torch.device, wait: bool = False):
+def on_prefetch_stream(device: torch.device, wait: bool = False, join: bool = True):
     """Runs the block on the prefetch stream (:func:`prefetch_stream`) under
-    :func:`prefetching`, its origin recorded on the current stream now; afterwards the
-    current stream waits for everything the block queued. ``wait``: the prefetch stream
-    first waits for the current one too (the block reads tensors that come from it).
+    :func:`prefetching`, its origin recorded on the current stream now; afterwards (with
+    ``join``) the current stream waits for everything the block queued. ``wait``: the
+    prefetch stream first waits for the current one too (the block reads tensors that come
+    from it). Without ``join`` nothing queued later on the current stream waits for the
+    block: only for blocks whose results are used on the prefetch stream first.
     Yields the current stream (None on a CPU, where the block just runs): tensors the
     block allocates and later work uses there need ``record_stream`` on it."""
     if device.type != "cuda":
@@ -200,7 +202,8 @@ def on_prefetch_stream(device: torch.device, wait: bool = False):
     finally:
         # Work queued from now on comes after the block's (its results, and a table grown
         # or rows evicted on the side stream); the work queued before it does not.
-        main.wait_stream(side)
+        if join:
+            main.wait_stream(side)
 
 
 def wait_prefetch_origin(device: torch.device) -> None:

@@ -993,13 +993,14 @@ def dispatch_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], d
     (:meth:`veloce.distributed.HybridParallel.prefetch` calls it; local tables are looked
     up in full later). The later call finds it and runs only the second half.
     ``depth="header"``: only the first half's start (no host sync); the later call runs the rest."""
-    from veloce.distributed.sharded import deferring_errors, dispatch_group
+    from veloce.distributed.sharded import check_prefetchable, deferring_errors, dispatch_group
 
     args, groups, _ = _lookup_groups(tables, inputs, "prefetch")
     aranges: dict = {}
     for idx in groups.values():
         shard = tables[idx[0]]._shard
         group_tables = [tables[i] for i in idx]
+        check_prefetchable(group_tables)  # before the input's checks, which abandon the exchange on an error
         with deferring_errors(shard, group_tables, depth) as failed:
             with shard.abandon_on_error(shard.dispatch_group or shard.group):  # bad input fails every rank
                 layouts: list = []

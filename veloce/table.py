@@ -114,18 +114,21 @@ class HashTable(PlainAttrs, nn.Module):
         self.num_evicted = 0
         self.last_evicted = torch.empty(0, dtype=torch.long)
         self._update_fence = None
-        self._cleared = None
+        self._changed = None
         self._allocate(cap, dtype, torch.device(device) if device is not None else torch.device("cpu"))
 
     # Bookkeeping set on every training lookup (see PlainAttrs).
-    _PLAIN_ATTRS = frozenset({"size", "version", "clock", "num_evicted", "last_evicted", "_update_fence", "_cleared"})
+    _PLAIN_ATTRS = frozenset({"size", "version", "clock", "num_evicted", "last_evicted", "_update_fence", "_changed"})
 
     # The sparse update last queued on a side stream (veloce._update_stream), until a use of
     # the rows waited for it.
     _update_fence: UpdateFence | None = None
-    # After clear() on CUDA (queued, not waited for): its event, until an op on the state
-    # waited for it (an insert of HybridParallel.prefetch may run on a side stream).
-    _cleared: Any = None
+    # After a change of the state outside the training inserts, queued on CUDA and not
+    # waited for (clear, erase, resize, insert_or_assign, load_entries): (event, stream),
+    # until an op on another stream waited for it. An insert of HybridParallel.prefetch
+    # (or of a forward whose exchange was prefetched) runs on the prefetch stream without
+    # waiting for the current stream; it must still come after such a change.
+    _changed: Any = None
 
     # ---- state ------------------------------------------------------------------------
     def _allocate(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -154,9 +157,14 @@ class HashTable(PlainAttrs, nn.Module):
         evict: it runs beside a sparse update still in flight (see :meth:`_join_update`)."""
         if join:
             self._join_update()
-        if self._cleared is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._cleared)
-            self._cleared = None
+        if self._changed is not None:
+            event, stream = self._changed
+            current = torch.cuda.current_stream(self.device)
+            if current != stream:
+                current.wait_event(event)
+                # Work on either stream now comes after the change (one of the two queued
+                # it, the other waited for it): the current and the prefetch stream.
+                self._changed = None
         b = self._buffers
         return (b["keys"], b["digests"], b["scores"], b["weights"], b["opt_state"])
 
@@ -186,7 +194,7 @@ class HashTable(PlainAttrs, nn.Module):
         self._join_update()
         state = self.__dict__.copy()
         state["_update_fence"] = None
-        state["_cleared"] = None  # a CUDA event; the clear is queued before any later use here
+        state["_changed"] = None  # a CUDA event; the change is queued before any later use here
         return state
 
     @property
@@ -271,12 +279,23 @@ class HashTable(PlainAttrs, nn.Module):
     ) -> torch.Tensor:
         """insert_or_assign: writes ``values`` (N, D) to the rows of ``ids``; returns slots.
         With ``evict=False`` a full table raises instead of evicting."""
-        return self._insert(
+        slots = self._insert(
             lambda allow_evict: torch.ops.veloce.insert_or_assign(
                 *self._state(), ids, values, opt_values, score_values, self.score_policy, self.clock, allow_evict
             ),
             evict=evict,
         )
+        self._note_changed()
+        return slots
+
+    def _note_changed(self) -> None:
+        """After a change of the state queued on the current stream (not a training insert):
+        its event, which the next op on another stream waits for (see ``_changed``)."""
+        if self._buffers["keys"].is_cuda:
+            stream = torch.cuda.current_stream(self.device)
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._changed = (event, stream)
 
     def _insert(self, call, evict: bool = True, bad_input: torch.Tensor | None = None) -> torch.Tensor:
         """Runs an inserting op ``call(allow_evict) -> (slots, counts, evicted)``; while it
@@ -302,6 +321,7 @@ class HashTable(PlainAttrs, nn.Module):
         _ext.require()
         self._join_update()  # a freed slot may be filled by the next insert
         erased = int(torch.ops.veloce.erase(self.keys, self.digests, ids).sum())
+        self._note_changed()
         if erased:
             self.size -= erased
             self.version += 1
@@ -324,9 +344,7 @@ class HashTable(PlainAttrs, nn.Module):
         self.digests.zero_()
         self.size = 0
         self.version += 1
-        if self.digests.is_cuda:
-            self._cleared = torch.cuda.Event()
-            self._cleared.record(torch.cuda.current_stream(self.device))
+        self._note_changed()
 
     # ---- growth -----------------------------------------------------------------------
     def _at_max(self) -> bool:
@@ -388,6 +406,7 @@ class HashTable(PlainAttrs, nn.Module):
                 )
             new_cap *= 2
         self.version += 1
+        self._note_changed()
 
     def _note_evicted(self, evicted: torch.Tensor) -> None:
         self.last_evicted = evicted
@@ -435,6 +454,7 @@ class HashTable(PlainAttrs, nn.Module):
             for name, t in buffers.items():
                 self.register_buffer(name, t, persistent=False)
             raise
+        self._note_changed()
 
 
 def find_or_insert_many(

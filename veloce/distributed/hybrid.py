@@ -255,7 +255,11 @@ class HybridParallel(nn.Module):
         queued = [len(g.prefetched) for g in groups]
         on_gpu = [t for t in _tensors((args, kwargs)) if t.is_cuda]
         # Inputs on the GPU may come from work queued on the current stream: wait for it.
-        with on_prefetch_stream(dev, wait=bool(on_gpu)) as main:
+        # A header-only prefetch touches no table and its results are used on the prefetch
+        # stream first (the forward's _complete): the current stream need not wait for its
+        # header swap, which ends when every rank's has begun.
+        join = self.prefetch_depth != "header"
+        with on_prefetch_stream(dev, wait=bool(on_gpu), join=join) as main:
             try:
                 args, kwargs = _to_device((args, kwargs), dev)
                 for t in on_gpu:

@@ -131,12 +131,13 @@ class Shard:
         except Exception as e:
             if group is None and self.group.prefetched:
                 # raises with lookup_errors="raise"
-                _finish(self, _complete(self.group.prefetched.popleft()), refusal=e)
+                _finish(self, _complete(self.group, self.group.prefetched.popleft()), refusal=e)
                 # "raise_next": the other ranks go on and raise at their next step(); this
                 # one cannot go on with input it cannot read, and they may wait for it in
                 # a later collective (docs/distributed.md says so).
                 raise
             abandon_exchange(group or self.group)
+            e._veloce_abandoned = True  # the other ranks learn of it in this exchange's header (deferring_errors)
             raise
 
     def flush(self, module) -> None:
@@ -231,6 +232,24 @@ def dispatch_group(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
     :meth:`veloce.distributed.HybridParallel.prefetch`). ``depth="header"``: only its start
     (bucketing, the header swap queued; no host sync): the lookup runs the rest."""
     shard = modules[0]._shard
+    check_prefetchable(modules)
+    psw_grad = any(b[2] is not None and b[2].requires_grad for b in bags)
+    if depth == "header":  # nothing moves in the tables: an earlier failure is raised by the lookup
+        with deferring_errors(shard, modules, depth) as failed:  # _begin abandons its header on an error
+            begun = _begin(shard, list(modules), bags, psw_grad, layouts, shard.dispatch_group)
+        if not failed:
+            shard.group.prefetched.append(begun)
+        return
+    raise_deferred_failures(shard.group)
+    shard.group.prefetched.append(_dispatch(shard, list(modules), bags, psw_grad, layouts, shard.dispatch_group))
+
+
+def check_prefetchable(modules: Sequence) -> None:
+    """Raises ``ValueError`` when ``modules`` (one exchange) cannot be prefetched now: with
+    dedup, or a table with a prefetched lookup no forward has taken yet. The same on every
+    rank (so all raise, none waits): checked before the input, whose errors abandon the
+    exchange."""
+    shard = modules[0]._shard
     if shard.dedup:
         raise ValueError(
             "HybridParallel.prefetch: not available with dedup=True (the exchange of distinct ids is not split "
@@ -246,15 +265,6 @@ def dispatch_group(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
             f"yet: prefetch one batch ahead (after step(), before the next forward), and a model must look each "
             f"table up once per forward to be prefetched"
         )  # fmt: skip
-    psw_grad = any(b[2] is not None and b[2].requires_grad for b in bags)
-    if depth == "header":  # nothing moves in the tables: an earlier failure is raised by the lookup
-        with deferring_errors(shard, modules, depth) as failed:  # _begin abandons its header on an error
-            begun = _begin(shard, list(modules), bags, psw_grad, layouts, shard.dispatch_group)
-        if not failed:
-            shard.group.prefetched.append(begun)
-        return
-    raise_deferred_failures(shard.group)
-    shard.group.prefetched.append(_dispatch(shard, list(modules), bags, psw_grad, layouts, shard.dispatch_group))
 
 
 def drop_failed_gradients(modules: Sequence) -> None:
@@ -287,7 +297,7 @@ def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple], psw
             f"not the one prefetched next (tables {[m._shard.tag for m in d.modules]}, training={list(d.training)}); "
             f"call forward with the inputs given to prefetch, in the order prefetched, in the same train/eval mode"
         )  # fmt: skip
-    d = _complete(d)  # every rank, whatever its inputs: the rest of the first half is collective
+    d = _complete(group, d)  # every rank, whatever its inputs: the rest of the first half is collective
     if d.shapes != _bag_shapes(bags) or d.psw_grad != psw_grad:
         return d, ValueError(
             f"HybridParallel.prefetch: the inputs of this lookup of tables {tags} differ in shape (or in whether "
@@ -307,6 +317,9 @@ class _Abandoned:
     training: tuple
     error: Exception
 
+    def tensors(self) -> list:
+        return []
+
 
 @contextlib.contextmanager
 def deferring_errors(shard: Shard, modules: Sequence, depth: str):
@@ -321,23 +334,29 @@ def deferring_errors(shard: Shard, modules: Sequence, depth: str):
     try:
         yield failed
     except Exception as e:
-        if depth != "header":
-            raise
+        if depth != "header" or not getattr(e, "_veloce_abandoned", False):
+            raise  # (an error after the header was queued: nothing tells the other ranks)
         failed.append(e)
         shard.group.prefetched.append(_Abandoned(list(modules), tuple(m.training for m in modules), e))
 
 
-def _complete(d: Any) -> _Dispatched:
-    """A prefetched first half, finished if only its start was prefetched
-    (``prefetch_depth="header"``): the header read back, the ids' all-to-all and the owners'
-    inserts, on the prefetch stream (their host syncs wait for them alone, not for the
-    previous step's tail on the current stream) and the prefetch's process group."""
-    if isinstance(d, _Abandoned):
-        raise d.error
-    if not isinstance(d, _Begun):
+def _complete(group: Group, d: Any) -> _Dispatched:
+    """A prefetched first half taken from ``group``'s queue, finished if only its start was
+    prefetched (``prefetch_depth="header"``): the header read back, the ids' all-to-all and
+    the owners' inserts, on the prefetch stream (their host syncs wait for them alone, not
+    for the previous step's tail on the current stream) and the prefetch's process group.
+    If that raises (on every rank: a rank's bad input abandoned the header), the queue is
+    dropped, as after any failed exchange."""
+    if not isinstance(d, (_Begun, _Abandoned)):
         return d
-    with on_prefetch_stream(d.batch.ids.device) as main:
-        done = _end(d)
+    try:
+        if isinstance(d, _Abandoned):
+            raise d.error
+        with on_prefetch_stream(d.batch.ids.device) as main:
+            done = _end(d)
+    except BaseException:
+        group.prefetched.clear()
+        raise
     if main is not None:
         for t in done.tensors():
             if t is not None and t.is_cuda:
