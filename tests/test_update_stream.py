@@ -374,14 +374,17 @@ def test_cuda_a_change_of_the_table_is_waited_for_by_the_prefetch_streams_next_i
     """A change queued on the current stream outside the training inserts (resize,
     insert_or_assign, erase, clear, load) leaves an event; the next op on the prefetch
     stream (HybridParallel.prefetch's inserts, which do not wait for the current stream)
-    waits for it, and one on the current stream does not consume it. The insert there then
-    sees the changed table."""
+    waits for it, and one on the current stream does not consume it. The current stream is
+    held up before the change, and the insert's ids come from the prefetch stream: without
+    the wait, the insert would run first (a clear would then drop the ids it found)."""
     emb = veloce.DynamicEmbedding(4, mode="sum", capacity=64, device=device)
     t = emb.table
     ids = torch.arange(1, 41, device=device)
     t.find_or_insert(ids)
-    assert t._changed is None  # training inserts leave none
+    torch.cuda.synchronize(device)
+    t._changed = None  # (the allocation's)
     main = torch.cuda.current_stream(device)
+    torch.cuda._sleep(100_000_000)  # the change runs well after the insert below is queued
     if change == "resize":
         t.resize(4 * t.capacity)
     elif change == "insert":
@@ -393,18 +396,27 @@ def test_cuda_a_change_of_the_table_is_waited_for_by_the_prefetch_streams_next_i
     else:
         t.load_entries(t.export())
     assert t._changed is not None and t._changed[1] == main
-    t.find(ids)  # an op on the current stream: ordered after the change anyway; keeps the event
-    t._state()
+    t._state()  # an op on the current stream: ordered after the change anyway; keeps the event
     assert t._changed is not None
     side = update_stream.prefetch_stream(torch.device(device))
-    side.wait_stream(main)  # (the ids)
     with torch.cuda.stream(side):
-        slots = t.find_or_insert(ids)
+        slots = t.find_or_insert(torch.arange(1, 41, device=device))
     assert t._changed is None  # waited for there, by the insert's first use of the state
     main.wait_stream(side)
-    got = emb.export() if change != "clear" else None
     present = t.find(ids)
     assert (present >= 0).all() and torch.equal(present, slots)
     if change == "insert":
+        got = emb.export()
         rows = dict(zip(got["keys"].tolist(), got["weights"].tolist()))
         assert all(rows[i] == [7.0] * 4 for i in range(1, 6))
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_a_table_moved_to_the_cpu_after_a_change_still_works(device):
+    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=64, device=device)
+    emb.table.find_or_insert(torch.arange(1, 41, device=device))
+    emb.table.resize(256)  # leaves its event
+    emb.cpu()
+    assert emb.table._changed is None
+    assert emb.state_dict()["keys"].numel() == 40  # export() through the state, on the CPU
+    assert (emb.table.find_or_insert(torch.arange(1, 41)) >= 0).all()

@@ -149,6 +149,7 @@ class HashTable(PlainAttrs, nn.Module):
         }
         for name, (shape, dt) in shapes.items():
             self.register_buffer(name, empty_table(shape, dt, device), persistent=False)
+        self._note_changed()  # the new buffers' fill, queued on the current stream
 
     # The state is read straight from the buffer dict: several times per table per step,
     # where each attribute read of a buffer goes through nn.Module.__getattr__.
@@ -158,13 +159,7 @@ class HashTable(PlainAttrs, nn.Module):
         if join:
             self._join_update()
         if self._changed is not None:
-            event, stream = self._changed
-            current = torch.cuda.current_stream(self.device)
-            if current != stream:
-                current.wait_event(event)
-                # Work on either stream now comes after the change (one of the two queued
-                # it, the other waited for it): the current and the prefetch stream.
-                self._changed = None
+            self._wait_changed()
         b = self._buffers
         return (b["keys"], b["digests"], b["scores"], b["weights"], b["opt_state"])
 
@@ -187,6 +182,9 @@ class HashTable(PlainAttrs, nn.Module):
 
     def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), ...: after the update
         self._join_update()
+        if self._changed is not None:  # and after the last change, whatever stream queued it
+            torch.cuda.current_stream(self.device).wait_event(self._changed[0])
+            self._changed = None
         return super()._apply(fn, recurse)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -279,14 +277,28 @@ class HashTable(PlainAttrs, nn.Module):
     ) -> torch.Tensor:
         """insert_or_assign: writes ``values`` (N, D) to the rows of ``ids``; returns slots.
         With ``evict=False`` a full table raises instead of evicting."""
-        slots = self._insert(
-            lambda allow_evict: torch.ops.veloce.insert_or_assign(
-                *self._state(), ids, values, opt_values, score_values, self.score_policy, self.clock, allow_evict
-            ),
-            evict=evict,
-        )
-        self._note_changed()
-        return slots
+        try:
+            return self._insert(
+                lambda allow_evict: torch.ops.veloce.insert_or_assign(
+                    *self._state(), ids, values, opt_values, score_values, self.score_policy, self.clock, allow_evict
+                ),
+                evict=evict,
+            )
+        finally:  # a failed insert queues its rollback too
+            self._note_changed()
+
+    def _wait_changed(self) -> None:
+        """The current stream waits for the last change's event when another stream queued
+        it; then work on either stream comes after the change (one queued it, the other
+        waited for it): the current and the prefetch stream, the two that use the state."""
+        event, stream = self._changed
+        if not self._buffers["keys"].is_cuda:  # moved off the GPU since
+            self._changed = None
+            return
+        current = torch.cuda.current_stream(self.device)
+        if current != stream:
+            current.wait_event(event)
+            self._changed = None
 
     def _note_changed(self) -> None:
         """After a change of the state queued on the current stream (not a training insert):
@@ -401,6 +413,7 @@ class HashTable(PlainAttrs, nn.Module):
                 break
             # Two-choice placement overflowed a bucket pair: rare; use more slots.
             if self.max_capacity is not None and new_cap >= self.max_capacity:
+                self._note_changed()
                 raise RuntimeError(
                     f"rehash into max_capacity {self.max_capacity} slots overflowed a bucket; raise max_capacity"
                 )

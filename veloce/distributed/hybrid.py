@@ -197,6 +197,10 @@ class HybridParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the wrapped model (through DDP when dense parameters are data-parallel)."""
+        if self.prefetch_depth == "header" and self.tables and self.world_size > 1:
+            from veloce.distributed.sharded import complete_prefetched
+
+            complete_prefetched(self.tables[0][1]._shard.group)
         return (self._ddp or self.module)(*args, **kwargs)
 
     def prefetch(self, *args: Any, **kwargs: Any) -> None:

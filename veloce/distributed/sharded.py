@@ -340,6 +340,19 @@ def deferring_errors(shard: Shard, modules: Sequence, depth: str):
         shard.group.prefetched.append(_Abandoned(list(modules), tuple(m.training for m in modules), e))
 
 
+def complete_prefetched(group: Group) -> None:
+    """Finishes every header-only prefetch queued on ``group`` now (in queue order, the same
+    on every rank), before the forward that takes them queues anything: its own work (a
+    model's transpose of its ids beside the updates, on the same high-priority stream) would
+    otherwise make their ids' all-to-all and inserts wait for the previous step's tail. An
+    earlier forward's deferred failure is raised first, as the lookup would."""
+    if not any(isinstance(d, (_Begun, _Abandoned)) for d in group.prefetched):
+        return
+    raise_deferred_failures(group)
+    for i in range(len(group.prefetched)):
+        group.prefetched[i] = _complete(group, group.prefetched[i])
+
+
 def _complete(group: Group, d: Any) -> _Dispatched:
     """A prefetched first half taken from ``group``'s queue, finished if only its start was
     prefetched (``prefetch_depth="header"``): the header read back, the ids' all-to-all and
