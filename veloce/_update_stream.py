@@ -185,7 +185,8 @@ def on_prefetch_stream(device: torch.device, wait: bool = False, join: bool = Tr
     ``join``) the current stream waits for everything the block queued. ``wait``: the
     prefetch stream first waits for the current one too (the block reads tensors that come
     from it). Without ``join`` nothing queued later on the current stream waits for the
-    block: only for blocks whose results are used on the prefetch stream first.
+    block (unless it raised): only for blocks whose results are used on the prefetch
+    stream first, and whose reads the caller orders itself.
     Yields the current stream (None on a CPU, where the block just runs): tensors the
     block allocates and later work uses there need ``record_stream`` on it."""
     if device.type != "cuda":
@@ -199,11 +200,13 @@ def on_prefetch_stream(device: torch.device, wait: bool = False, join: bool = Tr
     try:
         with torch.cuda.stream(side), prefetching(origin):
             yield main
-    finally:
-        # Work queued from now on comes after the block's (its results, and a table grown
-        # or rows evicted on the side stream); the work queued before it does not.
-        if join:
-            main.wait_stream(side)
+    except BaseException:
+        main.wait_stream(side)  # whatever the block queued before it failed, joined always
+        raise
+    # Work queued from now on comes after the block's (its results, and a table grown or
+    # rows evicted on the side stream); the work queued before it does not.
+    if join:
+        main.wait_stream(side)
 
 
 def wait_prefetch_origin(device: torch.device) -> None:

@@ -261,7 +261,9 @@ class HybridParallel(nn.Module):
         # Inputs on the GPU may come from work queued on the current stream: wait for it.
         # A header-only prefetch touches no table and its results are used on the prefetch
         # stream first (the forward's _complete): the current stream need not wait for its
-        # header swap, which ends when every rank's has begun.
+        # header swap, which ends when every rank's has begun; only for its reads of the
+        # inputs (and of what sparse_lookups computed from parameters), which later work
+        # there may overwrite.
         join = self.prefetch_depth != "header"
         with on_prefetch_stream(dev, wait=bool(on_gpu), join=join) as main:
             try:
@@ -276,6 +278,12 @@ class HybridParallel(nn.Module):
                         for t in d.tensors():
                             if t is not None and t.is_cuda:
                                 t.record_stream(main)  # allocated on the side stream, used on main
+                        if not join:
+                            read = getattr(d, "read", None)
+                            if read is not None:
+                                main.wait_event(read)
+                            else:  # failed before its header: wait for whatever it read
+                                main.wait_stream(torch.cuda.current_stream(dev))
 
     def train(self, mode: bool = True) -> "HybridParallel":
         super().train(mode)

@@ -539,6 +539,7 @@ class _Begun:
     shapes: tuple
     training: tuple
     psw_grad: bool
+    read: Any = None  # CUDA: an event after the last read of the inputs, before the header's swap
 
     def tensors(self) -> list:
         """The tensors :func:`_end` reads (for record_stream)."""
@@ -572,9 +573,13 @@ def _begin(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = 
     # One column per field: the ids and parts per owner, then per (owner, table) the parts and ids.
     fields = torch.cat([b.id_splits.view(-1, 1), b.part_splits.view(-1, 1), parts_nk.view(g.size, K),
                         ids_nk.view(g.size, K)], 1)  # fmt: skip
+    read = None
+    if dev.type == "cuda":  # what later work on the current stream may overwrite is read by now
+        read = torch.cuda.Event()
+        read.record(torch.cuda.current_stream(dev))
     header = begin_headers(g, fields, signature, bad_layout)
     return _Begun(g, list(modules), cb, b, header, layouts, _bag_shapes(bags), tuple(m.training for m in modules),
-                  bool(psw_grad))  # fmt: skip
+                  bool(psw_grad), read)  # fmt: skip
 
 
 def _end(begun: _Begun) -> _Dispatched:
