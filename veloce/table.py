@@ -183,8 +183,8 @@ class HashTable(PlainAttrs, nn.Module):
     def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), ...: after the update
         self._join_update()
         if self._changed is not None:  # and after the last change, whatever stream queued it
-            torch.cuda.current_stream(self.device).wait_event(self._changed[0])
-            self._changed = None
+            self._wait_changed()
+            self._changed = None  # the buffers are replaced, on the current stream
         return super()._apply(fn, recurse)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -467,7 +467,6 @@ class HashTable(PlainAttrs, nn.Module):
             for name, t in buffers.items():
                 self.register_buffer(name, t, persistent=False)
             raise
-        self._note_changed()
 
 
 def find_or_insert_many(

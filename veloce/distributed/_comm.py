@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from veloce._device import HostCopy, host_tensor
 
-__all__ = ["ExchangeError", "exchange_headers", "begin_headers", "finish_headers", "Header", "all_to_all", "abandon_exchange", "agree_sum", "Group",
-           "DeferredFailure", "raise_deferred_failures"]  # fmt: skip
+__all__ = ["ExchangeError", "exchange_headers", "begin_headers", "finish_headers", "Header", "all_to_all",
+           "abandon_exchange", "agree_sum", "Group", "DeferredFailure", "raise_deferred_failures"]  # fmt: skip
 
 
 class ExchangeError(RuntimeError):

@@ -236,7 +236,7 @@ def dispatch_group(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
     psw_grad = any(b[2] is not None and b[2].requires_grad for b in bags)
     if depth == "header":  # nothing moves in the tables: an earlier failure is raised by the lookup
         with deferring_errors(shard, modules, depth) as failed:  # _begin abandons its header on an error
-            begun = _begin(shard, list(modules), bags, psw_grad, layouts, shard.dispatch_group)
+            begun = _begin(shard, list(modules), bags, psw_grad, layouts, shard.dispatch_group, note_read=True)
         if not failed:
             shard.group.prefetched.append(begun)
         return
@@ -539,7 +539,7 @@ class _Begun:
     shapes: tuple
     training: tuple
     psw_grad: bool
-    read: Any = None  # CUDA: an event after the last read of the inputs, before the header's swap
+    read: Any = None  # note_read on CUDA: an event after the last read of the inputs, before the header's swap
 
     def tensors(self) -> list:
         """The tensors :func:`_end` reads (for record_stream)."""
@@ -547,10 +547,12 @@ class _Begun:
         return [b.ids, b.starts, b.psw, *b.kept, k.perm, k.bag_of_part, k.part_lengths, k.id_splits, k.part_splits]
 
 
-def _begin(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False,
-           layouts: Sequence[tuple] = (), group: Optional[Group] = None) -> _Begun:  # fmt: skip
+def _begin(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False, layouts: Sequence[tuple] = (),
+           group: Optional[Group] = None, note_read: bool = False) -> _Begun:  # fmt: skip
     """The first half's start, without a host sync: the bags concatenated and bucketed by
-    owner, the header swap queued (on ``group``, by default the lookups' group)."""
+    owner, the header swap queued (on ``group``, by default the lookups' group).
+    ``note_read``: also an event after the last read of the inputs (``_Begun.read``), for a
+    header-only prefetch whose current stream must not overwrite them first."""
     g = group or shard.group
     K = len(modules)
     dev = bags[0][0].device
@@ -574,7 +576,7 @@ def _begin(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = 
     fields = torch.cat([b.id_splits.view(-1, 1), b.part_splits.view(-1, 1), parts_nk.view(g.size, K),
                         ids_nk.view(g.size, K)], 1)  # fmt: skip
     read = None
-    if dev.type == "cuda":  # what later work on the current stream may overwrite is read by now
+    if note_read and dev.type == "cuda":  # the inputs, which later current-stream work may overwrite, are read
         read = torch.cuda.Event()
         read.record(torch.cuda.current_stream(dev))
     header = begin_headers(g, fields, signature, bad_layout)
