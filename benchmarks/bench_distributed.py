@@ -134,6 +134,7 @@ def run(args) -> None:
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32  # the dense MLPs' matmuls (PyTorch's default: off)
     torch.manual_seed(0)
 
     def table(dim):
@@ -234,7 +235,7 @@ def run(args) -> None:
         "sparse": args.sparse + ("+dedup" if args.dedup else "") + ("+prefetch" if args.prefetch else "")
                   + (f"@{args.prefetch_at}" if args.prefetch and args.prefetch_at != "step" else "")
                   + ("/header" if args.prefetch and args.prefetch_depth == "header" else ""),
-        "nonfinite_grad": args.nonfinite,
+        "nonfinite_grad": args.nonfinite, "tf32": bool(args.tf32 and cuda),
         "staleness": args.staleness if args.sparse == "async" else 0,
         "batch_per_gpu": args.batch, "features": args.features, "dim": args.dim,
         "step_ms": step_s * 1e3, "samples_per_s": world * args.batch / step_s,
@@ -392,7 +393,7 @@ def _profile(step, device, out, steps: int = 5) -> None:
         if device.type == "cuda":
             print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60))
         for e in events:
-            if e.key.startswith("cuda") and ("Synchronize" in e.key or "Memcpy" in e.key):
+            if e.key.startswith("cuda") and any(w in e.key for w in ("Synchronize", "Memcpy", "Launch", "Event", "Wait")):
                 print(f"per step: {e.count / steps:8.1f} x {e.key} ({e.cpu_time_total / steps / 1e3:.3f} ms host)")
         if device.type == "cuda":
             print_idle_gaps(prof, steps, top=25)
@@ -403,7 +404,7 @@ def summarize(paths: list[str]) -> None:
     rows = [json.load(open(p)) for p in paths]
     for r in rows:  # runs of another nonfinite_grad policy are rows of their own
         nf = r.get("nonfinite_grad", "raise")
-        r["label"] = r["sparse"] + ("" if nf == "raise" else f", {nf}")
+        r["label"] = r["sparse"] + ("" if nf == "raise" else f", {nf}") + (", tf32" if r.get("tf32") else "")
     base = {r["label"]: r["samples_per_s"] for r in rows if r["world_size"] == 1}
     sync = {(r["world_size"], r["label"].replace("async", "sync")): r["samples_per_s"] for r in rows
             if r["sparse"].startswith("sync")}  # fmt: skip
@@ -461,6 +462,8 @@ def main() -> None:
                         "only the bucketing and the header (no host sync in prefetch)")
     p.add_argument("--cprofile", default=None, metavar="PATH",
                    help="write rank 0's cProfile of the timed steps (run again) to PATH")
+    p.add_argument("--tf32", action="store_true",
+                   help="TF32 matmuls for the dense MLPs (torch.backends.cuda.matmul.allow_tf32; off by default, as in PyTorch)")
     p.add_argument("--dedup", action="store_true", help="HybridParallel(dedup=True): one row per distinct id")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)

@@ -1258,7 +1258,8 @@ def test_shift_segments_adds_the_sizes_of_the_segments_before(segments, seed):
 def test_regrouping_received_blocks_table_major_and_back(device, tables, world, through_index, monkeypatch):
     """An owner's received rows (one block per (peer, table), peer-major, some empty) come out
     table-major, each table's blocks in peer order, and go back in received order: the same
-    whether regrouped block-wise or (many blocks) through one row index."""
+    whether regrouped block-wise or (many blocks) through one row index, built once per
+    exchange."""
     from veloce.distributed import sharded
 
     monkeypatch.setattr(sharded, "_BLOCKS_FOR_INDEX", 0 if through_index else 10**9)
@@ -1274,10 +1275,14 @@ def test_regrouping_received_blocks_table_major_and_back(device, tables, world, 
             received.append(blocks[k, p])
     received = torch.cat(received).to(device)
     per_table = [torch.cat([blocks[k, p] for p in range(world)]) for k in range(tables)]
-    got = sharded._table_major(received, counts)
-    assert torch.equal(got.cpu(), torch.cat(per_table))
-    pieces = list(got.split([sum(c) for c in counts]))
-    assert torch.equal(sharded._received_order(pieces, counts), received)
+    for c in (counts, sharded._Blocks(counts)):  # a _Blocks builds its index once, for both directions
+        got = sharded._table_major(received, c)
+        assert torch.equal(got.cpu(), torch.cat(per_table))
+        index = c._index if isinstance(c, sharded._Blocks) else None
+        pieces = list(got.split([sum(r) for r in counts]))
+        assert torch.equal(sharded._received_order(pieces, c), received)
+        if index is not None:
+            assert c._index is index and index.device == received.device
 
 
 @pytest.mark.parametrize("device", DEVICES)

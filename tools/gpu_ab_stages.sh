@@ -28,10 +28,12 @@
 #   c5v        configuration 5 of the new tree on W GPUs, one run per variant in VARIANTS
 #              (';'-separated bench_distributed arguments, '-' for none), interleaved REPS times
 #              (default 2), e.g. VARIANTS="-;--prefetch;--prefetch --prefetch-at backward"
+#   w1x4       configuration 5 on one GPU, W processes at once (one GPU each), then one alone
 #   c5ab       configuration 5 of both trees on W GPUs with AB_ARGS (e.g. --prefetch), interleaved 3x
 #   summarize  the table of every configuration-5 run of this call (bench_distributed --summarize)
 #   cprofile   rank 0's cProfile of configuration 5 on W GPUs (CPROFILE_ARGS: more arguments)
-# Environment: OUT (default /tmp/ab-out), OLD_TAR (default .gpu/old.tar), W, LOADS, PHASES_ARGS
+# Environment: OUT (default /tmp/ab-out), OLD_TAR (default .gpu/old.tar), W, STEPS (configuration 5's
+# timed steps, default 30), LOADS, PHASES_ARGS
 # (more bench_distributed arguments for `phases`, e.g. --prefetch), VARIANTS, REPS, CPROFILE_ARGS.
 # At most 8 files come back from $OUT: summary.txt gathers the stages' short results.
 set -uo pipefail
@@ -69,7 +71,7 @@ c5_run() {  # c5_run TAG GPUS [EXTRA ARGS...]; TAG old or new (new+prefetch: the
   local tag=$1 w=$2; shift 2
   local d; d=$(tree "${tag%%+*}")
   (cd "$d" && PYTHONPATH="$d" timeout 150 torchrun --standalone --nproc_per_node="$w" benchmarks/bench_distributed.py \
-     --sparse sync --nonfinite raise_next --steps 30 --json "/tmp/ab_c5_${tag}_w$w.json" "$@" >"/tmp/ab_c5_${tag}_w$w.log" 2>&1)
+     --sparse sync --nonfinite raise_next --steps "${STEPS:-30}" --json "/tmp/ab_c5_${tag}_w$w.json" "$@" >"/tmp/ab_c5_${tag}_w$w.log" 2>&1)
   echo "w=$w $tag: $(grep -o '"step_ms": [0-9.]*\|"step_ms_synced": [0-9.]*' "/tmp/ab_c5_${tag}_w$w.json" | tr '\n' ' ')" | say
 }
 
@@ -157,6 +159,14 @@ for stage in "$@"; do
           echo "   (v$i: ${v:-no extra arguments})" | say
         done
       done
+      t ;;
+    w1x4)
+      # One GPU per process, every GPU at once, no communication: how much the host's and the
+      # machine's sharing alone slows a one-GPU step (against the same run alone, after).
+      gpus=${W:-$(nvidia-smi -L | wc -l)}
+      for g in $(seq 0 $((gpus - 1))); do CUDA_VISIBLE_DEVICES=$g c5_run "new+solo$g" 1 & done
+      wait
+      c5_run new+alone 1
       t ;;
     c5ab)
       gpus=${W:-$(nvidia-smi -L | wc -l)}

@@ -11,7 +11,9 @@ repeatably. Compare changes with interleaved runs.
     python tools/host_time.py --profile tottime   # then a cProfile of 100 steps
 
 The sharded path runs in one process: the tables are sharded over a gloo group of one
-rank, so other ranks' waits and scheduling do not add noise.
+rank, so other ranks' waits and scheduling do not add noise. Under torchrun they are
+sharded over its ranks (``torchrun --nproc_per_node 4 tools/host_time.py``): the work
+that grows with the number of peers (per-peer blocks) shows, and rank 0 reports.
 """
 
 from __future__ import annotations
@@ -45,9 +47,13 @@ def main() -> None:
                    help="then count the torch ops dispatched per step (on a GPU, each launches work)")
     args = p.parse_args()
     args.alpha, args.id_space, args.profile_steps = 1.05, 10**7, 0
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if "WORLD_SIZE" in os.environ:  # under torchrun: sharded over its ranks (rank 0 reports)
+        dist.init_process_group("gloo")
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     torch.set_num_threads(1)
 
@@ -58,11 +64,13 @@ def main() -> None:
     model = DLRM(13, args.features, embedding_dim=args.dim, bottom_mlp=(32, args.dim), top_mlp=(32, 1),
                  embedding_factory=table)  # fmt: skip
     hp = veloce.distributed.HybridParallel(model, sparse="sync")
-    if not args.local:
+    if args.local and world > 1:
+        raise SystemExit("--local: one process only (without torchrun)")
+    if not args.local and world == 1:
         hp._shard_tables(None)  # sharded over the one rank: the sharded path's host work
     opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), hp)
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    data = batches(args, 0, torch.device("cpu"))
+    data = batches(args, rank, torch.device("cpu"))
     times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
     for i, (dense, sparse, label) in enumerate(data):
         t0 = time.thread_time()
@@ -77,9 +85,12 @@ def main() -> None:
             for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
                 times[k].append(dt)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    what = "local" if args.local else "sharded"
-    print(f"{what}, {args.features} tables: main-thread CPU ms per step (median of {args.steps}): "
-          + ", ".join(f"{k} {v:.3f}" for k, v in med.items()) + f", total {sum(med.values()):.3f}")  # fmt: skip
+    what = "local" if args.local else f"sharded over {world} rank(s)"
+    if rank == 0:
+            print(f"{what}, {args.features} tables: main-thread CPU ms per step (median of {args.steps}): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in med.items()) + f", total {sum(med.values()):.3f}")  # fmt: skip
+    if args.profile and world > 1:
+        raise SystemExit("--profile: one process only (without torchrun)")
     if args.profile:
         import cProfile
         import pstats
@@ -93,11 +104,12 @@ def main() -> None:
         prof.disable()
         pstats.Stats(prof).sort_stats(args.profile).print_stats(40)
     if args.ops:
-        _count_ops(lambda d, s, y: (loss_fn(hp(d, s), y).backward(), opt.step(), opt.zero_grad()), data[:10])
+        _count_ops(lambda d, s, y: (loss_fn(hp(d, s), y).backward(), opt.step(), opt.zero_grad()), data[:10],
+                   rank == 0)
     dist.destroy_process_group()
 
 
-def _count_ops(step, data) -> None:
+def _count_ops(step, data, report: bool = True) -> None:
     """Prints the torch ops (aten, veloce, c10d) that ``step`` dispatches per batch of ``data``."""
     import collections
 
@@ -118,6 +130,8 @@ def _count_ops(step, data) -> None:
         for batch in data:
             step(*batch)
     n = len(data)
+    if not report:
+        return
     print(f"torch ops dispatched per step: {sum(count.ops.values()) / n:.1f}")
     for name, c in count.ops.most_common(40):
         print(f"  {c / n:7.1f}  {name}")
