@@ -1090,3 +1090,41 @@ def test_bad_input(device, name, call, match):
         call(t, device)
     t.assert_equal(before)
 
+
+
+def _keys_in_buckets_0_and_1(num_buckets: int, n: int) -> list[int]:
+    """``n`` keys whose two bucket choices (csrc/include/veloce/hash.h) both fall in buckets
+    0 and 1 of a table of ``num_buckets`` buckets."""
+    mask, out, key = (1 << 64) - 1, [], 0
+    while len(out) < n:
+        key += 1
+        h = fmix64(key)
+        a = h & (num_buckets - 1)
+        b = fmix64(((h >> 32) | (h << 32)) & mask) & (num_buckets - 1)
+        if a < 2 and b < 2:
+            out.append(key)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_resize_that_cannot_place_every_entry_leaves_the_table_unchanged(device):
+    """A rehash that overflows a bucket at max_capacity raises and loses nothing: 70 keys
+    whose choices all fall in 2 of the 4 buckets (64 slots) of a 128-slot table."""
+    keys = _keys_in_buckets_0_and_1(4, 70)
+    t = veloce.table.HashTable(4, 2, capacity=1024, device=device)
+    slots = t.find_or_insert(torch.tensor(keys, device=device))
+    t.weights[slots] += torch.arange(70, dtype=t.weights.dtype, device=device).unsqueeze(1)  # rows of their own
+    before, size, version = t.export(), t.size, t.version
+    t.max_capacity = 128  # as if built with it: the rehash may not grow past it
+    with pytest.raises(RuntimeError, match="overflowed a bucket.*unchanged"):
+        t.resize(128)
+    assert (t.capacity, t.size, t.version) == (1024, size, version)
+    after = t.export()
+    for name in before:
+        assert torch.equal(after[name], before[name]), name
+    assert torch.equal(t.find(torch.tensor(keys, device=device)), slots)
+    t.max_capacity = None  # without the cap the rehash doubles until every entry fits
+    t.resize(128)
+    assert t.capacity >= 256 and t.size == 70
+    order = before["keys"].argsort()
+    assert torch.equal(t.weights[t.find(before["keys"][order])], before["weights"][order])

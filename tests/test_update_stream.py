@@ -420,3 +420,27 @@ def test_cuda_a_table_moved_to_the_cpu_after_a_change_still_works(device):
     assert emb.table._changed is None
     assert emb.state_dict()["keys"].numel() == 40  # export() through the state, on the CPU
     assert (emb.table.find_or_insert(torch.arange(1, 41)) >= 0).all()
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_a_copy_waits_for_a_change_queued_on_another_stream(device):
+    """copy.deepcopy reads the state on the current stream: after a change another stream
+    queued (a growth inside HybridParallel.prefetch, on its side stream), it waits for that
+    change first. The side stream is held up before it, so a copy that did not wait would
+    read the new buffers unfilled."""
+    import copy
+
+    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=64, device=device)
+    ids = torch.arange(1, 41, device=device)
+    emb.table.find_or_insert(ids)
+    torch.cuda.synchronize(device)
+    side = update_stream.prefetch_stream(torch.device(device))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        emb.table.resize(256)
+    assert emb.table._changed is not None and emb.table._changed[1] == side
+    twin = copy.deepcopy(emb)
+    assert twin.table._changed is None
+    torch.cuda.synchronize(device)
+    assert twin.table.capacity == 256 and (twin.table.find(ids) >= 0).all()
+    assert torch.equal(twin.export()["keys"].sort().values, ids)

@@ -31,6 +31,7 @@ __all__ = ["HashTable", "TableFullError", "BUCKET_SIZE", "find_or_insert_many", 
 BUCKET_SIZE = 32  # slots per bucket; csrc/include/veloce/hash.h kBucketSize
 _SCORE_POLICY = {"lru": 1, "lfu": 2, "none": 1}  # "none" keeps LRU scores (informative only)
 _EXPORT_CHUNK = 1 << 20
+_STATE_NAMES = ("keys", "digests", "scores", "weights", "opt_state")  # the buffers, in the ops' order
 _T = TypeVar("_T")
 
 
@@ -188,11 +189,14 @@ class HashTable(PlainAttrs, nn.Module):
         return super()._apply(fn, recurse)
 
     def __getstate__(self) -> dict[str, Any]:
-        # copy.deepcopy / pickle: the rows after the update; the fence (CUDA events) stays here.
+        # copy.deepcopy / pickle: the rows after the update and after the last change (a copy
+        # reads them on the current stream); the fence and the change event stay here.
         self._join_update()
+        if self._changed is not None:
+            self._wait_changed()
         state = self.__dict__.copy()
         state["_update_fence"] = None
-        state["_changed"] = None  # a CUDA event; the change is queued before any later use here
+        state["_changed"] = None
         return state
 
     @property
@@ -394,7 +398,9 @@ class HashTable(PlainAttrs, nn.Module):
 
     def resize(self, capacity: int) -> None:
         """Rehashes every entry into a table of ``capacity`` slots (rounded; capped at
-        ``max_capacity``). Bumps :attr:`version`."""
+        ``max_capacity``). Bumps :attr:`version`. If the entries cannot be placed (a bucket
+        overflows at ``max_capacity``, or memory runs out), it raises and the table is
+        unchanged."""
         _ext.require()
         new_cap = round_capacity(max(int(capacity), 1))
         if self.max_capacity is not None:
@@ -403,23 +409,34 @@ class HashTable(PlainAttrs, nn.Module):
         if entries["keys"].numel() > new_cap:
             raise ValueError(f"cannot resize to {new_cap} slots: the table holds {entries['keys'].numel()} entries")
         dtype, device = self.weights.dtype, self.device
-        while True:
-            self._allocate(new_cap, dtype, device)
-            _, counts, _ = torch.ops.veloce.insert_or_assign(
-                *self._state(), entries["keys"], entries["weights"], entries["optimizer_state"],
-                entries["scores"], 0, 0, False,
-            )  # fmt: skip
-            if int(counts[1]) == 0:
-                break
-            # Two-choice placement overflowed a bucket pair: rare; use more slots.
-            if self.max_capacity is not None and new_cap >= self.max_capacity:
-                self._note_changed()
-                raise RuntimeError(
-                    f"rehash into max_capacity {self.max_capacity} slots overflowed a bucket; raise max_capacity"
-                )
-            new_cap *= 2
+        saved = {name: self._buffers[name] for name in _STATE_NAMES}
+        try:
+            while True:
+                self._allocate(new_cap, dtype, device)
+                _, counts, _ = torch.ops.veloce.insert_or_assign(
+                    *self._state(), entries["keys"], entries["weights"], entries["optimizer_state"],
+                    entries["scores"], 0, 0, False,
+                )  # fmt: skip
+                if int(counts[1]) == 0:
+                    break
+                # Two-choice placement overflowed a bucket pair: rare; use more slots.
+                if self.max_capacity is not None and new_cap >= self.max_capacity:
+                    raise RuntimeError(
+                        f"rehash into max_capacity {self.max_capacity} slots overflowed a bucket; raise "
+                        f"max_capacity. The table is unchanged."
+                    )  # fmt: skip
+                new_cap *= 2
+        except BaseException:
+            self._restore(saved)
+            raise
         self.version += 1
         self._note_changed()
+
+    def _restore(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Puts back the state buffers an allocation replaced (after a failed rehash or load)."""
+        for name, t in buffers.items():
+            self.register_buffer(name, t, persistent=False)
+        self._note_changed()  # work on them may be queued on the current stream since
 
     def _note_evicted(self, evicted: torch.Tensor) -> None:
         self.last_evicted = evicted
@@ -451,8 +468,7 @@ class HashTable(PlainAttrs, nn.Module):
         while n > self.grow_at * cap and (self.max_capacity is None or cap < self.max_capacity):
             cap *= 2
         dev = self.device
-        saved = ({name: getattr(self, name) for name in ("keys", "digests", "scores", "weights", "opt_state")},
-                 self.size, self.version)  # fmt: skip
+        saved = ({name: self._buffers[name] for name in _STATE_NAMES}, self.size, self.version)
         self._allocate(cap if self.max_capacity is None else min(cap, self.max_capacity), self.weights.dtype, dev)
         self.size = 0
         self.version += 1
@@ -464,8 +480,7 @@ class HashTable(PlainAttrs, nn.Module):
                 )  # fmt: skip
         except Exception:
             buffers, self.size, self.version = saved  # the table as it was before the load
-            for name, t in buffers.items():
-                self.register_buffer(name, t, persistent=False)
+            self._restore(buffers)
             raise
 
 
