@@ -19,6 +19,7 @@ from veloce import _checkpoint_io as _io
 from veloce._checkpoint_io import DENSE_FILE, ENTRIES, MANIFEST, CheckpointError
 from veloce.embedding import DynamicEmbedding
 from veloce.optim import CombinedOptimizer
+from veloce.table import _STATE_NAMES
 
 
 # ---- the model's pieces ---------------------------------------------------------------------
@@ -289,12 +290,10 @@ class Undo:
     """What :func:`apply` may change, kept so a failed load can be rolled back (table
     buffers are replaced, not overwritten, by a load: keeping references is enough)."""
 
-    _BUFFERS = ("keys", "digests", "scores", "weights", "opt_state")
-
     @torch.no_grad()
     def __init__(self, plan: Plan, optimizer) -> None:
         self.tables = [
-            (m, {b: getattr(m.table, b) for b in self._BUFFERS}, m.table.size, m.table.version, m.table.clock,
+            (m, {b: getattr(m.table, b) for b in _STATE_NAMES}, m.table.size, m.table.version, m.table.clock,
              m.step_count, list(m._pending), m._nonfinite_error)
             for m, *_ in plan.tables.values()
         ]  # fmt: skip
@@ -306,8 +305,7 @@ class Undo:
     def restore(self) -> None:
         """Puts back what was kept (idempotent)."""
         for m, buffers, size, version, clock, step, pending, error in self.tables:
-            for b, t in buffers.items():
-                m.table.register_buffer(b, t, persistent=False)
+            m.table._restore(buffers)
             m.table.size, m.table.version, m.table.clock, m.step_count = size, version, clock, step
             m._pending[:] = pending
             m._nonfinite_error = error  # a "raise_next" error the failed load had dropped

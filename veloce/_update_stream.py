@@ -52,7 +52,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["ENABLED", "UpdateFence", "beside_updates", "prefetch_stream", "prefetching", "release_done",
-           "run_update", "wait_prefetch_origin", "on_prefetch_stream"]  # fmt: skip
+           "run_update", "wait_prefetch_origin", "on_prefetch_stream", "record_streams"]  # fmt: skip
 
 ENABLED = os.environ.get("VELOCE_UPDATE_STREAM", "1") != "0"
 
@@ -150,7 +150,7 @@ def beside_updates(device: torch.device, fn: Callable[[], Any]) -> Any:
             out = fn()
     finally:  # also when fn raises: a fence it joined was waited for on the insert stream
         main.wait_stream(side)
-    _record(out, main)
+    record_streams(out, main)
     return out
 
 
@@ -215,13 +215,16 @@ def wait_prefetch_origin(device: torch.device) -> None:
         torch.cuda.current_stream(device).wait_event(_PREFETCH_ORIGIN[-1])
 
 
-def _record(obj: Any, stream: torch.cuda.Stream) -> None:
+def record_streams(obj: Any, stream: torch.cuda.Stream) -> None:
+    """``record_stream(stream)`` on every CUDA tensor in ``obj`` (a tensor, or tuples, lists
+    and dicts of them; other values are skipped): tensors allocated on another stream and
+    used on ``stream``."""
     if isinstance(obj, torch.Tensor):
         if obj.is_cuda:
             obj.record_stream(stream)
     elif isinstance(obj, (tuple, list)):
         for o in obj:
-            _record(o, stream)
+            record_streams(o, stream)
     elif isinstance(obj, dict):
         for o in obj.values():
-            _record(o, stream)
+            record_streams(o, stream)

@@ -247,7 +247,7 @@ class HybridParallel(nn.Module):
             )  # fmt: skip
         if self.world_size == 1 or not self.tables:
             return
-        from veloce._update_stream import on_prefetch_stream
+        from veloce._update_stream import on_prefetch_stream, record_streams
         from veloce.embedding import dispatch_many
 
         dev = self.tables[0][1].table.device
@@ -275,9 +275,7 @@ class HybridParallel(nn.Module):
             finally:
                 for g, n in zip(groups, queued):  # also those queued before a later group failed
                     for d in list(g.prefetched)[n:]:
-                        for t in d.tensors():
-                            if t is not None and t.is_cuda:
-                                t.record_stream(main)  # allocated on the side stream, used on main
+                        record_streams(d.tensors(), main)  # allocated on the side stream, used on main
                         if not join:
                             read = getattr(d, "read", None)
                             if read is not None:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from veloce._device import host_tensor
-from veloce._update_stream import on_prefetch_stream
+from veloce._update_stream import on_prefetch_stream, record_streams
 from veloce.distributed._comm import (
     DeferredFailure, ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all,
     Header, begin_headers, finish_headers, raise_deferred_failures,
@@ -371,9 +371,7 @@ def _complete(group: Group, d: Any) -> _Dispatched:
         group.prefetched.clear()
         raise
     if main is not None:
-        for t in done.tensors():
-            if t is not None and t.is_cuda:
-                t.record_stream(main)  # allocated on the prefetch stream, used on the current one
+        record_streams(done.tensors(), main)  # allocated on the prefetch stream, used on the current one
     return done
 
 
