@@ -46,6 +46,26 @@ FLAGS=(-c -std="$STD" -O3 --expt-relaxed-constexpr --extended-lambda
        -Xcompiler -Wall -Xptxas -warn-spills)
 [ "$VERBOSE" = 1 ] && FLAGS+=(-Xptxas -v)
 
+# Kernels whose __launch_bounds__ minimum of resident blocks caps their registers below
+# what they would take unbounded, with the most spill-store bytes each may have: the
+# occupancy was measured to gain more than the few spilled words (in L1) cost. A spill
+# above the limit, or in any other kernel, fails the check.
+ALLOWED_SPILLS="accumulate_update_kernel:64"
+allowed_spills_removed() {  # stdin: warning lines; prints those not allowed
+  local line name limit bytes ok
+  while IFS= read -r line; do
+    ok=0
+    for entry in $ALLOWED_SPILLS; do
+      name=${entry%%:*}; limit=${entry##*:}
+      if [[ "$line" == *"Registers are spilled"*"$name"* ]]; then
+        bytes=$(sed -E 's/.* ([0-9]+) bytes spill stores.*/\1/' <<<"$line")
+        [ "$bytes" -le "$limit" ] && ok=1
+      fi
+    done
+    [ "$ok" = 1 ] || echo "$line"
+  done
+}
+
 status=0
 for src in ${SRCS:-csrc/cuda/*.cu}; do
   obj="$OUT_DIR/$(basename "${src%.cu}").o"
@@ -74,8 +94,9 @@ for i, line in enumerate(lines):
 PY
     fi
     # Any compiler warning fails the check, except ptxas spill warnings inside CUB's own
-    # kernels (not ours to fix).
-    if grep -i -E "warning|error" "$log" | grep -v -E "_ZN3cub|^ptxas info"; then
+    # kernels (not ours to fix) and the small spills that a kernel bounded for occupancy
+    # trades on purpose (ALLOWED_SPILLS below).
+    if grep -i -E "warning|error" "$log" | grep -v -E "_ZN3cub|^ptxas info" | allowed_spills_removed | grep .; then
       status=1
     fi
   else

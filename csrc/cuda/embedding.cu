@@ -852,10 +852,24 @@ __device__ __forceinline__ int64_t run_of_partial(const RunPlan* __restrict__ fi
 // Partial rows of a long run read at once by the group that adds them up.
 constexpr int kPartialBatch = 8;
 
+// Resident blocks of kThreads per multiprocessor that the fused kernel asks the compiler
+// for. The kernel waits on chains of dependent loads (run plan -> sorted position ->
+// gradient row), so it needs many warps in flight. Unbounded, the instance of one 4-word
+// pack per lane (every fp32 row up to 128 wide) took 90 registers: two blocks, 25%
+// occupancy, 0.26 eligible warps per scheduler, 43% of DRAM bandwidth (ncu, SGD, H100).
+// Bounded to three blocks (80 registers) it took 17% less time with SGD, 13% with Adam
+// (benchmarks/README.md, seventeenth session). Four blocks (64 registers) spill and were
+// no faster. Wider packs per lane (half and bfloat16 rows in packs of 8) keep the bound of
+// one block: under three they spill.
+template <typename scalar_t, int V, int ITER>
+constexpr int update_min_blocks() {
+  return ITER == 1 && V * sizeof(at::opmath_type<scalar_t>) <= 16 ? 3 : 1;
+}
+
 // ITER column packs per lane cover the row: D <= ITER * lanes * V. The group's tables
 // share D and S (the optimizer's state width).
 template <typename scalar_t, typename key_t, int V, int ITER, int MaxK>
-__global__ void accumulate_update_kernel(
+__global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>()) accumulate_update_kernel(
     const __grid_constant__ TableGroup<MaxK> tg, int64_t D, int64_t S, UpdateRule<at::opmath_type<scalar_t>> rule,
     const key_t* __restrict__ uniq, const int64_t* __restrict__ num_runs, const RunPlan* __restrict__ plan,
     const RunPlan* __restrict__ first, int64_t N, const int32_t* __restrict__ sorted_pos,
