@@ -480,6 +480,38 @@ def test_mismatched_ranks_raise_on_every_rank():
         assert "send_splits sum to 2 but send has 3 rows" in msgs[1]
 
 
+def _unwrap_with_async_gradients_in_flight(rank, world):
+    model = Small()
+    hp = HybridParallel(model, sparse="async", staleness=1)
+    opt = make_opt(hp)
+    inputs, label = rank_slice(global_batch(0), 6 * rank, 6 * rank + 6)
+    loss = nn.functional.binary_cross_entropy_with_logits(hp(*inputs), label, reduction="sum")
+    (loss * world / 12).backward()
+    opt.step()  # staleness 1: this step's sparse gradients stay in flight
+    in_flight = [len(m._shard.in_flight) for m in (model.a, model.b)]
+    before = tables_of(model)
+    hp.unwrap()  # they become the tables' pending gradients
+    model.a.step()  # applies them (SGD: the same as one step of one process)
+    return {"in_flight": in_flight, "before": before, "tables": tables_of(model)}
+
+
+def test_unwrap_keeps_async_gradients_in_flight():
+    """HybridParallel.unwrap() with async sparse gradients still in flight waits for them
+    and keeps them as the tables' pending gradients: the next step() applies them, as one
+    process's step would. (They used to be dropped.)"""
+    results = run_ranks(_unwrap_with_async_gradients_in_flight, 2, timeout=90)
+    assert all(r["in_flight"] == [1, 1] for r in results)
+    model = Small()
+    inputs, label = rank_slice(global_batch(0), 0, 12)
+    nn.functional.binary_cross_entropy_with_logits(model(*inputs), label).backward()  # the global mean
+    make_opt(model).step()
+    got, want = merged([r["tables"] for r in results]), tables_of(model)
+    before = merged([r["before"] for r in results])
+    order = want["a"]["keys"].argsort()
+    assert not torch.equal(got["a"]["weights"], before["a"]["weights"])
+    torch.testing.assert_close(got["a"]["weights"], want["a"]["weights"][order], rtol=1e-5, atol=1e-5)
+
+
 def _world_one_body(rank, world):
     model = Small()
     hp = HybridParallel(model)

@@ -305,8 +305,12 @@ class HybridParallel(nn.Module):
             dist.barrier(group=self.tables[0][1]._shard.group.group if self.tables else None)
 
     def unwrap(self) -> nn.Module:
-        """Removes the sharding hooks and returns the model (each table keeps its shard)."""
+        """Removes the sharding hooks and returns the model (each table keeps its shard).
+        Async sparse gradients still in flight are waited for and kept as the tables'
+        pending gradients, for their next ``step()`` (call it on every rank)."""
         for _, m in self.tables:
+            if m._shard is not None and m._shard.in_flight:
+                m._shard.flush(m)
             m._shard = None
         return self.module
 
