@@ -366,13 +366,25 @@ def test_eviction_keeps_hot_ids(policy):
     assert keys.unique().numel() == keys.numel()
 
 
-def test_eviction_none_raises_and_leaves_table_unchanged():
-    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=32, max_capacity=32, eviction="none")
-    emb(torch.arange(20).view(-1, 1))
-    before = snapshot(emb)
+@pytest.mark.parametrize("device", DEVICES)
+def test_eviction_none_raises_and_leaves_table_unchanged(device):
+    """A full table that may not evict raises and stays as it was: entries, size and its
+    LRU clock (a state_dict entry), alone or in a grouped lookup, whose other tables keep
+    their inserts and clock ticks."""
+    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=32, max_capacity=32, eviction="none", device=device)
+    emb(torch.arange(20, device=device).view(-1, 1))
+    before, clock = snapshot(emb), emb.table.clock
     with pytest.raises(veloce.TableFullError, match="max_capacity 32"):
-        emb(torch.arange(100, 200).view(-1, 1))
+        emb(torch.arange(100, 200, device=device).view(-1, 1))
     assert_same_snapshot(before, snapshot(emb))
+    assert emb.table.clock == clock
+    other = veloce.DynamicEmbedding(4, mode="sum", device=device)
+    with pytest.raises(veloce.TableFullError, match="max_capacity 32"):
+        veloce.lookup_many([other, emb], [(torch.arange(5, device=device).view(-1, 1),),
+                                          (torch.arange(100, 200, device=device).view(-1, 1),)])  # fmt: skip
+    assert_same_snapshot(before, snapshot(emb))
+    assert emb.table.clock == clock
+    assert len(other) == 5 and other.table.clock == 1
 
 
 def test_gradient_of_evicted_row_is_dropped():

@@ -249,8 +249,10 @@ class HashTable(PlainAttrs, nn.Module):
         and changes nothing (no insert, no score, no growth, no clock tick).
         """
         self.clock += 1
-        with _refused_calls_keep_clock([self], bad_input):
-            return self._insert(self._find_or_insert_call(ids, padding_id, bad_input), bad_input=bad_input)
+        with _failed_calls_keep_clock([self]) as booked:
+            slots = self._insert(self._find_or_insert_call(ids, padding_id, bad_input), bad_input=bad_input)
+            booked.add(id(self))
+        return slots
 
     def _find_or_insert_call(self, ids: torch.Tensor, padding_id: int | None,
                              bad_input: torch.Tensor | None = None):  # fmt: skip
@@ -544,7 +546,7 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
     _ext.require()
     for t in tables:
         t.clock += 1
-    with _refused_calls_keep_clock(tables, bad_input):
+    with _failed_calls_keep_clock(tables) as booked:
         for t in tables:
             t._maybe_grow(bad_input)
         evict = [t._allow_evict() for t in tables]
@@ -554,17 +556,19 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
         slots, counts, evicted = insert_beside_updates(
             tables, lambda: torch.ops.veloce.find_or_insert_many(*states, *per_arg, bad_input)
         )
-    out = list(slots.split([i.numel() for i in ids]))
-    counts = counts.tolist()  # a CPU tensor: no device sync
-    evicted = evicted.split([c[2] for c in counts])
-    for k, (t, (inserted, failed, _)) in enumerate(zip(tables, counts)):
-        if failed == 0:
-            t._note_inserted(inserted, evicted[k])
-    for k, (t, (_, failed, _)) in enumerate(zip(tables, counts)):  # after every success is booked
-        if failed == 0:
-            continue
-        t._no_room(failed)  # grows, or raises TableFullError; the table is unchanged either way
-        out[k] = t._insert(t._find_or_insert_call(ids[k], padding_ids[k]))
+        out = list(slots.split([i.numel() for i in ids]))
+        counts = counts.tolist()  # a CPU tensor: no device sync
+        evicted = evicted.split([c[2] for c in counts])
+        for k, (t, (inserted, failed, _)) in enumerate(zip(tables, counts)):
+            if failed == 0:
+                t._note_inserted(inserted, evicted[k])
+                booked.add(id(t))
+        for k, (t, (_, failed, _)) in enumerate(zip(tables, counts)):  # after every success is booked
+            if failed == 0:
+                continue
+            t._no_room(failed)  # grows, or raises TableFullError; the table is unchanged either way
+            out[k] = t._insert(t._find_or_insert_call(ids[k], padding_ids[k]))
+            booked.add(id(t))
     return out
 
 
@@ -590,14 +594,17 @@ def _refuse_if_set(bad_input: torch.Tensor | None) -> None:
 
 
 @contextlib.contextmanager
-def _refused_calls_keep_clock(tables: Sequence[HashTable], bad_input: torch.Tensor | None) -> Iterator[None]:
-    """Around a find_or_insert of ``tables`` whose clocks were just ticked: if the call is
-    refused for ``bad_input`` (a ValueError with the flag set: nothing changed), the ticks
-    are taken back, so that a refused call leaves no trace. Reads the flag only then."""
+def _failed_calls_keep_clock(tables: Sequence[HashTable]) -> Iterator[set[int]]:
+    """Around a find_or_insert of ``tables`` whose clocks were just ticked. The call adds
+    ``id(t)`` to the yielded set for each table whose insert it booked. If it raises, the
+    other tables' ticks are taken back: a table that a failed call left unchanged (bad
+    input, refused for ``bad_input``, no room, a growth that failed) keeps its LRU clock
+    too, so that the call leaves no trace in it (its state_dict included)."""
+    booked: set[int] = set()
     try:
-        yield
-    except ValueError:
-        if bad_input is not None and bool(bad_input):
-            for t in tables:
+        yield booked
+    except BaseException:
+        for t in tables:
+            if id(t) not in booked:
                 t.clock -= 1
         raise
