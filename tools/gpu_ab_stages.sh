@@ -19,6 +19,8 @@
 #   memcheck   compute-sanitizer memcheck on the hash-table CUDA tests
 #   c1         configuration 1 (find, find_or_insert) at LOADS (default 0.5,0.75), interleaved
 #   c3         configuration 3 (SGD, Adam; checked and unchecked), interleaved
+#   c3ncu      ncu's duration, DRAM throughput and registers of the fused update kernel
+#              (tools/profile_step.py's table, SGD and Adam, unchecked) of both trees, interleaved
 #   c3phases   configuration 3's host path (tools/profile_step.py --phases, Adam, checked and
 #              unchecked) of both trees
 #   c5         configuration 5 on W GPUs (default: all), sync, raise_next, interleaved 3x
@@ -32,7 +34,8 @@
 #   c5ab       configuration 5 of both trees on W GPUs with AB_ARGS (e.g. --prefetch), interleaved 3x
 #   summarize  the table of every configuration-5 run of this call (bench_distributed --summarize)
 #   cprofile   rank 0's cProfile of configuration 5 on W GPUs (CPROFILE_ARGS: more arguments)
-# Environment: OUT (default /tmp/ab-out), OLD_TAR (default .gpu/old.tar), W, STEPS (configuration 5's
+# Environment: OUT (default /tmp/ab-out), OLD_TAR (default .gpu/old.tar), C3_ARGS (more bench_embedding
+# arguments for `c3`, e.g. --back-to-back), W, STEPS (configuration 5's
 # timed steps, default 30), LOADS, PHASES_ARGS
 # (more bench_distributed arguments for `phases`, e.g. --prefetch), VARIANTS, REPS, CPROFILE_ARGS.
 # At most 8 files come back from $OUT: summary.txt gathers the stages' short results.
@@ -119,11 +122,22 @@ for stage in "$@"; do
       t ;;
     c3)
       B="--device cuda --features 10 --ids-per-feature 1600000 --batch 104857 --bag 1 --dim 128 --dist zipf --alpha 1.05"
-      B="$B --optimizers sgd,adam --no-dict --unchecked --steps 50 --warmup 5"
+      B="$B --optimizers sgd,adam --no-dict --unchecked --steps 50 --warmup 5 ${C3_ARGS:-}"
       for tag in old new new old; do
         d=$(tree $tag)
         (cd "$d" && PYTHONPATH="$d" timeout 200 python3 benchmarks/bench_embedding.py $B 2>&1 \
            | grep -E "^\| (sgd|adam)" | sed "s/^/$tag /") | say
+      done
+      t ;;
+    c3ncu)
+      for run in "sgd old" "sgd new" "sgd new" "sgd old" "adam old" "adam new" "adam new" "adam old"; do
+        set -- $run
+        d=$(tree "$2")
+        (cd "$d" && PYTHONPATH="$d" timeout 60 ncu --clock-control none --kernel-name regex:accumulate_update_kernel \
+           --launch-skip 3 --launch-count 1 --section SpeedOfLight --section LaunchStats --section Occupancy \
+           python3 tools/profile_step.py --device cuda --optimizer "$1" --unchecked --phases > /tmp/ab_ncu.txt 2>&1)
+        echo "$1 $2: $(grep -E ' Duration|DRAM Throughput|Registers Per|Achieved Occupancy' /tmp/ab_ncu.txt \
+           | awk '{printf "%s %s, ", $1, $NF}')" | say
       done
       t ;;
     c3phases)
