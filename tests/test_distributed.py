@@ -870,6 +870,8 @@ def _owner_fails_deferred(rank, world, case, where, device_kind="cpu"):
             opt.step()
         elif where == "lookup":
             veloce.lookup_many([a, b], [ok, ok])
+        elif where == "unwrap":
+            hp.unwrap()  # raises first: the model stays wrapped
         else:
             hp.flush()
         got.append(("none", ""))
@@ -892,13 +894,13 @@ def _owner_fails_deferred(rank, world, case, where, device_kind="cpu"):
 
 
 @pytest.mark.parametrize("device_kind", NCCL_OR_GLOO)
-@pytest.mark.parametrize("where", ["step", "lookup", "flush"])
+@pytest.mark.parametrize("where", ["step", "lookup", "flush", "unwrap"])
 @pytest.mark.parametrize("case", ["full table", "lookup fails"])
 def test_a_deferred_owner_failure_raises_on_every_rank_at_the_next_step(case, where, device_kind):
     """HybridParallel(lookup_errors="raise_next"): an owner's failure (a full table, a
-    failed lookup) does not stop the forward; every rank raises at its next step(), lookup
-    or flush(): the failed owner its own error, the others ExchangeError, before anything
-    of the step (dense or sparse) is applied. Then training goes on without a hang."""
+    failed lookup) does not stop the forward; every rank raises at its next step(), lookup,
+    flush() or unwrap(): the failed owner its own error, the others ExchangeError, before
+    anything of the step (dense or sparse) is applied. Then training goes on without a hang."""
     backend = "nccl" if device_kind == "cuda" else "gloo"
     results = run_ranks(_owner_fails_deferred, 2, case, where, device_kind, timeout=90, backend=backend)
     failed = 1 if case == "full table" else 0

@@ -596,14 +596,15 @@ def _refuse_if_set(bad_input: torch.Tensor | None) -> None:
 @contextlib.contextmanager
 def _failed_calls_keep_clock(tables: Sequence[HashTable]) -> Iterator[set[int]]:
     """Around a find_or_insert of ``tables`` whose clocks were just ticked. The call adds
-    ``id(t)`` to the yielded set for each table whose insert it booked. If it raises, the
-    other tables' ticks are taken back: a table that a failed call left unchanged (bad
-    input, refused for ``bad_input``, no room, a growth that failed) keeps its LRU clock
-    too, so that the call leaves no trace in it (its state_dict included)."""
+    ``id(t)`` to the yielded set for each table whose insert it booked. If it raises an
+    error that leaves the tables it did not book unchanged (bad input or a refused
+    ``bad_input``: ValueError; no room: TableFullError), their ticks are taken back, so
+    that the call leaves no trace in them (their state_dicts included). Other errors (out
+    of memory, an interrupt) may come after an op stamped rows with the tick: it stays."""
     booked: set[int] = set()
     try:
         yield booked
-    except BaseException:
+    except (ValueError, TableFullError):
         for t in tables:
             if id(t) not in booked:
                 t.clock -= 1

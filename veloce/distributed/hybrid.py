@@ -304,13 +304,21 @@ class HybridParallel(nn.Module):
         if self.world_size > 1:
             dist.barrier(group=self.tables[0][1]._shard.group.group if self.tables else None)
 
+    @torch.no_grad()
     def unwrap(self) -> nn.Module:
         """Removes the sharding hooks and returns the model (each table keeps its shard).
         Async sparse gradients still in flight are waited for and kept as the tables'
-        pending gradients, for their next ``step()`` (call it on every rank)."""
-        for _, m in self.tables:
+        pending gradients, for their next ``step()`` (a ``zero_grad()`` before it drops
+        them). Call it on every rank: a failure of an earlier step that was deferred
+        (``lookup_errors`` or ``nonfinite_grad`` "raise_next") is raised first, on every
+        rank, with the model still wrapped and that step's gradients dropped."""
+        from veloce.embedding import _raise_deferred
+
+        _raise_deferred([m for _, m in self.tables])
+        for _, m in self.tables:  # every table's, before any is unwrapped
             if m._shard is not None and m._shard.in_flight:
                 m._shard.flush(m)
+        for _, m in self.tables:
             m._shard = None
         return self.module
 
