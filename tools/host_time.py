@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--local", action="store_true", help="no sharding: the single-process path")
+    p.add_argument("--sparse", default="sync", choices=["sync", "async"], help="HybridParallel's sparse mode")
     p.add_argument("--profile", default=None, help="a pstats sort key: print a cProfile of 100 more steps")
     p.add_argument("--ops", action="store_true",
                    help="then count the torch ops dispatched per step (on a GPU, each launches work)")
@@ -63,7 +64,7 @@ def main() -> None:
 
     model = DLRM(13, args.features, embedding_dim=args.dim, bottom_mlp=(32, args.dim), top_mlp=(32, 1),
                  embedding_factory=table)  # fmt: skip
-    hp = veloce.distributed.HybridParallel(model, sparse="sync")
+    hp = veloce.distributed.HybridParallel(model, sparse=args.sparse)
     if args.local and world > 1:
         raise SystemExit("--local: one process only (without torchrun)")
     if not args.local and world == 1:
