@@ -95,7 +95,7 @@ PY
     fi
     # Any compiler warning fails the check, except ptxas spill warnings inside CUB's own
     # kernels (not ours to fix) and the small spills that a kernel bounded for occupancy
-    # trades on purpose (ALLOWED_SPILLS below).
+    # trades on purpose (ALLOWED_SPILLS above).
     if grep -i -E "warning|error" "$log" | grep -v -E "_ZN3cub|^ptxas info" | allowed_spills_removed | grep .; then
       status=1
     fi

@@ -67,6 +67,8 @@ def main() -> None:
     hp = veloce.distributed.HybridParallel(model, sparse=args.sparse)
     if args.local and world > 1:
         raise SystemExit("--local: one process only (without torchrun)")
+    if args.profile and world > 1:
+        raise SystemExit("--profile: one process only (without torchrun)")
     if not args.local and world == 1:
         hp._shard_tables(None)  # sharded over the one rank: the sharded path's host work
     opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), hp)
@@ -88,10 +90,8 @@ def main() -> None:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     what = "local" if args.local else f"sharded over {world} rank(s)"
     if rank == 0:
-            print(f"{what}, {args.features} tables: main-thread CPU ms per step (median of {args.steps}): "
+        print(f"{what}, {args.features} tables: main-thread CPU ms per step (median of {args.steps}): "
               + ", ".join(f"{k} {v:.3f}" for k, v in med.items()) + f", total {sum(med.values()):.3f}")  # fmt: skip
-    if args.profile and world > 1:
-        raise SystemExit("--profile: one process only (without torchrun)")
     if args.profile:
         import cProfile
         import pstats

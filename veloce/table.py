@@ -248,8 +248,7 @@ class HashTable(PlainAttrs, nn.Module):
         check costs the caller no host sync; when it is true the call raises ``ValueError``
         and changes nothing (no insert, no score, no growth, no clock tick).
         """
-        self.clock += 1
-        with _failed_calls_keep_clock([self]) as booked:
+        with _ticked_clocks([self]) as booked:
             slots = self._insert(self._find_or_insert_call(ids, padding_id, bad_input), bad_input=bad_input)
             booked.add(id(self))
         return slots
@@ -544,9 +543,7 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
                           bad_input: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
     """find_or_insert_many over distinct tables: one op call, then per-table growth retries."""
     _ext.require()
-    for t in tables:
-        t.clock += 1
-    with _failed_calls_keep_clock(tables) as booked:
+    with _ticked_clocks(tables) as booked:
         for t in tables:
             t._maybe_grow(bad_input)
         evict = [t._allow_evict() for t in tables]
@@ -594,13 +591,16 @@ def _refuse_if_set(bad_input: torch.Tensor | None) -> None:
 
 
 @contextlib.contextmanager
-def _failed_calls_keep_clock(tables: Sequence[HashTable]) -> Iterator[set[int]]:
-    """Around a find_or_insert of ``tables`` whose clocks were just ticked. The call adds
-    ``id(t)`` to the yielded set for each table whose insert it booked. If it raises an
-    error that leaves the tables it did not book unchanged (bad input or a refused
-    ``bad_input``: ValueError; no room: TableFullError), their ticks are taken back, so
-    that the call leaves no trace in them (their state_dicts included). Other errors (out
-    of memory, an interrupt) may come after an op stamped rows with the tick: it stays."""
+def _ticked_clocks(tables: Sequence[HashTable]) -> Iterator[set[int]]:
+    """Around a find_or_insert of ``tables``: ticks their LRU clocks (one tick per training
+    lookup). The call adds ``id(t)`` to the yielded set for each table whose insert it
+    booked. If it raises an error that leaves the tables it did not book unchanged (bad
+    input or a refused ``bad_input``: ValueError; no room: TableFullError), their ticks are
+    taken back, so that the call leaves no trace in them (their state_dicts included).
+    Other errors (out of memory, an interrupt) may come after an op stamped rows with the
+    tick: it stays."""
+    for t in tables:
+        t.clock += 1
     booked: set[int] = set()
     try:
         yield booked
