@@ -1,6 +1,8 @@
 // Argument checks shared by the CPU and CUDA kernels (see veloce/check.h).
 #include "veloce/check.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include "veloce/hash.h"
 #include "veloce/init.h"
 
@@ -145,11 +147,11 @@ int64_t check_offsets_shape(const char* op, const at::Tensor& offsets, int64_t n
 }
 
 at::Tensor offsets_bad_flag(const at::Tensor& offsets, int64_t n, bool include_last_offset) {
-  const int64_t len = offsets.numel();
-  at::Tensor bad = offsets.narrow(0, 0, 1).ne(0).logical_or(offsets.narrow(0, len - 1, 1).gt(n));
-  if (include_last_offset) bad = bad.logical_or(offsets.narrow(0, len - 1, 1).ne(n));
-  if (len > 1) bad = bad.logical_or(offsets.narrow(0, 1, len - 1).lt(offsets.narrow(0, 0, len - 1)).any());
-  return bad.reshape({1});
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("veloce::bag_layouts_bad", "")
+                       .typed<at::Tensor(at::TensorList, at::IntArrayRef, at::IntArrayRef)>();
+  const int64_t last = include_last_offset ? 1 : 0;
+  return op.call({offsets}, {n}, {last});
 }
 
 int64_t check_offsets(const char* op, const at::Tensor& offsets, int64_t n, bool include_last_offset) {

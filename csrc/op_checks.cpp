@@ -476,4 +476,26 @@ void check_nonfinite_args(const char* op, at::TensorList tensors, at::IntArrayRe
   }
 }
 
+bool check_bag_layouts_args(const char* op, at::TensorList offsets, at::IntArrayRef num_ids,
+                            at::IntArrayRef include_last_offset) {
+  TORCH_CHECK_VALUE(!offsets.empty(), op, ": offsets must hold at least one tensor (the flag is made on its device)");
+  TORCH_CHECK_VALUE(num_ids.size() == offsets.size(), op, ": one num_ids per offsets tensor: offsets has ",
+                    offsets.size(), " entries but num_ids has ", num_ids.size());
+  TORCH_CHECK_VALUE(include_last_offset.size() == offsets.size(), op,
+                    ": one include_last_offset per offsets tensor: offsets has ", offsets.size(),
+                    " entries but include_last_offset has ", include_last_offset.size());
+  bool bad_shape = false;
+  for (size_t k = 0; k < offsets.size(); ++k) {
+    const std::string name = "offsets[" + std::to_string(k) + "]";
+    check_dtype(op, name.c_str(), offsets[k], at::kLong);
+    check_dim(op, name.c_str(), offsets[k], 1);
+    check_same_device(op, name.c_str(), offsets[k], "offsets[0]", offsets[0]);
+    TORCH_CHECK_VALUE(num_ids[k] >= 0, op, ": num_ids[", k, "] must be >= 0, got ", num_ids[k]);
+    TORCH_CHECK_VALUE(include_last_offset[k] == 0 || include_last_offset[k] == 1, op, ": include_last_offset[", k,
+                      "] must be 0 or 1, got ", include_last_offset[k]);
+    if (offsets[k].numel() == 0 && (num_ids[k] > 0 || include_last_offset[k] != 0)) bad_shape = true;
+  }
+  return bad_shape;
+}
+
 }  // namespace veloce

@@ -275,6 +275,104 @@ def test_pooled_lookup_cuda_output_past_2_31_elements(device, bag):
     torch.cuda.empty_cache()
 
 
+# ---- bag_layouts_bad ----------------------------------------------------------------------
+
+
+def layout_breaks_a_rule(offsets: list[int], n: int, include_last_offset: bool) -> bool:
+    """nn.EmbeddingBag's offsets rules, written out on the host (the reference)."""
+    if not offsets:
+        return n > 0 or include_last_offset
+    decreasing = any(b < a for a, b in zip(offsets, offsets[1:]))
+    last = offsets[-1]
+    return offsets[0] != 0 or decreasing or last > n or (include_last_offset and last != n)
+
+
+def random_layout(gen: torch.Generator, flaw: str) -> tuple[list[int], int, bool]:
+    """Offsets over n ids, good or with one ``flaw``."""
+    bags = int(torch.randint(0, 40, (1,), generator=gen))
+    lengths = torch.randint(0, 4, (bags,), generator=gen).tolist()
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    n = starts[-1]
+    ilo = bool(torch.randint(0, 2, (1,), generator=gen))
+    offsets = starts if ilo else starts[:-1]
+    if flaw == "first" and offsets:
+        offsets[0] = 1
+    elif flaw == "decrease" and len(offsets) > 2:
+        i = int(torch.randint(1, len(offsets), (1,), generator=gen))
+        offsets[i] = offsets[i - 1] - 1
+    elif flaw == "past_end" and offsets:
+        offsets[-1] = n + 1
+    elif flaw == "last_short" and ilo and offsets:
+        n += 1  # the last entry no longer equals n
+    elif flaw == "empty":
+        offsets, n = [], 3
+    return offsets, n, ilo
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bag_layouts_bad_flags_exactly_the_broken_layouts(device):
+    """Groups of layouts (up to 70: three CUDA launches), each good or with one flaw, anywhere
+    in the group: the flag is set exactly when the host reference finds a broken rule."""
+    from veloce.ops.embedding import bag_layouts_bad
+
+    gen = torch.Generator().manual_seed(0)
+    flaws = ["first", "decrease", "past_end", "last_short", "empty"]
+    seen = {True: 0, False: 0}
+    for trial in range(60):
+        k = int(torch.randint(1, 71, (1,), generator=gen))
+        layouts = [random_layout(gen, "none") for _ in range(k)]
+        if trial % 2:
+            j = int(torch.randint(0, k, (1,), generator=gen))
+            layouts[j] = random_layout(gen, flaws[trial // 2 % len(flaws)])
+        want = any(layout_breaks_a_rule(*lay) for lay in layouts)
+        offsets = [torch.tensor(o, dtype=torch.long, device=device) for o, _, _ in layouts]
+        got = bag_layouts_bad(offsets, [n for _, n, _ in layouts], [i for _, _, i in layouts])
+        assert got.shape == (1,) and got.dtype == torch.bool and got.device.type == device
+        assert bool(got) == want, layouts
+        seen[want] += 1
+    assert seen[True] > 10 and seen[False] > 10
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bag_layouts_bad_of_a_long_layout(device):
+    """One decrease in a million entries, at either end or in the middle, is found."""
+    from veloce.ops.embedding import bag_layouts_bad
+
+    n = 1 << 20
+    good = torch.arange(n, device=device)
+    assert not bool(bag_layouts_bad([good], [n], [False]))
+    assert not bool(bag_layouts_bad([torch.cat([good, good.new_tensor([n])])], [n], [True]))
+    for i in (1, n // 2 + 7, n - 1):
+        bad = good.clone()
+        bad[i] = bad[i - 1] - 1
+        assert bool(bag_layouts_bad([good, bad], [n, n], [False, False]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bag_layouts_bad_opcheck_and_bad_arguments(device):
+    from veloce.ops.embedding import bag_layouts_bad
+
+    good = [torch.tensor([0, 2, 2], device=device), torch.tensor([0, 1], device=device)]
+    torch.library.opcheck(torch.ops.veloce.bag_layouts_bad.default, (good, [3, 1], [0, 1]))
+    cases = [
+        (([], [], []), ValueError, "offsets must hold at least one tensor"),
+        ((good, [3], [0, 1]), ValueError, "one num_ids per offsets tensor: offsets has 2 entries but num_ids has 1"),
+        ((good, [3, 1], [0]), ValueError, "one include_last_offset per offsets tensor"),
+        ((good, [3, -1], [0, 1]), ValueError, r"num_ids\[1\] must be >= 0, got -1"),
+        ((good, [3, 1], [0, 2]), ValueError, r"include_last_offset\[1\] must be 0 or 1, got 2"),
+        (([good[0], good[1].int()], [3, 1], [0, 1]), RuntimeError, r"offsets\[1\] must be torch.int64, got torch.int32"),
+        (([good[0], good[1].view(1, 2)], [3, 1], [0, 1]), RuntimeError, r"offsets\[1\] must be 1-D"),
+    ]  # fmt: skip
+    if device == "cuda":
+        cases.append((([good[0], good[1].cpu()], [3, 1], [0, 1]), RuntimeError, r"offsets\[1\] .*cpu"))
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            bag_layouts_bad(*args)
+    assert bag_layouts_bad(good, [3, 1], [False, True]).tolist() == [False]
+
+
 # ---- opcheck and gradcheck ------------------------------------------------------------
 
 

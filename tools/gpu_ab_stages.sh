@@ -21,8 +21,8 @@
 #   c3         configuration 3 (SGD, Adam; checked and unchecked), interleaved
 #   c3ncu      ncu's duration, DRAM throughput and registers of the fused update kernel
 #              (tools/profile_step.py's table, SGD and Adam, unchecked) of both trees, interleaved
-#   c3phases   configuration 3's host path (tools/profile_step.py --phases, Adam, checked and
-#              unchecked) of both trees
+#   c3phases   configuration 3's host path (tools/profile_step.py --phases, checked and
+#              unchecked) of both trees, interleaved 2x, per optimizer in C3P_OPTS (default adam)
 #   c5         configuration 5 on W GPUs (default: all), sync, raise_next, interleaved 3x
 #   w1         configuration 5 on one GPU, interleaved 2x
 #   c5p        configuration 5 of the new tree on W GPUs, with and without --prefetch, interleaved 3x
@@ -36,7 +36,7 @@
 #   cprofile   rank 0's cProfile of configuration 5 on W GPUs (CPROFILE_ARGS: more arguments)
 # Environment: OUT (default /tmp/ab-out), OLD_TAR (default .gpu/old.tar), C3_ARGS (more bench_embedding
 # arguments for `c3`, e.g. --back-to-back), W, STEPS (configuration 5's
-# timed steps, default 30), LOADS, PHASES_ARGS
+# timed steps, default 30), LOADS, C3P_OPTS, PHASES_ARGS
 # (more bench_distributed arguments for `phases`, e.g. --prefetch), VARIANTS, REPS, CPROFILE_ARGS.
 # At most 8 files come back from $OUT: summary.txt gathers the stages' short results.
 set -uo pipefail
@@ -141,11 +141,14 @@ for stage in "$@"; do
       done
       t ;;
     c3phases)
-      for tag in old new; do
-        d=$(tree $tag)
-        for flag in "" --unchecked; do
-          (cd "$d" && PYTHONPATH="$d" timeout 120 python3 tools/profile_step.py --device cuda --phases $flag 2>&1 \
-             | tail -10 | sed "s/^/$tag${flag:+ unchecked} /") | tee -a "$OUT/phases_c3.txt"
+      for opt in ${C3P_OPTS:-adam}; do
+        for tag in old new new old; do
+          d=$(tree $tag)
+          for flag in "" --unchecked; do
+            (cd "$d" && PYTHONPATH="$d" timeout 120 python3 tools/profile_step.py --device cuda --phases \
+               --optimizer "$opt" $flag 2>&1 | tail -10 | sed "s/^/$tag $opt${flag:+ unchecked} /") >> "$OUT/phases_c3.txt"
+            grep "^$tag $opt${flag:+ unchecked} host time" "$OUT/phases_c3.txt" | tail -1 | say
+          done
         done
       done
       t ;;

@@ -11,6 +11,10 @@ gaps between consecutive device activities, named by the kernels around them (an
 GPU in a step is host time on the critical path). ``--trace PATH`` also writes the
 profile as a Chrome trace (open in chrome://tracing or Perfetto).
 
+``--cprofile`` prints where the host's time goes in back-to-back steps (no profiler):
+Python's cProfile by own time, then the torch ops dispatched per step and their host
+time (the torch profiler, CPU side only, over separate steps).
+
 ``--phases`` times the host path of back-to-back steps without the profiler (whose own
 overhead doubles host times): markers at the phase boundaries of every step (the insert's
 return, that is just after its host sync; the forward, backward and update launch; the
@@ -135,6 +139,39 @@ def phases(args, dev, steps: int = 30) -> None:
     print(markers.report(f"{args.optimizer}, {'unchecked' if args.unchecked else 'checked'}", steps))
 
 
+def host_profile(args, dev, steps: int = 100) -> None:
+    """The host's time in back-to-back steps: cProfile by own time (a wait for the device
+    counts in the call that waits), then the torch ops per step with their host time."""
+    import cProfile
+    import io
+    import pstats
+
+    step = table_step(args, dev) if args.model == "table" else dlrm_step(args, dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    for _ in range(10):
+        step()
+    sync()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    sync()
+    prof.disable()
+    print(f"{steps} back-to-back steps under cProfile: {(time.perf_counter() - t) * 1e3 / steps:.3f} ms per step")
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    print(out.getvalue())
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        for _ in range(STEPS):
+            step()
+        sync()
+    events = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    print(f"torch ops per step (CPU-side profiler, {STEPS} steps): calls, self host us per step")
+    for e in events[:45]:
+        print(f"{e.count / STEPS:7.1f}  {e.self_cpu_time_total / STEPS:9.1f}  {e.key[:90]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -147,12 +184,17 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=1.05)
     p.add_argument("--unchecked", action="store_true", help="table: nonfinite_grad='apply' (no NaN/Inf check)")
     p.add_argument("--trace", default=None, help="write the profiled steps as a Chrome trace (.json or .json.gz)")
+    p.add_argument("--cprofile", action="store_true",
+                   help="the host path of back-to-back steps by Python function and by torch op, instead of profiling")
     p.add_argument("--phases", action="store_true",
                    help="time the host path of back-to-back steps with markers and events instead of profiling")
     args = p.parse_args()
     dev = torch.device(args.device)
     if args.phases:
         phases(args, dev)
+        return
+    if args.cprofile:
+        host_profile(args, dev)
         return
     step = table_step(args, dev) if args.model == "table" else dlrm_step(args, dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

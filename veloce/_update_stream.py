@@ -51,6 +51,8 @@ from typing import Any, Callable
 
 import torch
 
+from veloce._device import current_stream
+
 __all__ = ["ENABLED", "UpdateFence", "beside_updates", "prefetch_stream", "prefetching", "release_done",
            "run_update", "wait_prefetch_origin", "on_prefetch_stream", "record_streams"]  # fmt: skip
 
@@ -89,7 +91,7 @@ class UpdateFence:
         from now on comes after the updates, their inputs may go back to the allocator,
         and the tables drop the fence. A join on another stream waits each time and keeps
         the fence. Tables updated by one call share the fence: the origin waits once."""
-        stream = torch.cuda.current_stream(self.origin.device)
+        stream = current_stream(self.origin.device)
         covers = stream == self.origin or stream == _STREAMS.get((stream.device, _INSERT))
         if not (covers and self.waited):
             stream.wait_event(self.event)
@@ -116,7 +118,7 @@ def run_update(device: torch.device, launch: Callable[[], None], inputs: Any) ->
         return None
     release_done()
     side = _stream(device, _UPDATE)
-    origin = torch.cuda.current_stream(device)
+    origin = current_stream(device)
     side.wait_stream(origin)
     try:
         with torch.cuda.stream(side):
@@ -140,7 +142,7 @@ def beside_updates(device: torch.device, fn: Callable[[], Any]) -> Any:
 
     What ``fn`` reads it must read before it returns (ids are read before the insert's last
     host sync); what it allocates and returns is recorded here."""
-    main = torch.cuda.current_stream(device)
+    main = current_stream(device)
     side = _stream(device, _INSERT)
     if main == side:
         return fn()
@@ -192,7 +194,7 @@ def on_prefetch_stream(device: torch.device, wait: bool = False, join: bool = Tr
     if device.type != "cuda":
         yield None
         return
-    main, side = torch.cuda.current_stream(device), prefetch_stream(device)
+    main, side = current_stream(device), prefetch_stream(device)
     if wait:
         side.wait_stream(main)
     origin = torch.cuda.Event()
@@ -212,7 +214,7 @@ def on_prefetch_stream(device: torch.device, wait: bool = False, join: bool = Tr
 def wait_prefetch_origin(device: torch.device) -> None:
     """Inside :func:`prefetching`: the current stream waits for the prefetch's origin."""
     if _PREFETCH_ORIGIN and device.type == "cuda":
-        torch.cuda.current_stream(device).wait_event(_PREFETCH_ORIGIN[-1])
+        current_stream(device).wait_event(_PREFETCH_ORIGIN[-1])
 
 
 def record_streams(obj: Any, stream: torch.cuda.Stream) -> None:

@@ -19,7 +19,7 @@ from veloce._update_stream import run_update
 from veloce import init as _init
 from veloce import optim as _optim
 from veloce.ops import optimizer as _ops
-from veloce.ops.embedding import pooled_lookup_kernels
+from veloce.ops.embedding import bag_layouts_bad, pooled_lookup_kernels
 from veloce.table import HashTable, PlainAttrs, find_or_insert_many, insert_beside_updates
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
@@ -1030,14 +1030,15 @@ def _check_offsets_many(
 
 def _offsets_flags(layouts: Sequence[tuple]) -> dict[torch.device, torch.Tensor]:
     """Per device, whether any of the bag layouts ``(offsets, n, include_last_offset)`` there
-    breaks a rule: one 0-dim bool tensor on that device (:func:`_offsets_bad` of each,
-    combined; nothing read back). Layouts with empty offsets are checked on the host by
-    :func:`_offsets_bad` and add no flag; no device flag at all gives an empty dict."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for f in (_offsets_bad(*lay) for lay in layouts):
-        if f is not None:
-            by_device.setdefault(f.device, []).append(f)
-    return {dev: fs[0] if len(fs) == 1 else torch.stack(fs).any() for dev, fs in by_device.items()}
+    breaks a rule: one (1,) bool tensor on that device (one ``bag_layouts_bad`` call for all
+    of them; nothing read back). Layouts with empty offsets are checked on the host by
+    :func:`_host_checked_offsets` and add no flag; no device flag at all gives an empty dict."""
+    by_device: dict[torch.device, list[tuple]] = {}
+    for lay in layouts:
+        if _host_checked_offsets(*lay):
+            continue
+        by_device.setdefault(lay[0].device, []).append(lay)
+    return {dev: bag_layouts_bad(*zip(*lays)) for dev, lays in by_device.items()}
 
 
 def _insert_checked(
@@ -1081,20 +1082,25 @@ def _raise_first_offsets_error(layouts: Sequence[tuple]) -> NoReturn:
     raise AssertionError("a bag layout was flagged bad, but none breaks a rule")
 
 
+def _host_checked_offsets(offsets: torch.Tensor, n: int, include_last_offset: bool) -> bool:
+    """Checks the rules of empty offsets (their shape alone) on the host, raising when one
+    is broken; returns whether ``offsets`` is empty: nothing left for the device to check."""
+    if offsets.numel():
+        return False
+    if include_last_offset:
+        raise ValueError("offsets must hold at least one entry with include_last_offset=True, got 0")
+    if n:
+        raise ValueError(f"offsets is empty (0 bags) but input holds {n} ids")
+    return True
+
+
 def _offsets_bad(offsets: torch.Tensor, n: int, include_last_offset: bool) -> Optional[torch.Tensor]:
-    """Whether the bag layout breaks a rule, as a 0-dim bool tensor on offsets' device
-    (nothing read back); None for empty offsets, whose rules are checked here on the host."""
-    if offsets.numel() == 0:
-        if include_last_offset:
-            raise ValueError("offsets must hold at least one entry with include_last_offset=True, got 0")
-        if n:
-            raise ValueError(f"offsets is empty (0 bags) but input holds {n} ids")
+    """Whether the bag layout breaks a rule, as a (1,) bool tensor on offsets' device
+    (:func:`veloce.ops.embedding.bag_layouts_bad`, nothing read back); None for empty
+    offsets, whose rules are checked here on the host."""
+    if _host_checked_offsets(offsets, n, include_last_offset):
         return None
-    last_bad = (offsets[-1] != n) if include_last_offset else (offsets[-1] > n)
-    bad = (offsets[0] != 0) | last_bad
-    if offsets.numel() > 1:
-        bad = bad | (offsets[1:] < offsets[:-1]).any()
-    return bad
+    return bag_layouts_bad([offsets], [n], [include_last_offset])
 
 
 def _raise_offsets_error(offsets: torch.Tensor, n: int) -> None:

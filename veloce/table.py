@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from veloce import _ext
+from veloce._device import current_stream
 from veloce._memory import empty_table
 from veloce._update_stream import UpdateFence, beside_updates, release_done, wait_prefetch_origin
 from veloce.init import Initializer
@@ -139,7 +140,7 @@ class HashTable(PlainAttrs, nn.Module):
             # than the one they were allocated on (a growth during HybridParallel.prefetch,
             # on its side stream): their memory must not be reused before that work ran.
             if old is not None and old.is_cuda:
-                old.record_stream(torch.cuda.current_stream(old.device))
+                old.record_stream(current_stream(old.device))
         opt_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         shapes = {
             "keys": ((capacity,), torch.long),
@@ -300,7 +301,7 @@ class HashTable(PlainAttrs, nn.Module):
         if not self._buffers["keys"].is_cuda:  # moved off the GPU since
             self._changed = None
             return
-        current = torch.cuda.current_stream(self.device)
+        current = current_stream(self.device)
         if current != stream:
             current.wait_event(event)
             self._changed = None
@@ -309,7 +310,7 @@ class HashTable(PlainAttrs, nn.Module):
         """After a change of the state queued on the current stream (not a training insert):
         its event, which the next op on another stream waits for (see ``_changed``)."""
         if self._buffers["keys"].is_cuda:
-            stream = torch.cuda.current_stream(self.device)
+            stream = current_stream(self.device)
             event = torch.cuda.Event()
             event.record(stream)
             self._changed = (event, stream)

@@ -1,5 +1,6 @@
-// CPU kernels of the embedding family: pooled_lookup (forward) and accumulate_grad
-// (the backward w.r.t. the table rows, reduced per unique slot). Semantics: docs/ops.md.
+// CPU kernels of the embedding family: pooled_lookup (forward), accumulate_grad (the
+// backward w.r.t. the table rows, reduced per unique slot), the fused
+// accumulate_and_update, and bag_layouts_bad (the offsets' check). Semantics: docs/ops.md.
 //
 // Data enters as slots (N,) + offsets (B,) or (B+1,); rows are read from weights (C, D)
 // or extra_rows (M, D). pooled_lookup writes (B, D); accumulate_grad sorts the valid
@@ -469,10 +470,35 @@ void accumulate_and_update_many_cpu(at::TensorList weights, at::TensorList opt_s
   }
 }
 
+// ---- bag_layouts_bad ---------------------------------------------------------------------
+
+// Whether offsets o (len >= 1 entries) breaks a rule for n ids (see the schema in ops.cpp).
+bool layout_bad(const int64_t* o, int64_t len, int64_t n, bool include_last_offset) {
+  if (o[0] != 0 || o[len - 1] > n || (include_last_offset && o[len - 1] != n)) return true;
+  return at::parallel_reduce(
+      1, len, at::internal::GRAIN_SIZE, false,
+      [&](int64_t begin, int64_t end, bool bad) {
+        for (int64_t i = begin; i < end; ++i) bad |= o[i] < o[i - 1];  // vectorizes: no early exit
+        return bad;
+      },
+      [](bool a, bool b) { return a || b; });
+}
+
+at::Tensor bag_layouts_bad_cpu(at::TensorList offsets, at::IntArrayRef num_ids, at::IntArrayRef include_last_offset) {
+  constexpr const char* op = "veloce::bag_layouts_bad";
+  bool bad = check_bag_layouts_args(op, offsets, num_ids, include_last_offset);
+  for (size_t k = 0; k < offsets.size() && !bad; ++k) {
+    const at::Tensor o = offsets[k].contiguous();
+    if (o.numel() > 0) bad = layout_bad(o.data_ptr<int64_t>(), o.numel(), num_ids[k], include_last_offset[k] != 0);
+  }
+  return at::full({1}, bad, offsets[0].options().dtype(at::kBool));
+}
+
 }  // namespace
 }  // namespace veloce
 
 TORCH_LIBRARY_IMPL(veloce, CPU, m) {
+  m.impl("bag_layouts_bad", &veloce::bag_layouts_bad_cpu);
   m.impl("pooled_lookup", &veloce::pooled_lookup_cpu);
   m.impl("pooled_lookup_many", &veloce::pooled_lookup_many_cpu);
   m.impl("accumulate_grad", &veloce::accumulate_grad_cpu);

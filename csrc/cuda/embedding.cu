@@ -1,6 +1,7 @@
 // CUDA kernels of the embedding family: pooled_lookup (forward), accumulate_grad (the
 // backward w.r.t. the table rows, reduced per unique slot) and the fused backward + optimizer
-// step accumulate_and_update, of one table or of several at once (_many). Semantics:
+// step accumulate_and_update, of one table or of several at once (_many), and
+// bag_layouts_bad (the offsets' check behind every op's check_inputs). Semantics:
 // docs/ops.md; CPU reference csrc/cpu/embedding.cpp; argument checks shared with it
 // (veloce/op_checks.h).
 //
@@ -64,6 +65,75 @@ int64_t check_bags_and_slots_cuda(const char* op, const at::Tensor& offsets, con
     }
   }
   return B;
+}
+
+// ---- bag_layouts_bad ----------------------------------------------------------------------
+//
+// Up to kLayoutGroup layouts per launch, passed as a kernel parameter; their entries are
+// numbered across the layouts (base: each layout's first entry). A thread per entry i of
+// layout k tests the rules that involve it (the first entry, the last, the decrease from
+// i - 1) and, on a break, stores true to the flag (racing writers write the same).
+constexpr int kLayoutGroup = 32;
+
+struct LayoutGroup {
+  int32_t K;                        // layouts in the launch, 1 <= K <= kLayoutGroup
+  int64_t base[kLayoutGroup + 1];   // layout k's entries: [base[k], base[k + 1])
+  int64_t num_ids[kLayoutGroup];    // its number of ids
+  const int64_t* data[kLayoutGroup];
+  bool include_last[kLayoutGroup];  // include_last_offset
+};
+
+__global__ void bag_layouts_bad_kernel(const __grid_constant__ LayoutGroup g, bool* __restrict__ flag) {
+  const int64_t total = g.base[g.K];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < total; u += stride) {
+    int lo = 0, hi = g.K;  // the layout of entry u: the largest k with base[k] <= u
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (g.base[mid] <= u) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    const int64_t i = u - g.base[lo], len = g.base[lo + 1] - g.base[lo], n = g.num_ids[lo];
+    const int64_t* o = g.data[lo];
+    const int64_t v = o[i];
+    bool bad = i == 0 ? v != 0 : v < o[i - 1];
+    if (i == len - 1) bad |= v > n || (g.include_last[lo] && v != n);
+    if (bad) *flag = true;
+  }
+}
+
+at::Tensor bag_layouts_bad_cuda(at::TensorList offsets, at::IntArrayRef num_ids, at::IntArrayRef include_last_offset) {
+  constexpr const char* op = "veloce::bag_layouts_bad";
+  const bool bad_shape = check_bag_layouts_args(op, offsets, num_ids, include_last_offset);
+  const c10::cuda::CUDAGuard guard(offsets[0].device());
+  at::Tensor flag = at::full({1}, bad_shape, offsets[0].options().dtype(at::kBool));
+  if (bad_shape) return flag;  // known without reading an entry
+  std::vector<at::Tensor> data;  // kept alive contiguous until launched
+  std::vector<size_t> idx;
+  for (size_t k = 0; k < offsets.size(); ++k) {
+    if (offsets[k].numel() == 0) continue;
+    data.push_back(offsets[k].contiguous());
+    idx.push_back(k);
+  }
+  const int64_t max_blocks = int64_t{8} * num_sms();
+  for (size_t first = 0; first < idx.size(); first += kLayoutGroup) {
+    LayoutGroup g{};
+    g.K = static_cast<int32_t>(std::min<size_t>(kLayoutGroup, idx.size() - first));
+    for (int j = 0; j < g.K; ++j) {
+      const size_t k = idx[first + j];
+      g.data[j] = data[first + j].data_ptr<int64_t>();
+      g.num_ids[j] = num_ids[k];
+      g.include_last[j] = include_last_offset[k] != 0;
+      g.base[j + 1] = g.base[j] + data[first + j].numel();
+    }
+    const int64_t blocks = std::min<int64_t>(max_blocks, grid_for(g.base[g.K]));
+    bag_layouts_bad_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(g, flag.data_ptr<bool>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return flag;
 }
 
 // ---- pooled_lookup ----------------------------------------------------------------------
@@ -1272,6 +1342,7 @@ void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_
 }  // namespace veloce
 
 TORCH_LIBRARY_IMPL(veloce, CUDA, m) {
+  m.impl("bag_layouts_bad", &veloce::cuda::bag_layouts_bad_cuda);
   m.impl("pooled_lookup", &veloce::cuda::pooled_lookup_cuda);
   m.impl("pooled_lookup_many", &veloce::cuda::pooled_lookup_many_cuda);
   m.impl("accumulate_grad", &veloce::cuda::accumulate_grad_cuda);

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from veloce._device import current_stream
 from veloce.distributed._comm import Group
 from veloce.distributed.sharded import Shard
 
@@ -269,7 +270,7 @@ class HybridParallel(nn.Module):
             try:
                 args, kwargs = _to_device((args, kwargs), dev)
                 for t in on_gpu:
-                    t.record_stream(torch.cuda.current_stream(dev))
+                    t.record_stream(current_stream(dev))
                 for tables, inputs in lookups(*args, **kwargs):
                     dispatch_many(tables, inputs, self.prefetch_depth)
             finally:
@@ -281,7 +282,7 @@ class HybridParallel(nn.Module):
                             if read is not None:
                                 main.wait_event(read)
                             else:  # failed before its header: wait for whatever it read
-                                main.wait_stream(torch.cuda.current_stream(dev))
+                                main.wait_stream(current_stream(dev))
 
     def train(self, mode: bool = True) -> "HybridParallel":
         super().train(mode)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from veloce._device import host_tensor
+from veloce._device import current_stream, host_tensor
 from veloce._update_stream import on_prefetch_stream, record_streams
 from veloce.distributed._comm import (
     DeferredFailure, ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all,
@@ -577,7 +577,7 @@ def _begin(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = 
     read = None
     if note_read and dev.type == "cuda":  # the inputs, which later current-stream work may overwrite, are read
         read = torch.cuda.Event()
-        read.record(torch.cuda.current_stream(dev))
+        read.record(current_stream(dev))
     header = begin_headers(g, fields, signature, bad_layout)
     return _Begun(g, list(modules), cb, b, header, layouts, _bag_shapes(bags), tuple(m.training for m in modules),
                   bool(psw_grad), read)  # fmt: skip

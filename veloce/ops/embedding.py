@@ -1,8 +1,8 @@
 """The embedding op family: pooled lookups over table rows and the sparse gradient accumulate.
 
-Typed wrappers over ``torch.ops.veloce.pooled_lookup`` and
-``torch.ops.veloce.accumulate_grad`` (kernels: ``csrc/cpu/embedding.cpp``), their fake
-kernels, and the autograd registration of ``pooled_lookup``. Semantics: docs/ops.md.
+Typed wrappers over ``torch.ops.veloce.pooled_lookup``, ``accumulate_grad`` and
+``bag_layouts_bad`` (kernels: ``csrc/cpu/embedding.cpp``), their fake kernels, and the
+autograd registration of ``pooled_lookup``. Semantics: docs/ops.md.
 
 Shape glossary: ``C`` rows of the table, ``D`` embedding dim, ``N`` slots (ids),
 ``B`` bags, ``M`` extra rows, ``U`` unique slots.
@@ -19,7 +19,7 @@ import torch
 
 from veloce import _ext
 
-__all__ = ["MODES", "accumulate_grad", "pooled_lookup", "pooled_lookup_many"]
+__all__ = ["MODES", "accumulate_grad", "bag_layouts_bad", "pooled_lookup", "pooled_lookup_many"]
 
 #: Pooling modes by name, as in ``nn.EmbeddingBag``.
 MODES = {"sum": 0, "mean": 1}
@@ -186,6 +186,33 @@ def accumulate_grad(
     )
 
 
+def bag_layouts_bad(
+    offsets: Sequence[torch.Tensor], num_ids: Sequence[int], include_last_offset: Sequence[bool]
+) -> torch.Tensor:
+    """Whether any of K bag layouts breaks ``nn.EmbeddingBag``'s rules for its offsets.
+
+    Layout k is ``offsets[k]`` (int64, 1-D; every one on one device) over ``num_ids[k]``
+    ids. It breaks a rule when ``offsets[k][0] != 0``, when an entry is smaller than the one
+    before, when the last entry is past ``num_ids[k]``, or, with ``include_last_offset[k]``,
+    when the last entry differs from it; an empty ``offsets[k]`` breaks one when there are ids
+    or with ``include_last_offset[k]``.
+
+    Returns a (1,) bool tensor on the offsets' device; nothing is read back (on CUDA one
+    launch per 32 layouts, no host sync), so the flag can ride on a later read, as
+    ``find_or_insert``'s ``bad_input`` does.
+
+    Example::
+
+        >>> bag_layouts_bad([torch.tensor([0, 2, 1])], [3], [False]).tolist()
+        [True]
+    """
+    _ext.require()
+    if not len(offsets):
+        raise ValueError("veloce::bag_layouts_bad: offsets must hold at least one tensor (the flag is made on its device)")
+    return torch.ops.veloce.bag_layouts_bad(list(offsets), [int(n) for n in num_ids],
+                                            [int(i) for i in include_last_offset])  # fmt: skip
+
+
 def pooled_lookup_kernels(weights: Sequence[torch.Tensor], slots: Sequence[torch.Tensor],
                           offsets: Sequence[torch.Tensor], psws: Sequence[torch.Tensor | None],
                           modes: Sequence[int], include_last_offset: Sequence[bool],
@@ -247,6 +274,11 @@ def _fake_pooled_lookup_many(weights, slots, offsets, per_sample_weights, mode, 
     ]
 
 
+def _fake_bag_layouts_bad(offsets, num_ids, include_last_offset):
+    torch._check(len(offsets) >= 1, lambda: "bag_layouts_bad: offsets must hold at least one tensor")
+    return offsets[0].new_empty((1,), dtype=torch.bool)
+
+
 def _fake_accumulate_grad(
     grad_output, slots, offsets, per_sample_weights, mode, include_last_offset, num_rows
 ):
@@ -295,4 +327,5 @@ if _ext.loaded:
     torch.library.register_fake("veloce::pooled_lookup")(_fake_pooled_lookup)
     torch.library.register_fake("veloce::pooled_lookup_many")(_fake_pooled_lookup_many)
     torch.library.register_fake("veloce::accumulate_grad")(_fake_accumulate_grad)
+    torch.library.register_fake("veloce::bag_layouts_bad")(_fake_bag_layouts_bad)
     torch.library.register_autograd("veloce::pooled_lookup", _backward, setup_context=_setup_context)

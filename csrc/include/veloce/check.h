@@ -69,7 +69,8 @@ void check_cuda_table(const char* op, const at::Tensor& keys, const at::Tensor& 
 int64_t check_offsets(const char* op, const at::Tensor& offsets, int64_t n, bool include_last_offset);
 // The parts of check_offsets that read no offset values (dtype, dim, length): returns B.
 int64_t check_offsets_shape(const char* op, const at::Tensor& offsets, int64_t n, bool include_last_offset);
-// (1,) bool on offsets' device: whether non-empty offsets break the layout rules (no sync).
+// (1,) bool on offsets' device: whether non-empty offsets break the layout rules (no sync;
+// the op veloce::bag_layouts_bad, one launch on CUDA).
 at::Tensor offsets_bad_flag(const at::Tensor& offsets, int64_t n, bool include_last_offset);
 
 }  // namespace veloce

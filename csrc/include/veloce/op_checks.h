@@ -179,4 +179,11 @@ void check_update_slots_unique(const char* op, bool unique, int64_t dup_slot);
 // each in [0, num_owners).
 void check_nonfinite_args(const char* op, at::TensorList tensors, at::IntArrayRef owner, int64_t num_owners);
 
+// bag_layouts_bad's arguments: one num_ids (>= 0) and one include_last_offset (0 or 1) per
+// offsets tensor, each int64 and 1-D on the device of offsets[0]. Returns whether a layout
+// breaks a rule that its shape alone shows (an empty offsets with ids, or with
+// include_last_offset): those need no read of the entries.
+bool check_bag_layouts_args(const char* op, at::TensorList offsets, at::IntArrayRef num_ids,
+                            at::IntArrayRef include_last_offset);
+
 }  // namespace veloce
