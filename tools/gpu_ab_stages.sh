@@ -23,6 +23,9 @@
 #              (tools/profile_step.py's table, SGD and Adam, unchecked) of both trees, interleaved
 #   c3phases   configuration 3's host path (tools/profile_step.py --phases, checked and
 #              unchecked) of both trees, interleaved 2x, per optimizer in C3P_OPTS (default adam)
+#   hostab     the host path of both trees: configuration 3's step on a small table and batch
+#              (profile_step --phases, SGD unchecked and Adam checked), interleaved 3x; then
+#              configuration 5's DLRM on one GPU at 256 samples a step, interleaved 2x
 #   c5         configuration 5 on W GPUs (default: all), sync, raise_next, interleaved 3x
 #   w1         configuration 5 on one GPU, interleaved 2x
 #   c5p        configuration 5 of the new tree on W GPUs, with and without --prefetch, interleaved 3x
@@ -150,6 +153,22 @@ for stage in "$@"; do
             grep "^$tag $opt${flag:+ unchecked} host time" "$OUT/phases_c3.txt" | tail -1 | say
           done
         done
+      done
+      t ;;
+    hostab)
+      # The host path alone: configuration 3's step on a small table and batch (GPU work of
+      # a few tens of microseconds), so a back-to-back step takes what its host path takes.
+      for opt in "sgd --unchecked" "adam"; do
+        for tag in old new new old old new; do
+          d=$(tree $tag)
+          (cd "$d" && PYTHONPATH="$d" timeout 60 python3 tools/profile_step.py --device cuda --phases --rows 100000 \
+             --batch 4096 --optimizer $opt 2>&1 | grep "host time per step" | sed "s/^/$tag $opt: /") | say
+        done
+      done
+      for tag in old new new old; do  # configuration 5's model on one GPU, 256 samples a step
+        d=$(tree $tag)
+        (cd "$d" && PYTHONPATH="$d" timeout 90 python3 tools/profile_step.py --device cuda --model dlrm --dlrm-batch 256 \
+           2>&1 | grep "step on" | sed "s/^/$tag /") | say
       done
       t ;;
     c5)
