@@ -1304,6 +1304,52 @@ def test_lookup_many_is_one_autograd_node_with_per_table_gradients():
             assert torch.equal(v, sorted_table(b)[k]), k
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_lookup_many_stacked_outputs_give_each_table_its_gradient(device):
+    """A model that stacks the tables' outputs (DLRM, DeepFM) hands the lookup node strided
+    slices of one gradient, which the backward copies in one stack per shape and dtype
+    (_contiguous_grads). Each table must still get its own slice: tables of two dims and two
+    dtypes, some outputs stacked, one used alone and one unused, against each table
+    looked up alone and given its gradient as a contiguous tensor."""
+
+    def make():
+        opt = veloce.optim.Adam(lr=0.1)
+        return [
+            veloce.DynamicEmbedding(4, mode="sum", optimizer=opt, seed=1, device=device),
+            veloce.DynamicEmbedding(4, mode="sum", optimizer=opt, seed=2, device=device),
+            veloce.DynamicEmbedding(4, mode="mean", optimizer=opt, seed=3, device=device, dtype=torch.float64),
+            veloce.DynamicEmbedding(4, mode="sum", optimizer=opt, seed=4, device=device),
+            veloce.DynamicEmbedding(3, mode="sum", optimizer=opt, seed=5, device=device),
+            veloce.DynamicEmbedding(4, mode="sum", optimizer=opt, seed=6, device=device),  # unused
+        ]
+
+    g = torch.Generator().manual_seed(7)
+    ids = [torch.randint(0, 30, (6, 2), generator=g).to(device) for _ in range(6)]
+    weight = torch.randn(6, 4, 4, generator=g).to(device)  # (B, stacked tables, D)
+    w3 = torch.randn(6, 3, generator=g).to(device)
+
+    def loss(outs):
+        stacked = torch.stack([outs[0], outs[1], outs[2].float(), outs[3]], dim=1)  # (B, 4, D)
+        return (stacked * weight).pow(2).sum() + (outs[4] * w3).sum()
+
+    grouped = make()
+    for _ in range(2):
+        loss(veloce.lookup_many(grouped, ids)).backward()
+        veloce.step_tables(grouped)
+    single = make()
+    for _ in range(2):
+        outs = [t(x) for t, x in zip(single, ids)]
+        leaves = [o.detach().requires_grad_(True) for o in outs]
+        loss(leaves).backward()
+        for o, leaf in zip(outs[:5], leaves):
+            o.backward(leaf.grad.contiguous())
+        veloce.step_tables(single)
+    assert [t.step_count for t in grouped] == [t.step_count for t in single] == [2, 2, 2, 2, 2, 0]
+    for a, b in zip(grouped, single):
+        for k, v in sorted_table(a).items():
+            assert torch.equal(v, sorted_table(b)[k]), k
+
+
 def test_zero_grad_clears_dense_parameters_of_subclasses_and_submodules():
     """zero_grad skips nn.Module's parameter walk only when there is nothing to walk: a
     subclass's own parameter and a submodule's are still cleared."""

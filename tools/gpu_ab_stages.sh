@@ -39,11 +39,14 @@
 #   cprofile   rank 0's cProfile of configuration 5 on W GPUs (CPROFILE_ARGS: more arguments)
 # Environment: OUT (default /tmp/ab-out), OLD_TAR (default .gpu/old.tar), C3_ARGS (more bench_embedding
 # arguments for `c3`, e.g. --back-to-back), W, STEPS (configuration 5's
-# timed steps, default 30), LOADS, C3P_OPTS, PHASES_ARGS
+# timed steps, default 30), LOADS, C3P_OPTS, PIN (a prefix for the one-process runs of c1, c3,
+# c3phases and hostab, e.g. PIN="taskset -c 8": pinned to one core, the GPU machine's host
+# path of a configuration-3 step was 0.2-0.45 ms shorter, results/h200_s18), PHASES_ARGS
 # (more bench_distributed arguments for `phases`, e.g. --prefetch), VARIANTS, REPS, CPROFILE_ARGS.
 # At most 8 files come back from $OUT: summary.txt gathers the stages' short results.
 set -uo pipefail
 PHASES_ARGS="${PHASES_ARGS:-}"
+PIN="${PIN:-}"
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/ab-out}"; mkdir -p "$OUT"
 OLD_TAR="${OLD_TAR:-.gpu/old.tar}"
@@ -119,7 +122,7 @@ for stage in "$@"; do
     c1)
       for tag in old new new old; do
         d=$(tree $tag)
-        (cd "$d" && PYTHONPATH="$d" timeout 150 python3 benchmarks/bench_hash_table.py --dims 64 --loads "${LOADS:-0.5,0.75}" \
+        (cd "$d" && PYTHONPATH="$d" timeout 150 $PIN python3 benchmarks/bench_hash_table.py --dims 64 --loads "${LOADS:-0.5,0.75}" \
            --ops find,find_or_insert 2>&1 | grep -E "^\| 64" | sed "s/^/$tag /") | say
       done
       t ;;
@@ -128,7 +131,7 @@ for stage in "$@"; do
       B="$B --optimizers sgd,adam --no-dict --unchecked --steps 50 --warmup 5 ${C3_ARGS:-}"
       for tag in old new new old; do
         d=$(tree $tag)
-        (cd "$d" && PYTHONPATH="$d" timeout 200 python3 benchmarks/bench_embedding.py $B 2>&1 \
+        (cd "$d" && PYTHONPATH="$d" timeout 200 $PIN python3 benchmarks/bench_embedding.py $B 2>&1 \
            | grep -E "^\| (sgd|adam)" | sed "s/^/$tag /") | say
       done
       t ;;
@@ -148,7 +151,7 @@ for stage in "$@"; do
         for tag in old new new old; do
           d=$(tree $tag)
           for flag in "" --unchecked; do
-            (cd "$d" && PYTHONPATH="$d" timeout 120 python3 tools/profile_step.py --device cuda --phases \
+            (cd "$d" && PYTHONPATH="$d" timeout 120 $PIN python3 tools/profile_step.py --device cuda --phases \
                --optimizer "$opt" $flag 2>&1 | tail -10 | sed "s/^/$tag $opt${flag:+ unchecked} /") >> "$OUT/phases_c3.txt"
             grep "^$tag $opt${flag:+ unchecked} host time" "$OUT/phases_c3.txt" | tail -1 | say
           done
@@ -161,13 +164,13 @@ for stage in "$@"; do
       for opt in "sgd --unchecked" "adam"; do
         for tag in old new new old old new; do
           d=$(tree $tag)
-          (cd "$d" && PYTHONPATH="$d" timeout 60 python3 tools/profile_step.py --device cuda --phases --rows 100000 \
+          (cd "$d" && PYTHONPATH="$d" timeout 60 $PIN python3 tools/profile_step.py --device cuda --phases --rows 100000 \
              --batch 4096 --optimizer $opt 2>&1 | grep "host time per step" | sed "s/^/$tag $opt: /") | say
         done
       done
       for tag in old new new old; do  # configuration 5's model on one GPU, 256 samples a step
         d=$(tree $tag)
-        (cd "$d" && PYTHONPATH="$d" timeout 90 python3 tools/profile_step.py --device cuda --model dlrm --dlrm-batch 256 \
+        (cd "$d" && PYTHONPATH="$d" timeout 90 $PIN python3 tools/profile_step.py --device cuda --model dlrm --dlrm-batch 256 \
            2>&1 | grep "step on" | sed "s/^/$tag /") | say
       done
       t ;;

@@ -1180,13 +1180,14 @@ class _SparseLookup(torch.autograd.Function):
         k = len(ctx.modules)
         saved = ctx.saved_tensors
         ids, slots, offsets, psws = (saved[j * k : (j + 1) * k] for j in range(4))
+        grads = _contiguous_grads(grads, [m.table.dtype for m in ctx.modules])
         grad_psws = []
         for j, (module, g) in enumerate(zip(ctx.modules, grads)):
             if g is None:
                 grad_psws.append(None)
                 continue
             table = module.table
-            grad_out = g.contiguous().to(table.dtype)
+            grad_out = g
             s = slots[j]
             if ctx.versions[j] != table.version:  # the table grew or evicted since forward
                 s = _reresolve(table, ids[j], s)
@@ -1199,6 +1200,32 @@ class _SparseLookup(torch.autograd.Function):
                 grad_psw = _psw_grad(table.weights, s, offsets[j], grad_out, ilo)
             grad_psws.append(grad_psw)
         return (None, None, None, None, None, *grad_psws)
+
+
+def _contiguous_grads(grads: Sequence[Optional[torch.Tensor]],
+                      dtypes: Sequence[torch.dtype]) -> list[Optional[torch.Tensor]]:  # fmt: skip
+    """The lookups' output gradients as contiguous tensors of their tables' dtypes (what
+    the sparse update reads). A model that stacks its tables' outputs (DLRM's and DeepFM's
+    interactions) gets each one's gradient as a strided slice of the stack's gradient: a
+    copy each, one launch per table on a GPU. The slices of one shape, dtype and device are
+    copied by one ``torch.stack`` instead (one launch for all, the same values), whose
+    rows then are contiguous views."""
+    out = list(grads)
+    groups: dict[tuple, list[int]] = {}
+    for j, g in enumerate(grads):
+        if g is None:
+            continue
+        g = g.to(dtypes[j])
+        out[j] = g
+        if not g.is_contiguous():
+            groups.setdefault((g.shape, g.dtype, g.device), []).append(j)
+    for idx in groups.values():
+        if len(idx) == 1:
+            out[idx[0]] = out[idx[0]].contiguous()
+            continue
+        for j, g in zip(idx, torch.stack([out[j] for j in idx]).unbind(0)):
+            out[j] = g
+    return out
 
 
 def _train_lookups(modules: Sequence["DynamicEmbedding"], bags: Sequence[tuple],

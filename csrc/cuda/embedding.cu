@@ -87,15 +87,7 @@ __global__ void bag_layouts_bad_kernel(const __grid_constant__ LayoutGroup g, bo
   const int64_t total = g.base[g.K];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < total; u += stride) {
-    int lo = 0, hi = g.K;  // the layout of entry u: the largest k with base[k] <= u
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (g.base[mid] <= u) {
-        lo = mid;
-      } else {
-        hi = mid;
-      }
-    }
+    const int lo = segment_of(g.base, g.K, u);  // the layout of entry u
     const int64_t i = u - g.base[lo], len = g.base[lo + 1] - g.base[lo], n = g.num_ids[lo];
     const int64_t* o = g.data[lo];
     const int64_t v = o[i];
@@ -429,23 +421,6 @@ struct TableGroup {
 // Kernel parameters are limited to 4 KiB; the fused kernel's other arguments take ~200 bytes.
 static_assert(sizeof(TableGroup<kMaxGroup>) <= 3 * 1024, "TableGroup<kMaxGroup> is too large for a kernel parameter");
 
-// The largest k < K with base[k] <= x: the table holding key, position or bag x (base is
-// non-decreasing with base[0] = 0 <= x; a table with no rows, positions or bags shares its
-// successor's base and never holds x). No loop for K = 1.
-template <typename T>
-__device__ __forceinline__ int table_of(const T* base, int K, int64_t x) {
-  int lo = 0, hi = K;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (static_cast<int64_t>(base[mid]) <= x) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
-
 // One table of a group, checked: contiguous inputs and sizes.
 struct TableArgs {
   at::Tensor weights, opt_state;  // updated in place (undefined for accumulate_grad)
@@ -488,7 +463,7 @@ __global__ void keys_kernel(const __grid_constant__ TableGroup<MaxK> tg, key_t* 
                             unsigned long long* num_skipped) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= tg.pos_base[tg.K]) return;
-  const int k = table_of(tg.pos_base, tg.K, i);
+  const int k = segment_of(tg.pos_base, tg.K, i);
   const int64_t local = i - tg.pos_base[k];
   const int64_t s = tg.slots[k][local];
   const bool valid = s >= 0 && s < tg.row_base[k + 1] - tg.row_base[k];
@@ -513,7 +488,7 @@ __global__ void bag_scale_kernel(const __grid_constant__ TableGroup<MaxK> tg, ac
   const int64_t b = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (b >= tg.bag_base[tg.K]) return;  // whole warps exit together
-  const int k = table_of(tg.bag_base, tg.K, b);
+  const int k = segment_of(tg.bag_base, tg.K, b);
   const int64_t local = b - tg.bag_base[k];
   const int64_t* offsets = tg.offsets[k];
   const int64_t* slots = tg.slots[k];
@@ -966,7 +941,7 @@ __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>
     if (i < runs && p.chunks != 1) continue;  // no gradient, or a long run (its chunks follow)
     // The run's table (runs never span tables) and its inputs.
     const int64_t key = static_cast<int64_t>(uniq[u]);
-    const int tb = table_of(tg.row_base, tg.K, key);
+    const int tb = segment_of(tg.row_base, tg.K, key);
     const scalar_t* __restrict__ grad_output = static_cast<const scalar_t*>(tg.grad[tb]);
     const scalar_t* __restrict__ psw = static_cast<const scalar_t*>(tg.psw[tb]);
     const int32_t bag0 = tg.bag_base[tb];

@@ -162,15 +162,7 @@ __global__ void nonfinite_flags_kernel(const __grid_constant__ FlagGroup g, bool
       const int64_t u = u0 + r * stride;
       k[r] = -1;
       if (u >= total) continue;
-      int lo = 0, hi = g.K;  // the tensor of unit u: the largest k with base[k] <= u
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (g.base[mid] <= u) {
-          lo = mid;
-        } else {
-          hi = mid;
-        }
-      }
+      const int lo = segment_of(g.base, g.K, u);  // the tensor of unit u
       k[r] = lo;
       const int64_t start = (u - g.base[lo]) * V;
       const bits_t* p = static_cast<const bits_t*>(g.data[lo]) + start;

@@ -106,6 +106,24 @@ __device__ __forceinline__ int64_t bag_of_position(const int64_t* __restrict__ o
   return lo;
 }
 
+// The largest k < K with base[k] <= x: the table (or tensor, or layout) of K laid end to
+// end that holds key, position, bag or element x (base is non-decreasing with base[0] = 0
+// <= x; one that holds nothing shares its successor's base and never holds x). No loop for
+// K = 1.
+template <typename T>
+__device__ __forceinline__ int segment_of(const T* base, int K, int64_t x) {
+  int lo = 0, hi = K;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (static_cast<int64_t>(base[mid]) <= x) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Lanes given to one row of D elements read V at a time: a power of two <= 32.
