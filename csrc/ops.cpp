@@ -81,19 +81,20 @@ TORCH_LIBRARY(veloce, m) {
       "ScalarType dtype) -> Tensor");
 
   // ---- embedding: pooled lookup and the sparse gradient accumulate ----------------------
+  // flag (1,) bool on the offsets' device: true when a bag layout k breaks a rule of
+  // nn.EmbeddingBag's offsets for num_ids[k] ids: offsets[k][0] != 0, a decrease, the last
+  // entry past num_ids[k], or (include_last_offset[k] != 0) not equal to it; an empty
+  // offsets[k] breaks one when num_ids[k] > 0 or include_last_offset[k] != 0. One read of
+  // every entry and no host sync (on CUDA the flag's fill, then one launch per 32 layouts,
+  // and a copy of each strided offsets): the check behind every op's check_inputs, and
+  // DynamicEmbedding's check of its input, whose flag rides on the insert's read-back
+  // (find_or_insert's bad_input). offsets must hold at least one tensor.
+  m.def("bag_layouts_bad(Tensor[] offsets, int[] num_ids, int[] include_last_offset) -> Tensor");
   // out (B, D): per bag b, the sum (mode 0) or mean (mode 1) of rows slots[i] for i in
   // the bag, scaled by per_sample_weights[i] (sum only). Slots >= weights.size(0) index
   // extra_rows (M, D). Empty bags give zeros.
   // check_inputs=False skips the checks that read offsets and slots (on CUDA a host sync),
   // for callers whose inputs are valid by construction (DynamicEmbedding's own slots).
-  // flag (1,) bool on the offsets' device: true when a bag layout k breaks a rule of
-  // nn.EmbeddingBag's offsets for num_ids[k] ids: offsets[k][0] != 0, a decrease, the last
-  // entry past num_ids[k], or (include_last_offset[k] != 0) not equal to it; an empty
-  // offsets[k] breaks one when num_ids[k] > 0 or include_last_offset[k] != 0. One read of
-  // every entry and no host sync (on CUDA one launch per 32 layouts): the check behind
-  // every op's check_inputs, and DynamicEmbedding's check of its input, whose flag rides
-  // on the insert's read-back (find_or_insert's bad_input).
-  m.def("bag_layouts_bad(Tensor[] offsets, int[] num_ids, int[] include_last_offset) -> Tensor");
   m.def(
       "pooled_lookup(Tensor weights, Tensor slots, Tensor offsets, Tensor? per_sample_weights, int mode, "
       "bool include_last_offset, Tensor? extra_rows=None, bool check_inputs=True) -> Tensor");

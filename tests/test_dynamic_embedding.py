@@ -1312,25 +1312,36 @@ def test_lookup_many_stacked_outputs_give_each_table_its_gradient(device):
     dtypes, some outputs stacked, one used alone and one unused, against each table
     looked up alone and given its gradient as a contiguous tensor."""
 
+    f64 = torch.float64
+
     def make():
         opt = veloce.optim.Adam(lr=0.1)
         return [
             veloce.DynamicEmbedding(4, mode="sum", optimizer=opt, seed=1, device=device),
             veloce.DynamicEmbedding(4, mode="sum", optimizer=opt, seed=2, device=device),
-            veloce.DynamicEmbedding(4, mode="mean", optimizer=opt, seed=3, device=device, dtype=torch.float64),
+            veloce.DynamicEmbedding(4, mode="mean", optimizer=opt, seed=3, device=device, dtype=f64),
             veloce.DynamicEmbedding(4, mode="sum", optimizer=opt, seed=4, device=device),
             veloce.DynamicEmbedding(3, mode="sum", optimizer=opt, seed=5, device=device),
             veloce.DynamicEmbedding(4, mode="sum", optimizer=opt, seed=6, device=device),  # unused
+            veloce.DynamicEmbedding(4, mode="sum", optimizer=opt, seed=7, device=device, dtype=f64),
+            veloce.DynamicEmbedding(3, mode="mean", optimizer=opt, seed=8, device=device),
+            veloce.DynamicEmbedding(5, mode="sum", optimizer=opt, seed=9, device=device),  # a lone strided slice
         ]
 
     g = torch.Generator().manual_seed(7)
-    ids = [torch.randint(0, 30, (6, 2), generator=g).to(device) for _ in range(6)]
+    ids = [torch.randint(0, 30, (6, 2), generator=g).to(device) for _ in range(9)]
     weight = torch.randn(6, 4, 4, generator=g).to(device)  # (B, stacked tables, D)
-    w3 = torch.randn(6, 3, generator=g).to(device)
+    weight64 = torch.randn(6, 2, 4, generator=g, dtype=f64).to(device)
+    w3 = torch.randn(6, 2, 3, generator=g).to(device)
+    w5 = torch.randn(6, 5, generator=g).to(device)
 
     def loss(outs):
-        stacked = torch.stack([outs[0], outs[1], outs[2].float(), outs[3]], dim=1)  # (B, 4, D)
-        return (stacked * weight).pow(2).sum() + (outs[4] * w3).sum()
+        stacked = torch.stack([outs[0], outs[1], outs[2].float(), outs[3]], dim=1)  # (B, 4, D) float32
+        stacked64 = torch.stack([outs[2], outs[6]], dim=1)  # float64 slices (table 2's also joins the above)
+        stacked3 = torch.stack([outs[4], outs[7]], dim=1)  # dim 3
+        wide = torch.cat([outs[8], torch.ones_like(outs[8])], dim=1)  # table 8's gradient: a strided slice
+        return ((stacked * weight).pow(2).sum() + (stacked64 * weight64).pow(2).sum().float()
+                + (stacked3 * w3).sum() + (wide[:, :5] * w5).sum() + wide[:, 5:].sum())  # fmt: skip
 
     grouped = make()
     for _ in range(2):
@@ -1341,10 +1352,11 @@ def test_lookup_many_stacked_outputs_give_each_table_its_gradient(device):
         outs = [t(x) for t, x in zip(single, ids)]
         leaves = [o.detach().requires_grad_(True) for o in outs]
         loss(leaves).backward()
-        for o, leaf in zip(outs[:5], leaves):
-            o.backward(leaf.grad.contiguous())
+        for o, leaf in zip(outs, leaves):
+            if leaf.grad is not None:
+                o.backward(leaf.grad.contiguous())
         veloce.step_tables(single)
-    assert [t.step_count for t in grouped] == [t.step_count for t in single] == [2, 2, 2, 2, 2, 0]
+    assert [t.step_count for t in grouped] == [t.step_count for t in single] == [2, 2, 2, 2, 2, 0, 2, 2, 2]
     for a, b in zip(grouped, single):
         for k, v in sorted_table(a).items():
             assert torch.equal(v, sorted_table(b)[k]), k

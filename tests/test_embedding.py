@@ -351,6 +351,33 @@ def test_bag_layouts_bad_of_a_long_layout(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_bag_layouts_bad_maps_each_entry_to_its_layout(device):
+    """Empty layouts between non-empty ones (skipped by the kernels, so the others' ids and
+    include_last_offset must stay with them), and strided offsets (views): a rule that holds
+    for one layout's ids but not its neighbour's is judged by its own."""
+    from veloce.ops.embedding import bag_layouts_bad
+
+    t = lambda *v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    empty = t()
+    offsets = [empty, t(0, 2, 5), empty, empty, t(0, 1), empty, t(0, 3)]
+    num_ids = [0, 5, 0, 0, 7, 0, 3]
+    last = [False, True, False, False, False, False, True]
+    assert not bool(bag_layouts_bad(offsets, num_ids, last))
+    # One layout's (ids, include_last_offset) changed so that it alone breaks a rule.
+    for k, n, ilo in [(1, 4, True), (1, 6, True), (4, 7, True), (4, 0, False), (6, 4, True), (6, 2, False)]:
+        bad_n, bad_last = list(num_ids), list(last)
+        bad_n[k], bad_last[k] = n, ilo
+        assert bool(bag_layouts_bad(offsets, bad_n, bad_last)), (k, n, ilo)
+    # ... and the same values moved onto a layout they suit: good again.
+    assert not bool(bag_layouts_bad(offsets, [0, 6, 0, 0, 1, 0, 3], [False, False, False, False, True, False, True]))
+    strided = torch.arange(20, device=device)[::2]  # 0, 2, ..., 18: a view with stride 2
+    assert not strided.is_contiguous()
+    assert not bool(bag_layouts_bad([strided, empty], [18, 0], [True, False]))
+    assert bool(bag_layouts_bad([strided.flip(0)[::1], empty], [18, 0], [False, False]))  # decreasing
+    assert bool(bag_layouts_bad([strided, empty], [17, 0], [False, False]))  # past the end
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bag_layouts_bad_opcheck_and_bad_arguments(device):
     from veloce.ops.embedding import bag_layouts_bad
 

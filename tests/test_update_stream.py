@@ -122,7 +122,8 @@ class FakeStream:
 def test_update_fence_join_covers_the_origin_stream_once_other_streams_every_time(monkeypatch):
     main, other = FakeStream(), FakeStream()
     current = [other]
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    # The seam join() asks (veloce._device.current_stream, whose cache never sees the fakes).
+    monkeypatch.setattr(update_stream, "current_stream", lambda device: current[0])
     fence = update_stream.UpdateFence(object(), (), origin=main)
     monkeypatch.setattr(update_stream, "_IN_FLIGHT", [fence])
     # A stream of the user's own waits, each time, and the fence stays: the origin has not waited.
@@ -267,6 +268,52 @@ def _train_dlrm(device, enabled: bool, monkeypatch, steps: int = 4) -> list:
 @pytest.mark.parametrize("device", CUDA)
 def test_cuda_update_stream_dlrm_trains_bit_for_bit_as_the_current_stream(device, monkeypatch):
     assert _agree_with_and_without_streams(_train_dlrm, device, monkeypatch) == 4
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_current_stream_follows_torch_under_contexts_threads_and_devices(device):
+    """veloce._device.current_stream (cached by the stream's raw handle) answers what
+    torch.cuda.current_stream answers: on the default stream, inside stream contexts (nested,
+    and after them), in another thread (whose current stream is its own), for a device given
+    without an index, and for a stream of another device when there is one."""
+    import threading
+
+    from veloce._device import current_stream
+
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+
+    def same() -> bool:
+        want = torch.cuda.current_stream(index)
+        return current_stream(dev) == want and current_stream(torch.device("cuda")) == torch.cuda.current_stream()
+
+    assert same()
+    a, b = torch.cuda.Stream(device=index), torch.cuda.Stream(device=index, priority=-1)
+    with torch.cuda.stream(a):
+        assert same() and current_stream(dev) == a
+        with torch.cuda.stream(b):
+            assert same() and current_stream(dev) == b
+        assert same() and current_stream(dev) == a
+    assert same() and current_stream(dev) != a
+    seen = []
+
+    def other_thread():
+        with torch.cuda.stream(b):
+            seen.append(current_stream(dev) == b)
+        seen.append(current_stream(dev) == torch.cuda.current_stream(index))
+
+    with torch.cuda.stream(a):
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        assert current_stream(dev) == a  # the other thread's streams are not this one's
+    assert seen == [True, True] and same()
+    if torch.cuda.device_count() > 1:
+        other = torch.device("cuda", 1 - index if index < 2 else 0)
+        s = torch.cuda.Stream(device=other)
+        with torch.cuda.stream(s):
+            assert current_stream(other) == s
+        assert current_stream(other) == torch.cuda.current_stream(other)
 
 
 @pytest.mark.parametrize("device", CUDA)

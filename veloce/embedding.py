@@ -1209,7 +1209,9 @@ def _contiguous_grads(grads: Sequence[Optional[torch.Tensor]],
     interactions) gets each one's gradient as a strided slice of the stack's gradient: a
     copy each, one launch per table on a GPU. The slices of one shape, dtype and device are
     copied by one ``torch.stack`` instead (one launch for all, the same values), whose
-    rows then are contiguous views."""
+    rows then are contiguous views. They share the stack's memory, which lives until the
+    last of those tables has stepped (the same total as the per-table copies, when the
+    tables step together, as ``step_tables`` and ``CombinedOptimizer`` step them)."""
     out = list(grads)
     groups: dict[tuple, list[int]] = {}
     for j, g in enumerate(grads):
