@@ -125,8 +125,27 @@ def a2a_baseline(total_bytes: int, world: int, device, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def pin_to_cores(per_rank: int, local_rank: int, local_world: int) -> list[int]:
+    """Restricts this process (its threads now and the ones it starts later: NCCL's, the
+    autograd engine's) to ``per_rank`` cores of its own: local rank r takes the r-th run of
+    them, after core 0 when there is room (it often serves interrupts). On the GPU machine a
+    one-process step pinned to one core had a shorter, steadier host path (benchmarks/README.md,
+    eighteenth session). Returns the cores."""
+    count = os.cpu_count() or 1
+    if per_rank * local_world > count:
+        raise SystemExit(f"--pin-cores {per_rank}: {local_world} ranks need {per_rank * local_world} cores, "
+                         f"this machine has {count}")  # fmt: skip
+    first = (1 if per_rank * local_world < count else 0) + local_rank * per_rank
+    cores = list(range(first, first + per_rank))
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cores)
+    return cores
+
+
 def run(args) -> None:
     faulthandler.dump_traceback_later(args.watchdog, exit=True)  # a hang prints every thread's stack
+    if args.pin_cores:
+        pin_to_cores(args.pin_cores, int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     cuda = args.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -235,7 +254,7 @@ def run(args) -> None:
         "sparse": args.sparse + ("+dedup" if args.dedup else "") + ("+prefetch" if args.prefetch else "")
                   + (f"@{args.prefetch_at}" if args.prefetch and args.prefetch_at != "step" else "")
                   + ("/header" if args.prefetch and args.prefetch_depth == "header" else ""),
-        "nonfinite_grad": args.nonfinite, "tf32": bool(args.tf32 and cuda),
+        "nonfinite_grad": args.nonfinite, "tf32": bool(args.tf32 and cuda), "pin_cores": args.pin_cores,
         "staleness": args.staleness if args.sparse == "async" else 0,
         "batch_per_gpu": args.batch, "features": args.features, "dim": args.dim,
         "step_ms": step_s * 1e3, "samples_per_s": world * args.batch / step_s,
@@ -405,6 +424,7 @@ def summarize(paths: list[str]) -> None:
     for r in rows:  # runs of another nonfinite_grad policy are rows of their own
         nf = r.get("nonfinite_grad", "raise")
         r["label"] = r["sparse"] + ("" if nf == "raise" else f", {nf}") + (", tf32" if r.get("tf32") else "")
+        r["label"] += f", {r['pin_cores']} core(s) per rank" if r.get("pin_cores") else ""
     base = {r["label"]: r["samples_per_s"] for r in rows if r["world_size"] == 1}
     sync = {(r["world_size"], r["label"].replace("async", "sync")): r["samples_per_s"] for r in rows
             if r["sparse"].startswith("sync")}  # fmt: skip
@@ -465,6 +485,8 @@ def main() -> None:
     p.add_argument("--tf32", action="store_true",
                    help="TF32 matmuls for the dense MLPs (torch.backends.cuda.matmul.allow_tf32; off by default, as in PyTorch)")
     p.add_argument("--dedup", action="store_true", help="HybridParallel(dedup=True): one row per distinct id")
+    p.add_argument("--pin-cores", type=int, default=0, metavar="K",
+                   help="pin each rank's process to K cores of its own (default: not pinned)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=5)
@@ -480,6 +502,8 @@ def main() -> None:
     if args.prefetch_at == "forward" and args.prefetch_depth != "header":
         p.error("--prefetch-at forward needs --prefetch-depth header (the inserts of the next batch would run "
                 "before this step's backward)")
+    if args.profile_steps < 1:
+        p.error(f"--profile-steps must be >= 1 (the exchanges are timed over them), got {args.profile_steps}")
     if args.summarize:
         summarize(args.summarize)
     else:
