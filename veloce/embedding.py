@@ -1011,8 +1011,8 @@ def dispatch_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], d
 
 def _check_offsets(offsets: torch.Tensor, n: int, include_last_offset: bool) -> None:
     """nn.EmbeddingBag's bag layout rules, checked before the table is touched."""
-    bad = _offsets_bad(offsets, n, include_last_offset)
-    if bad is None or not bool(bad):  # one device sync; the details below only run for bad input
+    flags = _offsets_flags([(offsets, n, include_last_offset)])
+    if not any(bool(f) for f in flags.values()):  # one device sync; the details below only run for bad input
         return
     _raise_offsets_error(offsets, n)
 
@@ -1094,15 +1094,6 @@ def _host_checked_offsets(offsets: torch.Tensor, n: int, include_last_offset: bo
     return True
 
 
-def _offsets_bad(offsets: torch.Tensor, n: int, include_last_offset: bool) -> Optional[torch.Tensor]:
-    """Whether the bag layout breaks a rule, as a (1,) bool tensor on offsets' device
-    (:func:`veloce.ops.embedding.bag_layouts_bad`, nothing read back); None for empty
-    offsets, whose rules are checked here on the host."""
-    if _host_checked_offsets(offsets, n, include_last_offset):
-        return None
-    return bag_layouts_bad([offsets], [n], [include_last_offset])
-
-
 def _raise_offsets_error(offsets: torch.Tensor, n: int) -> None:
     """Raises the error that says which rule a bad bag layout breaks."""
     first = int(offsets[0])
@@ -1182,12 +1173,11 @@ class _SparseLookup(torch.autograd.Function):
         ids, slots, offsets, psws = (saved[j * k : (j + 1) * k] for j in range(4))
         grads = _contiguous_grads(grads, [m.table.dtype for m in ctx.modules])
         grad_psws = []
-        for j, (module, g) in enumerate(zip(ctx.modules, grads)):
-            if g is None:
+        for j, (module, grad_out) in enumerate(zip(ctx.modules, grads)):
+            if grad_out is None:
                 grad_psws.append(None)
                 continue
             table = module.table
-            grad_out = g
             s = slots[j]
             if ctx.versions[j] != table.version:  # the table grew or evicted since forward
                 s = _reresolve(table, ids[j], s)
