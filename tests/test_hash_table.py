@@ -456,6 +456,21 @@ def test_lone_new_id_in_full_buckets(device, op, allow_evict, present, want_coun
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_eviction_reads_scores_at_any_offset(device):
+    """A table whose scores are a view one element into a buffer (not 16-byte aligned)
+    evicts as one of its own tensor does (CUDA's evict_kernel reads them one by one instead
+    of in 16-byte vectors). Digests must start on 16 bytes on CUDA (a checked rule)."""
+    scores = [50 + i for i in range(32)]
+    scores[9], scores[4] = 1, 2
+    t = full_one_bucket_table(device, scores)
+    t.scores = torch.zeros(33, dtype=torch.int64, device=device)[1:].copy_(t.scores)
+    assert t.scores.data_ptr() % 16
+    got = ht.find_or_insert(*t.tensors(), ids_tensor([109, 700], device), 0, 0, True)
+    check_insert_result(got, (None, [1, 0], [104]))  # 109 is touched: the next lowest score goes
+    assert ht.find(t.keys, t.digests, ids_tensor([700, 104, 109], device)).tolist() == [4, -1, 9]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_padding_id(device):
     t = make_table(64, device=device)
     ids = ids_tensor([-1, 3, -1, 4], device)
@@ -569,6 +584,58 @@ def test_find_or_insert_many_equals_separate_calls(device):
             assert torch.equal(slots[j].cpu(), w[0].cpu()), f"table {j}"
         assert torch.equal(evicted[j].cpu(), w[2].cpu()), f"table {j}"
         t.assert_equal(e)
+
+
+def filled_table(capacity: int, gen: torch.Generator) -> Table:
+    """A CPU table filled id by id (no eviction) until it is full or two-choice placement
+    finds no room for an id, with random scores."""
+    t = make_table(capacity, dim=3)
+    next_id = 10_000
+    while int((t.digests != 0).sum()) < capacity and next_id < 10_000 + 4 * capacity:
+        ht.insert_or_assign(*t.tensors(), ids_tensor([next_id]), torch.zeros(1, 3),
+                            score_values=ids_tensor([int(torch.randint(0, 50, (1,), generator=gen))]),
+                            allow_evict=False)  # fmt: skip
+        next_id += 1
+    return t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_failed_evicting_table_beside_an_evicting_one(device):
+    """Two full tables evict in one find_or_insert_many call. The first (64 slots, 300 new
+    ids) runs out of candidates once each of its 64 slots was taken and must come back
+    unchanged with no evicted keys; the second (2048 slots, 300 new ids) evicts and
+    succeeds. On CUDA both have more than 256 new ids sharing buckets, so they race through
+    evict_kernel, and their outcome is read back after their new rows, slots and scores
+    were queued: the failed table's must write nothing, and its evicted keys (listed before
+    the failure was known) must not shift the other table's."""
+    gen = torch.Generator().manual_seed(5)
+    tables = [filled_table(64, gen), filled_table(2048, gen)]
+    assert all(int((t.digests != 0).sum()) >= 0.95 * t.keys.numel() for t in tables)
+    ids = [ids_tensor(range(-300, 0)), ids_tensor(range(-900, -600))]
+    n = len(tables)
+    args = ([1] * n, [60] * n, [True] * n, [3] * n, [2] * n, [-0.5] * n, [0.5] * n, [None] * n)
+    before = [t.clone() for t in tables]
+    want_counts = ht.find_or_insert_many([t.clone().tensors() for t in tables], ids, *args)[1]  # the CPU's
+    assert want_counts[0, 1] > 0 and want_counts[1, 1] == 0 and want_counts[1, 2] > 0  # the case it claims
+    on_device = [Table(*(x.to(device) for x in t.tensors())) for t in tables]
+    slots, counts, evicted = ht.find_or_insert_many([t.tensors() for t in on_device], [i.to(device) for i in ids],
+                                                    *args)  # fmt: skip
+    assert counts[:, 0].tolist() == want_counts[:, 0].tolist() and counts[0, 1] > 0 and counts[1, 1] == 0
+    on_device[0].assert_equal(before[0])
+    assert torch.equal(slots[:300].cpu(), torch.full((300,), -1))
+    # Racing ids may take other slots than the CPU's order does, and so evict other keys.
+    assert counts[0, 2] == 0 and counts[1, 2] == evicted.numel() > 0
+    old = set(before[1].keys[before[1].digests != 0].tolist())
+    gone = set(evicted.cpu().tolist())
+    assert len(gone) == evicted.numel() and gone <= old
+    t = on_device[1]
+    keys = t.keys.cpu()
+    assert set(keys[t.digests.cpu() != 0].tolist()) == (old - gone) | set(ids[1].tolist())
+    assert torch.equal(keys[slots[300:].cpu()], ids[1])
+    new = slots[300:].cpu()
+    assert (t.scores.cpu()[new] == 60).all()  # the call's score (LRU)
+    init = ht.initialize(ids[1].to(device), 3, 3, 2, -0.5, 0.5).cpu()  # as the same device computes them
+    assert torch.equal(t.weights.cpu()[new], init) and (t.opt_state.cpu()[new] == 0).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -35,8 +35,11 @@
 //      the call with an error before phase 3 (nothing changed), so a caller that checks
 //      its input on the device (DynamicEmbedding's bag layouts) pays no sync of its own.
 //      When no table has ids (no sync b), the flag is read alone.
-//   c. only with unsafe conflicted ids: one more copy after phase 3, for failed (rollback
-//      or not) and the number of evicted keys (sizes evicted_keys).
+//   c. only with unsafe conflicted ids: one more copy, for failed (rollback or not) and the
+//      number of evicted keys. It comes after every launch of the op: phase 5 is queued
+//      before it and reads a failure on the device (placement_failed), and the evicted keys
+//      are listed into a buffer of an upper bound, so the GPU works while the host waits
+//      and nothing is launched after it but a rollback.
 // (An earlier version also read the number of missing positions back after phase 1, to
 // size a radix sort that grouped them: "sync a".) counts is computed on the host and
 // returned as a CPU tensor. Per call: find_or_insert and insert_or_assign 1 sync, or 2 with
@@ -100,6 +103,7 @@ template <typename scalar_t, class Calls>
 __global__ void init_rows_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageInitRows);
   if (c == nullptr || c->dtype != static_cast<int32_t>(c10::CppTypeToScalarType<scalar_t>::value)) return;
+  if (placement_failed(c)) return;
   const int r = c->rows_per_warp;
   const Uniques u = c->u;
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -139,6 +143,7 @@ template <typename scalar_t, class Calls>
 __global__ void assign_rows_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageAssignRows);
   if (c == nullptr || c->dtype != static_cast<int32_t>(c10::CppTypeToScalarType<scalar_t>::value)) return;
+  if (placement_failed(c)) return;
   using acc_t = at::opmath_type<scalar_t>;
   const int r = c->rows_per_warp;
   const Uniques u = c->u;
@@ -190,7 +195,7 @@ template <class Calls>
 __global__ void map_slots_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageMapSlots);
   const int64_t i = thread_index();
-  if (c == nullptr || !grouped(c, i)) return;
+  if (c == nullptr || !grouped(c, i) || placement_failed(c)) return;
   c->slots[i] = c->u.slot[c->group[i]];
 }
 
@@ -200,7 +205,7 @@ template <class Calls>
 __global__ void score_positions_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageScore);
   const int64_t i = thread_index();
-  if (c == nullptr || i >= c->n || (c->score_skip != nullptr && c->score_skip[i])) return;
+  if (c == nullptr || i >= c->n || (c->score_skip != nullptr && c->score_skip[i]) || placement_failed(c)) return;
   const int64_t s = c->slots[i];
   if (s < 0) return;
   int64_t* const scores = c->t.scores;
@@ -503,11 +508,19 @@ class Inserter {
     const at::Tensor counted = counters_.cpu();  // sync b
     if (bad_input) check_bad_input_unset(op_, counted.data_ptr<int32_t>()[K * counter::kNum] != 0);
     place(counted.data_ptr<int32_t>());
-    if (std::any_of(tabs_.begin(), tabs_.end(), [](const InsertTable& t) { return t.settle; })) {
-      const at::Tensor placed = counters_.cpu();  // sync c
+    // Phase 5 and the evicted keys are queued before sync c, not after it: the GPU runs them
+    // while the host waits, and the op ends at sync c (the host's launches after it left the
+    // GPU idle for about 100 us of a 0.9 ms call at load 1.0). A settling table's phase-5
+    // kernels read its failure on the device and write nothing then (placement_failed).
+    finish();
+    const at::Tensor evicted_keys = list_evicted();
+    const bool settling = std::any_of(tabs_.begin(), tabs_.end(), [](const InsertTable& t) { return t.settle; });
+    at::Tensor placed;
+    if (settling) {
+      placed = counters_.cpu();  // sync c
       settle(placed.data_ptr<int32_t>());
     }
-    finish();
+    take_evicted(evicted_keys, settling ? placed.data_ptr<int32_t>() : nullptr);
   }
 
  private:
@@ -531,7 +544,7 @@ class Inserter {
     Arena plain, zeroed, grouping;
     struct Offsets {
       int64_t active, where, group, id, slot, old_key, state, old_digest, first, last, occ, conflicted, overflow,
-          index, use, touched, keys;
+          overflow_key, index, use, touched, keys;
     };
     std::vector<Offsets> off(static_cast<size_t>(K));
     const int64_t counters_off = zeroed.add<int32_t>(K * counter::kNum + 1);  // + bad_input's flag
@@ -561,6 +574,7 @@ class Inserter {
       if (mode_ != Mode::kErase) {
         o.conflicted = plain.add<uint8_t>(n);
         o.overflow = plain.add<int32_t>(n);
+        o.overflow_key = plain.add<int64_t>(n);
         o.use = zeroed.add<int32_t>(buckets);
         if (t.allow_evict) o.touched = zeroed.add<int32_t>(buckets);  // one word per bucket
       }
@@ -617,6 +631,7 @@ class Inserter {
       c.use = zeroed.ptr<int32_t>(o.use);
       c.conflicted = plain.ptr<uint8_t>(o.conflicted);
       c.overflow = plain.ptr<int32_t>(o.overflow);
+      c.overflow_key = plain.ptr<int64_t>(o.overflow_key);
       c.weights = t.weights.data_ptr();
       c.state = t.opt_state.data_ptr();
       c.D = t.weights.size(1);
@@ -638,7 +653,7 @@ class Inserter {
   // Phases 3a and 3b from the counters read after classify (sync b). A table's outcome is
   // known here when none of its new ids is conflicted; else settle() follows sync c.
   void place(const int32_t* counted) {
-    std::vector<int64_t> sequential, no_conflict_evicting;
+    std::vector<int64_t> sequential;
     for (int64_t j = 0; j < calls_.size(); ++j) {
       InsertTable& t = tabs_[static_cast<size_t>(j)];
       if (t.ids.numel() == 0) continue;
@@ -677,42 +692,42 @@ class Inserter {
         sequential.push_back(j);
       }
       t.settle = !decided;  // how the conflicted ids fared is known on the device only
-      if (!t.settle && t.allow_evict && t.full > 0) no_conflict_evicting.push_back(j);
+      // Ids that may evict: with the outcome decided, exactly the full ones; else at most
+      // every new id (each evicts once at most), the exact number known after sync c.
+      if (t.allow_evict && (t.settle || t.full > 0)) evicting_.push_back(j);
     }
     if (!sequential.empty()) {
       order(sequential, /*select=*/0, [&](int64_t j) { return tabs_[static_cast<size_t>(j)].conflicted; });
     }
     calls_.launch(VELOCE_OVER_TABLES(claim_kernel), kStageClaim, uniques());
-    calls_.launch(VELOCE_OVER_TABLES(evict_kernel), kStageEvict,  // a warp per queued id
-                  [this](int64_t j) { return tabs_[static_cast<size_t>(j)].max_queued * 32; });
+    calls_.launch(VELOCE_OVER_TABLES(evict_kernel), kStageEvict,  // kEvictLanes lanes per queued id
+                  [this](int64_t j) { return tabs_[static_cast<size_t>(j)].max_queued * kEvictLanes; });
     calls_.launch(VELOCE_OVER_TABLES(sequential_insert_kernel), kStageSequential,
                   [](int64_t) { return int64_t{1}; }, 32);
-    // None doomed (else failed above): every full id evicted.
-    note_evicted(no_conflict_evicting, [&](int64_t j) { return tabs_[static_cast<size_t>(j)].full; });
   }
 
-  // Phase 4 (rollback on failure) from the counters read after place (sync c).
+  // Phase 4 (rollback on failure) from the counters read after every launch (sync c):
+  // a settling table that failed gets its claimed slots back (its phase-5 kernels wrote
+  // nothing) and slots of -1.
   void settle(const int32_t* placed) {
-    std::vector<int64_t> evicting;
-    std::vector<int64_t> evicted(static_cast<size_t>(calls_.size()), 0);
+    std::vector<int64_t> failed;
     for (int64_t j = 0; j < calls_.size(); ++j) {
       InsertTable& t = tabs_[static_cast<size_t>(j)];
       TableCall& call = calls_.edit(j);
       call.stages = 0;
       if (!t.settle) continue;
       const int32_t* p = placed + j * counter::kNum;
-      // Without eviction every queued id failed; sequential failures are in kFailed either way.
+      // Without eviction every queued id failed; sequential failures are in kFailed either
+      // way (placement_failed reads the same on the device).
       t.failed = p[counter::kFailed] + (t.allow_evict ? 0 : p[counter::kQueued]);
       if (t.failed > 0) {
         call.stages = kStageRollback;
         t.inserted = 0;
-      } else if (p[counter::kEvicted] > 0) {
-        evicting.push_back(j);
-        evicted[static_cast<size_t>(j)] = p[counter::kEvicted];
+        failed.push_back(j);
       }
     }
     calls_.launch(VELOCE_OVER_TABLES(rollback_kernel), kStageRollback, uniques());
-    note_evicted(evicting, [&](int64_t j) { return evicted[static_cast<size_t>(j)]; });
+    for (int64_t j : failed) tabs_[static_cast<size_t>(j)].slots.fill_(kPaddingSlot);
   }
 
   // Phase 5 on success: new (or assigned) rows, then every grouped position's slot, then
@@ -724,10 +739,11 @@ class Inserter {
       TableCall& call = calls_.edit(j);
       call.stages = 0;
       if (t.ids.numel() == 0) continue;
-      if (t.failed > 0) {
+      if (t.failed > 0) {  // decided at sync b: nothing was placed
         t.slots.fill_(kPaddingSlot);
         continue;
       }
+      call.gate = t.settle;
       if (mode_ == Mode::kAssign) {
         call.stages = kStageAssignRows | kStageMapSlots;
       } else {
@@ -778,9 +794,10 @@ class Inserter {
     const at::Tensor flags = at::zeros({positions}, opts.dtype(at::kByte));
     const at::Tensor buf = at::empty({positions + 1}, opts);  // the flagged values, then the number selected
     int64_t* const values = buf.data_ptr<int64_t>();
-    // Its own allocation: the evicted keys are returned from it (at offset 0, as the op's fake
-    // kernel makes them), and hold no more memory than they need. count(j) is exact: it comes
-    // from the counters read back (kConflicted, kFull, kEvicted) of the ids flagged here.
+    // Its own allocation: the evicted keys are returned from it (the first table's at offset
+    // 0, as the op's fake kernel makes them). count(j) is exact (select 0: kConflicted, read
+    // back at sync b) or an upper bound (select 1: a settling table's evictions are counted
+    // after sync c; the list then holds at most 8 bytes per new id more than it needs).
     const at::Tensor list = at::empty({total}, opts);
     std::vector<uint32_t> saved(static_cast<size_t>(calls_.size()));
     for (int64_t j = 0; j < calls_.size(); ++j) {
@@ -816,18 +833,31 @@ class Inserter {
     return list;
   }
 
-  // The evicted keys of tables `which` (count(j) each), in insertion order, as the CPU
-  // kernel reports them.
-  template <typename Count>
-  void note_evicted(const std::vector<int64_t>& which, Count count) {
-    if (which.empty()) return;
-    const at::Tensor keys = order(which, /*select=*/1, count);
+  // The keys evicted from the tables of evicting_, in insertion order (as the CPU kernel
+  // reports them), table after table, in one list of their upper bounds (exact for tables
+  // decided at sync b), queued before sync c. Undefined when no table evicts.
+  at::Tensor list_evicted() {
+    if (evicting_.empty()) return at::Tensor();
+    return order(evicting_, /*select=*/1, [&](int64_t j) { return evicted_bound(j); });
+  }
+
+  // Each evicting table's part of the list (`placed`: the counters of sync c, or null when
+  // no table settled): its count is exact for a decided table, the kEvicted counter for a
+  // settling one. A failed table's evictions were rolled back; their keys in the list are skipped.
+  void take_evicted(const at::Tensor& keys, const int32_t* placed) {
     int64_t start = 0;
-    for (int64_t j : which) {
-      const int64_t m = count(j);
-      tabs_[static_cast<size_t>(j)].evicted = keys.narrow(0, start, m);
+    for (int64_t j : evicting_) {
+      InsertTable& t = tabs_[static_cast<size_t>(j)];
+      const int64_t m = t.settle ? placed[j * counter::kNum + counter::kEvicted] : evicted_bound(j);
+      if (t.failed == 0 && m > 0) t.evicted = keys.narrow(0, start, m);
       start += m;
     }
+  }
+
+  int64_t evicted_bound(int64_t j) const {
+    const InsertTable& t = tabs_[static_cast<size_t>(j)];
+    // None doomed (else failed at sync b): every full id evicts.
+    return t.settle ? t.inserted : t.full;
   }
 
   const char* op_;
@@ -838,6 +868,7 @@ class Inserter {
   at::Tensor group_keys_;
   at::Tensor counters_;  // (K * kNum + 1,) int32: every table's counters and bad_input's flag
   std::vector<at::Tensor> keep_;
+  std::vector<int64_t> evicting_;  // tables that may evict, in order (list_evicted)
 };
 
 // counts is built on the host from host values and stays there (a CPU tensor), so reading

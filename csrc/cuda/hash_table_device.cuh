@@ -160,10 +160,12 @@ struct TableCall {
   int32_t* use;              // (buckets,) new ids per bucket
   uint8_t* conflicted;       // (n,) per distinct id
   int32_t* overflow;         // (n,) ids whose buckets were full, queued by claim_kernel
+  int64_t* overflow_key;     // (n,) and their keys
   const uint8_t* claim_skip; // conflicted when placed sequentially (claim_kernel leaves them), else null
   const int64_t* order;      // sequential placement order (distinct ids), order_count of them
   int64_t order_count;
   int32_t allow_evict;
+  int32_t gate;              // phase 5 of a settling table: write nothing if it failed (placement_failed)
   int32_t select;            // order_flags_kernel: 0 conflicted ids, 1 evicted ids
   uint8_t* order_flags;      // order_flags_kernel's output, per position of the call: set at the
   int64_t* order_values;     // first position of each selected id, with its number (select 0) or
@@ -197,6 +199,15 @@ struct OneCall {
   __device__ __forceinline__ const TableCall* at(unsigned) const { return &call; }
 };
 static_assert(sizeof(OneCall) <= 1024, "a TableCall must stay a small kernel parameter (4 KiB at most)");
+
+// Whether a settling table's placement failed: its phase-5 kernels (new rows, slots,
+// scores) are queued before the host reads the outcome (sync c) and write nothing then;
+// the host rolls the table back after the read. Final once evict_kernel and
+// sequential_insert_kernel ran: ids that found no room, or without eviction any queued
+// id (Inserter::settle reads the same counters).
+__device__ __forceinline__ bool placement_failed(const TableCall* c) {
+  return c->gate && c->ctr[counter::kFailed] + (c->allow_evict ? 0 : c->ctr[counter::kQueued]) > 0;
+}
 
 // Whether position i of the call is grouped (find_or_insert: a miss; otherwise every position).
 __device__ __forceinline__ bool grouped(const TableCall* c, int64_t i) {
@@ -276,7 +287,9 @@ __global__ void claim_kernel(const __grid_constant__ Calls calls) {
     const uint32_t ea = empty_mask(da);
     const uint32_t eb = p.b != p.a ? empty_mask(db) : 0u;
     if ((ea | eb) == 0) {
-      c->overflow[aggregated_inc(c->ctr + counter::kQueued)] = static_cast<int32_t>(k);
+      const int32_t q = aggregated_inc(c->ctr + counter::kQueued);
+      c->overflow[q] = static_cast<int32_t>(k);
+      c->overflow_key[q] = key;  // evict_kernel loads it beside k instead of after it
       return;
     }
     const bool use_a = __popc(ea) >= __popc(eb);
@@ -322,91 +335,150 @@ __device__ __forceinline__ int64_t eviction_victim(const Table& t, const DeviceP
   return best;
 }
 
-// eviction_victim by a whole warp (every lane gets the same result): lane l looks at slot
-// l of bucket_a and of bucket_b, so the 64 candidates' scores are two coalesced 256-byte
-// reads, and a butterfly picks the least (score, candidate order) pair, candidate order
-// being bucket_a's slots, then bucket_b's. Lane 0 reads the touched words: every lane
-// judges the candidates from one reading.
-__device__ __forceinline__ int64_t warp_eviction_victim(const Table& t, const DeviceProbe& p,
-                                                        const uint32_t* touched, unsigned lane) {
-  constexpr int32_t kNone = 64;  // after every candidate's order
-  const bool two = p.b != p.a;
-  uint32_t ta = 0, tb = 0;
-  if (lane == 0) {
-    ta = *reinterpret_cast<const volatile uint32_t*>(touched + p.a);
-    tb = two ? *reinterpret_cast<const volatile uint32_t*>(touched + p.b) : ~0u;
+// The eviction candidates of a queued id as its group of Lanes lanes holds them: lane l
+// has slots Span * l ... Span * l + Span - 1 of bucket_a and of bucket_b (Span = 32 /
+// Lanes), their scores and digests, loaded together in vector reads before any is judged.
+// The victim's digest (saved for a rollback) is then in its lane; it cannot be stale for
+// a slot the group wins: during evict_kernel a slot's key and digest are written only by
+// the id that set its touched bit first, and then no other id wins it.
+template <int Span>
+struct EvictCandidates {
+  int64_t score[2][Span];  // [bucket_a, bucket_b][slot]
+  uint32_t digests[2];     // the Span digest bytes of each bucket
+};
+
+// Scores in 16-byte loads where they allow it (a table's own tensor always does; an op given
+// a view at an odd offset reads them one by one); digests start on 16 bytes on CUDA (checked).
+template <int Span>
+__device__ __forceinline__ EvictCandidates<Span> load_candidates(const Table& t, const DeviceProbe& p, int lane) {
+  static_assert(Span == 2 || Span == 4, "a lane's scores of one bucket are one or two 16-byte loads");
+  EvictCandidates<Span> w;
+  const int64_t bucket[2] = {p.a, p.b};
+  const bool vec = (reinterpret_cast<uintptr_t>(t.scores) & 15) == 0;
+#pragma unroll
+  for (int side = 0; side < 2; ++side) {
+    const int64_t first = bucket[side] * kBucketSize + static_cast<int64_t>(lane) * Span;
+    if (vec) {
+#pragma unroll
+      for (int h = 0; h < Span; h += 2) {
+        const longlong2 v = *reinterpret_cast<const longlong2*>(t.scores + first + h);
+        w.score[side][h] = v.x;
+        w.score[side][h + 1] = v.y;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < Span; ++i) w.score[side][i] = t.scores[first + i];
+    }
+    w.digests[side] = Span == 4 ? *reinterpret_cast<const uint32_t*>(t.digests + first)
+                                : *reinterpret_cast<const uint16_t*>(t.digests + first);
   }
-  ta = __shfl_sync(kFullWarp, ta, 0);
-  tb = __shfl_sync(kFullWarp, tb, 0);
+  return w;
+}
+
+// Candidate order of no candidate: after every one of bucket_a's (0-31) and bucket_b's (32-63).
+constexpr int32_t kNoCandidate = 64;
+
+// eviction_victim by a group of Lanes lanes (`mask`; each gets the same result): the
+// candidate order (0-63) of the least (score, candidate order) untouched candidate, each
+// lane's least first, then a butterfly over the group; kNoCandidate when every candidate
+// was touched. Each touched word is one load of one address by the whole group, so every
+// lane judges from the same reading.
+template <int Lanes, int Span>
+__device__ __forceinline__ int32_t group_eviction_victim(const EvictCandidates<Span>& w, const DeviceProbe& p,
+                                                         const uint32_t* touched, int lane, unsigned mask) {
+  const uint32_t ta = *reinterpret_cast<const volatile uint32_t*>(touched + p.a);
+  const uint32_t tb = p.b != p.a ? *reinterpret_cast<const volatile uint32_t*>(touched + p.b) : ~0u;
+  const uint32_t word[2] = {ta, tb};
   int64_t score = 0;
-  int32_t order = kNone;
-  if (!((ta >> lane) & 1u)) {
-    score = t.scores[p.a * kBucketSize + lane];
-    order = static_cast<int32_t>(lane);
-  }
-  if (!((tb >> lane) & 1u)) {
-    const int64_t sb = t.scores[p.b * kBucketSize + lane];
-    if (order == kNone || sb < score) {  // a tie keeps bucket_a's slot
-      score = sb;
-      order = 32 + static_cast<int32_t>(lane);
+  int32_t order = kNoCandidate;
+#pragma unroll
+  for (int side = 0; side < 2; ++side) {
+#pragma unroll
+    for (int i = 0; i < Span; ++i) {
+      const int slot = lane * Span + i;
+      // In increasing candidate order, so a tie keeps the earlier (bucket_a's, lower) slot.
+      if (!((word[side] >> slot) & 1u) && (order == kNoCandidate || w.score[side][i] < score)) {
+        score = w.score[side][i];
+        order = side * kBucketSize + slot;
+      }
     }
   }
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const int64_t other_score = __shfl_xor_sync(kFullWarp, score, off);
-    const int32_t other_order = __shfl_xor_sync(kFullWarp, order, off);
-    if (other_order != kNone &&
-        (order == kNone || other_score < score || (other_score == score && other_order < order))) {
+  for (int off = Lanes / 2; off > 0; off >>= 1) {
+    const int64_t other_score = __shfl_xor_sync(mask, score, off);
+    const int32_t other_order = __shfl_xor_sync(mask, order, off);
+    if (other_order != kNoCandidate &&
+        (order == kNoCandidate || other_score < score || (other_score == score && other_order < order))) {
       score = other_score;
       order = other_order;
     }
   }
-  if (order == kNone) return -1;
-  return (order < 32 ? p.a : p.b) * kBucketSize + (order & 31);
+  return order;
 }
 
+// evict_kernel's lanes per queued id and its resident blocks per SM (registers capped at
+// 64). Swept on an H200 (ncu, 48k queued ids, 8M slots; benchmarks/README.md, nineteenth
+// session): 8 lanes 22.8-23.0 us (72 registers unbounded, 35% occupancy; 62 bounded,
+// 45%), 16 lanes 24.8 us bounded and 31.8 us unbounded.
+constexpr int kEvictLanes = 8;
+constexpr int kEvictMinBlocks = 4;
+
 // Phase 3b: queued ids (both buckets full) evict the lowest-score untouched candidate,
-// ties to the lowest slot of bucket_a, then bucket_b. One warp per queued id
-// (warp_eviction_victim): a thread per id spent most of its time waiting on 64 dependent
-// score loads (450 us for 420k ids at load 1.0 on an H100). Only touched bits change
-// concurrently here; scores are not written until the call succeeds. The grid covers an
-// upper bound; the number queued is read where claim_kernel counted it. The counters take
-// one atomic per block.
+// ties to the lowest slot of bucket_a, then bucket_b. A group of Lanes lanes per queued id
+// (group_eviction_victim), 32 / Lanes ids per warp: a thread per id waited on 64 dependent
+// score loads (450 us for 420k ids at load 1.0 on an H100); a warp per id took 285 us for
+// them on an H200, however few its rounds of dependent loads. Only touched bits, and the
+// keys and digests of slots whose bit an id set, change concurrently here; scores are not
+// written until the call succeeds. The grid covers an upper bound; the number queued is
+// read where claim_kernel counted it. A group's loads come in rounds: the count with its
+// queue entry (id number and key), the candidates with the touched words, then the claim
+// by the victim's lane (a lost claim reloads only the touched words) and the evicted key.
+// The counters take one atomic per block.
 template <class Calls>
-__global__ void evict_kernel(const __grid_constant__ Calls calls) {
+__global__ void __launch_bounds__(kThreads, kEvictMinBlocks) evict_kernel(const __grid_constant__ Calls calls) {
+  constexpr int Lanes = kEvictLanes;
+  constexpr int Span = kBucketSize / Lanes;
   const TableCall* c = call_in(calls, kStageEvict);
   if (c == nullptr) return;  // uniform over the block (its table)
   __shared__ int32_t evicted, failed;
   if (threadIdx.x == 0) evicted = failed = 0;
   __syncthreads();
-  const int64_t j = thread_index() / 32;  // the warp's queued id
-  const unsigned lane = threadIdx.x % 32;
-  if (j < c->ctr[counter::kQueued]) {  // uniform over the warp
-    const Table t = c->t;
-    const Uniques u = c->u;
-    const int64_t k = c->overflow[j];
-    const int64_t key = u.id[k];
-    const DeviceProbe p = device_probe(key, t.num_buckets);
+  const int64_t j = thread_index() / Lanes;  // the group's queued id
+  const int lane = static_cast<int>(threadIdx.x % Lanes);
+  const unsigned mask = group_mask(Lanes);
+  const int leader = static_cast<int>(threadIdx.x & 31) - lane;
+  // The queue entry is read beside the count, not after it: entries below n are in
+  // bounds (queued ids are distinct ids of the call), only those below the count are used.
+  const bool in_bounds = j < c->n;
+  const int64_t k = in_bounds ? c->overflow[j] : 0;
+  const int64_t key = in_bounds ? c->overflow_key[j] : 0;
+  if (in_bounds && j < c->ctr[counter::kQueued]) {  // uniform over the group
+    const DeviceProbe p = device_probe(key, c->t.num_buckets);
+    const EvictCandidates<Span> w = load_candidates<Span>(c->t, p, lane);
     for (;;) {
-      const int64_t best = warp_eviction_victim(t, p, c->touched, lane);
-      if (best < 0) {  // every candidate was touched by this call
+      const int32_t order = group_eviction_victim<Lanes, Span>(w, p, c->touched, lane, mask);
+      if (order == kNoCandidate) {  // every candidate was touched by this call
         if (lane == 0) {
-          u.state[k] = kFailed;
+          c->u.state[k] = kFailed;
           atomicAdd(&failed, 1);
         }
         break;
       }
+      const int side = order / kBucketSize, slot = order % kBucketSize;
+      const int64_t best = (side == 0 ? p.a : p.b) * kBucketSize + slot;
+      const int owner = slot / Span;  // the lane holding the victim
       uint32_t won = 0;
-      if (lane == 0) {
-        const uint32_t bit = 1u << (best % kBucketSize);
+      if (lane == owner) {
+        const uint32_t bit = 1u << slot;
         won = (atomicOr(c->touched + best / kBucketSize, bit) & bit) == 0;
       }
-      if (!__shfl_sync(kFullWarp, won, 0)) continue;  // lost it to another id: look again
-      if (lane == 0) {
-        u.old_key[k] = t.keys[best];
-        u.old_digest[k] = t.digests[best];
-        t.keys[best] = key;
-        t.digests[best] = static_cast<uint8_t>(p.digest);
+      if (!__shfl_sync(mask, won, leader + owner)) continue;  // lost it to another id: look again
+      if (lane == owner) {
+        const Uniques& u = c->u;
+        u.old_key[k] = c->t.keys[best];
+        u.old_digest[k] = static_cast<uint8_t>(w.digests[side] >> (8 * (slot % Span)));
+        c->t.keys[best] = key;
+        c->t.digests[best] = static_cast<uint8_t>(p.digest);
         u.slot[k] = best;
         u.state[k] = kEvicted;
         atomicAdd(&evicted, 1);
