@@ -146,12 +146,16 @@ int64_t check_offsets_shape(const char* op, const at::Tensor& offsets, int64_t n
   return include_last_offset ? len - 1 : len;
 }
 
-at::Tensor offsets_bad_flag(const at::Tensor& offsets, int64_t n, bool include_last_offset) {
+at::Tensor layouts_bad_flag(at::TensorList offsets, at::IntArrayRef n, bool include_last_offset) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("veloce::bag_layouts_bad", "")
                        .typed<at::Tensor(at::TensorList, at::IntArrayRef, at::IntArrayRef)>();
-  const int64_t last = include_last_offset ? 1 : 0;
-  return op.call({offsets}, {n}, {last});
+  const std::vector<int64_t> last(offsets.size(), include_last_offset ? 1 : 0);
+  return op.call(offsets, n, last);
+}
+
+at::Tensor offsets_bad_flag(const at::Tensor& offsets, int64_t n, bool include_last_offset) {
+  return layouts_bad_flag({offsets}, {n}, include_last_offset);
 }
 
 int64_t check_offsets(const char* op, const at::Tensor& offsets, int64_t n, bool include_last_offset) {

@@ -1241,18 +1241,23 @@ void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt
 }
 
 // check_bags_and_slots_cuda (no upper slot limit: accumulate_and_update skips slots past
-// the rows) for the tables of accumulate_and_update_many: each table's device reductions,
-// one read-back for all of them; the messages name the table.
+// the rows) for the tables of accumulate_and_update_many: one flag for every table's bag
+// layout (bag_layouts_bad), each table's least slot, one read-back for all of them. The
+// messages name the table: when the flag is set, the layouts are checked again one by one
+// (an error path) to find it.
 void check_tables_cuda(const std::vector<std::string>& names, const std::vector<TableArgs>& tables,
                        bool include_last_offset) {
-  std::vector<at::Tensor> parts;
-  std::vector<int64_t> offsets_at(tables.size(), -1), slots_at(tables.size(), -1);  // index in parts
+  std::vector<at::Tensor> parts, layouts;
+  std::vector<int64_t> num_ids;
+  std::vector<int64_t> slots_at(tables.size(), -1);  // index in parts
+  for (const TableArgs& t : tables) {
+    if (t.o.numel() == 0) continue;
+    layouts.push_back(t.o);
+    num_ids.push_back(t.N);
+  }
+  if (!layouts.empty()) parts.push_back(layouts_bad_flag(layouts, num_ids, include_last_offset).to(at::kLong));
   for (size_t k = 0; k < tables.size(); ++k) {
     const TableArgs& t = tables[k];
-    if (t.o.numel() > 0) {
-      offsets_at[k] = static_cast<int64_t>(parts.size());
-      parts.push_back(offsets_bad_flag(t.o, t.N, include_last_offset).to(at::kLong));
-    }
     if (t.N > 0) {
       slots_at[k] = static_cast<int64_t>(parts.size());
       parts.push_back(t.s.min().reshape({1}));
@@ -1261,10 +1266,11 @@ void check_tables_cuda(const std::vector<std::string>& names, const std::vector<
   if (parts.empty()) return;
   const at::Tensor host = at::cat(parts).cpu();
   const int64_t* h = host.data_ptr<int64_t>();
+  const bool bad_layout = !layouts.empty() && h[0] != 0;
   for (size_t k = 0; k < tables.size(); ++k) {
     const TableArgs& t = tables[k];
     const char* name = names[k].c_str();
-    if (offsets_at[k] >= 0 && h[offsets_at[k]] != 0) check_offsets(name, t.o, t.N, include_last_offset);  // raises
+    if (bad_layout && t.o.numel() > 0) check_offsets(name, t.o, t.N, include_last_offset);  // raises if it is this one
     if (slots_at[k] >= 0 && h[slots_at[k]] < kZeroSlot) {
       const at::Tensor all = t.s.cpu();
       check_slot_values(name, all.data_ptr<int64_t>(), all.numel(), -1, "");  // raises

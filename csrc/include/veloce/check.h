@@ -72,5 +72,8 @@ int64_t check_offsets_shape(const char* op, const at::Tensor& offsets, int64_t n
 // (1,) bool on offsets' device: whether non-empty offsets break the layout rules (no sync;
 // the op veloce::bag_layouts_bad, one launch on CUDA).
 at::Tensor offsets_bad_flag(const at::Tensor& offsets, int64_t n, bool include_last_offset);
+// The same for several non-empty layouts at once (offsets[k] over n[k] ids): whether any breaks
+// the rules (one launch per 32 layouts on CUDA).
+at::Tensor layouts_bad_flag(at::TensorList offsets, at::IntArrayRef n, bool include_last_offset);
 
 }  // namespace veloce
