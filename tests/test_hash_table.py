@@ -468,6 +468,18 @@ def test_eviction_reads_scores_at_any_offset(device):
     got = ht.find_or_insert(*t.tensors(), ids_tensor([109, 700], device), 0, 0, True)
     check_insert_result(got, (None, [1, 0], [104]))  # 109 is touched: the next lowest score goes
     assert ht.find(t.keys, t.digests, ids_tensor([700, 104, 109], device)).tolist() == [4, -1, 9]
+    # Two buckets: lone new ids, each one call, evict as on the CPU from both buckets' scores.
+    full = filled_table(64, torch.Generator().manual_seed(3), 10_000)
+    new_ids = [-1 - i for i in range(8)]
+    assert any(probe(i, 2)[0] != probe(i, 2)[1] for i in new_ids)  # some have two buckets
+    want = full.clone()
+    t = Table(*(x.to(device) for x in full.tensors()))
+    t.scores = torch.zeros(65, dtype=torch.int64, device=device)[1:].copy_(t.scores)
+    for i in new_ids:
+        got = ht.find_or_insert(*t.tensors(), ids_tensor([i], device), 0, 0, True)
+        expected = ht.find_or_insert(*want.tensors(), ids_tensor([i]), 0, 0, True)
+        assert got[1].tolist() == expected[1].tolist() and got[2].tolist() == expected[2].tolist(), i
+    t.assert_equal(want)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -586,12 +598,12 @@ def test_find_or_insert_many_equals_separate_calls(device):
         t.assert_equal(e)
 
 
-def filled_table(capacity: int, gen: torch.Generator) -> Table:
-    """A CPU table filled id by id (no eviction) until it is full or two-choice placement
-    finds no room for an id, with random scores."""
+def filled_table(capacity: int, gen: torch.Generator, first_id: int) -> Table:
+    """A CPU table filled id by id from first_id (no eviction) until it is full or
+    two-choice placement finds no room for an id, with random scores."""
     t = make_table(capacity, dim=3)
-    next_id = 10_000
-    while int((t.digests != 0).sum()) < capacity and next_id < 10_000 + 4 * capacity:
+    next_id = first_id
+    while int((t.digests != 0).sum()) < capacity and next_id < first_id + 4 * capacity:
         ht.insert_or_assign(*t.tensors(), ids_tensor([next_id]), torch.zeros(1, 3),
                             score_values=ids_tensor([int(torch.randint(0, 50, (1,), generator=gen))]),
                             allow_evict=False)  # fmt: skip
@@ -609,7 +621,7 @@ def test_failed_evicting_table_beside_an_evicting_one(device):
     were queued: the failed table's must write nothing, and its evicted keys (listed before
     the failure was known) must not shift the other table's."""
     gen = torch.Generator().manual_seed(5)
-    tables = [filled_table(64, gen), filled_table(2048, gen)]
+    tables = [filled_table(64, gen, 10_000), filled_table(2048, gen, 50_000)]  # no key in both
     assert all(int((t.digests != 0).sum()) >= 0.95 * t.keys.numel() for t in tables)
     ids = [ids_tensor(range(-300, 0)), ids_tensor(range(-900, -600))]
     n = len(tables)
@@ -627,7 +639,7 @@ def test_failed_evicting_table_beside_an_evicting_one(device):
     assert counts[0, 2] == 0 and counts[1, 2] == evicted.numel() > 0
     old = set(before[1].keys[before[1].digests != 0].tolist())
     gone = set(evicted.cpu().tolist())
-    assert len(gone) == evicted.numel() and gone <= old
+    assert len(gone) == evicted.numel() and gone <= old  # none of the failed table's keys
     t = on_device[1]
     keys = t.keys.cpu()
     assert set(keys[t.digests.cpu() != 0].tolist()) == (old - gone) | set(ids[1].tolist())

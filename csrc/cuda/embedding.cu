@@ -1276,6 +1276,8 @@ void check_tables_cuda(const std::vector<std::string>& names, const std::vector<
       check_slot_values(name, all.data_ptr<int64_t>(), all.numel(), -1, "");  // raises
     }
   }
+  // The device flag and the host rules are the same rules: one of the tables has raised.
+  TORCH_INTERNAL_ASSERT(!bad_layout, "bag_layouts_bad flagged a bag layout that no table's check_offsets rejects");
 }
 
 void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_state, at::TensorList grad_output,

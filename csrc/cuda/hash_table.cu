@@ -15,11 +15,16 @@
 //       ids whose two buckets are full are queued;
 //   3b. evict (allow_evict only, a separate launch after 3a): a queued id takes the
 //       lowest-score slot of its 64 candidates not touched by this call (a bitmap of
-//       found + claimed slots), a warp per id; ownership is an atomicOr on that bitmap;
+//       found + claimed slots), a group of 8 lanes per id; ownership is an atomicOr on that
+//       bitmap;
 //   4. if any id found no room: every claimed slot gets its saved key and digest back
 //       (nothing else was written yet) and counts = [0, failed]; when the failure is
 //       known from phase 2 already (no unsafe conflicted ids, below), nothing is claimed at all;
-//   5. on success only: new rows are initialised, scores updated, slots mapped back.
+//   5. on success only: new rows are initialised, scores updated, slots mapped back (queued
+//      before the outcome is read back when it is not known at sync b; the kernels then
+//      read a failure on the device and write nothing).
+// Every device allocation of the op happens before phase 3, so that none can fail after a
+// table changed and leave it neither placed nor rolled back.
 // Phases 1 and 2 write scratch memory only: the table changes from phase 3 on.
 //
 // Host syncs (device-to-host reads; each costs tens of microseconds and drains the launch
@@ -364,8 +369,8 @@ class Arena {
 // change) on the device.
 class TableCalls {
  public:
-  // An op's host stages change the calls at most this often (Inserter: prepare, ordering
-  // and placement, the evicted keys' ordering, settle, its ordering, finish).
+  // An op's host stages change the calls at most this often (Inserter: prepare, the
+  // conflicted ids' ordering, placement, finish, the evicted keys' ordering, a rollback).
   static constexpr int64_t kMaxUploads = 8;
 
   // Several tables: the memory of every copy to the device is taken now, before any table
@@ -697,8 +702,12 @@ class Inserter {
       if (t.allow_evict && (t.settle || t.full > 0)) evicting_.push_back(j);
     }
     if (!sequential.empty()) {
-      order(sequential, /*select=*/0, [&](int64_t j) { return tabs_[static_cast<size_t>(j)].conflicted; });
+      auto conflicted = [&](int64_t j) { return tabs_[static_cast<size_t>(j)].conflicted; };
+      launch_order(reserve_order(sequential, conflicted), sequential, /*select=*/0, conflicted);
     }
+    // The evicted keys' list is launched after phase 5, but its memory is taken now, before
+    // the tables change.
+    if (!evicting_.empty()) evicted_list_ = reserve_order(evicting_, [&](int64_t j) { return evicted_bound(j); });
     calls_.launch(VELOCE_OVER_TABLES(claim_kernel), kStageClaim, uniques());
     calls_.launch(VELOCE_OVER_TABLES(evict_kernel), kStageEvict,  // kEvictLanes lanes per queued id
                   [this](int64_t j) { return tabs_[static_cast<size_t>(j)].max_queued * kEvictLanes; });
@@ -730,8 +739,9 @@ class Inserter {
     for (int64_t j : failed) tabs_[static_cast<size_t>(j)].slots.fill_(kPaddingSlot);
   }
 
-  // Phase 5 on success: new (or assigned) rows, then every grouped position's slot, then
-  // the scores of the positions (find_or_insert).
+  // Phase 5: new (or assigned) rows, then every grouped position's slot, then the scores
+  // of the positions (find_or_insert). Queued before sync c: a settling table's kernels
+  // read its failure on the device (gate) and write nothing then.
   void finish() {
     std::vector<at::ScalarType> dtypes;
     for (int64_t j = 0; j < calls_.size(); ++j) {
@@ -782,23 +792,47 @@ class Inserter {
   // DeviceSelect::Flagged) lists them all, table after table. The values are the ids'
   // numbers (select 0: sets each table's TableCall order and order_count) or the keys they
   // evicted (select 1). Four launches, where a radix sort of (table, position) keys took
-  // about ten and a gather. Returns the list (sum of count(j) entries).
+  // about ten and a gather. reserve_order takes the memory (before any table changes);
+  // launch_order queues the work and returns the list (sum of count(j) entries).
+  struct Ordering {
+    at::Tensor flags;  // (positions,) zeroed
+    at::Tensor buf;    // (positions + 1,) the flagged values, then the number selected
+    at::Tensor list;   // (sum of count(j),)
+    at::Tensor temp;   // CUB's temporary storage
+  };
+
   template <typename Count>
-  at::Tensor order(const std::vector<int64_t>& which, int32_t select, Count count) {
+  Ordering reserve_order(const std::vector<int64_t>& which, Count count) {
     int64_t total = 0, positions = 0;
     for (int64_t j : which) {
       total += count(j);
       positions += calls_[j].n;
     }
     const at::TensorOptions opts = tabs_[0].keys.options();
-    const at::Tensor flags = at::zeros({positions}, opts.dtype(at::kByte));
-    const at::Tensor buf = at::empty({positions + 1}, opts);  // the flagged values, then the number selected
-    int64_t* const values = buf.data_ptr<int64_t>();
+    Ordering o;
+    o.flags = at::zeros({positions}, opts.dtype(at::kByte));
+    o.buf = at::empty({positions + 1}, opts);
     // Its own allocation: the evicted keys are returned from it (the first table's at offset
     // 0, as the op's fake kernel makes them). count(j) is exact (select 0: kConflicted, read
     // back at sync b) or an upper bound (select 1: a settling table's evictions are counted
     // after sync c; the list then holds at most 8 bytes per new id more than it needs).
-    const at::Tensor list = at::empty({total}, opts);
+    o.list = at::empty({total}, opts);
+    size_t bytes = 0;
+    C10_CUDA_CHECK(select_flagged(o, nullptr, bytes));
+    o.temp = at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, opts.dtype(at::kByte));
+    return o;
+  }
+
+  static cudaError_t select_flagged(const Ordering& o, void* temp, size_t& bytes) {
+    const int64_t positions = o.flags.numel();
+    int64_t* const values = o.buf.data_ptr<int64_t>();
+    return cub::DeviceSelect::Flagged(temp, bytes, values, o.flags.data_ptr<uint8_t>(), o.list.data_ptr<int64_t>(),
+                                      values + positions, positions, stream());
+  }
+
+  template <typename Count>
+  at::Tensor launch_order(const Ordering& o, const std::vector<int64_t>& which, int32_t select, Count count) {
+    int64_t* const values = o.buf.data_ptr<int64_t>();
     std::vector<uint32_t> saved(static_cast<size_t>(calls_.size()));
     for (int64_t j = 0; j < calls_.size(); ++j) {
       TableCall& c = calls_.edit(j);
@@ -810,27 +844,26 @@ class Inserter {
       TableCall& c = calls_.edit(j);
       c.stages = kStageOrder;
       c.select = select;
-      c.order_flags = flags.data_ptr<uint8_t>() + base;
+      c.order_flags = o.flags.data_ptr<uint8_t>() + base;
       c.order_values = values + base;
       base += c.n;
     }
     calls_.launch(VELOCE_OVER_TABLES(order_flags_kernel), kStageOrder, uniques());
-    cub_call(buf, [&](void* temp, size_t& bytes) {
-      return cub::DeviceSelect::Flagged(temp, bytes, values, flags.data_ptr<uint8_t>(), list.data_ptr<int64_t>(),
-                                        values + positions, positions, stream());
-    });
+    size_t bytes = static_cast<size_t>(o.temp.numel());
+    C10_CUDA_CHECK(select_flagged(o, o.temp.data_ptr(), bytes));
     for (int64_t j = 0; j < calls_.size(); ++j) calls_.edit(j).stages = saved[static_cast<size_t>(j)];
     if (select == 0) {
       int64_t start = 0;
       for (int64_t j : which) {
         TableCall& c = calls_.edit(j);
-        c.order = list.data_ptr<int64_t>() + start;
+        c.order = o.list.data_ptr<int64_t>() + start;
         c.order_count = count(j);
         start += c.order_count;
       }
     }
-    keep_.push_back(list);  // the sequential placement reads it
-    return list;
+    keep_.push_back(o.list);  // the sequential placement reads it
+    keep_.push_back(o.temp);
+    return o.list;
   }
 
   // The keys evicted from the tables of evicting_, in insertion order (as the CPU kernel
@@ -838,7 +871,7 @@ class Inserter {
   // decided at sync b), queued before sync c. Undefined when no table evicts.
   at::Tensor list_evicted() {
     if (evicting_.empty()) return at::Tensor();
-    return order(evicting_, /*select=*/1, [&](int64_t j) { return evicted_bound(j); });
+    return launch_order(evicted_list_, evicting_, /*select=*/1, [&](int64_t j) { return evicted_bound(j); });
   }
 
   // Each evicting table's part of the list (`placed`: the counters of sync c, or null when
@@ -869,6 +902,7 @@ class Inserter {
   at::Tensor counters_;  // (K * kNum + 1,) int32: every table's counters and bad_input's flag
   std::vector<at::Tensor> keep_;
   std::vector<int64_t> evicting_;  // tables that may evict, in order (list_evicted)
+  Ordering evicted_list_;          // its memory (reserved in place, before the tables change)
 };
 
 // counts is built on the host from host values and stays there (a CPU tensor), so reading

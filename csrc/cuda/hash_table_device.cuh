@@ -381,8 +381,9 @@ constexpr int32_t kNoCandidate = 64;
 // eviction_victim by a group of Lanes lanes (`mask`; each gets the same result): the
 // candidate order (0-63) of the least (score, candidate order) untouched candidate, each
 // lane's least first, then a butterfly over the group; kNoCandidate when every candidate
-// was touched. Each touched word is one load of one address by the whole group, so every
-// lane judges from the same reading.
+// was touched. Each lane judges its own candidates by its own reading of the touched
+// words: a bit set since another lane's reading only makes the claim fail and the group
+// look again.
 template <int Lanes, int Span>
 __device__ __forceinline__ int32_t group_eviction_victim(const EvictCandidates<Span>& w, const DeviceProbe& p,
                                                          const uint32_t* touched, int lane, unsigned mask) {
