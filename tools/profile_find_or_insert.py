@@ -9,6 +9,12 @@ the GPU timeline of the first profiled calls
 (start and duration in microseconds, and the idle gap before each: gaps after a
 device-to-host copy are the host's time between a sync and its next launch).
 
+``--host`` adds the host side of one profiled call to that timeline: the op's span and
+every CUDA runtime call (launches, copies, syncs, allocations) on the same clock, so the
+host's time before the first kernel and between the syncs shows call by call. It also
+times the host cost of a few small things on this machine (a launch through the
+dispatcher, an op that launches nothing, a find_or_insert whose GPU work is tiny).
+
     python tools/profile_find_or_insert.py                  # 2^26 slots, dim 64
     python tools/profile_find_or_insert.py --capacity 4194304 --events 60
     python tools/profile_find_or_insert.py --load 1.0        # every new id evicts a key
@@ -49,6 +55,62 @@ def timeline(trace_path: str, events: int) -> None:
         end = max(end, e["ts"] + e["dur"])
 
 
+def host_timeline(trace_path: str, op: str = "veloce::find_or_insert", which: int = 1) -> None:
+    """The host's CUDA runtime calls and the GPU's activities during the ``which``-th call of
+    ``op`` in a Chrome trace, on one clock (us since the op's start): where its host time goes."""
+    with open(trace_path) as f:
+        trace = json.load(f)["traceEvents"]
+    spans = sorted((e for e in trace if e.get("ph") == "X" and e.get("cat") == "cpu_op" and e.get("name") == op),
+                   key=lambda e: e["ts"])  # fmt: skip
+    if len(spans) <= which:
+        print(f"no call {which} of {op} in the trace")
+        return
+    t0 = spans[which]["ts"]
+    t1 = t0 + spans[which]["dur"]
+    kinds = {"cuda_runtime": "host", "cuda_driver": "host", "kernel": "gpu", "gpu_memcpy": "gpu", "gpu_memset": "gpu"}
+    rows = sorted((e for e in trace if e.get("ph") == "X" and e.get("cat") in kinds and t0 <= e["ts"] <= t1),
+                  key=lambda e: e["ts"])  # fmt: skip
+    print(f"\nhost and GPU during {op} call {which} ({spans[which]['dur']:.1f} us on the host); us since its start")
+    print(f"{'start':>8} {'dur':>7} {'host gap':>8}  side  activity")
+    host_end = t0
+    for e in rows:
+        side = kinds[e["cat"]]
+        gap = ""
+        if side == "host":
+            gap = f"{e['ts'] - host_end:8.1f}"
+            host_end = e["ts"] + e["dur"]
+        print(f"{e['ts'] - t0:8.1f} {e['dur']:7.1f} {gap:>8}  {side:4}  {e['name'][:80]}")
+    print(f"{t1 - t0:8.1f} {'':7} {t1 - host_end:8.1f}  host  (the op returns)")
+
+
+def host_costs(t: Table, present: torch.Tensor, dev: torch.device, reps: int = 200) -> None:
+    """Host microseconds per call of a few small things, each timed over ``reps`` calls."""
+    one = torch.zeros(1, device=dev)
+    ids1 = present[:1].clone()
+    ids1k = present[:1024].clone()
+    cases = {
+        "fill_ of one float (a launch through the dispatcher)": lambda: one.fill_(0),
+        "torch.empty(1) on the GPU (no launch)": lambda: torch.empty(1, device=dev),
+        "veloce find, 1 key (one launch)": lambda: torch.ops.veloce.find(t.keys, t.digests, ids1),
+        "veloce find_or_insert, 1 present key (sync b)": lambda: torch.ops.veloce.find_or_insert(
+            *t.state(), ids1, 1, 1, False, 0, 2, -0.05, 0.05),
+        "veloce find_or_insert, 1024 present keys (sync b)": lambda: torch.ops.veloce.find_or_insert(
+            *t.state(), ids1k, 1, 1, False, 0, 2, -0.05, 0.05),
+    }  # fmt: skip
+    print("\nhost us per call (median of 5 rounds, each of a few hundred calls)")
+    for name, fn in cases.items():
+        rounds = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            h0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            h1 = time.perf_counter()
+            torch.cuda.synchronize()
+            rounds.append((h1 - h0) / reps * 1e6)
+        print(f"  {statistics.median(rounds):8.1f}  {name}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--capacity", type=int, default=1 << 26)
@@ -57,6 +119,8 @@ def main() -> None:
     p.add_argument("--events", type=int, default=40, help="GPU activities of the timeline to print")
     p.add_argument("--calls", type=int, default=20, help="timed calls (their median is printed)")
     p.add_argument("--load", type=float, default=0.5, help="load factor to fill to (1.0: inserts evict)")
+    p.add_argument("--host", action="store_true",
+                   help="also the host's runtime calls of one profiled call, and the host cost of small calls")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_find_or_insert.py needs a CUDA device")
@@ -108,6 +172,10 @@ def main() -> None:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         timeline(path, args.events)
+        if args.host:
+            host_timeline(path)
+    if args.host:
+        host_costs(t, present, dev)
 
 
 if __name__ == "__main__":

@@ -256,6 +256,17 @@ __global__ void initialize_kernel(const int64_t* __restrict__ ids, int64_t n, in
 // id takes the spare scratch slot past the set (claimed by a flag), never the set itself.
 constexpr int64_t kGroupEmpty = std::numeric_limits<int64_t>::min();
 
+// An inserting op's scratch, made ready in one launch: the zeroed arrays (counters, bucket
+// use, the eviction's touched bits) cleared, 16 bytes a thread, and the scratch set's keys
+// set to kGroupEmpty.
+__global__ void init_scratch_kernel(uint4* zero, int64_t zero_words, int64_t* keys, int64_t num_keys) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = thread_index(); i < zero_words || i < num_keys; i += stride) {
+    if (i < zero_words) zero[i] = make_uint4(0, 0, 0, 0);
+    if (i < num_keys) keys[i] = kGroupEmpty;
+  }
+}
+
 // Claims each active position's id a scratch slot; the winner numbers the id (counter
 // kUniques), writes it and starts its slot, state, first/last position and count.
 // where[i] = the position's scratch slot.
@@ -339,7 +350,8 @@ __global__ void group_assign_kernel(const __grid_constant__ Calls calls) {
   [](auto calls, dim3 grid, int block) { kernel<<<grid, block, 0, stream()>>>(calls); }
 
 // Many arrays in one allocation: add() reserves (in bytes, 16-aligned), allocate() makes
-// the buffer, ptr()/view() give each array.
+// the buffer (or bind() places the arena in a part of a shared one), ptr()/view() give each
+// array.
 class Arena {
  public:
   template <typename T>
@@ -348,20 +360,23 @@ class Arena {
     size_ = off + count * static_cast<int64_t>(sizeof(T));
     return off;
   }
-  void allocate(const at::TensorOptions& o, bool zero) {
-    const int64_t bytes = std::max<int64_t>(size_, 1);
-    buf_ = zero ? at::zeros({bytes}, o.dtype(at::kByte)) : at::empty({bytes}, o.dtype(at::kByte));
+  int64_t bytes() const { return ceil_div(size_, 16) * 16; }  // a 16-byte multiple: arenas can follow
+  void allocate(const at::TensorOptions& o) { bind(at::empty({std::max<int64_t>(size_, 1)}, o.dtype(at::kByte)), 0); }
+  // The arena's arrays live in buf from byte `base` on (16-aligned); buf is kept alive.
+  void bind(at::Tensor buf, int64_t base) {
+    buf_ = std::move(buf);
+    base_ = base;
   }
   template <typename T>
   T* ptr(int64_t off) const {
-    return reinterpret_cast<T*>(buf_.data_ptr<uint8_t>() + off);
+    return reinterpret_cast<T*>(buf_.data_ptr<uint8_t>() + base_ + off);
   }
   at::Tensor view(int64_t off, int64_t count, at::ScalarType t) const {
-    return buf_.narrow(0, off, count * static_cast<int64_t>(c10::elementSize(t))).view(t);
+    return buf_.narrow(0, base_ + off, count * static_cast<int64_t>(c10::elementSize(t))).view(t);
   }
 
  private:
-  int64_t size_ = 0;
+  int64_t size_ = 0, base_ = 0;
   at::Tensor buf_;
 };
 
@@ -493,7 +508,6 @@ class Inserter {
     // The scratch sets and `where` are done with: their memory goes back now (reused in
     // stream order), not at the op's end, to keep the placement's peak memory down.
     grouping_ = Arena();
-    group_keys_ = at::Tensor();
     if (mode_ != Mode::kFindOrInsert) {
       calls_.launch(VELOCE_OVER_TABLES(find_uniques_kernel), kStageFindUniques, positions());
     }
@@ -508,11 +522,17 @@ class Inserter {
       if (bad_input) check_bad_input_unset(op_, bad_input->item<bool>());  // no sync b to ride on: read alone
       return;
     }
+    // The evicted keys' list takes its memory now, while the GPU classifies: after sync b
+    // the GPU waits for the host until claim_kernel is launched.
+    reserve_evicted();
     const int64_t K = calls_.size();
-    if (bad_input) counters_.narrow(0, K * counter::kNum, 1).copy_(bad_input->reshape({1}));
-    const at::Tensor counted = counters_.cpu();  // sync b
-    if (bad_input) check_bad_input_unset(op_, counted.data_ptr<int32_t>()[K * counter::kNum] != 0);
-    place(counted.data_ptr<int32_t>());
+    if (bad_input) {
+      zeroed_.view(counters_off_, K * counter::kNum + 1, at::kInt).narrow(0, K * counter::kNum, 1)
+          .copy_(bad_input->reshape({1}));
+    }
+    const int32_t* counted = read_counters(0);  // sync b
+    if (bad_input) check_bad_input_unset(op_, counted[K * counter::kNum] != 0);
+    place(counted);
     // Phase 5 and the evicted keys are queued before sync c, not after it: the GPU runs them
     // while the host waits, and the op ends at sync c (the host's launches after it left the
     // GPU idle for about 100 us of a 0.9 ms call at load 1.0). A settling table's phase-5
@@ -520,12 +540,12 @@ class Inserter {
     finish();
     const at::Tensor evicted_keys = list_evicted();
     const bool settling = std::any_of(tabs_.begin(), tabs_.end(), [](const InsertTable& t) { return t.settle; });
-    at::Tensor placed;
+    const int32_t* placed = nullptr;
     if (settling) {
-      placed = counters_.cpu();  // sync c
-      settle(placed.data_ptr<int32_t>());
+      placed = read_counters(1);  // sync c
+      settle(placed);
     }
-    take_evicted(evicted_keys, settling ? placed.data_ptr<int32_t>() : nullptr);
+    take_evicted(evicted_keys, placed);
   }
 
  private:
@@ -541,8 +561,21 @@ class Inserter {
   Positions positions() const { return {&calls_}; }
   Distinct uniques() const { return {&tabs_}; }
 
-  // Scratch for every table in three allocations (plain, zeroed, and the scratch sets'
-  // keys), and each table's TableCall.
+  // Every table's counters (and bad_input's flag), copied into half `half` of counted_ once
+  // the GPU is done with the op's work so far: a sync. A copy into pinned memory, not a
+  // dispatched one (Tensor::cpu() costs several ops and a copy through pageable memory).
+  const int32_t* read_counters(int64_t half) {
+    const int64_t n = calls_.size() * counter::kNum + 1;
+    if (!counted_.defined()) counted_ = at::empty({2 * n}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+    int32_t* const host = counted_.data_ptr<int32_t>() + half * n;
+    // c10's copy-and-wait, as Tensor::cpu() ends in: CUDA's sync debug mode reports it.
+    c10::cuda::memcpy_and_sync(host, counters_, n * static_cast<int64_t>(sizeof(int32_t)), cudaMemcpyDeviceToHost,
+                               stream());
+    return host;
+  }
+
+  // Scratch for every table in two allocations (one for the whole op, one for grouping
+  // alone), and each table's TableCall.
   void prepare() {
     const int64_t K = calls_.size();
     const bool with_last = mode_ == Mode::kAssign;
@@ -586,15 +619,24 @@ class Inserter {
       o.keys = key_slots;
       key_slots += cap;
     }
-    const at::TensorOptions opts = tabs_[0].keys.options();
-    plain.allocate(opts, false);
-    zeroed.allocate(opts, true);
-    grouping.allocate(opts, false);
-    const at::Tensor group_keys = at::full({std::max<int64_t>(key_slots, 1)}, kGroupEmpty, opts);
-    plain_ = plain;
+    // Two allocations: what the whole op uses (the zeroed arrays, then the plain ones), and
+    // what grouping alone uses (freed after it), the scratch set's keys at its end; one launch
+    // clears the zeroed part and fills the keys. Each dispatched op and launch costs the
+    // host microseconds before the first kernel that does the op's work.
+    const int64_t keys_off = grouping.add<int64_t>(std::max<int64_t>(key_slots, 1));
+    const at::TensorOptions bytes = tabs_[0].keys.options().dtype(at::kByte);
+    const at::Tensor kept = at::empty({zeroed.bytes() + plain.bytes()}, bytes);
+    zeroed.bind(kept, 0);
+    plain.bind(kept, zeroed.bytes());
+    grouping.allocate(bytes);
+    const int64_t zero_words = zeroed.bytes() / 16, most = std::max(zero_words, key_slots);
+    init_scratch_kernel<<<grid_for(std::max<int64_t>(most, 1)), kThreads, 0, stream()>>>(
+        zeroed.ptr<uint4>(0), zero_words, grouping.ptr<int64_t>(keys_off), key_slots);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    zeroed_ = zeroed;
     grouping_ = grouping;
-    group_keys_ = group_keys;
-    counters_ = zeroed.view(counters_off, K * counter::kNum + 1, at::kInt);
+    counters_ = zeroed.ptr<int32_t>(counters_off);
+    counters_off_ = counters_off;
     for (int64_t j = 0; j < K; ++j) {
       InsertTable& t = tabs_[static_cast<size_t>(j)];
       const Offsets& o = off[static_cast<size_t>(j)];
@@ -614,7 +656,7 @@ class Inserter {
       c.pad = t.padding_id.value_or(0);
       c.touched = t.allow_evict && mode_ != Mode::kErase ? reinterpret_cast<uint32_t*>(zeroed.ptr<int32_t>(o.touched))
                                                          : nullptr;
-      c.g = GroupScratch{group_keys.data_ptr<int64_t>() + o.keys, grouping.ptr<int32_t>(o.index),
+      c.g = GroupScratch{grouping.ptr<int64_t>(keys_off) + o.keys, grouping.ptr<int32_t>(o.index),
                          group_capacity(c.n) - 1};
       c.where = grouping.ptr<int64_t>(o.where);
       c.group = plain.ptr<int32_t>(o.group);
@@ -652,7 +694,7 @@ class Inserter {
         c.score_values = t.score_values.defined() ? t.score_values.data_ptr<int64_t>() : nullptr;
       }
     }
-    keep_.push_back(zeroed.view(0, 1, at::kByte));  // the zeroed arena (counters_ views it too)
+    keep_.push_back(kept);  // the zeroed and plain arrays, counters_ too
   }
 
   // Phases 3a and 3b from the counters read after classify (sync b). A table's outcome is
@@ -705,14 +747,23 @@ class Inserter {
       auto conflicted = [&](int64_t j) { return tabs_[static_cast<size_t>(j)].conflicted; };
       launch_order(reserve_order(sequential, conflicted), sequential, /*select=*/0, conflicted);
     }
-    // The evicted keys' list is launched after phase 5, but its memory is taken now, before
-    // the tables change.
-    if (!evicting_.empty()) evicted_list_ = reserve_order(evicting_, [&](int64_t j) { return evicted_bound(j); });
     calls_.launch(VELOCE_OVER_TABLES(claim_kernel), kStageClaim, uniques());
     calls_.launch(VELOCE_OVER_TABLES(evict_kernel), kStageEvict,  // kEvictLanes lanes per queued id
                   [this](int64_t j) { return tabs_[static_cast<size_t>(j)].max_queued * kEvictLanes; });
     calls_.launch(VELOCE_OVER_TABLES(sequential_insert_kernel), kStageSequential,
                   [](int64_t) { return int64_t{1}; }, 32);
+  }
+
+  // The memory of the evicted keys' list (list_evicted), for every table that may evict:
+  // at most one key per position. Taken before sync b, while the GPU still groups and
+  // classifies (taken after it, it kept the GPU idle for tens of microseconds at load 1.0),
+  // and before any table changes. Of these tables, those that do evict are known at sync b.
+  void reserve_evicted() {
+    std::vector<int64_t> may;
+    for (int64_t j = 0; j < calls_.size(); ++j) {
+      if (tabs_[static_cast<size_t>(j)].allow_evict && calls_[j].n > 0) may.push_back(j);
+    }
+    if (!may.empty()) evicted_list_ = reserve_order(may, [this](int64_t j) { return calls_[j].n; });
   }
 
   // Phase 4 (rollback on failure) from the counters read after every launch (sync c):
@@ -814,8 +865,9 @@ class Inserter {
     o.buf = at::empty({positions + 1}, opts);
     // Its own allocation: the evicted keys are returned from it (the first table's at offset
     // 0, as the op's fake kernel makes them). count(j) is exact (select 0: kConflicted, read
-    // back at sync b) or an upper bound (select 1: a settling table's evictions are counted
-    // after sync c; the list then holds at most 8 bytes per new id more than it needs).
+    // back at sync b) or an upper bound (select 1: the table's positions, reserved before
+    // sync b; launch_order then lists the tables that do evict, some of those reserved for,
+    // in the same order: their flags come first and the rest stay zero).
     o.list = at::empty({total}, opts);
     size_t bytes = 0;
     C10_CUDA_CHECK(select_flagged(o, nullptr, bytes));
@@ -871,6 +923,7 @@ class Inserter {
   // decided at sync b), queued before sync c. Undefined when no table evicts.
   at::Tensor list_evicted() {
     if (evicting_.empty()) return at::Tensor();
+    TORCH_INTERNAL_ASSERT(evicted_list_.list.defined(), "an evicting table without the evicted keys' memory");
     return launch_order(evicted_list_, evicting_, /*select=*/1, [&](int64_t j) { return evicted_bound(j); });
   }
 
@@ -897,12 +950,13 @@ class Inserter {
   Mode mode_;
   std::vector<InsertTable>& tabs_;
   TableCalls calls_;
-  Arena plain_, grouping_;
-  at::Tensor group_keys_;
-  at::Tensor counters_;  // (K * kNum + 1,) int32: every table's counters and bad_input's flag
+  Arena zeroed_, grouping_;  // zeroed_ shares its buffer with the plain arrays (kept in keep_)
+  int32_t* counters_ = nullptr;  // (K * kNum + 1,) on the device: every table's counters and bad_input's flag
+  int64_t counters_off_ = 0;     // their offset in zeroed_
+  at::Tensor counted_;           // (2 * (K * kNum + 1),) pinned: the counters read at syncs b and c (halves)
   std::vector<at::Tensor> keep_;
   std::vector<int64_t> evicting_;  // tables that may evict, in order (list_evicted)
-  Ordering evicted_list_;          // its memory (reserved in place, before the tables change)
+  Ordering evicted_list_;          // its memory (reserve_evicted: before sync b and any change)
 };
 
 // counts is built on the host from host values and stays there (a CPU tensor), so reading
