@@ -436,24 +436,32 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         # offsets passed _bags' checks, so the last one is N): the same bags, and one value
         # of the flag for every table of a grouped call.
         offsets = e.offsets[:-1] if e.include_last_offset else e.offsets
+        weights, opt_state = self.table._rows()
+        # The step count as step_count reads it: both callers read the last step's check
+        # first (_raise_deferred), so there is none left to read.
         return _Update(
-            self.table.weights, self.table.opt_state, e.grad, slots, offsets, e.psw, e.mode, kind,
-            float(opt.lr if lr is None else lr), eps, beta1, beta2, float(opt.weight_decay), self.step_count + 1, lr,
+            weights, opt_state, e.grad, slots, offsets, e.psw, e.mode, kind, float(opt.lr if lr is None else lr), eps,
+            beta1, beta2, float(opt.weight_decay), self._steps + 1, lr,
         )  # fmt: skip
 
     def _book(self, update: Optional["_Update"]) -> None:
         """Counts a step once its update is applied (``update``), or when there was nothing
-        to apply (None), and forgets the applied gradient."""
+        to apply (None), and forgets the applied gradient. Sets only the attributes that
+        change: each set is a call of PlainAttrs.__setattr__, for every table in every step."""
         if update is None:
             # A gradient over no rows (a lookup of no ids, or a shard that received none)
             # still counts as a step, as for torch's SparseAdam: every shard of a table
             # keeps the step count of one process.
-            self._steps += int(self._had_backward)
-        else:
-            self._pending.clear()
-            self._steps = update.step
+            if self._had_backward:
+                self._steps += 1
+                self._had_backward = False
+            return
+        self._pending.clear()
+        self._steps = update.step
+        if self._last_lr is not update.requested_lr:
             self._last_lr = update.requested_lr
-        self._had_backward = False
+        if self._had_backward:
+            self._had_backward = False
 
     def _check_finite(self) -> Optional[list[torch.Tensor]]:
         """The nonfinite_grad policy on the pooled gradients (one reduction each). "raise"
@@ -488,10 +496,14 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the pending sparse gradient (and dense grads of submodules, if any)."""
         self._pending.clear()
-        self._had_backward = False
+        if self._had_backward:  # set only when it changes: zero_grad follows step(), which cleared it
+            self._had_backward = False
         # nn.Module.zero_grad walks every parameter of every submodule: only where there may
         # be some (a subclass's own, or submodules beside the table), once per table per step.
-        if self._parameters or self.table._parameters or any(m is not self.table for m in self.children()):
+        table = self.table
+        if self._parameters or table._parameters or (
+            len(self._modules) > 1 and any(m is not table for m in self.children())
+        ):
             super().zero_grad(set_to_none=set_to_none)
 
     # ---- table access -----------------------------------------------------------------
@@ -677,7 +689,9 @@ class _DeferredCheck:
 
     def __init__(self, check: "_FiniteCheck", tables: Sequence["DynamicEmbedding"]) -> None:
         self.check = check
-        self.before = [(t, t.step_count, t._last_lr) for t in tables]  # read before booking
+        # Read before booking; step_tables read every table's last check first, so _steps
+        # is what step_count would read.
+        self.before = [(t, t._steps, t._last_lr) for t in tables]
 
     def settle(self) -> None:
         finite = self.check.result()  # the device finished this check long ago, as a rule
@@ -708,8 +722,9 @@ def _raise_deferred(tables: Sequence["DynamicEmbedding"]) -> None:
     for group in groups.values():
         raise_deferred_failures(group)
     error = None
-    for t in tables:
-        t._settle_check()
+    for t in tables:  # (_settle_check inlined: every table, every step)
+        if t._verdict is not None:
+            t._verdict.settle()
         if t._nonfinite_error is not None:
             error, t._nonfinite_error = error or t._nonfinite_error, None
     if error is not None:
@@ -836,17 +851,23 @@ class _FiniteCheck:
         self.tables = list(tables)
         self._result: Optional[dict[int, bool]] = None
         by_device: dict[torch.device, list[int]] = {}
-        for i, t in enumerate(self.tables):
-            by_device.setdefault(t.table.device, []).append(i)
         where: dict[int, tuple[torch.device, int]] = {}  # table -> (device, row of its flag)
+        groups: dict[int, list[int]] = {}  # the sharded tables per process group
+        for i, t in enumerate(self.tables):
+            dev = t.table.device
+            idx = by_device.setdefault(dev, [])
+            where[i] = (dev, len(idx))
+            idx.append(i)
+            if t._shard is not None:
+                groups.setdefault(id(t._shard.group), []).append(i)
         flags: dict[torch.device, list[torch.Tensor]] = {}  # per device: bool flag rows
         self._any: dict[torch.device, torch.Tensor] = {}  # per device: (1,) "some row is set", where ready
         for dev, idx in by_device.items():
             grads, owner = [], []
             for j, i in enumerate(idx):
-                where[i] = (dev, j)
-                grads.extend(e.grad for e in self.tables[i]._pending)
-                owner.extend(j for _ in self.tables[i]._pending)
+                for e in self.tables[i]._pending:
+                    grads.append(e.grad)
+                    owner.append(j)
             if grads:
                 f = _ops.nonfinite_flags(grads, owner, len(idx))
                 flags[dev], self._any[dev] = [f[:-1]], f[-1:]
@@ -854,15 +875,11 @@ class _FiniteCheck:
                 flags[dev] = [torch.zeros(len(idx), dtype=torch.bool, device=dev)]
         # Sharded tables: the flags summed over the ranks (every rank steps the same tables
         # in the same order), appended after the device's own rows.
-        groups: dict[int, list[int]] = {}
-        for i, t in enumerate(self.tables):
-            if t._shard is not None:
-                groups.setdefault(id(t._shard.group), []).append(i)
         for idx in groups.values():
             dev = where[idx[0]][0]
             rows = [where[i][1] for i in idx]
             own = flags[dev][0]
-            if all(where[i][0] == dev for i in idx):  # the usual case: one gather (or none) for the group
+            if {where[i][0] for i in idx} == {dev}:  # the usual case: one gather (or none) for the group
                 mine = own if rows == list(range(own.numel())) else own[host_tensor(rows, dev)]
             else:
                 mine = torch.stack([flags[where[i][0]][0][where[i][1]].to(dev) for i in idx])

@@ -182,6 +182,15 @@ class HashTable(PlainAttrs, nn.Module):
             self._join_update()
         return super().__getattr__(name)
 
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights, opt_state)``, as reading the two attributes gives them (after the
+        update in flight), in one call: the sparse update reads both for every table in
+        every step."""
+        if self._update_fence is not None:
+            self._join_update()
+        b = self._buffers
+        return b["weights"], b["opt_state"]
+
     def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), ...: after the update
         self._join_update()
         if self._changed is not None:  # and after the last change, whatever stream queued it
