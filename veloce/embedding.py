@@ -989,8 +989,7 @@ def _lookup_groups(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], 
     if len(tables) != len(inputs):
         raise ValueError(f"{what}: {len(tables)} tables but {len(inputs)} inputs")
     _ext.require()
-    args = [(tuple(x) if isinstance(x, (tuple, list)) else (x,)) for x in inputs]
-    args = [a + (None,) * (3 - len(a)) for a in args]
+    args = [(x, None, None) if isinstance(x, torch.Tensor) else _padded_args(x) for x in inputs]
     groups: dict[tuple, list[int]] = {}
     local: list[int] = []
     for i, t in enumerate(tables):
@@ -1002,6 +1001,13 @@ def _lookup_groups(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], 
         key = (id(t._shard.group), t.embedding_dim, t.table.dtype, t.training, t._shard.mode)
         groups.setdefault(key, []).append(i)
     return args, groups, local
+
+
+def _padded_args(x: Any) -> tuple:
+    """One table's input to lookup_many (a tensor, or a tuple or list of the forward's
+    arguments) as ``(input, offsets, per_sample_weights)``, the missing ones None."""
+    a = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    return a + (None,) * (3 - len(a))
 
 
 def dispatch_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], depth: str = "inserts") -> None:

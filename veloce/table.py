@@ -180,6 +180,11 @@ class HashTable(PlainAttrs, nn.Module):
         # user) waits for the update in flight. The module's own attributes never get here.
         if self._update_fence is not None and name in ("weights", "opt_state"):
             self._join_update()
+        # A buffer is found here, not by nn.Module's lookup (one Python call less, for
+        # every table in every step; no parameter or submodule can share a buffer's name).
+        buffers = self.__dict__.get("_buffers")
+        if buffers is not None and name in buffers:
+            return buffers[name]
         return super().__getattr__(name)
 
     def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,12 +341,19 @@ class HashTable(PlainAttrs, nn.Module):
             if failed == 0:
                 break
             self._no_room(failed, evict)
-        self._note_inserted(inserted, evicted)
+        self._note_inserted(inserted, evicted, evicted.numel())
         return slots
 
-    def _note_inserted(self, inserted: int, evicted: torch.Tensor) -> None:
-        self.size += inserted - evicted.numel()
-        self._note_evicted(evicted)
+    def _note_inserted(self, inserted: int, evicted: torch.Tensor, num_evicted: int) -> None:
+        """Books an insert that placed ``inserted`` new ids and evicted the ``num_evicted``
+        ids ``evicted``. Sets only what changes: each set is a call of
+        PlainAttrs.__setattr__, for every table in every training step."""
+        if inserted != num_evicted:
+            self.size += inserted - num_evicted
+        self.last_evicted = evicted
+        if num_evicted:
+            self.num_evicted += num_evicted
+            self.version += 1
 
     def erase(self, ids: torch.Tensor) -> int:
         """Removes ``ids``; returns how many were present."""
@@ -448,12 +460,6 @@ class HashTable(PlainAttrs, nn.Module):
         for name, t in buffers.items():
             self.register_buffer(name, t, persistent=False)
         self._note_changed()  # work on them may be queued on the current stream since
-
-    def _note_evicted(self, evicted: torch.Tensor) -> None:
-        self.last_evicted = evicted
-        if evicted.numel():
-            self.num_evicted += evicted.numel()
-            self.version += 1
 
     # ---- serialization ----------------------------------------------------------------
     def load_entries(self, entries: dict[str, torch.Tensor]) -> None:
@@ -565,10 +571,12 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
         )
         out = list(slots.split([i.numel() for i in ids]))
         counts = counts.tolist()  # a CPU tensor: no device sync
-        evicted = evicted.split([c[2] for c in counts])
-        for k, (t, (inserted, failed, _)) in enumerate(zip(tables, counts)):
+        num_evicted = [c[2] for c in counts]
+        # Nothing evicted (the rule): each table's last_evicted is the empty whole, not a split of it.
+        evicted = evicted.split(num_evicted) if any(num_evicted) else [evicted] * len(tables)
+        for k, (t, (inserted, failed, n)) in enumerate(zip(tables, counts)):
             if failed == 0:
-                t._note_inserted(inserted, evicted[k])
+                t._note_inserted(inserted, evicted[k], n)
                 booked.add(id(t))
         for k, (t, (_, failed, _)) in enumerate(zip(tables, counts)):  # after every success is booked
             if failed == 0:

@@ -108,7 +108,7 @@ class Shard:
         self.steps += 1
         while self.in_flight and self.in_flight[0].step <= self.steps - 1 - self.staleness:
             f = self.in_flight.popleft()
-            _record(module, f.owner, f.grad())
+            _record([module], [f.owner], [f.grad()])
 
     def agree(self, count: int) -> int:
         """The sum of ``count`` over the ranks (a collective: every rank calls it)."""
@@ -144,7 +144,7 @@ class Shard:
         """Waits for every gradient in flight and adds it to the pending gradient."""
         while self.in_flight:
             f = self.in_flight.popleft()
-            _record(module, f.owner, f.grad())
+            _record([module], [f.owner], [f.grad()])
 
 
 # ---- one exchange for K tables --------------------------------------------------------------
@@ -420,9 +420,14 @@ def _concat_bags(modules: list, bags: Sequence[tuple], dtype: torch.dtype, dev: 
     any_psw = any(b[2] is not None for b in bags)
     ids_l, starts_l, psw_l, kept_l, num_ids, num_kept, num_bags = [], [], [], [], [], [], []
     for m, (ids, offsets, psw) in zip(modules, bags):
-        num_ids.append(ids.numel())
-        ids, starts, psw, kept = _drop_padding(m, ids, offsets, psw)
-        num_kept.append(ids.numel())
+        n = ids.numel()
+        num_ids.append(n)
+        if m.padding_idx is None:  # (_drop_padding's own first case, without its call and second count)
+            starts, kept = offsets[:-1] if m.include_last_offset else offsets, None
+        else:
+            ids, starts, psw, kept = _drop_padding(m, ids, offsets, psw)
+            n = ids.numel()
+        num_kept.append(n)
         num_bags.append(starts.numel())
         ids_l.append(ids)
         starts_l.append(starts)
@@ -904,10 +909,10 @@ def _serve_all(modules: list, ids: Sequence[torch.Tensor], offsets: Sequence[tor
     for k, m in enumerate(modules):
         if slots[k] is None:
             slots[k], extra[k] = m._eval_slots(ids[k])
-    weights = [m.table.weights for m in modules]
-    partial = pooled_lookup_kernels(weights, slots, offsets, psw, [_SUM] * len(modules), [False] * len(modules),
-                                    extra)  # fmt: skip
-    served = [_Served(i, s, o, p, m.table.version) for m, i, s, o, p in zip(modules, ids, slots, offsets, psw)]
+    tables = [m.table for m in modules]
+    partial = pooled_lookup_kernels([t.weights for t in tables], slots, offsets, psw, [_SUM] * len(modules),
+                                    [False] * len(modules), extra)  # fmt: skip
+    served = [_Served(i, s, o, p, t.version) for t, i, s, o, p in zip(tables, ids, slots, offsets, psw)]
     return served, partial
 
 
@@ -980,8 +985,7 @@ def _deliver(shard: Shard, modules: list, served: list, rows: torch.Tensor, send
         return None
     recv = all_to_all(shard.group, rows, send_splits, recv_splits)
     shares = _table_major(recv, recv_nk).split(per_table)
-    for m, s, gk in zip(modules, served, shares):
-        _record(m, s, gk)
+    _record(modules, served, shares)
     return shares
 
 
@@ -1008,15 +1012,14 @@ def _current_slots(module, served: _Served) -> torch.Tensor:
     return _reresolve(module.table, served.ids, served.slots)
 
 
-def _record(module, served: Optional[_Served], grad: torch.Tensor) -> None:
-    """The owner keeps received part gradients until its step(), like a local backward
-    (none where it failed to serve them: that step raises)."""
+def _record(modules: Sequence, served: Sequence[Optional[_Served]], grads: Sequence[torch.Tensor]) -> None:
+    """The owner keeps each table's received part gradients until its step(), like a local
+    backward (none where it failed to serve them: that step raises)."""
     from veloce.embedding import _Pending
 
-    if served is None:
-        return
-    module._accumulate(_Pending(served.ids, served.slots, served.offsets, served.psw, grad, _SUM, False,
-                                served.version))  # fmt: skip
+    for module, s, grad in zip(modules, served, grads):
+        if s is not None:
+            module._accumulate(_Pending(s.ids, s.slots, s.offsets, s.psw, grad, _SUM, False, s.version))
 
 
 class _GroupedLookup(torch.autograd.Function):
