@@ -440,8 +440,8 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         # The step count as step_count reads it: both callers read the last step's check
         # first (_raise_deferred), so there is none left to read.
         return _Update(
-            weights, opt_state, e.grad, slots, offsets, e.psw, e.mode, kind, float(opt.lr if lr is None else lr), eps,
-            beta1, beta2, float(opt.weight_decay), self._steps + 1, lr,
+            weights, opt_state, e.grad, slots, offsets, e.psw, e.mode, kind, float(opt.lr if lr is None else lr),
+            eps, beta1, beta2, float(opt.weight_decay), self._steps + 1, lr,
         )  # fmt: skip
 
     def _book(self, update: Optional["_Update"]) -> None:
@@ -989,7 +989,7 @@ def _lookup_groups(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], 
     if len(tables) != len(inputs):
         raise ValueError(f"{what}: {len(tables)} tables but {len(inputs)} inputs")
     _ext.require()
-    args = [(x, None, None) if isinstance(x, torch.Tensor) else _padded_args(x) for x in inputs]
+    args = [_padded_args(x) for x in inputs]
     groups: dict[tuple, list[int]] = {}
     local: list[int] = []
     for i, t in enumerate(tables):
@@ -1006,6 +1006,8 @@ def _lookup_groups(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], 
 def _padded_args(x: Any) -> tuple:
     """One table's input to lookup_many (a tensor, or a tuple or list of the forward's
     arguments) as ``(input, offsets, per_sample_weights)``, the missing ones None."""
+    if isinstance(x, torch.Tensor):  # the usual case, first
+        return (x, None, None)
     a = tuple(x) if isinstance(x, (tuple, list)) else (x,)
     return a + (None,) * (3 - len(a))
 

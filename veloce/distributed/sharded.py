@@ -422,7 +422,7 @@ def _concat_bags(modules: list, bags: Sequence[tuple], dtype: torch.dtype, dev: 
     for m, (ids, offsets, psw) in zip(modules, bags):
         n = ids.numel()
         num_ids.append(n)
-        if m.padding_idx is None:  # (_drop_padding's own first case, without its call and second count)
+        if m.padding_idx is None:  # nothing to drop: _drop_padding's first case, inlined (every step)
             starts, kept = offsets[:-1] if m.include_last_offset else offsets, None
         else:
             ids, starts, psw, kept = _drop_padding(m, ids, offsets, psw)
@@ -697,8 +697,8 @@ def _per_table(out: torch.Tensor, num_bags: list[int]) -> tuple[torch.Tensor, ..
     with ``nn.EmbeddingBag``'s). So each is a tensor of its own, not a view for autograd
     (``unsafe_split``: one op for all tables, each piece with its own version counter): the
     tables' rows are disjoint, so an in-place change of one touches no other. A clone per
-    table cost a launch and a copy of its rows (218 MB per DLRM step of 26 tables), a
-    tensor per table set on ``out``'s storage two ops each on the host."""
+    table cost a launch and a copy of its rows (218 MB per DLRM step of 26 tables); a tensor
+    per table ``set_`` on ``out``'s storage cost two ops per table on the host."""
     if len(num_bags) == 1:
         return (out,)
     return tuple(out.contiguous().unsafe_split_with_sizes(num_bags))
