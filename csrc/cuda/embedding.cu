@@ -1051,6 +1051,9 @@ __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>
 // Column packs per lane the fused kernel holds in registers; wider rows take the unfused path.
 constexpr int kMaxIter = 4;
 
+// Waves of resident blocks the fused kernel is launched with (see its launch).
+constexpr int64_t kUpdateWaves = 4;
+
 // The fused pass over tables t[0..K) (1 <= K <= MaxK; each with positions and rows), with
 // 16-byte packs or not (vec: every table allows them).
 template <typename key_t, int MaxK>
@@ -1102,8 +1105,16 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
       constexpr int V = decltype(vec)::value;
       constexpr int ITER = decltype(iter)::value;
       const int lanes = lanes_for(D, V);
-      // Enough groups for every run of a batch of distinct slots, capped.
-      const int64_t blocks = std::min<int64_t>(grid_for(N * lanes), 32 * 1024);
+      // A few waves of the blocks that fit at once, each group taking many runs through
+      // the grid-stride loop (never more blocks than one group per position needs). Before,
+      // one group per position, capped at 32768 blocks: about 1.4 runs per group, and each
+      // group first read the run count and the plan's totals (one more round trip before
+      // its first run), and a block's finished warps idled until its slowest one (long
+      // runs' chunks take 64 rows) was done.
+      const int64_t resident =
+          static_cast<int64_t>(resident_blocks_per_sm<accumulate_update_kernel<scalar_t, key_t, V, ITER, MaxK>>()) *
+          num_sms();
+      const int64_t blocks = std::min<int64_t>(grid_for(N * lanes), kUpdateWaves * resident);
       accumulate_update_kernel<scalar_t, key_t, V, ITER, MaxK>
           <<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
               tg, D, S, rule, up, num_runs.data_ptr<int64_t>(), pp, fp, N, sorted_pos.data_ptr<int32_t>(),

@@ -56,6 +56,22 @@ inline int num_sms() {
   return n;
 }
 
+// How many blocks of kThreads of `Kernel` fit on one SM of the current device at once (its
+// registers and shared memory allowing; asked once per device and kernel): sizes
+// grid-stride launches to a few waves of resident blocks.
+template <auto Kernel>
+int resident_blocks_per_sm() {
+  static std::vector<std::atomic<int>> cache(static_cast<size_t>(c10::cuda::device_count()));
+  const auto dev = static_cast<size_t>(c10::cuda::current_device());
+  int n = cache[dev].load(std::memory_order_relaxed);
+  if (n == 0) {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, 0));
+    n = std::max(n, 1);
+    cache[dev].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 // Runs a CUB device-wide algorithm twice (size query, then work), its temporary storage
 // taken from the caching allocator. f(void* temp, size_t& bytes) -> cudaError_t.
 template <typename F>
