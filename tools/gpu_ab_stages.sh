@@ -26,6 +26,8 @@
 #   hostab     the host path of both trees: configuration 3's step on a small table and batch
 #              (profile_step --phases, SGD unchecked and Adam checked), interleaved 3x; then
 #              configuration 5's DLRM on one GPU at 256 samples a step, interleaved 2x
+#   waves      branch update-grid only: the fused update's grid by VELOCE_UPDATE_WAVES (WAVES, default
+#              "0 4 16 64"), ncu of the kernel and whole configuration-3 steps, one build
 #   c5         configuration 5 on W GPUs (default: all), sync, raise_next, interleaved 3x
 #   w1         configuration 5 on one GPU, interleaved 2x
 #   c5p        configuration 5 of the new tree on W GPUs, with and without --prefetch, interleaved 3x
@@ -172,6 +174,24 @@ for stage in "$@"; do
         d=$(tree $tag)
         (cd "$d" && PYTHONPATH="$d" timeout 90 $PIN python3 tools/profile_step.py --device cuda --model dlrm --dlrm-batch 256 \
            2>&1 | grep "step on" | sed "s/^/$tag /") | say
+      done
+      t ;;
+    waves)
+      # The update grid of the working tree (branch update-grid) by VELOCE_UPDATE_WAVES (0: main's
+      # grid), one build: the kernel alone under ncu, then whole configuration-3 steps.
+      for w in ${WAVES:-0 4 16 64}; do
+        (PYTHONPATH="$NEW" VELOCE_UPDATE_WAVES=$w timeout 60 ncu --clock-control none --kernel-name regex:accumulate_update_kernel \
+           --launch-skip 3 --launch-count 1 --section SpeedOfLight python3 tools/profile_step.py --device cuda \
+           --optimizer adam --unchecked --phases > /tmp/ab_ncu.txt 2>&1)
+        echo "adam waves=$w: $(grep -E ' Duration|DRAM Throughput' /tmp/ab_ncu.txt | awk '{printf "%s %s, ", $1, $NF}')" | say
+      done
+      B="--device cuda --features 10 --ids-per-feature 1600000 --batch 104857 --bag 1 --dim 128 --dist zipf --alpha 1.05"
+      B="$B --optimizers sgd,adam --no-dict --unchecked --steps 50 --warmup 5 --back-to-back"
+      for r in 1 2; do
+        for w in ${WAVES:-0 4 16 64}; do
+          (PYTHONPATH="$NEW" VELOCE_UPDATE_WAVES=$w timeout 200 $PIN python3 benchmarks/bench_embedding.py $B 2>&1 \
+             | grep -E "^\| (sgd|adam)" | sed "s/^/waves=$w /") | say
+        done
       done
       t ;;
     c5)

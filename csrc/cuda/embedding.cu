@@ -25,6 +25,7 @@
 #include <cub/device/device_run_length_encode.cuh>
 #include <cub/device/device_scan.cuh>
 
+#include <cstdlib>
 #include <limits>
 #include <string>
 #include <vector>
@@ -1051,8 +1052,17 @@ __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>
 // Column packs per lane the fused kernel holds in registers; wider rows take the unfused path.
 constexpr int kMaxIter = 4;
 
-// Waves of resident blocks the fused kernel is launched with (see its launch).
-constexpr int64_t kUpdateWaves = 4;
+// Waves of resident blocks the fused kernel is launched with (see its launch); 0: one group
+// per position, capped at 32768 blocks (main's grid). An experiment's knob, read once from
+// VELOCE_UPDATE_WAVES (default 4): the eighteenth session measured 4 waves 8-19% faster
+// for the kernel alone, and the next step's insert, beside it, slower (benchmarks/README.md).
+int64_t update_waves() {
+  static const int64_t waves = [] {
+    const char* env = std::getenv("VELOCE_UPDATE_WAVES");
+    return env != nullptr ? std::max<int64_t>(0, std::atoll(env)) : int64_t{4};
+  }();
+  return waves;
+}
 
 // The fused pass over tables t[0..K) (1 <= K <= MaxK; each with positions and rows), with
 // 16-byte packs or not (vec: every table allows them).
@@ -1114,7 +1124,8 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
       const int64_t resident =
           static_cast<int64_t>(resident_blocks_per_sm<accumulate_update_kernel<scalar_t, key_t, V, ITER, MaxK>>()) *
           num_sms();
-      const int64_t blocks = std::min<int64_t>(grid_for(N * lanes), kUpdateWaves * resident);
+      const int64_t waves = update_waves();
+      const int64_t blocks = std::min<int64_t>(grid_for(N * lanes), waves > 0 ? waves * resident : 32 * 1024);
       accumulate_update_kernel<scalar_t, key_t, V, ITER, MaxK>
           <<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
               tg, D, S, rule, up, num_runs.data_ptr<int64_t>(), pp, fp, N, sorted_pos.data_ptr<int32_t>(),
