@@ -1053,9 +1053,11 @@ __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>
 constexpr int kMaxIter = 4;
 
 // Waves of resident blocks the fused kernel is launched with (see its launch); 0: one group
-// per position, capped at 32768 blocks (main's grid). An experiment's knob, read once from
-// VELOCE_UPDATE_WAVES (default 4): the eighteenth session measured 4 waves 8-19% faster
-// for the kernel alone, and the next step's insert, beside it, slower (benchmarks/README.md).
+// per position, capped at 32768 blocks (the grid before the twentieth session). Read once
+// from VELOCE_UPDATE_WAVES (default 4), so that one build can sweep it (tools/gpu_ab_stages.sh
+// waves). 4 waves made the kernel alone 8-19% faster (H200, ncu) and configuration 3's step
+// 4-9% faster on an H100; on an H200 one of two runs of Adam without the check was slower,
+// the next step's insert beside it waiting for SMs (benchmarks/README.md, twentieth session).
 int64_t update_waves() {
   static const int64_t waves = [] {
     const char* env = std::getenv("VELOCE_UPDATE_WAVES");
