@@ -651,6 +651,35 @@ def test_failed_evicting_table_beside_an_evicting_one(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_evicting_table_between_tables_that_may_evict_but_do_not(device):
+    """Three tables that may evict in one find_or_insert_many: the first has room for its
+    new ids, the second is full and evicts, the third gets known ids only. On CUDA the
+    evicted keys' memory is taken for all three before the first read-back, and only the
+    second's are listed, at the start of the list: they must be the CPU's keys, and the
+    other two tables must report none. Few new ids, so the CUDA insert places them in
+    order, as the CPU does."""
+    gen = torch.Generator().manual_seed(11)
+    roomy, full, known = make_table(1024, dim=3), filled_table(64, gen, 70_000), make_table(256, dim=3)
+    ht.find_or_insert(*roomy.tensors(), ids_tensor(range(0, 200, 5)))
+    ht.find_or_insert(*known.tensors(), ids_tensor(range(40)))
+    ids = [ids_tensor(list(range(1, 60, 3)) + [5, 10]), ids_tensor(range(-20, 0)), ids_tensor(range(0, 40, 2))]
+    n = len(ids)
+    args = ([1] * n, [60] * n, [True] * n, [3] * n, [2] * n, [-0.5] * n, [0.5] * n, [None] * n)
+    cpu = [t.clone() for t in (roomy, full, known)]
+    want_slots, want_counts, want_evicted = ht.find_or_insert_many([t.tensors() for t in cpu], ids, *args)
+    assert want_counts[:, 2].tolist() == [0, 20, 0] and want_counts[:, 1].tolist() == [0, 0, 0]  # the case
+    on_device = [Table(*(x.to(device) for x in t.tensors())) for t in (roomy, full, known)]
+    slots, counts, evicted = ht.find_or_insert_many([t.tensors() for t in on_device], [i.to(device) for i in ids],
+                                                    *args)  # fmt: skip
+    assert counts.tolist() == want_counts.tolist()
+    assert torch.equal(slots.cpu(), want_slots) and torch.equal(evicted.cpu(), want_evicted)
+    for got, want in zip(on_device, cpu):
+        live = want.digests != 0
+        assert torch.equal(got.digests.cpu(), want.digests) and torch.equal(got.keys.cpu()[live], want.keys[live])
+        assert torch.equal(got.scores.cpu()[live], want.scores[live])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_find_or_insert_many_places_conflicting_ids_of_many_tables_like_the_cpu(device):
     """40 small tables (two buckets each), every one with new ids that share buckets, the
     first ten also at max capacity and evicting: one call places the conflicted ids of all

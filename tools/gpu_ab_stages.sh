@@ -26,8 +26,9 @@
 #   hostab     the host path of both trees: configuration 3's step on a small table and batch
 #              (profile_step --phases, SGD unchecked and Adam checked), interleaved 3x; then
 #              configuration 5's DLRM on one GPU at 256 samples a step, interleaved 2x
-#   waves      branch update-grid only: the fused update's grid by VELOCE_UPDATE_WAVES (WAVES, default
-#              "0 4 16 64"), ncu of the kernel and whole configuration-3 steps, one build
+#   waves      the fused update's grid by VELOCE_UPDATE_WAVES of the working tree (WAVES, default
+#              "0 4 16 64"; 0 is the grid before the twentieth session), ncu of the kernel and whole
+#              configuration-3 steps, one build
 #   c5         configuration 5 on W GPUs (default: all), sync, raise_next, interleaved 3x
 #   w1         configuration 5 on one GPU, interleaved 2x
 #   c5p        configuration 5 of the new tree on W GPUs, with and without --prefetch, interleaved 3x
@@ -177,8 +178,8 @@ for stage in "$@"; do
       done
       t ;;
     waves)
-      # The update grid of the working tree (branch update-grid) by VELOCE_UPDATE_WAVES (0: main's
-      # grid), one build: the kernel alone under ncu, then whole configuration-3 steps.
+      # The update grid of the working tree by VELOCE_UPDATE_WAVES (0: the grid before the
+      # twentieth session), one build: the kernel alone under ncu, then whole configuration-3 steps.
       for w in ${WAVES:-0 4 16 64}; do
         (PYTHONPATH="$NEW" VELOCE_UPDATE_WAVES=$w timeout 60 ncu --clock-control none --kernel-name regex:accumulate_update_kernel \
            --launch-skip 3 --launch-count 1 --section SpeedOfLight python3 tools/profile_step.py --device cuda \

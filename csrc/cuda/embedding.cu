@@ -25,6 +25,7 @@
 #include <cub/device/device_run_length_encode.cuh>
 #include <cub/device/device_scan.cuh>
 
+#include <cerrno>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -1058,10 +1059,23 @@ constexpr int kMaxIter = 4;
 // waves). 4 waves made the kernel alone 8-19% faster (H200, ncu) and configuration 3's step
 // 4-9% faster on an H100; on an H200 one of two runs of Adam without the check was slower,
 // the next step's insert beside it waiting for SMs (benchmarks/README.md, twentieth session).
+// A value that is not a whole number in [0, kMaxUpdateWaves] is refused with a warning
+// (the default is used).
+constexpr int64_t kMaxUpdateWaves = 1024;
 int64_t update_waves() {
   static const int64_t waves = [] {
+    constexpr int64_t kDefault = 4;
     const char* env = std::getenv("VELOCE_UPDATE_WAVES");
-    return env != nullptr ? std::max<int64_t>(0, std::atoll(env)) : int64_t{4};
+    if (env == nullptr || *env == '\0') return kDefault;
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(env, &end, 10);
+    if (errno != 0 || *end != '\0' || v < 0 || v > kMaxUpdateWaves) {
+      TORCH_WARN("VELOCE_UPDATE_WAVES=", env, " is not a whole number from 0 to ", kMaxUpdateWaves,
+                 "; the fused sparse update uses the default, ", kDefault, " waves");
+      return kDefault;
+    }
+    return static_cast<int64_t>(v);
   }();
   return waves;
 }
