@@ -39,10 +39,8 @@ from bench_hash_table import Table, evicts, fill, random_keys
 import veloce  # noqa: F401  (registers the ops)
 
 
-def timeline(trace_path: str, events: int) -> None:
-    """The first ``events`` GPU activities of a Chrome trace, with the idle gap before each."""
-    with open(trace_path) as f:
-        trace = json.load(f)["traceEvents"]
+def timeline(trace: list, events: int) -> None:
+    """The first ``events`` GPU activities of a Chrome trace's events, with the idle gap before each."""
     gpu = sorted((e for e in trace if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                  key=lambda e: e["ts"])  # fmt: skip
     if not gpu:
@@ -55,11 +53,10 @@ def timeline(trace_path: str, events: int) -> None:
         end = max(end, e["ts"] + e["dur"])
 
 
-def host_timeline(trace_path: str, op: str = "veloce::find_or_insert", which: int = 1) -> None:
+def host_timeline(trace: list, op: str = "veloce::find_or_insert", which: int = 1) -> None:
     """The host's CUDA runtime calls and the GPU's activities during the ``which``-th call of
-    ``op`` in a Chrome trace, on one clock (us since the op's start): where its host time goes."""
-    with open(trace_path) as f:
-        trace = json.load(f)["traceEvents"]
+    ``op`` in a Chrome trace's events, on one clock (us since the op's start): where its host
+    time goes."""
     spans = sorted((e for e in trace if e.get("ph") == "X" and e.get("cat") == "cpu_op" and e.get("name") == op),
                    key=lambda e: e["ts"])  # fmt: skip
     if len(spans) <= which:
@@ -171,10 +168,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        timeline(path, args.events)
-        if args.host:
-            host_timeline(path)
+        with open(path) as f:
+            trace = json.load(f)["traceEvents"]
+    timeline(trace, args.events)
     if args.host:
+        host_timeline(trace)
         host_costs(t, present, dev)
 
 

@@ -722,9 +722,8 @@ def _raise_deferred(tables: Sequence["DynamicEmbedding"]) -> None:
     for group in groups.values():
         raise_deferred_failures(group)
     error = None
-    for t in tables:  # (_settle_check inlined: every table, every step)
-        if t._verdict is not None:
-            t._verdict.settle()
+    for t in tables:
+        t._settle_check()
         if t._nonfinite_error is not None:
             error, t._nonfinite_error = error or t._nonfinite_error, None
     if error is not None:

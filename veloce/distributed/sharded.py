@@ -420,14 +420,9 @@ def _concat_bags(modules: list, bags: Sequence[tuple], dtype: torch.dtype, dev: 
     any_psw = any(b[2] is not None for b in bags)
     ids_l, starts_l, psw_l, kept_l, num_ids, num_kept, num_bags = [], [], [], [], [], [], []
     for m, (ids, offsets, psw) in zip(modules, bags):
-        n = ids.numel()
-        num_ids.append(n)
-        if m.padding_idx is None:  # nothing to drop: _drop_padding's first case, inlined (every step)
-            starts, kept = offsets[:-1] if m.include_last_offset else offsets, None
-        else:
-            ids, starts, psw, kept = _drop_padding(m, ids, offsets, psw)
-            n = ids.numel()
-        num_kept.append(n)
+        num_ids.append(ids.numel())
+        ids, starts, psw, kept = _drop_padding(m, ids, offsets, psw)
+        num_kept.append(ids.numel())
         num_bags.append(starts.numel())
         ids_l.append(ids)
         starts_l.append(starts)
