@@ -694,7 +694,6 @@ class Inserter {
         c.score_values = t.score_values.defined() ? t.score_values.data_ptr<int64_t>() : nullptr;
       }
     }
-    keep_.push_back(kept);  // the zeroed and plain arrays, counters_ too
   }
 
   // Phases 3a and 3b from the counters read after classify (sync b). A table's outcome is
@@ -950,7 +949,7 @@ class Inserter {
   Mode mode_;
   std::vector<InsertTable>& tabs_;
   TableCalls calls_;
-  Arena zeroed_, grouping_;  // zeroed_ shares its buffer with the plain arrays (kept in keep_)
+  Arena zeroed_, grouping_;  // zeroed_'s buffer holds the plain arrays too: it keeps them alive
   int32_t* counters_ = nullptr;  // (K * kNum + 1,) on the device: every table's counters and bad_input's flag
   int64_t counters_off_ = 0;     // their offset in zeroed_
   at::Tensor counted_;           // (2 * (K * kNum + 1),) pinned: the counters read at syncs b and c (halves)
