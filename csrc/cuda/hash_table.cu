@@ -500,6 +500,10 @@ class Inserter {
   Inserter(const char* op, Mode mode, std::vector<InsertTable>& tables)
       : op_(op), mode_(mode), tabs_(tables), calls_(static_cast<int64_t>(tables.size()), tables[0].keys) {}
 
+  // Every table's evicted keys, table after table (a view of the list; undefined when none
+  // was evicted).
+  const at::Tensor& all_evicted() const { return all_evicted_; }
+
   void run(const std::optional<at::Tensor>& bad_input) {
     prepare();
     if (mode_ == Mode::kFindOrInsert) calls_.launch(VELOCE_OVER_TABLES(probe_kernel), kStageProbe, positions());
@@ -928,15 +932,20 @@ class Inserter {
 
   // Each evicting table's part of the list (`placed`: the counters of sync c, or null when
   // no table settled): its count is exact for a decided table, the kEvicted counter for a
-  // settling one. A failed table's evictions were rolled back; their keys in the list are skipped.
+  // settling one. A failed table's evictions were rolled back and not listed
+  // (order_flags_kernel). The successful tables' keys lie one after another from the list's
+  // start: every table's, as find_or_insert_many returns them, are a view of it (no
+  // allocation after the tables changed).
   void take_evicted(const at::Tensor& keys, const int32_t* placed) {
     int64_t start = 0;
     for (int64_t j : evicting_) {
       InsertTable& t = tabs_[static_cast<size_t>(j)];
+      if (t.failed > 0) continue;
       const int64_t m = t.settle ? placed[j * counter::kNum + counter::kEvicted] : evicted_bound(j);
-      if (t.failed == 0 && m > 0) t.evicted = keys.narrow(0, start, m);
+      if (m > 0) t.evicted = keys.narrow(0, start, m);
       start += m;
     }
+    if (start > 0) all_evicted_ = keys.narrow(0, 0, start);
   }
 
   int64_t evicted_bound(int64_t j) const {
@@ -956,6 +965,7 @@ class Inserter {
   std::vector<at::Tensor> keep_;
   std::vector<int64_t> evicting_;  // tables that may evict, in order (list_evicted)
   Ordering evicted_list_;          // its memory (reserve_evicted: before sync b and any change)
+  at::Tensor all_evicted_;         // every table's evicted keys (take_evicted)
 };
 
 // counts is built on the host from host values and stays there (a CPU tensor), so reading
@@ -1052,11 +1062,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
                                           slots.narrow(0, start, ids[k].numel())));
   }
   const c10::cuda::CUDAGuard guard(keys[0].device());
-  Inserter(op, Mode::kFindOrInsert, tables).run(bad_input);
+  Inserter inserter(op, Mode::kFindOrInsert, tables);
+  inserter.run(bad_input);
   std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> per_table;
   per_table.reserve(K);
   for (const InsertTable& t : tables) per_table.push_back(result(t));
-  return many_result(slots, per_table);
+  // The evicted keys are the list's start as they are: a concatenation would allocate after
+  // the tables changed (and an allocation failure then would leave them changed unbooked).
+  const at::Tensor& evicted = inserter.all_evicted();
+  return many_result(slots, per_table, evicted.defined() ? evicted : at::empty({0}, keys[0].options()));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(

@@ -552,12 +552,15 @@ __global__ void classify_kernel(const __grid_constant__ Calls calls) {
 // The distinct ids some tables must take in order of first occurrence (the CPU kernel's
 // insertion order), `select`ed (conflicted ones, or evicted ones), flagged at their first
 // positions: the tables' position ranges lie one after another, so one select of the
-// flagged values lists every table's in order, table after table, without a sort.
+// flagged values lists every table's in order, table after table, without a sort. A
+// settling table that failed lists no evicted key (they are rolled back): the list is then
+// the successful tables' keys alone, one after another, which the op returns as it is.
 template <class Calls>
 __global__ void order_flags_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageOrder);
   const int64_t k = thread_index();
   if (c == nullptr || k >= c->u.n) return;  // u.n = U here (after the counters' read)
+  if (c->select == 1 && placement_failed(c)) return;
   const bool take = c->select == 0 ? c->conflicted[k] != 0 : c->u.state[k] == kEvicted;
   if (!take) return;
   const int64_t at = c->first_pos[k];
