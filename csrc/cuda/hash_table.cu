@@ -64,8 +64,8 @@
 // there are at most kSequentialMax of them (always the case in small batches and in
 // large, sparsely filled tables); beyond that they race in 3a/3b too, and only their
 // placement (not the found/missing sets, values or counts) may differ from the CPU's;
-// near capacity that includes which keys they evict, and how many ids of a failing call
-// found no room.
+// near capacity that includes which keys they evict, and whether the call finds room for
+// every new id (two-choice placement depends on the order; a failing call changes nothing).
 
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
