@@ -683,49 +683,65 @@ decltype(auto) with_sort_key(int64_t num_rows, F&& f) {
 // accumulate_grad and the fused accumulate_and_update(_many).
 template <typename key_t>
 struct SortedRuns {
-  at::Tensor sorted_pos;  // (N,) int32: positions or bags (keys_kernel), grouped by key, ascending within one
-  at::Tensor bag_of;      // (N,) int32: the bag of each position; undefined when sorted_pos holds bags
-  at::Tensor uniq;        // (N,) key_t: the key of each run (first *num_runs valid)
-  at::Tensor run_len;     // (N,) int32: the length of each run
-  const key_t* uniq_ptr() const { return reinterpret_cast<const key_t*>(uniq.data_ptr()); }
-  const int32_t* bag_of_ptr() const { return bag_of.defined() ? bag_of.data_ptr<int32_t>() : nullptr; }
+  const int32_t* sorted_pos;  // (N,): positions or bags (keys_kernel), grouped by key, ascending within one
+  const int32_t* bag_of;      // (N,): the bag of each position; null when sorted_pos holds bags
+  const key_t* uniq;          // (N,): the key of each run (first *num_runs valid)
+  const int32_t* run_len;     // (N,): the length of each run
 };
 
-// `like`: an int64 tensor on the device (allocation options).
+// Its arrays live in the caller's arena: the constructor reserves them (before the arena's
+// allocation) and asks CUB for its temporary storage; run() sorts (after it), in temp_bytes()
+// of temporary storage that the caller may share with later CUB calls of the same stream.
 template <typename key_t, int MaxK>
-SortedRuns<key_t> sort_runs(const TableGroup<MaxK>& tg, const at::Tensor& like, int64_t* num_runs,
-                            unsigned long long* num_skipped) {
-  const int64_t N = tg.pos_base[tg.K];
-  const int64_t num_rows = tg.row_base[tg.K];
-  const int n = static_cast<int>(N);
-  const auto opts = like.options();
-  at::Tensor keys = at::empty({N}, opts.dtype(sizeof(key_t) == 4 ? at::kInt : at::kLong));
-  at::Tensor pos = at::empty({N}, opts.dtype(at::kInt));
-  bool weighted = false;  // per-sample weights are indexed by position: sort positions
-  for (int k = 0; k < tg.K; ++k) weighted |= tg.psw[k] != nullptr;
-  at::Tensor bag_of = weighted ? at::empty({N}, opts.dtype(at::kInt)) : at::Tensor();
-  key_t* kp = reinterpret_cast<key_t*>(keys.data_ptr());
-  keys_kernel<key_t, MaxK><<<grid_for(N), kThreads, 0, stream()>>>(
-      tg, kp, pos.data_ptr<int32_t>(), weighted ? bag_of.data_ptr<int32_t>() : nullptr, num_skipped);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // Stable sort on the key's significant bits: within a key, positions stay ascending.
-  at::Tensor sorted_keys = at::empty_like(keys);
-  at::Tensor sorted_pos = at::empty_like(pos);
-  key_t* skp = reinterpret_cast<key_t*>(sorted_keys.data_ptr());
-  const int end_bit = std::max(1, bit_width(static_cast<uint64_t>(num_rows)));
-  cub_call(like, [&](void* temp, size_t& bytes) {
-    return cub::DeviceRadixSort::SortPairs(temp, bytes, kp, skp, pos.data_ptr<int32_t>(),
-                                           sorted_pos.data_ptr<int32_t>(), n, 0, end_bit, stream());
-  });
-  at::Tensor uniq = at::empty_like(keys);
-  at::Tensor run_len = at::empty({N}, opts.dtype(at::kInt));
-  key_t* up = reinterpret_cast<key_t*>(uniq.data_ptr());
-  cub_call(like, [&](void* temp, size_t& bytes) {
-    return cub::DeviceRunLengthEncode::Encode(temp, bytes, skp, up, run_len.data_ptr<int32_t>(), num_runs, n,
-                                              stream());
-  });
-  return {sorted_pos, bag_of, uniq, run_len};
-}
+class RunSort {
+ public:
+  RunSort(const TableGroup<MaxK>& tg, Arena& a)
+      : tg_(tg), N_(tg.pos_base[tg.K]), end_bit_(std::max(1, bit_width(static_cast<uint64_t>(tg.row_base[tg.K])))) {
+    for (int k = 0; k < tg.K; ++k) weighted_ |= tg.psw[k] != nullptr;  // psw are indexed by position: sort positions
+    keys_ = a.add<key_t>(N_);
+    pos_ = a.add<int32_t>(N_);
+    if (weighted_) bag_of_ = a.add<int32_t>(N_);
+    sorted_keys_ = a.add<key_t>(N_);
+    sorted_pos_ = a.add<int32_t>(N_);
+    uniq_ = a.add<key_t>(N_);
+    run_len_ = a.add<int32_t>(N_);
+    size_t sort = 0, encode = 0;
+    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort, static_cast<const key_t*>(nullptr),
+                                                   static_cast<key_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+                                                   static_cast<int32_t*>(nullptr), n(), 0, end_bit_, stream()));
+    C10_CUDA_CHECK(cub::DeviceRunLengthEncode::Encode(nullptr, encode, static_cast<key_t*>(nullptr),
+                                                      static_cast<key_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                                      static_cast<int64_t*>(nullptr), n(), stream()));
+    temp_bytes_ = std::max(sort, encode);
+  }
+  size_t temp_bytes() const { return temp_bytes_; }
+
+  SortedRuns<key_t> run(const Arena& a, void* temp, int64_t* num_runs, unsigned long long* num_skipped) const {
+    key_t* const kp = a.ptr<key_t>(keys_);
+    key_t* const skp = a.ptr<key_t>(sorted_keys_);
+    int32_t* const bag_of = weighted_ ? a.ptr<int32_t>(bag_of_) : nullptr;
+    keys_kernel<key_t, MaxK><<<grid_for(N_), kThreads, 0, stream()>>>(tg_, kp, a.ptr<int32_t>(pos_), bag_of,
+                                                                     num_skipped);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // Stable sort on the key's significant bits: within a key, positions stay ascending.
+    size_t bytes = temp_bytes_;
+    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, bytes, kp, skp, a.ptr<int32_t>(pos_),
+                                                   a.ptr<int32_t>(sorted_pos_), n(), 0, end_bit_, stream()));
+    bytes = temp_bytes_;
+    C10_CUDA_CHECK(cub::DeviceRunLengthEncode::Encode(temp, bytes, skp, a.ptr<key_t>(uniq_), a.ptr<int32_t>(run_len_),
+                                                      num_runs, n(), stream()));
+    return {a.ptr<int32_t>(sorted_pos_), bag_of, a.ptr<key_t>(uniq_), a.ptr<int32_t>(run_len_)};
+  }
+
+ private:
+  int n() const { return static_cast<int>(N_); }
+  const TableGroup<MaxK>& tg_;
+  int64_t N_;
+  int end_bit_;
+  bool weighted_ = false;
+  int64_t keys_ = 0, pos_ = 0, bag_of_ = 0, sorted_keys_ = 0, sorted_pos_ = 0, uniq_ = 0, run_len_ = 0;
+  size_t temp_bytes_ = 0;
+};
 
 // accumulate_grad of one table (t.rows = num_rows; N > 0).
 template <typename key_t>
@@ -742,14 +758,17 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const TableArgs& t, int64_t mode) 
   // info[0]: number of runs (written by CUB), info[1]: positions without a gradient,
   // info[2], info[3]: runs longer than kLongRun and their chunks.
   at::Tensor info = at::zeros({4}, opts);
-  const SortedRuns<key_t> runs = sort_runs<key_t>(
-      tg, s, info.data_ptr<int64_t>(), reinterpret_cast<unsigned long long*>(info.data_ptr<int64_t>() + 1));
-  const at::Tensor& sorted_pos = runs.sorted_pos;
-  const int32_t* bag_of = runs.bag_of_ptr();
-  const at::Tensor& run_len = runs.run_len;
-  const key_t* up = runs.uniq_ptr();
-  long_runs_count_kernel<<<grid_for(N), kThreads, 0, stream()>>>(run_len.data_ptr<int32_t>(), N,
-                                                                   info.data_ptr<int64_t>());
+  Arena scratch;
+  const RunSort<key_t, 1> sort(tg, scratch);
+  const int64_t temp = scratch.add_bytes(static_cast<int64_t>(sort.temp_bytes()));
+  scratch.allocate(opts);
+  const SortedRuns<key_t> runs = sort.run(scratch, scratch.ptr<uint8_t>(temp), info.data_ptr<int64_t>(),
+                                          reinterpret_cast<unsigned long long*>(info.data_ptr<int64_t>() + 1));
+  const int32_t* sorted_pos = runs.sorted_pos;
+  const int32_t* bag_of = runs.bag_of;
+  const int32_t* run_len = runs.run_len;
+  const key_t* up = runs.uniq;
+  long_runs_count_kernel<<<grid_for(N), kThreads, 0, stream()>>>(run_len, N, info.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const at::Tensor host = info.cpu();  // sync: sizes the outputs
   const int64_t* h = host.data_ptr<int64_t>();
@@ -761,8 +780,8 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const TableArgs& t, int64_t mode) 
   if (U == 0) return {unique_slots, grad_rows};
   at::Tensor run_start = at::empty({U}, opts.dtype(at::kInt));
   cub_call(s, [&](void* temp, size_t& bytes) {
-    return cub::DeviceScan::ExclusiveSum(temp, bytes, run_len.data_ptr<int32_t>(), run_start.data_ptr<int32_t>(),
-                                         static_cast<int>(U), stream());
+    return cub::DeviceScan::ExclusiveSum(temp, bytes, run_len, run_start.data_ptr<int32_t>(), static_cast<int>(U),
+                                         stream());
   });
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "accumulate_grad_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -776,8 +795,7 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const TableArgs& t, int64_t mode) 
       constexpr int V = decltype(vec)::value;
       const int lanes = lanes_for(D, V);
       segment_sum_kernel<scalar_t, key_t, V><<<grid_for(U * lanes), kThreads, 0, stream()>>>(
-          g.data_ptr<scalar_t>(), D, up, run_start.data_ptr<int32_t>(), run_len.data_ptr<int32_t>(), U,
-          sorted_pos.data_ptr<int32_t>(), bag_of, p.defined() ? p.data_ptr<scalar_t>() : nullptr,
+          g.data_ptr<scalar_t>(), D, up, run_start.data_ptr<int32_t>(), run_len, U, sorted_pos, bag_of, p.defined() ? p.data_ptr<scalar_t>() : nullptr,
           scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes, unique_slots.data_ptr<int64_t>(),
           grad_rows.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -788,22 +806,20 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const TableArgs& t, int64_t mode) 
       at::Tensor chunk_run = at::empty({M}, opts.dtype(at::kInt));
       at::Tensor partial = at::empty({M, D}, g.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
       long_runs_list_kernel<<<grid_for(U), kThreads, 0, stream()>>>(
-          run_len.data_ptr<int32_t>(), U, runs.data_ptr<int32_t>(), base.data_ptr<int32_t>(),
+          run_len, U, runs.data_ptr<int32_t>(), base.data_ptr<int32_t>(),
           counters.data_ptr<int32_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       chunk_owner_kernel<<<static_cast<unsigned>(L), kThreads, 0, stream()>>>(
-          runs.data_ptr<int32_t>(), base.data_ptr<int32_t>(), run_len.data_ptr<int32_t>(),
-          chunk_run.data_ptr<int32_t>());
+          runs.data_ptr<int32_t>(), base.data_ptr<int32_t>(), run_len, chunk_run.data_ptr<int32_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       chunk_sum_kernel<scalar_t, V><<<grid_for(M * lanes), kThreads, 0, stream()>>>(
           g.data_ptr<scalar_t>(), D, M, chunk_run.data_ptr<int32_t>(), runs.data_ptr<int32_t>(),
-          base.data_ptr<int32_t>(), run_start.data_ptr<int32_t>(), run_len.data_ptr<int32_t>(),
-          sorted_pos.data_ptr<int32_t>(), bag_of, p.defined() ? p.data_ptr<scalar_t>() : nullptr,
+          base.data_ptr<int32_t>(), run_start.data_ptr<int32_t>(), run_len, sorted_pos, bag_of, p.defined() ? p.data_ptr<scalar_t>() : nullptr,
           scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes, partial.data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       long_run_total_kernel<scalar_t><<<grid_for(L * D), kThreads, 0, stream()>>>(
-          partial.data_ptr<acc_t>(), D, L, runs.data_ptr<int32_t>(), base.data_ptr<int32_t>(),
-          run_len.data_ptr<int32_t>(), grad_rows.data_ptr<scalar_t>());
+          partial.data_ptr<acc_t>(), D, L, runs.data_ptr<int32_t>(), base.data_ptr<int32_t>(), run_len,
+          grad_rows.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (can_vectorize<scalar_t>(D, {g.data_ptr(), grad_rows.data_ptr()})) {
@@ -866,11 +882,14 @@ struct RunPlanSum {
 
 // plan[u] for u < N: runs past num_runs (the encode wrote fewer) and the sentinel run of
 // positions without a gradient have no chunks.
+// It also zeroes the fused kernel's `arrived` counters (num_arrived of them): one launch
+// less than a memset of their own.
 template <typename key_t>
 __global__ void plan_kernel(const key_t* __restrict__ uniq, const int32_t* __restrict__ run_len,
                             const int64_t* __restrict__ num_runs, int64_t N, int64_t num_rows,
-                            RunPlan* __restrict__ plan) {
+                            RunPlan* __restrict__ plan, int32_t* __restrict__ arrived, int64_t num_arrived) {
   const int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (u < num_arrived) arrived[u] = 0;
   if (u >= N) return;
   if (u >= *num_runs) {
     plan[u] = {0, 0, 0};
@@ -1093,39 +1112,51 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
   const int64_t D = t[0]->weights.size(1);
   const int64_t S = t[0]->opt_state.size(1);
   const at::Tensor& like = t[0]->s;
-  const auto opts = like.options();
-  at::Tensor num_runs = at::empty({1}, opts);
-  const SortedRuns<key_t> runs = sort_runs<key_t>(tg, like, num_runs.data_ptr<int64_t>(), nullptr);
-  const at::Tensor& sorted_pos = runs.sorted_pos;
-  const int32_t* bag_of = runs.bag_of_ptr();
-  const at::Tensor& run_len = runs.run_len;
-  const key_t* up = runs.uniq_ptr();
-  // RunPlan is three int32: plan and its scan live in int32 tensors of 3N.
-  at::Tensor plan = at::empty({3 * N}, opts.dtype(at::kInt));
-  at::Tensor first = at::empty({3 * N}, opts.dtype(at::kInt));
-  RunPlan* pp = reinterpret_cast<RunPlan*>(plan.data_ptr<int32_t>());
-  RunPlan* fp = reinterpret_cast<RunPlan*>(first.data_ptr<int32_t>());
-  plan_kernel<key_t><<<grid_for(N), kThreads, 0, stream()>>>(up, run_len.data_ptr<int32_t>(),
-                                                             num_runs.data_ptr<int64_t>(), N, R, pp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  cub_call(like, [&](void* temp, size_t& bytes) {
-    return cub::DeviceScan::ExclusiveScan(temp, bytes, pp, fp, RunPlanSum(), RunPlan{0, 0, 0}, static_cast<int>(N),
-                                          stream());
-  });
+  const at::Tensor& g0 = t[0]->g;
+  const int64_t acc_size = static_cast<int64_t>(c10::elementSize(at::toOpMathType(g0.scalar_type())));
   // Partial rows: chunks of runs longer than kLongRun, at most 2 N / kLongRun of them.
   const int64_t max_partials = 2 * ceil_div(N, kLongRun);
-  at::Tensor arrived = at::zeros({max_partials}, opts.dtype(at::kInt));
-  const at::Tensor& g0 = t[0]->g;
+  // Every scratch array in one allocation (about a dozen, each a call of the caching
+  // allocator on the step's critical path before), CUB's temporary storage shared by the
+  // sort, the encode and the plan's scan (one stream: one after another).
+  Arena scratch;
+  const RunSort<key_t, MaxK> sort(tg, scratch);
+  const int64_t num_runs_at = scratch.add<int64_t>(1);
+  // RunPlan is three int32: the plan and its scan.
+  const int64_t plan_at = scratch.add<RunPlan>(N);
+  const int64_t first_at = scratch.add<RunPlan>(N);
+  const int64_t arrived_at = scratch.add<int32_t>(max_partials);  // zeroed by plan_kernel
+  const int64_t partial_at = scratch.add_bytes(max_partials * D * acc_size);
+  const int64_t scale_at = mode == kMean ? scratch.add_bytes(B * acc_size) : -1;
+  size_t scan_bytes = 0;
+  // The size query with the argument types of the call below (CUB sizes by them).
+  C10_CUDA_CHECK(cub::DeviceScan::ExclusiveScan(nullptr, scan_bytes, static_cast<RunPlan*>(nullptr),
+                                                static_cast<RunPlan*>(nullptr), RunPlanSum(), RunPlan{0, 0, 0},
+                                                static_cast<int>(N), stream()));
+  const size_t temp_bytes = std::max(sort.temp_bytes(), scan_bytes);
+  const int64_t temp_at = scratch.add_bytes(static_cast<int64_t>(temp_bytes));
+  scratch.allocate(like.options());
+  void* const temp = scratch.ptr<uint8_t>(temp_at);
+  int64_t* const num_runs = scratch.ptr<int64_t>(num_runs_at);
+  const SortedRuns<key_t> runs = sort.run(scratch, temp, num_runs, nullptr);
+  const key_t* up = runs.uniq;
+  RunPlan* const pp = scratch.ptr<RunPlan>(plan_at);
+  RunPlan* const fp = scratch.ptr<RunPlan>(first_at);
+  int32_t* const arrived = scratch.ptr<int32_t>(arrived_at);
+  plan_kernel<key_t><<<grid_for(std::max(N, max_partials)), kThreads, 0, stream()>>>(up, runs.run_len, num_runs, N, R,
+                                                                                     pp, arrived, max_partials);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  size_t bytes = temp_bytes;
+  C10_CUDA_CHECK(cub::DeviceScan::ExclusiveScan(temp, bytes, pp, fp, RunPlanSum(), RunPlan{0, 0, 0},
+                                                static_cast<int>(N), stream()));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g0.scalar_type(), "accumulate_and_update_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const auto acc_type = c10::CppTypeToScalarType<acc_t>::value;
-    at::Tensor scale;
-    if (mode == kMean) {
-      scale = at::empty({B}, g0.options().dtype(acc_type));
-      bag_scale_kernel<acc_t, MaxK><<<grid_for(B * 32), kThreads, 0, stream()>>>(tg, scale.data_ptr<acc_t>());
+    acc_t* const scale = scale_at >= 0 ? scratch.ptr<acc_t>(scale_at) : nullptr;
+    if (scale != nullptr) {
+      bag_scale_kernel<acc_t, MaxK><<<grid_for(B * 32), kThreads, 0, stream()>>>(tg, scale);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    at::Tensor partial = at::empty({max_partials, D}, g0.options().dtype(acc_type));
+    acc_t* const partial = scratch.ptr<acc_t>(partial_at);
     const auto rule = UpdateRule<acc_t>::make(optimizer, lr, eps, beta1, beta2, weight_decay, step);
     auto launch = [&](auto vec, auto iter) {
       constexpr int V = decltype(vec)::value;
@@ -1144,9 +1175,8 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
       const int64_t blocks = std::min<int64_t>(grid_for(N * lanes), waves > 0 ? waves * resident : 32 * 1024);
       accumulate_update_kernel<scalar_t, key_t, V, ITER, MaxK>
           <<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
-              tg, D, S, rule, up, num_runs.data_ptr<int64_t>(), pp, fp, N, sorted_pos.data_ptr<int32_t>(),
-              bag_of, scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes,
-              partial.data_ptr<acc_t>(), arrived.data_ptr<int32_t>(), skip);
+              tg, D, S, rule, up, num_runs, pp, fp, N, runs.sorted_pos, runs.bag_of, scale, lanes, partial, arrived,
+              skip);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto with_iter = [&](auto vec) {

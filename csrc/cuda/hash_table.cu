@@ -258,11 +258,17 @@ constexpr int64_t kGroupEmpty = std::numeric_limits<int64_t>::min();
 
 // An inserting op's scratch, made ready in one launch: the zeroed arrays (counters, bucket
 // use, the eviction's touched bits) cleared, 16 bytes a thread, and the scratch set's keys
-// set to kGroupEmpty.
-__global__ void init_scratch_kernel(uint4* zero, int64_t zero_words, int64_t* keys, int64_t num_keys) {
+// set to kGroupEmpty. find_or_insert's bad_input flag (when given) is copied into the int32
+// at `flag_at` of the zeroed arrays, after its word is cleared (by the same thread), so that
+// it rides in sync b's copy of the counters without a launch of its own.
+__global__ void init_scratch_kernel(uint4* zero, int64_t zero_words, int64_t* keys, int64_t num_keys,
+                                    const bool* flag, int64_t flag_at) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = thread_index(); i < zero_words || i < num_keys; i += stride) {
-    if (i < zero_words) zero[i] = make_uint4(0, 0, 0, 0);
+    if (i < zero_words) {
+      zero[i] = make_uint4(0, 0, 0, 0);
+      if (flag != nullptr && i == flag_at / 4) reinterpret_cast<int32_t*>(zero)[flag_at] = *flag ? 1 : 0;
+    }
     if (i < num_keys) keys[i] = kGroupEmpty;
   }
 }
@@ -348,37 +354,6 @@ __global__ void group_assign_kernel(const __grid_constant__ Calls calls) {
 // A TableCalls::launch callable for `kernel` (a kernel template over its Calls parameter).
 #define VELOCE_OVER_TABLES(kernel) \
   [](auto calls, dim3 grid, int block) { kernel<<<grid, block, 0, stream()>>>(calls); }
-
-// Many arrays in one allocation: add() reserves (in bytes, 16-aligned), allocate() makes
-// the buffer (or bind() places the arena in a part of a shared one), ptr()/view() give each
-// array.
-class Arena {
- public:
-  template <typename T>
-  int64_t add(int64_t count) {
-    const int64_t off = ceil_div(size_, 16) * 16;
-    size_ = off + count * static_cast<int64_t>(sizeof(T));
-    return off;
-  }
-  int64_t bytes() const { return ceil_div(size_, 16) * 16; }  // a 16-byte multiple: arenas can follow
-  void allocate(const at::TensorOptions& o) { bind(at::empty({std::max<int64_t>(size_, 1)}, o.dtype(at::kByte)), 0); }
-  // The arena's arrays live in buf from byte `base` on (16-aligned); buf is kept alive.
-  void bind(at::Tensor buf, int64_t base) {
-    buf_ = std::move(buf);
-    base_ = base;
-  }
-  template <typename T>
-  T* ptr(int64_t off) const {
-    return reinterpret_cast<T*>(buf_.data_ptr<uint8_t>() + base_ + off);
-  }
-  at::Tensor view(int64_t off, int64_t count, at::ScalarType t) const {
-    return buf_.narrow(0, base_ + off, count * static_cast<int64_t>(c10::elementSize(t))).view(t);
-  }
-
- private:
-  int64_t size_ = 0, base_ = 0;
-  at::Tensor buf_;
-};
 
 // The TableCalls of one op call, on the host and (copied before each launch that follows a
 // change) on the device.
@@ -505,7 +480,7 @@ class Inserter {
   const at::Tensor& all_evicted() const { return all_evicted_; }
 
   void run(const std::optional<at::Tensor>& bad_input) {
-    prepare();
+    prepare(bad_input ? bad_input->data_ptr<bool>() : nullptr);
     if (mode_ == Mode::kFindOrInsert) calls_.launch(VELOCE_OVER_TABLES(probe_kernel), kStageProbe, positions());
     calls_.launch(VELOCE_OVER_TABLES(group_claim_kernel), kStageGroup, positions());
     calls_.launch(VELOCE_OVER_TABLES(group_assign_kernel), kStageGroup, positions());
@@ -530,11 +505,7 @@ class Inserter {
     // the GPU waits for the host until claim_kernel is launched.
     reserve_evicted();
     const int64_t K = calls_.size();
-    if (bad_input) {
-      zeroed_.view(counters_off_, K * counter::kNum + 1, at::kInt).narrow(0, K * counter::kNum, 1)
-          .copy_(bad_input->reshape({1}));
-    }
-    const int32_t* counted = read_counters(0);  // sync b
+    const int32_t* counted = read_counters(0);  // sync b (bad_input's flag too: init_scratch_kernel)
     if (bad_input) check_bad_input_unset(op_, counted[K * counter::kNum] != 0);
     place(counted);
     // Phase 5 and the evicted keys are queued before sync c, not after it: the GPU runs them
@@ -579,8 +550,8 @@ class Inserter {
   }
 
   // Scratch for every table in two allocations (one for the whole op, one for grouping
-  // alone), and each table's TableCall.
-  void prepare() {
+  // alone), and each table's TableCall. bad_input: find_or_insert's flag on the device, or null.
+  void prepare(const bool* bad_input) {
     const int64_t K = calls_.size();
     const bool with_last = mode_ == Mode::kAssign;
     Arena plain, zeroed, grouping;
@@ -635,12 +606,12 @@ class Inserter {
     grouping.allocate(bytes);
     const int64_t zero_words = zeroed.bytes() / 16, most = std::max(zero_words, key_slots);
     init_scratch_kernel<<<grid_for(std::max<int64_t>(most, 1)), kThreads, 0, stream()>>>(
-        zeroed.ptr<uint4>(0), zero_words, grouping.ptr<int64_t>(keys_off), key_slots);
+        zeroed.ptr<uint4>(0), zero_words, grouping.ptr<int64_t>(keys_off), key_slots, bad_input,
+        counters_off / static_cast<int64_t>(sizeof(int32_t)) + K * counter::kNum);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     zeroed_ = zeroed;
     grouping_ = grouping;
     counters_ = zeroed.ptr<int32_t>(counters_off);
-    counters_off_ = counters_off;
     for (int64_t j = 0; j < K; ++j) {
       InsertTable& t = tabs_[static_cast<size_t>(j)];
       const Offsets& o = off[static_cast<size_t>(j)];
@@ -960,7 +931,6 @@ class Inserter {
   TableCalls calls_;
   Arena zeroed_, grouping_;  // zeroed_'s buffer holds the plain arrays too: it keeps them alive
   int32_t* counters_ = nullptr;  // (K * kNum + 1,) on the device: every table's counters and bad_input's flag
-  int64_t counters_off_ = 0;     // their offset in zeroed_
   at::Tensor counted_;           // (2 * (K * kNum + 1),) pinned: the counters read at syncs b and c (halves)
   std::vector<at::Tensor> keep_;
   std::vector<int64_t> evicting_;  // tables that may evict, in order (list_evicted)

@@ -72,6 +72,41 @@ int resident_blocks_per_sm() {
   return n;
 }
 
+// Many arrays in one allocation (one call of the caching allocator instead of one per
+// array: each costs microseconds of host time on the step's critical path): add() reserves
+// (16-aligned), allocate() makes the buffer (or bind() places the arena in a part of a
+// shared one), ptr()/view() give each array.
+class Arena {
+ public:
+  template <typename T>
+  int64_t add(int64_t count) {
+    return add_bytes(count * static_cast<int64_t>(sizeof(T)));
+  }
+  int64_t add_bytes(int64_t bytes) {
+    const int64_t off = ceil_div(size_, 16) * 16;
+    size_ = off + bytes;
+    return off;
+  }
+  int64_t bytes() const { return ceil_div(size_, 16) * 16; }  // a 16-byte multiple: arenas can follow
+  void allocate(const at::TensorOptions& o) { bind(at::empty({std::max<int64_t>(size_, 1)}, o.dtype(at::kByte)), 0); }
+  // The arena's arrays live in buf from byte `base` on (16-aligned); buf is kept alive.
+  void bind(at::Tensor buf, int64_t base) {
+    buf_ = std::move(buf);
+    base_ = base;
+  }
+  template <typename T>
+  T* ptr(int64_t off) const {
+    return reinterpret_cast<T*>(buf_.data_ptr<uint8_t>() + base_ + off);
+  }
+  at::Tensor view(int64_t off, int64_t count, at::ScalarType t) const {
+    return buf_.narrow(0, base_ + off, count * static_cast<int64_t>(c10::elementSize(t))).view(t);
+  }
+
+ private:
+  int64_t size_ = 0, base_ = 0;
+  at::Tensor buf_;
+};
+
 // Runs a CUB device-wide algorithm twice (size query, then work), its temporary storage
 // taken from the caching allocator. f(void* temp, size_t& bytes) -> cudaError_t.
 template <typename F>
