@@ -527,14 +527,14 @@ def test_high_load_factor(device):
     capacity = 1 << 14
     ids = _high_load_ids(capacity, device)
     t = make_table(capacity, dim=2, state=0, device=device)
-    was = torch.are_deterministic_algorithms_enabled()
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         for chunk in ids.split(4096):
             _, counts, _ = ht.find_or_insert(*t.tensors(), chunk)
             assert counts[1] == 0
     finally:
-        torch.use_deterministic_algorithms(was)
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
     slots = ht.find(t.keys, t.digests, ids)
     assert (slots >= 0).all() and torch.equal(t.keys[slots], ids)
     assert int((t.digests != 0).sum()) == len(ids)
@@ -555,16 +555,18 @@ def test_high_load_factor_racing_cuda():
     ids = _high_load_ids(capacity, "cuda")
     t = make_table(capacity, dim=2, state=0, device="cuda")
     placed = []
-    for chunk in ids.split(4096):
+    for i, chunk in enumerate(ids.split(4096)):
         before = t.clone()
         _, counts, _ = ht.find_or_insert(*t.tensors(), chunk)
         if counts[1] > 0:
+            # Only the last call (75% -> 92% full) may find no room: two 32-slot buckets per
+            # id are practically never both full below 75%.
+            assert i == 3, f"call {i} (the table at most {(i + 1) * 4096 / capacity:.0%} full) failed"
             assert counts[0] == 0
             t.assert_equal(before)
         else:
             assert counts[0] == len(chunk)
             placed.append(chunk)
-    assert placed, "every call of the racing fill failed"
     kept = torch.cat(placed)
     slots = ht.find(t.keys, t.digests, kept)
     assert (slots >= 0).all() and torch.equal(t.keys[slots], kept)

@@ -735,7 +735,7 @@ class RunSort {
 
  private:
   int n() const { return static_cast<int>(N_); }
-  const TableGroup<MaxK>& tg_;
+  const TableGroup<MaxK> tg_;  // a copy (a kernel parameter): the sorter never outlives what it was given
   int64_t N_;
   int end_bit_;
   bool weighted_ = false;
@@ -760,9 +760,9 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const TableArgs& t, int64_t mode) 
   at::Tensor info = at::zeros({4}, opts);
   Arena scratch;
   const RunSort<key_t, 1> sort(tg, scratch);
-  const int64_t temp = scratch.add_bytes(static_cast<int64_t>(sort.temp_bytes()));
+  const int64_t temp_at = scratch.add_bytes(static_cast<int64_t>(sort.temp_bytes()));
   scratch.allocate(opts);
-  const SortedRuns<key_t> runs = sort.run(scratch, scratch.ptr<uint8_t>(temp), info.data_ptr<int64_t>(),
+  const SortedRuns<key_t> runs = sort.run(scratch, scratch.ptr<uint8_t>(temp_at), info.data_ptr<int64_t>(),
                                           reinterpret_cast<unsigned long long*>(info.data_ptr<int64_t>() + 1));
   const int32_t* sorted_pos = runs.sorted_pos;
   const int32_t* bag_of = runs.bag_of;
