@@ -341,13 +341,14 @@ class HashTable(PlainAttrs, nn.Module):
             if failed == 0:
                 break
             self._no_room(failed, evict)
-        self._note_inserted(inserted, evicted, evicted.numel())
+        self._note_inserted(inserted, evicted)
         return slots
 
-    def _note_inserted(self, inserted: int, evicted: torch.Tensor, num_evicted: int) -> None:
-        """Books an insert that placed ``inserted`` new ids and evicted the ``num_evicted``
-        ids ``evicted``. Sets only what changes: each set is a call of
-        PlainAttrs.__setattr__, for every table in every training step."""
+    def _note_inserted(self, inserted: int, evicted: torch.Tensor) -> None:
+        """Books an insert that placed ``inserted`` new ids and evicted the ids ``evicted``.
+        Sets only what changes: each set is a call of PlainAttrs.__setattr__, for every
+        table in every training step."""
+        num_evicted = evicted.numel()
         if inserted != num_evicted:
             self.size += inserted - num_evicted
         self.last_evicted = evicted
@@ -574,9 +575,9 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
         num_evicted = [c[2] for c in counts]
         # Nothing evicted (the rule): each table's last_evicted is the empty whole, not a split of it.
         evicted = evicted.split(num_evicted) if any(num_evicted) else [evicted] * len(tables)
-        for k, (t, (inserted, failed, n)) in enumerate(zip(tables, counts)):
+        for k, (t, (inserted, failed, _)) in enumerate(zip(tables, counts)):
             if failed == 0:
-                t._note_inserted(inserted, evicted[k], n)
+                t._note_inserted(inserted, evicted[k])
                 booked.add(id(t))
         for k, (t, (_, failed, _)) in enumerate(zip(tables, counts)):  # after every success is booked
             if failed == 0:
