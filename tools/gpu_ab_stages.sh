@@ -49,6 +49,9 @@
 # At most 8 files come back from $OUT: summary.txt gathers the stages' short results.
 set -uo pipefail
 PHASES_ARGS="${PHASES_ARGS:-}"
+# Configuration 3's bench_embedding.py arguments (the c3 and waves stages).
+C3_BASE="--device cuda --features 10 --ids-per-feature 1600000 --batch 104857 --bag 1 --dim 128 --dist zipf"
+C3_BASE="$C3_BASE --alpha 1.05 --optimizers sgd,adam --no-dict --unchecked --steps 50 --warmup 5"
 PIN="${PIN:-}"
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/ab-out}"; mkdir -p "$OUT"
@@ -130,8 +133,7 @@ for stage in "$@"; do
       done
       t ;;
     c3)
-      B="--device cuda --features 10 --ids-per-feature 1600000 --batch 104857 --bag 1 --dim 128 --dist zipf --alpha 1.05"
-      B="$B --optimizers sgd,adam --no-dict --unchecked --steps 50 --warmup 5 ${C3_ARGS:-}"
+      B="$C3_BASE ${C3_ARGS:-}"
       for tag in old new new old; do
         d=$(tree $tag)
         (cd "$d" && PYTHONPATH="$d" timeout 200 $PIN python3 benchmarks/bench_embedding.py $B 2>&1 \
@@ -186,8 +188,7 @@ for stage in "$@"; do
            --optimizer adam --unchecked --phases > /tmp/ab_ncu.txt 2>&1)
         echo "adam waves=$w: $(grep -E ' Duration|DRAM Throughput' /tmp/ab_ncu.txt | awk '{printf "%s %s, ", $1, $NF}')" | say
       done
-      B="--device cuda --features 10 --ids-per-feature 1600000 --batch 104857 --bag 1 --dim 128 --dist zipf --alpha 1.05"
-      B="$B --optimizers sgd,adam --no-dict --unchecked --steps 50 --warmup 5 --back-to-back"
+      B="$C3_BASE --back-to-back"
       for r in 1 2; do
         for w in ${WAVES:-0 4 16 64}; do
           (PYTHONPATH="$NEW" VELOCE_UPDATE_WAVES=$w timeout 200 $PIN python3 benchmarks/bench_embedding.py $B 2>&1 \

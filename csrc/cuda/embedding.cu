@@ -795,7 +795,8 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const TableArgs& t, int64_t mode) 
       constexpr int V = decltype(vec)::value;
       const int lanes = lanes_for(D, V);
       segment_sum_kernel<scalar_t, key_t, V><<<grid_for(U * lanes), kThreads, 0, stream()>>>(
-          g.data_ptr<scalar_t>(), D, up, run_start.data_ptr<int32_t>(), run_len, U, sorted_pos, bag_of, p.defined() ? p.data_ptr<scalar_t>() : nullptr,
+          g.data_ptr<scalar_t>(), D, up, run_start.data_ptr<int32_t>(), run_len, U, sorted_pos, bag_of,
+          p.defined() ? p.data_ptr<scalar_t>() : nullptr,
           scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes, unique_slots.data_ptr<int64_t>(),
           grad_rows.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -814,7 +815,8 @@ std::tuple<at::Tensor, at::Tensor> accumulate(const TableArgs& t, int64_t mode) 
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       chunk_sum_kernel<scalar_t, V><<<grid_for(M * lanes), kThreads, 0, stream()>>>(
           g.data_ptr<scalar_t>(), D, M, chunk_run.data_ptr<int32_t>(), runs.data_ptr<int32_t>(),
-          base.data_ptr<int32_t>(), run_start.data_ptr<int32_t>(), run_len, sorted_pos, bag_of, p.defined() ? p.data_ptr<scalar_t>() : nullptr,
+          base.data_ptr<int32_t>(), run_start.data_ptr<int32_t>(), run_len, sorted_pos, bag_of,
+          p.defined() ? p.data_ptr<scalar_t>() : nullptr,
           scale.defined() ? scale.data_ptr<acc_t>() : nullptr, lanes, partial.data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       long_run_total_kernel<scalar_t><<<grid_for(L * D), kThreads, 0, stream()>>>(
