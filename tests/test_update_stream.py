@@ -514,9 +514,11 @@ def test_cuda_use_stream_sets_and_restores_the_current_stream(device):
             raise RuntimeError("inside")
     assert torch.cuda.current_stream(dev) == before
     if torch.cuda.device_count() > 1:  # a stream of another device: torch's context, the device switched back
-        other = torch.cuda.Stream(torch.device("cuda", 1 - torch.cuda.current_device()))
+        cur = torch.cuda.current_device()
+        other = torch.cuda.Stream(torch.device("cuda", (cur + 1) % torch.cuda.device_count()))
         with use_stream(other):
             assert torch.cuda.current_stream(other.device) == other
+        assert torch.cuda.current_device() == cur
         assert torch.cuda.current_stream(dev) == before
 
 
@@ -530,6 +532,7 @@ def test_cuda_wait_for_orders_work_across_streams_with_a_reused_event(device):
     dev = torch.device(device)
     waited, waiter = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
     x = torch.zeros(1 << 20, device=dev)
+    wait_for(waited, torch.cuda.current_stream(dev))  # x's zeros, queued on the current stream
     outs = []
     for value in (1.0, 2.0, 3.0):
         with use_stream(waited):

@@ -14,6 +14,7 @@ idle while the host launches the next work).
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -84,8 +85,11 @@ class use_stream:
             torch.cuda.set_stream(self.prev)
 
 
-# (device, waiter's handle, waited's handle) -> the event between the two streams
-_WAIT_EVENTS: dict[tuple[int, int, int], torch.cuda.Event] = {}
+# (thread, device, waiter's handle, waited's handle) -> the event between the two streams.
+# Per thread: two threads recording one event between their record and wait would mix
+# their orders. Bounded: a program that makes streams as it goes must not grow it forever.
+_WAIT_EVENTS: dict[tuple[int, int, int, int], torch.cuda.Event] = {}
+_MAX_WAIT_EVENTS = 256
 
 
 def wait_for(waiter: torch.cuda.Stream, waited: torch.cuda.Stream) -> None:
@@ -95,9 +99,12 @@ def wait_for(waiter: torch.cuda.Stream, waited: torch.cuda.Stream) -> None:
     what an earlier wait on it waits for (CUDA takes the event's state at the wait), so
     reusing it is safe; it saves creating and destroying an event, every step, on each of
     the update stream's hand-overs."""
-    key = (waited.device_index, waiter.cuda_stream, waited.cuda_stream)  # a default stream's handle is 0 on every device
+    # A default stream's handle is 0 on every device: the device is part of the key.
+    key = (threading.get_ident(), waited.device_index, waiter.cuda_stream, waited.cuda_stream)
     event = _WAIT_EVENTS.get(key)
     if event is None:
+        if len(_WAIT_EVENTS) >= _MAX_WAIT_EVENTS:
+            _WAIT_EVENTS.clear()  # the events' earlier waits stand (CUDA took their state then)
         event = _WAIT_EVENTS[key] = torch.cuda.Event()
     event.record(waited)
     waiter.wait_event(event)
