@@ -491,3 +491,56 @@ def test_cuda_a_copy_waits_for_a_change_queued_on_another_stream(device):
     torch.cuda.synchronize(device)
     assert twin.table.capacity == 256 and (twin.table.find(ids) >= 0).all()
     assert torch.equal(twin.export()["keys"].sort().values, ids)
+
+
+# ---- the side streams' host helpers (veloce._device.use_stream, wait_for) ------------------
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_use_stream_sets_and_restores_the_current_stream(device):
+    """use_stream is torch.cuda.stream at less host cost: inside, the given stream is
+    current; after (also after an error, and nested), the one before it is."""
+    from veloce._device import current_stream, use_stream
+
+    dev = torch.device(device)
+    before = torch.cuda.current_stream(dev)
+    a, b = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    with use_stream(a):
+        assert torch.cuda.current_stream(dev) == a and current_stream(dev) == a
+        with use_stream(b):
+            assert torch.cuda.current_stream(dev) == b
+        assert torch.cuda.current_stream(dev) == a
+    assert torch.cuda.current_stream(dev) == before and current_stream(dev) == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with use_stream(a):
+            raise RuntimeError("inside")
+    assert torch.cuda.current_stream(dev) == before
+    if torch.cuda.device_count() > 1:  # a stream of another device: torch's context, the device switched back
+        cur = torch.cuda.current_device()
+        other = torch.cuda.Stream(torch.device("cuda", (cur + 1) % torch.cuda.device_count()))
+        with use_stream(other):
+            assert torch.cuda.current_stream(other.device) == other
+        assert torch.cuda.current_device() == cur
+        assert torch.cuda.current_stream(dev) == before
+
+
+@pytest.mark.parametrize("device", CUDA)
+def test_cuda_wait_for_orders_work_across_streams_with_a_reused_event(device):
+    """wait_for(waiter, waited): work queued on the waiter afterwards runs after the work
+    queued on the waited stream before. Its event is kept per pair and recorded again
+    by the next call: that must not loosen an earlier wait."""
+    from veloce._device import use_stream, wait_for
+
+    dev = torch.device(device)
+    waited, waiter = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    x = torch.zeros(1 << 20, device=dev)
+    wait_for(waited, torch.cuda.current_stream(dev))  # x's zeros, queued on the current stream
+    outs = []
+    for value in (1.0, 2.0, 3.0):
+        with use_stream(waited):
+            torch.cuda._sleep(50_000_000)  # the write runs well after the read below is queued
+            x.fill_(value)
+        wait_for(waiter, waited)
+        with use_stream(waiter):
+            outs.append(x.clone())
+    torch.cuda.synchronize(dev)
+    assert [float(o.min()) for o in outs] == [1.0, 2.0, 3.0]
+    assert [float(o.max()) for o in outs] == [1.0, 2.0, 3.0]

@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 import torch
 
-from veloce._device import current_stream
+from veloce._device import current_stream, use_stream, wait_for
 
 __all__ = ["ENABLED", "UpdateFence", "beside_updates", "prefetch_stream", "prefetching", "release_done",
            "run_update", "wait_prefetch_origin", "on_prefetch_stream", "record_streams"]  # fmt: skip
@@ -119,12 +119,12 @@ def run_update(device: torch.device, launch: Callable[[], None], inputs: Any) ->
     release_done()
     side = _stream(device, _UPDATE)
     origin = current_stream(device)
-    side.wait_stream(origin)
+    wait_for(side, origin)
     try:
-        with torch.cuda.stream(side):
+        with use_stream(side):
             launch()
     except BaseException:  # kernels it queued before failing: what follows on origin waits for them
-        origin.wait_stream(side)
+        wait_for(origin, side)
         raise
     done = torch.cuda.Event()
     done.record(side)
@@ -146,12 +146,12 @@ def beside_updates(device: torch.device, fn: Callable[[], Any]) -> Any:
     side = _stream(device, _INSERT)
     if main == side:
         return fn()
-    side.wait_stream(main)
+    wait_for(side, main)
     try:
-        with torch.cuda.stream(side):
+        with use_stream(side):
             out = fn()
     finally:  # also when fn raises: a fence it joined was waited for on the insert stream
-        main.wait_stream(side)
+        wait_for(main, side)
     record_streams(out, main)
     return out
 
@@ -196,19 +196,19 @@ def on_prefetch_stream(device: torch.device, wait: bool = False, join: bool = Tr
         return
     main, side = current_stream(device), prefetch_stream(device)
     if wait:
-        side.wait_stream(main)
+        wait_for(side, main)
     origin = torch.cuda.Event()
     origin.record(main)  # what a growth or an eviction on the side stream waits for
     try:
-        with torch.cuda.stream(side), prefetching(origin):
+        with use_stream(side), prefetching(origin):
             yield main
     except BaseException:
-        main.wait_stream(side)  # whatever the block queued before it failed, joined always
+        wait_for(main, side)  # whatever the block queued before it failed, joined always
         raise
     # Work queued from now on comes after the block's (its results, and a table grown or
     # rows evicted on the side stream); the work queued before it does not.
     if join:
-        main.wait_stream(side)
+        wait_for(main, side)
 
 
 def wait_prefetch_origin(device: torch.device) -> None:

@@ -594,6 +594,25 @@ class Inserter {
       o.keys = key_slots;
       key_slots += cap;
     }
+    // The evicted keys' list's scratch (list_evicted, for every table that may evict): its
+    // flags among the zeroed arrays, the flagged values and CUB's storage among the plain
+    // ones. Only the list itself, which the op returns, is allocated apart (reserve_evicted).
+    int64_t evict_positions = 0;
+    if (mode_ != Mode::kErase) {
+      for (int64_t j = 0; j < K; ++j) {
+        const InsertTable& t = tabs_[static_cast<size_t>(j)];
+        if (t.allow_evict) evict_positions += t.ids.numel();
+      }
+    }
+    if (evict_positions > 0) {
+      size_t select_bytes = 0;
+      C10_CUDA_CHECK(cub::DeviceSelect::Flagged(nullptr, select_bytes, static_cast<int64_t*>(nullptr),
+                                                static_cast<uint8_t*>(nullptr), static_cast<int64_t*>(nullptr),
+                                                static_cast<int64_t*>(nullptr), evict_positions, stream()));
+      evict_scratch_ = {evict_positions, zeroed.add<uint8_t>(evict_positions), plain.add<int64_t>(evict_positions + 1),
+                        plain.add_bytes(static_cast<int64_t>(std::max<size_t>(select_bytes, 1))),
+                        static_cast<int64_t>(std::max<size_t>(select_bytes, 1))};
+    }
     // Two allocations: what the whole op uses (the zeroed arrays, then the plain ones), and
     // what grouping alone uses (freed after it), the scratch set's keys at its end; one launch
     // clears the zeroed part and fills the keys. Each dispatched op and launch costs the
@@ -610,6 +629,7 @@ class Inserter {
         counters_off / static_cast<int64_t>(sizeof(int32_t)) + K * counter::kNum);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     zeroed_ = zeroed;
+    plain_ = plain;
     grouping_ = grouping;
     counters_ = zeroed.ptr<int32_t>(counters_off);
     for (int64_t j = 0; j < K; ++j) {
@@ -733,11 +753,16 @@ class Inserter {
   // classifies (taken after it, it kept the GPU idle for tens of microseconds at load 1.0),
   // and before any table changes. Of these tables, those that do evict are known at sync b.
   void reserve_evicted() {
-    std::vector<int64_t> may;
-    for (int64_t j = 0; j < calls_.size(); ++j) {
-      if (tabs_[static_cast<size_t>(j)].allow_evict && calls_[j].n > 0) may.push_back(j);
-    }
-    if (!may.empty()) evicted_list_ = reserve_order(may, [this](int64_t j) { return calls_[j].n; });
+    const EvictScratch& e = evict_scratch_;
+    if (e.positions == 0) return;
+    // The flags, values and CUB's storage were laid out by prepare (the flags zeroed by
+    // init_scratch_kernel); the list, which the op returns, is its own allocation, at most
+    // one key per position (the first table's at offset 0, as the op's fake kernel makes them).
+    const at::TensorOptions opts = tabs_[0].keys.options();
+    evicted_list_.flags = zeroed_.view(e.flags, e.positions, at::kByte);
+    evicted_list_.buf = plain_.view(e.buf, e.positions + 1, at::kLong);
+    evicted_list_.temp = plain_.view(e.temp, e.temp_bytes, at::kByte);
+    evicted_list_.list = at::empty({e.positions}, opts);
   }
 
   // Phase 4 (rollback on failure) from the counters read after every launch (sync c):
@@ -929,7 +954,13 @@ class Inserter {
   Mode mode_;
   std::vector<InsertTable>& tabs_;
   TableCalls calls_;
-  Arena zeroed_, grouping_;  // zeroed_'s buffer holds the plain arrays too: it keeps them alive
+  Arena zeroed_, plain_, grouping_;  // zeroed_'s buffer holds the plain arrays too (plain_ is a part of it)
+  // Where prepare laid out the evicted keys' list's scratch (offsets in zeroed_ and plain_),
+  // over the positions of every table that may evict; positions 0: none may.
+  struct EvictScratch {
+    int64_t positions = 0, flags = 0, buf = 0, temp = 0, temp_bytes = 0;
+  };
+  EvictScratch evict_scratch_;
   int32_t* counters_ = nullptr;  // (K * kNum + 1,) on the device: every table's counters and bad_input's flag
   at::Tensor counted_;           // (2 * (K * kNum + 1),) pinned: the counters read at syncs b and c (halves)
   std::vector<at::Tensor> keep_;
