@@ -8,7 +8,7 @@ repeatably. Compare changes with interleaved runs.
 
     python tools/host_time.py                # 26 sharded tables (one process, gloo)
     python tools/host_time.py --local        # the same model without sharding
-    python tools/host_time.py --profile tottime   # then a cProfile of 100 steps
+    python tools/host_time.py --profile tottime   # then a cProfile of 100 steps (under torchrun: rank 0's)
 
 The sharded path runs in one process: the tables are sharded over a gloo group of one
 rank, so other ranks' waits and scheduling do not add noise. Under torchrun they are
@@ -67,8 +67,6 @@ def main() -> None:
     hp = veloce.distributed.HybridParallel(model, sparse=args.sparse)
     if args.local and world > 1:
         raise SystemExit("--local: one process only (without torchrun)")
-    if args.profile and world > 1:
-        raise SystemExit("--profile: one process only (without torchrun)")
     if not args.local and world == 1:
         hp._shard_tables(None)  # sharded over the one rank: the sharded path's host work
     opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), hp)
@@ -96,14 +94,16 @@ def main() -> None:
         import cProfile
         import pstats
 
-        prof = cProfile.Profile(time.thread_time)
-        prof.enable()
+        prof = cProfile.Profile(time.thread_time)  # every rank runs the steps; rank 0 profiles its own
+        if rank == 0:
+            prof.enable()
         for dense, sparse, label in data[:100]:
             loss_fn(hp(dense, sparse), label).backward()
             opt.step()
             opt.zero_grad()
-        prof.disable()
-        pstats.Stats(prof).sort_stats(args.profile).print_stats(40)
+        if rank == 0:
+            prof.disable()
+            pstats.Stats(prof).sort_stats(args.profile).print_stats(40)
     if args.ops:
         _count_ops(lambda d, s, y: (loss_fn(hp(d, s), y).backward(), opt.step(), opt.zero_grad()), data[:10],
                    rank == 0)
