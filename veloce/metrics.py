@@ -36,12 +36,20 @@ class Metric:
     """Base class: ``update``, ``compute``, ``reset``; calling the metric is ``update``."""
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        """Accumulates a batch: ``preds`` (logits, or probabilities with
+        ``from_logits=False``) and ``target`` (0/1 labels; soft labels in [0, 1] for
+        ``LogLoss``), of any shapes with the same number of elements. Raises ``TypeError``
+        / ``ValueError`` naming the argument for non-tensors, mismatched sizes, NaN
+        predictions or labels out of range; nothing is accumulated then."""
         raise NotImplementedError
 
     def compute(self) -> float:
+        """The metric over everything accumulated since the last :meth:`reset` (NaN, with a
+        ``RuntimeWarning``, when that is nothing or the value is undefined)."""
         raise NotImplementedError
 
     def reset(self) -> None:
+        """Forgets everything accumulated."""
         raise NotImplementedError
 
     def __call__(self, preds: torch.Tensor, target: torch.Tensor) -> None:

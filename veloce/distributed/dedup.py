@@ -79,6 +79,23 @@ def _distinct(ids: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False,
                  layouts: Sequence[tuple] = ()):  # fmt: skip
+    """The forward of a deduplicated sharded lookup of ``modules`` (one exchange group of
+    ``HybridParallel(dedup=True)``), called by the lookup's autograd function.
+
+    Args:
+        shard: the group's :class:`~veloce.distributed.sharded.Shard` (process group, mode).
+        modules: the group's ``DynamicEmbedding`` tables, in the same order on every rank.
+        bags: per table, ``(ids, offsets, per_sample_weights)`` as ``DynamicEmbedding._bags``
+            returns them (1-D ids, ``include_last_offset=False`` offsets, weights or None).
+        psw_grad: whether some table's per-sample weights need a gradient.
+        layouts: the bag layouts whose check was deferred; checked first, and a bad one fails
+            every rank (this rank abandons the exchange) before any table changes.
+
+    Returns:
+        ``(outputs, exchange)``: the pooled ``(B_k, D)`` output of every table, and what the
+        backward needs (the rows received, the distinct-id inverse, the split sizes); its
+        ``backward(grads, psw_grad)`` sends one gradient row per distinct id to its owner.
+    """
     if layouts:  # the deferred bag layouts, checked before anything else (sharded_lookup)
         from veloce.embedding import _check_offsets_many
 
