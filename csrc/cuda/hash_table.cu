@@ -751,7 +751,9 @@ class Inserter {
   // The memory of the evicted keys' list (list_evicted), for every table that may evict:
   // at most one key per position. Taken before sync b, while the GPU still groups and
   // classifies (taken after it, it kept the GPU idle for tens of microseconds at load 1.0),
-  // and before any table changes. Of these tables, those that do evict are known at sync b.
+  // and before any table changes. Of these tables, those that do evict are known at sync b:
+  // launch_order then lists them, in the same order, so their flags come first and the rest
+  // stay zero (the positions are an upper bound).
   void reserve_evicted() {
     const EvictScratch& e = evict_scratch_;
     if (e.positions == 0) return;
@@ -842,8 +844,9 @@ class Inserter {
   // DeviceSelect::Flagged) lists them all, table after table. The values are the ids'
   // numbers (select 0: sets each table's TableCall order and order_count) or the keys they
   // evicted (select 1). Four launches, where a radix sort of (table, position) keys took
-  // about ten and a gather. reserve_order takes the memory (before any table changes);
-  // launch_order queues the work and returns the list (sum of count(j) entries).
+  // about ten and a gather. The memory is taken before any table changes: for select 0 by
+  // reserve_order, after sync b; for select 1 by reserve_evicted, from prepare's arenas
+  // before sync b. launch_order queues the work and returns the list (sum of count(j) entries).
   struct Ordering {
     at::Tensor flags;  // (positions,) zeroed
     at::Tensor buf;    // (positions + 1,) the flagged values, then the number selected
@@ -862,11 +865,7 @@ class Inserter {
     Ordering o;
     o.flags = at::zeros({positions}, opts.dtype(at::kByte));
     o.buf = at::empty({positions + 1}, opts);
-    // Its own allocation: the evicted keys are returned from it (the first table's at offset
-    // 0, as the op's fake kernel makes them). count(j) is exact (select 0: kConflicted, read
-    // back at sync b) or an upper bound (select 1: the table's positions, reserved before
-    // sync b; launch_order then lists the tables that do evict, some of those reserved for,
-    // in the same order: their flags come first and the rest stay zero).
+    // count(j) is exact here: kConflicted, read back at sync b (the only caller, select 0).
     o.list = at::empty({total}, opts);
     size_t bytes = 0;
     C10_CUDA_CHECK(select_flagged(o, nullptr, bytes));
