@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -25,6 +26,19 @@ def devices() -> list:
 
 
 DEVICES = devices()
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool = True, warn_only: bool = False):
+    """``torch.use_deterministic_algorithms(enabled, warn_only=warn_only)`` inside the block,
+    the previous setting restored after it (also after an error). On CUDA, deterministic
+    mode makes veloce's inserts place conflicting new ids in order of first occurrence."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
 
 
 def data_dir() -> Path:

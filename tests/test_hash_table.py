@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass, fields
 
@@ -19,7 +20,7 @@ I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 EXTREME_IDS = [I64_MIN, I64_MAX, -1, 0, 1, I64_MIN + 1, I64_MAX - 1]
 M64 = (1 << 64) - 1
 
-from conftest import DEVICES, fmix64  # noqa: E402  (cpu, and cuda where it exists)
+from conftest import DEVICES, deterministic_algorithms, fmix64  # noqa: E402  (cpu, and cuda where it exists)
 from conftest import ref_init_value as init_value  # noqa: E402  (the pure-Python initializer)
 HYP = settings(deadline=None, max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -494,11 +495,8 @@ def test_padding_id(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_deterministic(device):
-    torch.use_deterministic_algorithms(True)  # CUDA then places conflicting new ids in order
-    try:
+    with deterministic_algorithms():  # CUDA then places conflicting new ids in order
         _check_deterministic(device)
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def _check_deterministic(device):
@@ -527,14 +525,10 @@ def test_high_load_factor(device):
     capacity = 1 << 14
     ids = _high_load_ids(capacity, device)
     t = make_table(capacity, dim=2, state=0, device=device)
-    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms():
         for chunk in ids.split(4096):
             _, counts, _ = ht.find_or_insert(*t.tensors(), chunk)
             assert counts[1] == 0
-    finally:
-        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
     slots = ht.find(t.keys, t.digests, ids)
     assert (slots >= 0).all() and torch.equal(t.keys[slots], ids)
     assert int((t.digests != 0).sum()) == len(ids)
@@ -912,17 +906,15 @@ def counting_syncs(fn, capfd, deterministic: bool | None = None):
     """``fn()`` under CUDA's sync debug mode, which reports each device-to-host read on
     stderr (and under ``torch.use_deterministic_algorithms(deterministic)`` unless None):
     its result and the number of host syncs it made."""
-    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.cuda.synchronize()
     capfd.readouterr()
-    if deterministic is not None:
-        torch.use_deterministic_algorithms(deterministic, warn_only=True)
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        out = fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    mode = deterministic_algorithms(deterministic, warn_only=True) if deterministic is not None else None
+    with mode or contextlib.nullcontext():
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return out, capfd.readouterr().err.count("called a synchronizing CUDA operation")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES
+from conftest import DEVICES, deterministic_algorithms
 
 import veloce
 import veloce._update_stream as update_stream
@@ -201,13 +201,9 @@ def _agree_with_and_without_streams(train, device, monkeypatch) -> int:
     checks that everything observed agrees bit for bit; returns how many tensors it compared.
     In deterministic mode: CUDA inserts place conflicting new ids in order (else their slots,
     and so eviction, may differ between two runs)."""
-    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with deterministic_algorithms(warn_only=True):
         with_stream = train(device, True, monkeypatch)
         on_current = train(device, False, monkeypatch)
-    finally:
-        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
     assert len(with_stream) == len(on_current)
     for k, (x, y) in enumerate(zip(with_stream, on_current)):
         assert torch.equal(x, y), k
