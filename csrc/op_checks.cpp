@@ -381,6 +381,69 @@ void check_combine_parts_args(const char* op, const at::Tensor& parts, const at:
   TORCH_CHECK(num_bags >= 0, op, ": num_bags must be >= 0, got ", num_bags);
 }
 
+std::vector<RegroupBlock> regroup_plan(const char* op, at::TensorList sources, at::IntArrayRef counts,
+                                       int64_t num_groups, bool to_group_major) {
+  const int64_t G = num_groups, n = static_cast<int64_t>(counts.size());
+  TORCH_CHECK_VALUE(G >= 1, op, ": num_groups must be >= 1, got ", G);
+  TORCH_CHECK_VALUE(n >= G && n % G == 0, op, ": counts must hold num_groups * world_size entries (num_groups = ",
+                    G, ", world_size >= 1), got ", n);
+  const int64_t W = n / G;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(counts[i] >= 0, op, ": counts[", i, "] = ", counts[i], " is negative; counts are row counts");
+  }
+  const int64_t want_sources = to_group_major ? 1 : G;
+  TORCH_CHECK_VALUE(static_cast<int64_t>(sources.size()) == want_sources, op, ": sources must hold ",
+                    to_group_major ? "one tensor (the rows in peer-major order) with to_group_major=True"
+                                   : "one tensor per group (num_groups) with to_group_major=False",
+                    ", got ", sources.size());
+  const at::Tensor& first = sources[0];
+  TORCH_CHECK_VALUE(first.dim() >= 1, op, ": sources[0] must have a row dimension, got a 0-d tensor");
+  for (int64_t s = 0; s < want_sources; ++s) {
+    const at::Tensor& t = sources[s];
+    const std::string name = "sources[" + std::to_string(s) + "]";
+    TORCH_CHECK_VALUE(t.scalar_type() == first.scalar_type(), op, ": ", name, " is ", dtype_name(t.scalar_type()),
+                      " but sources[0] is ", dtype_name(first.scalar_type()));
+    check_same_device(op, name.c_str(), t, "sources[0]", first);
+    TORCH_CHECK_VALUE(t.dim() == first.dim() && t.sizes().slice(1) == first.sizes().slice(1), op, ": ", name,
+                      " has shape ", shape_str(t), " but sources[0] has ", shape_str(first),
+                      "; the sources' rows must have one shape");
+    int64_t rows = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t p = 0; p < W; ++p) {
+        if (to_group_major || g == s) rows += counts[g * W + p];
+      }
+    }
+    TORCH_CHECK_VALUE(t.size(0) == rows, op, ": ", name, " has ", t.size(0), " rows but counts give it ", rows);
+  }
+  std::vector<RegroupBlock> plan;
+  plan.reserve(static_cast<size_t>(n));
+  if (to_group_major) {
+    // Block (g, p) starts in the source after every block of the peers before p and the
+    // groups before g of peer p.
+    std::vector<int64_t> start(static_cast<size_t>(n));
+    int64_t at = 0;
+    for (int64_t p = 0; p < W; ++p) {
+      for (int64_t g = 0; g < G; ++g) {
+        start[static_cast<size_t>(g * W + p)] = at;
+        at += counts[g * W + p];
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (counts[i] > 0) plan.push_back({0, start[static_cast<size_t>(i)], counts[i]});
+    }
+  } else {
+    std::vector<int64_t> next(static_cast<size_t>(G), 0);  // each group's next row
+    for (int64_t p = 0; p < W; ++p) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t c = counts[g * W + p];
+        if (c > 0) plan.push_back({g, next[static_cast<size_t>(g)], c});
+        next[static_cast<size_t>(g)] += c;
+      }
+    }
+  }
+  return plan;
+}
+
 void check_bag_indices(const char* op, const int64_t* bag, int64_t P, int64_t num_bags) {
   for (int64_t p = 0; p < P; ++p) {
     TORCH_CHECK(bag[p] >= 0 && bag[p] < num_bags, op, ": bag_of_part[", p, "] = ", bag[p],

@@ -132,6 +132,13 @@ TORCH_LIBRARY(veloce, m) {
   // out (num_bags, D): out[b] = the sum of parts[p] over p with bag_of_part[p] == b, added in
   // part order (deterministic); bags without parts are zero.
   m.def("combine_parts(Tensor parts, Tensor bag_of_part, int num_bags, bool check_bags=True) -> Tensor");
+  // The rows an all-to-all moves, regrouped between the order it delivers (peer-major: from
+  // each peer in turn, its block of every group) and the order an owner serves (group-major:
+  // each group's blocks in peer order). counts (G * W,): counts[g * W + p] rows of group g go
+  // with peer p. to_group_major: sources = [rows in peer-major order] and out is group-major;
+  // else sources = the G groups' rows (each in peer order) and out is peer-major. One copy,
+  // one launch on CUDA (per 128 blocks), whatever G * W.
+  m.def("regroup_blocks(Tensor[] sources, int[] counts, int num_groups, bool to_group_major) -> Tensor");
 
   // ---- optimizer: fused sparse update ---------------------------------------------------
   // In place on rows slots (U,) (unique) of weights (C, D) and opt_state (C, S), with

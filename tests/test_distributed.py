@@ -119,6 +119,14 @@ def test_exchange_ops_opcheck(device):
     torch.library.opcheck(torch.ops.veloce.combine_parts.default, (parts, bag, 4))
     torch.library.opcheck(torch.ops.veloce.combine_parts.default, (parts, bag, 4, False))
     assert torch.autograd.gradcheck(lambda p: combine_parts(p, bag, 4), (parts,))
+    rows = torch.randn(7, 2, dtype=torch.float64, device=device, requires_grad=True)
+    a, b = rows[:3].detach().requires_grad_(), rows[3:].detach().requires_grad_()
+    counts = [1, 0, 2, 3, 1, 0]  # 2 groups x 3 peers
+    torch.library.opcheck(torch.ops.veloce.regroup_blocks.default, ([rows], counts, 2, True))
+    torch.library.opcheck(torch.ops.veloce.regroup_blocks.default, ([a, b], [1, 0, 2, 3, 0, 1], 2, False))
+    assert torch.autograd.gradcheck(lambda r: torch.ops.veloce.regroup_blocks([r], counts, 2, True), (rows,))
+    assert torch.autograd.gradcheck(lambda x, y: torch.ops.veloce.regroup_blocks([x, y], [1, 0, 2, 3, 0, 1], 2, False),
+                                    (a, b))  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -158,6 +166,31 @@ def test_exchange_ops_bad_input(device):
             torch.ops.veloce.combine_parts(parts, torch.tensor([0, 5], device=device), 3, False)
     with pytest.raises(RuntimeError, match=r"bag_of_part.size\(0\) must equal the number of parts .* \(2\), got 1"):
         combine_parts(parts, torch.tensor([0], device=device), 3)
+    regroup = torch.ops.veloce.regroup_blocks
+    rows = torch.randn(4, 2, device=device)
+    with pytest.raises(ValueError, match="num_groups must be >= 1, got 0"):
+        regroup([rows], [2, 2], 0, True)
+    with pytest.raises(ValueError, match=r"counts must hold num_groups \* world_size entries \(num_groups = 2, .*got 3"):
+        regroup([rows], [2, 1, 1], 2, True)
+    with pytest.raises(ValueError, match=r"counts\[1\] = -1 is negative"):
+        regroup([rows], [5, -1], 1, True)
+    with pytest.raises(ValueError, match=r"sources\[0\] has 4 rows but counts give it 5"):
+        regroup([rows], [2, 3], 2, True)
+    with pytest.raises(ValueError, match="sources must hold one tensor per group .* got 1"):
+        regroup([rows], [2, 2], 2, False)
+    with pytest.raises(ValueError, match="sources must hold one tensor .* to_group_major=True, got 2"):
+        regroup([rows, rows], [2, 2], 2, True)
+    with pytest.raises(ValueError, match=r"sources\[1\] is torch.float64 but sources\[0\] is torch.float32"):
+        regroup([rows, rows.double()], [4, 4], 2, False)
+    with pytest.raises(ValueError, match=r"sources\[1\] has shape \[4, 3\] but sources\[0\] has \[4, 2\]"):
+        regroup([rows, torch.zeros(4, 3, device=device)], [4, 4], 2, False)
+    with pytest.raises(ValueError, match=r"sources\[1\] has 4 rows but counts give it 3"):
+        regroup([rows, rows], [4, 3], 2, False)
+    with pytest.raises(ValueError, match="0-d tensor"):
+        regroup([torch.tensor(1.0, device=device)], [0], 1, True)
+    if device != "cpu":
+        with pytest.raises(RuntimeError, match=r"sources\[1\].*cpu"):
+            regroup([rows, rows.cpu()], [4, 4], 2, False)
 
 
 # ---- sharded training == one process -----------------------------------------------------
@@ -379,11 +412,7 @@ class Grouped(nn.Module):
         return self.mlp(torch.cat([*outs, dense], 1)).squeeze(1)
 
 
-def _grouped_body(rank, world, device_kind, dedup=False, row_index=False):
-    if row_index:  # the owners regroup received blocks through a row index (as for many ranks x tables)
-        from veloce.distributed import sharded
-
-        sharded._BLOCKS_FOR_INDEX = 0
+def _grouped_body(rank, world, device_kind, dedup=False):
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     model = Grouped(device)
     hp = HybridParallel(model, sparse="sync", dedup=dedup)
@@ -392,11 +421,10 @@ def _grouped_body(rank, world, device_kind, dedup=False, row_index=False):
             "len": len(model.a), "w": model.w.item()}  # fmt: skip
 
 
-@pytest.mark.parametrize("row_index", [False, True], ids=["block regrouping", "row-index regrouping"])
 @pytest.mark.parametrize("dedup", [False, True], ids=["parts", "dedup"])
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_grouped_lookup_equals_one_process(world, dedup, row_index):
-    results = run_ranks(_grouped_body, world, "cpu", dedup, row_index, timeout=90)
+def test_grouped_lookup_equals_one_process(world, dedup):
+    results = run_ranks(_grouped_body, world, "cpu", dedup, timeout=90)
     model = Grouped()
     ref = {"preds": train(model, make_opt(model), 1, 0), "tables": tables_of(model, "abcd"), "eval": eval_preds(model)}
     check_sharded_equals_reference(results, ref, world)
@@ -1286,37 +1314,64 @@ def test_shift_segments_adds_the_sizes_of_the_segments_before(segments, seed):
     assert torch.equal(_shift_segments(values, lengths, sizes), want)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tables, world", [(1, 4), (3, 1), (3, 2), (26, 5), (40, 8)])
-@pytest.mark.parametrize("through_index", [False, True], ids=["blocks", "row index"])
-def test_regrouping_received_blocks_table_major_and_back(device, tables, world, through_index, monkeypatch):
-    """An owner's received rows (one block per (peer, table), peer-major, some empty) come out
-    table-major, each table's blocks in peer order, and go back in received order: the same
-    whether regrouped block-wise or (many blocks) through one row index, built once per
-    exchange."""
-    from veloce.distributed import sharded
-
-    monkeypatch.setattr(sharded, "_BLOCKS_FOR_INDEX", 0 if through_index else 10**9)
-    g = torch.Generator().manual_seed(tables * 31 + world)
+def _blocks(tables, world, row_shape, dtype, seed):
+    """Random blocks of rows, one per (table, peer), some empty: ``(counts, received, per_table)``
+    with ``received`` peer-major and ``per_table[k]`` table k's blocks in peer order."""
+    g = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, 4, (tables, world), generator=g)
     counts[0, 0] = 0
     counts = counts.tolist()
-    blocks = {}  # (table, peer) -> its rows, (n, 3)
-    received = []
-    for p in range(world):
-        for k in range(tables):
-            blocks[k, p] = torch.randn(counts[k][p], 3, generator=g)
-            received.append(blocks[k, p])
-    received = torch.cat(received).to(device)
+    blocks = {(k, p): (torch.randn(counts[k][p], *row_shape, generator=g) * 100).to(dtype)
+              for k in range(tables) for p in range(world)}  # fmt: skip
+    received = torch.cat([blocks[k, p] for p in range(world) for k in range(tables)])
     per_table = [torch.cat([blocks[k, p] for p in range(world)]) for k in range(tables)]
-    for c in (counts, sharded._Blocks(counts)):  # a _Blocks builds its index once, for both directions
-        got = sharded._table_major(received, c)
-        assert torch.equal(got.cpu(), torch.cat(per_table))
-        index = c._index if isinstance(c, sharded._Blocks) else None
-        pieces = list(got.split([sum(r) for r in counts]))
-        assert torch.equal(sharded._received_order(pieces, c), received)
-        if index is not None:
-            assert c._index is index and index.device == received.device
+    return counts, received, per_table
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tables, world", [(1, 4), (3, 1), (3, 2), (26, 5), (40, 8)])
+def test_regrouping_received_blocks_table_major_and_back(device, tables, world):
+    """An owner's received rows (one block per (peer, table), peer-major, some empty) come out
+    table-major, each table's blocks in peer order, and go back in received order (40 x 8
+    blocks: three launches on CUDA)."""
+    from veloce.distributed import sharded
+
+    counts, received, per_table = _blocks(tables, world, (3,), torch.float32, tables * 31 + world)
+    received = received.to(device)
+    got = sharded._table_major(received, counts)
+    assert torch.equal(got.cpu(), torch.cat(per_table))
+    pieces = list(got.split([sum(r) for r in counts]))
+    assert torch.equal(sharded._received_order(pieces, counts), received)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype, row_shape", [
+    (torch.int64, ()), (torch.float32, (128,)), (torch.float32, (3,)), (torch.float32, (2, 2)),
+    (torch.bfloat16, ()), (torch.uint8, (3,)), (torch.float64, (0,)),
+])  # fmt: skip
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "storage offset"])
+def test_regroup_blocks_every_copy_width(device, dtype, row_shape, offset):
+    """regroup_blocks in both directions for rows of 16, 8, 4, 2 and 1 bytes' alignment (the
+    CUDA kernel's copy units; a storage offset of one element narrows them), empty rows and
+    sources given as non-contiguous views, against split + cat."""
+    from veloce.ops.exchange import regroup_blocks
+
+    tables, world = 5, 3
+    counts, received, per_table = _blocks(tables, world, row_shape, dtype, 7)
+
+    def shifted(t):  # the same values at a storage offset of `offset` elements
+        flat = torch.zeros(t.numel() + offset, dtype=dtype)
+        flat[offset:] = t.reshape(-1)
+        return flat[offset:].view(t.shape).to(device)
+
+    got = regroup_blocks([shifted(received)], counts, to_group_major=True)
+    assert got.dtype == dtype and got.shape == (received.shape[0], *row_shape)
+    assert torch.equal(got.cpu(), torch.cat(per_table))
+    back = regroup_blocks([shifted(t) for t in per_table], counts, to_group_major=False)
+    assert torch.equal(back.cpu(), received)
+    if row_shape == (128,):  # non-contiguous sources are copied first
+        wide = torch.stack([received, -received], 2).to(device)[..., 0]  # every other element
+        assert torch.equal(regroup_blocks([wide], counts, to_group_major=True).cpu(), torch.cat(per_table))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -6,6 +6,8 @@
 //                   counting sort) and cuts each bag into parts, one per owner it touches.
 //   combine_parts   sums each bag's parts in part order (deterministic), the inverse of the
 //                   cut: the requester's pooled rows from the owners' partial sums.
+//   regroup_blocks  the rows of an all-to-all between peer-major and group-major order: one
+//                   memcpy per (group, peer) block, blocks in parallel.
 //
 // bucketize_bags works on fixed chunks of bags: each chunk counts its ids and parts per
 // owner, an exclusive scan over (owner, chunk) gives every chunk its output positions, and
@@ -13,9 +15,11 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/Dispatch.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -193,10 +197,43 @@ at::Tensor combine_parts_cpu(const at::Tensor& parts, const at::Tensor& bag_of_p
   return out;
 }
 
+at::Tensor regroup_blocks_cpu(at::TensorList sources, at::IntArrayRef counts, int64_t num_groups,
+                              bool to_group_major) {
+  const std::vector<RegroupBlock> plan =
+      regroup_plan("veloce::regroup_blocks", sources, counts, num_groups, to_group_major);
+  std::vector<at::Tensor> src;
+  for (const at::Tensor& t : sources) src.push_back(t.contiguous());
+  std::vector<int64_t> shape = src[0].sizes().vec();
+  // (From the shape, not numel / rows: a source may have no rows.)
+  const int64_t row_bytes =
+      c10::multiply_integers(src[0].sizes().slice(1)) * static_cast<int64_t>(src[0].element_size());
+  // Where each block lands in the output (rows before it).
+  std::vector<int64_t> out_row(plan.size() + 1, 0);
+  for (size_t b = 0; b < plan.size(); ++b) out_row[b + 1] = out_row[b] + plan[b].rows;
+  shape[0] = out_row.back();
+  at::Tensor out = at::empty(shape, src[0].options());
+  const int64_t total_bytes = out_row.back() * row_bytes;
+  if (total_bytes == 0) return out;
+  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
+  // Blocks in parallel, about 64 KB of copying per task at least.
+  const int64_t nb = static_cast<int64_t>(plan.size());
+  const int64_t grain = std::max<int64_t>(1, nb * (int64_t{1} << 16) / total_bytes);
+  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const RegroupBlock& k = plan[static_cast<size_t>(b)];
+      const auto* from = static_cast<const uint8_t*>(src[static_cast<size_t>(k.source)].data_ptr());
+      std::memcpy(dst + out_row[static_cast<size_t>(b)] * row_bytes, from + k.row * row_bytes,
+                  static_cast<size_t>(k.rows * row_bytes));
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace veloce
 
 TORCH_LIBRARY_IMPL(veloce, CPU, m) {
+  m.impl("regroup_blocks", &veloce::regroup_blocks_cpu);
   m.impl("owner_of", &veloce::owner_of_cpu);
   m.impl("bucketize_bags", &veloce::bucketize_bags_cpu);
   m.impl("combine_parts", &veloce::combine_parts_cpu);

@@ -1,4 +1,4 @@
-// CUDA kernels of the exchange family: owner_of, bucketize_bags, combine_parts.
+// CUDA kernels of the exchange family: owner_of, bucketize_bags, combine_parts, regroup_blocks.
 // Semantics: docs/ops.md; CPU reference csrc/cpu/exchange.cpp; argument checks shared with
 // it (veloce/op_checks.h).
 //
@@ -14,10 +14,13 @@
 // (deterministic, no atomics).
 
 #include <ATen/Dispatch.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
+
+#include <type_traits>
 
 #include "veloce/cuda_utils.cuh"
 #include "veloce/op_checks.h"
@@ -291,11 +294,97 @@ at::Tensor combine_parts_cuda(const at::Tensor& parts, const at::Tensor& bag_of_
   return out;
 }
 
+// regroup_blocks: a launch copies up to kRegroupBlocks blocks, described in its kernel
+// parameter (no copy to the device), into one contiguous range of the output. A thread
+// copies units of U bytes (the widest of 16, 8, 4, 2 and 1 that divides a row and aligns
+// every pointer), grid-stride, each unit's block found by a binary search over the blocks'
+// ends (uniform across a warp but at block boundaries).
+constexpr int kRegroupBlocks = 128;
+
+struct RegroupLaunch {
+  const void* src[kRegroupBlocks];  // each block's first row in its source
+  int64_t end[kRegroupBlocks];      // units of the launch's output up to each block's end
+  int32_t n;                        // blocks, >= 1
+};
+static_assert(sizeof(RegroupLaunch) <= 3 * 1024, "RegroupLaunch is too large for a kernel parameter");
+
+template <typename U>
+__global__ void regroup_kernel(const __grid_constant__ RegroupLaunch a, U* __restrict__ out) {
+  const int64_t total = a.end[a.n - 1];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < total; u += stride) {
+    int lo = 0, hi = a.n - 1;  // the first block that ends after u
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (a.end[mid] > u) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    const int64_t begin = lo == 0 ? 0 : a.end[lo - 1];
+    out[u] = static_cast<const U*>(a.src[lo])[u - begin];
+  }
+}
+
+at::Tensor regroup_blocks_cuda(at::TensorList sources, at::IntArrayRef counts, int64_t num_groups,
+                               bool to_group_major) {
+  const std::vector<RegroupBlock> plan =
+      regroup_plan("veloce::regroup_blocks", sources, counts, num_groups, to_group_major);
+  const c10::cuda::CUDAGuard guard(sources[0].device());
+  std::vector<at::Tensor> src;
+  for (const at::Tensor& t : sources) src.push_back(t.contiguous());
+  std::vector<int64_t> shape = src[0].sizes().vec();
+  // (From the shape, not numel / rows: a source may have no rows.)
+  const int64_t row_bytes =
+      c10::multiply_integers(src[0].sizes().slice(1)) * static_cast<int64_t>(src[0].element_size());
+  int64_t rows = 0;
+  for (const RegroupBlock& b : plan) rows += b.rows;
+  shape[0] = rows;
+  at::Tensor out = at::empty(shape, src[0].options());
+  if (rows * row_bytes == 0) return out;
+  // The unit: rows and every base pointer are multiples of it (blocks start at whole rows).
+  uint64_t align = static_cast<uint64_t>(row_bytes) | reinterpret_cast<uintptr_t>(out.data_ptr());
+  for (const at::Tensor& t : src) align |= reinterpret_cast<uintptr_t>(t.data_ptr());
+  int64_t unit = 16;
+  while (unit > 1 && align % static_cast<uint64_t>(unit) != 0) unit /= 2;
+  const int64_t units_per_row = row_bytes / unit;
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t max_grid = static_cast<int64_t>(num_sms()) * 16;
+  for (size_t first = 0; first < plan.size(); first += kRegroupBlocks) {
+    RegroupLaunch a{};
+    a.n = static_cast<int32_t>(std::min<size_t>(kRegroupBlocks, plan.size() - first));
+    int64_t units = 0;
+    for (int32_t i = 0; i < a.n; ++i) {
+      const RegroupBlock& b = plan[first + static_cast<size_t>(i)];
+      a.src[i] = static_cast<const uint8_t*>(src[static_cast<size_t>(b.source)].data_ptr()) + b.row * row_bytes;
+      units += b.rows * units_per_row;
+      a.end[i] = units;
+    }
+    const auto grid = static_cast<unsigned>(std::min<int64_t>(grid_for(units), max_grid));
+    auto launch = [&](auto* typed) {
+      using U = std::remove_pointer_t<decltype(typed)>;
+      regroup_kernel<U><<<grid, kThreads, 0, stream()>>>(a, reinterpret_cast<U*>(dst));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    switch (unit) {
+      case 16: launch(static_cast<uint4*>(nullptr)); break;
+      case 8: launch(static_cast<uint2*>(nullptr)); break;
+      case 4: launch(static_cast<uint32_t*>(nullptr)); break;
+      case 2: launch(static_cast<uint16_t*>(nullptr)); break;
+      default: launch(static_cast<uint8_t*>(nullptr)); break;
+    }
+    dst += units * unit;
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace veloce
 
 TORCH_LIBRARY_IMPL(veloce, CUDA, m) {
+  m.impl("regroup_blocks", &veloce::cuda::regroup_blocks_cuda);
   m.impl("owner_of", &veloce::cuda::owner_of_cuda);
   m.impl("bucketize_bags", &veloce::cuda::bucketize_bags_cuda);
   m.impl("combine_parts", &veloce::cuda::combine_parts_cuda);

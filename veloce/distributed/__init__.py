@@ -5,15 +5,17 @@
 - :func:`owner_of` is the sharding: the rank that owns each id for a world size.
 - :func:`table_shard` tells a table's ``(rank, world_size)``; checkpoints use it to
   re-route keys when the world size changes.
-- :func:`all_to_all` is the exchange primitive (split sizes checked before sending).
+- :func:`all_to_all` is the exchange primitive (split sizes checked before sending);
+  :func:`bucketize_bags`, :func:`combine_parts` and :func:`regroup_blocks` are the ops
+  around it.
 """
 
 from veloce.distributed._comm import ExchangeError, Group, all_to_all, exchange_headers
 from veloce.distributed.hybrid import HybridParallel
 from veloce.distributed.sharded import Shard, table_shard
-from veloce.ops.exchange import bucketize_bags, combine_parts, owner_of
+from veloce.ops.exchange import bucketize_bags, combine_parts, owner_of, regroup_blocks
 
 __all__ = [
     "HybridParallel", "owner_of", "table_shard", "all_to_all", "exchange_headers", "ExchangeError", "Group",
-    "Shard", "bucketize_bags", "combine_parts",
+    "Shard", "bucketize_bags", "combine_parts", "regroup_blocks",
 ]

@@ -22,7 +22,7 @@ import torch
 from veloce._device import host_tensor
 from veloce.distributed._comm import all_to_all, exchange_headers
 from veloce.distributed.sharded import (
-    _SUM, Shard, _Blocks, _cat_grads, _concat_bags, _deliver, _mean_scale, _per_table, _received_order,
+    _SUM, Shard, _cat_grads, _concat_bags, _deliver, _mean_scale, _per_table, _received_order,
     _serve_tables, _table_major, _split_psw_grads, _tags_hash,
 )  # fmt: skip
 from veloce.ops.exchange import owner_of
@@ -116,7 +116,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(batch.psw is not None), int(psw_grad), 1)
     what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
     sent, recv = exchange_headers(g, torch.cat([ids_nk.sum(1, keepdim=True), ids_nk], 1), signature, what)
-    id_splits, recv_ids_n, recv_ids_nk = sent[0], recv[0], _Blocks(recv[1:])  # recv_ids_nk[k][peer]
+    id_splits, recv_ids_n, recv_ids_nk = sent[0], recv[0], recv[1:]  # recv_ids_nk[k][peer]
 
     # The owner: per peer, ids come table after table; serve each table's block.
     recv_ids = all_to_all(g, u_ids[send_order], id_splits, recv_ids_n)

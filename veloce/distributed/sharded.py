@@ -44,7 +44,7 @@ from veloce.distributed._comm import (
     Header, begin_headers, finish_headers, raise_deferred_failures,
 )  # fmt: skip
 from veloce.ops.embedding import pooled_lookup_kernels
-from veloce.ops.exchange import bucketize_bags
+from veloce.ops.exchange import bucketize_bags, regroup_blocks
 from veloce.table import find_or_insert_many
 
 __all__ = ["Shard", "table_shard", "sharded_lookup"]
@@ -501,9 +501,8 @@ class _Dispatched:
     def tensors(self) -> list:
         """Every tensor the forward's second half and backward use (for record_stream)."""
         b = self.batch
-        indices = [c._index for c in (self.recv_parts_nk, self.recv_ids_nk) if isinstance(c, _Blocks)]
         return [b.ids, b.starts, b.psw, *b.kept, self.perm, self.bag_of_part, *self.ids, *self.starts, *self.psw,
-                *self.slots, *indices]  # fmt: skip
+                *self.slots]  # fmt: skip
 
 
 def _bag_shapes(bags: Sequence[tuple]) -> tuple:
@@ -597,7 +596,7 @@ def _end(begun: _Begun) -> _Dispatched:
     # concatenated bags hold no padding id).
     P = sum(part_splits)
     bag_of_part, part_lengths = b.bag_of_part[:P], b.part_lengths[:P]
-    recv_parts_nk, recv_ids_nk = _Blocks(recv[2 : 2 + K]), _Blocks(recv[2 + K :])  # [k][peer]
+    recv_parts_nk, recv_ids_nk = recv[2 : 2 + K], recv[2 + K :]  # [k][peer]
 
     recv_ids, recv_len = _all_to_all_pair(g, cb.ids[b.perm], part_lengths, id_splits, part_splits, recv_ids_n,
                                           recv_parts_n)  # fmt: skip
@@ -655,11 +654,12 @@ def _all_to_all_pair(group: Group, a: torch.Tensor, b: torch.Tensor, a_splits: l
     """Two all-to-alls of one dtype (the ids and the part lengths) as one: each peer gets
     its block of ``a`` followed by its block of ``b``. Every all-to-all is a point where the
     ranks wait for each other; packing costs two small copies."""
-    send = torch.cat([t for pair in zip(a.split(a_splits), b.split(b_splits)) for t in pair])
+    if group.size == 1:
+        return a, b
+    send = regroup_blocks([a, b], [a_splits, b_splits], to_group_major=False)
     recv = all_to_all(group, send, [x + y for x, y in zip(a_splits, b_splits)],
                       [x + y for x, y in zip(a_recv, b_recv)])  # fmt: skip
-    pieces = recv.split([n for pair in zip(a_recv, b_recv) for n in pair])
-    return torch.cat(pieces[0::2]), torch.cat(pieces[1::2])
+    return regroup_blocks([recv], [a_recv, b_recv], to_group_major=True).split([sum(a_recv), sum(b_recv)])
 
 
 def _counts_per_owner_and_table(b, num_bags: list[int], world: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -707,76 +707,15 @@ def _tags_hash(modules) -> int:
     return h
 
 
-# Above this many (peer, table) blocks, the regroupings below gather through one row index
-# instead of splitting into the blocks and concatenating them: a split makes one tensor per
-# block on the host (a review measured 0.23 ms per call at 8 ranks x 26 tables, 2 ms at 64 x
-# 26, about six calls a step), the index costs a copy to the device and three launches
-# whatever the count, once per exchange (:class:`_Blocks` keeps it for the regroupings of the
-# ids, the part lengths, the partial sums and the gradients). Below it the splits win: at 4
-# GPUs x 26 tables (104 blocks) the index made the step no faster (benchmarks/README.md,
-# sixteenth session), and the partial sums sent back would be copied twice (concatenated,
-# then gathered) instead of once.
-_BLOCKS_FOR_INDEX = 128
-
-
-class _Blocks(list):
-    """Sizes ``[k][peer]`` of the blocks of rows an all-to-all delivers, one per (peer,
-    table), peer-major: a list of lists, which also keeps the regrouping index of
-    :func:`_block_index` once built, for every later regrouping of the same blocks."""
-
-    __slots__ = ("_index",)
-
-    def __init__(self, counts: Sequence[Sequence[int]]) -> None:
-        super().__init__(counts)
-        self._index: Optional[torch.Tensor] = None
-
-    def index(self, dev: torch.device, table_major: bool) -> torch.Tensor:
-        if self._index is None or self._index.device != dev:
-            self._index = _block_index(self, dev)
-        return self._index[0 if table_major else 1]
-
-
-def _block_index(counts: Sequence[Sequence[int]], dev: torch.device) -> torch.Tensor:
-    """For rows in blocks of ``counts[k][p]`` rows (table k, peer p), the gather indices
-    between the peer-major block order (as received) and the table-major one (each table's
-    blocks in peer order), as a (2, rows) tensor: ``t_table_major = t_received[index[0]]``
-    and ``t_received = t_table_major[index[1]]``. The block offsets are computed on the host
-    over the K x W counts, then one copy to ``dev`` and three launches."""
-    K, W = len(counts), len(counts[0]) if counts else 0
-    tm_start, total = [], 0  # each block's first row, table-major (block k * W + p)
-    for row in counts:
-        for c in row:
-            tm_start.append(total)
-            total += c
-    pm_start, at = [0] * (K * W), 0  # and received (peer-major)
-    for p in range(W):
-        for k in range(K):
-            pm_start[k * W + p] = at
-            at += counts[k][p]
-    # Output rows in table-major block order read from the received ones, then the inverse:
-    # each output block's rows are its source block's, shifted by the blocks' offset.
-    blocks_tm = range(K * W)
-    blocks_pm = [k * W + p for p in range(W) for k in range(K)]
-    shift = [pm_start[b] - tm_start[b] for b in blocks_tm] + [tm_start[b] - pm_start[b] for b in blocks_pm]
-    sizes = [counts[b // W][b % W] for b in blocks_tm] + [counts[b // W][b % W] for b in blocks_pm]
-    both = host_tensor([shift, sizes], dev)
-    rows = torch.repeat_interleave(both[0], both[1], output_size=2 * total).view(2, total)
-    return rows + torch.arange(total, device=dev)
-
-
 def _table_major(t: torch.Tensor, counts: Sequence[Sequence[int]]) -> torch.Tensor:
     """Rows received from an all-to-all, one block per (peer, table) in peer-major order
     (``counts[k][p]`` rows of table k from peer p), regrouped table-major (each table's
     blocks in peer order): ``t`` itself when there is one table or one peer, otherwise one
-    copy. A block-wise regrouping (no per-row index) up to _BLOCKS_FOR_INDEX blocks, a
-    gather through one row index beyond (kept in ``counts`` when it is a :class:`_Blocks`)."""
+    copy (:func:`~veloce.ops.exchange.regroup_blocks`)."""
     K, W = len(counts), len(counts[0]) if counts else 0
     if K <= 1 or W <= 1:
         return t
-    if K * W > _BLOCKS_FOR_INDEX:
-        return t.index_select(0, _index_of(counts, t.device, table_major=True))
-    pieces = t.split([counts[k][p] for p in range(W) for k in range(K)])
-    return torch.cat([pieces[p * K + k] for k in range(K) for p in range(W)])
+    return regroup_blocks([t], counts, to_group_major=True)
 
 
 def _received_order(per_table: Sequence[torch.Tensor], counts: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -787,17 +726,7 @@ def _received_order(per_table: Sequence[torch.Tensor], counts: Sequence[Sequence
         return per_table[0]
     if W <= 1:
         return torch.cat(list(per_table))
-    if K * W > _BLOCKS_FOR_INDEX:
-        rows = torch.cat(list(per_table))
-        return rows.index_select(0, _index_of(counts, rows.device, table_major=False))
-    pieces = [t.split(list(c)) for t, c in zip(per_table, counts)]
-    return torch.cat([pieces[k][p] for p in range(W) for k in range(K)])
-
-
-def _index_of(counts: Sequence[Sequence[int]], dev: torch.device, table_major: bool) -> torch.Tensor:
-    if isinstance(counts, _Blocks):
-        return counts.index(dev, table_major)
-    return _block_index(counts, dev)[0 if table_major else 1]
+    return regroup_blocks(per_table, counts, to_group_major=False)
 
 
 def _mean_scale(modules: list, batch: _Batch, dtype: torch.dtype, dev: torch.device) -> Optional[torch.Tensor]:

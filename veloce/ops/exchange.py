@@ -1,8 +1,9 @@
 """The exchange op family: what a sharded lookup does around its all-to-all.
 
-Typed wrappers over ``torch.ops.veloce.owner_of``, ``bucketize_bags`` and
-``combine_parts`` (kernels: ``csrc/cpu/exchange.cpp``, ``csrc/cuda/exchange.cu``), their
-fake kernels, and the autograd registration of ``combine_parts``. Semantics: docs/ops.md.
+Typed wrappers over ``torch.ops.veloce.owner_of``, ``bucketize_bags``, ``combine_parts``
+and ``regroup_blocks`` (kernels: ``csrc/cpu/exchange.cpp``, ``csrc/cuda/exchange.cu``),
+their fake kernels, and the autograd registrations of ``combine_parts`` and
+``regroup_blocks``. Semantics: docs/ops.md.
 
 Shape glossary: ``N`` ids, ``B`` bags, ``W`` world size, ``M`` non-padding ids, ``P``
 parts (one per bag and owner it has ids on), ``D`` embedding dim.
@@ -10,13 +11,13 @@ parts (one per bag and owner it has ids on), ``D`` embedding dim.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from veloce import _ext
 
-__all__ = ["Buckets", "owner_of", "bucketize_bags", "combine_parts"]
+__all__ = ["Buckets", "owner_of", "bucketize_bags", "combine_parts", "regroup_blocks"]
 
 
 class Buckets(NamedTuple):
@@ -109,6 +110,39 @@ def combine_parts(parts: torch.Tensor, bag_of_part: torch.Tensor, num_bags: int)
     return torch.ops.veloce.combine_parts(parts, bag_of_part, num_bags)
 
 
+def regroup_blocks(sources: Sequence[torch.Tensor], counts: Sequence[Sequence[int]],
+                   to_group_major: bool) -> torch.Tensor:
+    """The rows an all-to-all moves, regrouped between peer-major and group-major order.
+
+    An all-to-all that carries G groups of rows (the tables of a grouped lookup, say) to or
+    from W peers moves one block per (group, peer): ``counts[g][p]`` rows. It delivers them
+    peer-major (peer 0's blocks of groups 0..G-1, then peer 1's, ...), while an owner
+    serves each group from one run of rows: group-major (group 0's blocks from peers
+    0..W-1, then group 1's, ...). One copy (on CUDA one launch per 128 blocks), where
+    ``torch.split`` into the G * W blocks and ``torch.cat`` cost a tensor per block on the
+    host. Differentiable w.r.t. ``sources`` (the gradient is regrouped back).
+
+    Args:
+        sources: ``to_group_major``: one tensor, the rows in peer-major order; else G
+            tensors, group g's rows in peer order. Same dtype, device and row shape
+            ``(*, ...)``.
+        counts: G lists of W non-negative row counts (``counts[g][p]``).
+        to_group_major: the direction (see ``sources``).
+
+    Returns:
+        One tensor of all the rows: group-major when ``to_group_major``, else peer-major.
+
+    Example::
+
+        >>> rows = torch.arange(5)  # from peer 0: group 0 [0], group 1 [1, 2]; peer 1: [3], [4]
+        >>> regroup_blocks([rows], [[1, 1], [2, 1]], to_group_major=True).tolist()  # doctest: +SKIP
+        [0, 3, 1, 2, 4]
+    """
+    _ext.require()
+    return torch.ops.veloce.regroup_blocks(list(sources), [c for row in counts for c in row], len(counts),
+                                           to_group_major)  # fmt: skip
+
+
 def _fake_owner_of(ids, world_size):
     return torch.empty_like(ids)
 
@@ -136,8 +170,30 @@ def _backward(ctx, grad_out: torch.Tensor):
     return grad_out.index_select(0, bag_of_part), None, None, None
 
 
+def _fake_regroup_blocks(sources, counts, num_groups, to_group_major):
+    return sources[0].new_empty((sum(counts), *sources[0].shape[1:]))
+
+
+def _regroup_setup_context(ctx, inputs, output) -> None:
+    ctx.counts, ctx.num_groups, ctx.to_group_major = inputs[1], inputs[2], inputs[3]
+
+
+def _regroup_backward(ctx, grad_out: torch.Tensor):
+    G = ctx.num_groups
+    W = len(ctx.counts) // G
+    if ctx.to_group_major:  # the gradient, group-major, goes back peer-major (one source)
+        per_group = grad_out.split([sum(ctx.counts[g * W : (g + 1) * W]) for g in range(G)])
+        return [torch.ops.veloce.regroup_blocks(list(per_group), ctx.counts, G, False)], None, None, None
+    # peer-major back to group-major, cut into the G sources
+    grouped = torch.ops.veloce.regroup_blocks([grad_out], ctx.counts, G, True)
+    return list(grouped.split([sum(ctx.counts[g * W : (g + 1) * W]) for g in range(G)])), None, None, None
+
+
 if _ext.loaded:
     torch.library.register_fake("veloce::owner_of")(_fake_owner_of)
     torch.library.register_fake("veloce::bucketize_bags")(_fake_bucketize_bags)
     torch.library.register_fake("veloce::combine_parts")(_fake_combine_parts)
     torch.library.register_autograd("veloce::combine_parts", _backward, setup_context=_setup_context)
+    torch.library.register_fake("veloce::regroup_blocks")(_fake_regroup_blocks)
+    torch.library.register_autograd("veloce::regroup_blocks", _regroup_backward,
+                                    setup_context=_regroup_setup_context)  # fmt: skip

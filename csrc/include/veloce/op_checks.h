@@ -148,6 +148,17 @@ void check_world_size_cuda(const char* op, int64_t world_size);
 // combine_parts: parts (P, D) floating, bag_of_part (P,) int64 on parts' device, num_bags >= 0.
 void check_combine_parts_args(const char* op, const at::Tensor& parts, const at::Tensor& bag_of_part,
                               int64_t num_bags);
+// regroup_blocks: one contiguous run of rows copied from a source into the output.
+struct RegroupBlock {
+  int64_t source;  // index into sources
+  int64_t row;     // first row in it
+  int64_t rows;    // rows copied
+};
+// regroup_blocks' arguments checked (same dtype, device and row shape for every source, the
+// counts non-negative and the sources' rows what they add up to), and its copies in output
+// order: one per (group, peer), the empty ones left out.
+std::vector<RegroupBlock> regroup_plan(const char* op, at::TensorList sources, at::IntArrayRef counts,
+                                       int64_t num_groups, bool to_group_major);
 // Every bag index bag[0..P) is in [0, num_bags). Host pointer (CUDA: on a host copy, once a
 // device reduction found a bad index).
 void check_bag_indices(const char* op, const int64_t* bag, int64_t P, int64_t num_bags);
