@@ -407,11 +407,14 @@ std::vector<RegroupBlock> regroup_plan(const char* op, at::TensorList sources, a
     TORCH_CHECK_VALUE(t.dim() == first.dim() && t.sizes().slice(1) == first.sizes().slice(1), op, ": ", name,
                       " has shape ", shape_str(t), " but sources[0] has ", shape_str(first),
                       "; the sources' rows must have one shape");
+    // The counts this source holds: all of them (to_group_major), or group s's. Each is
+    // compared with the rows left, so that no sum can pass int64.
+    const int64_t first_count = to_group_major ? 0 : s * W, end_count = to_group_major ? n : (s + 1) * W;
     int64_t rows = 0;
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t p = 0; p < W; ++p) {
-        if (to_group_major || g == s) rows += counts[g * W + p];
-      }
+    for (int64_t i = first_count; i < end_count; ++i) {
+      TORCH_CHECK_VALUE(counts[i] <= t.size(0) - rows, op, ": counts give ", name, " more rows than its ", t.size(0),
+                        " (counts[", i, "] = ", counts[i], " after ", rows, ")");
+      rows += counts[i];
     }
     TORCH_CHECK_VALUE(t.size(0) == rows, op, ": ", name, " has ", t.size(0), " rows but counts give it ", rows);
   }

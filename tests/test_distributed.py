@@ -174,7 +174,9 @@ def test_exchange_ops_bad_input(device):
         regroup([rows], [2, 1, 1], 2, True)
     with pytest.raises(ValueError, match=r"counts\[1\] = -1 is negative"):
         regroup([rows], [5, -1], 1, True)
-    with pytest.raises(ValueError, match=r"sources\[0\] has 4 rows but counts give it 5"):
+    with pytest.raises(ValueError, match=r"sources\[0\] has 4 rows but counts give it 3"):
+        regroup([rows], [2, 1], 2, True)
+    with pytest.raises(ValueError, match=r"counts give sources\[0\] more rows than its 4 \(counts\[1\] = 3 after 2\)"):
         regroup([rows], [2, 3], 2, True)
     with pytest.raises(ValueError, match="sources must hold one tensor per group .* got 1"):
         regroup([rows], [2, 2], 2, False)
@@ -188,6 +190,17 @@ def test_exchange_ops_bad_input(device):
         regroup([rows, rows], [4, 3], 2, False)
     with pytest.raises(ValueError, match="0-d tensor"):
         regroup([torch.tensor(1.0, device=device)], [0], 1, True)
+    # counts that wrap int64 around to the source's size are refused before any copy
+    with pytest.raises(ValueError, match=r"counts give sources\[0\] more rows than its 5 \(counts\[0\] = "):
+        regroup([torch.arange(5, device=device)], [2**62, 2**62, 2**62, 2**62 + 5], 2, True)
+    with pytest.raises(ValueError, match=r"counts\[3\] = 4611686018427387909 after 2"):
+        regroup([torch.arange(5, device=device), torch.arange(5, device=device)], [2, 3, 2, 2**62 + 5], 2, False)
+    from veloce.ops.exchange import regroup_blocks
+
+    with pytest.raises(ValueError, match=r"counts must be G >= 1 lists of W >= 1 .* got lists of lengths \[3, 1\]"):
+        regroup_blocks([rows], [[1, 2, 3], [4]], True)
+    with pytest.raises(ValueError, match=r"got lists of lengths \[\]"):
+        regroup_blocks([rows], [], True)
     if device != "cpu":
         with pytest.raises(RuntimeError, match=r"sources\[1\].*cpu"):
             regroup([rows, rows.cpu()], [4, 4], 2, False)
@@ -1333,7 +1346,7 @@ def _blocks(tables, world, row_shape, dtype, seed):
 def test_regrouping_received_blocks_table_major_and_back(device, tables, world):
     """An owner's received rows (one block per (peer, table), peer-major, some empty) come out
     table-major, each table's blocks in peer order, and go back in received order (40 x 8
-    blocks: three launches on CUDA)."""
+    blocks, 230 of them not empty: two launches on CUDA)."""
     from veloce.distributed import sharded
 
     counts, received, per_table = _blocks(tables, world, (3,), torch.float32, tables * 31 + world)
@@ -1359,10 +1372,10 @@ def test_regroup_blocks_every_copy_width(device, dtype, row_shape, offset):
     tables, world = 5, 3
     counts, received, per_table = _blocks(tables, world, row_shape, dtype, 7)
 
-    def shifted(t):  # the same values at a storage offset of `offset` elements
-        flat = torch.zeros(t.numel() + offset, dtype=dtype)
-        flat[offset:] = t.reshape(-1)
-        return flat[offset:].view(t.shape).to(device)
+    def shifted(t):  # the same values at a storage offset of `offset` elements, on the device
+        flat = torch.zeros(t.numel() + offset, dtype=dtype, device=device)
+        flat[offset:] = t.reshape(-1).to(device)
+        return flat[offset:].view(t.shape)
 
     got = regroup_blocks([shifted(received)], counts, to_group_major=True)
     assert got.dtype == dtype and got.shape == (received.shape[0], *row_shape)
@@ -1370,8 +1383,51 @@ def test_regroup_blocks_every_copy_width(device, dtype, row_shape, offset):
     back = regroup_blocks([shifted(t) for t in per_table], counts, to_group_major=False)
     assert torch.equal(back.cpu(), received)
     if row_shape == (128,):  # non-contiguous sources are copied first
-        wide = torch.stack([received, -received], 2).to(device)[..., 0]  # every other element
-        assert torch.equal(regroup_blocks([wide], counts, to_group_major=True).cpu(), torch.cat(per_table))
+
+        def strided(t):  # every other element of a wider tensor
+            return torch.stack([t, -t], 2).to(device)[..., 0]
+
+        assert torch.equal(regroup_blocks([strided(received)], counts, to_group_major=True).cpu(),
+                           torch.cat(per_table))  # fmt: skip
+        assert torch.equal(regroup_blocks([strided(t) for t in per_table], counts, False).cpu(), received)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("blocks", [128, 129, 257])
+def test_regroup_blocks_across_launches(device, blocks):
+    """On CUDA a launch copies at most 128 blocks: exactly 128 non-empty blocks are one
+    launch, 129 and 257 two and three, the next launch's output starting where the last
+    one's ended."""
+    from veloce.ops.exchange import regroup_blocks
+
+    one = [[1 + p % 3 for p in range(blocks)]]  # one group from `blocks` peers
+    rows = sum(one[0])
+    t = torch.arange(rows * 3, dtype=torch.float32, device=device).view(rows, 3)
+    assert torch.equal(regroup_blocks([t], one, True), t)  # one group: the order is the same
+    # two groups over (blocks + 1) // 2 peers, one block empty for an odd count: `blocks` non-empty
+    counts = [[1 + (g * 7 + p) % 3 for p in range((blocks + 1) // 2)] for g in range(2)]
+    if blocks % 2:
+        counts[0][-1] = 0
+    assert sum(c > 0 for row in counts for c in row) == blocks
+    per_table = [torch.arange(sum(c), dtype=torch.int64, device=device) + 1000 * g for g, c in enumerate(counts)]
+    pm = regroup_blocks(per_table, counts, False)
+    pieces = [x.split(c) for x, c in zip(per_table, counts)]
+    assert torch.equal(pm, torch.cat([pieces[g][p] for p in range(len(counts[0])) for g in range(2)]))
+    assert torch.equal(regroup_blocks([pm], counts, True), torch.cat(per_table))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_regroup_blocks_empty(device):
+    """No rows at all, a group without rows, rows of no elements: shapes kept, nothing read."""
+    from veloce.ops.exchange import regroup_blocks
+
+    none = torch.empty(0, 4, device=device)
+    assert regroup_blocks([none], [[0, 0], [0, 0]], True).shape == (0, 4)
+    assert regroup_blocks([none, none], [[0, 0], [0, 0]], False).shape == (0, 4)
+    b = torch.arange(6.0, device=device).view(3, 2)
+    out = regroup_blocks([none[:, :2], b], [[0, 0], [1, 2]], False)  # group 0 has no rows
+    assert torch.equal(out, b)
+    assert regroup_blocks([torch.empty(5, 0, device=device)], [[2, 3]], True).shape == (5, 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

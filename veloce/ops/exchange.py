@@ -139,6 +139,10 @@ def regroup_blocks(sources: Sequence[torch.Tensor], counts: Sequence[Sequence[in
         [0, 3, 1, 2, 4]
     """
     _ext.require()
+    W = len(counts[0]) if len(counts) else 0
+    if W == 0 or any(len(row) != W for row in counts):
+        raise ValueError(f"regroup_blocks: counts must be G >= 1 lists of W >= 1 row counts each (one per peer), "
+                         f"got lists of lengths {[len(row) for row in counts]}")  # fmt: skip
     return torch.ops.veloce.regroup_blocks(list(sources), [c for row in counts for c in row], len(counts),
                                            to_group_major)  # fmt: skip
 
