@@ -3,6 +3,8 @@
 // common.cpp, never in a .cu file.
 #include "veloce/op_checks.h"
 
+#include <c10/util/accumulate.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -445,6 +447,18 @@ std::vector<RegroupBlock> regroup_plan(const char* op, at::TensorList sources, a
     }
   }
   return plan;
+}
+
+RegroupCopy regroup_copy(at::TensorList sources, const std::vector<RegroupBlock>& plan) {
+  RegroupCopy c;
+  for (const at::Tensor& t : sources) c.sources.push_back(t.contiguous());
+  const at::Tensor& first = c.sources[0];
+  c.row_bytes = c10::multiply_integers(first.sizes().slice(1)) * static_cast<int64_t>(first.element_size());
+  std::vector<int64_t> shape = first.sizes().vec();
+  shape[0] = 0;
+  for (const RegroupBlock& b : plan) shape[0] += b.rows;
+  c.out = at::empty(shape, first.options());
+  return c;
 }
 
 void check_bag_indices(const char* op, const int64_t* bag, int64_t P, int64_t num_bags) {

@@ -15,7 +15,6 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/Dispatch.h>
-#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -201,17 +200,12 @@ at::Tensor regroup_blocks_cpu(at::TensorList sources, at::IntArrayRef counts, in
                               bool to_group_major) {
   const std::vector<RegroupBlock> plan =
       regroup_plan("veloce::regroup_blocks", sources, counts, num_groups, to_group_major);
-  std::vector<at::Tensor> src;
-  for (const at::Tensor& t : sources) src.push_back(t.contiguous());
-  std::vector<int64_t> shape = src[0].sizes().vec();
-  // (From the shape, not numel / rows: a source may have no rows.)
-  const int64_t row_bytes =
-      c10::multiply_integers(src[0].sizes().slice(1)) * static_cast<int64_t>(src[0].element_size());
+  const RegroupCopy c = regroup_copy(sources, plan);
+  const int64_t row_bytes = c.row_bytes;
   // Where each block lands in the output (rows before it).
   std::vector<int64_t> out_row(plan.size() + 1, 0);
   for (size_t b = 0; b < plan.size(); ++b) out_row[b + 1] = out_row[b] + plan[b].rows;
-  shape[0] = out_row.back();
-  at::Tensor out = at::empty(shape, src[0].options());
+  const at::Tensor& out = c.out;
   const int64_t total_bytes = out_row.back() * row_bytes;
   if (total_bytes == 0) return out;
   uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
@@ -221,7 +215,7 @@ at::Tensor regroup_blocks_cpu(at::TensorList sources, at::IntArrayRef counts, in
   at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const RegroupBlock& k = plan[static_cast<size_t>(b)];
-      const auto* from = static_cast<const uint8_t*>(src[static_cast<size_t>(k.source)].data_ptr());
+      const auto* from = static_cast<const uint8_t*>(c.sources[static_cast<size_t>(k.source)].data_ptr());
       std::memcpy(dst + out_row[static_cast<size_t>(b)] * row_bytes, from + k.row * row_bytes,
                   static_cast<size_t>(k.rows * row_bytes));
     }

@@ -14,7 +14,6 @@
 // (deterministic, no atomics).
 
 #include <ATen/Dispatch.h>
-#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <cub/device/device_radix_sort.cuh>
@@ -332,20 +331,13 @@ at::Tensor regroup_blocks_cuda(at::TensorList sources, at::IntArrayRef counts, i
   const std::vector<RegroupBlock> plan =
       regroup_plan("veloce::regroup_blocks", sources, counts, num_groups, to_group_major);
   const c10::cuda::CUDAGuard guard(sources[0].device());
-  std::vector<at::Tensor> src;
-  for (const at::Tensor& t : sources) src.push_back(t.contiguous());
-  std::vector<int64_t> shape = src[0].sizes().vec();
-  // (From the shape, not numel / rows: a source may have no rows.)
-  const int64_t row_bytes =
-      c10::multiply_integers(src[0].sizes().slice(1)) * static_cast<int64_t>(src[0].element_size());
-  int64_t rows = 0;
-  for (const RegroupBlock& b : plan) rows += b.rows;
-  shape[0] = rows;
-  at::Tensor out = at::empty(shape, src[0].options());
-  if (rows * row_bytes == 0) return out;
+  const RegroupCopy c = regroup_copy(sources, plan);
+  const int64_t row_bytes = c.row_bytes;
+  const at::Tensor& out = c.out;
+  if (out.numel() == 0) return out;
   // The unit: rows and every base pointer are multiples of it (blocks start at whole rows).
   uint64_t align = static_cast<uint64_t>(row_bytes) | reinterpret_cast<uintptr_t>(out.data_ptr());
-  for (const at::Tensor& t : src) align |= reinterpret_cast<uintptr_t>(t.data_ptr());
+  for (const at::Tensor& t : c.sources) align |= reinterpret_cast<uintptr_t>(t.data_ptr());
   int64_t unit = 16;
   while (unit > 1 && align % static_cast<uint64_t>(unit) != 0) unit /= 2;
   const int64_t units_per_row = row_bytes / unit;
@@ -357,7 +349,7 @@ at::Tensor regroup_blocks_cuda(at::TensorList sources, at::IntArrayRef counts, i
     int64_t units = 0;
     for (int32_t i = 0; i < a.n; ++i) {
       const RegroupBlock& b = plan[first + static_cast<size_t>(i)];
-      a.src[i] = static_cast<const uint8_t*>(src[static_cast<size_t>(b.source)].data_ptr()) + b.row * row_bytes;
+      a.src[i] = static_cast<const uint8_t*>(c.sources[static_cast<size_t>(b.source)].data_ptr()) + b.row * row_bytes;
       units += b.rows * units_per_row;
       a.end[i] = units;
     }

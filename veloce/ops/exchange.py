@@ -185,12 +185,13 @@ def _regroup_setup_context(ctx, inputs, output) -> None:
 def _regroup_backward(ctx, grad_out: torch.Tensor):
     G = ctx.num_groups
     W = len(ctx.counts) // G
+    group_rows = [sum(ctx.counts[g * W : (g + 1) * W]) for g in range(G)]
     if ctx.to_group_major:  # the gradient, group-major, goes back peer-major (one source)
-        per_group = grad_out.split([sum(ctx.counts[g * W : (g + 1) * W]) for g in range(G)])
-        return [torch.ops.veloce.regroup_blocks(list(per_group), ctx.counts, G, False)], None, None, None
+        per_group = list(grad_out.split(group_rows))
+        return [torch.ops.veloce.regroup_blocks(per_group, ctx.counts, G, False)], None, None, None
     # peer-major back to group-major, cut into the G sources
     grouped = torch.ops.veloce.regroup_blocks([grad_out], ctx.counts, G, True)
-    return list(grouped.split([sum(ctx.counts[g * W : (g + 1) * W]) for g in range(G)])), None, None, None
+    return list(grouped.split(group_rows)), None, None, None
 
 
 if _ext.loaded:

@@ -159,6 +159,14 @@ struct RegroupBlock {
 // order: one per (group, peer), the empty ones left out.
 std::vector<RegroupBlock> regroup_plan(const char* op, at::TensorList sources, at::IntArrayRef counts,
                                        int64_t num_groups, bool to_group_major);
+// What the kernels copy from and into, for a plan (both backends; on CUDA under the
+// device guard: the contiguous copies run on the current stream).
+struct RegroupCopy {
+  std::vector<at::Tensor> sources;  // contiguous
+  int64_t row_bytes;                // from the row shape, not numel / rows: a source may have no rows
+  at::Tensor out;                   // (rows of every block, the sources' row shape), uninitialised
+};
+RegroupCopy regroup_copy(at::TensorList sources, const std::vector<RegroupBlock>& plan);
 // Every bag index bag[0..P) is in [0, num_bags). Host pointer (CUDA: on a host copy, once a
 // device reduction found a bad index).
 void check_bag_indices(const char* op, const int64_t* bag, int64_t P, int64_t num_bags);
