@@ -15,7 +15,9 @@ next), and the median of the same steps each between two syncs of every rank
 instrumented pass (a sync around every collective), the time and bytes of veloce's
 exchanges per step against one `all_to_all_single` of the same bytes (bus bandwidth =
 bytes * (n - 1) / n / time). `--summarize` adds weak-scaling efficiency
-(samples/s per GPU over the 1-GPU figure) and async / sync.
+(samples/s per GPU over the 1-GPU figure) and async / sync. `--exchange-dtype bfloat16`
+sends the partial sums and their gradients in bfloat16 (half the bytes; its runs are
+labelled `+bfloat16` and compared with the 1-GPU run without it, which has no exchange).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 import veloce
+from veloce.distributed import _comm
+from veloce.distributed import dedup as _dedup
 from veloce.distributed import sharded as _sharded
 from veloce.models import DLRM
 
@@ -82,7 +86,9 @@ class ExchangeMeter:
         self.device, self.seconds, self.bytes, self.on, self.aligned = device, 0.0, 0, False, False
         self.calls: dict[str, list] = {}  # call site -> [seconds, bytes, calls]
         self._a2a, self._hdr = _sharded.all_to_all, _sharded.begin_headers
-        _sharded.all_to_all = self._timed(self._a2a, count_bytes=True)
+        timed = self._timed(self._a2a, count_bytes=True)
+        # The rows' exchanges call it from _comm.all_to_all_rows (in the exchange dtype).
+        _sharded.all_to_all = _comm.all_to_all = _dedup.all_to_all = timed
         _sharded.begin_headers = self._timed(self._hdr, count_bytes=False)  # the header swap's all-to-all
 
     def _timed(self, fn, count_bytes: bool):
@@ -100,6 +106,8 @@ class ExchangeMeter:
             self.seconds += dt
             self.bytes += nbytes
             caller = sys._getframe(1)
+            if caller.f_code.co_name == "all_to_all_rows":  # named by the site that sends the rows
+                caller = caller.f_back
             site = self.calls.setdefault(f"{caller.f_code.co_name}:{caller.f_lineno}", [0.0, 0, 0])
             site[0] += dt
             site[1] += nbytes
@@ -166,7 +174,8 @@ def run(args) -> None:
                  top_mlp=(1024, 1024, 512, 256, 1), embedding_factory=table).to(device)  # fmt: skip
     lookup_errors = args.lookup_errors or ("raise_next" if args.nonfinite == "raise_next" else "raise")
     hp = veloce.distributed.HybridParallel(model, sparse=args.sparse, staleness=args.staleness, dedup=args.dedup,
-                                           lookup_errors=lookup_errors, prefetch_depth=args.prefetch_depth)  # fmt: skip
+                                           lookup_errors=lookup_errors, prefetch_depth=args.prefetch_depth,
+                                           exchange_dtype=args.exchange_dtype)  # fmt: skip
     opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), hp)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     data = batches(args, rank, device)
@@ -252,6 +261,7 @@ def run(args) -> None:
     row = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__, "world_size": world,
         "sparse": args.sparse + ("+dedup" if args.dedup else "") + ("+prefetch" if args.prefetch else "")
+                  + (f"+{args.exchange_dtype}" if args.exchange_dtype else "")
                   + (f"@{args.prefetch_at}" if args.prefetch and args.prefetch_at != "step" else "")
                   + ("/header" if args.prefetch and args.prefetch_depth == "header" else ""),
         "nonfinite_grad": args.nonfinite, "tf32": bool(args.tf32 and cuda), "pin_cores": args.pin_cores,
@@ -437,7 +447,8 @@ def summarize(paths: list[str]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["world_size"], r["label"])):
         w, s = r["world_size"], r["label"]
-        eff = r["samples_per_s"] / (w * base[s]) if s in base else float("nan")
+        one = base.get(s, base.get(s.replace("+bfloat16", "").replace("+float16", "")))  # no exchange on one GPU
+        eff = r["samples_per_s"] / (w * one) if one else float("nan")
         key = (w, s.replace("async", "sync"))
         ratio = r["samples_per_s"] / sync[key] if s.startswith("async") and key in sync else float("nan")
         bw = (r["a2a_same_bytes_ms"] / r["exchange_ms"]) if w > 1 and r["exchange_ms"] else float("nan")
@@ -485,6 +496,8 @@ def main() -> None:
     p.add_argument("--tf32", action="store_true",
                    help="TF32 matmuls for the dense MLPs (torch.backends.cuda.matmul.allow_tf32; off by default, as in PyTorch)")
     p.add_argument("--dedup", action="store_true", help="HybridParallel(dedup=True): one row per distinct id")
+    p.add_argument("--exchange-dtype", choices=("bfloat16", "float16"), default=None,
+                   help="HybridParallel(exchange_dtype=...): partial sums and gradients travel in it (default: fp32)")
     p.add_argument("--pin-cores", type=int, default=0, metavar="K",
                    help="pin each rank's process to K cores of its own (default: not pinned)")
     p.add_argument("--warmup", type=int, default=5)

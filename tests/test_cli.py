@@ -80,6 +80,7 @@ def test_train_resumes_and_set_overrides(tmp_path, capsys):
         ("tables=5", "config error: tables must be a section (a mapping of fields), got 5"),
         ("tables.max_capacity=16", "config error: tables.max_capacity must be null or >= capacity (256), got 16"),
         ("strategy.sparse=eventually", "config error: strategy.sparse must be one of sync, async"),
+        ("strategy.exchange_dtype=int8", "config error: strategy.exchange_dtype must be one of table, bfloat16, float16"),
         ("trainer.progress=1", "config error: trainer.progress must be true or false, got 1"),
         ("trainer", "config error: --set needs key.sub=value, got 'trainer'"),
         ("colour=red", "config error: unknown field colour; known fields: model, data,"),

@@ -643,6 +643,88 @@ def test_trainer_async_on_two_ranks_trains(tmp_path, dedup):
     assert veloce.checkpoint.latest(tmp_path / "a") is not None
 
 
+# ---- rows exchanged in a narrower dtype ---------------------------------------------------
+def _exchange_dtype_body(rank, world, device_kind, wire, dedup, sparse):
+    """One step of a sum table (SGD, lr 1) over bags of one id, ids distinct across ranks:
+    each output row is its id's row rounded to ``wire``, and each owner applies its
+    row's gradient (averaged over ranks) rounded to ``wire``, exactly."""
+    device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
+    dim, n = 16, 64
+
+    def table():
+        return veloce.DynamicEmbedding(dim, mode="sum", optimizer=veloce.optim.SGD(lr=1.0), seed=7, device=device)
+
+    emb, ref = table(), table().eval()  # ref: unsharded, unseen ids give the initial rows
+    hp = HybridParallel(nn.ModuleList([emb]), dense="none", sparse=sparse, dedup=dedup, exchange_dtype=wire)
+    opt = veloce.optim.CombinedOptimizer(None, hp)
+    every = (torch.arange(world * n) * 1_000_003 + 11) * (-1) ** torch.arange(world * n)  # distinct ids, both signs
+    grads = torch.randn(world * n, dim, generator=torch.Generator().manual_seed(5)) * 3
+    mine = slice(rank * n, (rank + 1) * n)
+    ids, offsets = every[mine].to(device), torch.arange(n, device=device)
+    with torch.no_grad():
+        init = ref(every.to(device), torch.arange(world * n, device=device)).cpu()
+    rounded = (lambda t: t.to(wire).float()) if wire is not None else (lambda t: t)  # noqa: E731
+    out = emb(ids, offsets)
+    got = [torch.equal(out.detach().cpu(), rounded(init[mine]))]
+    (out * grads[mine].to(device)).sum().backward()
+    opt.step()
+    hp.flush()  # async: the update lands
+    shard = emb.export()
+    at = {k: i for i, k in enumerate(every.tolist())}
+    rows = torch.tensor([at[k] for k in shard["keys"].tolist()], dtype=torch.long)
+    want = init[rows] - rounded(grads[rows] / world)
+    got.append(torch.equal(shard["weights"].cpu(), want))
+    got.append(len(shard["keys"]) > 0)
+    return got
+
+
+@pytest.mark.parametrize("device_kind", NCCL_OR_GLOO)
+@pytest.mark.parametrize("wire, dedup, sparse", [
+    (torch.bfloat16, False, "sync"), (torch.float16, False, "sync"), (torch.bfloat16, True, "sync"),
+    (torch.bfloat16, False, "async"), (None, False, "sync"),
+], ids=["bf16", "fp16", "bf16, dedup", "bf16, async", "table dtype"])  # fmt: skip
+def test_rows_travel_in_the_exchange_dtype(wire, dedup, sparse, device_kind):
+    """HybridParallel(exchange_dtype=...): partial sums (or, with dedup, rows) and their
+    gradients travel rounded to that dtype and come back in the table's; None is exact."""
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    results = run_ranks(_exchange_dtype_body, 2, device_kind, wire, dedup, sparse, timeout=60, backend=backend)
+    for rank, (forward, table, owns) in enumerate(results):
+        assert forward, f"rank {rank}: the lookup's rows are not the initial rows rounded to {wire}"
+        assert table, f"rank {rank}: the table after one step is not init - (gradient / 2) rounded to {wire}"
+        assert owns, f"rank {rank} owns no row"
+
+
+def _exchange_dtype_close(rank, world, wire):
+    model = Small()
+    hp = HybridParallel(model, sparse="sync", exchange_dtype=wire)
+    return {"preds": train(hp, make_opt(hp), world, rank), "tables": tables_of(model)}
+
+
+def test_bf16_exchange_trains_close_to_one_process():
+    """20 steps of the small model (uneven and empty batches) with rows exchanged in
+    bfloat16: predictions and tables stay within bfloat16's rounding of the exact run."""
+    results = run_ranks(_exchange_dtype_close, 2, torch.bfloat16, timeout=90)
+    ref = reference()
+    for step in range(STEPS):
+        got = torch.cat([r["preds"][step] for r in results])
+        torch.testing.assert_close(got, ref["preds"][step], rtol=2e-2, atol=2e-2, msg=f"predictions of step {step}")
+    got = merged([r["tables"] for r in results])
+    for name, want in ref["tables"].items():
+        order = want["keys"].argsort()
+        assert torch.equal(got[name]["keys"], want["keys"][order]), f"table {name}: keys differ"
+        torch.testing.assert_close(got[name]["weights"], want["weights"][order], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("bad", ["int8", torch.int32, torch.float64, 16, "fp8"])
+def test_exchange_dtype_refuses_what_it_cannot_send(bad):
+    from veloce.distributed.hybrid import _exchange_dtype
+
+    with pytest.raises(ValueError, match=r"exchange_dtype must be None .*got " + re.escape(repr(bad))):
+        _exchange_dtype(bad)
+    assert _exchange_dtype("bf16") is torch.bfloat16 and _exchange_dtype(None) is None
+    assert _exchange_dtype(torch.float16) is torch.float16 and _exchange_dtype("float32") is torch.float32
+
+
 # ---- agreement between ranks -------------------------------------------------------------
 def ids_owned_by(owner: int, world: int, n: int) -> list[int]:
     ids = torch.arange(1, 64 * n * world + 1)

@@ -113,7 +113,8 @@ def build_trainer(
     return Trainer(
         model, optimizer=dense,
         metrics={"auc": metrics.AUC(), "logloss": metrics.LogLoss(), "accuracy": metrics.Accuracy()},
-        strategy={"sparse": st.sparse, "staleness": st.staleness, "dense": st.dense, "lookup_errors": st.lookup_errors},
+        strategy={"sparse": st.sparse, "staleness": st.staleness, "dense": st.dense, "lookup_errors": st.lookup_errors,
+                  "exchange_dtype": st.exchange_dtype},
         precision=tr.precision, accumulate_steps=tr.accumulate_steps, max_epochs=tr.max_epochs,
         max_steps=tr.max_steps, checkpoint_dir=tr.checkpoints() if checkpoints else None,
         checkpoint_every=tr.checkpoint_every if checkpoints else None, keep_last=tr.keep_last,

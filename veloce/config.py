@@ -201,6 +201,7 @@ class StrategyConfig:
     staleness: int = 1
     dense: Literal["ddp"] = "ddp"
     lookup_errors: Literal["raise", "raise_next"] = "raise"
+    exchange_dtype: Literal["table", "bfloat16", "float16"] = "table"
 
     def __post_init__(self) -> None:
         _non_negative(self, "staleness")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from veloce._device import HostCopy, host_tensor
 
 __all__ = ["ExchangeError", "exchange_headers", "begin_headers", "finish_headers", "Header", "all_to_all",
+           "all_to_all_rows",
            "abandon_exchange", "agree_sum", "Group", "DeferredFailure", "raise_deferred_failures"]  # fmt: skip
 
 
@@ -246,3 +247,31 @@ def all_to_all(
         async_op=async_op,
     )  # fmt: skip
     return (recv, work) if async_op else recv
+
+
+def all_to_all_rows(
+    group: Group,
+    rows: torch.Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    wire: Optional[torch.dtype] = None,
+    async_op: bool = False,
+):
+    """:func:`all_to_all` of float rows (partial sums, embedding rows, their gradients)
+    that travel as ``wire``: ``torch.bfloat16`` or ``torch.float16`` halves the bytes of
+    fp32 rows (``HybridParallel(exchange_dtype=...)``); None sends them as they are.
+
+    The received rows stay in the wire's dtype: the caller converts them back where that
+    is cheapest (after regrouping them, which then moves half the bytes). Returns them,
+    or with ``async_op=True`` a function that waits for them and returns them."""
+    if wire is not None and wire != rows.dtype:
+        rows = rows.to(wire)
+    if not async_op:
+        return all_to_all(group, rows, send_splits, recv_splits)
+    recv, work = all_to_all(group, rows, send_splits, recv_splits, async_op=True)
+
+    def landed() -> torch.Tensor:
+        work.wait()
+        return recv
+
+    return landed

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from veloce._device import host_tensor
-from veloce.distributed._comm import all_to_all, exchange_headers
+from veloce.distributed._comm import all_to_all, all_to_all_rows, exchange_headers
 from veloce.distributed.sharded import (
     _SUM, Shard, _cat_grads, _concat_bags, _deliver, _mean_scale, _per_table, _received_order,
     _serve_tables, _table_major, _split_psw_grads, _tags_hash,
@@ -126,7 +126,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     served, rows = _serve_tables(modules, t_ids, [every[:n] for n in ids_per_table], [None] * K)
     back = _received_order(rows, recv_ids_nk)
 
-    got = all_to_all(g, back, recv_ids_n, id_splits)  # rows in the order sent
+    got = all_to_all_rows(g, back, recv_ids_n, id_splits, shard.exchange_dtype).to(dtype)  # in the order sent
     u_rows = torch.empty_like(got).index_copy_(0, send_order, got)
     out = torch.ops.veloce.pooled_lookup(u_rows, inverse, batch.starts, batch.psw, _SUM, False, None, False)
     scale = _mean_scale(modules, batch, dtype, dev)

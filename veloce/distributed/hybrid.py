@@ -42,6 +42,25 @@ def _to_device(obj: Any, dev: torch.device) -> Any:
     return obj
 
 
+_EXCHANGE_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+
+
+def _exchange_dtype(value: Any) -> Optional[torch.dtype]:
+    """``HybridParallel``'s ``exchange_dtype`` as a torch dtype (None: the tables' own)."""
+    if value is None or value == "table":
+        return None
+    dtype = _EXCHANGE_DTYPES.get(value) if isinstance(value, str) else value
+    if not isinstance(dtype, torch.dtype) or dtype not in _EXCHANGE_DTYPES.values():
+        raise ValueError(
+            f"HybridParallel: exchange_dtype must be None (the tables' dtype), torch.float32, torch.bfloat16 or "
+            f"torch.float16 (or one of the names {sorted(_EXCHANGE_DTYPES)}), got {value!r}"
+        )
+    return dtype
+
+
 def _high_priority(backend: str) -> Any:
     """Process group options whose collectives run on a high-priority stream (NCCL), else None."""
     if backend != "nccl" or not hasattr(dist, "ProcessGroupNCCL"):
@@ -100,6 +119,14 @@ class HybridParallel(nn.Module):
             host sync (prefetch returns at once, so it may be called as early as right
             after the previous forward); the forward reads the header and runs the rest
             on the prefetch stream, its inserts where its own would run.
+        exchange_dtype: the dtype in which embedding rows, partial sums and their gradients
+            travel between ranks: None (default) sends them in the tables' dtype (exact);
+            ``torch.bfloat16`` (or ``"bf16"``) halves the bytes of fp32 tables, as TorchRec's
+            quantized communication does. Rows are rounded to it on the way, then summed and
+            applied in the tables' dtype. ``torch.float16`` keeps more mantissa but overflows
+            above 65504. Ids, lengths and per-sample weights always travel exactly. Worth it
+            where the exchange's bytes cost (many ranks, large dims, links slower than
+            NVLink); the results are then no longer bit for bit those of one process.
         process_group: the ranks to shard over (default: the whole world).
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
@@ -125,6 +152,7 @@ class HybridParallel(nn.Module):
         dedup: bool = False,
         lookup_errors: str = "raise",
         prefetch_depth: str = "inserts",
+        exchange_dtype: Any = None,
         process_group: Optional[dist.ProcessGroup] = None,
         **ddp_kwargs: Any,
     ) -> None:
@@ -141,6 +169,7 @@ class HybridParallel(nn.Module):
             raise ValueError(f"HybridParallel: prefetch_depth must be 'inserts' or 'header', got {prefetch_depth!r}")
         if not isinstance(staleness, int) or staleness < 0:
             raise ValueError(f"HybridParallel: staleness must be an int >= 0, got {staleness!r}")
+        wire = _exchange_dtype(exchange_dtype)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "HybridParallel needs torch.distributed: call torch.distributed.init_process_group() first "
@@ -153,6 +182,7 @@ class HybridParallel(nn.Module):
         self.dedup = bool(dedup)
         self.lookup_errors = lookup_errors
         self.prefetch_depth = prefetch_depth
+        self.exchange_dtype = wire
         self.staleness = staleness if sparse == "async" else 0
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -190,7 +220,7 @@ class HybridParallel(nn.Module):
         dispatch_group = Group(dist.new_group(ranks=ranks, backend=backend, pg_options=urgent, **local))
         for tag, (name, m) in enumerate(self.tables):
             m._shard = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group, self.dedup,
-                             self.lookup_errors, dispatch_group)  # fmt: skip
+                             self.lookup_errors, dispatch_group, self.exchange_dtype)  # fmt: skip
         from veloce.distributed.sharded import drop_failed_gradients
 
         modules = [m for _, m in self.tables]
@@ -327,6 +357,7 @@ class HybridParallel(nn.Module):
         return (
             f"sparse={self.sparse!r}, staleness={self.staleness}, dedup={self.dedup}, "
             f"lookup_errors={self.lookup_errors!r}, prefetch_depth={self.prefetch_depth!r}, "
+            f"exchange_dtype={self.exchange_dtype}, "
             f"world_size={self.world_size}, "
             f"tables={len(self.tables)}, dense={'ddp' if self._ddp is not None else 'none'}"
         )

@@ -25,6 +25,10 @@ In ``sync`` mode the gradient exchange blocks in backward, so every update of st
 applied at step t. In ``async`` mode it is launched without waiting, on a second process
 group so that it overlaps the next forward's exchanges, and each owner applies the
 gradients of step t at step t + staleness.
+
+The partial sums and their gradients travel in the tables' dtype, or in a narrower one
+(``HybridParallel(exchange_dtype=torch.bfloat16)``: half the bytes of fp32 rows), and are
+summed and applied in the tables' dtype.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from veloce._device import current_stream, host_tensor
 from veloce._update_stream import on_prefetch_stream, record_streams
 from veloce.distributed._comm import (
     DeferredFailure, ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all,
-    Header, begin_headers, finish_headers, raise_deferred_failures,
+    all_to_all_rows, Header, begin_headers, finish_headers, raise_deferred_failures,
 )  # fmt: skip
 from veloce.ops.embedding import pooled_lookup_kernels
 from veloce.ops.exchange import bucketize_bags, regroup_blocks
@@ -84,6 +88,8 @@ class Shard:
         lookup_errors: "raise" (an owner's failure raises on every rank in the forward,
             through a collective read back there) or "raise_next" (agreed on the device,
             read back at the next step(), lookup or flush(); see ``HybridParallel``).
+        exchange_dtype: the dtype embedding rows, partial sums and their gradients travel
+            as between ranks (None: the table's own; see ``HybridParallel``).
     """
 
     group: Group
@@ -94,6 +100,7 @@ class Shard:
     dedup: bool = False
     lookup_errors: str = "raise"
     dispatch_group: Optional[Group] = None  # prefetched first halves exchange on it (HybridParallel.prefetch)
+    exchange_dtype: Optional[torch.dtype] = None
     steps: int = 0  # optimizer steps taken (async bookkeeping)
     in_flight: deque = field(default_factory=deque)
 
@@ -637,7 +644,7 @@ def _finish(shard: Shard, d: _Dispatched, refusal: Optional[Exception] = None):
     served, pooled = _serve_inserted(modules, d.ids, d.starts, d.psw, d.slots, error)
     partial = _received_order(pooled, d.recv_parts_nk)
 
-    parts = all_to_all(g, partial, d.recv_parts_n, d.part_splits)
+    parts = all_to_all_rows(g, partial, d.recv_parts_n, d.part_splits, shard.exchange_dtype).to(dtype)
     # bag_of_part comes from bucketize_bags: in range, so no check (on CUDA, a host sync).
     total_bags = sum(cb.num_bags)
     out = torch.ops.veloce.combine_parts(parts, d.bag_of_part, total_bags, False)
@@ -849,7 +856,10 @@ def _backward(ex: _Exchange, grads: Sequence[Optional[torch.Tensor]], psw_grad: 
     grad = _cat_grads(ex.modules, grads, ex.batch.num_bags, ex.perm.device)
     if ex.scale is not None:
         grad = grad * ex.scale.unsqueeze(1)
-    grad_parts = grad.index_select(0, ex.bag_of_part) / g.size  # averaged over ranks, as DDP
+    grad = grad / g.size  # averaged over ranks, as DDP
+    if shard.exchange_dtype is not None:  # rounded once per bag, before its parts are gathered
+        grad = grad.to(shard.exchange_dtype)
+    grad_parts = grad.index_select(0, ex.bag_of_part)
     if ex.refused:  # the other ranks' collectives, whatever this rank's forward was given
         psw_grad = [ex.prefetched_psw_grad] * len(ex.modules)
     want_psw = any(psw_grad)
@@ -894,21 +904,21 @@ def _deliver(shard: Shard, modules: list, served: list, rows: torch.Tensor, send
     gradients: now in sync mode (returns those shares), or ``staleness`` steps later in
     async mode (returns None)."""
     per_table = [sum(c) for c in recv_nk]
+    dtype = modules[0].table.dtype  # rows may arrive in a narrower exchange_dtype: regrouped, then widened
     if not sync and shard.mode == "async" and shard.staleness > 0:
-        recv, work = all_to_all(shard.grad_group, rows, send_splits, recv_splits, async_op=True)
+        wait = all_to_all_rows(shard.grad_group, rows, send_splits, recv_splits, shard.exchange_dtype, async_op=True)
         landed: dict[str, list] = {}
 
         def table_grads() -> list:
             if "grads" not in landed:
-                work.wait()
-                landed["grads"] = _table_major(recv, recv_nk).split(per_table)
+                landed["grads"] = _table_major(wait(), recv_nk).to(dtype).split(per_table)
             return landed["grads"]
 
         for k, m in enumerate(modules):
             m._shard.in_flight.append(_InFlight(m._shard.steps, lambda k=k: table_grads()[k], served[k]))
         return None
-    recv = all_to_all(shard.group, rows, send_splits, recv_splits)
-    shares = _table_major(recv, recv_nk).split(per_table)
+    recv = all_to_all_rows(shard.group, rows, send_splits, recv_splits, shard.exchange_dtype)
+    shares = _table_major(recv, recv_nk).to(dtype).split(per_table)
     _record(modules, served, shares)
     return shares
 
