@@ -327,6 +327,7 @@ def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
         (s, "find_or_insert_many", "forward: owner insert returned (host sync)"),
         (s, "agree_sum", "agree_sum returned (host sync)"),
         (s, "all_to_all", "all_to_all queued"),
+        (s, "all_to_all_rows", "all_to_all queued"),  # the partial sums' and the gradients'
         (torch.ops.veloce, "combine_parts", "forward: parts combined"),
         (torch.ops.veloce, "accumulate_and_update_many", "step: update launched"),
     ]
@@ -447,7 +448,8 @@ def summarize(paths: list[str]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["world_size"], r["label"])):
         w, s = r["world_size"], r["label"]
-        one = base.get(s, base.get(s.replace("+bfloat16", "").replace("+float16", "")))  # no exchange on one GPU
+        # One GPU has no exchange: the runs with an exchange dtype compare with the plain one.
+        one = base.get(s, base.get(s.replace("+bfloat16", "").replace("+float16", "")))
         eff = r["samples_per_s"] / (w * one) if one else float("nan")
         key = (w, s.replace("async", "sync"))
         ratio = r["samples_per_s"] / sync[key] if s.startswith("async") and key in sync else float("nan")
@@ -497,7 +499,8 @@ def main() -> None:
                    help="TF32 matmuls for the dense MLPs (torch.backends.cuda.matmul.allow_tf32; off by default, as in PyTorch)")
     p.add_argument("--dedup", action="store_true", help="HybridParallel(dedup=True): one row per distinct id")
     p.add_argument("--exchange-dtype", choices=("bfloat16", "float16"), default=None,
-                   help="HybridParallel(exchange_dtype=...): partial sums and gradients travel in it (default: fp32)")
+                   help="HybridParallel(exchange_dtype=...): partial sums and gradients travel in it "
+                        "(default: the tables' fp32)")
     p.add_argument("--pin-cores", type=int, default=0, metavar="K",
                    help="pin each rank's process to K cores of its own (default: not pinned)")
     p.add_argument("--warmup", type=int, default=5)

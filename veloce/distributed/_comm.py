@@ -17,7 +17,7 @@ import torch.distributed as dist
 from veloce._device import HostCopy, host_tensor
 
 __all__ = ["ExchangeError", "exchange_headers", "begin_headers", "finish_headers", "Header", "all_to_all",
-           "all_to_all_rows",
+           "all_to_all_rows", "wire_dtype", "wire_code",
            "abandon_exchange", "agree_sum", "Group", "DeferredFailure", "raise_deferred_failures"]  # fmt: skip
 
 
@@ -127,7 +127,8 @@ def finish_headers(
             raise ExchangeError(
                 f"{what}: rank {peer} sent signature {sig} to rank {group.rank}, which expected {mine}. Every rank "
                 f"must call its sharded tables in the same order, grouped the same way, with the same "
-                f"configuration (embedding dim, per_sample_weights given or not and requiring grad or not)."
+                f"configuration (embedding dim, per_sample_weights given or not and requiring grad or not, "
+                f"HybridParallel's dedup and exchange_dtype)."
             )
     if inline:
         return _columns(sent_rows, SIGNATURE_WIDTH, k), _columns(recv_rows, SIGNATURE_WIDTH, k)
@@ -247,6 +248,24 @@ def all_to_all(
         async_op=async_op,
     )  # fmt: skip
     return (recv, work) if async_op else recv
+
+
+_WIRE_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def wire_dtype(wanted: Optional[torch.dtype], table_dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype rows of ``table_dtype`` travel in when ``exchange_dtype`` is ``wanted``:
+    ``wanted`` when it has fewer bytes than the table's (bfloat16 or float16 for fp32
+    tables), else None (as they are: 16-bit tables gain nothing from another 16-bit type)."""
+    if wanted is None or wanted.itemsize >= table_dtype.itemsize:
+        return None
+    return wanted
+
+
+def wire_code(wire: Optional[torch.dtype]) -> int:
+    """``wire`` (:func:`wire_dtype`'s result) as a small int for an exchange's signature:
+    ranks that would send rows in different dtypes fail the header instead of the payload."""
+    return _WIRE_CODES[wire]
 
 
 def all_to_all_rows(

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from veloce._device import host_tensor
-from veloce.distributed._comm import all_to_all, all_to_all_rows, exchange_headers
+from veloce.distributed._comm import all_to_all, all_to_all_rows, exchange_headers, wire_code, wire_dtype
 from veloce.distributed.sharded import (
     _SUM, Shard, _cat_grads, _concat_bags, _deliver, _mean_scale, _per_table, _received_order,
     _serve_tables, _table_major, _split_psw_grads, _tags_hash,
@@ -113,7 +113,9 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     cell = owner_of(u_ids, W) * K + u_table
     send_order = torch.argsort(cell, stable=True)  # by owner, then table
     ids_nk = torch.zeros(W * K, dtype=torch.long, device=dev).index_add_(0, cell, torch.ones_like(cell)).view(W, K)
-    signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(batch.psw is not None), int(psw_grad), 1)
+    wire = wire_dtype(shard.exchange_dtype, dtype)
+    signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(batch.psw is not None), int(psw_grad),
+                 1 | wire_code(wire) << 1)  # fmt: skip
     what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
     sent, recv = exchange_headers(g, torch.cat([ids_nk.sum(1, keepdim=True), ids_nk], 1), signature, what)
     id_splits, recv_ids_n, recv_ids_nk = sent[0], recv[0], recv[1:]  # recv_ids_nk[k][peer]
@@ -126,7 +128,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     served, rows = _serve_tables(modules, t_ids, [every[:n] for n in ids_per_table], [None] * K)
     back = _received_order(rows, recv_ids_nk)
 
-    got = all_to_all_rows(g, back, recv_ids_n, id_splits, shard.exchange_dtype).to(dtype)  # in the order sent
+    got = all_to_all_rows(g, back, recv_ids_n, id_splits, wire).to(dtype)  # rows in the order sent
     u_rows = torch.empty_like(got).index_copy_(0, send_order, got)
     out = torch.ops.veloce.pooled_lookup(u_rows, inverse, batch.starts, batch.psw, _SUM, False, None, False)
     scale = _mean_scale(modules, batch, dtype, dev)

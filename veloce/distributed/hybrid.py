@@ -42,10 +42,8 @@ def _to_device(obj: Any, dev: torch.device) -> Any:
     return obj
 
 
-_EXCHANGE_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}  # fmt: skip
+_EXCHANGE_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                    "fp16": torch.float16, "half": torch.float16}  # fmt: skip
 
 
 def _exchange_dtype(value: Any) -> Optional[torch.dtype]:
@@ -55,8 +53,8 @@ def _exchange_dtype(value: Any) -> Optional[torch.dtype]:
     dtype = _EXCHANGE_DTYPES.get(value) if isinstance(value, str) else value
     if not isinstance(dtype, torch.dtype) or dtype not in _EXCHANGE_DTYPES.values():
         raise ValueError(
-            f"HybridParallel: exchange_dtype must be None (the tables' dtype), torch.float32, torch.bfloat16 or "
-            f"torch.float16 (or one of the names {sorted(_EXCHANGE_DTYPES)}), got {value!r}"
+            f"HybridParallel: exchange_dtype must be None or 'table' (rows travel in the tables' dtype), "
+            f"torch.bfloat16 or torch.float16, or one of the names {sorted(_EXCHANGE_DTYPES)}; got {value!r}"
         )
     return dtype
 
@@ -100,7 +98,8 @@ class HybridParallel(nn.Module):
             skipped when there are none) or ``"none"`` (you average dense gradients).
         dedup: send each distinct id of a batch once and pool on the requester (one row per
             distinct id each way) instead of pooling bag parts on the owners: faster when
-            ids repeat within a batch (hot ids, bags of one id). Same results.
+            ids repeat within a batch (hot ids, bags of one id). Same results (with an
+            ``exchange_dtype``, rows rather than partial sums are rounded on the way).
         lookup_errors: what a sharded lookup does when an owner fails to serve it (a full
             table without eviction, out of memory): ``"raise"`` (default): every rank
             raises in that forward (the owner its own error, the others
@@ -122,11 +121,15 @@ class HybridParallel(nn.Module):
         exchange_dtype: the dtype in which embedding rows, partial sums and their gradients
             travel between ranks: None (default) sends them in the tables' dtype (exact);
             ``torch.bfloat16`` (or ``"bf16"``) halves the bytes of fp32 tables, as TorchRec's
-            quantized communication does. Rows are rounded to it on the way, then summed and
-            applied in the tables' dtype. ``torch.float16`` keeps more mantissa but overflows
-            above 65504. Ids, lengths and per-sample weights always travel exactly. Worth it
-            where the exchange's bytes cost (many ranks, large dims, links slower than
-            NVLink); the results are then no longer bit for bit those of one process.
+            quantized communication does. Rows are rounded to it on the way (evaluation
+            lookups too), then summed and applied in the tables' dtype. Prefer bfloat16:
+            ``torch.float16`` keeps 3 more mantissa bits but has no loss scaling here, so
+            gradients below about 6e-5 lose precision (below 6e-8 they vanish) and values
+            above 65504 overflow (the owner's non-finite gradient check then fires).
+            Tables stored in 16 bits send their own dtype. Ids, lengths and per-sample
+            weights always travel exactly. Worth it where the exchange's bytes cost (many
+            ranks, large dims, links slower than NVLink); the results are then no longer
+            bit for bit those of one process. Every rank must pass the same value.
         process_group: the ranks to shard over (default: the whole world).
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 

@@ -45,7 +45,7 @@ from veloce._device import current_stream, host_tensor
 from veloce._update_stream import on_prefetch_stream, record_streams
 from veloce.distributed._comm import (
     DeferredFailure, ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all,
-    all_to_all_rows, Header, begin_headers, finish_headers, raise_deferred_failures,
+    all_to_all_rows, Header, begin_headers, finish_headers, raise_deferred_failures, wire_code, wire_dtype,
 )  # fmt: skip
 from veloce.ops.embedding import pooled_lookup_kernels
 from veloce.ops.exchange import bucketize_bags, regroup_blocks
@@ -576,7 +576,10 @@ def _begin(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = 
             raise
 
         parts_nk, ids_nk = _counts_per_owner_and_table(b, cb.num_bags, g.size, dev)
-    signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(any_psw), int(psw_grad), 0)
+    wire = wire_dtype(shard.exchange_dtype, dtype)
+    # The last int: 0 = parts (dedup.py sends 1), and the rows' wire dtype.
+    signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(any_psw), int(psw_grad),
+                 wire_code(wire) << 1)  # fmt: skip
     # One column per field: the ids and parts per owner, then per (owner, table) the parts and ids.
     fields = torch.cat([b.id_splits.view(-1, 1), b.part_splits.view(-1, 1), parts_nk.view(g.size, K),
                         ids_nk.view(g.size, K)], 1)  # fmt: skip
@@ -644,7 +647,8 @@ def _finish(shard: Shard, d: _Dispatched, refusal: Optional[Exception] = None):
     served, pooled = _serve_inserted(modules, d.ids, d.starts, d.psw, d.slots, error)
     partial = _received_order(pooled, d.recv_parts_nk)
 
-    parts = all_to_all_rows(g, partial, d.recv_parts_n, d.part_splits, shard.exchange_dtype).to(dtype)
+    wire = wire_dtype(shard.exchange_dtype, dtype)
+    parts = all_to_all_rows(g, partial, d.recv_parts_n, d.part_splits, wire).to(dtype)
     # bag_of_part comes from bucketize_bags: in range, so no check (on CUDA, a host sync).
     total_bags = sum(cb.num_bags)
     out = torch.ops.veloce.combine_parts(parts, d.bag_of_part, total_bags, False)
@@ -857,8 +861,9 @@ def _backward(ex: _Exchange, grads: Sequence[Optional[torch.Tensor]], psw_grad: 
     if ex.scale is not None:
         grad = grad * ex.scale.unsqueeze(1)
     grad = grad / g.size  # averaged over ranks, as DDP
-    if shard.exchange_dtype is not None:  # rounded once per bag, before its parts are gathered
-        grad = grad.to(shard.exchange_dtype)
+    wire = wire_dtype(shard.exchange_dtype, grad.dtype)
+    if wire is not None:  # rounded once per bag, before its parts are gathered
+        grad = grad.to(wire)
     grad_parts = grad.index_select(0, ex.bag_of_part)
     if ex.refused:  # the other ranks' collectives, whatever this rank's forward was given
         psw_grad = [ex.prefetched_psw_grad] * len(ex.modules)
@@ -905,8 +910,9 @@ def _deliver(shard: Shard, modules: list, served: list, rows: torch.Tensor, send
     async mode (returns None)."""
     per_table = [sum(c) for c in recv_nk]
     dtype = modules[0].table.dtype  # rows may arrive in a narrower exchange_dtype: regrouped, then widened
+    wire = wire_dtype(shard.exchange_dtype, dtype)
     if not sync and shard.mode == "async" and shard.staleness > 0:
-        wait = all_to_all_rows(shard.grad_group, rows, send_splits, recv_splits, shard.exchange_dtype, async_op=True)
+        wait = all_to_all_rows(shard.grad_group, rows, send_splits, recv_splits, wire, async_op=True)
         landed: dict[str, list] = {}
 
         def table_grads() -> list:
@@ -917,7 +923,7 @@ def _deliver(shard: Shard, modules: list, served: list, rows: torch.Tensor, send
         for k, m in enumerate(modules):
             m._shard.in_flight.append(_InFlight(m._shard.steps, lambda k=k: table_grads()[k], served[k]))
         return None
-    recv = all_to_all_rows(shard.group, rows, send_splits, recv_splits, shard.exchange_dtype)
+    recv = all_to_all_rows(shard.group, rows, send_splits, recv_splits, wire)
     shares = _table_major(recv, recv_nk).to(dtype).split(per_table)
     _record(modules, served, shares)
     return shares
