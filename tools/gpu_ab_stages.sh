@@ -37,10 +37,17 @@
 #              (';'-separated bench_distributed arguments, '-' for none), interleaved REPS times
 #              (default 2), e.g. VARIANTS="-;--prefetch;--prefetch --prefetch-at backward"
 #   w1x4       configuration 5 on one GPU, W processes at once (one GPU each), then one alone
+#   gpus       is one GPU slower? the machine's topology (nvidia-smi topo -m, NUMA nodes), then
+#              configuration 5's one-GPU step on each GPU alone, then on all at once, while
+#              nvidia-smi samples every GPU's SM clock, power, temperature and throttle
+#              reasons (gpus_smi.csv); the new tree
+#   c5numa     configuration 5 of the new tree on W GPUs, without and with torchrun's
+#              --numa-binding node (each rank on the CPUs of its GPU's NUMA node), interleaved 3x
 #   c5ab       configuration 5 of both trees on W GPUs with AB_ARGS (e.g. --prefetch), interleaved 3x
 #   summarize  the table of every configuration-5 run of this call (bench_distributed --summarize)
 #   cprofile   rank 0's cProfile of configuration 5 on W GPUs (CPROFILE_ARGS: more arguments)
-# Environment: OUT (default /tmp/ab-out), OLD_TAR (default .gpu/old.tar), C3_ARGS (more bench_embedding
+# Environment: OUT (default /tmp/ab-out), TORCHRUN_ARGS (more torchrun arguments for every
+# configuration-5 run, e.g. "--numa-binding node"), OLD_TAR (default .gpu/old.tar), C3_ARGS (more bench_embedding
 # arguments for `c3`, e.g. --back-to-back), W, STEPS (configuration 5's
 # timed steps, default 30), LOADS, C3P_OPTS, PIN (a prefix for the one-process runs of c1, c3,
 # c3phases and hostab, e.g. PIN="taskset -c 8": pinned to one core, the GPU machine's host
@@ -85,7 +92,9 @@ save_build() {  # save_build TAG DIR: the extension, stripped and gzipped, to $O
 c5_run() {  # c5_run TAG GPUS [EXTRA ARGS...]; TAG old or new (new+prefetch: the new tree, --prefetch)
   local tag=$1 w=$2; shift 2
   local d; d=$(tree "${tag%%+*}")
-  (cd "$d" && PYTHONPATH="$d" timeout 150 torchrun --standalone --nproc_per_node="$w" benchmarks/bench_distributed.py \
+  # shellcheck disable=SC2086  # TORCHRUN_ARGS is several arguments
+  (cd "$d" && PYTHONPATH="$d" timeout 150 torchrun --standalone ${TORCHRUN_ARGS:-} --nproc_per_node="$w" \
+     benchmarks/bench_distributed.py \
      --sparse sync --nonfinite raise_next --steps "${STEPS:-30}" --json "/tmp/ab_c5_${tag}_w$w.json" "$@" >"/tmp/ab_c5_${tag}_w$w.log" 2>&1)
   echo "w=$w $tag: $(grep -o '"step_ms": [0-9.]*\|"step_ms_synced": [0-9.]*' "/tmp/ab_c5_${tag}_w$w.json" | tr '\n' ' ')" | say
 }
@@ -228,6 +237,24 @@ for stage in "$@"; do
       for g in $(seq 0 $((gpus - 1))); do CUDA_VISIBLE_DEVICES=$g c5_run "new+solo$g" 1 & done
       wait
       c5_run new+alone 1
+      t ;;
+    gpus)
+      gpus=${W:-$(nvidia-smi -L | wc -l)}
+      { nvidia-smi topo -m; lscpu | grep -i numa; } > "$OUT/gpus_topology.txt" 2>&1
+      nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+        --format=csv -lms 250 > "$OUT/gpus_smi.csv" 2>&1 &
+      smi=$!
+      for g in $(seq 0 $((gpus - 1))); do CUDA_VISIBLE_DEVICES=$g c5_run "new+alone$g" 1; done
+      pids=()
+      for g in $(seq 0 $((gpus - 1))); do CUDA_VISIBLE_DEVICES=$g c5_run "new+together$g" 1 & pids+=($!); done
+      wait "${pids[@]}"
+      kill "$smi" 2>/dev/null
+      t ;;
+    c5numa)
+      gpus=${W:-$(nvidia-smi -L | wc -l)}
+      for tag in new new+numa new+numa new new new+numa; do
+        if [ "$tag" = new ]; then c5_run new "$gpus"; else TORCHRUN_ARGS="${TORCHRUN_ARGS:-} --numa-binding node" c5_run new+numa "$gpus"; fi
+      done
       t ;;
     c5ab)
       gpus=${W:-$(nvidia-smi -L | wc -l)}
