@@ -1533,6 +1533,31 @@ def test_regroup_blocks_across_launches(device, blocks):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("empty", ["first 128", "last 72"])
+def test_regroup_blocks_a_launch_of_empty_blocks(device, empty):
+    """200 blocks of which one launch's worth (on CUDA, 128 blocks: the first ones, or the
+    last 72) are empty: the empty launch is skipped (a grid of no blocks would be an error)
+    and the other blocks land where they belong, both directions."""
+    from veloce.ops.exchange import regroup_blocks
+
+    live = [1 + p % 3 for p in range(72)]
+    sizes = [0] * 128 + live if empty == "first 128" else (live + live)[:128] + [0] * 72
+    t = torch.arange(sum(sizes) * 2, dtype=torch.float32, device=device).view(-1, 2)
+    for direction in (True, False):  # one group: the same order either way, in 200 blocks
+        assert torch.equal(regroup_blocks([t], [sizes], direction), t)
+    # Two groups over 100 peers, peers 0-63 (or 36-99) empty in both: peer-major, the first
+    # (or last) 128 blocks.
+    quiet = range(64) if empty == "first 128" else range(36, 100)
+    counts = [[0 if p in quiet else 1 + (g + p) % 3 for p in range(100)] for g in range(2)]
+    per_group = [torch.arange(sum(c) * 2, dtype=torch.float32, device=device).view(-1, 2) + 1000 * g
+                 for g, c in enumerate(counts)]  # fmt: skip
+    pm = regroup_blocks(per_group, counts, False)
+    pieces = [x.split(c) for x, c in zip(per_group, counts)]
+    assert torch.equal(pm, torch.cat([pieces[g][p] for p in range(100) for g in range(2)]))
+    assert torch.equal(regroup_blocks([pm], counts, True), torch.cat(per_group))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_regroup_blocks_empty(device):
     """No rows at all, a group without rows, rows of no elements: shapes kept, nothing read."""
     from veloce.ops.exchange import regroup_blocks

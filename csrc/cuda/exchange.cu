@@ -353,6 +353,7 @@ at::Tensor regroup_blocks_cuda(at::TensorList sources, at::IntArrayRef counts, i
       units += b.rows * units_per_row;
       a.end[i] = units;
     }
+    if (units == 0) continue;  // 128 empty blocks: no launch (a grid of no blocks is an error)
     const auto grid = static_cast<unsigned>(std::min<int64_t>(grid_for(units), max_grid));
     auto launch = [&](auto* typed) {
       using U = std::remove_pointer_t<decltype(typed)>;
