@@ -126,3 +126,16 @@ def test_shipped_configs_load_and_every_field_is_documented():
 def test_inspect_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path)]) == 1
     assert "checkpoint error" in capsys.readouterr().err
+
+
+def test_strategy_reaches_hybrid_parallel(tmp_path, monkeypatch):
+    """The config's strategy section is what the Trainer hands HybridParallel on several
+    ranks (every field, exchange_dtype included)."""
+    import torch
+
+    seen = {}
+    monkeypatch.setattr(cli, "Trainer", lambda model, **kw: seen.update(kw["strategy"]))
+    cfg = load_config(write_config(tmp_path, TINY), ["strategy.exchange_dtype=bfloat16", "strategy.sparse=async"])
+    cli.build_trainer(cfg, cli.build_model(cfg, torch.device("cpu")), checkpoints=False)
+    assert seen == {"sparse": "async", "staleness": 1, "dense": "ddp", "lookup_errors": "raise",
+                    "exchange_dtype": "bfloat16"}  # fmt: skip
