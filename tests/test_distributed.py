@@ -739,6 +739,28 @@ def test_narrow_exchange_trains_close_to_one_process(name, wire, dedup, prefetch
         torch.testing.assert_close(got[name]["weights"], want["weights"][order], rtol=0, atol=bounds[1])
 
 
+def _float16_overflow(rank, world, nonfinite):
+    emb = veloce.DynamicEmbedding(4, mode="sum", nonfinite_grad=nonfinite)
+    hp = HybridParallel(nn.ModuleList([emb]), dense="none", exchange_dtype=torch.float16)
+    opt = veloce.optim.CombinedOptimizer(None, hp)
+    (emb(torch.tensor([[1], [2], [3]])).sum() * 1e6).backward()  # 5e5 per rank's share: past float16
+    try:
+        opt.step()
+        if nonfinite == "raise_next":
+            opt.step()  # the check of the last step is read here
+    except FloatingPointError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "raise_next"])
+def test_a_float16_overflow_names_the_exchange_dtype(nonfinite):
+    """Gradients past float16's range on the way to their owners: the NaN/Inf error says
+    so and names bfloat16, on every rank."""
+    for msg in run_ranks(_float16_overflow, 2, nonfinite, timeout=60):
+        assert "NaN or Inf" in msg and "exchange_dtype=torch.float16" in msg and "bfloat16" in msg, msg
+
+
 def test_wire_dtype_is_narrower_or_none():
     from veloce.distributed._comm import wire_dtype
 

@@ -28,6 +28,15 @@ _T = TypeVar("_T")
 _MODES = {"sum": 0, "mean": 1}
 _NONFINITE = ("raise", "raise_next", "skip", "apply")
 _CHECKED = ("raise", "raise_next")  # policies whose step() checks every gradient before applying any
+
+
+def _float16_exchange_hint(tables: Sequence["DynamicEmbedding"]) -> str:
+    """A sentence for a NaN/Inf gradient error when some of ``tables`` receive their
+    gradients in float16 (``HybridParallel(exchange_dtype=torch.float16)``), else ''."""
+    if not any(t._shard is not None and t._shard.exchange_dtype == torch.float16 for t in tables):
+        return ""
+    return (" The gradients travel between ranks in float16 (HybridParallel(exchange_dtype=torch.float16)), "
+            "which overflows above 65504: torch.bfloat16 keeps float32's range.")  # fmt: skip
 _UNKNOWN = ("init", "zeros")
 
 
@@ -488,7 +497,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
                 raise FloatingPointError(
                     f"DynamicEmbedding.step: {where} gradient of {num_bad} bag(s) holds NaN or Inf; nothing was "
                     f"applied. Call zero_grad() to drop it, or construct with nonfinite_grad='skip' to drop such "
-                    f"bags' gradients."
+                    f"bags' gradients." + _float16_exchange_hint([self])
                 )
             return None
         return bad if num_bad else None
@@ -703,6 +712,7 @@ class _DeferredCheck:
                 f"{len(finite)} checked table(s) (nonfinite_grad='raise_next' reads the device's check one step "
                 f"late); nothing of that step was applied and its gradient was dropped. The gradient pending now "
                 f"was not applied either: call zero_grad() to drop it, or step() to apply it."
+                + _float16_exchange_hint([t for t, _, _ in self.before])
             )  # fmt: skip
         for t, steps, lr in self.before:
             if t._verdict is not self:  # settled already, or a load replaced the table since
