@@ -28,15 +28,6 @@ _T = TypeVar("_T")
 _MODES = {"sum": 0, "mean": 1}
 _NONFINITE = ("raise", "raise_next", "skip", "apply")
 _CHECKED = ("raise", "raise_next")  # policies whose step() checks every gradient before applying any
-
-
-def _float16_exchange_hint(tables: Sequence["DynamicEmbedding"]) -> str:
-    """A sentence for a NaN/Inf gradient error when some of ``tables`` receive their
-    gradients in float16 (``HybridParallel(exchange_dtype=torch.float16)``), else ''."""
-    if not any(t._shard is not None and t._shard.exchange_dtype == torch.float16 for t in tables):
-        return ""
-    return (" The gradients travel between ranks in float16 (HybridParallel(exchange_dtype=torch.float16)), "
-            "which overflows above 65504: torch.bfloat16 keeps float32's range.")  # fmt: skip
 _UNKNOWN = ("init", "zeros")
 
 
@@ -685,6 +676,15 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
     if verdict is not None:
         for t in tables:
             t._verdict = verdict
+
+
+def _float16_exchange_hint(tables: Sequence["DynamicEmbedding"]) -> str:
+    """A sentence for a NaN/Inf gradient error when some of ``tables`` receive their
+    gradients in float16 (``HybridParallel(exchange_dtype=torch.float16)``), else ''."""
+    if not any(t._shard is not None and t._shard.exchange_dtype == torch.float16 for t in tables):
+        return ""
+    return (" The gradients travel between ranks in float16 (HybridParallel(exchange_dtype=torch.float16)), "
+            "which overflows above 65504: torch.bfloat16 keeps float32's range.")  # fmt: skip
 
 
 class _DeferredCheck:

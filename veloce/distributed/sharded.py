@@ -860,11 +860,10 @@ def _backward(ex: _Exchange, grads: Sequence[Optional[torch.Tensor]], psw_grad: 
     grad = _cat_grads(ex.modules, grads, ex.batch.num_bags, ex.perm.device)
     if ex.scale is not None:
         grad = grad * ex.scale.unsqueeze(1)
-    wire = wire_dtype(shard.exchange_dtype, grad.dtype)
-    if wire is None:
-        grad = grad / g.size  # averaged over ranks, as DDP
-    else:  # averaged and rounded once per bag, before its parts are gathered: one pass, computed in fp32
-        grad = torch.div(grad, g.size, out=torch.empty(grad.shape, dtype=wire, device=grad.device))
+    # Averaged over ranks, as DDP, and, with a narrower exchange dtype, rounded to it once per
+    # bag before its parts are gathered: one pass, computed in the table's dtype.
+    wire = wire_dtype(shard.exchange_dtype, grad.dtype) or grad.dtype
+    grad = torch.div(grad, g.size, out=torch.empty(grad.shape, dtype=wire, device=grad.device))
     grad_parts = grad.index_select(0, ex.bag_of_part)
     if ex.refused:  # the other ranks' collectives, whatever this rank's forward was given
         psw_grad = [ex.prefetched_psw_grad] * len(ex.modules)
