@@ -117,6 +117,14 @@ class ExchangeMeter:
         return wrapper
 
 
+def _quantiles(ms: list[float]) -> dict:
+    """Median, 10th and 90th percentiles of ``ms`` (the per-step intervals of one run)."""
+    if not ms:
+        return {}
+    q = statistics.quantiles(ms, n=10) if len(ms) > 1 else [ms[0]] * 9
+    return {"median": statistics.median(ms), "p10": q[0], "p90": q[-1]}
+
+
 def a2a_baseline(total_bytes: int, world: int, device, reps: int = 10) -> float:
     """Median seconds of one all_to_all_single moving total_bytes from this rank."""
     n = max(world, (total_bytes // 4) // world * world)
@@ -218,14 +226,22 @@ def run(args) -> None:
     # Throughput: the same steps back to back, as a training loop runs them (no sync between
     # steps, so async mode's exchange of step t can overlap step t + 1), every update
     # applied (flush) before the clock stops.
+    # Each step's start is also marked on the device (an event, no sync): the intervals
+    # between the marks give the back-to-back steps' spread, which the window's mean hides.
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
     sync_all(device)
     t = time.perf_counter()
     prefetch(args.warmup, args.warmup + 1)
     for i, b in enumerate(data[args.warmup : args.warmup + args.steps], args.warmup):
+        if cuda:
+            marks[i - args.warmup].record()
         step(b, (i + 1, args.warmup + args.steps))
+    if cuda:
+        marks[-1].record()
     hp.flush()
     sync_all(device)
     window_s = (time.perf_counter() - t) / args.steps
+    spread = _quantiles([a.elapsed_time(b) for a, b in zip(marks, marks[1:])]) if cuda else {}
     if args.cprofile:  # rank 0's host time by Python function, over the same steps again
         _cprofile(step, data, prefetch, hp, args, device, rank)
     gc.enable()
@@ -269,6 +285,7 @@ def run(args) -> None:
         "batch_per_gpu": args.batch, "features": args.features, "dim": args.dim,
         "step_ms": step_s * 1e3, "samples_per_s": world * args.batch / step_s,
         "step_ms_synced": statistics.median(times) * 1e3,
+        "step_ms_b2b": spread,  # device-side intervals between back-to-back steps' starts
         "exchange_ms": ex_s * 1e3, "exchange_MB": ex_bytes / 2**20,
         "a2a_same_bytes_ms": base_s * 1e3,
         "exchange_busbw_GBs": ex_bytes * (world - 1) / world / ex_s / 1e9 if world > 1 and ex_s else None,

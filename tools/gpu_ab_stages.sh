@@ -13,8 +13,10 @@
 #   build      build both trees side by side (about 3-4 minutes), save both extensions
 #              under $OUT/b/ (copy them to .gpu/b/ here for `prebuilt` in later calls)
 #   buildnew   build the working tree only (saved as $OUT/b/new.so.gz); the baseline from .gpu/b/old.so.gz
+#   buildone   build the working tree only, no baseline (for stages of the new tree alone)
 #   prebuilt   unpack .gpu/b/{old,new}.so.gz instead of building (same sources only!)
 #   tests      the hash-table CUDA tests, then the NCCL tests on 2 ranks
+#   xops       the exchange ops' CUDA tests (tests/test_distributed.py -k "cuda and not nccl")
 #   cudasuite  pytest -k "cuda or nonfinite or update_stream"
 #   memcheck   compute-sanitizer memcheck on the hash-table CUDA tests
 #   c1         configuration 1 (find, find_or_insert) at LOADS (default 0.5,0.75), interleaved
@@ -37,8 +39,9 @@
 #              (';'-separated bench_distributed arguments, '-' for none), interleaved REPS times
 #              (default 2), e.g. VARIANTS="-;--prefetch;--prefetch --prefetch-at backward"
 #   w1x4       configuration 5 on one GPU, W processes at once (one GPU each), then one alone
-#   gpus       is one GPU slower? the machine's topology (nvidia-smi topo -m, NUMA nodes), then
-#              configuration 5's one-GPU step on each GPU alone, then on all at once, while
+#   gpus       is one GPU slower? the machine's topology (nvidia-smi topo -m, lscpu, each GPU's
+#              local CPUs), then configuration 5's one-GPU step on each GPU alone, then on all
+#              at once, then all at once with each process on its GPU's local CPUs, while
 #              nvidia-smi samples every GPU's SM clock, power, temperature and throttle
 #              reasons (gpus_smi.csv); the new tree
 #   c5numa     configuration 5 of the new tree on W GPUs, without and with torchrun's
@@ -46,7 +49,7 @@
 #   c5ab       configuration 5 of both trees on W GPUs with AB_ARGS (e.g. --prefetch), interleaved 3x
 #   summarize  the table of every configuration-5 run of this call (bench_distributed --summarize)
 #   cprofile   rank 0's cProfile of configuration 5 on W GPUs (CPROFILE_ARGS: more arguments)
-# Environment: OUT (default /tmp/ab-out), TORCHRUN_ARGS (more torchrun arguments for every
+# Environment: OUT (default /tmp/ab-out), PREFIX (a command before torchrun in c5_run, e.g. taskset), TORCHRUN_ARGS (more torchrun arguments for every
 # configuration-5 run, e.g. "--numa-binding node"), OLD_TAR (default .gpu/old.tar), C3_ARGS (more bench_embedding
 # arguments for `c3`, e.g. --back-to-back), W, STEPS (configuration 5's
 # timed steps, default 30), LOADS, C3P_OPTS, PIN (a prefix for the one-process runs of c1, c3,
@@ -89,14 +92,21 @@ save_build() {  # save_build TAG DIR: the extension, stripped and gzipped, to $O
   mkdir -p "$OUT/b"
   strip --strip-debug -o "/tmp/ab_$1.so" "$2/veloce/_C.abi3.so" && gzip -6 -c "/tmp/ab_$1.so" > "$OUT/b/$1.so.gz"
 }
+gpu_cpus() {  # one line per GPU: its index and the CPUs of its NUMA node (sysfs local_cpulist)
+  nvidia-smi --query-gpu=index,pci.bus_id --format=csv,noheader | while IFS=', ' read -r i bus; do
+    bus=$(echo "$bus" | tr 'A-F' 'a-f' | sed 's/^0000\(....:\)/\1/')
+    echo "$i $(cat "/sys/bus/pci/devices/$bus/local_cpulist" 2>/dev/null || echo "0-$(( $(nproc) - 1 ))")"
+  done
+}
 c5_run() {  # c5_run TAG GPUS [EXTRA ARGS...]; TAG old or new (new+prefetch: the new tree, --prefetch)
   local tag=$1 w=$2; shift 2
   local d; d=$(tree "${tag%%+*}")
   # shellcheck disable=SC2086  # TORCHRUN_ARGS is several arguments
-  (cd "$d" && PYTHONPATH="$d" timeout 150 torchrun --standalone ${TORCHRUN_ARGS:-} --nproc_per_node="$w" \
+  (cd "$d" && PYTHONPATH="$d" timeout 150 ${PREFIX:-} torchrun --standalone ${TORCHRUN_ARGS:-} --nproc_per_node="$w" \
      benchmarks/bench_distributed.py \
      --sparse sync --nonfinite raise_next --steps "${STEPS:-30}" --json "/tmp/ab_c5_${tag}_w$w.json" "$@" >"/tmp/ab_c5_${tag}_w$w.log" 2>&1)
-  echo "w=$w $tag: $(grep -o '"step_ms": [0-9.]*\|"step_ms_synced": [0-9.]*' "/tmp/ab_c5_${tag}_w$w.json" | tr '\n' ' ')" | say
+  echo "w=$w $tag: $(grep -o '"step_ms": [0-9.]*\|"step_ms_synced": [0-9.]*\|"median": [0-9.]*\|"p90": [0-9.]*' \
+    "/tmp/ab_c5_${tag}_w$w.json" | tr '\n' ' ')" | say
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | say
@@ -116,6 +126,10 @@ for stage in "$@"; do
       gunzip -c .gpu/b/old.so.gz > "$OLD/veloce/_C.abi3.so"
       build_in "$NEW" 16 /tmp/ab_build_new.log
       check_kernels; save_build new "$NEW"; t ;;
+    buildone)
+      build_in "$NEW" 16 /tmp/ab_build_new.log
+      PYTHONPATH=$NEW python3 -c "import veloce; assert veloce._ext.has_cuda_kernels(); print('new: CUDA kernels')" | say
+      save_build new "$NEW"; t ;;
     prebuilt)
       unpack_old
       gunzip -c .gpu/b/old.so.gz > "$OLD/veloce/_C.abi3.so" && gunzip -c .gpu/b/new.so.gz > veloce/_C.abi3.so
@@ -125,6 +139,10 @@ for stage in "$@"; do
         | tee "$OUT/pytest_hash.txt" | tail -3 | say
       VELOCE_TEST_NCCL=1 VELOCE_TEST_WORLD_SIZES=2 PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/test_distributed.py \
         -q -p no:cacheprovider -k "nccl or cuda" 2>&1 | tee "$OUT/pytest_nccl.txt" | tail -3 | say
+      t ;;
+    xops)
+      PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/test_distributed.py -q -p no:cacheprovider -k "cuda and not nccl" \
+        2>&1 | tee "$OUT/pytest_xops.txt" | tail -3 | say
       t ;;
     cudasuite)
       PYTHONPATH=$NEW timeout 500 python3 -m pytest tests -q -p no:cacheprovider -k "cuda or nonfinite or update_stream" \
@@ -234,19 +252,31 @@ for stage in "$@"; do
       # One GPU per process, every GPU at once, no communication: how much the host's and the
       # machine's sharing alone slows a one-GPU step (against the same run alone, after).
       gpus=${W:-$(nvidia-smi -L | wc -l)}
-      for g in $(seq 0 $((gpus - 1))); do CUDA_VISIBLE_DEVICES=$g c5_run "new+solo$g" 1 & done
+      # OMP_NUM_THREADS=1 as torchrun sets it for several ranks: a one-rank torchrun does not,
+      # and four processes with a thread per core each made one of them 30% slower
+      # (benchmarks/README.md, twenty-fifth session).
+      for g in $(seq 0 $((gpus - 1))); do OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=$g c5_run "new+solo$g" 1 & done
       wait
-      c5_run new+alone 1
+      OMP_NUM_THREADS=1 c5_run new+alone 1
       t ;;
     gpus)
+      # OMP_NUM_THREADS=1 as torchrun sets it for several ranks (a one-rank torchrun does not).
       gpus=${W:-$(nvidia-smi -L | wc -l)}
-      { nvidia-smi topo -m; lscpu | grep -i numa; } > "$OUT/gpus_topology.txt" 2>&1
+      { nvidia-smi topo -m; lscpu; echo "local CPUs per GPU:"; gpu_cpus; } > "$OUT/gpus_topology.txt" 2>&1
       nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
         --format=csv -lms 250 > "$OUT/gpus_smi.csv" 2>&1 &
       smi=$!
-      for g in $(seq 0 $((gpus - 1))); do CUDA_VISIBLE_DEVICES=$g c5_run "new+alone$g" 1; done
+      for g in $(seq 0 $((gpus - 1))); do OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=$g c5_run "new+alone$g" 1; done
+      echo "-- together, unpinned" | say
       pids=()
-      for g in $(seq 0 $((gpus - 1))); do CUDA_VISIBLE_DEVICES=$g c5_run "new+together$g" 1 & pids+=($!); done
+      for g in $(seq 0 $((gpus - 1))); do OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=$g c5_run "new+together$g" 1 & pids+=($!); done
+      wait "${pids[@]}"
+      echo "-- together, each on its GPU's local CPUs (taskset)" | say
+      pids=()
+      for g in $(seq 0 $((gpus - 1))); do
+        cpus=$(gpu_cpus | awk -v g="$g" '$1 == g {print $2}')
+        OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=$g PREFIX="taskset -c $cpus" c5_run "new+pinned$g" 1 & pids+=($!)
+      done
       wait "${pids[@]}"
       kill "$smi" 2>/dev/null
       t ;;
