@@ -9,7 +9,8 @@ scaling: 16384 per GPU is a global batch of 65536 on 4 GPUs). Ids are Zipf(1.05)
 over 1e7 per feature.
 
 Reported per run (rank 0): the step time and global samples/s of `--steps` steps run
-back to back (as training runs them: async mode's exchange of one step may overlap the
+back to back (`--windows K`: K such windows, the ranks meeting between them; their mean,
+and each window's) (as training runs them: async mode's exchange of one step may overlap the
 next), and the median of the same steps each between two syncs of every rank
 (`step_ms_synced`); then, in an
 instrumented pass (a sync around every collective), the time and bytes of veloce's
@@ -228,20 +229,25 @@ def run(args) -> None:
     # applied (flush) before the clock stops.
     # Each step's start is also marked on the device (an event, no sync): the intervals
     # between the marks give the back-to-back steps' spread, which the window's mean hides.
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
-    sync_all(device)
-    t = time.perf_counter()
-    prefetch(args.warmup, args.warmup + 1)
-    for i, b in enumerate(data[args.warmup : args.warmup + args.steps], args.warmup):
+    # --windows K: the window K times, the ranks meeting between them (does a run's pace
+    # persist across windows, or does each start afresh?).
+    windows, spreads = [], []
+    for _ in range(args.windows):
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
+        sync_all(device)
+        t = time.perf_counter()
+        prefetch(args.warmup, args.warmup + 1)
+        for i, b in enumerate(data[args.warmup : args.warmup + args.steps], args.warmup):
+            if cuda:
+                marks[i - args.warmup].record()
+            step(b, (i + 1, args.warmup + args.steps))
         if cuda:
-            marks[i - args.warmup].record()
-        step(b, (i + 1, args.warmup + args.steps))
-    if cuda:
-        marks[-1].record()
-    hp.flush()
-    sync_all(device)
-    window_s = (time.perf_counter() - t) / args.steps
-    spread = _quantiles([a.elapsed_time(b) for a, b in zip(marks, marks[1:])]) if cuda else {}
+            marks[-1].record()
+        hp.flush()
+        sync_all(device)
+        windows.append((time.perf_counter() - t) / args.steps)
+        spreads.append(_quantiles([a.elapsed_time(b) for a, b in zip(marks, marks[1:])]) if cuda else {})
+    window_s, spread = statistics.mean(windows), spreads[0]
     if args.cprofile:  # rank 0's host time by Python function, over the same steps again
         _cprofile(step, data, prefetch, hp, args, device, rank)
     gc.enable()
@@ -286,6 +292,8 @@ def run(args) -> None:
         "step_ms": step_s * 1e3, "samples_per_s": world * args.batch / step_s,
         "step_ms_synced": statistics.median(times) * 1e3,
         "step_ms_b2b": spread,  # device-side intervals between back-to-back steps' starts
+        "windows_ms": [w * 1e3 for w in windows],  # each window's mean (--windows), and its intervals' median
+        "windows_b2b_median_ms": [q.get("median") for q in spreads],
         "exchange_ms": ex_s * 1e3, "exchange_MB": ex_bytes / 2**20,
         "a2a_same_bytes_ms": base_s * 1e3,
         "exchange_busbw_GBs": ex_bytes * (world - 1) / world / ex_s / 1e9 if world > 1 and ex_s else None,
@@ -522,6 +530,9 @@ def main() -> None:
                    help="pin each rank's process to K cores of its own (default: not pinned)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--windows", type=int, default=1,
+                   help="time the back-to-back steps this many times (the ranks meet between windows); "
+                        "step_ms is their mean")
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--json", default=None)
     p.add_argument("--profile", nargs="?", const="-", default=None,

@@ -17,6 +17,13 @@ Side by side, the same blocks:
 * ``regroup_blocks``: ``torch.ops.veloce.regroup_blocks`` (one op; on CUDA one launch per
   128 blocks).
 
+With ``--wire bfloat16`` (or float16) it then times the conversions of an exchange that
+sends rows in 16 bits (``HybridParallel(exchange_dtype=...)``), side by side: the owner
+narrowing its float32 partial sums while regrouping them (``regroup_blocks(..., dtype=)``)
+against regrouping then ``Tensor.to``; widening the received gradients the same way; and the
+requester summing the 16-bit parts into float32 bags (``combine_parts(..., dtype=)``) against
+``Tensor.to`` then ``combine_parts``.
+
 Reports per call the host time (what the step's critical path pays on a host-bound GPU
 step: the op returns once its work is queued) and, on CUDA, the time per call of a burst
 of calls between two CUDA events: the larger of the device's and the host's time (the
@@ -35,7 +42,7 @@ import time
 import torch
 
 import veloce  # noqa: F401  (loads the ops)
-from veloce.ops.exchange import regroup_blocks
+from veloce.ops.exchange import combine_parts, regroup_blocks
 
 
 def split_cat(t, counts, to_group_major: bool, per_group=None):
@@ -79,6 +86,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--calls", type=int, default=50, help="calls per timed burst")
     p.add_argument("--reps", type=int, default=7, help="timed bursts (the median is reported)")
+    p.add_argument("--wire", choices=("bfloat16", "float16"), default=None,
+                   help="also time the conversions of rows sent in this dtype (fused in the ops vs a pass of their own)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -114,9 +123,50 @@ def main() -> None:
                              else "- | - | -")  # fmt: skip
                 print(f"| {W} | {G * W} | {rows} {what} | {direction} | {base[0]:.1f} | {ours[0]:.1f} | "
                       f"{base[0] / ours[0]:.2f}x | {on_device} |")  # fmt: skip
+    if args.wire:
+        out += convert_rows(args, device, getattr(torch, args.wire), gen)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "args": vars(args), "rows": out}, f, indent=1)
+
+
+def convert_rows(args, device, wire: torch.dtype, gen: torch.Generator) -> list[dict]:
+    """The 16-bit exchange's three conversions at configuration 5's shapes, each in the op
+    against a pass of its own (the results checked equal first)."""
+    print(f"\n## the {wire} exchange's conversions: a pass of their own vs in the op\n")
+    print("| W | rows | conversion | separate host µs | in the op host µs | separate burst µs | in the op burst µs "
+          "| burst ratio |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    out = []
+    for W in [int(w) for w in args.worlds.split(",")]:
+        G = args.tables
+        share = torch.distributions.Dirichlet(torch.full((W,), 4.0)).sample((G,))
+        counts = (share * args.batch).round().long().tolist()
+        rows = sum(map(sum, counts))
+        per_group = list(torch.randn(rows, args.dim, generator=gen).to(device).split([sum(c) for c in counts]))
+        received = torch.randn(rows, args.dim, generator=gen).to(device, wire)
+        bag = torch.randperm(rows, generator=gen).to(device) % (rows // W)  # W parts per bag on average
+        cases = {
+            "owner: partial sums narrowed (to peer-major)": (
+                lambda: regroup_blocks(per_group, counts, False).to(wire),
+                lambda: regroup_blocks(per_group, counts, False, dtype=wire)),
+            "owner: gradients widened (to table-major)": (
+                lambda: regroup_blocks([received], counts, True).float(),
+                lambda: regroup_blocks([received], counts, True, dtype=torch.float32)),
+            "requester: parts summed into float32 bags": (
+                lambda: combine_parts(received.float(), bag, rows // W, check_bags=False),
+                lambda: combine_parts(received, bag, rows // W, check_bags=False, dtype=torch.float32)),
+        }  # fmt: skip
+        for what, (separate, fused) in cases.items():
+            assert torch.equal(separate(), fused())
+            base = time_calls(separate, device, args.calls, args.reps)
+            ours = time_calls(fused, device, args.calls, args.reps)
+            out.append({"world": W, "rows": rows, "conversion": what, "separate_host_us": base[0],
+                        "fused_host_us": ours[0], "separate_burst_us": base[1], "fused_burst_us": ours[1]})  # fmt: skip
+            ratio = f"{base[1] / ours[1]:.2f}x" if device.type == "cuda" else "-"
+            print(f"| {W} | {rows} | {what} | {base[0]:.1f} | {ours[0]:.1f} | {base[1]:.1f} | {ours[1]:.1f} | "
+                  f"{ratio} |")  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

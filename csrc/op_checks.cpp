@@ -449,16 +449,24 @@ std::vector<RegroupBlock> regroup_plan(const char* op, at::TensorList sources, a
   return plan;
 }
 
-RegroupCopy regroup_copy(at::TensorList sources, const std::vector<RegroupBlock>& plan) {
+RegroupCopy regroup_copy(at::TensorList sources, const std::vector<RegroupBlock>& plan,
+                         at::ScalarType out_dtype) {
   RegroupCopy c;
   for (const at::Tensor& t : sources) c.sources.push_back(t.contiguous());
   const at::Tensor& first = c.sources[0];
-  c.row_bytes = c10::multiply_integers(first.sizes().slice(1)) * static_cast<int64_t>(first.element_size());
+  c.row_elems = c10::multiply_integers(first.sizes().slice(1));
+  c.row_bytes = c.row_elems * static_cast<int64_t>(first.element_size());
   std::vector<int64_t> shape = first.sizes().vec();
   shape[0] = 0;
   for (const RegroupBlock& b : plan) shape[0] += b.rows;
-  c.out = at::empty(shape, first.options());
+  c.out = at::empty(shape, first.options().dtype(out_dtype));
   return c;
+}
+
+void check_row_conversion(const char* op, const char* name, at::ScalarType from, at::ScalarType to) {
+  TORCH_CHECK_VALUE(from == to || (is_row_dtype(from) && is_row_dtype(to)), op, ": cannot convert ", name, " from ",
+                    dtype_name(from), " to dtype ", dtype_name(to),
+                    "; the op converts between float32, float64, float16 and bfloat16 (or keeps a dtype as it is)");
 }
 
 void check_bag_indices(const char* op, const int64_t* bag, int64_t P, int64_t num_bags) {

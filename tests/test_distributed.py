@@ -1593,6 +1593,109 @@ def test_regroup_blocks_empty(device):
     assert regroup_blocks([torch.empty(5, 0, device=device)], [[2, 3]], True).shape == (5, 0)
 
 
+_FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("src, dst", [(a, b) for a in _FLOATS for b in _FLOATS if a != b])
+@pytest.mark.parametrize("row_shape, offset", [((128,), 0), ((128,), 1), ((3,), 0), ((2, 2), 0)],
+                         ids=["4 at a time", "storage offset", "one at a time", "2-d rows"])  # fmt: skip
+def test_regroup_blocks_converts_as_tensor_to_does(device, src, dst, row_shape, offset):
+    """regroup_blocks(..., dtype=) (the op regroup_blocks_as) in both directions equals split
+    + cat + Tensor.to bit for bit: every pair of float dtypes, 4 elements per thread on CUDA
+    where the rows and pointers allow and one at a time where they do not (rows of 3, a
+    storage offset of one element), over 40 x 8 blocks (two launches on CUDA)."""
+    from veloce.ops.exchange import regroup_blocks
+
+    counts, received, per_table = _blocks(40, 8, row_shape, src, 11)
+
+    def shifted(t):  # the same values at a storage offset of `offset` elements, on the device
+        flat = torch.zeros(t.numel() + offset, dtype=src, device=device)
+        flat[offset:] = t.reshape(-1).to(device)
+        return flat[offset:].view(t.shape)
+
+    got = regroup_blocks([shifted(received)], counts, to_group_major=True, dtype=dst)
+    assert got.dtype == dst and got.device.type == torch.device(device).type
+    assert torch.equal(got.cpu(), torch.cat(per_table).to(dst))
+    back = regroup_blocks([shifted(t) for t in per_table], counts, to_group_major=False, dtype=dst)
+    assert torch.equal(back.cpu(), received.to(dst))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("src, dst", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                      (torch.float32, torch.bfloat16), (torch.float64, torch.float32),
+                                      (torch.float32, torch.float64)])  # fmt: skip
+@pytest.mark.parametrize("dim, aligned", [(128, True), (128, False), (33, True)],
+                         ids=["4 at a time", "storage offset", "dim 33"])  # fmt: skip
+def test_combine_parts_as_sums_then_converts_once(device, src, dst, dim, aligned):
+    """combine_parts(..., dtype=) (the op combine_parts_as) accumulates as combine_parts does
+    (float32 for 16-bit parts, float64 for float64) and converts each sum once: bit for bit
+    the sums of the parts in that type, converted. So bfloat16 partial sums summed straight
+    into float32 bags equal widening them first, without that pass."""
+    g = torch.Generator().manual_seed(dim)
+    bag = torch.tensor([0, 3, 3, 1, 0, 3, 5] * 9, device=device)
+    P = bag.numel()
+    flat = (torch.randn(P * dim + 1, generator=g, dtype=torch.float64) * 10).to(device, src)
+    parts = flat[:-1].view(P, dim) if aligned else flat[1:].view(P, dim)
+    acc = torch.float64 if src == torch.float64 else torch.float32
+    want = combine_parts(parts.to(acc), bag, 7).to(dst)
+    for check_bags in (True, False):
+        got = combine_parts(parts, bag, 7, check_bags=check_bags, dtype=dst)
+        assert got.dtype == dst and torch.equal(got, want)
+    assert combine_parts(parts[:0], bag[:0], 3, dtype=dst).dtype == dst  # no parts: zeros of dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_converting_exchange_ops_gradients_and_opcheck(device):
+    """regroup_blocks_as and combine_parts_as pass opcheck, and their gradients come back in
+    the inputs' dtype: the output's gradient regrouped back (converted) and gathered per
+    part (converted)."""
+    from veloce.ops.exchange import regroup_blocks
+
+    counts = [[1, 0, 2], [3, 1, 0]]  # 2 groups x 3 peers
+    a = torch.randn(3, 4, device=device, requires_grad=True)
+    b = torch.randn(4, 4, device=device, requires_grad=True)
+    flat = [c for row in counts for c in row]
+    torch.library.opcheck(torch.ops.veloce.regroup_blocks_as.default, ([a, b], flat, 2, False, torch.bfloat16))
+    rows = torch.randn(7, 4, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.veloce.regroup_blocks_as.default, ([rows], flat, 2, True, torch.float16))
+    pm = regroup_blocks([a, b], counts, False, dtype=torch.bfloat16)
+    grad = torch.randn(7, 4, device=device).to(torch.bfloat16)
+    pm.backward(grad)
+    back = regroup_blocks([grad], counts, True).float()
+    assert a.grad.dtype == torch.float32 and torch.equal(a.grad, back[:3]) and torch.equal(b.grad, back[3:])
+    tm = regroup_blocks([rows], counts, True, dtype=torch.float64)
+    g64 = torch.randn(7, 4, dtype=torch.float64, device=device)
+    tm.backward(g64)
+    assert rows.grad.dtype == torch.float32
+    assert torch.equal(rows.grad, regroup_blocks([g64[:3], g64[3:]], counts, False).float())
+
+    parts = torch.randn(5, 8, device=device).to(torch.bfloat16).requires_grad_()
+    bag = torch.tensor([1, 0, 1, 3, 1], device=device)
+    torch.library.opcheck(torch.ops.veloce.combine_parts_as.default, (parts, bag, 4, True, torch.float32))
+    torch.library.opcheck(torch.ops.veloce.combine_parts_as.default, (parts, bag, 4, False, torch.float32))
+    out = combine_parts(parts, bag, 4, dtype=torch.float32)
+    g = torch.randn(4, 8, device=device)
+    out.backward(g)
+    assert parts.grad.dtype == torch.bfloat16 and torch.equal(parts.grad, g[bag].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_converting_exchange_ops_refuse_what_they_cannot_convert(device):
+    """Integer rows (ids) keep their dtype: a conversion to or from them is refused with the
+    op, the argument and both dtypes named; keeping the dtype is regroup_blocks itself."""
+    ids = torch.arange(6, device=device)
+    with pytest.raises(ValueError, match=r"regroup_blocks_as: cannot convert sources from torch.int64 to dtype torch.float32"):
+        torch.ops.veloce.regroup_blocks_as([ids], [3, 3], 1, True, torch.float32)
+    rows = torch.randn(6, 2, device=device)
+    with pytest.raises(ValueError, match=r"regroup_blocks_as: cannot convert sources from torch.float32 to dtype torch.int64"):
+        torch.ops.veloce.regroup_blocks_as([rows], [3, 3], 1, True, torch.int64)
+    with pytest.raises(ValueError, match=r"combine_parts_as: cannot convert parts from torch.float32 to dtype torch.int32"):
+        torch.ops.veloce.combine_parts_as(rows, torch.zeros(6, dtype=torch.long, device=device), 1, True, torch.int32)
+    same = torch.ops.veloce.regroup_blocks_as([ids], [3, 3], 1, True, torch.int64)
+    assert torch.equal(same, ids)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 def test_counts_per_owner_and_table_equal_a_scatter_add(device, world):

@@ -7,7 +7,8 @@
 //   combine_parts   sums each bag's parts in part order (deterministic), the inverse of the
 //                   cut: the requester's pooled rows from the owners' partial sums.
 //   regroup_blocks  the rows of an all-to-all between peer-major and group-major order: one
-//                   memcpy per (group, peer) block, blocks in parallel.
+//                   memcpy per (group, peer) block, blocks in parallel (regroup_blocks_as:
+//                   each element converted instead).
 //
 // bucketize_bags works on fixed chunks of bags: each chunk counts its ids and parts per
 // owner, an exclusive scan over (owner, chunk) gives every chunk its output positions, and
@@ -15,6 +16,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/Dispatch.h>
+#include <c10/util/TypeCast.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -155,16 +157,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
   return {perm, id_splits, bag_of_part, part_lengths, part_splits};
 }
 
-// check_bags=false only saves a device read on CUDA: here the check costs no sync and always runs.
-at::Tensor combine_parts_cpu(const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags,
-                             bool /*check_bags*/) {
-  constexpr const char* op = "veloce::combine_parts";
+// The sums of combine_parts(_as), accumulated in parts' opmath type (float32 for 16-bit
+// parts) and written as out_dtype.
+at::Tensor combine_cpu(const char* op, const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags,
+                       at::ScalarType out_dtype) {
   check_combine_parts_args(op, parts, bag_of_part, num_bags);
+  check_row_conversion(op, "parts", parts.scalar_type(), out_dtype);
   const at::Tensor p_c = parts.contiguous(), b_c = bag_of_part.contiguous();
   const int64_t P = p_c.size(0), D = p_c.size(1);
   const int64_t* bag = b_c.data_ptr<int64_t>();
   check_bag_indices(op, bag, P, num_bags);
-  at::Tensor out = at::zeros({num_bags, D}, parts.options());
+  at::Tensor out = at::zeros({num_bags, D}, parts.options().dtype(out_dtype));
   if (P == 0 || D == 0) return out;
   // Parts come as runs of strictly increasing bags (one run per owner): within a run every
   // bag is distinct, so a run is added in parallel and runs in order, which keeps each
@@ -175,22 +178,84 @@ at::Tensor combine_parts_cpu(const at::Tensor& parts, const at::Tensor& bag_of_p
   }
   run_starts.push_back(P);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, parts.scalar_type(), "combine_parts_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* src = p_c.data_ptr<scalar_t>();
+    using in_t = scalar_t;
+    using acc_t = at::opmath_type<in_t>;
+    const in_t* src = p_c.data_ptr<in_t>();
     std::vector<acc_t> acc(static_cast<size_t>(num_bags * D), acc_t(0));
     const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / D);
     for (size_t r = 0; r + 1 < run_starts.size(); ++r) {
       at::parallel_for(run_starts[r], run_starts[r + 1], grain, [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1; ++p) {
           acc_t* a = acc.data() + bag[p] * D;
-          const scalar_t* s = src + p * D;
+          const in_t* s = src + p * D;
           for (int64_t d = 0; d < D; ++d) a[d] += static_cast<acc_t>(s[d]);
         }
       });
     }
-    scalar_t* dst = out.data_ptr<scalar_t>();
-    at::parallel_for(0, num_bags * D, at::internal::GRAIN_SIZE, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) dst[i] = static_cast<scalar_t>(acc[i]);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "combine_parts_cpu", [&] {
+      scalar_t* dst = out.data_ptr<scalar_t>();
+      at::parallel_for(0, num_bags * D, at::internal::GRAIN_SIZE, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) dst[i] = static_cast<scalar_t>(acc[static_cast<size_t>(i)]);
+      });
+    });
+  });
+  return out;
+}
+
+// check_bags=false only saves a device read on CUDA: here the check costs no sync and always runs.
+at::Tensor combine_parts_cpu(const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags,
+                             bool /*check_bags*/) {
+  return combine_cpu("veloce::combine_parts", parts, bag_of_part, num_bags, parts.scalar_type());
+}
+
+at::Tensor combine_parts_as_cpu(const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags,
+                                bool /*check_bags*/, at::ScalarType dtype) {
+  return combine_cpu("veloce::combine_parts_as", parts, bag_of_part, num_bags, dtype);
+}
+
+// regroup_blocks(_as): one copy per block, blocks in parallel; a memcpy when the output
+// keeps the sources' dtype, else each element converted as Tensor.to converts it.
+at::Tensor regroup_cpu(const char* op, at::TensorList sources, at::IntArrayRef counts, int64_t num_groups,
+                       bool to_group_major, at::ScalarType out_dtype) {
+  const std::vector<RegroupBlock> plan = regroup_plan(op, sources, counts, num_groups, to_group_major);
+  check_row_conversion(op, "sources", sources[0].scalar_type(), out_dtype);
+  const RegroupCopy c = regroup_copy(sources, plan, out_dtype);
+  const int64_t row_elems = c.row_elems;
+  // Where each block lands in the output (rows before it).
+  std::vector<int64_t> out_row(plan.size() + 1, 0);
+  for (size_t b = 0; b < plan.size(); ++b) out_row[b + 1] = out_row[b] + plan[b].rows;
+  const at::Tensor& out = c.out;
+  const int64_t total_elems = out_row.back() * row_elems;
+  if (total_elems == 0) return out;
+  // Blocks in parallel, about 64 KB of copying per task at least.
+  const int64_t nb = static_cast<int64_t>(plan.size());
+  const int64_t grain = std::max<int64_t>(1, nb * (int64_t{1} << 16) / (total_elems * out.element_size()));
+  auto for_each_block = [&](auto&& copy) {
+    at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const RegroupBlock& k = plan[static_cast<size_t>(b)];
+        copy(c.sources[static_cast<size_t>(k.source)], k.row * row_elems, out_row[static_cast<size_t>(b)] * row_elems,
+             k.rows * row_elems);
+      }
+    });
+  };
+  if (out_dtype == sources[0].scalar_type()) {
+    const int64_t esize = static_cast<int64_t>(out.element_size());
+    auto* dst = static_cast<uint8_t*>(out.data_ptr());
+    for_each_block([&](const at::Tensor& src, int64_t from, int64_t to, int64_t n) {
+      std::memcpy(dst + to * esize, static_cast<const uint8_t*>(src.data_ptr()) + from * esize,
+                  static_cast<size_t>(n * esize));
+    });
+    return out;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, sources[0].scalar_type(), "regroup_blocks_as_cpu", [&] {
+    using in_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "regroup_blocks_as_cpu", [&] {
+      scalar_t* dst = out.data_ptr<scalar_t>();
+      for_each_block([&](const at::Tensor& src, int64_t from, int64_t to, int64_t n) {
+        const in_t* s = src.data_ptr<in_t>() + from;
+        for (int64_t i = 0; i < n; ++i) dst[to + i] = c10::convert<scalar_t>(s[i]);
+      });
     });
   });
   return out;
@@ -198,29 +263,13 @@ at::Tensor combine_parts_cpu(const at::Tensor& parts, const at::Tensor& bag_of_p
 
 at::Tensor regroup_blocks_cpu(at::TensorList sources, at::IntArrayRef counts, int64_t num_groups,
                               bool to_group_major) {
-  const std::vector<RegroupBlock> plan =
-      regroup_plan("veloce::regroup_blocks", sources, counts, num_groups, to_group_major);
-  const RegroupCopy c = regroup_copy(sources, plan);
-  const int64_t row_bytes = c.row_bytes;
-  // Where each block lands in the output (rows before it).
-  std::vector<int64_t> out_row(plan.size() + 1, 0);
-  for (size_t b = 0; b < plan.size(); ++b) out_row[b + 1] = out_row[b] + plan[b].rows;
-  const at::Tensor& out = c.out;
-  const int64_t total_bytes = out_row.back() * row_bytes;
-  if (total_bytes == 0) return out;
-  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
-  // Blocks in parallel, about 64 KB of copying per task at least.
-  const int64_t nb = static_cast<int64_t>(plan.size());
-  const int64_t grain = std::max<int64_t>(1, nb * (int64_t{1} << 16) / total_bytes);
-  at::parallel_for(0, nb, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const RegroupBlock& k = plan[static_cast<size_t>(b)];
-      const auto* from = static_cast<const uint8_t*>(c.sources[static_cast<size_t>(k.source)].data_ptr());
-      std::memcpy(dst + out_row[static_cast<size_t>(b)] * row_bytes, from + k.row * row_bytes,
-                  static_cast<size_t>(k.rows * row_bytes));
-    }
-  });
-  return out;
+  return regroup_cpu("veloce::regroup_blocks", sources, counts, num_groups, to_group_major,
+                     sources.empty() ? at::kFloat : sources[0].scalar_type());
+}
+
+at::Tensor regroup_blocks_as_cpu(at::TensorList sources, at::IntArrayRef counts, int64_t num_groups,
+                                 bool to_group_major, at::ScalarType dtype) {
+  return regroup_cpu("veloce::regroup_blocks_as", sources, counts, num_groups, to_group_major, dtype);
 }
 
 }  // namespace
@@ -231,4 +280,6 @@ TORCH_LIBRARY_IMPL(veloce, CPU, m) {
   m.impl("owner_of", &veloce::owner_of_cpu);
   m.impl("bucketize_bags", &veloce::bucketize_bags_cpu);
   m.impl("combine_parts", &veloce::combine_parts_cpu);
+  m.impl("regroup_blocks_as", &veloce::regroup_blocks_as_cpu);
+  m.impl("combine_parts_as", &veloce::combine_parts_as_cpu);
 }

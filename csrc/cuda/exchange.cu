@@ -11,9 +11,11 @@
 //
 // combine_parts: a stable radix sort of the parts by bag gives each bag its parts in part
 // order; a group of lanes per bag sums them in that order with 16-byte accesses
-// (deterministic, no atomics).
+// (deterministic, no atomics). combine_parts_as writes the sums in another dtype, 4
+// elements per access.
 
 #include <ATen/Dispatch.h>
+#include <c10/util/TypeCast.h>
 #include <torch/library.h>
 
 #include <cub/device/device_radix_sort.cuh>
@@ -216,11 +218,11 @@ __global__ void bag_starts_kernel(const int32_t* __restrict__ sbags, int64_t P, 
 // A group of `lanes` threads per bag; each lane owns V consecutive columns (one 16-byte
 // access per part row when V > 1), strides over D, and adds the bag's parts in part
 // order. Every output element is written (bags without parts get zeros).
-template <typename scalar_t, int V>
-__global__ void combine_kernel(const scalar_t* __restrict__ parts, const int32_t* __restrict__ order,
+template <typename In, typename Out, int V>
+__global__ void combine_kernel(const In* __restrict__ parts, const int32_t* __restrict__ order,
                                const int32_t* __restrict__ first, int64_t num_bags, int64_t D, int lanes,
-                               scalar_t* __restrict__ out) {
-  using acc_t = at::opmath_type<scalar_t>;
+                               Out* __restrict__ out) {
+  using acc_t = at::opmath_type<In>;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t b = t >> (__ffs(lanes) - 1);  // lanes: a power of two
   if (b >= num_bags) return;
@@ -231,30 +233,43 @@ __global__ void combine_kernel(const scalar_t* __restrict__ parts, const int32_t
 #pragma unroll
     for (int j = 0; j < V; ++j) a[j] = 0;
     for (int32_t k = lo; k < hi; ++k) {
-      const Pack<scalar_t, V> p = load_pack<scalar_t, V>(parts + static_cast<int64_t>(order[k]) * D + c);
+      const Pack<In, V> p = load_pack<In, V>(parts + static_cast<int64_t>(order[k]) * D + c);
 #pragma unroll
       for (int j = 0; j < V; ++j) a[j] += static_cast<acc_t>(p.v[j]);
     }
-    Pack<scalar_t, V> o;
+    Pack<Out, V> o;
 #pragma unroll
-    for (int j = 0; j < V; ++j) o.v[j] = static_cast<scalar_t>(a[j]);
-    store_pack<scalar_t, V>(out + b * D + c, o);
+    for (int j = 0; j < V; ++j) o.v[j] = static_cast<Out>(a[j]);
+    store_pack<Out, V>(out + b * D + c, o);
   }
+}
+
+// Elements per access of a conversion between In and Out (regroup_blocks_as, combine_parts_as):
+// 4 where `elems` (a row's) and every pointer allow it, else 1.
+template <typename In, typename Out>
+int convert_width(int64_t elems, std::initializer_list<const void*> in_ptrs, const void* out_ptr) {
+  constexpr int V = 4;
+  if (elems % V != 0 || reinterpret_cast<uintptr_t>(out_ptr) % (V * sizeof(Out)) != 0) return 1;
+  for (const void* p : in_ptrs) {
+    if (reinterpret_cast<uintptr_t>(p) % (V * sizeof(In)) != 0) return 1;
+  }
+  return V;
 }
 
 // check_bags=false skips the range check of bag_of_part (a device read): for callers whose
 // parts come from bucketize_bags. The kernels stay in bounds on any input (order and first
 // index parts), so a bad index gives wrong sums, never a bad memory access.
-at::Tensor combine_parts_cuda(const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags,
-                              bool check_bags) {
-  constexpr const char* op = "veloce::combine_parts";
+at::Tensor combine_cuda(const char* op, const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags,
+                        bool check_bags, at::ScalarType out_dtype) {
   check_combine_parts_args(op, parts, bag_of_part, num_bags);
+  check_row_conversion(op, "parts", parts.scalar_type(), out_dtype);
   const c10::cuda::CUDAGuard guard(parts.device());
   const int64_t P = parts.size(0), D = parts.size(1);
   check_num_ids_cuda(op, P);
   check_num_bags_cuda(op, num_bags);
-  if (P == 0 || D == 0) return at::zeros({num_bags, D}, parts.options());
-  at::Tensor out = at::empty({num_bags, D}, parts.options());  // the kernel writes every element
+  const auto out_opts = parts.options().dtype(out_dtype);
+  if (P == 0 || D == 0) return at::zeros({num_bags, D}, out_opts);
+  at::Tensor out = at::empty({num_bags, D}, out_opts);  // the kernel writes every element
   const at::Tensor bags = bag_of_part.contiguous();
   if (check_bags && bags.lt(0).logical_or(bags.ge(num_bags)).any().item<bool>()) {
     const at::Tensor host = bags.cpu();
@@ -276,28 +291,50 @@ at::Tensor combine_parts_cuda(const at::Tensor& parts, const at::Tensor& bag_of_
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (num_bags == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, parts.scalar_type(), "combine_parts_cuda", [&] {
-    auto launch = [&](auto vec) {
-      constexpr int V = decltype(vec)::value;
-      const int lanes = lanes_for(D, V);
-      combine_kernel<scalar_t, V><<<grid_for(num_bags * lanes), kThreads, 0, stream()>>>(
-          p_c.data_ptr<scalar_t>(), order.data_ptr<int32_t>(), first.data_ptr<int32_t>(), num_bags, D, lanes,
-          out.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (can_vectorize<scalar_t>(D, {p_c.data_ptr(), out.data_ptr()})) {
-      launch(std::integral_constant<int, vec16<scalar_t>()>());
-    } else {
+    using In = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "combine_parts_cuda", [&] {
+      using Out = scalar_t;
+      auto launch = [&](auto vec) {
+        constexpr int V = decltype(vec)::value;
+        const int lanes = lanes_for(D, V);
+        combine_kernel<In, Out, V><<<grid_for(num_bags * lanes), kThreads, 0, stream()>>>(
+            p_c.data_ptr<In>(), order.data_ptr<int32_t>(), first.data_ptr<int32_t>(), num_bags, D, lanes,
+            out.data_ptr<Out>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if constexpr (std::is_same_v<In, Out>) {
+        if (can_vectorize<In>(D, {p_c.data_ptr(), out.data_ptr()})) {
+          launch(std::integral_constant<int, vec16<In>()>());
+          return;
+        }
+      } else {
+        if (convert_width<In, Out>(D, {p_c.data_ptr()}, out.data_ptr()) == 4) {
+          launch(std::integral_constant<int, 4>());
+          return;
+        }
+      }
       launch(std::integral_constant<int, 1>());
-    }
+    });
   });
   return out;
+}
+
+at::Tensor combine_parts_cuda(const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags,
+                              bool check_bags) {
+  return combine_cuda("veloce::combine_parts", parts, bag_of_part, num_bags, check_bags, parts.scalar_type());
+}
+
+at::Tensor combine_parts_as_cuda(const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags,
+                                 bool check_bags, at::ScalarType dtype) {
+  return combine_cuda("veloce::combine_parts_as", parts, bag_of_part, num_bags, check_bags, dtype);
 }
 
 // regroup_blocks: a launch copies up to kRegroupBlocks blocks, described in its kernel
 // parameter (no copy to the device), into one contiguous range of the output. A thread
 // copies units of U bytes (the widest of 16, 8, 4, 2 and 1 that divides a row and aligns
 // every pointer), grid-stride, each unit's block found by a binary search over the blocks'
-// ends (uniform across a warp but at block boundaries).
+// ends (uniform across a warp but at block boundaries). regroup_blocks_as converts V
+// elements per unit (4 where rows and pointers allow, else 1) in the same pass.
 constexpr int kRegroupBlocks = 128;
 
 struct RegroupLaunch {
@@ -307,69 +344,141 @@ struct RegroupLaunch {
 };
 static_assert(sizeof(RegroupLaunch) <= 3 * 1024, "RegroupLaunch is too large for a kernel parameter");
 
+// The block (of a.n) that holds unit u of a launch's output, and the units before it.
+__device__ __forceinline__ int regroup_block_of(const RegroupLaunch& a, int64_t u, int64_t& begin) {
+  int lo = 0, hi = a.n - 1;  // the first block that ends after u
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (a.end[mid] > u) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  begin = lo == 0 ? 0 : a.end[lo - 1];
+  return lo;
+}
+
 template <typename U>
 __global__ void regroup_kernel(const __grid_constant__ RegroupLaunch a, U* __restrict__ out) {
   const int64_t total = a.end[a.n - 1];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < total; u += stride) {
-    int lo = 0, hi = a.n - 1;  // the first block that ends after u
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (a.end[mid] > u) {
-        hi = mid;
-      } else {
-        lo = mid + 1;
-      }
-    }
-    const int64_t begin = lo == 0 ? 0 : a.end[lo - 1];
-    out[u] = static_cast<const U*>(a.src[lo])[u - begin];
+    int64_t begin;
+    const int b = regroup_block_of(a, u, begin);
+    out[u] = static_cast<const U*>(a.src[b])[u - begin];
   }
 }
 
-at::Tensor regroup_blocks_cuda(at::TensorList sources, at::IntArrayRef counts, int64_t num_groups,
-                               bool to_group_major) {
-  const std::vector<RegroupBlock> plan =
-      regroup_plan("veloce::regroup_blocks", sources, counts, num_groups, to_group_major);
-  const c10::cuda::CUDAGuard guard(sources[0].device());
-  const RegroupCopy c = regroup_copy(sources, plan);
-  const int64_t row_bytes = c.row_bytes;
-  const at::Tensor& out = c.out;
-  if (out.numel() == 0) return out;
-  // The unit: rows and every base pointer are multiples of it (blocks start at whole rows).
-  uint64_t align = static_cast<uint64_t>(row_bytes) | reinterpret_cast<uintptr_t>(out.data_ptr());
-  for (const at::Tensor& t : c.sources) align |= reinterpret_cast<uintptr_t>(t.data_ptr());
-  int64_t unit = 16;
-  while (unit > 1 && align % static_cast<uint64_t>(unit) != 0) unit /= 2;
-  const int64_t units_per_row = row_bytes / unit;
-  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+template <typename In, typename Out, int V>
+__global__ void regroup_convert_kernel(const __grid_constant__ RegroupLaunch a, Out* __restrict__ out) {
+  const int64_t total = a.end[a.n - 1];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < total; u += stride) {
+    int64_t begin;
+    const int b = regroup_block_of(a, u, begin);
+    const Pack<In, V> p = load_pack<In, V>(static_cast<const In*>(a.src[b]) + (u - begin) * V);
+    Pack<Out, V> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = c10::convert<Out>(p.v[j]);
+    store_pack<Out, V>(out + u * V, o);
+  }
+}
+
+// The plan's blocks in launches of up to kRegroupBlocks, each a RegroupLaunch over units of
+// src_unit_bytes source bytes (units_per_row to a row): launch(a, units before it, its
+// units, grid). Launches whose blocks are all empty are skipped (a grid of no blocks is an
+// error).
+template <typename F>
+void for_each_regroup_launch(const std::vector<RegroupBlock>& plan, const RegroupCopy& c, int64_t src_unit_bytes,
+                             int64_t units_per_row, F&& launch) {
   const int64_t max_grid = static_cast<int64_t>(num_sms()) * 16;
+  int64_t done = 0;
   for (size_t first = 0; first < plan.size(); first += kRegroupBlocks) {
     RegroupLaunch a{};
     a.n = static_cast<int32_t>(std::min<size_t>(kRegroupBlocks, plan.size() - first));
     int64_t units = 0;
     for (int32_t i = 0; i < a.n; ++i) {
       const RegroupBlock& b = plan[first + static_cast<size_t>(i)];
-      a.src[i] = static_cast<const uint8_t*>(c.sources[static_cast<size_t>(b.source)].data_ptr()) + b.row * row_bytes;
+      a.src[i] = static_cast<const uint8_t*>(c.sources[static_cast<size_t>(b.source)].data_ptr()) +
+                 b.row * units_per_row * src_unit_bytes;
       units += b.rows * units_per_row;
       a.end[i] = units;
     }
-    if (units == 0) continue;  // 128 empty blocks: no launch (a grid of no blocks is an error)
-    const auto grid = static_cast<unsigned>(std::min<int64_t>(grid_for(units), max_grid));
-    auto launch = [&](auto* typed) {
-      using U = std::remove_pointer_t<decltype(typed)>;
-      regroup_kernel<U><<<grid, kThreads, 0, stream()>>>(a, reinterpret_cast<U*>(dst));
+    if (units == 0) continue;
+    launch(a, done, static_cast<unsigned>(std::min<int64_t>(grid_for(units), max_grid)));
+    done += units;
+  }
+}
+
+at::Tensor regroup_cuda(const char* op, at::TensorList sources, at::IntArrayRef counts, int64_t num_groups,
+                        bool to_group_major, at::ScalarType out_dtype) {
+  const std::vector<RegroupBlock> plan = regroup_plan(op, sources, counts, num_groups, to_group_major);
+  check_row_conversion(op, "sources", sources[0].scalar_type(), out_dtype);
+  const c10::cuda::CUDAGuard guard(sources[0].device());
+  const RegroupCopy c = regroup_copy(sources, plan, out_dtype);
+  const at::Tensor& out = c.out;
+  if (out.numel() == 0) return out;
+  if (out_dtype != sources[0].scalar_type()) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, sources[0].scalar_type(), "regroup_blocks_as_cuda", [&] {
+      using In = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "regroup_blocks_as_cuda", [&] {
+        using Out = scalar_t;
+        std::vector<const void*> ptrs;
+        for (const at::Tensor& t : c.sources) ptrs.push_back(t.data_ptr());
+        auto run = [&](auto vec) {
+          constexpr int V = decltype(vec)::value;
+          for_each_regroup_launch(plan, c, V * static_cast<int64_t>(sizeof(In)), c.row_elems / V,
+                                  [&](const RegroupLaunch& a, int64_t done, unsigned grid) {
+                                    regroup_convert_kernel<In, Out, V>
+                                        <<<grid, kThreads, 0, stream()>>>(a, out.data_ptr<Out>() + done * V);
+                                    C10_CUDA_KERNEL_LAUNCH_CHECK();
+                                  });
+        };
+        bool wide = convert_width<In, Out>(c.row_elems, {}, out.data_ptr()) == 4;
+        for (const void* p : ptrs) wide = wide && reinterpret_cast<uintptr_t>(p) % (4 * sizeof(In)) == 0;
+        if (wide) {
+          run(std::integral_constant<int, 4>());
+        } else {
+          run(std::integral_constant<int, 1>());
+        }
+      });
+    });
+    return out;
+  }
+  // The unit: rows and every base pointer are multiples of it (blocks start at whole rows).
+  const int64_t row_bytes = c.row_bytes;
+  uint64_t align = static_cast<uint64_t>(row_bytes) | reinterpret_cast<uintptr_t>(out.data_ptr());
+  for (const at::Tensor& t : c.sources) align |= reinterpret_cast<uintptr_t>(t.data_ptr());
+  int64_t unit = 16;
+  while (unit > 1 && align % static_cast<uint64_t>(unit) != 0) unit /= 2;
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  auto launch = [&](auto* typed) {
+    using U = std::remove_pointer_t<decltype(typed)>;
+    for_each_regroup_launch(plan, c, unit, row_bytes / unit, [&](const RegroupLaunch& a, int64_t done, unsigned grid) {
+      regroup_kernel<U><<<grid, kThreads, 0, stream()>>>(a, reinterpret_cast<U*>(dst) + done);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    switch (unit) {
-      case 16: launch(static_cast<uint4*>(nullptr)); break;
-      case 8: launch(static_cast<uint2*>(nullptr)); break;
-      case 4: launch(static_cast<uint32_t*>(nullptr)); break;
-      case 2: launch(static_cast<uint16_t*>(nullptr)); break;
-      default: launch(static_cast<uint8_t*>(nullptr)); break;
-    }
-    dst += units * unit;
+    });
+  };
+  switch (unit) {
+    case 16: launch(static_cast<uint4*>(nullptr)); break;
+    case 8: launch(static_cast<uint2*>(nullptr)); break;
+    case 4: launch(static_cast<uint32_t*>(nullptr)); break;
+    case 2: launch(static_cast<uint16_t*>(nullptr)); break;
+    default: launch(static_cast<uint8_t*>(nullptr)); break;
   }
   return out;
+}
+
+at::Tensor regroup_blocks_cuda(at::TensorList sources, at::IntArrayRef counts, int64_t num_groups,
+                               bool to_group_major) {
+  return regroup_cuda("veloce::regroup_blocks", sources, counts, num_groups, to_group_major,
+                      sources.empty() ? at::kFloat : sources[0].scalar_type());
+}
+
+at::Tensor regroup_blocks_as_cuda(at::TensorList sources, at::IntArrayRef counts, int64_t num_groups,
+                                  bool to_group_major, at::ScalarType dtype) {
+  return regroup_cuda("veloce::regroup_blocks_as", sources, counts, num_groups, to_group_major, dtype);
 }
 
 }  // namespace
@@ -381,4 +490,6 @@ TORCH_LIBRARY_IMPL(veloce, CUDA, m) {
   m.impl("owner_of", &veloce::cuda::owner_of_cuda);
   m.impl("bucketize_bags", &veloce::cuda::bucketize_bags_cuda);
   m.impl("combine_parts", &veloce::cuda::combine_parts_cuda);
+  m.impl("regroup_blocks_as", &veloce::cuda::regroup_blocks_as_cuda);
+  m.impl("combine_parts_as", &veloce::cuda::combine_parts_as_cuda);
 }

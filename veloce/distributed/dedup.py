@@ -126,7 +126,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     t_ids = _table_major(recv_ids, recv_ids_nk).split(ids_per_table)
     every = torch.arange(max(ids_per_table, default=0), device=dev)  # parts of one id each: part i starts at i
     served, rows = _serve_tables(modules, t_ids, [every[:n] for n in ids_per_table], [None] * K)
-    back = _received_order(rows, recv_ids_nk)
+    back = _received_order(rows, recv_ids_nk, wire)  # narrowed for the wire in the regrouping
 
     got = all_to_all_rows(g, back, recv_ids_n, id_splits, wire).to(dtype)  # rows in the order sent
     u_rows = torch.empty_like(got).index_copy_(0, send_order, got)

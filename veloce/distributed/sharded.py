@@ -48,7 +48,7 @@ from veloce.distributed._comm import (
     all_to_all_rows, Header, begin_headers, finish_headers, raise_deferred_failures, wire_code, wire_dtype,
 )  # fmt: skip
 from veloce.ops.embedding import pooled_lookup_kernels
-from veloce.ops.exchange import bucketize_bags, regroup_blocks
+from veloce.ops.exchange import bucketize_bags, combine_parts, regroup_blocks
 from veloce.table import find_or_insert_many
 
 __all__ = ["Shard", "table_shard", "sharded_lookup"]
@@ -645,13 +645,14 @@ def _finish(shard: Shard, d: _Dispatched, refusal: Optional[Exception] = None):
             f"with nothing in between that inserts into the tables"
         )  # fmt: skip
     served, pooled = _serve_inserted(modules, d.ids, d.starts, d.psw, d.slots, error)
-    partial = _received_order(pooled, d.recv_parts_nk)
-
+    # The partial sums narrowed to the wire dtype in their regrouping, and summed from it
+    # into the table's dtype: no pass of its own for either conversion.
     wire = wire_dtype(shard.exchange_dtype, dtype)
-    parts = all_to_all_rows(g, partial, d.recv_parts_n, d.part_splits, wire).to(dtype)
+    partial = _received_order(pooled, d.recv_parts_nk, wire)
+    parts = all_to_all_rows(g, partial, d.recv_parts_n, d.part_splits, wire)
     # bag_of_part comes from bucketize_bags: in range, so no check (on CUDA, a host sync).
     total_bags = sum(cb.num_bags)
-    out = torch.ops.veloce.combine_parts(parts, d.bag_of_part, total_bags, False)
+    out = combine_parts(parts, d.bag_of_part, total_bags, check_bags=False, dtype=dtype)
     scale = _mean_scale(modules, cb, dtype, dev)
     if scale is not None:
         out = out * scale.unsqueeze(1)
@@ -718,26 +719,30 @@ def _tags_hash(modules) -> int:
     return h
 
 
-def _table_major(t: torch.Tensor, counts: Sequence[Sequence[int]]) -> torch.Tensor:
+def _table_major(t: torch.Tensor, counts: Sequence[Sequence[int]],
+                 dtype: Optional[torch.dtype] = None) -> torch.Tensor:  # fmt: skip
     """Rows received from an all-to-all, one block per (peer, table) in peer-major order
     (``counts[k][p]`` rows of table k from peer p), regrouped table-major (each table's
     blocks in peer order): ``t`` itself when there is one table or one peer, otherwise one
-    copy (:func:`~veloce.ops.exchange.regroup_blocks`)."""
+    copy (:func:`~veloce.ops.exchange.regroup_blocks`). ``dtype``: the rows converted to it
+    (rows that travelled in 16 bits widened), in that copy when there is one."""
     K, W = len(counts), len(counts[0]) if counts else 0
     if K <= 1 or W <= 1:
-        return t
-    return regroup_blocks([t], counts, to_group_major=True)
+        return t if dtype is None else t.to(dtype)
+    return regroup_blocks([t], counts, to_group_major=True, dtype=dtype)
 
 
-def _received_order(per_table: Sequence[torch.Tensor], counts: Sequence[Sequence[int]]) -> torch.Tensor:
+def _received_order(per_table: Sequence[torch.Tensor], counts: Sequence[Sequence[int]],
+                    dtype: Optional[torch.dtype] = None) -> torch.Tensor:  # fmt: skip
     """The inverse of :func:`_table_major`: per-table rows (table k's blocks in peer order)
-    as one tensor, peer-major, in the order the all-to-all back to the peers sends."""
+    as one tensor, peer-major, in the order the all-to-all back to the peers sends.
+    ``dtype``: the rows converted to it (narrowed for the wire), in the regrouping's copy."""
     K, W = len(counts), len(counts[0]) if counts else 0
     if K == 1:
-        return per_table[0]
+        return per_table[0] if dtype is None else per_table[0].to(dtype)
     if W <= 1:
-        return torch.cat(list(per_table))
-    return regroup_blocks(per_table, counts, to_group_major=False)
+        return torch.cat([t if dtype is None else t.to(dtype) for t in per_table])
+    return regroup_blocks(per_table, counts, to_group_major=False, dtype=dtype)
 
 
 def _mean_scale(modules: list, batch: _Batch, dtype: torch.dtype, dev: torch.device) -> Optional[torch.Tensor]:
@@ -917,14 +922,14 @@ def _deliver(shard: Shard, modules: list, served: list, rows: torch.Tensor, send
 
         def table_grads() -> list:
             if "grads" not in landed:
-                landed["grads"] = _table_major(wait(), recv_nk).to(dtype).split(per_table)
+                landed["grads"] = _table_major(wait(), recv_nk, dtype).split(per_table)
             return landed["grads"]
 
         for k, m in enumerate(modules):
             m._shard.in_flight.append(_InFlight(m._shard.steps, lambda k=k: table_grads()[k], served[k]))
         return None
     recv = all_to_all_rows(shard.group, rows, send_splits, recv_splits, wire)
-    shares = _table_major(recv, recv_nk).to(dtype).split(per_table)
+    shares = _table_major(recv, recv_nk, dtype).split(per_table)
     _record(modules, served, shares)
     return shares
 

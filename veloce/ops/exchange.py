@@ -1,9 +1,9 @@
 """The exchange op family: what a sharded lookup does around its all-to-all.
 
 Typed wrappers over ``torch.ops.veloce.owner_of``, ``bucketize_bags``, ``combine_parts``
-and ``regroup_blocks`` (kernels: ``csrc/cpu/exchange.cpp``, ``csrc/cuda/exchange.cu``),
-their fake kernels, and the autograd registrations of ``combine_parts`` and
-``regroup_blocks``. Semantics: docs/ops.md.
+and ``regroup_blocks`` (with ``dtype``: ``combine_parts_as`` and ``regroup_blocks_as``;
+kernels: ``csrc/cpu/exchange.cpp``, ``csrc/cuda/exchange.cu``), their fake kernels, and
+the autograd registrations of the last four. Semantics: docs/ops.md.
 
 Shape glossary: ``N`` ids, ``B`` bags, ``W`` world size, ``M`` non-padding ids, ``P``
 parts (one per bag and owner it has ids on), ``D`` embedding dim.
@@ -95,23 +95,30 @@ def bucketize_bags(
                                                     exact_sizes))  # fmt: skip
 
 
-def combine_parts(parts: torch.Tensor, bag_of_part: torch.Tensor, num_bags: int) -> torch.Tensor:
+def combine_parts(parts: torch.Tensor, bag_of_part: torch.Tensor, num_bags: int, check_bags: bool = True,
+                  dtype: Optional[torch.dtype] = None) -> torch.Tensor:  # fmt: skip
     """Sums parts into bags: ``out[b] = sum(parts[p] for p with bag_of_part[p] == b)``, in
     part order (deterministic on every device). Differentiable w.r.t. ``parts``.
 
     Shape: parts ``(P, D)``, bag_of_part ``(P,)`` int64 in ``[0, num_bags)`` -> ``(num_bags, D)``.
 
-    The op's fourth argument, ``check_bags`` (default True), can be False when
-    ``bag_of_part`` comes from :func:`bucketize_bags`: on CUDA that skips the range check's
-    device read (a host sync); an index out of range then gives wrong sums, never a bad
-    memory access. The CPU kernel always checks.
+    ``check_bags=False`` is for a ``bag_of_part`` that comes from :func:`bucketize_bags`: on
+    CUDA it skips the range check's device read (a host sync); an index out of range then
+    gives wrong sums, never a bad memory access. The CPU kernel always checks.
+
+    ``dtype``: the output's dtype (float32, float64, float16 or bfloat16; default parts').
+    The sums are accumulated as always (float32 for 16-bit parts) and converted once, in
+    the op (``torch.ops.veloce.combine_parts_as``): bfloat16 parts sum straight into
+    float32 bags, equal to converting the parts first, without that pass.
     """
     _ext.require()
-    return torch.ops.veloce.combine_parts(parts, bag_of_part, num_bags)
+    if dtype is None or dtype == parts.dtype:
+        return torch.ops.veloce.combine_parts(parts, bag_of_part, num_bags, check_bags)
+    return torch.ops.veloce.combine_parts_as(parts, bag_of_part, num_bags, check_bags, dtype)
 
 
 def regroup_blocks(sources: Sequence[torch.Tensor], counts: Sequence[Sequence[int]],
-                   to_group_major: bool) -> torch.Tensor:
+                   to_group_major: bool, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The rows an all-to-all moves, regrouped between peer-major and group-major order.
 
     An all-to-all that carries G groups of rows (the tables of a grouped lookup, say) to or
@@ -128,6 +135,11 @@ def regroup_blocks(sources: Sequence[torch.Tensor], counts: Sequence[Sequence[in
             ``(*, ...)``.
         counts: G lists of W non-negative row counts (``counts[g][p]``).
         to_group_major: the direction (see ``sources``).
+        dtype: the output's dtype (default the sources'). Rows of float32, float64,
+            float16 and bfloat16 are converted in the same copy
+            (``torch.ops.veloce.regroup_blocks_as``), as ``Tensor.to`` converts them: an
+            exchange that sends rows in 16 bits narrows or widens them without a pass of
+            its own.
 
     Returns:
         One tensor of all the rows: group-major when ``to_group_major``, else peer-major.
@@ -143,8 +155,10 @@ def regroup_blocks(sources: Sequence[torch.Tensor], counts: Sequence[Sequence[in
     if W == 0 or any(len(row) != W for row in counts):
         raise ValueError(f"regroup_blocks: counts must be G >= 1 lists of W >= 1 row counts each (one per peer), "
                          f"got lists of lengths {[len(row) for row in counts]}")  # fmt: skip
-    return torch.ops.veloce.regroup_blocks(list(sources), [c for row in counts for c in row], len(counts),
-                                           to_group_major)  # fmt: skip
+    flat = [c for row in counts for c in row]
+    if dtype is None or dtype == sources[0].dtype:
+        return torch.ops.veloce.regroup_blocks(list(sources), flat, len(counts), to_group_major)
+    return torch.ops.veloce.regroup_blocks_as(list(sources), flat, len(counts), to_group_major, dtype)
 
 
 def _fake_owner_of(ids, world_size):
@@ -174,24 +188,52 @@ def _backward(ctx, grad_out: torch.Tensor):
     return grad_out.index_select(0, bag_of_part), None, None, None
 
 
+def _fake_combine_parts_as(parts, bag_of_part, num_bags, check_bags, dtype):
+    return parts.new_empty((num_bags, parts.shape[1]), dtype=dtype)
+
+
+def _as_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[1])
+    ctx.parts_dtype = inputs[0].dtype
+
+
+def _as_backward(ctx, grad_out: torch.Tensor):
+    (bag_of_part,) = ctx.saved_tensors
+    return grad_out.index_select(0, bag_of_part).to(ctx.parts_dtype), None, None, None, None
+
+
 def _fake_regroup_blocks(sources, counts, num_groups, to_group_major):
     return sources[0].new_empty((sum(counts), *sources[0].shape[1:]))
 
 
+def _fake_regroup_blocks_as(sources, counts, num_groups, to_group_major, dtype):
+    return sources[0].new_empty((sum(counts), *sources[0].shape[1:]), dtype=dtype)
+
+
 def _regroup_setup_context(ctx, inputs, output) -> None:
     ctx.counts, ctx.num_groups, ctx.to_group_major = inputs[1], inputs[2], inputs[3]
+    ctx.source_dtype = inputs[0][0].dtype
 
 
-def _regroup_backward(ctx, grad_out: torch.Tensor):
+def _regroup_back(ctx, grad_out: torch.Tensor) -> list:
+    """The sources' gradients: ``grad_out`` regrouped back, in the sources' dtype."""
     G = ctx.num_groups
     W = len(ctx.counts) // G
     group_rows = [sum(ctx.counts[g * W : (g + 1) * W]) for g in range(G)]
     if ctx.to_group_major:  # the gradient, group-major, goes back peer-major (one source)
         per_group = list(grad_out.split(group_rows))
-        return [torch.ops.veloce.regroup_blocks(per_group, ctx.counts, G, False)], None, None, None
+        return [regroup_blocks(per_group, [ctx.counts[g * W : (g + 1) * W] for g in range(G)], False, ctx.source_dtype)]
     # peer-major back to group-major, cut into the G sources
-    grouped = torch.ops.veloce.regroup_blocks([grad_out], ctx.counts, G, True)
-    return list(grouped.split(group_rows)), None, None, None
+    grouped = regroup_blocks([grad_out], [ctx.counts[g * W : (g + 1) * W] for g in range(G)], True, ctx.source_dtype)
+    return list(grouped.split(group_rows))
+
+
+def _regroup_backward(ctx, grad_out: torch.Tensor):
+    return _regroup_back(ctx, grad_out), None, None, None
+
+
+def _regroup_as_backward(ctx, grad_out: torch.Tensor):
+    return _regroup_back(ctx, grad_out), None, None, None, None
 
 
 if _ext.loaded:
@@ -201,4 +243,9 @@ if _ext.loaded:
     torch.library.register_autograd("veloce::combine_parts", _backward, setup_context=_setup_context)
     torch.library.register_fake("veloce::regroup_blocks")(_fake_regroup_blocks)
     torch.library.register_autograd("veloce::regroup_blocks", _regroup_backward,
+                                    setup_context=_regroup_setup_context)  # fmt: skip
+    torch.library.register_fake("veloce::combine_parts_as")(_fake_combine_parts_as)
+    torch.library.register_autograd("veloce::combine_parts_as", _as_backward, setup_context=_as_setup_context)
+    torch.library.register_fake("veloce::regroup_blocks_as")(_fake_regroup_blocks_as)
+    torch.library.register_autograd("veloce::regroup_blocks_as", _regroup_as_backward,
                                     setup_context=_regroup_setup_context)  # fmt: skip

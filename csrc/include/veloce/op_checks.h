@@ -160,13 +160,19 @@ struct RegroupBlock {
 std::vector<RegroupBlock> regroup_plan(const char* op, at::TensorList sources, at::IntArrayRef counts,
                                        int64_t num_groups, bool to_group_major);
 // What the kernels copy from and into, for a plan (both backends; on CUDA under the
-// device guard: the contiguous copies run on the current stream).
+// device guard: the contiguous copies run on the current stream). The output has
+// out_dtype (regroup_blocks_as; the sources' own for regroup_blocks).
 struct RegroupCopy {
   std::vector<at::Tensor> sources;  // contiguous
-  int64_t row_bytes;                // from the row shape, not numel / rows: a source may have no rows
+  int64_t row_elems;                // from the row shape, not numel / rows: a source may have no rows
+  int64_t row_bytes;                // of a source row
   at::Tensor out;                   // (rows of every block, the sources' row shape), uninitialised
 };
-RegroupCopy regroup_copy(at::TensorList sources, const std::vector<RegroupBlock>& plan);
+RegroupCopy regroup_copy(at::TensorList sources, const std::vector<RegroupBlock>& plan,
+                         at::ScalarType out_dtype);
+// regroup_blocks_as and combine_parts_as: rows of `from` converted to `to` in the op's own
+// pass. Any dtype to itself; between dtypes, float32, float64, float16 and bfloat16.
+void check_row_conversion(const char* op, const char* name, at::ScalarType from, at::ScalarType to);
 // Every bag index bag[0..P) is in [0, num_bags). Host pointer (CUDA: on a host copy, once a
 // device reduction found a bad index).
 void check_bag_indices(const char* op, const int64_t* bag, int64_t P, int64_t num_bags);
