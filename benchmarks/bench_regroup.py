@@ -55,6 +55,14 @@ def split_cat(t, counts, to_group_major: bool, per_group=None):
     return torch.cat([pieces[g][p] for p in range(W) for g in range(G)])
 
 
+def owner_counts(tables: int, world: int, batch: int) -> list[list[int]]:
+    """counts[g][p]: the rows of table g an owner receives from peer p. An owner receives
+    ``batch`` rows per table from all peers together: batch / W from each on average,
+    uneven as Zipf ids make it."""
+    share = torch.distributions.Dirichlet(torch.full((world,), 4.0)).sample((tables,))
+    return (share * batch).round().long().tolist()
+
+
 def time_calls(fn, device, calls: int, reps: int) -> tuple[float, float]:
     """(host µs per call, µs per call of the burst between CUDA events or nan) medians over
     reps bursts of calls."""
@@ -101,10 +109,7 @@ def main() -> None:
     out = []
     for W in [int(w) for w in args.worlds.split(",")]:
         G = args.tables
-        # An owner receives batch rows per table from all peers together: batch / W from each
-        # on average, uneven as Zipf ids make it.
-        share = torch.distributions.Dirichlet(torch.full((W,), 4.0)).sample((G,))
-        counts = (share * args.batch).round().long().tolist()
+        counts = owner_counts(G, W, args.batch)
         rows = sum(map(sum, counts))
         for what, shape, dtype in (("ids", (), torch.int64), ("partial sums", (args.dim,), torch.float32)):
             received = torch.randn(rows, *shape, generator=gen).to(dtype).to(device)
@@ -139,13 +144,12 @@ def convert_rows(args, device, wire: torch.dtype, gen: torch.Generator) -> list[
     print("|---|---|---|---|---|---|---|---|")
     out = []
     for W in [int(w) for w in args.worlds.split(",")]:
-        G = args.tables
-        share = torch.distributions.Dirichlet(torch.full((W,), 4.0)).sample((G,))
-        counts = (share * args.batch).round().long().tolist()
+        counts = owner_counts(args.tables, W, args.batch)
         rows = sum(map(sum, counts))
         per_group = list(torch.randn(rows, args.dim, generator=gen).to(device).split([sum(c) for c in counts]))
         received = torch.randn(rows, args.dim, generator=gen).to(device, wire)
-        bag = torch.randperm(rows, generator=gen).to(device) % (rows // W)  # W parts per bag on average
+        bags = max(1, rows // W)
+        bag = torch.randperm(rows, generator=gen).to(device) % bags  # W parts per bag on average
         cases = {
             "owner: partial sums narrowed (to peer-major)": (
                 lambda: regroup_blocks(per_group, counts, False).to(wire),
@@ -154,8 +158,8 @@ def convert_rows(args, device, wire: torch.dtype, gen: torch.Generator) -> list[
                 lambda: regroup_blocks([received], counts, True).float(),
                 lambda: regroup_blocks([received], counts, True, dtype=torch.float32)),
             "requester: parts summed into float32 bags": (
-                lambda: combine_parts(received.float(), bag, rows // W, check_bags=False),
-                lambda: combine_parts(received, bag, rows // W, check_bags=False, dtype=torch.float32)),
+                lambda: combine_parts(received.float(), bag, bags, check_bags=False),
+                lambda: combine_parts(received, bag, bags, check_bags=False, dtype=torch.float32)),
         }  # fmt: skip
         for what, (separate, fused) in cases.items():
             assert torch.equal(separate(), fused())

@@ -140,11 +140,11 @@ TORCH_LIBRARY(veloce, m) {
   // one launch on CUDA (per 128 blocks), whatever G * W.
   m.def("regroup_blocks(Tensor[] sources, int[] counts, int num_groups, bool to_group_major) -> Tensor");
   // regroup_blocks with the rows converted to dtype in the same copy, and combine_parts with
-  // the sums (accumulated as combine_parts does, in float32 or wider) written as dtype: the
-  // exchanges that send rows in 16 bits (HybridParallel(exchange_dtype=...)) narrow and widen
-  // them without a pass of their own. float32, float64, float16 and bfloat16 convert to one
-  // another; any dtype to itself. Separate ops rather than an optional argument: torch.library's
-  // autograd cannot take an optional argument passed as None.
+  // the sums (accumulated in float64 if the parts or dtype are float64, else float32) written
+  // as dtype: the exchanges that send rows in 16 bits (HybridParallel(exchange_dtype=...))
+  // narrow and widen them without a pass of their own. float32, float64, float16 and bfloat16
+  // convert to one another; any dtype to itself. Separate ops rather than an optional
+  // argument: torch.library's autograd cannot take an optional argument passed as None.
   m.def(
       "regroup_blocks_as(Tensor[] sources, int[] counts, int num_groups, bool to_group_major, "
       "ScalarType dtype) -> Tensor");

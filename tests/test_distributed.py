@@ -654,54 +654,87 @@ def test_trainer_async_on_two_ranks_trains(tmp_path, dedup):
 
 
 # ---- rows exchanged in a narrower dtype ---------------------------------------------------
-def _exchange_dtype_body(rank, world, device_kind, wire, dedup, sparse):
-    """One step of a sum table (SGD, lr 1) over bags of one id, ids distinct across ranks:
-    each output row is its id's row rounded to ``wire``, and each owner applies its
-    row's gradient (averaged over ranks) rounded to ``wire``, exactly."""
+class _Conversions(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the dtype conversions (aten._to_copy) of rows of ``dim`` columns: a pass of
+    their own over the exchanged rows."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim, self.seen = dim, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].dim() == 2 and args[0].shape[1] == self.dim:
+            self.seen.append((args[0].dtype, out.dtype, tuple(args[0].shape)))
+        return out
+
+
+def _exchange_dtype_body(rank, world, device_kind, wire, dedup, sparse, tables=1, table_dtype=torch.float32):
+    """One step of ``tables`` sum tables (SGD, lr 1) looked up in one exchange over bags of
+    one id, ids distinct across ranks: each output row is its id's row rounded to ``wire``,
+    and each owner applies its row's gradient (averaged over ranks) rounded to ``wire``,
+    exactly. Returns those checks, and the conversions of rows that ran as a pass of their
+    own (none where the regroupings convert: several tables, parts)."""
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
     dim, n = 16, 64
 
-    def table():
-        return veloce.DynamicEmbedding(dim, mode="sum", optimizer=veloce.optim.SGD(lr=1.0), seed=7, device=device)
+    def table(k):
+        return veloce.DynamicEmbedding(dim, mode="sum", optimizer=veloce.optim.SGD(lr=1.0), seed=7 + k, device=device,
+                                       dtype=table_dtype)  # fmt: skip
 
-    emb, ref = table(), table().eval()  # ref: unsharded, unseen ids give the initial rows
-    hp = HybridParallel(nn.ModuleList([emb]), dense="none", sparse=sparse, dedup=dedup, exchange_dtype=wire)
+    embs = [table(k) for k in range(tables)]
+    refs = [table(k).eval() for k in range(tables)]  # unsharded: unseen ids give the initial rows
+    hp = HybridParallel(nn.ModuleList(embs), dense="none", sparse=sparse, dedup=dedup, exchange_dtype=wire)
     opt = veloce.optim.CombinedOptimizer(None, hp)
     every = (torch.arange(world * n) * 1_000_003 + 11) * (-1) ** torch.arange(world * n)  # distinct ids, both signs
-    grads = torch.randn(world * n, dim, generator=torch.Generator().manual_seed(5)) * 3
+    g = torch.Generator().manual_seed(5)
+    grads = [(torch.randn(world * n, dim, generator=g) * 3).to(table_dtype) for _ in range(tables)]
     mine = slice(rank * n, (rank + 1) * n)
     ids, offsets = every[mine].to(device), torch.arange(n, device=device)
     with torch.no_grad():
-        init = ref(every.to(device), torch.arange(world * n, device=device)).cpu()
-    rounded = (lambda t: t.to(wire).float()) if wire is not None else (lambda t: t)  # noqa: E731
-    out = emb(ids, offsets)
-    got = [torch.equal(out.detach().cpu(), rounded(init[mine]))]
-    (out * grads[mine].to(device)).sum().backward()
-    opt.step()
-    hp.flush()  # async: the update lands
-    shard = emb.export()
+        init = [ref(every.to(device), torch.arange(world * n, device=device)).cpu() for ref in refs]
+    rounded = (lambda t: t.to(wire).to(table_dtype)) if wire is not None else (lambda t: t)  # noqa: E731
+    seeds = [gr[mine].to(device) for gr in grads]
+    with _Conversions(dim) as conversions:  # the exchange alone: the checks' own conversions come after
+        outs = veloce.lookup_many(embs, [(ids, offsets)] * tables)
+        sum((o * gr).sum() for o, gr in zip(outs, seeds)).backward()
+        opt.step()
+        hp.flush()  # async: the update lands
+    got = [all(torch.equal(o.detach().cpu(), rounded(i[mine])) for o, i in zip(outs, init))]
     at = {k: i for i, k in enumerate(every.tolist())}
-    rows = torch.tensor([at[k] for k in shard["keys"].tolist()], dtype=torch.long)
-    want = init[rows] - rounded(grads[rows] / world)
-    got.append(torch.equal(shard["weights"].cpu(), want))
-    got.append(len(shard["keys"]) > 0)
-    return got
+    ok, owns = True, True
+    for emb, i, gr in zip(embs, init, grads):
+        shard = emb.export()
+        rows = torch.tensor([at[k] for k in shard["keys"].tolist()], dtype=torch.long)
+        ok = ok and torch.equal(shard["weights"].cpu(), i[rows] - rounded(gr[rows] / world))
+        owns = owns and len(shard["keys"]) > 0
+    return got + [ok, owns, conversions.seen]
 
 
 @pytest.mark.parametrize("device_kind", NCCL_OR_GLOO)
-@pytest.mark.parametrize("wire, dedup, sparse", [
-    (torch.bfloat16, False, "sync"), (torch.float16, False, "sync"), (torch.bfloat16, True, "sync"),
-    (torch.bfloat16, False, "async"), (None, False, "sync"),
-], ids=["bf16", "fp16", "bf16, dedup", "bf16, async", "table dtype"])  # fmt: skip
-def test_rows_travel_in_the_exchange_dtype(wire, dedup, sparse, device_kind):
+@pytest.mark.parametrize("wire, dedup, sparse, tables, table_dtype", [
+    (torch.bfloat16, False, "sync", 1, torch.float32), (torch.float16, False, "sync", 1, torch.float32),
+    (torch.bfloat16, True, "sync", 1, torch.float32), (torch.bfloat16, False, "async", 1, torch.float32),
+    (None, False, "sync", 1, torch.float32),
+    (torch.bfloat16, False, "sync", 3, torch.float32), (torch.bfloat16, False, "async", 3, torch.float32),
+    (torch.bfloat16, True, "sync", 3, torch.float32), (torch.float16, False, "sync", 3, torch.float64),
+], ids=["bf16", "fp16", "bf16, dedup", "bf16, async", "table dtype", "bf16, 3 tables", "bf16, 3 tables, async",
+        "bf16, 3 tables, dedup", "fp16, 3 float64 tables"])  # fmt: skip
+def test_rows_travel_in_the_exchange_dtype(wire, dedup, sparse, tables, table_dtype, device_kind):
     """HybridParallel(exchange_dtype=...): partial sums (or, with dedup, rows) and their
-    gradients travel rounded to that dtype and come back in the table's; None is exact."""
+    gradients travel rounded to that dtype and come back in the table's; None is exact.
+    Several tables share one exchange, whose regroupings narrow and widen the rows (and
+    the requester sums the parts into the table's dtype): then no conversion of the rows
+    is a pass of its own (checked on gloo, where the ranks run the mode's thread)."""
     backend = "nccl" if device_kind == "cuda" else "gloo"
-    results = run_ranks(_exchange_dtype_body, 2, device_kind, wire, dedup, sparse, timeout=60, backend=backend)
-    for rank, (forward, table, owns) in enumerate(results):
+    results = run_ranks(_exchange_dtype_body, 2, device_kind, wire, dedup, sparse, tables, table_dtype, timeout=60,
+                        backend=backend)  # fmt: skip
+    for rank, (forward, table, owns, conversions) in enumerate(results):
         assert forward, f"rank {rank}: the lookup's rows are not the initial rows rounded to {wire}"
         assert table, f"rank {rank}: the table after one step is not init - (gradient / 2) rounded to {wire}"
         assert owns, f"rank {rank} owns no row"
+        if tables > 1 and not dedup and wire is not None and device_kind == "cpu":
+            assert conversions == [], f"rank {rank}: rows converted in passes of their own: {conversions}"
 
 
 def _exchange_dtype_close(rank, world, wire, name, dedup, prefetch):
@@ -1617,32 +1650,35 @@ def test_regroup_blocks_converts_as_tensor_to_does(device, src, dst, row_shape, 
     got = regroup_blocks([shifted(received)], counts, to_group_major=True, dtype=dst)
     assert got.dtype == dst and got.device.type == torch.device(device).type
     assert torch.equal(got.cpu(), torch.cat(per_table).to(dst))
+    assert torch.equal(got, torch.cat(per_table).to(device).to(dst))  # the device's own Tensor.to
     back = regroup_blocks([shifted(t) for t in per_table], counts, to_group_major=False, dtype=dst)
     assert torch.equal(back.cpu(), received.to(dst))
+    none = regroup_blocks([received[:0].to(device)], [[0] * 8] * 40, True, dtype=dst)
+    assert none.dtype == dst and none.shape == (0, *row_shape)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("src, dst", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-                                      (torch.float32, torch.bfloat16), (torch.float64, torch.float32),
-                                      (torch.float32, torch.float64)])  # fmt: skip
+@pytest.mark.parametrize("src, dst", [(a, b) for a in _FLOATS for b in _FLOATS if a != b])
 @pytest.mark.parametrize("dim, aligned", [(128, True), (128, False), (33, True)],
                          ids=["4 at a time", "storage offset", "dim 33"])  # fmt: skip
 def test_combine_parts_as_sums_then_converts_once(device, src, dst, dim, aligned):
-    """combine_parts(..., dtype=) (the op combine_parts_as) accumulates as combine_parts does
-    (float32 for 16-bit parts, float64 for float64) and converts each sum once: bit for bit
-    the sums of the parts in that type, converted. So bfloat16 partial sums summed straight
-    into float32 bags equal widening them first, without that pass."""
+    """combine_parts(..., dtype=) (the op combine_parts_as) accumulates in float64 when the
+    parts or the output are float64, else in float32, and converts each sum once: bit for
+    bit the sums of the parts converted to that type, converted. So bfloat16 partial sums
+    summed straight into float32 (or float64) bags equal widening them first, without that
+    pass."""
     g = torch.Generator().manual_seed(dim)
     bag = torch.tensor([0, 3, 3, 1, 0, 3, 5] * 9, device=device)
     P = bag.numel()
     flat = (torch.randn(P * dim + 1, generator=g, dtype=torch.float64) * 10).to(device, src)
     parts = flat[:-1].view(P, dim) if aligned else flat[1:].view(P, dim)
-    acc = torch.float64 if src == torch.float64 else torch.float32
+    acc = torch.float64 if torch.float64 in (src, dst) else torch.float32
     want = combine_parts(parts.to(acc), bag, 7).to(dst)
     for check_bags in (True, False):
         got = combine_parts(parts, bag, 7, check_bags=check_bags, dtype=dst)
         assert got.dtype == dst and torch.equal(got, want)
-    assert combine_parts(parts[:0], bag[:0], 3, dtype=dst).dtype == dst  # no parts: zeros of dtype
+    none = combine_parts(parts[:0], bag[:0], 3, dtype=dst)  # no parts: zeros of dtype
+    assert none.dtype == dst and torch.equal(none.cpu(), torch.zeros(3, dim, dtype=dst))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "veloce/check.h"
@@ -157,8 +158,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bucketize
   return {perm, id_splits, bag_of_part, part_lengths, part_splits};
 }
 
-// The sums of combine_parts(_as), accumulated in parts' opmath type (float32 for 16-bit
-// parts) and written as out_dtype.
+// The sums of combine_parts(_as), accumulated in combine_acc_t (float64 when the parts or
+// the output are float64, else float32) and written as out_dtype.
 at::Tensor combine_cpu(const char* op, const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags,
                        at::ScalarType out_dtype) {
   check_combine_parts_args(op, parts, bag_of_part, num_bags);
@@ -179,30 +180,30 @@ at::Tensor combine_cpu(const char* op, const at::Tensor& parts, const at::Tensor
   run_starts.push_back(P);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, parts.scalar_type(), "combine_parts_cpu", [&] {
     using in_t = scalar_t;
-    using acc_t = at::opmath_type<in_t>;
-    const in_t* src = p_c.data_ptr<in_t>();
-    std::vector<acc_t> acc(static_cast<size_t>(num_bags * D), acc_t(0));
-    const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / D);
-    for (size_t r = 0; r + 1 < run_starts.size(); ++r) {
-      at::parallel_for(run_starts[r], run_starts[r + 1], grain, [&](int64_t p0, int64_t p1) {
-        for (int64_t p = p0; p < p1; ++p) {
-          acc_t* a = acc.data() + bag[p] * D;
-          const in_t* s = src + p * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += static_cast<acc_t>(s[d]);
-        }
-      });
-    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "combine_parts_cpu", [&] {
-      scalar_t* dst = out.data_ptr<scalar_t>();
+      using out_t = scalar_t;
+      using acc_t = combine_acc_t<in_t, out_t>;
+      const in_t* src = p_c.data_ptr<in_t>();
+      std::vector<acc_t> acc(static_cast<size_t>(num_bags * D), acc_t(0));
+      const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / D);
+      for (size_t r = 0; r + 1 < run_starts.size(); ++r) {
+        at::parallel_for(run_starts[r], run_starts[r + 1], grain, [&](int64_t p0, int64_t p1) {
+          for (int64_t p = p0; p < p1; ++p) {
+            acc_t* a = acc.data() + bag[p] * D;
+            const in_t* s = src + p * D;
+            for (int64_t d = 0; d < D; ++d) a[d] += static_cast<acc_t>(s[d]);
+          }
+        });
+      }
+      out_t* dst = out.data_ptr<out_t>();
       at::parallel_for(0, num_bags * D, at::internal::GRAIN_SIZE, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) dst[i] = static_cast<scalar_t>(acc[static_cast<size_t>(i)]);
+        for (int64_t i = i0; i < i1; ++i) dst[i] = static_cast<out_t>(acc[static_cast<size_t>(i)]);
       });
     });
   });
   return out;
 }
 
-// check_bags=false only saves a device read on CUDA: here the check costs no sync and always runs.
 at::Tensor combine_parts_cpu(const at::Tensor& parts, const at::Tensor& bag_of_part, int64_t num_bags,
                              bool /*check_bags*/) {
   return combine_cpu("veloce::combine_parts", parts, bag_of_part, num_bags, parts.scalar_type());
@@ -251,11 +252,14 @@ at::Tensor regroup_cpu(const char* op, at::TensorList sources, at::IntArrayRef c
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, sources[0].scalar_type(), "regroup_blocks_as_cpu", [&] {
     using in_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "regroup_blocks_as_cpu", [&] {
-      scalar_t* dst = out.data_ptr<scalar_t>();
-      for_each_block([&](const at::Tensor& src, int64_t from, int64_t to, int64_t n) {
-        const in_t* s = src.data_ptr<in_t>() + from;
-        for (int64_t i = 0; i < n; ++i) dst[to + i] = c10::convert<scalar_t>(s[i]);
-      });
+      using out_t = scalar_t;
+      if constexpr (!std::is_same_v<in_t, out_t>) {  // one dtype took the memcpy above
+        out_t* dst = out.data_ptr<out_t>();
+        for_each_block([&](const at::Tensor& src, int64_t from, int64_t to, int64_t n) {
+          const in_t* s = src.data_ptr<in_t>() + from;
+          for (int64_t i = 0; i < n; ++i) dst[to + i] = c10::convert<out_t>(s[i]);
+        });
+      }
     });
   });
   return out;

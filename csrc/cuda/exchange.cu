@@ -222,7 +222,7 @@ template <typename In, typename Out, int V>
 __global__ void combine_kernel(const In* __restrict__ parts, const int32_t* __restrict__ order,
                                const int32_t* __restrict__ first, int64_t num_bags, int64_t D, int lanes,
                                Out* __restrict__ out) {
-  using acc_t = at::opmath_type<In>;
+  using acc_t = combine_acc_t<In, Out>;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t b = t >> (__ffs(lanes) - 1);  // lanes: a power of two
   if (b >= num_bags) return;
@@ -245,13 +245,13 @@ __global__ void combine_kernel(const In* __restrict__ parts, const int32_t* __re
 }
 
 // Elements per access of a conversion between In and Out (regroup_blocks_as, combine_parts_as):
-// 4 where `elems` (a row's) and every pointer allow it, else 1.
+// 4 where `elems` (a row's) and every pointer allow packs of 4 (Pack's alignment), else 1.
 template <typename In, typename Out>
-int convert_width(int64_t elems, std::initializer_list<const void*> in_ptrs, const void* out_ptr) {
+int convert_width(int64_t elems, const std::vector<const void*>& in_ptrs, const void* out_ptr) {
   constexpr int V = 4;
-  if (elems % V != 0 || reinterpret_cast<uintptr_t>(out_ptr) % (V * sizeof(Out)) != 0) return 1;
+  if (elems % V != 0 || reinterpret_cast<uintptr_t>(out_ptr) % alignof(Pack<Out, V>) != 0) return 1;
   for (const void* p : in_ptrs) {
-    if (reinterpret_cast<uintptr_t>(p) % (V * sizeof(In)) != 0) return 1;
+    if (reinterpret_cast<uintptr_t>(p) % alignof(Pack<In, V>) != 0) return 1;
   }
   return V;
 }
@@ -359,29 +359,35 @@ __device__ __forceinline__ int regroup_block_of(const RegroupLaunch& a, int64_t 
   return lo;
 }
 
+// Unit u of a launch's output (the block it falls in: src, and its index there: i).
 template <typename U>
-__global__ void regroup_kernel(const __grid_constant__ RegroupLaunch a, U* __restrict__ out) {
-  const int64_t total = a.end[a.n - 1];
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < total; u += stride) {
-    int64_t begin;
-    const int b = regroup_block_of(a, u, begin);
-    out[u] = static_cast<const U*>(a.src[b])[u - begin];
+struct CopyUnits {  // regroup_blocks: U bytes as they are
+  U* out;
+  __device__ __forceinline__ void operator()(const void* src, int64_t i, int64_t u) const {
+    out[u] = static_cast<const U*>(src)[i];
   }
-}
+};
 
 template <typename In, typename Out, int V>
-__global__ void regroup_convert_kernel(const __grid_constant__ RegroupLaunch a, Out* __restrict__ out) {
-  const int64_t total = a.end[a.n - 1];
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < total; u += stride) {
-    int64_t begin;
-    const int b = regroup_block_of(a, u, begin);
-    const Pack<In, V> p = load_pack<In, V>(static_cast<const In*>(a.src[b]) + (u - begin) * V);
+struct ConvertUnits {  // regroup_blocks_as: V elements converted
+  Out* out;
+  __device__ __forceinline__ void operator()(const void* src, int64_t i, int64_t u) const {
+    const Pack<In, V> p = load_pack<In, V>(static_cast<const In*>(src) + i * V);
     Pack<Out, V> o;
 #pragma unroll
     for (int j = 0; j < V; ++j) o.v[j] = c10::convert<Out>(p.v[j]);
     store_pack<Out, V>(out + u * V, o);
+  }
+};
+
+template <class Unit>
+__global__ void regroup_kernel(const __grid_constant__ RegroupLaunch a, const Unit unit) {
+  const int64_t total = a.end[a.n - 1];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < total; u += stride) {
+    int64_t begin;
+    const int b = regroup_block_of(a, u, begin);
+    unit(a.src[b], u - begin, u);
   }
 }
 
@@ -405,7 +411,7 @@ void for_each_regroup_launch(const std::vector<RegroupBlock>& plan, const Regrou
       units += b.rows * units_per_row;
       a.end[i] = units;
     }
-    if (units == 0) continue;
+    if (units == 0) continue;  // defensive: the plan holds no empty block, and rows of no bytes return early
     launch(a, done, static_cast<unsigned>(std::min<int64_t>(grid_for(units), max_grid)));
     done += units;
   }
@@ -424,23 +430,23 @@ at::Tensor regroup_cuda(const char* op, at::TensorList sources, at::IntArrayRef 
       using In = scalar_t;
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "regroup_blocks_as_cuda", [&] {
         using Out = scalar_t;
-        std::vector<const void*> ptrs;
-        for (const at::Tensor& t : c.sources) ptrs.push_back(t.data_ptr());
-        auto run = [&](auto vec) {
-          constexpr int V = decltype(vec)::value;
-          for_each_regroup_launch(plan, c, V * static_cast<int64_t>(sizeof(In)), c.row_elems / V,
-                                  [&](const RegroupLaunch& a, int64_t done, unsigned grid) {
-                                    regroup_convert_kernel<In, Out, V>
-                                        <<<grid, kThreads, 0, stream()>>>(a, out.data_ptr<Out>() + done * V);
-                                    C10_CUDA_KERNEL_LAUNCH_CHECK();
-                                  });
-        };
-        bool wide = convert_width<In, Out>(c.row_elems, {}, out.data_ptr()) == 4;
-        for (const void* p : ptrs) wide = wide && reinterpret_cast<uintptr_t>(p) % (4 * sizeof(In)) == 0;
-        if (wide) {
-          run(std::integral_constant<int, 4>());
-        } else {
-          run(std::integral_constant<int, 1>());
+        if constexpr (!std::is_same_v<In, Out>) {  // one dtype takes the byte copy below
+          std::vector<const void*> ptrs;
+          for (const at::Tensor& t : c.sources) ptrs.push_back(t.data_ptr());
+          auto run = [&](auto vec) {
+            constexpr int V = decltype(vec)::value;
+            for_each_regroup_launch(plan, c, V * static_cast<int64_t>(sizeof(In)), c.row_elems / V,
+                                    [&](const RegroupLaunch& a, int64_t done, unsigned grid) {
+                                      const ConvertUnits<In, Out, V> unit{out.data_ptr<Out>() + done * V};
+                                      regroup_kernel<<<grid, kThreads, 0, stream()>>>(a, unit);
+                                      C10_CUDA_KERNEL_LAUNCH_CHECK();
+                                    });
+          };
+          if (convert_width<In, Out>(c.row_elems, ptrs, out.data_ptr()) == 4) {
+            run(std::integral_constant<int, 4>());
+          } else {
+            run(std::integral_constant<int, 1>());
+          }
         }
       });
     });
@@ -456,7 +462,8 @@ at::Tensor regroup_cuda(const char* op, at::TensorList sources, at::IntArrayRef 
   auto launch = [&](auto* typed) {
     using U = std::remove_pointer_t<decltype(typed)>;
     for_each_regroup_launch(plan, c, unit, row_bytes / unit, [&](const RegroupLaunch& a, int64_t done, unsigned grid) {
-      regroup_kernel<U><<<grid, kThreads, 0, stream()>>>(a, reinterpret_cast<U*>(dst) + done);
+      const CopyUnits<U> unit{reinterpret_cast<U*>(dst) + done};
+      regroup_kernel<<<grid, kThreads, 0, stream()>>>(a, unit);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   };

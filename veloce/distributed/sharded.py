@@ -737,12 +737,9 @@ def _received_order(per_table: Sequence[torch.Tensor], counts: Sequence[Sequence
     """The inverse of :func:`_table_major`: per-table rows (table k's blocks in peer order)
     as one tensor, peer-major, in the order the all-to-all back to the peers sends.
     ``dtype``: the rows converted to it (narrowed for the wire), in the regrouping's copy."""
-    K, W = len(counts), len(counts[0]) if counts else 0
-    if K == 1:
+    if len(counts) == 1:
         return per_table[0] if dtype is None else per_table[0].to(dtype)
-    if W <= 1:
-        return torch.cat([t if dtype is None else t.to(dtype) for t in per_table])
-    return regroup_blocks(per_table, counts, to_group_major=False, dtype=dtype)
+    return regroup_blocks(per_table, counts, to_group_major=False, dtype=dtype)  # one peer: a cat
 
 
 def _mean_scale(modules: list, batch: _Batch, dtype: torch.dtype, dev: torch.device) -> Optional[torch.Tensor]:

@@ -107,9 +107,10 @@ def combine_parts(parts: torch.Tensor, bag_of_part: torch.Tensor, num_bags: int,
     gives wrong sums, never a bad memory access. The CPU kernel always checks.
 
     ``dtype``: the output's dtype (float32, float64, float16 or bfloat16; default parts').
-    The sums are accumulated as always (float32 for 16-bit parts) and converted once, in
-    the op (``torch.ops.veloce.combine_parts_as``): bfloat16 parts sum straight into
-    float32 bags, equal to converting the parts first, without that pass.
+    The sums are accumulated in float64 when the parts or ``dtype`` are float64, else in
+    float32, and converted once, in the op (``torch.ops.veloce.combine_parts_as``):
+    bfloat16 parts sum straight into float32 bags, equal to converting the parts first,
+    without that pass.
     """
     _ext.require()
     if dtype is None or dtype == parts.dtype:
@@ -137,7 +138,8 @@ def regroup_blocks(sources: Sequence[torch.Tensor], counts: Sequence[Sequence[in
         to_group_major: the direction (see ``sources``).
         dtype: the output's dtype (default the sources'). Rows of float32, float64,
             float16 and bfloat16 are converted in the same copy
-            (``torch.ops.veloce.regroup_blocks_as``), as ``Tensor.to`` converts them: an
+            (``torch.ops.veloce.regroup_blocks_as``), to the values ``Tensor.to`` gives (a
+            NaN stays NaN, its payload bits may differ from ``Tensor.to``'s on CPU): an
             exchange that sends rows in 16 bits narrows or widens them without a pass of
             its own.
 
@@ -151,6 +153,8 @@ def regroup_blocks(sources: Sequence[torch.Tensor], counts: Sequence[Sequence[in
         [0, 3, 1, 2, 4]
     """
     _ext.require()
+    if not len(sources):
+        raise ValueError("regroup_blocks: sources is empty; it holds the rows (one tensor, or one per group)")
     W = len(counts[0]) if len(counts) else 0
     if W == 0 or any(len(row) != W for row in counts):
         raise ValueError(f"regroup_blocks: counts must be G >= 1 lists of W >= 1 row counts each (one per peer), "
@@ -199,7 +203,7 @@ def _as_setup_context(ctx, inputs, output) -> None:
 
 def _as_backward(ctx, grad_out: torch.Tensor):
     (bag_of_part,) = ctx.saved_tensors
-    return grad_out.index_select(0, bag_of_part).to(ctx.parts_dtype), None, None, None, None
+    return grad_out.to(ctx.parts_dtype).index_select(0, bag_of_part), None, None, None, None
 
 
 def _fake_regroup_blocks(sources, counts, num_groups, to_group_major):

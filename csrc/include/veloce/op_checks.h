@@ -6,10 +6,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <ATen/core/List.h>
 
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "veloce/check.h"
@@ -145,6 +147,11 @@ int64_t check_bucketize_args(const char* op, const at::Tensor& ids, const at::Te
                              bool include_last_offset, int64_t world_size);
 // CUDA kernels sort owners as int32 keys.
 void check_world_size_cuda(const char* op, int64_t world_size);
+// combine_parts(_as): the type each bag's sum is accumulated in: float64 when the parts or
+// the output are float64, else the parts' opmath type (float32 for 16-bit parts).
+template <typename In, typename Out>
+using combine_acc_t =
+    std::conditional_t<std::is_same_v<In, double> || std::is_same_v<Out, double>, double, at::opmath_type<In>>;
 // combine_parts: parts (P, D) floating, bag_of_part (P,) int64 on parts' device, num_bags >= 0.
 void check_combine_parts_args(const char* op, const at::Tensor& parts, const at::Tensor& bag_of_part,
                               int64_t num_bags);
