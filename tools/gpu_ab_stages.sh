@@ -50,7 +50,9 @@
 #   summarize  the table of every configuration-5 run of this call (bench_distributed --summarize)
 #   cprofile   rank 0's cProfile of configuration 5 on W GPUs (CPROFILE_ARGS: more arguments)
 # Environment: OUT (default /tmp/ab-out), PREFIX (a command before torchrun in c5_run, e.g. taskset), TORCHRUN_ARGS (more torchrun arguments for every
-# configuration-5 run, e.g. "--numa-binding node"), OLD_TAR (default .gpu/old.tar), C3_ARGS (more bench_embedding
+# configuration-5 run, e.g. "--numa-binding node"), WINDOWS (configuration 5's timed windows per run, default 1:
+# the pace of a 4-GPU run changes each time the ranks meet, so several windows per run give
+# an A/B more samples for little time; benchmarks/README.md, twenty-fifth session), OLD_TAR (default .gpu/old.tar), C3_ARGS (more bench_embedding
 # arguments for `c3`, e.g. --back-to-back), W, STEPS (configuration 5's
 # timed steps, default 30), LOADS, C3P_OPTS, PIN (a prefix for the one-process runs of c1, c3,
 # c3phases and hostab, e.g. PIN="taskset -c 8": pinned to one core, the GPU machine's host
@@ -104,9 +106,10 @@ c5_run() {  # c5_run TAG GPUS [EXTRA ARGS...]; TAG old or new (new+prefetch: the
   # shellcheck disable=SC2086  # TORCHRUN_ARGS is several arguments
   (cd "$d" && PYTHONPATH="$d" timeout 150 ${PREFIX:-} torchrun --standalone ${TORCHRUN_ARGS:-} --nproc_per_node="$w" \
      benchmarks/bench_distributed.py \
-     --sparse sync --nonfinite raise_next --steps "${STEPS:-30}" --json "/tmp/ab_c5_${tag}_w$w.json" "$@" >"/tmp/ab_c5_${tag}_w$w.log" 2>&1)
+     --sparse sync --nonfinite raise_next --steps "${STEPS:-30}" --windows "${WINDOWS:-1}" \
+     --json "/tmp/ab_c5_${tag}_w$w.json" "$@" >"/tmp/ab_c5_${tag}_w$w.log" 2>&1)
   echo "w=$w $tag: $(grep -o '"step_ms": [0-9.]*\|"step_ms_synced": [0-9.]*\|"median": [0-9.]*\|"p90": [0-9.]*' \
-    "/tmp/ab_c5_${tag}_w$w.json" | tr '\n' ' ')" | say
+    "/tmp/ab_c5_${tag}_w$w.json" | tr '\n' ' ')$(python3 -c "import json, sys; w = json.load(open(sys.argv[1])).get('windows_ms', []); print(' windows', [round(x, 2) for x in w]) if len(w) > 1 else None" "/tmp/ab_c5_${tag}_w$w.json" 2>/dev/null)" | say
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | say
