@@ -17,6 +17,7 @@
 #   prebuilt   unpack .gpu/b/{old,new}.so.gz instead of building (same sources only!)
 #   tests      the hash-table CUDA tests, then the NCCL tests on 2 ranks
 #   xops       the exchange ops' CUDA tests (tests/test_distributed.py -k "cuda and not nccl")
+#   xmemcheck  compute-sanitizer memcheck on the exchange ops' regroup and combine CUDA tests
 #   cudasuite  pytest -k "cuda or nonfinite or update_stream"
 #   memcheck   compute-sanitizer memcheck on the hash-table CUDA tests
 #   c1         configuration 1 (find, find_or_insert) at LOADS (default 0.5,0.75), interleaved
@@ -146,6 +147,11 @@ for stage in "$@"; do
     xops)
       PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/test_distributed.py -q -p no:cacheprovider -k "cuda and not nccl" \
         2>&1 | tee "$OUT/pytest_xops.txt" | tail -3 | say
+      t ;;
+    xmemcheck)
+      PYTHONPATH=$NEW timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+        tests/test_distributed.py -q -p no:cacheprovider \
+        -k "cuda and not nccl and (converts_as or as_sums or converting_exchange or regroup or combine)" 2>&1 | tail -4 | say
       t ;;
     cudasuite)
       PYTHONPATH=$NEW timeout 500 python3 -m pytest tests -q -p no:cacheprovider -k "cuda or nonfinite or update_stream" \
