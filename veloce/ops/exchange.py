@@ -159,10 +159,16 @@ def regroup_blocks(sources: Sequence[torch.Tensor], counts: Sequence[Sequence[in
     if W == 0 or any(len(row) != W for row in counts):
         raise ValueError(f"regroup_blocks: counts must be G >= 1 lists of W >= 1 row counts each (one per peer), "
                          f"got lists of lengths {[len(row) for row in counts]}")  # fmt: skip
-    flat = [c for row in counts for c in row]
+    return _regroup(list(sources), [c for row in counts for c in row], len(counts), to_group_major, dtype)
+
+
+def _regroup(sources: list, counts: list[int], num_groups: int, to_group_major: bool,
+             dtype: Optional[torch.dtype]) -> torch.Tensor:  # fmt: skip
+    """The op that regroups (flat ``counts``): ``regroup_blocks``, or ``regroup_blocks_as``
+    when the rows change dtype."""
     if dtype is None or dtype == sources[0].dtype:
-        return torch.ops.veloce.regroup_blocks(list(sources), flat, len(counts), to_group_major)
-    return torch.ops.veloce.regroup_blocks_as(list(sources), flat, len(counts), to_group_major, dtype)
+        return torch.ops.veloce.regroup_blocks(sources, counts, num_groups, to_group_major)
+    return torch.ops.veloce.regroup_blocks_as(sources, counts, num_groups, to_group_major, dtype)
 
 
 def _fake_owner_of(ids, world_size):
@@ -179,77 +185,51 @@ def _fake_bucketize_bags(ids, offsets, include_last_offset, world_size, padding_
     return new(m), new(world_size), new(p), new(p), new(world_size)
 
 
-def _fake_combine_parts(parts, bag_of_part, num_bags, check_bags=True):
-    return parts.new_empty((num_bags, parts.shape[1]))
+def _fake_combine_parts(parts, bag_of_part, num_bags, check_bags=True, dtype=None):
+    """combine_parts's fake kernel, and (with ``dtype``) combine_parts_as's."""
+    return parts.new_empty((num_bags, parts.shape[1]), dtype=dtype or parts.dtype)
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _combine_setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(inputs[1])
+    ctx.parts_dtype, ctx.nones = inputs[0].dtype, len(inputs) - 1
 
 
-def _backward(ctx, grad_out: torch.Tensor):
+def _combine_backward(ctx, grad_out: torch.Tensor):
+    """Each part's gradient is its bag's, in the parts' dtype (combine_parts and combine_parts_as)."""
     (bag_of_part,) = ctx.saved_tensors
-    return grad_out.index_select(0, bag_of_part), None, None, None
+    return grad_out.to(ctx.parts_dtype).index_select(0, bag_of_part), *[None] * ctx.nones
 
 
-def _fake_combine_parts_as(parts, bag_of_part, num_bags, check_bags, dtype):
-    return parts.new_empty((num_bags, parts.shape[1]), dtype=dtype)
-
-
-def _as_setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(inputs[1])
-    ctx.parts_dtype = inputs[0].dtype
-
-
-def _as_backward(ctx, grad_out: torch.Tensor):
-    (bag_of_part,) = ctx.saved_tensors
-    return grad_out.to(ctx.parts_dtype).index_select(0, bag_of_part), None, None, None, None
-
-
-def _fake_regroup_blocks(sources, counts, num_groups, to_group_major):
-    return sources[0].new_empty((sum(counts), *sources[0].shape[1:]))
-
-
-def _fake_regroup_blocks_as(sources, counts, num_groups, to_group_major, dtype):
-    return sources[0].new_empty((sum(counts), *sources[0].shape[1:]), dtype=dtype)
+def _fake_regroup_blocks(sources, counts, num_groups, to_group_major, dtype=None):
+    """regroup_blocks's fake kernel, and (with ``dtype``) regroup_blocks_as's."""
+    return sources[0].new_empty((sum(counts), *sources[0].shape[1:]), dtype=dtype or sources[0].dtype)
 
 
 def _regroup_setup_context(ctx, inputs, output) -> None:
     ctx.counts, ctx.num_groups, ctx.to_group_major = inputs[1], inputs[2], inputs[3]
-    ctx.source_dtype = inputs[0][0].dtype
+    ctx.source_dtype, ctx.nones = inputs[0][0].dtype, len(inputs) - 1
 
 
-def _regroup_back(ctx, grad_out: torch.Tensor) -> list:
-    """The sources' gradients: ``grad_out`` regrouped back, in the sources' dtype."""
+def _regroup_backward(ctx, grad_out: torch.Tensor):
+    """The sources' gradients: ``grad_out`` regrouped back, in the sources' dtype
+    (regroup_blocks and regroup_blocks_as)."""
     G = ctx.num_groups
     W = len(ctx.counts) // G
     group_rows = [sum(ctx.counts[g * W : (g + 1) * W]) for g in range(G)]
     if ctx.to_group_major:  # the gradient, group-major, goes back peer-major (one source)
-        per_group = list(grad_out.split(group_rows))
-        return [regroup_blocks(per_group, [ctx.counts[g * W : (g + 1) * W] for g in range(G)], False, ctx.source_dtype)]
-    # peer-major back to group-major, cut into the G sources
-    grouped = regroup_blocks([grad_out], [ctx.counts[g * W : (g + 1) * W] for g in range(G)], True, ctx.source_dtype)
-    return list(grouped.split(group_rows))
-
-
-def _regroup_backward(ctx, grad_out: torch.Tensor):
-    return _regroup_back(ctx, grad_out), None, None, None
-
-
-def _regroup_as_backward(ctx, grad_out: torch.Tensor):
-    return _regroup_back(ctx, grad_out), None, None, None, None
+        grads = [_regroup(list(grad_out.split(group_rows)), ctx.counts, G, False, ctx.source_dtype)]
+    else:  # peer-major back to group-major, cut into the G sources
+        grads = list(_regroup([grad_out], ctx.counts, G, True, ctx.source_dtype).split(group_rows))
+    return grads, *[None] * ctx.nones
 
 
 if _ext.loaded:
     torch.library.register_fake("veloce::owner_of")(_fake_owner_of)
     torch.library.register_fake("veloce::bucketize_bags")(_fake_bucketize_bags)
-    torch.library.register_fake("veloce::combine_parts")(_fake_combine_parts)
-    torch.library.register_autograd("veloce::combine_parts", _backward, setup_context=_setup_context)
-    torch.library.register_fake("veloce::regroup_blocks")(_fake_regroup_blocks)
-    torch.library.register_autograd("veloce::regroup_blocks", _regroup_backward,
-                                    setup_context=_regroup_setup_context)  # fmt: skip
-    torch.library.register_fake("veloce::combine_parts_as")(_fake_combine_parts_as)
-    torch.library.register_autograd("veloce::combine_parts_as", _as_backward, setup_context=_as_setup_context)
-    torch.library.register_fake("veloce::regroup_blocks_as")(_fake_regroup_blocks_as)
-    torch.library.register_autograd("veloce::regroup_blocks_as", _regroup_as_backward,
-                                    setup_context=_regroup_setup_context)  # fmt: skip
+    for name in ("combine_parts", "combine_parts_as"):
+        torch.library.register_fake(f"veloce::{name}")(_fake_combine_parts)
+        torch.library.register_autograd(f"veloce::{name}", _combine_backward, setup_context=_combine_setup_context)
+    for name in ("regroup_blocks", "regroup_blocks_as"):
+        torch.library.register_fake(f"veloce::{name}")(_fake_regroup_blocks)
+        torch.library.register_autograd(f"veloce::{name}", _regroup_backward, setup_context=_regroup_setup_context)
