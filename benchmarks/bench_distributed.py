@@ -24,6 +24,7 @@ labelled `+bfloat16` and compared with the 1-GPU run without it, which has no ex
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import gc
 import json
@@ -182,9 +183,10 @@ def run(args) -> None:
     model = DLRM(13, args.features, embedding_dim=args.dim, bottom_mlp=(512, 256, args.dim),
                  top_mlp=(1024, 1024, 512, 256, 1), embedding_factory=table).to(device)  # fmt: skip
     lookup_errors = args.lookup_errors or ("raise_next" if args.nonfinite == "raise_next" else "raise")
-    hp = veloce.distributed.HybridParallel(model, sparse=args.sparse, staleness=args.staleness, dedup=args.dedup,
-                                           lookup_errors=lookup_errors, prefetch_depth=args.prefetch_depth,
-                                           exchange_dtype=args.exchange_dtype)  # fmt: skip
+    with _nccl_priority(args.nccl_priority):
+        hp = veloce.distributed.HybridParallel(model, sparse=args.sparse, staleness=args.staleness, dedup=args.dedup,
+                                               lookup_errors=lookup_errors, prefetch_depth=args.prefetch_depth,
+                                               exchange_dtype=args.exchange_dtype)  # fmt: skip
     opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), hp)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     data = batches(args, rank, device)
@@ -232,24 +234,29 @@ def run(args) -> None:
     # --windows K: the window K times, the ranks meeting between them (does a run's pace
     # persist across windows, or does each start afresh?).
     windows, spreads = [], []
-    for _ in range(args.windows):
+    if args.whatif_find:
+        _fill_tables(hp, data, device)
+    for w in range(args.windows):
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
         sync_all(device)
         t = time.perf_counter()
-        prefetch(args.warmup, args.warmup + 1)
-        for i, b in enumerate(data[args.warmup : args.warmup + args.steps], args.warmup):
+        with _find_only(args.whatif_find and w % 2 == 1):
+            prefetch(args.warmup, args.warmup + 1)
+            for i, b in enumerate(data[args.warmup : args.warmup + args.steps], args.warmup):
+                if cuda:
+                    marks[i - args.warmup].record()
+                step(b, (i + 1, args.warmup + args.steps))
             if cuda:
-                marks[i - args.warmup].record()
-            step(b, (i + 1, args.warmup + args.steps))
-        if cuda:
-            marks[-1].record()
-        hp.flush()
+                marks[-1].record()
+            hp.flush()
         sync_all(device)
         windows.append((time.perf_counter() - t) / args.steps)
         spreads.append(_quantiles([a.elapsed_time(b) for a, b in zip(marks, marks[1:])]) if cuda else {})
-    window_s, spread = statistics.mean(windows), spreads[0]
+    usual = [t for w, t in enumerate(windows) if not (args.whatif_find and w % 2 == 1)]
+    window_s, spread = statistics.mean(usual), spreads[0]
     if args.cprofile:  # rank 0's host time by Python function, over the same steps again
-        _cprofile(step, data, prefetch, hp, args, device, rank)
+        with _find_only(args.whatif_find):  # --whatif-find: the steps without the insert's host sync
+            _cprofile(step, data, prefetch, hp, args, device, rank)
     gc.enable()
     if args.profile:  # every rank: a profiled rank alone would fall behind the others
         sync_all(device)
@@ -286,7 +293,8 @@ def run(args) -> None:
                   + (f"+{args.exchange_dtype}" if args.exchange_dtype else "")
                   + (f"@{args.prefetch_at}" if args.prefetch and args.prefetch_at != "step" else "")
                   + ("/header" if args.prefetch and args.prefetch_depth == "header" else ""),
-        "nonfinite_grad": args.nonfinite, "tf32": bool(args.tf32 and cuda), "pin_cores": args.pin_cores,
+        "nccl_priority": args.nccl_priority, "nonfinite_grad": args.nonfinite, "tf32": bool(args.tf32 and cuda),
+        "pin_cores": args.pin_cores,
         "staleness": args.staleness if args.sparse == "async" else 0,
         "batch_per_gpu": args.batch, "features": args.features, "dim": args.dim,
         "step_ms": step_s * 1e3, "samples_per_s": world * args.batch / step_s,
@@ -294,6 +302,7 @@ def run(args) -> None:
         "step_ms_b2b": spread,  # device-side intervals between back-to-back steps' starts
         "windows_ms": [w * 1e3 for w in windows],  # each window's mean (--windows), and its intervals' median
         "windows_b2b_median_ms": [q.get("median") for q in spreads],
+        "windows_find_only": [bool(args.whatif_find and w % 2 == 1) for w in range(args.windows)],
         "exchange_ms": ex_s * 1e3, "exchange_MB": ex_bytes / 2**20,
         "a2a_same_bytes_ms": base_s * 1e3,
         "exchange_busbw_GBs": ex_bytes * (world - 1) / world / ex_s / 1e9 if world > 1 and ex_s else None,
@@ -309,6 +318,64 @@ def run(args) -> None:
             with open(args.json, "w") as f:
                 json.dump(row, f, indent=1)
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _nccl_priority(which: str):
+    """--nccl-priority: HybridParallel's lookup group and/or async gradient group created with
+    high-priority NCCL streams (an experiment: their kernels then get SMs ahead of compute
+    kernels queued before them). HybridParallel creates the lookup group first, then, in
+    async mode, the gradient group; its prefetch group passes options of its own."""
+    if which == "none":
+        yield
+        return
+    from veloce.distributed.hybrid import _high_priority
+
+    new_group, made = dist.new_group, []
+
+    def urgent_group(*a, **k):
+        role = ("lookup", "grad")[len(made)] if "pg_options" not in k and len(made) < 2 else None
+        if role is not None:
+            made.append(role)
+            if which in (role, "both"):
+                k["pg_options"] = _high_priority(k.get("backend") or dist.get_backend())
+        return new_group(*a, **k)
+
+    dist.new_group = urgent_group
+    try:
+        yield
+    finally:
+        dist.new_group = new_group
+
+
+def _fill_tables(hp, data, device) -> None:
+    """--whatif-find: every id of every batch inserted (training forwards without backward),
+    so that a later lookup of these batches finds every id and needs no insert."""
+    with torch.no_grad():
+        for dense, sparse, _ in data:
+            hp(dense, sparse)
+    sync_all(device)
+
+
+@contextlib.contextmanager
+def _find_only(on: bool):
+    """--whatif-find's odd windows: the training lookups' inserts replaced by ``find`` (no
+    host sync; valid only because _fill_tables put every id in). Not a training mode: a
+    measurement of what a forward without the insert's host sync would take."""
+    if not on:
+        yield
+        return
+    import veloce.embedding
+
+    def find_only(tables, ids, padding_ids=None, bad_input=None):
+        return [t.find(i) for t, i in zip(tables, ids)]
+
+    saved = veloce.embedding.find_or_insert_many, _sharded.find_or_insert_many
+    veloce.embedding.find_or_insert_many = _sharded.find_or_insert_many = find_only
+    try:
+        yield
+    finally:
+        veloce.embedding.find_or_insert_many, _sharded.find_or_insert_many = saved
 
 
 def _cprofile(step, data, prefetch, hp, args, device, rank: int) -> None:
@@ -533,6 +600,13 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=1,
                    help="time the back-to-back steps this many times (the ranks meet between windows); "
                         "step_ms is their mean")
+    p.add_argument("--whatif-find", action="store_true",
+                   help="a what-if, not training: fill the tables with every batch's ids, then time the windows "
+                        "alternately as usual (even windows) and with the inserts replaced by find (odd ones: no "
+                        "insert host sync); use an even --windows")
+    p.add_argument("--nccl-priority", choices=("none", "lookup", "grad", "both"), default="none",
+                   help="an experiment: the lookup group's and/or the async gradient group's NCCL streams at high "
+                        "priority")
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--json", default=None)
     p.add_argument("--profile", nargs="?", const="-", default=None,

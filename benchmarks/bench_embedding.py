@@ -131,6 +131,9 @@ def main() -> None:
                    help="also time DynamicEmbedding with nonfinite_grad='raise_next' (the check read a step late)")
     p.add_argument("--back-to-back", action="store_true",
                    help="time the steps back to back (no device sync between them), as training runs them")
+    p.add_argument("--whatif-find", action="store_true",
+                   help="a what-if, not training: each DynamicEmbedding variant again with its insert replaced by "
+                        "find (every id is present), which has no host sync")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -144,6 +147,8 @@ def main() -> None:
     variants = [("DynamicEmbedding", "raise")]
     variants += [("raise_next", "raise_next")] if args.raise_next else []
     variants += [("unchecked", "apply")] if args.unchecked else []
+    if args.whatif_find:  # the same steps with the insert (and its host sync) replaced by find
+        variants += [(f"{c} find-only", nf) for c, nf in variants]
     extras = [c for c, _ in variants[1:]]
 
     for opt_name in args.optimizers.split(","):
@@ -180,6 +185,8 @@ def main() -> None:
             )
             for chunk in torch.arange(rows_total, device=device).split(1 << 21):  # warm: every id present
                 emb.table.find_or_insert(chunk * SCRAMBLE)
+            if col.endswith("find-only"):  # every id is present: find returns the insert's slots
+                emb.table.find_or_insert = lambda ids, padding_id=None, bad_input=None, t=emb.table: t.find(ids)
 
             def dyn_step(raw, offsets, emb=emb):
                 emb(raw, offsets).backward(grad)
