@@ -234,13 +234,15 @@ def run(args) -> None:
     # --windows K: the window K times, the ranks meeting between them (does a run's pace
     # persist across windows, or does each start afresh?).
     windows, spreads = [], []
+    # --whatif-find: the odd windows find instead of inserting (tables filled first)
+    find_only = [args.whatif_find and w % 2 == 1 for w in range(args.windows)]
     if args.whatif_find:
         _fill_tables(hp, data, device)
     for w in range(args.windows):
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
         sync_all(device)
         t = time.perf_counter()
-        with _find_only(args.whatif_find and w % 2 == 1):
+        with _find_only(find_only[w]):
             prefetch(args.warmup, args.warmup + 1)
             for i, b in enumerate(data[args.warmup : args.warmup + args.steps], args.warmup):
                 if cuda:
@@ -252,8 +254,7 @@ def run(args) -> None:
         sync_all(device)
         windows.append((time.perf_counter() - t) / args.steps)
         spreads.append(_quantiles([a.elapsed_time(b) for a, b in zip(marks, marks[1:])]) if cuda else {})
-    usual = [t for w, t in enumerate(windows) if not (args.whatif_find and w % 2 == 1)]
-    window_s, spread = statistics.mean(usual), spreads[0]
+    window_s, spread = statistics.mean(t for t, f in zip(windows, find_only) if not f), spreads[0]
     if args.cprofile:  # rank 0's host time by Python function, over the same steps again
         with _find_only(args.whatif_find):  # --whatif-find: the steps without the insert's host sync
             _cprofile(step, data, prefetch, hp, args, device, rank)
@@ -302,7 +303,7 @@ def run(args) -> None:
         "step_ms_b2b": spread,  # device-side intervals between back-to-back steps' starts
         "windows_ms": [w * 1e3 for w in windows],  # each window's mean (--windows), and its intervals' median
         "windows_b2b_median_ms": [q.get("median") for q in spreads],
-        "windows_find_only": [bool(args.whatif_find and w % 2 == 1) for w in range(args.windows)],
+        "windows_find_only": find_only,
         "exchange_ms": ex_s * 1e3, "exchange_MB": ex_bytes / 2**20,
         "a2a_same_bytes_ms": base_s * 1e3,
         "exchange_busbw_GBs": ex_bytes * (world - 1) / world / ex_s / 1e9 if world > 1 and ex_s else None,
