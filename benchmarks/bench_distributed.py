@@ -177,7 +177,7 @@ def run(args) -> None:
     def table(dim):
         return veloce.DynamicEmbedding(
             dim, mode="sum", capacity=args.capacity, optimizer=veloce.optim.RowWiseAdagrad(lr=0.01), device=device,
-            nonfinite_grad=args.nonfinite,
+            nonfinite_grad=args.nonfinite, defer_inserts=args.defer_inserts,
         )
 
     model = DLRM(13, args.features, embedding_dim=args.dim, bottom_mlp=(512, 256, args.dim),
@@ -293,7 +293,8 @@ def run(args) -> None:
         "sparse": args.sparse + ("+dedup" if args.dedup else "") + ("+prefetch" if args.prefetch else "")
                   + (f"+{args.exchange_dtype}" if args.exchange_dtype else "")
                   + (f"@{args.prefetch_at}" if args.prefetch and args.prefetch_at != "step" else "")
-                  + ("/header" if args.prefetch and args.prefetch_depth == "header" else ""),
+                  + ("/header" if args.prefetch and args.prefetch_depth == "header" else "")
+                  + ("+defer" if args.defer_inserts else ""),
         "nccl_priority": args.nccl_priority, "nonfinite_grad": args.nonfinite, "tf32": bool(args.tf32 and cuda),
         "pin_cores": args.pin_cores,
         "staleness": args.staleness if args.sparse == "async" else 0,
@@ -368,7 +369,7 @@ def _find_only(on: bool):
         return
     import veloce.embedding
 
-    def find_only(tables, ids, padding_ids=None, bad_input=None):
+    def find_only(tables, ids, *_, **__):  # padding_ids, bad_input, on_refused, allow_defer: unused
         return [t.find(i) for t, i in zip(tables, ids)]
 
     saved = veloce.embedding.find_or_insert_many, _sharded.find_or_insert_many
@@ -605,6 +606,9 @@ def main() -> None:
                    help="a what-if, not training: fill the tables with every batch's ids, then time the windows "
                         "alternately as usual (even windows) and with the inserts replaced by find (odd ones: no "
                         "insert host sync); use an even --windows")
+    p.add_argument("--defer-inserts", action="store_true",
+                   help="DynamicEmbedding(defer_inserts=True): the local (unsharded) training inserts read their "
+                        "counts back at step() instead of in the forward (no host sync there)")
     p.add_argument("--nccl-priority", choices=("none", "lookup", "grad", "both"), default="none",
                    help="an experiment: the lookup group's and/or the async gradient group's NCCL streams at high "
                         "priority")

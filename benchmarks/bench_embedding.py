@@ -134,6 +134,12 @@ def main() -> None:
     p.add_argument("--whatif-find", action="store_true",
                    help="a what-if, not training: each DynamicEmbedding variant again with its insert replaced by "
                         "find (every id is present), which has no host sync")
+    p.add_argument("--defer-inserts", action="store_true",
+                   help="also time each DynamicEmbedding variant with defer_inserts=True (the insert's counts read "
+                        "later, no host sync in the forward): one table per variant, its timed windows alternating "
+                        "between read-back and deferred inserts (--ab-windows)")
+    p.add_argument("--ab-windows", type=int, default=6,
+                   help="with --defer-inserts: timed windows per variant, alternately read-back and deferred")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -147,9 +153,12 @@ def main() -> None:
     variants = [("DynamicEmbedding", "raise")]
     variants += [("raise_next", "raise_next")] if args.raise_next else []
     variants += [("unchecked", "apply")] if args.unchecked else []
+    base = list(variants)
     if args.whatif_find:  # the same steps with the insert (and its host sync) replaced by find
-        variants += [(f"{c} find-only", nf) for c, nf in variants]
+        variants += [(f"{c} find-only", nf) for c, nf in base]
     extras = [c for c, _ in variants[1:]]
+    if args.defer_inserts:  # each variant's windows alternate with deferred inserts (one table)
+        extras += [f"{c} deferred" for c, _ in variants]
 
     for opt_name in args.optimizers.split(","):
         row = {"optimizer": opt_name}
@@ -186,14 +195,23 @@ def main() -> None:
             for chunk in torch.arange(rows_total, device=device).split(1 << 21):  # warm: every id present
                 emb.table.find_or_insert(chunk * SCRAMBLE)
             if col.endswith("find-only"):  # every id is present: find returns the insert's slots
-                emb.table.find_or_insert = lambda ids, padding_id=None, bad_input=None, t=emb.table: t.find(ids)
+                emb.table.find_or_insert = lambda ids, *_, t=emb.table, **__: t.find(ids)
 
             def dyn_step(raw, offsets, emb=emb):
                 emb(raw, offsets).backward(grad)
                 emb.step()
                 emb.zero_grad()
 
-            row[col] = statistics.median(time_steps(dyn_step, raw_steps, args.warmup, device, args.back_to_back))
+            if not args.defer_inserts:
+                row[col] = statistics.median(time_steps(dyn_step, raw_steps, args.warmup, device, args.back_to_back))
+            else:  # alternate windows on one table: read-back, deferred, read-back, ...
+                times: dict[bool, list[float]] = {False: [], True: []}
+                for w in range(args.ab_windows):
+                    emb.defer_inserts = w % 2 == 1
+                    times[emb.defer_inserts] += time_steps(dyn_step, raw_steps, args.warmup, device,
+                                                           args.back_to_back)  # fmt: skip
+                row[col], row[f"{col} deferred"] = (statistics.median(times[d]) for d in (False, True))
+                row.setdefault("windows", {})[col] = {"read_back": times[False], "deferred": times[True]}
             del emb, dyn_step
             gc.collect()
             if device.type == "cuda":

@@ -71,6 +71,13 @@ void check_bad_input_unset(const char* op, bool set) {
                     "inserted and no table was changed");
 }
 
+void check_defer(const char* op, bool defer, bool allow_evict, int64_t table) {
+  TORCH_CHECK_VALUE(!(defer && allow_evict), op, ": defer=True with allow_evict=True",
+                    table >= 0 ? " (table " + std::to_string(table) + ")" : std::string(),
+                    ": a deferred insert never evicts (the evicted keys are listed on the host); pass defer=False "
+                    "for a table that may evict");
+}
+
 int64_t check_find_or_insert_many_args(const char* op, at::TensorList keys, at::TensorList digests, at::TensorList scores, at::TensorList weights,
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,

@@ -42,23 +42,31 @@ TORCH_LIBRARY(veloce, m) {
   // first host read-back (on CUDA in the same copy as the miss counts, so the caller's
   // check costs no sync of its own) and, when it is true, raises a ValueError before
   // changing the table: nothing is inserted and no score changes.
+  // defer: the op does not read the device back (on CUDA no host sync at all). counts is
+  // then a tensor on the table's device, valid once the op's work has run; nothing is
+  // refused on the host: a set bad_input makes the call change nothing and report
+  // failed = -1, and a call that finds no room changes nothing and reports failed > 0, with
+  // every slot -1 in both cases. It needs allow_evict false (an eviction's keys are listed
+  // on the host) and, on CUDA, torch's deterministic mode off (conflicting new ids then
+  // race instead of being placed in order, which needs their count on the host).
   m.def(
       "find_or_insert(Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, Tensor(d!) weights, "
       "Tensor(e!) opt_state, Tensor ids, int score_policy, int score_value, bool allow_evict, "
-      "int seed, int init_kind, float init_a, float init_b, int? padding_id=None, Tensor? bad_input=None) "
-      "-> (Tensor slots, Tensor counts, Tensor evicted_keys)");
+      "int seed, int init_kind, float init_a, float init_b, int? padding_id=None, Tensor? bad_input=None, "
+      "bool defer=False) -> (Tensor slots, Tensor counts, Tensor evicted_keys)");
   // find_or_insert on K tables at once (list arguments: entry k is table k's), with the
   // results of K separate calls: slots of all tables concatenated (table k's N_k after the
   // N of the tables before it), counts (K, 3) = [inserted, failed, evicted] per table (a
   // CPU tensor), evicted_keys of all tables concatenated. On CUDA the calls share their
   // host syncs: 1 to 3 per op instead of per table. No table may appear twice. One
   // bad_input flag (on the tables' device; it needs K >= 1) covers the whole call: when
-  // set, no table changes.
+  // set, no table changes. defer: as for find_or_insert, per table (counts (K, 3) on the
+  // tables' device, evicted 0; a set bad_input reports failed = -1 for every table).
   m.def(
       "find_or_insert_many(Tensor(a!)[] keys, Tensor(b!)[] digests, Tensor(c!)[] scores, Tensor(d!)[] weights, "
       "Tensor(e!)[] opt_state, Tensor[] ids, int[] score_policy, int[] score_value, bool[] allow_evict, "
-      "int[] seed, int[] init_kind, float[] init_a, float[] init_b, int?[] padding_id, Tensor? bad_input=None) "
-      "-> (Tensor slots, Tensor counts, Tensor evicted_keys)");
+      "int[] seed, int[] init_kind, float[] init_a, float[] init_b, int?[] padding_id, Tensor? bad_input=None, "
+      "bool defer=False) -> (Tensor slots, Tensor counts, Tensor evicted_keys)");
   // Writes values (N, D) to the rows of ids, inserting missing ids. opt_values (N, S)
   // and score_values (N,) are written when given; otherwise new rows get zero state and
   // scores follow score_policy. With duplicate ids the last occurrence wins.

@@ -88,3 +88,19 @@ def ref_init_rows(ids, dim: int, init: veloce.init.Initializer, seed: int = 0, d
     """(len(ids), dim) initial rows computed in pure Python."""
     rows = [[ref_init_value(seed, int(i), j, init.kind, init.a, init.b) for j in range(dim)] for i in ids]
     return torch.tensor(rows, dtype=torch.float64).reshape(len(rows), dim).to(dtype)
+
+
+def counting_syncs(fn, capfd, deterministic: bool | None = None):
+    """``fn()`` under CUDA's sync debug mode, which reports each device-to-host read on
+    stderr (and under ``torch.use_deterministic_algorithms(deterministic)`` unless None):
+    its result and the number of host syncs it made."""
+    torch.cuda.synchronize()
+    capfd.readouterr()
+    mode = deterministic_algorithms(deterministic, warn_only=True) if deterministic is not None else None
+    with mode or contextlib.nullcontext():
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, capfd.readouterr().err.count("called a synchronizing CUDA operation")

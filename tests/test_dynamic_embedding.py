@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import veloce
-from conftest import DEVICES, ref_init_rows
+from conftest import DEVICES, counting_syncs, deterministic_algorithms, ref_init_rows
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 EXTREME = [I64_MIN, I64_MAX, -1, 0, 1, 2**31, -(2**31), 2**62]
@@ -1036,11 +1038,12 @@ def _no_explicit_offsets_read(layouts, flags=None):
 
 
 def _spy_flags(monkeypatch, owner, name) -> list:
-    """Wraps owner.name (an insert taking bad_input last) to record the flags it is given."""
+    """Wraps owner.name (an insert taking a bad_input argument) to record the flags it is given."""
     seen, insert = [], getattr(owner, name)
+    signature = inspect.signature(insert)
 
     def spy(*args, **kwargs):
-        seen.append(kwargs["bad_input"] if "bad_input" in kwargs else args[-1])
+        seen.append(signature.bind(*args, **kwargs).arguments.get("bad_input"))
         return insert(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, spy)
@@ -1384,3 +1387,130 @@ def test_zero_grad_clears_dense_parameters_of_subclasses_and_submodules():
     plain(torch.tensor([[1, 2]])).sum().backward()
     plain.zero_grad()
     assert not plain._pending and not plain._had_backward
+
+
+# ---- defer_inserts: training inserts that do not wait for their counts ------------------------
+
+
+def _pair(device, **kw):
+    """Two like modules, the second with deferred inserts."""
+    def make(defer):
+        return veloce.DynamicEmbedding(4, mode="mean", optimizer=veloce.optim.Adam(lr=0.05), seed=3, device=device,
+                                       defer_inserts=defer, **kw)  # fmt: skip
+    return make(False), make(True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deferred_inserts_train_like_read_back_ones(device):
+    """10 steps of new and known ids, with offsets and as 2-D bags, through lookup_many and
+    the forward: the same outputs, lengths and tables (by key) as without deferral."""
+    gen = torch.Generator().manual_seed(2)
+    plain, deferred = _pair(device)
+    plain2, deferred2 = _pair(device, capacity=64)  # grows past 64 while deferring
+    for step in range(10):
+        ids = torch.randint(0, 40 * (step + 1), (24,), generator=gen).to(device)
+        offsets = torch.tensor([0, 5, 5, 12, 20], device=device)
+        bags2 = ids.view(6, 4) + 1000
+        want = [plain(ids, offsets), *veloce.lookup_many([plain, plain2], [bags2, (ids, offsets)])]
+        got = [deferred(ids, offsets), *veloce.lookup_many([deferred, deferred2], [bags2, (ids, offsets)])]
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+        sum(o.square().sum() for o in want).backward()
+        sum(o.square().sum() for o in got).backward()
+        veloce.step_tables([plain, plain2])
+        veloce.step_tables([deferred, deferred2])
+    for a, b in ((plain, deferred), (plain2, deferred2)):
+        assert len(a) == len(b) and a.capacity == b.capacity
+        ta, tb = sorted_table(a), sorted_table(b)
+        for k in ("keys", "weights", "optimizer_state"):
+            torch.testing.assert_close(tb[k], ta[k], rtol=0, atol=1e-6)
+    assert deferred2.capacity > 64
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deferred_insert_raises_bad_offsets_at_the_next_step(device):
+    """A bad layout with deferral: the forward reads zeros and changes nothing, and the
+    optimizer's step() raises the layout's error before applying anything, dense or sparse."""
+    emb = veloce.DynamicEmbedding(4, mode="sum", device=device, defer_inserts=True)
+    lin = nn.Linear(4, 1).to(device)
+    model = nn.ModuleDict({"emb": emb, "lin": lin})
+    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), model)
+    ids = torch.arange(6, device=device)
+    lin(emb(ids, torch.tensor([0, 3], device=device))).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    before, dense = snapshot(emb), [p.detach().clone() for p in lin.parameters()]
+    for offsets, ilo, match in BAD_OFFSETS:
+        emb.include_last_offset = ilo
+        out = emb(ids + 10, torch.tensor(offsets, device=device))
+        assert out.shape == (len(offsets) - ilo, 4) and not out.any()
+        lin(out).sum().backward()
+        with pytest.raises(ValueError, match=match):
+            opt.step()
+        assert_same_snapshot(before, snapshot(emb))
+        assert all(torch.equal(p, q) for p, q in zip(lin.parameters(), dense))
+        opt.zero_grad()
+    emb.include_last_offset = False
+    lin(emb(ids + 10, torch.tensor([0, 2], device=device))).sum().backward()
+    opt.step()
+    assert len(emb) == 12
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deferred_insert_without_room_warns_and_grows(device, monkeypatch):
+    """An insert forced to defer into a table without room for it (two-choice placement can
+    overflow a bucket pair below grow_at): nothing changes, its lookup reads no rows and drops
+    its gradient, and the read warns and grows the table; the ids go in at their next lookup."""
+    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=32, device=device, defer_inserts=True)
+    emb(torch.arange(28, device=device).view(1, 28)).sum().backward()  # 28 <= 0.9 * 32: deferred
+    emb.step()
+    before = snapshot(emb)
+    monkeypatch.setattr(veloce.table.HashTable, "_deferrable", lambda self, ids: True)
+    new = torch.arange(100, 110, device=device).view(2, 5)
+    out = emb(new)
+    assert not out.any()
+    out.sum().backward()
+    with pytest.warns(RuntimeWarning, match=r"a deferred insert found no room for \d+ new id\(s\) \(size 28, capacity 32\)"):
+        emb.step()
+    monkeypatch.undo()
+    assert emb.capacity == 64 and len(emb) == 28
+    assert torch.equal(sorted_table(emb)["weights"], before["weights"][torch.argsort(before["keys"])])
+    assert emb(new).any() and len(emb) == 38
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["deferred", "near grow_at", "at max_capacity", "deterministic", "off"])
+def test_when_an_insert_defers(device, case):
+    """Whether a training insert defers, seen from outside: a bad layout raises in the
+    forward when it does not, and at step() when it does."""
+    kw = {"max_capacity": 64, "capacity": 64} if case == "at max_capacity" else {"capacity": 64}
+    emb = veloce.DynamicEmbedding(4, mode="sum", device=device, defer_inserts=case != "off", **kw)
+    if case == "near grow_at":  # 55 of 64 slots: 55 + 6 ids > 0.9 * 64
+        emb(torch.arange(55, device=device).view(1, 55))
+    bad = (torch.arange(6, device=device) + 1000, torch.tensor([0, 4, 2], device=device))
+    with deterministic_algorithms(case == "deterministic"):
+        if case == "deferred":
+            emb(*bad)
+            with pytest.raises(ValueError, match="non-decreasing"):
+                emb.step()
+        else:
+            with pytest.raises(ValueError, match="non-decreasing"):
+                emb(*bad)
+    assert len(emb) == (55 if case == "near grow_at" else 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.parametrize("offsets", [False, True], ids=["2-D", "offsets"])
+def test_deferred_training_forward_makes_no_host_sync(offsets, capfd):
+    """On CUDA a training forward with deferred inserts (its bag layout check included) never
+    waits for the device; the same forward without deferral does, once."""
+    plain, deferred = _pair("cuda")
+    plain2, deferred2 = _pair("cuda")
+    ids = torch.arange(24, device="cuda")
+    inp = (ids, torch.tensor([0, 5, 12], device="cuda")) if offsets else (ids.view(6, 4),)
+    for m, m2, want in ((plain, plain2, 1), (deferred, deferred2, 0)):
+        m(*inp)  # the first call allocates
+        _, syncs = counting_syncs(functools.partial(m, inp[0] + 100, *inp[1:]), capfd)
+        _, syncs_many = counting_syncs(functools.partial(veloce.lookup_many, [m, m2], [inp, inp]), capfd)
+        assert (syncs, syncs_many) == (want, want)
+    assert len(deferred) == len(plain) == 48 and len(deferred2) == 24

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 from dataclasses import dataclass, fields
 
@@ -20,7 +19,7 @@ I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 EXTREME_IDS = [I64_MIN, I64_MAX, -1, 0, 1, I64_MIN + 1, I64_MAX - 1]
 M64 = (1 << 64) - 1
 
-from conftest import DEVICES, deterministic_algorithms, fmix64  # noqa: E402  (cpu, and cuda where it exists)
+from conftest import DEVICES, counting_syncs, deterministic_algorithms, fmix64  # noqa: E402  (cpu, and cuda where it exists)
 from conftest import ref_init_value as init_value  # noqa: E402  (the pure-Python initializer)
 HYP = settings(deadline=None, max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -902,22 +901,6 @@ def test_bad_input_on_cuda_beside_a_cpu_table_is_refused():
         ht.find_or_insert_many([t.tensors()], [ids], *([v] for v in args.values()), bad_input=cuda_flag)
 
 
-def counting_syncs(fn, capfd, deterministic: bool | None = None):
-    """``fn()`` under CUDA's sync debug mode, which reports each device-to-host read on
-    stderr (and under ``torch.use_deterministic_algorithms(deterministic)`` unless None):
-    its result and the number of host syncs it made."""
-    torch.cuda.synchronize()
-    capfd.readouterr()
-    mode = deterministic_algorithms(deterministic, warn_only=True) if deterministic is not None else None
-    with mode or contextlib.nullcontext():
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            out = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return out, capfd.readouterr().err.count("called a synchronizing CUDA operation")
-
-
 def may_run_out_of_room(t: Table, ids: torch.Tensor) -> bool:
     """The CUDA insert's rule for a second host sync, from the reference hash: whether some
     new id of `ids` shares a bucket with another new id (conflicted) while each of its two
@@ -1271,3 +1254,190 @@ def test_resize_that_cannot_place_every_entry_leaves_the_table_unchanged(device)
     assert t.capacity >= 256 and t.size == 70
     order = before["keys"].argsort()
     assert torch.equal(t.weights[t.find(before["keys"][order])], before["weights"][order])
+
+
+# ---- defer: find_or_insert(_many) with no device read-back ----------------------------------
+
+
+def _no_evict(args: dict) -> dict:
+    return dict(args, allow_evict=[False] * len(args["allow_evict"]))
+
+
+def assert_same_contents(a: Table, b: Table) -> None:
+    """The same entries (keys, rows, state, scores), wherever each key sits: a deferred CUDA
+    insert races the new ids that share buckets, which the read-back one may place in order."""
+    ea, eb = ht.export(*a.tensors(), 0, a.keys.numel()), ht.export(*b.tensors(), 0, b.keys.numel())
+    oa, ob = torch.argsort(ea[0]), torch.argsort(eb[0])
+    for x, y in zip(ea, eb):
+        assert torch.equal(x[oa].cpu(), y[ob].cpu())
+
+
+def assert_slots_hold_ids(t: Table, slots: torch.Tensor, ids: torch.Tensor, padding_id=None) -> None:
+    """Every position's slot holds its id (padding: -1)."""
+    pad = ids == padding_id if padding_id is not None else torch.zeros_like(ids, dtype=torch.bool)
+    assert torch.equal(slots[pad].cpu(), torch.full((int(pad.sum()),), -1))
+    assert torch.equal(t.keys[slots[~pad]].cpu(), ids[~pad].cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deferred_find_or_insert_many_equals_the_read_back_one(device):
+    """defer=True: the same tables, slots that hold the same ids and the same counts (on the
+    tables' device), a table without room unchanged with every slot -1, the others inserted."""
+    tables, ids, args = many_case(device)
+    args = _no_evict(args)  # the full one-bucket table (2) now fails too
+    expected = [t.clone() for t in tables]
+    _, want_counts, _ = ht.find_or_insert_many([t.tensors() for t in expected], ids, *args.values())
+    slots, counts, evicted = ht.find_or_insert_many([t.tensors() for t in tables], ids, *args.values(), defer=True)
+    assert counts.device == tables[0].keys.device and evicted.numel() == 0
+    counts = counts.cpu()
+    assert torch.equal(counts[:, 0], want_counts[:, 0]) and counts[:, 2].tolist() == [0] * len(ids)
+    assert torch.equal(counts[:, 1] > 0, want_counts[:, 1] > 0) and counts[2, 1] > 0 and counts[4, 1] > 0
+    for j, (t, e, s, i) in enumerate(zip(tables, expected, slots.split([i.numel() for i in ids]), ids)):
+        assert_same_contents(t, e)
+        if counts[j, 1] > 0:
+            t.assert_equal(e)
+            assert s.tolist() == [-1] * i.numel(), f"table {j}"
+        else:
+            assert_slots_hold_ids(t, s, i, args["padding_id"][j])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deferred_find_or_insert_equals_the_read_back_one(device):
+    t, ids, args = fi_case(device)
+    e = t.clone()
+    want = ht.find_or_insert(*e.tensors(), ids, **args)
+    slots, counts, evicted = ht.find_or_insert(*t.tensors(), ids, **args, defer=True)
+    assert counts.device == t.keys.device and counts.tolist() == want[1].tolist() == [2, 0]
+    assert evicted.numel() == 0
+    assert_same_contents(t, e)
+    assert_slots_hold_ids(t, slots, ids, args["padding_id"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("present, new", [
+    ([109], [700]),  # one new id, alone in full buckets: the call claims nothing
+    ([105], list(range(1000, 1032))),  # 32 new ids for one free slot: they race (CUDA), one claims, all roll back
+], ids=["decided", "raced"])  # fmt: skip
+def test_deferred_insert_without_room_changes_nothing(device, present, new):
+    t = full_one_bucket_table(device, list(range(32)))
+    ht.erase(t.keys, t.digests, ids_tensor([110], device))  # one free slot, a stale key in it
+    if len(new) == 1:
+        ht.find_or_insert(*t.tensors(), ids_tensor([110], device))  # full again
+    before = t.clone()
+    ids = ids_tensor(present + new, device)
+    slots, counts, evicted = ht.find_or_insert(*t.tensors(), ids, 1, 5, False, 3, 2, 0.0, 1.0, defer=True)
+    assert counts[0] == 0 and counts[1] > 0 and evicted.numel() == 0
+    assert slots.tolist() == [-1] * len(ids)
+    t.assert_equal(before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("empty", [False, True], ids=["ids", "no ids"])
+def test_deferred_insert_reports_a_set_bad_input_and_changes_nothing(device, empty):
+    t, ids, args = fi_case(device)
+    ids = ids[:0] if empty else ids
+    before = t.clone()
+    slots, counts, _ = ht.find_or_insert(*t.tensors(), ids, **args, bad_input=flag(True, device), defer=True)
+    assert counts.tolist() == [0, -1] and slots.tolist() == [-1] * ids.numel()
+    t.assert_equal(before)
+    tables, many_ids, many_args = many_case(device)
+    befores = [x.clone() for x in tables]
+    slots, counts, _ = ht.find_or_insert_many([x.tensors() for x in tables], many_ids, *_no_evict(many_args).values(),
+                                              bad_input=flag(True, device), defer=True)  # fmt: skip
+    assert counts.tolist() == [[0, -1, 0]] * len(tables) and set(slots.tolist()) <= {-1}
+    for x, b in zip(tables, befores):
+        x.assert_equal(b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deferred_insert_refuses_eviction(device):
+    t, ids, args = fi_case(device)
+    before = t.clone()
+    with pytest.raises(ValueError, match=r"find_or_insert: defer=True with allow_evict=True"):
+        ht.find_or_insert(*t.tensors(), ids, **dict(args, allow_evict=True), defer=True)
+    tables, many_ids, many_args = many_case(device)
+    with pytest.raises(ValueError, match=r"find_or_insert_many: defer=True with allow_evict=True \(table 2\)"):
+        ht.find_or_insert_many([x.tensors() for x in tables], many_ids, *many_args.values(), defer=True)
+    t.assert_equal(before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+def test_deferred_cuda_insert_refuses_deterministic_mode():
+    t, ids, args = fi_case("cuda")
+    before = t.clone()
+    with deterministic_algorithms(True), pytest.raises(ValueError, match="defer=True under torch.use_deterministic"):
+        ht.find_or_insert(*t.tensors(), ids, **args, defer=True)
+    t.assert_equal(before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.parametrize("with_flag", [False, True], ids=["no bad_input", "bad_input False"])
+def test_deferred_cuda_insert_makes_no_host_sync(with_flag, capfd):
+    tables, ids, args = many_case("cuda")
+    args = _no_evict(args)
+    bad = flag(False, "cuda", (1,)) if with_flag else None
+    cols = [t.tensors() for t in tables]
+    (_, counts, _), syncs = counting_syncs(
+        lambda: ht.find_or_insert_many(cols, ids, *args.values(), bad_input=bad, defer=True), capfd
+    )
+    assert syncs == 0
+    fresh = make_table(1024, device="cuda")
+    (_, counts1, _), syncs1 = counting_syncs(
+        lambda: ht.find_or_insert(*fresh.tensors(), ids_tensor(range(100, 120), "cuda"), bad_input=bad, defer=True),
+        capfd,
+    )
+    assert syncs1 == 0
+    assert counts[:, 0].sum() > 0 and counts1.tolist() == [20, 0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deferred_insert_of_many_repeats_makes_one_row_per_id(device):
+    """Concurrency: 200k positions over 5000 new ids (a tenth of them the same hot id), so
+    many blocks insert each id at once: one row each, every position pointing at it."""
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(-(2**40), 2**40, (5000,), generator=gen)[torch.randint(0, 5000, (200_000,), generator=gen)]
+    ids[::10] = 77
+    ids = ids.to(device)
+    t = make_table(16384, device=device)
+    slots, counts, _ = ht.find_or_insert(*t.tensors(), ids, 2, 0, False, 1, 2, -1.0, 1.0, defer=True)
+    distinct = torch.unique(ids)
+    assert counts.tolist() == [distinct.numel(), 0]
+    assert_slots_hold_ids(t, slots, ids)
+    assert torch.unique(slots).numel() == distinct.numel()
+    assert int(t.scores[ht.find(t.keys, t.digests, ids_tensor([77], device))]) == int((ids == 77).sum())  # LFU
+
+
+def lone_new_ids(t: Table, n: int, start: int) -> list[int]:
+    """n ids from ``start`` on (none in ``t``) whose buckets no other id of the list uses: a
+    deferred CUDA insert places them as the read-back one does (no two race for a slot)."""
+    nb = t.keys.numel() // 32
+    used: set[int] = set()
+    out = []
+    i = start
+    while len(out) < n:
+        a, b, _ = probe(i, nb)
+        if not {a, b} & used:
+            out.append(i)
+            used |= {a, b}
+        i += 1
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deferred_insert_opcheck(device):
+    """opcheck compares the outputs of several runs: new ids alone in their buckets, so that
+    racing placement (CUDA) puts them in the same slots every run."""
+    args = {"score_policy": 2, "score_value": 0, "allow_evict": False, "seed": 1, "init_kind": 2,
+            "init_a": -1.0, "init_b": 1.0, "padding_id": 4}  # fmt: skip
+    tables, ids = [], []
+    for k, (dim, dtype) in enumerate([(4, torch.float32), (8, torch.float64), (2, torch.bfloat16)]):
+        t = make_table(2048, dim=dim, dtype=dtype, device=device)
+        ht.find_or_insert(*t.tensors(), ids_tensor(range(10), device))
+        new = lone_new_ids(t, 6, 1000 * (k + 1))
+        tables.append(t)
+        ids.append(ids_tensor([3, 4] + new + [new[0], 9], device))
+    torch.library.opcheck(torch.ops.veloce.find_or_insert.default,
+                          (*tables[0].tensors(), ids[0], *args.values(), flag(False, device, (1,)), True))  # fmt: skip
+    cols = [[t.tensors()[c] for t in tables] for c in range(5)]
+    torch.library.opcheck(torch.ops.veloce.find_or_insert_many.default,
+                          (*cols, ids, *([v] * len(tables) for v in args.values()), None, True))  # fmt: skip

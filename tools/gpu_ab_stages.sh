@@ -20,6 +20,10 @@
 #   xmemcheck  compute-sanitizer memcheck on the exchange ops' regroup and combine CUDA tests
 #   cudasuite  pytest -k "cuda or nonfinite or update_stream"
 #   memcheck   compute-sanitizer memcheck on the hash-table CUDA tests
+#   defer      the deferred-insert tests (find_or_insert(defer=True), DynamicEmbedding(defer_inserts=True))
+#   defmemcheck  compute-sanitizer memcheck on the deferred-insert CUDA tests
+#   c3d        configuration 3 of the new tree with --defer-inserts (each variant's windows
+#              alternately read back and deferred on one table), steps synced, then back to back
 #   c1         configuration 1 (find, find_or_insert) at LOADS (default 0.5,0.75), interleaved
 #   c3         configuration 3 (SGD, Adam; checked and unchecked), interleaved
 #   c3ncu      ncu's duration, DRAM throughput and registers of the fused update kernel
@@ -156,6 +160,22 @@ for stage in "$@"; do
     cudasuite)
       PYTHONPATH=$NEW timeout 500 python3 -m pytest tests -q -p no:cacheprovider -k "cuda or nonfinite or update_stream" \
         2>&1 | tee "$OUT/pytest_cuda.txt" | tail -3 | say
+      t ;;
+    defer)
+      PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/test_hash_table.py tests/test_dynamic_embedding.py -q \
+        -p no:cacheprovider -k "defer or no_host_sync" 2>&1 | tee "$OUT/pytest_defer.txt" | tail -3 | say
+      t ;;
+    defmemcheck)
+      PYTHONPATH=$NEW timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+        tests/test_hash_table.py tests/test_dynamic_embedding.py -q -p no:cacheprovider \
+        -k "(deferred and cuda) or deferred_cuda" 2>&1 | tail -4 | say
+      t ;;
+    c3d)
+      for mode in synced back-to-back; do
+        flag=""; [ "$mode" = back-to-back ] && flag=--back-to-back
+        (PYTHONPATH="$NEW" timeout 250 $PIN python3 benchmarks/bench_embedding.py $C3_BASE --defer-inserts $flag \
+           ${C3_ARGS:-} --json "$OUT/c3d_$mode.json" 2>&1 | grep -E "^\| (sgd|adam|optimizer)" | sed "s/^/$mode /") | say
+      done
       t ;;
     memcheck)
       PYTHONPATH=$NEW timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \

@@ -47,7 +47,8 @@ STEPS = 5
 def table_step(args, dev, markers: Markers | None = None):
     opt = veloce.optim.Adam() if args.optimizer == "adam" else veloce.optim.SGD(lr=0.01)
     emb = veloce.DynamicEmbedding(args.dim, mode="sum", capacity=2 * args.rows, optimizer=opt, device=dev,
-                                  nonfinite_grad="apply" if args.unchecked else "raise")  # fmt: skip
+                                  nonfinite_grad="apply" if args.unchecked else "raise",
+                                  defer_inserts=args.defer_inserts)  # fmt: skip
     for chunk in torch.arange(args.rows, device=dev).split(1 << 21):
         emb.table.find_or_insert(chunk * SCRAMBLE)
     probs = 1.0 / torch.arange(1, args.rows + 1, dtype=torch.float64) ** args.alpha
@@ -183,6 +184,7 @@ def main() -> None:
     p.add_argument("--optimizer", default="adam", choices=["sgd", "adam"])
     p.add_argument("--alpha", type=float, default=1.05)
     p.add_argument("--unchecked", action="store_true", help="table: nonfinite_grad='apply' (no NaN/Inf check)")
+    p.add_argument("--defer-inserts", action="store_true", help="table: DynamicEmbedding(defer_inserts=True)")
     p.add_argument("--trace", default=None, help="write the profiled steps as a Chrome trace (.json or .json.gz)")
     p.add_argument("--cprofile", action="store_true",
                    help="the host path of back-to-back steps by Python function and by torch op, instead of profiling")

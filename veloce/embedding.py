@@ -63,6 +63,22 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             step() does not wait for the check: the update skips itself on the device, and
             the next step() raises; see :meth:`step`), "skip" (those rows are not updated)
             or "apply".
+        defer_inserts: a training lookup does not wait for its insert to report how many
+            ids it inserted (on CUDA a host sync that leaves the GPU idle while the host
+            queues the rest of the step; the CPU gains nothing but behaves alike). The
+            counts are read later, at the latest by the next :meth:`step` (through
+            :class:`veloce.optim.CombinedOptimizer` too), before anything is applied. What
+            changes: bad ``offsets`` raise there instead of in the forward (that forward's
+            lookup of this table read zeros, its gradient is dropped, and the table is
+            unchanged); and an insert that finds no room (rare: a call defers only while
+            the table's size plus the ids of the calls not read yet stay within
+            ``grow_at * capacity``) drops that step's lookup of this table the same way,
+            with a warning, and the table grows. A call waits as before when the table is
+            at ``max_capacity`` (it may evict), when that bound does not hold (a table with
+            fewer free slots than about 1.1x the ids of a batch), or under
+            ``torch.use_deterministic_algorithms``; tables sharded by
+            :class:`veloce.distributed.HybridParallel` always wait (an owner's failure
+            must stop every rank). Default False: every error in the step that caused it.
 
     Shape:
         - input: (N,) with ``offsets`` (B,) (or (B+1,) with ``include_last_offset``),
@@ -94,6 +110,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         device: torch.device | str | None = None,
         unknown: str = "init",
         nonfinite_grad: str = "raise",
+        defer_inserts: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(embedding_dim, int) or embedding_dim < 1:
@@ -125,6 +142,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             embedding_dim, optimizer.state_dim(embedding_dim), capacity=capacity, max_capacity=max_capacity,
             eviction=eviction, initializer=initializer, seed=seed, dtype=dtype, device=device,
         )  # fmt: skip
+        self.table.defer = bool(defer_inserts)
         self._steps = 0  # sparse optimizer steps applied (Adam's t): step_count
         # nonfinite_grad="raise_next": the check of the last step() while unread, and the
         # error it found once read (raised by the next step()).
@@ -150,6 +168,15 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             return self._modules["table"]
         except KeyError:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute 'table'") from None
+
+    @property
+    def defer_inserts(self) -> bool:
+        """Whether training inserts defer their read-back (see the class docstring); settable."""
+        return self.table.defer
+
+    @defer_inserts.setter
+    def defer_inserts(self, value: bool) -> None:
+        self.table.defer = bool(value)
 
     @property
     def step_count(self) -> int:
@@ -212,10 +239,11 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         table = self.table
 
         def checked_insert():  # on the insert stream while an update is in flight (veloce._update_stream)
-            bags = self._bags(input, offsets, per_sample_weights, deferred=layouts)
-            return bags, _insert_checked(
-                layouts, {table.device}, lambda bad: table.find_or_insert(bags[0], self.padding_idx, bad)
+            ids, offs, psw = self._bags(input, offsets, per_sample_weights, deferred=layouts)
+            slots, guard = _insert_checked(
+                layouts, [table], lambda bad, refused: table.find_or_insert(ids, self.padding_idx, bad, refused)
             )
+            return (ids, guard(offs), psw), slots
 
         bags, slots = insert_beside_updates([table], checked_insert)
         (out,) = _train_lookups([self], [bags], [slots])
@@ -236,10 +264,10 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         the table changes); in eval they are read back first."""
         table = self.table
         if self.training:
-            slots = _insert_checked(
-                unchecked, {table.device}, lambda bad: table.find_or_insert(ids, self.padding_idx, bad)
+            slots, guard = _insert_checked(
+                unchecked, [table], lambda bad, refused: table.find_or_insert(ids, self.padding_idx, bad, refused)
             )
-            (out,) = _train_lookups([self], [(ids, offsets, psw)], [slots])
+            (out,) = _train_lookups([self], [(ids, guard(offsets), psw)], [slots])
             return out
         _check_offsets_many(unchecked)
         slots, extra = self._eval_slots(ids)
@@ -725,12 +753,16 @@ class _DeferredCheck:
 def _raise_deferred(tables: Sequence["DynamicEmbedding"]) -> None:
     """Raises the error a "raise_next" check of an earlier step found in any of ``tables``
     (each table's error is raised once), or an owner's failure of a sharded lookup that
-    ``HybridParallel(lookup_errors="raise_next")`` deferred."""
+    ``HybridParallel(lookup_errors="raise_next")`` deferred. Reads the counts of the
+    tables' deferred inserts first (``defer_inserts``): bad offsets they refused raise."""
     from veloce.distributed._comm import raise_deferred_failures  # veloce.distributed imports this module
 
     groups = {id(t._shard.group): t._shard.group for t in tables if t._shard is not None}
     for group in groups.values():
         raise_deferred_failures(group)
+    for t in tables:  # deferred inserts: a refused one (bad offsets) raises here, before anything is applied
+        if t.table._unread:
+            t.table.settle()
     error = None
     for t in tables:
         t._settle_check()
@@ -964,11 +996,12 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
                 bags = {i: tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in local}
                 if not train:
                     return bags, None
-                return bags, _insert_checked(
-                    layouts, {t.device for t in train_tables},
-                    lambda bad: find_or_insert_many(train_tables, [bags[i][0] for i in train],
-                                                    [tables[i].padding_idx for i in train], bad),
+                slots, guard = _insert_checked(
+                    layouts, train_tables,
+                    lambda bad, refused: find_or_insert_many(train_tables, [bags[i][0] for i in train],
+                                                             [tables[i].padding_idx for i in train], bad, refused),
                 )  # fmt: skip
+                return {i: (ids, guard(offs), psw) for i, (ids, offs, psw) in bags.items()}, slots
 
             bags, slots = insert_beside_updates(train_tables, checked_insert)
             if train:
@@ -1076,11 +1109,14 @@ def _offsets_flags(layouts: Sequence[tuple]) -> dict[torch.device, torch.Tensor]
 
 
 def _insert_checked(
-    layouts: Sequence[tuple], devices: set[torch.device], insert: Callable[[torch.Tensor | None], _T]
-) -> _T:
-    """``insert(bad_input)``, a find_or_insert into tables on ``devices``, run so that it
+    layouts: Sequence[tuple], tables: Sequence[HashTable],
+    insert: Callable[[torch.Tensor | None, Callable[[], NoReturn] | None], _T],
+) -> tuple[_T, Callable[[torch.Tensor], torch.Tensor]]:  # fmt: skip
+    """``insert(bad_input, on_refused)``, a find_or_insert into ``tables``, run so that it
     changes no table unless every bag layout in ``layouts`` (deferred by
     :meth:`DynamicEmbedding._bags`) is good; a bad one raises :func:`_check_offsets`'s error.
+    Returns the insert's result and ``guard``, which the caller applies to the offsets it
+    then looks up with (the identity, unless the insert may have deferred, below).
 
     Why: reading the layouts' flag back would cost a host sync of its own (on a GPU, the
     device idles while Python runs), and the insert reads the device back anyway (CUDA
@@ -1092,20 +1128,48 @@ def _insert_checked(
 
     The flag rides only when it is one tensor on the device of all the tables (one op
     call); otherwise (layouts on several devices, tables on several devices) the layouts
-    are read back first, as :func:`_check_offsets_many` does."""
+    are read back first, as :func:`_check_offsets_many` does.
+
+    A deferred insert (``defer_inserts``) reads nothing back: a bad layout makes it change
+    nothing and give slots of -1, and the error is raised when its counts are read (by the
+    next ``step()`` at the latest: ``on_refused``). The lookup still runs, so ``guard``
+    replaces the checked layouts' offsets on the device, when the flag is set, by a good
+    layout: zeros (and the number of ids last, with include_last_offset), every bag empty
+    but the last, over ids whose slots are -1 (zero rows, no gradient). The kernels then
+    never read past the ids."""
     flags = _offsets_flags(layouts)
     if not flags:  # nothing to check on the device
-        return insert(None)
-    if len(flags) > 1 or set(flags) != devices:
+        return insert(None, None), _same
+    if len(flags) > 1 or set(flags) != {t.device for t in tables}:
         _check_offsets_many(layouts, flags)
-        return insert(None)
+        return insert(None, None), _same
     (flag,) = flags.values()
     try:
-        return insert(flag)
+        result = insert(flag, lambda: _raise_first_offsets_error(layouts))
     except ValueError:
         if not bool(flag):  # not refused for the offsets: someone else's error
             raise
+    else:
+        if not any(t.defer for t in tables):
+            return result, _same
+        checked = {id(lay[0]): lay for lay in layouts if lay[0].numel()}
+        return result, lambda offs: _good_if_flagged(flag, *checked[id(offs)]) if id(offs) in checked else offs
     _raise_first_offsets_error(layouts)  # outside the except: the refusal is no part of the user's error
+
+
+def _good_if_flagged(flag: torch.Tensor, offsets: torch.Tensor, n: int, include_last_offset: bool) -> torch.Tensor:
+    """``offsets``, or where ``flag`` is set a good layout of as many bags over ``n`` ids (on
+    the device, nothing read back): see :func:`_insert_checked`."""
+    if not include_last_offset:
+        return torch.where(flag, 0, offsets)  # one kernel (masked_fill out of place: a copy, then the fill)
+    good = torch.zeros_like(offsets)
+    good[-1] = n
+    return torch.where(flag, good, offsets)
+
+
+def _same(offsets: torch.Tensor) -> torch.Tensor:
+    """The guard of an insert that read its layouts' check (see _insert_checked)."""
+    return offsets
 
 
 def _raise_first_offsets_error(layouts: Sequence[tuple]) -> NoReturn:

@@ -15,8 +15,9 @@ autograd contexts) compare versions and re-resolve their slots by key.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -79,6 +80,22 @@ class HashTable(PlainAttrs, nn.Module):
         dtype: dtype of the rows.
         device: where the state lives.
         grow_at: load factor beyond which the table grows before an insert.
+
+    Deferred inserts (``defer = True``; :class:`veloce.DynamicEmbedding`'s
+    ``defer_inserts``): a training insert does not wait for the device to say how many ids
+    it inserted (on a GPU the wait is a host sync that leaves the device idle while the
+    host queues the rest of the step; on the CPU nothing is gained, and the same rules hold
+    so that both behave alike). The counts are copied to the host behind the op and
+    read later: by the next insert once they arrived (no wait), and with a wait by
+    :attr:`size` / ``len()``, growth, ``erase``, ``clear`` and loads, and by the sparse
+    optimizer step (:meth:`settle`). A call defers only while the table's size plus the ids
+    of the calls not read yet (an upper bound of what they insert) and its own stay at most
+    ``grow_at * capacity``, the table is below ``max_capacity`` (it may not evict) and
+    ``torch.use_deterministic_algorithms`` is off; other calls wait as before. A deferred
+    call changes nothing when it finds no room (rare below ``grow_at``: two-choice
+    placement overflowing a bucket pair): its slots are all -1, so that step's lookups of
+    the table read no rows and its gradient there is dropped; the read warns and grows the
+    table. A set ``bad_input`` is raised at the read too (the call changed nothing).
     """
 
     def __init__(
@@ -110,7 +127,10 @@ class HashTable(PlainAttrs, nn.Module):
         self.max_capacity = None if max_capacity is None else round_capacity(int(max_capacity))
         if self.max_capacity is not None and cap > self.max_capacity:
             cap = self.max_capacity
-        self.size = 0  # number of occupied slots
+        self._size = 0  # occupied slots, not counting the deferred inserts not read yet
+        self.defer = False  # deferred inserts (see the class docstring)
+        self._unread: list[tuple[_DeferredCounts, int, int]] = []  # (counts, row, bound) per unread call
+        self._unread_bound = 0  # the sum of their bounds (each call's number of ids)
         self.version = 0  # bumped whenever a present key may change slot
         self.clock = 0  # LRU time: one tick per training lookup
         self.num_evicted = 0
@@ -120,7 +140,8 @@ class HashTable(PlainAttrs, nn.Module):
         self._allocate(cap, dtype, torch.device(device) if device is not None else torch.device("cpu"))
 
     # Bookkeeping set on every training lookup (see PlainAttrs).
-    _PLAIN_ATTRS = frozenset({"size", "version", "clock", "num_evicted", "last_evicted", "_update_fence", "_changed"})
+    _PLAIN_ATTRS = frozenset({"_size", "version", "clock", "num_evicted", "last_evicted", "_update_fence", "_changed",
+                              "_unread_bound"})
 
     # The sparse update last queued on a side stream (veloce._update_stream), until a use of
     # the rows waited for it.
@@ -209,10 +230,34 @@ class HashTable(PlainAttrs, nn.Module):
         self._join_update()
         if self._changed is not None:
             self._wait_changed()
+        self.settle()  # the unread counts hold CUDA events
         state = self.__dict__.copy()
         state["_update_fence"] = None
         state["_changed"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Tables pickled before deferred inserts kept the size as a plain attribute.
+        if "size" in state:
+            state = dict(state)
+            state["_size"] = state.pop("size")
+        state.setdefault("defer", False)
+        state.setdefault("_unread", [])
+        state.setdefault("_unread_bound", 0)
+        super().__setstate__(state)
+
+    @property
+    def size(self) -> int:
+        """Occupied slots (reads the counts of deferred inserts first, waiting for them)."""
+        if self._unread:
+            self.settle()
+        return self._size
+
+    @size.setter
+    def size(self, value: int) -> None:
+        if self._unread:  # a deferred insert read later must not add to the value set now
+            self.settle()
+        self._size = value
 
     @property
     def dtype(self) -> torch.dtype:
@@ -249,7 +294,12 @@ class HashTable(PlainAttrs, nn.Module):
         return torch.ops.veloce.find(self.keys, self.digests, ids)
 
     def find_or_insert(
-        self, ids: torch.Tensor, padding_id: int | None = None, bad_input: torch.Tensor | None = None
+        self,
+        ids: torch.Tensor,
+        padding_id: int | None = None,
+        bad_input: torch.Tensor | None = None,
+        on_refused: Callable[[], NoReturn] | None = None,
+        allow_defer: bool = True,
     ) -> torch.Tensor:
         """Slots of ``ids``, inserting missing ids (growing or evicting as needed).
 
@@ -262,11 +312,69 @@ class HashTable(PlainAttrs, nn.Module):
         with the read-back it makes anyway (on CUDA: the count of missing ids), so the
         check costs the caller no host sync; when it is true the call raises ``ValueError``
         and changes nothing (no insert, no score, no growth, no clock tick).
+
+        A deferred call (``defer``, see the class docstring) reads nothing back: a set
+        ``bad_input`` is raised when its counts are read (:meth:`settle`), by
+        ``on_refused()`` when given (it must raise), with the call's slots all -1 and the
+        table unchanged (its LRU clock tick stays). ``allow_defer=False`` reads the counts
+        back whatever ``defer`` says (a sharded owner's insert: its failure must reach
+        every rank in the same step).
         """
         with _ticked_clocks([self]) as booked:
-            slots = self._insert(self._find_or_insert_call(ids, padding_id, bad_input), bad_input=bad_input)
+            if allow_defer and self._deferrable([ids]):
+                (slots,) = _insert_deferred([self], [ids], [padding_id], bad_input, on_refused)
+            else:
+                slots = self._insert(self._find_or_insert_call(ids, padding_id, bad_input), bad_input=bad_input)
             booked.add(id(self))
         return slots
+
+    # ---- deferred inserts -------------------------------------------------------------
+    def _deferrable(self, ids: Sequence[torch.Tensor]) -> bool:
+        """Whether an insert of ``ids`` (one tensor per call of the table) may skip its
+        read-back: see the class docstring. Reads the counts that already arrived first
+        when the bound does not hold with the unread ones."""
+        if not self.defer or self._at_max() or torch.are_deterministic_algorithms_enabled():
+            return False
+        n = sum(i.numel() for i in ids)
+        limit = self.grow_at * self.capacity
+        if self._size + self._unread_bound + n <= limit:
+            return True
+        if self._unread:
+            self.settle(wait=False)
+        return self._size + self._unread_bound + n <= limit
+
+    def settle(self, wait: bool = True) -> None:
+        """Reads the counts of the deferred inserts not read yet, oldest first (all of
+        them, waiting for the device; with ``wait=False`` those that arrived). Books what
+        they inserted; a call refused for its ``bad_input`` raises here (its error, once);
+        one that found no room warns and grows the table (see the class docstring)."""
+        while self._unread:
+            counts, row, bound = self._unread[0]
+            if not counts.arrived(wait):
+                return
+            self._unread.pop(0)
+            self._unread_bound -= bound
+            inserted, failed = counts.row(row)
+            if failed == 0:
+                self._size += inserted
+            elif failed < 0:
+                counts.refuse()  # raises, the first time for this call
+            else:
+                self._no_room_deferred(failed)
+
+    def _no_room_deferred(self, failed: int) -> None:
+        grown = not self._at_max()
+        warnings.warn(
+            f"veloce: a deferred insert found no room for {failed} new id(s) (size {self._size}, capacity "
+            f"{self.capacity}): it changed nothing, so that step's lookups of this table read no rows and its "
+            f"gradient here was dropped. "
+            + (f"The table grows to {min(self.capacity * 2, self.max_capacity or self.capacity * 2)} slots now. "
+               if grown else "")
+            + "Turn deferred inserts off (DynamicEmbedding(defer_inserts=False)) for exact semantics.",
+            RuntimeWarning, stacklevel=3,
+        )  # fmt: skip
+        if grown:
+            self.resize(self.capacity * 2)
 
     def _find_or_insert_call(self, ids: torch.Tensor, padding_id: int | None,
                              bad_input: torch.Tensor | None = None):  # fmt: skip
@@ -507,6 +615,8 @@ def find_or_insert_many(
     ids: Sequence[torch.Tensor],
     padding_ids: Sequence[int | None] | None = None,
     bad_input: torch.Tensor | None = None,
+    on_refused: Callable[[], NoReturn] | None = None,
+    allow_defer: bool = True,
 ) -> list[torch.Tensor]:
     """``[t.find_or_insert(i, p) for t, i, p in zip(tables, ids, padding_ids)]`` in one op.
 
@@ -521,7 +631,9 @@ def find_or_insert_many(
 
     ``bad_input`` is :meth:`HashTable.find_or_insert`'s flag for the whole call: when it is
     true, ``ValueError`` is raised and no table changes. It rides on the one op call, so
-    every table must be on its device.
+    every table must be on its device. When every table defers (:class:`HashTable`,
+    ``defer``), the call reads nothing back and a set flag is raised later, as
+    :meth:`HashTable.find_or_insert` says (``on_refused``, ``allow_defer``).
     """
     padding_ids = [None] * len(tables) if padding_ids is None else list(padding_ids)
     if not len(tables) == len(ids) == len(padding_ids):
@@ -546,21 +658,28 @@ def find_or_insert_many(
     out: list[Optional[torch.Tensor]] = [None] * len(tables)
     for batch in by_device.values():
         if len(batch) == 1:
-            out[batch[0]] = tables[batch[0]].find_or_insert(ids[batch[0]], padding_ids[batch[0]], bad_input)
+            out[batch[0]] = tables[batch[0]].find_or_insert(ids[batch[0]], padding_ids[batch[0]], bad_input,
+                                                            on_refused, allow_defer)  # fmt: skip
             continue
         slots = _find_or_insert_batch([tables[k] for k in batch], [ids[k] for k in batch],
-                                      [padding_ids[k] for k in batch], bad_input)  # fmt: skip
+                                      [padding_ids[k] for k in batch], bad_input, on_refused, allow_defer)  # fmt: skip
         for k, s in zip(batch, slots):
             out[k] = s
     return out  # type: ignore[return-value]
 
 
 def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tensor],
-                          padding_ids: Sequence[int | None],
-                          bad_input: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
-    """find_or_insert_many over distinct tables: one op call, then per-table growth retries."""
+                          padding_ids: Sequence[int | None], bad_input: torch.Tensor | None = None,
+                          on_refused: Callable[[], NoReturn] | None = None,
+                          allow_defer: bool = True) -> list[torch.Tensor]:  # fmt: skip
+    """find_or_insert_many over distinct tables: one op call, then per-table growth retries
+    (or one deferred op call, when every table may defer)."""
     _ext.require()
     with _ticked_clocks(tables) as booked:
+        if allow_defer and all(t._deferrable([i]) for t, i in zip(tables, ids)):
+            out = _insert_deferred(tables, ids, padding_ids, bad_input, on_refused)
+            booked.update(id(t) for t in tables)
+            return out
         for t in tables:
             t._maybe_grow(bad_input)
         evict = [t._allow_evict() for t in tables]
@@ -586,6 +705,93 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
             out[k] = t._insert(t._find_or_insert_call(ids[k], padding_ids[k]))
             booked.add(id(t))
     return out
+
+
+class _DeferredCounts:
+    """The counts of one deferred insert on their way to the host: on CUDA copied into
+    pinned memory behind the op, on its stream, with an event after the copy (on the CPU
+    they are there already). Shared by the tables of the call (one row each)."""
+
+    __slots__ = ("event", "host", "on_refused", "refused_raised", "rows")
+
+    def __init__(self, counts: torch.Tensor, on_refused: Callable[[], NoReturn] | None) -> None:
+        self.host, self.event = counts, None
+        if counts.is_cuda:
+            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.host.copy_(counts, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(current_stream(counts.device))
+        self.rows: Optional[list[list[int]]] = None  # the host values, once read
+        self.on_refused = on_refused
+        self.refused_raised = False
+
+    def arrived(self, wait: bool) -> bool:
+        """Whether the counts are on the host (with ``wait``: after waiting for them)."""
+        if self.rows is None:
+            if self.event is None:
+                pass
+            elif wait:
+                self.event.synchronize()
+            elif not self.event.query():
+                return False
+            rows = self.host.tolist()
+            self.rows = rows if self.host.dim() == 2 else [rows]  # one table's (2,): one row
+        return True
+
+    def row(self, k: int) -> tuple[int, int]:
+        """Table k's ``(inserted, failed)``; failed -1: refused for bad_input."""
+        assert self.rows is not None
+        return self.rows[k][0], self.rows[k][1]
+
+    def refuse(self) -> None:
+        """Raises the call's bad_input error, once for all its tables."""
+        if self.refused_raised:
+            return
+        self.refused_raised = True
+        if self.on_refused is not None:
+            self.on_refused()
+        _refuse_if_set(torch.tensor(True))
+
+
+def _insert_deferred(tables: Sequence[HashTable], ids: Sequence[torch.Tensor], padding_ids: Sequence[int | None],
+                     bad_input: torch.Tensor | None,
+                     on_refused: Callable[[], NoReturn] | None) -> list[torch.Tensor]:  # fmt: skip
+    """One find_or_insert(_many) op over distinct CUDA tables on one device with ``defer``
+    (the tables said yes to :meth:`HashTable._deferrable`): the slots now, the counts later
+    (:class:`_DeferredCounts`, read by :meth:`HashTable.settle`)."""
+    for t in tables:
+        if t._unread:  # keep the list short: read what arrived (one event query per call)
+            t.settle(wait=False)
+    args = [t._find_or_insert_args(i, p, False) for t, i, p in zip(tables, ids, padding_ids)]
+    states = [t._state(join=False) for t in tables]
+
+    def call() -> tuple[list[torch.Tensor], _DeferredCounts]:
+        if len(tables) == 1:  # counts (2,): _DeferredCounts reads it as one row
+            slots, counts, _ = torch.ops.veloce.find_or_insert(*states[0], *args[0], bad_input, True)
+            out = [slots]
+        else:
+            cols, per_arg = [list(c) for c in zip(*states)], [list(a) for a in zip(*args)]
+            slots, counts, _ = torch.ops.veloce.find_or_insert_many(*cols, *per_arg, bad_input, True)
+            out = list(slots.split([i.numel() for i in ids]))
+        return out, _DeferredCounts(counts, on_refused)  # the copy queued on the op's stream
+
+    out, counts = insert_beside_updates(tables, call)
+    for k, (t, i) in enumerate(zip(tables, ids)):
+        t._unread.append((counts, k, i.numel()))
+        t._unread_bound += i.numel()
+        t.last_evicted = _no_keys(t.device)
+    return out
+
+
+_NO_KEYS: dict[torch.device, torch.Tensor] = {}
+
+
+def _no_keys(device: torch.device) -> torch.Tensor:
+    """An empty int64 tensor on ``device`` (last_evicted of a deferred insert), made once."""
+    keys = _NO_KEYS.get(device)
+    if keys is None:
+        keys = _NO_KEYS[device] = torch.empty(0, dtype=torch.long, device=device)
+    return keys
 
 
 def insert_beside_updates(tables: Sequence[HashTable], call: Callable[[], _T]) -> _T:

@@ -313,21 +313,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_checked(
 }
 
 // A given bad_input is read once the arguments are checked, before anything changes (on
-// the CPU the read is free).
-void check_bad_input_cpu(const char* op, const std::optional<at::Tensor>& bad_input) {
-  if (bad_input) check_bad_input_unset(op, bad_input->item<bool>());
+// the CPU the read is free). Returns whether a deferred call is refused: a set flag raises
+// unless `defer`, which reports it in counts instead (refused_result).
+bool refused_cpu(const char* op, const std::optional<at::Tensor>& bad_input, bool defer) {
+  const bool set = bad_input && bad_input->item<bool>();
+  if (!defer) check_bad_input_unset(op, set);
+  return set;
+}
+
+// A deferred call refused for bad_input: every slot -1, counts [0, -1], nothing evicted.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> refused_result(const at::Tensor& ids, const at::Tensor& keys) {
+  return {at::full(ids.sizes(), kPaddingSlot, ids.options()), at::tensor(std::vector<int64_t>{0, -1}, keys.options()),
+          at::empty({0}, keys.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cpu(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id,
-    const std::optional<at::Tensor>& bad_input) {
+    const std::optional<at::Tensor>& bad_input, bool defer) {
   constexpr const char* op = "veloce::find_or_insert";
   check_insert_args(op, keys, digests, scores, weights, opt_state, ids, score_policy);
   check_init(op, init_kind, init_a, init_b);
   check_bad_input(op, bad_input, keys);
-  check_bad_input_cpu(op, bad_input);
+  check_defer(op, defer, allow_evict);
+  // The CPU computes counts where it runs: defer changes only how a refusal is reported.
+  if (refused_cpu(op, bad_input, defer)) return refused_result(ids, keys);
   return find_or_insert_checked(keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
                                 allow_evict, seed, init_kind, init_a, init_b, padding_id);
 }
@@ -339,19 +350,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cpu(
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
     at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
-    const std::optional<at::Tensor>& bad_input) {
+    const std::optional<at::Tensor>& bad_input, bool defer) {
   constexpr const char* op = "veloce::find_or_insert_many";
   const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
                                                    score_value, allow_evict, seed, init_kind, init_a, init_b,
                                                    padding_id, bad_input);
-  check_bad_input_cpu(op, bad_input);
+  for (int64_t k = 0; k < K; ++k) check_defer(op, defer, allow_evict.get(k), k);
+  const bool refused = refused_cpu(op, bad_input, defer);
   std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> per_table;
   std::vector<at::Tensor> slots;
   for (int64_t k = 0; k < K; ++k) {
     at::Tensor ks = keys[k], ds = digests[k], ss = scores[k], ws = weights[k], os = opt_state[k];
-    per_table.push_back(find_or_insert_checked(ks, ds, ss, ws, os, ids[k], score_policy[k], score_value[k],
-                                               allow_evict.get(k), seed[k], init_kind[k], init_a[k], init_b[k],
-                                               padding_id.get(k)));
+    per_table.push_back(refused ? refused_result(ids[k], ks)
+                                : find_or_insert_checked(ks, ds, ss, ws, os, ids[k], score_policy[k], score_value[k],
+                                                         allow_evict.get(k), seed[k], init_kind[k], init_a[k],
+                                                         init_b[k], padding_id.get(k)));
     slots.push_back(std::get<0>(per_table.back()));
   }
   return many_result(at::cat(slots), per_table);

@@ -50,6 +50,13 @@
 // returned as a CPU tensor. Per call: find_or_insert and insert_or_assign 1 sync, or 2 with
 // unsafe conflicted ids; erase none.
 //
+// find_or_insert(_many) with defer: no sync at all (Inserter::place_deferred). Every launch
+// after phase 2 covers the positions, every table takes part in every kernel and reads its
+// outcome on the device (a call decided to fail claims nothing, one whose racing ids found
+// no room rolls back, and a failed call writes -1 to every slot); counts stay on the device.
+// No eviction (its keys are listed on the host), and conflicted ids always race. The
+// caller decides growth from a bound instead of the count (veloce/table.py).
+//
 // An op over K tables (find_or_insert_many; the single-table ops are K = 1) runs each kernel
 // once for all of them: table j is blockIdx.y, its arguments a TableCall (in
 // hash_table_device.cuh; one table's is the kernel parameter, several are an array copied to
@@ -108,7 +115,7 @@ template <typename scalar_t, class Calls>
 __global__ void init_rows_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageInitRows);
   if (c == nullptr || c->dtype != static_cast<int32_t>(c10::CppTypeToScalarType<scalar_t>::value)) return;
-  if (placement_failed(c)) return;
+  if (deferred_nothing_new(c) || placement_failed(c)) return;
   const int r = c->rows_per_warp;
   const Uniques u = c->u;
   const int lane = static_cast<int>(threadIdx.x % 32);
@@ -195,13 +202,35 @@ __global__ void assign_rows_kernel(const __grid_constant__ Calls calls) {
 }
 
 // slots[i] = slot of position i's distinct id, for every grouped position (active[i], or
-// all when active is null).
+// all when active is null). A deferred call that failed sets every slot to -1 (as the host
+// does after a read that found a failure).
 template <class Calls>
 __global__ void map_slots_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageMapSlots);
   const int64_t i = thread_index();
-  if (c == nullptr || !grouped(c, i) || placement_failed(c)) return;
-  c->slots[i] = c->u.slot[c->group[i]];
+  if (c == nullptr || i >= c->n) return;
+  if (placement_failed(c)) {
+    if (c->deferred) c->slots[i] = kPaddingSlot;
+    return;
+  }
+  if (!deferred_nothing_new(c) && grouped(c, i)) c->slots[i] = c->u.slot[c->group[i]];  // none is grouped then
+}
+
+// A deferred call's counts, once its kernels ran, per table j: out[j * width ...] =
+// [inserted, failed] (width 2) or [inserted, failed, evicted = 0] (width 3), from the
+// table's counters (K of them, then the caller's flag). Refused for the flag: [0, -1].
+// No room: [0, the ids known to find none]: the unconflicted ones with both buckets full
+// (the call then claimed nothing), or else the racing conflicted ids that found both full.
+__global__ void deferred_counts_kernel(const int32_t* counters, int64_t K, int width, int64_t* out) {
+  const int64_t j = thread_index();
+  if (j >= K) return;
+  const int32_t* c = counters + j * counter::kNum;
+  const bool refused = counters[K * counter::kNum] != 0;
+  const int64_t no_room = c[counter::kFull] > 0 ? c[counter::kFull] : c[counter::kQueued] + c[counter::kFailed];
+  int64_t* const o = out + j * width;
+  o[0] = refused || no_room > 0 ? 0 : c[counter::kNew];
+  o[1] = refused ? -1 : no_room;
+  if (width == 3) o[2] = 0;
 }
 
 // Per non-padding position: LRU sets score_value, LFU adds 1. score_skip: positions to
@@ -475,6 +504,10 @@ class Inserter {
   Inserter(const char* op, Mode mode, std::vector<InsertTable>& tables)
       : op_(op), mode_(mode), tabs_(tables), calls_(static_cast<int64_t>(tables.size()), tables[0].keys) {}
 
+  // find_or_insert(_many) with defer: run() reads nothing back and writes each table's
+  // counts into `counts` ((K, width) int64 on the device; place_deferred). No table may evict.
+  void defer_into(const at::Tensor& counts) { deferred_counts_ = counts; }
+
   // Every table's evicted keys, table after table (a view of the list; undefined when none
   // was evicted).
   const at::Tensor& all_evicted() const { return all_evicted_; }
@@ -496,6 +529,10 @@ class Inserter {
     }
     calls_.launch(VELOCE_OVER_TABLES(bucket_use_kernel), kStageClassify, positions());
     calls_.launch(VELOCE_OVER_TABLES(classify_kernel), kStageClassify, positions());
+    if (deferred_counts_.defined()) {
+      place_deferred();
+      return;
+    }
     const bool live = std::any_of(tabs_.begin(), tabs_.end(), [](const InsertTable& t) { return t.ids.numel() > 0; });
     if (!live) {
       if (bad_input) check_bad_input_unset(op_, bad_input->item<bool>());  // no sync b to ride on: read alone
@@ -767,6 +804,41 @@ class Inserter {
     evicted_list_.list = at::empty({e.positions}, opts);
   }
 
+  // Phases 3 to 5 of a deferred call, with no host read: what sync b would tell is on the
+  // device only, so every launch covers the positions (an upper bound of the distinct ids,
+  // whose kernels read U where it was counted) and every table takes part in every kernel,
+  // each reading its outcome on the device. Conflicted new ids race (claim_skip null; an
+  // order of first occurrence needs their count on the host). A call decided to fail
+  // (refused, or an unconflicted id with both buckets full) claims nothing; one whose racing
+  // ids found no room rolls its claims back (rollback_kernel, gated); either way its
+  // phase-5 kernels write nothing and every slot becomes -1 (map_slots_kernel). Then
+  // deferred_counts_kernel writes the counts.
+  void place_deferred() {
+    const int64_t K = calls_.size();
+    std::vector<at::ScalarType> dtypes;
+    for (int64_t j = 0; j < K; ++j) {
+      InsertTable& t = tabs_[static_cast<size_t>(j)];
+      TableCall& call = calls_.edit(j);
+      call.stages = 0;
+      if (t.ids.numel() == 0) continue;
+      TORCH_INTERNAL_ASSERT(!t.allow_evict, "a deferred insert may not evict");
+      t.uniques = t.ids.numel();  // the bound every per-id launch covers (call.u.n stays n)
+      call.deferred = 1;
+      call.gate = 1;
+      call.refused = counters_ + K * counter::kNum;
+      call.claim_skip = nullptr;
+      call.stages = kStageClaim | kStageRollback | kStageInitRows | kStageMapSlots;
+      score_positions(t, call);
+      take_rows(t, call, dtypes);
+    }
+    calls_.launch(VELOCE_OVER_TABLES(claim_kernel), kStageClaim, uniques());
+    calls_.launch(VELOCE_OVER_TABLES(rollback_kernel), kStageRollback, uniques());
+    launch_rows_and_slots(dtypes);
+    deferred_counts_kernel<<<grid_for(K), kThreads, 0, stream()>>>(
+        counters_, K, static_cast<int>(deferred_counts_.size(-1)), deferred_counts_.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
   // Phase 4 (rollback on failure) from the counters read after every launch (sync c):
   // a settling table that failed gets its claimed slots back (its phase-5 kernels wrote
   // nothing) and slots of -1.
@@ -810,17 +882,33 @@ class Inserter {
         call.stages = kStageAssignRows | kStageMapSlots;
       } else {
         if (t.inserted > 0) call.stages = kStageInitRows | kStageMapSlots;
-        // Every missing position is a new row (or, with none inserted, none is missing).
-        if (t.score_policy != kScoreNone) call.stages |= kStageScore;
-        call.score_skip = t.score_policy == kScoreLRU ? call.active : nullptr;
-        // New rows start at the call's score (LRU; the positions' score too), else at 0.
-        call.score_value = t.score_policy == kScoreLRU ? t.score_value : 0;
+        score_positions(t, call);
       }
-      call.rows_per_warp = rows_per_warp(t.uniques);
-      if (std::find(dtypes.begin(), dtypes.end(), t.weights.scalar_type()) == dtypes.end()) {
-        dtypes.push_back(t.weights.scalar_type());
-      }
+      take_rows(t, call, dtypes);
     }
+    launch_rows_and_slots(dtypes);
+  }
+
+  // find_or_insert's phase 5: the positions' scores (every missing position is a new row,
+  // or, with none inserted, none is missing; new rows start at the call's score under LRU,
+  // the positions' score too, else at 0).
+  static void score_positions(const InsertTable& t, TableCall& call) {
+    if (t.score_policy != kScoreNone) call.stages |= kStageScore;
+    call.score_skip = t.score_policy == kScoreLRU ? call.active : nullptr;
+    call.score_value = t.score_policy == kScoreLRU ? t.score_value : 0;
+  }
+
+  // Phase 5's row kernels for table t: its rows per warp, and its dtype among `dtypes`.
+  static void take_rows(const InsertTable& t, TableCall& call, std::vector<at::ScalarType>& dtypes) {
+    call.rows_per_warp = rows_per_warp(t.uniques);
+    if (std::find(dtypes.begin(), dtypes.end(), t.weights.scalar_type()) == dtypes.end()) {
+      dtypes.push_back(t.weights.scalar_type());
+    }
+  }
+
+  // Phase 5's launches over the tables whose stages ask for them (rows of each of `dtypes`,
+  // then the positions' slots and scores), each sized by the table's distinct ids (`uniques`).
+  void launch_rows_and_slots(const std::vector<at::ScalarType>& dtypes) {
     auto rows = [this](int64_t j) {
       return row_warp_threads(tabs_[static_cast<size_t>(j)].uniques, calls_[j].rows_per_warp);
     };
@@ -966,6 +1054,7 @@ class Inserter {
   std::vector<int64_t> evicting_;  // tables that may evict, in order (list_evicted)
   Ordering evicted_list_;          // its memory (reserve_evicted: before sync b and any change)
   at::Tensor all_evicted_;         // every table's evicted keys (take_evicted)
+  at::Tensor deferred_counts_;     // a deferred call's counts (defer_into), else undefined
 };
 
 // counts is built on the host from host values and stays there (a CPU tensor), so reading
@@ -1023,19 +1112,42 @@ InsertTable find_or_insert_table(const std::string& op, const at::Tensor& keys, 
   return t;
 }
 
+// defer on CUDA: also not under torch.use_deterministic_algorithms, whose ordered placement
+// of conflicting new ids needs their count on the host.
+void check_defer_cuda(const char* op, bool defer) {
+  TORCH_CHECK_VALUE(!(defer && at::globalContext().deterministicAlgorithms()), op,
+                    ": defer=True under torch.use_deterministic_algorithms(True): deterministic placement orders "
+                    "the conflicting new ids on the host, which a deferred call never reads back; pass defer=False");
+}
+
+// The counts of a deferred call over K tables ((K, width) int64 on keys' device), taken
+// before any table changes.
+at::Tensor deferred_counts(const at::Tensor& keys, int64_t K, int64_t width) {
+  return at::empty({K, width}, keys.options().dtype(at::kLong));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id,
-    const std::optional<at::Tensor>& bad_input) {
+    const std::optional<at::Tensor>& bad_input, bool defer) {
   constexpr const char* op = "veloce::find_or_insert";
   // First: a CUDA flag beside a CPU table lands here, and its error should name bad_input.
   check_bad_input(op, bad_input, keys);
   std::vector<InsertTable> tables;
   tables.push_back(find_or_insert_table(op, keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
                                         allow_evict, seed, init_kind, init_a, init_b, padding_id, at::Tensor()));
+  check_defer(op, defer, allow_evict);
+  check_defer_cuda(op, defer);
   const c10::cuda::CUDAGuard guard(keys.device());
-  Inserter(op, Mode::kFindOrInsert, tables).run(bad_input);
+  Inserter inserter(op, Mode::kFindOrInsert, tables);
+  if (defer) {
+    const at::Tensor counts = deferred_counts(keys, 1, 2);
+    inserter.defer_into(counts);
+    inserter.run(bad_input);
+    return {tables[0].slots, counts.view({2}), at::empty({0}, keys.options())};
+  }
+  inserter.run(bad_input);
   return result(tables[0]);
 }
 
@@ -1044,11 +1156,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
     at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
-    const std::optional<at::Tensor>& bad_input) {
+    const std::optional<at::Tensor>& bad_input, bool defer) {
   constexpr const char* op = "veloce::find_or_insert_many";
   const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
                                                    score_value, allow_evict, seed, init_kind, init_a, init_b,
                                                    padding_id, bad_input);
+  for (int64_t k = 0; k < K; ++k) check_defer(op, defer, allow_evict.get(k), k);
+  check_defer_cuda(op, defer);
   int64_t total = 0;
   for (const at::Tensor& i : ids) total += i.numel();
   if (K == 0) return many_result(at::empty({0}, at::kLong), {});
@@ -1063,6 +1177,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
   }
   const c10::cuda::CUDAGuard guard(keys[0].device());
   Inserter inserter(op, Mode::kFindOrInsert, tables);
+  if (defer) {
+    const at::Tensor counts = deferred_counts(keys[0], K, 3);
+    inserter.defer_into(counts);
+    inserter.run(bad_input);
+    return {slots, counts, at::empty({0}, keys[0].options())};
+  }
   inserter.run(bad_input);
   std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> per_table;
   per_table.reserve(K);

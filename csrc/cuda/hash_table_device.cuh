@@ -166,6 +166,8 @@ struct TableCall {
   int64_t order_count;
   int32_t allow_evict;
   int32_t gate;              // phase 5 of a settling table: write nothing if it failed (placement_failed)
+  int32_t deferred;          // a deferred call (no host read): its outcome is decided on the device alone
+  const int32_t* refused;    // deferred: the caller's bad_input flag (as int32, 0 when none was given)
   int32_t select;            // order_flags_kernel: 0 conflicted ids, 1 evicted ids
   uint8_t* order_flags;      // order_flags_kernel's output, per position of the call: set at the
   int64_t* order_values;     // first position of each selected id, with its number (select 0) or
@@ -205,8 +207,24 @@ static_assert(sizeof(OneCall) <= 1024, "a TableCall must stay a small kernel par
 // the host rolls the table back after the read. Final once evict_kernel and
 // sequential_insert_kernel ran: ids that found no room, or without eviction any queued
 // id (Inserter::settle reads the same counters).
+//
+// A deferred call (no eviction, no host read at all) also fails as a whole when the caller's
+// flag refused it or some unconflicted new id has both buckets full (kFull): then it claims
+// nothing (deferred_claim_barred), and only racing conflicted ids can fail after claiming.
+__device__ __forceinline__ bool deferred_claim_barred(const TableCall* c) {
+  return c->deferred && (*c->refused != 0 || c->ctr[counter::kFull] > 0);
+}
+
+// A deferred call's launches cover every position whether or not any id is new; with none
+// (kNew, counted by bucket_use_kernel) there is nothing to claim, roll back, initialise or
+// map, and each block returns after one load (a warm table's usual step).
+__device__ __forceinline__ bool deferred_nothing_new(const TableCall* c) {
+  return c->deferred && c->ctr[counter::kNew] == 0;
+}
+
 __device__ __forceinline__ bool placement_failed(const TableCall* c) {
-  return c->gate && c->ctr[counter::kFailed] + (c->allow_evict ? 0 : c->ctr[counter::kQueued]) > 0;
+  return c->gate && (deferred_claim_barred(c) ||
+                     c->ctr[counter::kFailed] + (c->allow_evict ? 0 : c->ctr[counter::kQueued]) > 0);
 }
 
 // Whether position i of the call is grouped (find_or_insert: a miss; otherwise every position).
@@ -275,7 +293,7 @@ template <class Calls>
 __global__ void claim_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageClaim);
   const int64_t k = thread_index();
-  if (c == nullptr) return;
+  if (c == nullptr || deferred_claim_barred(c) || deferred_nothing_new(c)) return;
   const Uniques u = c->u;
   if (!u.has(k) || u.slot[k] >= 0 || (c->claim_skip != nullptr && c->claim_skip[k])) return;
   const Table t = c->t;
@@ -610,12 +628,14 @@ __global__ void sequential_insert_kernel(const __grid_constant__ Calls calls) {
   }
 }
 
-// Phase 4 (failure): restore every slot this call claimed. Slots are distinct.
+// Phase 4 (failure): restore every slot this call claimed. Slots are distinct. The host
+// launches it for the tables that failed; a deferred call's runs always and reads the
+// failure on the device.
 template <class Calls>
 __global__ void rollback_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageRollback);
   const int64_t k = thread_index();
-  if (c == nullptr || !c->u.has(k)) return;
+  if (c == nullptr || (c->deferred && (deferred_nothing_new(c) || !placement_failed(c))) || !c->u.has(k)) return;
   const Uniques u = c->u;
   const int8_t st = u.state[k];
   if (st != kClaimed && st != kEvicted) return;

@@ -771,7 +771,9 @@ def _insert_tables(modules: list, ids: Sequence[torch.Tensor]) -> tuple[list, Op
     try:
         first: dict[int, int] = {}
         train = [k for k, m in enumerate(modules) if m.training and first.setdefault(id(m.table), k) == k]
-        for k, s in zip(train, find_or_insert_many([modules[k].table for k in train], [ids[k] for k in train])):
+        # Never deferred (DynamicEmbedding(defer_inserts=)): a full owner must fail this step on every rank.
+        tables = [modules[k].table for k in train]
+        for k, s in zip(train, find_or_insert_many(tables, [ids[k] for k in train], allow_defer=False)):
             slots[k] = s
     except Exception as e:  # e.g. TableFullError on this owner: every rank must stop, not wait
         return slots, e
@@ -802,7 +804,7 @@ def _serve_inserted(modules: list, ids: Sequence[torch.Tensor], starts: Sequence
                 slots = list(slots)
                 for k, (m, ids_k, starts_k, psw_k) in enumerate(zip(modules, ids, starts, psw)):
                     if m.training and slots[k] is None:
-                        slots[k] = m.table.find_or_insert(ids_k)
+                        slots[k] = m.table.find_or_insert(ids_k, allow_defer=False)
                     s, p = _serve_all([m], [ids_k], [starts_k], [psw_k], [slots[k]])
                     served += s
                     pooled += p

@@ -82,6 +82,7 @@ def find_or_insert(
     init_b: float = 0.0,
     padding_id: Optional[int] = None,
     bad_input: Tensor | None = None,
+    defer: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Looks ids up, inserting the missing ones; mutates the table tensors in place.
 
@@ -106,11 +107,19 @@ def find_or_insert(
         bad_input: optional one-element bool tensor on the table's device, the result of
             the caller's own check of this call's input; true raises ``ValueError`` and
             changes nothing.
+        defer: read nothing back from the device (on CUDA: no host sync). ``counts`` is
+            then a tensor on the table's device, valid once the op's work has run, and a
+            set ``bad_input`` is reported instead of raised: ``num_failed = -1``, nothing
+            changed. A deferred call never evicts (``allow_evict`` must be False) and, on
+            CUDA, cannot run under ``torch.use_deterministic_algorithms(True)``; the
+            caller decides growth without the count (``veloce.table.HashTable`` bounds it
+            by the positions of the calls not read yet).
 
     Returns:
-        ``(slots, counts, evicted_keys)``: slots (N,) int64; counts (2,) int64 on the CPU =
-        ``[num_inserted, num_failed]`` (when ``num_failed > 0`` the table is unchanged and
-        slots are undefined); evicted_keys (E,) int64.
+        ``(slots, counts, evicted_keys)``: slots (N,) int64; counts (2,) int64 on the CPU
+        (with ``defer``: on the table's device) = ``[num_inserted, num_failed]`` (when
+        ``num_failed != 0`` the table is unchanged and every slot is -1); evicted_keys (E,)
+        int64.
 
     Shape:
         ids (N,) -> slots (N,), counts (2,), evicted_keys (E,) with E <= num_inserted.
@@ -125,7 +134,7 @@ def find_or_insert(
     _ext.require()
     return torch.ops.veloce.find_or_insert(
         keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict,
-        seed, init_kind, init_a, init_b, padding_id, bad_input,
+        seed, init_kind, init_a, init_b, padding_id, bad_input, defer,
     )
 
 
@@ -141,6 +150,7 @@ def find_or_insert_many(
     init_b: Sequence[float],
     padding_id: Sequence[Optional[int]],
     bad_input: Tensor | None = None,
+    defer: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`find_or_insert` on K tables in one op: entry k of every argument is table k's.
 
@@ -158,6 +168,8 @@ def find_or_insert_many(
         bad_input: one flag for the whole call, as for :func:`find_or_insert` (on the
             tables' device, read with the call's first read-back): true raises
             ``ValueError`` and changes no table. It needs at least one table.
+        defer: as for :func:`find_or_insert`: no device read-back, counts on the tables'
+            device (a set ``bad_input`` gives every table ``num_failed = -1``; evicted 0).
 
     Returns:
         ``(slots, counts, evicted_keys)``, each table's results concatenated in table order
@@ -183,7 +195,7 @@ def find_or_insert_many(
     cols = [list(c) for c in zip(*tables)] or [[]] * 5
     return torch.ops.veloce.find_or_insert_many(
         *cols, list(ids), list(score_policy), list(score_value), list(allow_evict), list(seed), list(init_kind),
-        list(init_a), list(init_b), list(padding_id), bad_input,
+        list(init_a), list(init_b), list(padding_id), bad_input, defer,
     )  # fmt: skip
 
 
@@ -301,8 +313,10 @@ def _check_bad_input_fake(op: str, keys: Tensor, bad_input: Tensor | None) -> No
     )
 
 
-def _insert_fake(op: str, keys: Tensor, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _insert_fake(op: str, keys: Tensor, ids: Tensor, defer: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     _check_table_fake(op, keys, ids)
+    if defer:  # counts on the table's device, nothing evicted
+        return ids.new_empty(ids.shape), keys.new_empty(2), keys.new_empty(0)
     num_evicted = torch.library.get_ctx().new_dynamic_size()
     counts = torch.empty(2, dtype=torch.int64, device="cpu")  # host values on every backend
     return ids.new_empty(ids.shape), counts, keys.new_empty(num_evicted)
@@ -316,13 +330,13 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("veloce::find_or_insert")
     def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
-          init_kind, init_a, init_b, padding_id=None, bad_input=None):
+          init_kind, init_a, init_b, padding_id=None, bad_input=None, defer=False):
         _check_bad_input_fake("find_or_insert", keys, bad_input)
-        return _insert_fake("find_or_insert", keys, ids)
+        return _insert_fake("find_or_insert", keys, ids, defer)
 
     @torch.library.register_fake("veloce::find_or_insert_many")
     def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
-          init_kind, init_a, init_b, padding_id, bad_input=None):
+          init_kind, init_a, init_b, padding_id, bad_input=None, defer=False):
         for k, i in zip(keys, ids):
             _check_table_fake("find_or_insert_many", k, i)
         if bad_input is not None:
@@ -331,9 +345,12 @@ def _register_fakes() -> None:
                 lambda: "veloce::find_or_insert_many: bad_input was given but there are no tables",
             )
             _check_bad_input_fake("find_or_insert_many", keys[0], bad_input)
+        slots = keys[0].new_empty(sum(i.shape[0] for i in ids))
+        if defer and len(keys):  # counts on the tables' device, nothing evicted
+            return slots, keys[0].new_empty(len(ids), 3), keys[0].new_empty(0)
         num_evicted = torch.library.get_ctx().new_dynamic_size()
         counts = torch.empty(len(ids), 3, dtype=torch.int64, device="cpu")  # host values on every backend
-        return keys[0].new_empty(sum(i.shape[0] for i in ids)), counts, keys[0].new_empty(num_evicted)
+        return slots, counts, keys[0].new_empty(num_evicted)
 
     @torch.library.register_fake("veloce::insert_or_assign")
     def _(keys, digests, scores, weights, opt_state, ids, values, opt_values, score_values, score_policy,

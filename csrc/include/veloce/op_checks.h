@@ -35,6 +35,10 @@ void check_bad_input(const char* op, const std::optional<at::Tensor>& bad_input,
 // before the op changes any table.
 void check_bad_input_unset(const char* op, bool set);
 
+// find_or_insert(_many) with defer: no table may evict (`table`: the table's number in a
+// _many op's message, or -1).
+void check_defer(const char* op, bool defer, bool allow_evict, int64_t table = -1);
+
 // find_or_insert_many: every per-table list as long as keys, distinct tables on one
 // device, each table's find_or_insert arguments (messages name the table), and bad_input
 // (at least one table, then as check_bad_input on keys[0]). Returns K.
