@@ -1514,3 +1514,45 @@ def test_deferred_training_forward_makes_no_host_sync(offsets, capfd):
         _, syncs_many = counting_syncs(functools.partial(veloce.lookup_many, [m, m2], [inp, inp]), capfd)
         assert (syncs, syncs_many) == (want, want)
     assert len(deferred) == len(plain) == 48 and len(deferred2) == 24
+
+
+def _counts_in_flight(monkeypatch):
+    """Deferred counts that have not reached the host until waited for (as on a busy GPU)."""
+    arrived = veloce.table._DeferredCounts.arrived
+    monkeypatch.setattr(veloce.table._DeferredCounts, "arrived", lambda self, wait: wait and arrived(self, wait))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deferred_refusal_in_lookup_many_changes_no_table(device, monkeypatch):
+    """lookup_many with a bad layout, its counts not read yet: a table listed twice (its
+    second insert) and tables sharing one offsets tensor with other id counts change
+    nothing, read zeros, and step() raises the layout's error."""
+    _counts_in_flight(monkeypatch)
+    a, b, c = (veloce.DynamicEmbedding(4, mode="sum", seed=k, device=device, defer_inserts=True) for k in range(3))
+    c.include_last_offset = True
+    shared = torch.tensor([0, 5, 10], device=device)
+    bad = torch.tensor([0, 4, 2], device=device)
+    ids = [torch.arange(n, device=device) + 100 * k for k, n in enumerate((10, 6, 12, 10))]
+    outs = veloce.lookup_many([a, b, a, c], [(ids[0], shared), (ids[1], bad), (ids[2], shared), (ids[3], shared)])
+    assert all(not o.any() for o in outs)
+    with pytest.raises(ValueError, match=r"offsets must be non-decreasing, got offsets\[1\] = 4 > offsets\[2\] = 2"):
+        veloce.step_tables([a, b, c])
+    assert [len(t) for t in (a, b, c)] == [0, 0, 0]
+    outs = veloce.lookup_many([a, c], [(ids[0], shared), (ids[3], shared)])
+    assert all(o.any() for o in outs)
+    assert [len(t) for t in (a, c)] == [10, 10]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["erase", "clear"])
+def test_refusal_read_by_erase_or_clear_raises_first(device, op, monkeypatch):
+    _counts_in_flight(monkeypatch)
+    emb = veloce.DynamicEmbedding(4, mode="sum", device=device, defer_inserts=True)
+    emb(torch.arange(10, device=device).view(2, 5))
+    emb(torch.arange(6, device=device) + 50, torch.tensor([0, 4, 2], device=device))  # refused, unread
+    with pytest.raises(ValueError, match="non-decreasing"):
+        emb.table.erase(torch.arange(5, device=device)) if op == "erase" else emb.table.clear()
+    assert len(emb) == 10 and emb.table.find(torch.arange(10, device=device)).min() >= 0
+    assert "size>=" not in repr(emb.table)
+    emb.table.erase(torch.arange(5, device=device)) if op == "erase" else emb.table.clear()
+    assert len(emb) == (5 if op == "erase" else 0)

@@ -70,15 +70,18 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             :class:`veloce.optim.CombinedOptimizer` too), before anything is applied. What
             changes: bad ``offsets`` raise there instead of in the forward (that forward's
             lookup of this table read zeros, its gradient is dropped, and the table is
-            unchanged); and an insert that finds no room (rare: a call defers only while
-            the table's size plus the ids of the calls not read yet stay within
-            ``grow_at * capacity``) drops that step's lookup of this table the same way,
-            with a warning, and the table grows. A call waits as before when the table is
-            at ``max_capacity`` (it may evict), when that bound does not hold (a table with
-            fewer free slots than about 1.1x the ids of a batch), or under
-            ``torch.use_deterministic_algorithms``; tables sharded by
+            unchanged but for its LRU clock tick); and an insert that finds no room (rare:
+            a call defers only while the table's size plus the ids of this call and of the
+            calls not read yet stay within ``grow_at * capacity``) drops that step's lookup
+            of this table the same way, with a warning, and the table grows. A call waits
+            as before when that bound does not hold (a table whose free slots are fewer
+            than ``(1 - grow_at) * capacity`` plus the ids of a batch: it grows once its
+            size passes ``grow_at * capacity``), when the table is at ``max_capacity`` (it
+            may evict), or under ``torch.use_deterministic_algorithms``; tables sharded by
             :class:`veloce.distributed.HybridParallel` always wait (an owner's failure
-            must stop every rank). Default False: every error in the step that caused it.
+            must stop every rank). A refusal is raised by whatever reads the counts first
+            (``step()``, ``len()``, ``erase()``, saving a checkpoint). Default False: every
+            error in the forward that caused it.
 
     Shape:
         - input: (N,) with ``offsets`` (B,) (or (B+1,) with ``include_last_offset``),
@@ -240,10 +243,10 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
 
         def checked_insert():  # on the insert stream while an update is in flight (veloce._update_stream)
             ids, offs, psw = self._bags(input, offsets, per_sample_weights, deferred=layouts)
-            slots, guard = _insert_checked(
+            slots, check = _insert_checked(
                 layouts, [table], lambda bad, refused: table.find_or_insert(ids, self.padding_idx, bad, refused)
             )
-            return (ids, guard(offs), psw), slots
+            return (ids, check.guard(offs, ids.numel(), self.include_last_offset), psw), slots
 
         bags, slots = insert_beside_updates([table], checked_insert)
         (out,) = _train_lookups([self], [bags], [slots])
@@ -255,19 +258,26 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         offsets: torch.Tensor,
         psw: torch.Tensor | None,
         unchecked: Sequence[tuple] = (),
+        check: Optional["_LayoutCheck"] = None,
     ) -> torch.Tensor:
         """The local (unsharded) lookup of bags that passed :meth:`_bags`.
 
         ``unchecked``: the bag layouts whose offsets' values :meth:`_bags` deferred (empty
         when the caller has checked them). In training their check rides on the insert
         (:func:`_insert_checked`: no host sync of its own, and a bad layout raises before
-        the table changes); in eval they are read back first."""
+        the table changes); in eval they are read back first. ``check``: in training, the
+        check that an earlier insert of the same call carried (lookup_many's table listed
+        twice), carried again by this one (its layouts are guarded already)."""
         table = self.table
         if self.training:
-            slots, guard = _insert_checked(
-                unchecked, [table], lambda bad, refused: table.find_or_insert(ids, self.padding_idx, bad, refused)
-            )
-            (out,) = _train_lookups([self], [(ids, guard(offsets), psw)], [slots])
+            if check is not None:
+                slots = table.find_or_insert(ids, self.padding_idx, check.flag, check.refused)
+            else:
+                slots, check = _insert_checked(
+                    unchecked, [table], lambda bad, refused: table.find_or_insert(ids, self.padding_idx, bad, refused)
+                )
+                offsets = check.guard(offsets, ids.numel(), self.include_last_offset)
+            (out,) = _train_lookups([self], [(ids, offsets, psw)], [slots])
             return out
         _check_offsets_many(unchecked)
         slots, extra = self._eval_slots(ids)
@@ -995,23 +1005,26 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
             def checked_insert():  # on the insert stream while an update is in flight (veloce._update_stream)
                 bags = {i: tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in local}
                 if not train:
-                    return bags, None
-                slots, guard = _insert_checked(
+                    return bags, None, None
+                slots, check = _insert_checked(
                     layouts, train_tables,
                     lambda bad, refused: find_or_insert_many(train_tables, [bags[i][0] for i in train],
                                                              [tables[i].padding_idx for i in train], bad, refused),
                 )  # fmt: skip
-                return {i: (ids, guard(offs), psw) for i, (ids, offs, psw) in bags.items()}, slots
+                return {i: (ids, check.guard(offs, ids.numel(), tables[i].include_last_offset), psw)
+                        for i, (ids, offs, psw) in bags.items()}, slots, check  # fmt: skip
 
-            bags, slots = insert_beside_updates(train_tables, checked_insert)
+            bags, slots, check = insert_beside_updates(train_tables, checked_insert)
             if train:
                 for i, o in zip(train, _train_lookups([tables[i] for i in train], [bags[i] for i in train], slots)):
                     out[i] = o
             else:
                 _check_offsets_many(layouts)
+            # A training table listed again inserts again, carrying the same check: when the
+            # first insert deferred (its check unread), a refused call then changes no table.
             for i in local:
                 if out[i] is None:
-                    out[i] = tables[i]._lookup(*bags[i])
+                    out[i] = tables[i]._lookup(*bags[i], check=check if tables[i].training else None)
     from veloce.distributed.sharded import sharded_lookup
 
     for idx in groups.values():
@@ -1110,13 +1123,14 @@ def _offsets_flags(layouts: Sequence[tuple]) -> dict[torch.device, torch.Tensor]
 
 def _insert_checked(
     layouts: Sequence[tuple], tables: Sequence[HashTable],
-    insert: Callable[[torch.Tensor | None, Callable[[], NoReturn] | None], _T],
-) -> tuple[_T, Callable[[torch.Tensor], torch.Tensor]]:  # fmt: skip
+    insert: Callable[[torch.Tensor | None, Callable[[], None] | None], _T],
+) -> tuple[_T, "_LayoutCheck"]:  # fmt: skip
     """``insert(bad_input, on_refused)``, a find_or_insert into ``tables``, run so that it
     changes no table unless every bag layout in ``layouts`` (deferred by
     :meth:`DynamicEmbedding._bags`) is good; a bad one raises :func:`_check_offsets`'s error.
-    Returns the insert's result and ``guard``, which the caller applies to the offsets it
-    then looks up with (the identity, unless the insert may have deferred, below).
+    Returns the insert's result and the check (:class:`_LayoutCheck`), whose ``guard`` the
+    caller applies to each bag layout it then looks up with (the identity, unless the
+    insert may have deferred, below).
 
     Why: reading the layouts' flag back would cost a host sync of its own (on a GPU, the
     device idles while Python runs), and the insert reads the device back anyway (CUDA
@@ -1132,44 +1146,71 @@ def _insert_checked(
 
     A deferred insert (``defer_inserts``) reads nothing back: a bad layout makes it change
     nothing and give slots of -1, and the error is raised when its counts are read (by the
-    next ``step()`` at the latest: ``on_refused``). The lookup still runs, so ``guard``
+    next ``step()`` at the latest: ``on_refused``, once for the call). The lookup still runs, so ``guard``
     replaces the checked layouts' offsets on the device, when the flag is set, by a good
     layout: zeros (and the number of ids last, with include_last_offset), every bag empty
     but the last, over ids whose slots are -1 (zero rows, no gradient). The kernels then
     never read past the ids."""
     flags = _offsets_flags(layouts)
     if not flags:  # nothing to check on the device
-        return insert(None, None), _same
+        return insert(None, None), _LayoutCheck()
     if len(flags) > 1 or set(flags) != {t.device for t in tables}:
         _check_offsets_many(layouts, flags)
-        return insert(None, None), _same
+        return insert(None, None), _LayoutCheck()
     (flag,) = flags.values()
+    check = _LayoutCheck(flag, layouts)
     try:
-        result = insert(flag, lambda: _raise_first_offsets_error(layouts))
+        result = insert(flag, check.refused)
     except ValueError:
         if not bool(flag):  # not refused for the offsets: someone else's error
             raise
     else:
-        if not any(t.defer for t in tables):
-            return result, _same
-        checked = {id(lay[0]): lay for lay in layouts if lay[0].numel()}
-        return result, lambda offs: _good_if_flagged(flag, *checked[id(offs)]) if id(offs) in checked else offs
+        check.deferring = any(t.defer for t in tables)
+        return result, check
     _raise_first_offsets_error(layouts)  # outside the except: the refusal is no part of the user's error
 
 
-def _good_if_flagged(flag: torch.Tensor, offsets: torch.Tensor, n: int, include_last_offset: bool) -> torch.Tensor:
-    """``offsets``, or where ``flag`` is set a good layout of as many bags over ``n`` ids (on
-    the device, nothing read back): see :func:`_insert_checked`."""
-    if not include_last_offset:
-        return torch.where(flag, 0, offsets)  # one kernel (masked_fill out of place: a copy, then the fill)
-    good = torch.zeros_like(offsets)
-    good[-1] = n
-    return torch.where(flag, good, offsets)
+class _LayoutCheck:
+    """The bag layouts' check that rode on a training insert (:func:`_insert_checked`): its
+    flag (None: nothing left to check), the guard of the layouts looked up after it, and
+    the refusal that a deferred insert raises when its counts are read, once for every
+    insert that carried the flag."""
 
+    def __init__(self, flag: torch.Tensor | None = None, layouts: Sequence[tuple] = ()) -> None:
+        self.flag = flag
+        self.layouts = layouts
+        self.deferring = False  # some table of the insert defers: the guard replaces flagged layouts
+        self.raised = False
 
-def _same(offsets: torch.Tensor) -> torch.Tensor:
-    """The guard of an insert that read its layouts' check (see _insert_checked)."""
-    return offsets
+    def guard(self, offsets: torch.Tensor, n: int, include_last_offset: bool) -> torch.Tensor:
+        """``offsets`` (of ``n`` ids), or, when the insert may have deferred and the layout
+        is one of the checked ones, a good layout of as many bags where the flag is set
+        (zeros, and ``n`` last with include_last_offset; on the device, nothing read back)."""
+        if not self.deferring or not offsets.numel():
+            return offsets
+        if not any(o is offsets and m == n and i == include_last_offset for o, m, i in self.layouts):
+            return offsets
+        if not include_last_offset:
+            return torch.where(self.flag, 0, offsets)  # one kernel (masked_fill out of place: a copy and a fill)
+        good = torch.zeros_like(offsets)
+        good[-1] = n
+        return torch.where(self.flag, good, offsets)
+
+    def refused(self) -> None:
+        """Raises the first bad layout's error (the first time only). When the offsets were
+        changed in place since (none breaks a rule now), a ValueError says so."""
+        if self.raised:
+            return
+        self.raised = True
+        try:
+            _raise_first_offsets_error(self.layouts)
+        except AssertionError:
+            pass
+        raise ValueError(
+            "the bag layout (offsets) of an earlier training forward broke a rule of nn.EmbeddingBag's offsets; "
+            "that forward changed no table and read zeros. Its offsets were changed in place since, so the rule "
+            "it broke is unknown"
+        )
 
 
 def _raise_first_offsets_error(layouts: Sequence[tuple]) -> NoReturn:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -283,7 +283,9 @@ class HashTable(PlainAttrs, nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"dim={self.dim}, size={self.size}, capacity={self.capacity}, max_capacity={self.max_capacity}, "
+            # Never reads deferred counts (a repr must not wait, nor raise a refusal): ">=" while some are unread.
+            f"dim={self.dim}, size{'>=' if self._unread else '='}{self._size}, capacity={self.capacity}, "
+            f"max_capacity={self.max_capacity}, "
             f"eviction={self.eviction!r}, initializer={self.initializer!r}"
         )
 
@@ -298,7 +300,7 @@ class HashTable(PlainAttrs, nn.Module):
         ids: torch.Tensor,
         padding_id: int | None = None,
         bad_input: torch.Tensor | None = None,
-        on_refused: Callable[[], NoReturn] | None = None,
+        on_refused: Callable[[], None] | None = None,
         allow_defer: bool = True,
     ) -> torch.Tensor:
         """Slots of ``ids``, inserting missing ids (growing or evicting as needed).
@@ -315,8 +317,9 @@ class HashTable(PlainAttrs, nn.Module):
 
         A deferred call (``defer``, see the class docstring) reads nothing back: a set
         ``bad_input`` is raised when its counts are read (:meth:`settle`), by
-        ``on_refused()`` when given (it must raise), with the call's slots all -1 and the
-        table unchanged (its LRU clock tick stays). ``allow_defer=False`` reads the counts
+        ``on_refused()`` when given (it raises, or returns when it raised for another call
+        already), with the call's slots all -1 and the table unchanged (its LRU clock
+        tick stays). ``allow_defer=False`` reads the counts
         back whatever ``defer`` says (a sharded owner's insert: its failure must reach
         every rank in the same step).
         """
@@ -467,6 +470,7 @@ class HashTable(PlainAttrs, nn.Module):
     def erase(self, ids: torch.Tensor) -> int:
         """Removes ``ids``; returns how many were present."""
         _ext.require()
+        self.settle()  # first: a refused deferred call raises before anything changes
         self._join_update()  # a freed slot may be filled by the next insert
         erased = int(torch.ops.veloce.erase(self.keys, self.digests, ids).sum())
         self._note_changed()
@@ -488,6 +492,7 @@ class HashTable(PlainAttrs, nn.Module):
 
     def clear(self) -> None:
         """Removes every entry (keeps the capacity)."""
+        self.settle()  # first: a refused deferred call raises before anything changes
         self._join_update()
         self.digests.zero_()
         self.size = 0
@@ -615,7 +620,7 @@ def find_or_insert_many(
     ids: Sequence[torch.Tensor],
     padding_ids: Sequence[int | None] | None = None,
     bad_input: torch.Tensor | None = None,
-    on_refused: Callable[[], NoReturn] | None = None,
+    on_refused: Callable[[], None] | None = None,
     allow_defer: bool = True,
 ) -> list[torch.Tensor]:
     """``[t.find_or_insert(i, p) for t, i, p in zip(tables, ids, padding_ids)]`` in one op.
@@ -670,7 +675,7 @@ def find_or_insert_many(
 
 def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tensor],
                           padding_ids: Sequence[int | None], bad_input: torch.Tensor | None = None,
-                          on_refused: Callable[[], NoReturn] | None = None,
+                          on_refused: Callable[[], None] | None = None,
                           allow_defer: bool = True) -> list[torch.Tensor]:  # fmt: skip
     """find_or_insert_many over distinct tables: one op call, then per-table growth retries
     (or one deferred op call, when every table may defer)."""
@@ -714,7 +719,7 @@ class _DeferredCounts:
 
     __slots__ = ("event", "host", "on_refused", "refused_raised", "rows")
 
-    def __init__(self, counts: torch.Tensor, on_refused: Callable[[], NoReturn] | None) -> None:
+    def __init__(self, counts: torch.Tensor, on_refused: Callable[[], None] | None) -> None:
         self.host, self.event = counts, None
         if counts.is_cuda:
             self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
@@ -744,18 +749,20 @@ class _DeferredCounts:
         return self.rows[k][0], self.rows[k][1]
 
     def refuse(self) -> None:
-        """Raises the call's bad_input error, once for all its tables."""
+        """Raises the call's bad_input error, once for all its tables: ``on_refused()`` when
+        given (it may return when it raised for another call already), else a ValueError."""
         if self.refused_raised:
             return
         self.refused_raised = True
         if self.on_refused is not None:
             self.on_refused()
+            return
         _refuse_if_set(torch.tensor(True))
 
 
 def _insert_deferred(tables: Sequence[HashTable], ids: Sequence[torch.Tensor], padding_ids: Sequence[int | None],
                      bad_input: torch.Tensor | None,
-                     on_refused: Callable[[], NoReturn] | None) -> list[torch.Tensor]:  # fmt: skip
+                     on_refused: Callable[[], None] | None) -> list[torch.Tensor]:  # fmt: skip
     """One find_or_insert(_many) op over distinct CUDA tables on one device with ``defer``
     (the tables said yes to :meth:`HashTable._deferrable`): the slots now, the counts later
     (:class:`_DeferredCounts`, read by :meth:`HashTable.settle`)."""
