@@ -1465,7 +1465,7 @@ def test_deferred_insert_without_room_warns_and_grows(device, monkeypatch):
     emb(torch.arange(28, device=device).view(1, 28)).sum().backward()  # 28 <= 0.9 * 32: deferred
     emb.step()
     before = snapshot(emb)
-    monkeypatch.setattr(veloce.table.HashTable, "_deferrable", lambda self, ids: True)
+    monkeypatch.setattr(veloce.table.HashTable, "_deferrable", lambda self, ids, bad_input=None: True)
     new = torch.arange(100, 110, device=device).view(2, 5)
     out = emb(new)
     assert not out.any()
@@ -1556,3 +1556,27 @@ def test_refusal_read_by_erase_or_clear_raises_first(device, op, monkeypatch):
     assert "size>=" not in repr(emb.table)
     emb.table.erase(torch.arange(5, device=device)) if op == "erase" else emb.table.clear()
     assert len(emb) == (5 if op == "erase" else 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_deferring_table_filling_up_grows_early(device, monkeypatch):
+    """A table half way to grow_at that a call would take past it grows first (one doubling
+    early) and the call defers; a batch with more ids than grow_at * capacity waits (the
+    read-back path grows as it always does)."""
+    _counts_in_flight(monkeypatch)
+    emb = veloce.DynamicEmbedding(4, mode="sum", capacity=64, device=device, defer_inserts=True)
+    emb(torch.arange(40, device=device).view(1, 40))  # 40 <= 0.9 * 64: deferred
+    emb(torch.arange(40, 60, device=device).view(1, 20))  # 40 + 20 > 57.6, 40 >= 28.8: grows, defers
+    assert emb.capacity == 128 and emb.table._unread
+    assert len(emb) == 60 and not emb.table._unread
+    bad = (torch.arange(6, device=device) + 1000, torch.tensor([0, 4, 2], device=device))
+    emb(*bad)  # deferred: raised at the step
+    with pytest.raises(ValueError, match="non-decreasing"):
+        emb.step()
+    small = veloce.DynamicEmbedding(4, mode="sum", capacity=64, device=device, defer_inserts=True)
+    small(torch.arange(10, device=device).view(1, 10))
+    with pytest.raises(ValueError, match="non-decreasing"):  # 100 ids > 57.6: the read-back path, which raises here
+        small(torch.arange(100, device=device) + 500, torch.tensor([0, 60, 50], device=device))
+    assert small.capacity == 64 and len(small) == 10
+    small(torch.arange(100, device=device).view(2, 50) + 500)
+    assert small.capacity >= 128 and len(small) == 110

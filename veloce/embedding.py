@@ -73,10 +73,11 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             unchanged but for its LRU clock tick); and an insert that finds no room (rare:
             a call defers only while the table's size plus the ids of this call and of the
             calls not read yet stay within ``grow_at * capacity``) drops that step's lookup
-            of this table the same way, with a warning, and the table grows. A call waits
-            as before when that bound does not hold (a table whose free slots are fewer
-            than ``(1 - grow_at) * capacity`` plus the ids of a batch: it grows once its
-            size passes ``grow_at * capacity``), when the table is at ``max_capacity`` (it
+            of this table the same way, with a warning, and the table grows. A table at
+            least half way to ``grow_at`` that a call would take past it grows first (one
+            doubling early). A call waits as before when the bound does not hold otherwise
+            (a batch with more ids than ``grow_at * capacity``, or than the room left in a
+            table less than half way there), when the table is at ``max_capacity`` (it
             may evict), or under ``torch.use_deterministic_algorithms``; tables sharded by
             :class:`veloce.distributed.HybridParallel` always wait (an owner's failure
             must stop every rank). A refusal is raised by whatever reads the counts first

@@ -91,7 +91,10 @@ class HashTable(PlainAttrs, nn.Module):
     optimizer step (:meth:`settle`). A call defers only while the table's size plus the ids
     of the calls not read yet (an upper bound of what they insert) and its own stay at most
     ``grow_at * capacity``, the table is below ``max_capacity`` (it may not evict) and
-    ``torch.use_deterministic_algorithms`` is off; other calls wait as before. A deferred
+    ``torch.use_deterministic_algorithms`` is off; other calls wait as before. A table
+    at least half way to ``grow_at`` that a call would take past it grows first, one
+    doubling earlier than it would otherwise (a batch with more ids than ``grow_at *
+    capacity`` waits instead). A deferred
     call changes nothing when it finds no room (rare below ``grow_at``: two-choice
     placement overflowing a bucket pair): its slots are all -1, so that step's lookups of
     the table read no rows and its gradient there is dropped; the read warns and grows the
@@ -324,7 +327,7 @@ class HashTable(PlainAttrs, nn.Module):
         every rank in the same step).
         """
         with _ticked_clocks([self]) as booked:
-            if allow_defer and self._deferrable([ids]):
+            if allow_defer and self._deferrable([ids], bad_input):
                 (slots,) = _insert_deferred([self], [ids], [padding_id], bad_input, on_refused)
             else:
                 slots = self._insert(self._find_or_insert_call(ids, padding_id, bad_input), bad_input=bad_input)
@@ -332,10 +335,16 @@ class HashTable(PlainAttrs, nn.Module):
         return slots
 
     # ---- deferred inserts -------------------------------------------------------------
-    def _deferrable(self, ids: Sequence[torch.Tensor]) -> bool:
+    def _deferrable(self, ids: Sequence[torch.Tensor], bad_input: torch.Tensor | None = None) -> bool:
         """Whether an insert of ``ids`` (one tensor per call of the table) may skip its
         read-back: see the class docstring. Reads the counts that already arrived first
-        when the bound does not hold with the unread ones."""
+        when the bound does not hold with the unread ones.
+
+        A table filling up would otherwise wait for the read-back in every call from the
+        moment a batch could pass ``grow_at`` until its size does. So once it is half way
+        there (and a batch's ids alone do not pass the bound), it grows now, one doubling
+        early, and defers. Growth reads the device back anyway: ``bad_input`` is read
+        first, and a set flag raises as the op would, before anything changes."""
         if not self.defer or self._at_max() or torch.are_deterministic_algorithms_enabled():
             return False
         n = sum(i.numel() for i in ids)
@@ -344,7 +353,16 @@ class HashTable(PlainAttrs, nn.Module):
             return True
         if self._unread:
             self.settle(wait=False)
-        return self._size + self._unread_bound + n <= limit
+            if self._size + self._unread_bound + n <= limit:
+                return True
+        if self._size + self._unread_bound < limit / 2 or n > limit:
+            return False
+        self.settle()
+        if self._size < limit / 2:
+            return self._size + n <= limit
+        _refuse_if_set(bad_input)
+        self.resize(self.capacity * 2)
+        return not self._at_max() and self._size + n <= self.grow_at * self.capacity
 
     def settle(self, wait: bool = True) -> None:
         """Reads the counts of the deferred inserts not read yet, oldest first (all of
@@ -681,7 +699,7 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
     (or one deferred op call, when every table may defer)."""
     _ext.require()
     with _ticked_clocks(tables) as booked:
-        if allow_defer and all(t._deferrable([i]) for t, i in zip(tables, ids)):
+        if allow_defer and all(t._deferrable([i], bad_input) for t, i in zip(tables, ids)):
             out = _insert_deferred(tables, ids, padding_ids, bad_input, on_refused)
             booked.update(id(t) for t in tables)
             return out
