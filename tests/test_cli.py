@@ -139,3 +139,26 @@ def test_strategy_reaches_hybrid_parallel(tmp_path, monkeypatch):
     cli.build_trainer(cfg, cli.build_model(cfg, torch.device("cpu")), checkpoints=False)
     assert seen == {"sparse": "async", "staleness": 1, "dense": "ddp", "lookup_errors": "raise",
                     "exchange_dtype": "bfloat16"}  # fmt: skip
+
+
+def test_tables_defer_inserts_reaches_every_table_and_trains_alike(tmp_path, capsys):
+    """tables.defer_inserts=true: every DynamicEmbedding defers its training inserts, and
+    training ends where it ends without (the CPU op is the same; only when counts are read
+    differs)."""
+    import torch
+
+    from veloce import DynamicEmbedding
+
+    cfg = load_config(write_config(tmp_path, TINY), ["tables.defer_inserts=true"])
+    tables = [m for m in cli.build_model(cfg, torch.device("cpu")).modules() if isinstance(m, DynamicEmbedding)]
+    assert len(tables) == 4 and all(t.defer_inserts for t in tables)
+    history = []
+    for defer in ("false", "true"):
+        path = tmp_path / defer
+        path.mkdir()
+        assert cli.main(["train", write_config(path, TINY), "--set", f"tables.defer_inserts={defer}"]) == 0
+        timeless = ("seconds", "samples_per_s")
+        history.append([{k: v for k, v in r.items() if k not in timeless}
+                        for r in json.loads((path / "run" / "metrics.json").read_text())["history"]])  # fmt: skip
+    capsys.readouterr()
+    assert history[0] == history[1] and len(history[0]) == 2

@@ -61,7 +61,7 @@ def build_model(cfg: Config, device: torch.device) -> nn.Module:
     def table(dim: int) -> veloce.DynamicEmbedding:
         return veloce.DynamicEmbedding(
             dim, mode=t.mode, capacity=t.capacity, max_capacity=t.max_capacity, eviction=t.eviction,
-            initializer=init, optimizer=sparse_opt, seed=next(seeds), device=device,
+            initializer=init, optimizer=sparse_opt, seed=next(seeds), device=device, defer_inserts=t.defer_inserts,
         )  # fmt: skip
 
     num_dense, num_sparse = _feature_counts(cfg)

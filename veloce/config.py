@@ -120,6 +120,7 @@ class TablesConfig:
     mode: Literal["sum", "mean"] = "sum"
     initializer: Literal["normal", "uniform", "zeros"] = "normal"
     init_scale: float = 0.01
+    defer_inserts: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "capacity", "max_capacity")
