@@ -1580,3 +1580,18 @@ def test_a_deferring_table_filling_up_grows_early(device, monkeypatch):
     assert small.capacity == 64 and len(small) == 10
     small(torch.arange(100, device=device).view(2, 50) + 500)
     assert small.capacity >= 128 and len(small) == 110
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_load_forgets_an_unread_refusal(device, monkeypatch):
+    """A state_dict load replaces the table: a refused deferred forward before it (it changed
+    nothing) is forgotten, not raised as a load error; a repr never waits nor raises."""
+    _counts_in_flight(monkeypatch)
+    src = veloce.DynamicEmbedding(4, mode="sum", device=device)
+    src(torch.arange(8, device=device).view(2, 4))
+    emb = veloce.DynamicEmbedding(4, mode="sum", device=device, defer_inserts=True)
+    emb(torch.arange(6, device=device) + 50, torch.tensor([0, 4, 2], device=device))  # refused, unread
+    assert "size>=0" in repr(emb)
+    emb.load_state_dict(src.state_dict())
+    assert len(emb) == 8 and "size=8" in repr(emb)
+    emb.step()  # nothing left to raise

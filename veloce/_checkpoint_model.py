@@ -292,6 +292,8 @@ class Undo:
 
     @torch.no_grad()
     def __init__(self, plan: Plan, optimizer) -> None:
+        for m, *_ in plan.tables.values():  # exact sizes; a refused deferred insert is forgotten (the load replaces)
+            m.table.settle(refusals=False)
         self.tables = [
             (m, {b: getattr(m.table, b) for b in _STATE_NAMES}, m.table.size, m.table.version, m.table.clock,
              m.step_count, list(m._pending), m._nonfinite_error)

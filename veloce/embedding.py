@@ -646,7 +646,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         self._pending.clear()
 
     def extra_repr(self) -> str:
-        return f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, size={len(self)}"
+        return f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, {self.table._size_text()}"
 
 
 def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Optional[float]]] = None) -> None:

@@ -284,10 +284,14 @@ class HashTable(PlainAttrs, nn.Module):
     def __len__(self) -> int:
         return self.size
 
+    def _size_text(self) -> str:
+        """``size=N`` for a repr, which must not wait for deferred counts nor raise a
+        refusal: ``size>=N`` while some are unread."""
+        return f"size{'>=' if self._unread else '='}{self._size}"
+
     def extra_repr(self) -> str:
         return (
-            # Never reads deferred counts (a repr must not wait, nor raise a refusal): ">=" while some are unread.
-            f"dim={self.dim}, size{'>=' if self._unread else '='}{self._size}, capacity={self.capacity}, "
+            f"dim={self.dim}, {self._size_text()}, capacity={self.capacity}, "
             f"max_capacity={self.max_capacity}, "
             f"eviction={self.eviction!r}, initializer={self.initializer!r}"
         )
@@ -364,11 +368,12 @@ class HashTable(PlainAttrs, nn.Module):
         self.resize(self.capacity * 2)
         return not self._at_max() and self._size + n <= self.grow_at * self.capacity
 
-    def settle(self, wait: bool = True) -> None:
+    def settle(self, wait: bool = True, refusals: bool = True) -> None:
         """Reads the counts of the deferred inserts not read yet, oldest first (all of
         them, waiting for the device; with ``wait=False`` those that arrived). Books what
-        they inserted; a call refused for its ``bad_input`` raises here (its error, once);
-        one that found no room warns and grows the table (see the class docstring)."""
+        they inserted; a call refused for its ``bad_input`` raises here (its error, once;
+        ``refusals=False``: forgotten, for a load that replaces the contents anyway); one
+        that found no room warns and grows the table (see the class docstring)."""
         while self._unread:
             counts, row, bound = self._unread[0]
             if not counts.arrived(wait):
@@ -379,7 +384,8 @@ class HashTable(PlainAttrs, nn.Module):
             if failed == 0:
                 self._size += inserted
             elif failed < 0:
-                counts.refuse()  # raises, the first time for this call
+                if refusals:
+                    counts.refuse()  # raises, the first time for this call
             else:
                 self._no_room_deferred(failed)
 
@@ -613,6 +619,7 @@ class HashTable(PlainAttrs, nn.Module):
             )
         if self.max_capacity is not None and n > self.max_capacity:
             raise ValueError(f"{n} entries do not fit max_capacity {self.max_capacity}")
+        self.settle(refusals=False)  # the contents are replaced: a refused call (it changed nothing) is forgotten
         cap = self.capacity
         while n > self.grow_at * cap and (self.max_capacity is None or cap < self.max_capacity):
             cap *= 2
