@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -132,8 +132,7 @@ class HashTable(PlainAttrs, nn.Module):
             cap = self.max_capacity
         self._size = 0  # occupied slots, not counting the deferred inserts not read yet
         self.defer = False  # deferred inserts (see the class docstring)
-        self._unread: list[tuple[_DeferredCounts, int, int]] = []  # (counts, row, bound) per unread call
-        self._unread_bound = 0  # the sum of their bounds (each call's number of ids)
+        self._unread: list[tuple[_DeferredCounts, int, int]] = []  # (counts, row, ids) per unread call
         self.version = 0  # bumped whenever a present key may change slot
         self.clock = 0  # LRU time: one tick per training lookup
         self.num_evicted = 0
@@ -143,8 +142,7 @@ class HashTable(PlainAttrs, nn.Module):
         self._allocate(cap, dtype, torch.device(device) if device is not None else torch.device("cpu"))
 
     # Bookkeeping set on every training lookup (see PlainAttrs).
-    _PLAIN_ATTRS = frozenset({"_size", "version", "clock", "num_evicted", "last_evicted", "_update_fence", "_changed",
-                              "_unread_bound"})
+    _PLAIN_ATTRS = frozenset({"_size", "version", "clock", "num_evicted", "last_evicted", "_update_fence", "_changed"})
 
     # The sparse update last queued on a side stream (veloce._update_stream), until a use of
     # the rows waited for it.
@@ -246,7 +244,6 @@ class HashTable(PlainAttrs, nn.Module):
             state["_size"] = state.pop("size")
         state.setdefault("defer", False)
         state.setdefault("_unread", [])
-        state.setdefault("_unread_bound", 0)
         super().__setstate__(state)
 
     @property
@@ -353,13 +350,13 @@ class HashTable(PlainAttrs, nn.Module):
             return False
         n = sum(i.numel() for i in ids)
         limit = self.grow_at * self.capacity
-        if self._size + self._unread_bound + n <= limit:
+        if self._size + self._unread_ids() + n <= limit:
             return True
         if self._unread:
             self.settle(wait=False)
-            if self._size + self._unread_bound + n <= limit:
+            if self._size + self._unread_ids() + n <= limit:
                 return True
-        if self._size + self._unread_bound < limit / 2 or n > limit:
+        if self._size + self._unread_ids() < limit / 2 or n > limit:
             return False
         self.settle()
         if self._size < limit / 2:
@@ -368,6 +365,10 @@ class HashTable(PlainAttrs, nn.Module):
         self.resize(self.capacity * 2)
         return not self._at_max() and self._size + n <= self.grow_at * self.capacity
 
+    def _unread_ids(self) -> int:
+        """The ids of the deferred calls not read yet: an upper bound of what they inserted."""
+        return sum(n for _, _, n in self._unread)
+
     def settle(self, wait: bool = True, refusals: bool = True) -> None:
         """Reads the counts of the deferred inserts not read yet, oldest first (all of
         them, waiting for the device; with ``wait=False`` those that arrived). Books what
@@ -375,11 +376,10 @@ class HashTable(PlainAttrs, nn.Module):
         ``refusals=False``: forgotten, for a load that replaces the contents anyway); one
         that found no room warns and grows the table (see the class docstring)."""
         while self._unread:
-            counts, row, bound = self._unread[0]
+            counts, row, _ = self._unread[0]
             if not counts.arrived(wait):
                 return
             self._unread.pop(0)
-            self._unread_bound -= bound
             inserted, failed = counts.row(row)
             if failed == 0:
                 self._size += inserted
@@ -758,12 +758,11 @@ class _DeferredCounts:
     def arrived(self, wait: bool) -> bool:
         """Whether the counts are on the host (with ``wait``: after waiting for them)."""
         if self.rows is None:
-            if self.event is None:
-                pass
-            elif wait:
-                self.event.synchronize()
-            elif not self.event.query():
-                return False
+            if self.event is not None:
+                if wait:
+                    self.event.synchronize()
+                elif not self.event.query():
+                    return False
             rows = self.host.tolist()
             self.rows = rows if self.host.dim() == 2 else [rows]  # one table's (2,): one row
         return True
@@ -782,7 +781,7 @@ class _DeferredCounts:
         if self.on_refused is not None:
             self.on_refused()
             return
-        _refuse_if_set(torch.tensor(True))
+        _raise_refused()
 
 
 def _insert_deferred(tables: Sequence[HashTable], ids: Sequence[torch.Tensor], padding_ids: Sequence[int | None],
@@ -797,33 +796,21 @@ def _insert_deferred(tables: Sequence[HashTable], ids: Sequence[torch.Tensor], p
     args = [t._find_or_insert_args(i, p, False) for t, i, p in zip(tables, ids, padding_ids)]
     states = [t._state(join=False) for t in tables]
 
-    def call() -> tuple[list[torch.Tensor], _DeferredCounts]:
+    def call() -> tuple[list[torch.Tensor], _DeferredCounts, torch.Tensor]:
         if len(tables) == 1:  # counts (2,): _DeferredCounts reads it as one row
-            slots, counts, _ = torch.ops.veloce.find_or_insert(*states[0], *args[0], bad_input, True)
+            slots, counts, evicted = torch.ops.veloce.find_or_insert(*states[0], *args[0], bad_input, True)
             out = [slots]
         else:
             cols, per_arg = [list(c) for c in zip(*states)], [list(a) for a in zip(*args)]
-            slots, counts, _ = torch.ops.veloce.find_or_insert_many(*cols, *per_arg, bad_input, True)
+            slots, counts, evicted = torch.ops.veloce.find_or_insert_many(*cols, *per_arg, bad_input, True)
             out = list(slots.split([i.numel() for i in ids]))
-        return out, _DeferredCounts(counts, on_refused)  # the copy queued on the op's stream
+        return out, _DeferredCounts(counts, on_refused), evicted  # the copy queued on the op's stream
 
-    out, counts = insert_beside_updates(tables, call)
+    out, counts, evicted = insert_beside_updates(tables, call)
     for k, (t, i) in enumerate(zip(tables, ids)):
         t._unread.append((counts, k, i.numel()))
-        t._unread_bound += i.numel()
-        t.last_evicted = _no_keys(t.device)
+        t._note_inserted(0, evicted)  # none evicted; what it inserted is booked when read (settle)
     return out
-
-
-_NO_KEYS: dict[torch.device, torch.Tensor] = {}
-
-
-def _no_keys(device: torch.device) -> torch.Tensor:
-    """An empty int64 tensor on ``device`` (last_evicted of a deferred insert), made once."""
-    keys = _NO_KEYS.get(device)
-    if keys is None:
-        keys = _NO_KEYS[device] = torch.empty(0, dtype=torch.long, device=device)
-    return keys
 
 
 def insert_beside_updates(tables: Sequence[HashTable], call: Callable[[], _T]) -> _T:
@@ -841,10 +828,15 @@ def _refuse_if_set(bad_input: torch.Tensor | None) -> None:
     """Raises the ValueError of a refused call (as the op would) when ``bad_input`` is set.
     Reads the flag back: only for paths that wait for the device anyway (growth)."""
     if bad_input is not None and bool(bad_input):
-        raise ValueError(
-            "find_or_insert: bad_input is set: the caller's check of this call's input failed; nothing was "
-            "inserted and no table was changed"
-        )
+        _raise_refused()
+
+
+def _raise_refused() -> NoReturn:
+    """The ValueError of a call refused for its ``bad_input`` (as the op raises it)."""
+    raise ValueError(
+        "find_or_insert: bad_input is set: the caller's check of this call's input failed; nothing was "
+        "inserted and no table was changed"
+    )
 
 
 @contextlib.contextmanager
