@@ -71,6 +71,23 @@ void check_bad_input_unset(const char* op, bool set) {
                     "inserted and no table was changed");
 }
 
+void check_clock(const char* op, const std::optional<at::Tensor>& clock, int64_t K, const at::Tensor& keys) {
+  if (!clock) return;
+  TORCH_CHECK_VALUE(clock->scalar_type() == at::kLong && clock->dim() == 1 && clock->size(0) == K, op,
+                    ": clock must be an int64 tensor of shape (", K, ",) (one value per table), got ",
+                    dtype_name(clock->scalar_type()), " of shape ", shape_str(*clock));
+  check_same_device(op, "clock", *clock, "keys", keys);
+}
+
+void check_lr_step(const char* op, const std::optional<at::Tensor>& lr_step, const char* ref_name,
+                   const at::Tensor& ref) {
+  if (!lr_step) return;
+  TORCH_CHECK_VALUE(lr_step->scalar_type() == at::kDouble && lr_step->dim() == 1 && lr_step->size(0) == 2, op,
+                    ": lr_step must be a float64 tensor of shape (2,) ([lr, step]), got ",
+                    dtype_name(lr_step->scalar_type()), " of shape ", shape_str(*lr_step));
+  check_same_device(op, "lr_step", *lr_step, ref_name, ref);
+}
+
 void check_defer(const char* op, bool defer, bool allow_evict, int64_t table) {
   TORCH_CHECK_VALUE(!(defer && allow_evict), op, ": defer=True with allow_evict=True",
                     table >= 0 ? " (table " + std::to_string(table) + ")" : std::string(),

@@ -53,7 +53,11 @@ TORCH_LIBRARY(veloce, m) {
       "find_or_insert(Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, Tensor(d!) weights, "
       "Tensor(e!) opt_state, Tensor ids, int score_policy, int score_value, bool allow_evict, "
       "int seed, int init_kind, float init_a, float init_b, int? padding_id=None, Tensor? bad_input=None, "
-      "bool defer=False) -> (Tensor slots, Tensor counts, Tensor evicted_keys)");
+      "bool defer=False, Tensor? clock=None) -> (Tensor slots, Tensor counts, Tensor evicted_keys)");
+  // clock: a (1,) int64 tensor on the table's device, or None. When given, it replaces
+  // score_value and is read on the device (on CUDA by the kernels, no host read): a call
+  // captured in a CUDA graph then stamps the value the clock holds when the graph is
+  // replayed. Its value is not checked on CUDA.
   // find_or_insert on K tables at once (list arguments: entry k is table k's), with the
   // results of K separate calls: slots of all tables concatenated (table k's N_k after the
   // N of the tables before it), counts (K, 3) = [inserted, failed, evicted] per table (a
@@ -66,7 +70,8 @@ TORCH_LIBRARY(veloce, m) {
       "find_or_insert_many(Tensor(a!)[] keys, Tensor(b!)[] digests, Tensor(c!)[] scores, Tensor(d!)[] weights, "
       "Tensor(e!)[] opt_state, Tensor[] ids, int[] score_policy, int[] score_value, bool[] allow_evict, "
       "int[] seed, int[] init_kind, float[] init_a, float[] init_b, int?[] padding_id, Tensor? bad_input=None, "
-      "bool defer=False) -> (Tensor slots, Tensor counts, Tensor evicted_keys)");
+      "bool defer=False, Tensor? clock=None) -> (Tensor slots, Tensor counts, Tensor evicted_keys)");
+  // clock: as for find_or_insert, (K,) int64: clock[k] replaces score_value[k].
   // Writes values (N, D) to the rows of ids, inserting missing ids. opt_values (N, S)
   // and score_values (N,) are written when given; otherwise new rows get zero state and
   // scores follow score_policy. With duplicate ids the last occurrence wins.
@@ -179,7 +184,13 @@ TORCH_LIBRARY(veloce, m) {
       "accumulate_and_update(Tensor(a!) weights, Tensor(b!) opt_state, Tensor grad_output, Tensor slots, "
       "Tensor offsets, Tensor? per_sample_weights, int pooling, bool include_last_offset, int optimizer, float lr, "
       "float eps, float beta1, float beta2, float weight_decay, int step, bool check_inputs=True, "
-      "Tensor? skip=None) -> ()");
+      "Tensor? skip=None, Tensor? lr_step=None) -> ()");
+  // lr_step: a (2,) float64 tensor on weights' device, or None. When given, lr_step[0]
+  // replaces lr and lr_step[1] (a whole number) replaces step, read on the device (on
+  // CUDA by the kernels: no host read), so that a call captured in a CUDA graph applies
+  // the learning rate and (Adam) step count the tensor holds when the graph is replayed.
+  // The CPU checks the values as it checks lr and step; CUDA does not read them on the
+  // host (rows too wide for the fused kernel read them there, with a sync).
   // accumulate_and_update of K tables in one call: the same as calling it for each k on
   // (weights[k], opt_state[k], grad_output[k], slots[k], offsets[k], per_sample_weights[k])
   // with the other arguments shared. The tables share device, dtype and embedding dim (and
@@ -190,7 +201,7 @@ TORCH_LIBRARY(veloce, m) {
       "accumulate_and_update_many(Tensor(a!)[] weights, Tensor(b!)[] opt_state, Tensor[] grad_output, "
       "Tensor[] slots, Tensor[] offsets, Tensor?[] per_sample_weights, int pooling, bool include_last_offset, "
       "int optimizer, float lr, float eps, float beta1, float beta2, float weight_decay, int step, "
-      "bool check_inputs=True, Tensor? skip=None) -> ()");
+      "bool check_inputs=True, Tensor? skip=None, Tensor? lr_step=None) -> ()");
   // flags (num_owners + 1,) bool on the tensors' device: flags[k] is true when a tensor i
   // with owner[i] == k holds a NaN or an infinity (an exponent of all ones: the test
   // std::isfinite makes, on the bits), flags[num_owners] when any tensor does. One read of

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <cstring>
 #include <utility>
@@ -424,15 +425,32 @@ bool skipped(const char* op, const std::optional<at::Tensor>& skip, const char* 
   return skip->item<bool>();
 }
 
+// The lr_step argument of accumulate_and_update(_many), checked, read into lr and step (a
+// host read on the CPU) and those checked as the scalar arguments are.
+void read_lr_step(const char* op, const std::optional<at::Tensor>& lr_step, const char* ref_name,
+                  const at::Tensor& weights, int64_t optimizer, double& lr, double eps, double beta1, double beta2,
+                  int64_t& step) {
+  if (!lr_step) return;
+  check_lr_step(op, lr_step, ref_name, weights);
+  const at::Tensor v = lr_step->contiguous();
+  const double* p = v.data_ptr<double>();
+  TORCH_CHECK_VALUE(std::isfinite(p[1]) && p[1] == std::floor(p[1]) && std::abs(p[1]) < 9.0e15, op,
+                    ": lr_step[1] (the step count) must be a whole number, got ", p[1]);
+  lr = p[0];
+  step = static_cast<int64_t>(p[1]);
+  check_update_hyper(op, optimizer, lr, eps, beta1, beta2, step);
+}
+
 void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state,
                                const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
                                const c10::optional<at::Tensor>& per_sample_weights, int64_t mode,
                                bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
                                double beta2, double weight_decay, int64_t step,
                                bool /*check_inputs: the checks read host memory, no sync to save*/,
-                               const std::optional<at::Tensor>& skip) {
+                               const std::optional<at::Tensor>& skip, const std::optional<at::Tensor>& lr_step) {
   constexpr const char* op = "veloce::accumulate_and_update";
   check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
+  read_lr_step(op, lr_step, "weights", weights, optimizer, lr, eps, beta1, beta2, step);
   const int64_t B = check_backward_args(op, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset);
   check_grad_output_for_weights(op, grad_output, weights);
   if (skipped(op, skip, "weights", weights)) return;
@@ -450,11 +468,12 @@ void accumulate_and_update_many_cpu(at::TensorList weights, at::TensorList opt_s
                                     bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
                                     double beta2, double weight_decay, int64_t step,
                                     bool /*check_inputs: as accumulate_and_update_cpu*/,
-                                    const std::optional<at::Tensor>& skip) {
+                                    const std::optional<at::Tensor>& skip, const std::optional<at::Tensor>& lr_step) {
   constexpr const char* op = "veloce::accumulate_and_update_many";
   const ManyTables tables = check_update_many_args(op, weights, opt_state, grad_output, slots, offsets,
                                                    per_sample_weights, mode, include_last_offset, optimizer, lr, eps,
                                                    beta1, beta2, step);
+  if (!weights.empty()) read_lr_step(op, lr_step, "weights[0]", weights[0], optimizer, lr, eps, beta1, beta2, step);
   const size_t K = weights.size();
   for (size_t k = 0; k < K; ++k) {
     const char* name = tables.names[k].c_str();

@@ -331,16 +331,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cpu(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id,
-    const std::optional<at::Tensor>& bad_input, bool defer) {
+    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock) {
   constexpr const char* op = "veloce::find_or_insert";
   check_insert_args(op, keys, digests, scores, weights, opt_state, ids, score_policy);
   check_init(op, init_kind, init_a, init_b);
   check_bad_input(op, bad_input, keys);
   check_defer(op, defer, allow_evict);
+  check_clock(op, clock, 1, keys);
   // The CPU computes counts where it runs: defer changes only how a refusal is reported.
   if (refused_cpu(op, bad_input, defer)) return refused_result(ids, keys);
-  return find_or_insert_checked(keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
-                                allow_evict, seed, init_kind, init_a, init_b, padding_id);
+  return find_or_insert_checked(keys, digests, scores, weights, opt_state, ids, score_policy,
+                                clock ? clock->data_ptr<int64_t>()[0] : score_value, allow_evict, seed, init_kind,
+                                init_a, init_b, padding_id);
 }
 
 // Each table in turn (the CPU has no syncs to share), every table's arguments (and
@@ -350,19 +352,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cpu(
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
     at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
-    const std::optional<at::Tensor>& bad_input, bool defer) {
+    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock) {
   constexpr const char* op = "veloce::find_or_insert_many";
   const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
                                                    score_value, allow_evict, seed, init_kind, init_a, init_b,
                                                    padding_id, bad_input);
   for (int64_t k = 0; k < K; ++k) check_defer(op, defer, allow_evict.get(k), k);
+  if (K > 0) check_clock(op, clock, K, keys[0]);
+  const at::Tensor clock_values = clock && K > 0 ? clock->contiguous() : at::Tensor();
+  const int64_t* clocks = clock_values.defined() ? clock_values.data_ptr<int64_t>() : nullptr;
   const bool refused = refused_cpu(op, bad_input, defer);
   std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> per_table;
   std::vector<at::Tensor> slots;
   for (int64_t k = 0; k < K; ++k) {
     at::Tensor ks = keys[k], ds = digests[k], ss = scores[k], ws = weights[k], os = opt_state[k];
     per_table.push_back(refused ? refused_result(ids[k], ks)
-                                : find_or_insert_checked(ks, ds, ss, ws, os, ids[k], score_policy[k], score_value[k],
+                                : find_or_insert_checked(ks, ds, ss, ws, os, ids[k], score_policy[k],
+                                                         clocks != nullptr ? clocks[k] : score_value[k],
                                                          allow_evict.get(k), seed[k], init_kind[k], init_a[k],
                                                          init_b[k], padding_id.get(k)));
     slots.push_back(std::get<0>(per_table.back()));

@@ -936,15 +936,28 @@ constexpr int update_min_blocks() {
 
 // ITER column packs per lane cover the row: D <= ITER * lanes * V. The group's tables
 // share D and S (the optimizer's state width).
+// The update rule from accumulate_and_update's lr_step, on the device (one thread): the
+// learning rate and step count a graph replay finds there.
+template <typename acc_t>
+__global__ void rule_from_lr_step_kernel(const double* __restrict__ lr_step, int64_t optimizer, double eps,
+                                         double beta1, double beta2, double weight_decay,
+                                         UpdateRule<acc_t>* __restrict__ out) {
+  *out = UpdateRule<acc_t>::make(optimizer, lr_step[0], eps, beta1, beta2, weight_decay,
+                                 static_cast<int64_t>(lr_step[1]));
+}
+
+// rule_at: the rule made on the device (lr_step), or null for rule_arg.
 template <typename scalar_t, typename key_t, int V, int ITER, int MaxK>
 __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>()) accumulate_update_kernel(
-    const __grid_constant__ TableGroup<MaxK> tg, int64_t D, int64_t S, UpdateRule<at::opmath_type<scalar_t>> rule,
-    const key_t* __restrict__ uniq, const int64_t* __restrict__ num_runs, const RunPlan* __restrict__ plan,
+    const __grid_constant__ TableGroup<MaxK> tg, int64_t D, int64_t S,
+    const UpdateRule<at::opmath_type<scalar_t>> rule_arg,
+    const UpdateRule<at::opmath_type<scalar_t>>* __restrict__ rule_at, const key_t* __restrict__ uniq, const int64_t* __restrict__ num_runs, const RunPlan* __restrict__ plan,
     const RunPlan* __restrict__ first, int64_t N, const int32_t* __restrict__ sorted_pos,
     const int32_t* __restrict__ bag_of, const at::opmath_type<scalar_t>* __restrict__ bag_scale, int lanes,
     at::opmath_type<scalar_t>* partial, int32_t* __restrict__ arrived, const bool* __restrict__ skip) {
   using acc_t = at::opmath_type<scalar_t>;
   if (skip != nullptr && *skip) return;  // the op's skip flag: no table is written
+  const UpdateRule<acc_t> rule = rule_at != nullptr ? *rule_at : rule_arg;
   // Work items: the runs (those of one chunk are done at once), then the chunks of runs
   // longer than one chunk (located by a binary search; they are few).
   const int64_t runs = *num_runs;
@@ -1106,7 +1119,7 @@ int64_t update_waves() {
 template <typename key_t, int MaxK>
 void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode, bool vec, int64_t optimizer,
                                  double lr, double eps, double beta1, double beta2, double weight_decay,
-                                 int64_t step, const bool* skip) {
+                                 int64_t step, const bool* skip, const double* lr_step) {
   const TableGroup<MaxK> tg = make_group<MaxK>(t, K);
   const int64_t N = tg.pos_base[K];
   const int64_t B = tg.bag_base[K];
@@ -1130,6 +1143,7 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
   const int64_t arrived_at = scratch.add<int32_t>(max_partials);  // zeroed by plan_kernel
   const int64_t partial_at = scratch.add_bytes(max_partials * D * acc_size);
   const int64_t scale_at = mode == kMean ? scratch.add_bytes(B * acc_size) : -1;
+  const int64_t rule_at = lr_step != nullptr ? scratch.add_bytes(sizeof(UpdateRule<double>)) : -1;
   size_t scan_bytes = 0;
   // The size query with the argument types of the call below (CUB sizes by them).
   C10_CUDA_CHECK(cub::DeviceScan::ExclusiveScan(nullptr, scan_bytes, static_cast<RunPlan*>(nullptr),
@@ -1160,6 +1174,12 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
     }
     acc_t* const partial = scratch.ptr<acc_t>(partial_at);
     const auto rule = UpdateRule<acc_t>::make(optimizer, lr, eps, beta1, beta2, weight_decay, step);
+    UpdateRule<acc_t>* const rule_dev = rule_at >= 0 ? scratch.ptr<UpdateRule<acc_t>>(rule_at) : nullptr;
+    if (rule_dev != nullptr) {
+      rule_from_lr_step_kernel<acc_t><<<1, 1, 0, stream()>>>(lr_step, optimizer, eps, beta1, beta2, weight_decay,
+                                                              rule_dev);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     auto launch = [&](auto vec, auto iter) {
       constexpr int V = decltype(vec)::value;
       constexpr int ITER = decltype(iter)::value;
@@ -1177,8 +1197,8 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
       const int64_t blocks = std::min<int64_t>(grid_for(N * lanes), waves > 0 ? waves * resident : 32 * 1024);
       accumulate_update_kernel<scalar_t, key_t, V, ITER, MaxK>
           <<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
-              tg, D, S, rule, up, num_runs, pp, fp, N, runs.sorted_pos, runs.bag_of, scale, lanes, partial, arrived,
-              skip);
+              tg, D, S, rule, rule_dev, up, num_runs, pp, fp, N, runs.sorted_pos, runs.bag_of, scale, lanes, partial,
+              arrived, skip);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto with_iter = [&](auto vec) {
@@ -1220,8 +1240,11 @@ void update_wide(const TableArgs& t, int64_t mode, int64_t optimizer, double lr,
 // skip (checked, or undefined): the fused kernels read it on the device and write nothing
 // when it is set; the unfused path of wide rows reads it on the host first (a sync, on a
 // path that syncs anyway), so that either every table is updated or none is.
+// lr_step (or undefined): read on the device by the fused kernels; the unfused path reads it
+// on the host (a sync).
 void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t optimizer, double lr, double eps,
-                   double beta1, double beta2, double weight_decay, int64_t step, const at::Tensor& skip) {
+                   double beta1, double beta2, double weight_decay, int64_t step, const at::Tensor& skip,
+                   const at::Tensor& lr_step) {
   if (tables.empty()) return;
   const at::Tensor& w0 = tables[0].weights;
   const int64_t D = w0.size(1);
@@ -1248,7 +1271,18 @@ void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t o
     if (skip.item<bool>()) return;
     skip_flag = nullptr;
   }
-  for (const TableArgs* t : wide) update_wide(*t, mode, optimizer, lr, eps, beta1, beta2, weight_decay, step);
+  const at::Tensor lr_step_c = lr_step.defined() ? lr_step.contiguous() : at::Tensor();
+  if (!wide.empty() && lr_step_c.defined()) {
+    const at::Tensor v = lr_step_c.cpu();
+    const double wide_lr = v.data_ptr<double>()[0];
+    const int64_t wide_step = static_cast<int64_t>(v.data_ptr<double>()[1]);
+    for (const TableArgs* t : wide) {
+      update_wide(*t, mode, optimizer, wide_lr, eps, beta1, beta2, weight_decay, wide_step);
+    }
+  } else {
+    for (const TableArgs* t : wide) update_wide(*t, mode, optimizer, lr, eps, beta1, beta2, weight_decay, step);
+  }
+  const double* lr_step_at = lr_step_c.defined() ? lr_step_c.data_ptr<double>() : nullptr;
   constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
   for (int vec = 0; vec < 2; ++vec) {
     const std::vector<const TableArgs*>& list = fused[vec];
@@ -1269,10 +1303,10 @@ void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t o
         using key_t = decltype(key);
         if (K == 1) {
           accumulate_and_update_fused<key_t, 1>(list.data() + begin, 1, mode, vec, optimizer, lr, eps, beta1, beta2,
-                                                weight_decay, step, skip_flag);
+                                                weight_decay, step, skip_flag, lr_step_at);
         } else {
           accumulate_and_update_fused<key_t, kMaxGroup>(list.data() + begin, K, mode, vec, optimizer, lr, eps, beta1,
-                                                        beta2, weight_decay, step, skip_flag);
+                                                        beta2, weight_decay, step, skip_flag, lr_step_at);
         }
       });
       begin = end;
@@ -1285,9 +1319,10 @@ void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt
                                 const std::optional<at::Tensor>& per_sample_weights, int64_t mode,
                                 bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
                                 double beta2, double weight_decay, int64_t step, bool check_inputs,
-                                const std::optional<at::Tensor>& skip) {
+                                const std::optional<at::Tensor>& skip, const std::optional<at::Tensor>& lr_step) {
   constexpr const char* op = "veloce::accumulate_and_update";
   check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
+  check_lr_step(op, lr_step, "weights", weights);
   check_backward_inputs(op, grad_output, slots, offsets, per_sample_weights, mode);
   check_grad_output_for_weights(op, grad_output, weights);
   if (skip.has_value()) check_flag(op, "skip", *skip, "weights", weights);
@@ -1307,7 +1342,7 @@ void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
   // The group of one table: the same kernels as accumulate_and_update_many.
   update_tables({TableArgs{weights, opt_state, g, s, o, p, weights.size(0), N, B}}, mode, optimizer, lr, eps, beta1,
-                beta2, weight_decay, step, skip.value_or(at::Tensor()));
+                beta2, weight_decay, step, skip.value_or(at::Tensor()), lr_step.value_or(at::Tensor()));
 }
 
 // check_bags_and_slots_cuda (no upper slot limit: accumulate_and_update skips slots past
@@ -1355,7 +1390,8 @@ void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_
                                      const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
                                      bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
                                      double beta2, double weight_decay, int64_t step, bool check_inputs,
-                                     const std::optional<at::Tensor>& skip) {
+                                     const std::optional<at::Tensor>& skip,
+                                     const std::optional<at::Tensor>& lr_step) {
   constexpr const char* op = "veloce::accumulate_and_update_many";
   const ManyTables checked = check_update_many_args(op, weights, opt_state, grad_output, slots, offsets,
                                                     per_sample_weights, mode, include_last_offset, optimizer, lr, eps,
@@ -1363,6 +1399,7 @@ void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_
   const size_t K = weights.size();
   if (K == 0) return;
   if (skip.has_value()) check_flag(op, "skip", *skip, "weights[0]", weights[0]);
+  check_lr_step(op, lr_step, "weights[0]", weights[0]);
   const c10::cuda::CUDAGuard guard(weights[0].device());
   std::vector<TableArgs> tables(K);
   for (size_t k = 0; k < K; ++k) {
@@ -1387,7 +1424,8 @@ void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_
     const std::optional<at::Tensor> psw = per_sample_weights.get(k);
     t.p = psw.has_value() ? psw->contiguous() : at::Tensor();
   }
-  update_tables(tables, mode, optimizer, lr, eps, beta1, beta2, weight_decay, step, skip.value_or(at::Tensor()));
+  update_tables(tables, mode, optimizer, lr, eps, beta1, beta2, weight_decay, step, skip.value_or(at::Tensor()),
+                lr_step.value_or(at::Tensor()));
 }
 
 }  // namespace

@@ -75,6 +75,7 @@
 // every new id (two-choice placement depends on the order; a failing call changes nothing).
 
 #include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -143,7 +144,7 @@ __global__ void init_rows_kernel(const __grid_constant__ Calls calls) {
     init_columns(__shfl_sync(kFullWarp, bits, j), D, kind, a, b, lane, 32,
                  [&](int64_t col, double v) { row[col] = to_weight<scalar_t>(v); });
     for (int64_t col = lane; col < S; col += 32) state[s * S + col] = 0;
-    if (lane == 0) c->t.scores[s] = c->score_value;  // the call's starting score (LRU), else 0
+    if (lane == 0) c->t.scores[s] = call_score(c);  // the call's starting score (LRU), else 0
   }
 }
 
@@ -246,7 +247,8 @@ __global__ void score_positions_kernel(const __grid_constant__ Calls calls) {
   if (c->score_policy == kScoreLRU) {
     // A hot id repeats thousands of times in a batch: its later positions find the score
     // set (in L1 or L2) and skip the store instead of queueing on one address.
-    if (scores[s] != c->score_value) scores[s] = c->score_value;
+    const int64_t value = call_score(c);
+    if (scores[s] != value) scores[s] = value;
   } else {
     atomicAdd(reinterpret_cast<unsigned long long*>(scores + s), 1ull);
   }
@@ -384,6 +386,18 @@ __global__ void group_assign_kernel(const __grid_constant__ Calls calls) {
 #define VELOCE_OVER_TABLES(kernel) \
   [](auto calls, dim3 grid, int block) { kernel<<<grid, block, 0, stream()>>>(calls); }
 
+// Bytes of a TableCall array carried by one put_bytes_kernel launch: its parameter, within
+// the 4 KB that every CUDA version takes.
+constexpr int64_t kPutBytes = 3840;
+struct PutBytes {
+  uint8_t bytes[kPutBytes];
+};
+
+// dst[0, n) = the launch's own bytes (a kernel parameter, kept by a CUDA graph's node).
+__global__ void put_bytes_kernel(const __grid_constant__ PutBytes src, int64_t n, uint8_t* __restrict__ dst) {
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src.bytes[i];
+}
+
 // The TableCalls of one op call, on the host and (copied before each launch that follows a
 // change) on the device.
 class TableCalls {
@@ -399,7 +413,9 @@ class TableCalls {
     TORCH_CHECK_VALUE(K <= 65535, "an inserting op takes at most 65535 tables at once, got ", K);
     if (K > 1) {
       const int64_t bytes = kMaxUploads * K * static_cast<int64_t>(sizeof(TableCall));
-      host_ = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {  // see device()
+        host_ = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      }
       dev_ = at::empty({bytes}, like.options().dtype(at::kByte));
     }
   }
@@ -434,13 +450,30 @@ class TableCalls {
   // One copy of the array from pinned memory, queued on the current stream (no host wait),
   // into the next of the kMaxUploads regions taken at construction: the launches queued on
   // earlier copies still read theirs. The caching host allocator keeps the pinned block
-  // until the copies have run.
+  // until the copies have run. While the stream is captured into a CUDA graph, a replay
+  // would copy from that pinned block long after it went back to the allocator: the array
+  // then travels in the parameters of put_bytes_kernel launches instead, which the graph
+  // keeps.
   const TableCall* device() {
     const int64_t bytes = size() * static_cast<int64_t>(sizeof(TableCall));
     if (dirty_) {
       TORCH_INTERNAL_ASSERT(uploads_ < kMaxUploads, "an inserting op changed its TableCalls too often");
       const int64_t off = uploads_++ * bytes;
-      std::memcpy(host_.data_ptr<uint8_t>() + off, calls_.data(), static_cast<size_t>(bytes));
+      const auto* src = reinterpret_cast<const uint8_t*>(calls_.data());
+      if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+        uint8_t* const dst = dev_.data_ptr<uint8_t>() + off;
+        for (int64_t at = 0; at < bytes; at += kPutBytes) {
+          PutBytes chunk;
+          const int64_t n = std::min(kPutBytes, bytes - at);
+          std::memcpy(chunk.bytes, src + at, static_cast<size_t>(n));
+          put_bytes_kernel<<<1, kThreads, 0, stream()>>>(chunk, n, dst + at);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        current_ = reinterpret_cast<const TableCall*>(dst);
+        dirty_ = false;
+        return current_;
+      }
+      std::memcpy(host_.data_ptr<uint8_t>() + off, src, static_cast<size_t>(bytes));
       dev_.narrow(0, off, bytes).copy_(host_.narrow(0, off, bytes), /*non_blocking=*/true);
       current_ = reinterpret_cast<const TableCall*>(dev_.data_ptr<uint8_t>() + off);
       dirty_ = false;
@@ -479,6 +512,7 @@ struct InsertTable {
 
   at::Tensor keys, digests, scores, weights, opt_state, ids;  // ids contiguous; erase: no scores, rows or state
   int64_t score_policy = kScoreNone, score_value = 0;
+  const int64_t* clock = nullptr;  // find_or_insert's clock (device memory): replaces score_value
   bool allow_evict = false;
   int64_t seed = 0, init_kind = 0;  // find_or_insert's initializer
   double init_a = 0, init_b = 0;
@@ -698,6 +732,7 @@ class Inserter {
       c.allow_evict = t.allow_evict;
       c.score_policy = t.score_policy;
       c.score_value = t.score_value;
+      c.clock = t.score_policy == kScoreLRU ? t.clock : nullptr;
       c.erased = t.erased.defined() ? t.erased.data_ptr<bool>() : nullptr;
       if (mode_ == Mode::kFindOrInsert) {
         c.stages = kStageProbe | kStageGroup | kStageClassify;
@@ -896,6 +931,7 @@ class Inserter {
     if (t.score_policy != kScoreNone) call.stages |= kStageScore;
     call.score_skip = t.score_policy == kScoreLRU ? call.active : nullptr;
     call.score_value = t.score_policy == kScoreLRU ? t.score_value : 0;
+    call.clock = t.score_policy == kScoreLRU ? t.clock : nullptr;
   }
 
   // Phase 5's row kernels for table t: its rows per warp, and its dtype among `dtypes`.
@@ -1130,13 +1166,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id,
-    const std::optional<at::Tensor>& bad_input, bool defer) {
+    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock) {
   constexpr const char* op = "veloce::find_or_insert";
   // First: a CUDA flag beside a CPU table lands here, and its error should name bad_input.
   check_bad_input(op, bad_input, keys);
+  check_clock(op, clock, 1, keys);
   std::vector<InsertTable> tables;
   tables.push_back(find_or_insert_table(op, keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
                                         allow_evict, seed, init_kind, init_a, init_b, padding_id, at::Tensor()));
+  const at::Tensor clock_values = clock ? clock->contiguous() : at::Tensor();
+  if (clock_values.defined()) tables[0].clock = clock_values.data_ptr<int64_t>();
   check_defer(op, defer, allow_evict);
   check_defer_cuda(op, defer);
   const c10::cuda::CUDAGuard guard(keys.device());
@@ -1156,7 +1195,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
     at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
-    const std::optional<at::Tensor>& bad_input, bool defer) {
+    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock) {
   constexpr const char* op = "veloce::find_or_insert_many";
   const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
                                                    score_value, allow_evict, seed, init_kind, init_a, init_b,
@@ -1166,6 +1205,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
   int64_t total = 0;
   for (const at::Tensor& i : ids) total += i.numel();
   if (K == 0) return many_result(at::empty({0}, at::kLong), {});
+  check_clock(op, clock, K, keys[0]);
+  const at::Tensor clock_values = clock ? clock->contiguous() : at::Tensor();
   at::Tensor slots = at::empty({total}, keys[0].options());
   std::vector<InsertTable> tables;
   tables.reserve(K);
@@ -1174,6 +1215,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
                                           opt_state[k], ids[k], score_policy[k], score_value[k], allow_evict.get(k),
                                           seed[k], init_kind[k], init_a[k], init_b[k], padding_id.get(k),
                                           slots.narrow(0, start, ids[k].numel())));
+    if (clock_values.defined()) tables.back().clock = clock_values.data_ptr<int64_t>() + k;
   }
   const c10::cuda::CUDAGuard guard(keys[0].device());
   Inserter inserter(op, Mode::kFindOrInsert, tables);

@@ -182,6 +182,7 @@ struct TableCall {
   int32_t dtype;             // the weights' at::ScalarType: a row kernel runs for one dtype
   int32_t rows_per_warp;
   int64_t score_policy, score_value;
+  const int64_t* clock;      // find_or_insert's clock: the LRU score_value read on the device, or null
   int64_t seed, init_kind;
   double init_a, init_b;
   const uint8_t* score_skip; // positions score_positions_kernel leaves out, or null
@@ -220,6 +221,11 @@ __device__ __forceinline__ bool deferred_claim_barred(const TableCall* c) {
 // map, and each block returns after one load (a warm table's usual step).
 __device__ __forceinline__ bool deferred_nothing_new(const TableCall* c) {
   return c->deferred && c->ctr[counter::kNew] == 0;
+}
+
+// The score a call stamps under LRU: its clock's value when it has one, else score_value.
+__device__ __forceinline__ int64_t call_score(const TableCall* c) {
+  return c->clock != nullptr ? *c->clock : c->score_value;
 }
 
 __device__ __forceinline__ bool placement_failed(const TableCall* c) {

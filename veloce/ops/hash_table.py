@@ -83,6 +83,7 @@ def find_or_insert(
     padding_id: Optional[int] = None,
     bad_input: Tensor | None = None,
     defer: bool = False,
+    clock: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Looks ids up, inserting the missing ones; mutates the table tensors in place.
 
@@ -114,6 +115,10 @@ def find_or_insert(
             CUDA, cannot run under ``torch.use_deterministic_algorithms(True)``; the
             caller decides growth without the count (``veloce.table.HashTable`` bounds it
             by the positions of the calls not read yet).
+        clock: optional (1,) int64 tensor on the table's device that replaces
+            ``score_value``, read on the device (on CUDA by the kernels, no host read): a
+            call captured in a CUDA graph stamps the value the tensor holds when the graph
+            is replayed. Its value is checked on no backend (any int64 is a score).
 
     Returns:
         ``(slots, counts, evicted_keys)``: slots (N,) int64; counts (2,) int64 on the CPU
@@ -134,7 +139,7 @@ def find_or_insert(
     _ext.require()
     return torch.ops.veloce.find_or_insert(
         keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict,
-        seed, init_kind, init_a, init_b, padding_id, bad_input, defer,
+        seed, init_kind, init_a, init_b, padding_id, bad_input, defer, clock,
     )
 
 
@@ -151,6 +156,7 @@ def find_or_insert_many(
     padding_id: Sequence[Optional[int]],
     bad_input: Tensor | None = None,
     defer: bool = False,
+    clock: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`find_or_insert` on K tables in one op: entry k of every argument is table k's.
 
@@ -170,6 +176,8 @@ def find_or_insert_many(
             ``ValueError`` and changes no table. It needs at least one table.
         defer: as for :func:`find_or_insert`: no device read-back, counts on the tables'
             device (a set ``bad_input`` gives every table ``num_failed = -1``; evicted 0).
+        clock: as for :func:`find_or_insert`, (K,) int64: ``clock[k]`` replaces
+            ``score_value[k]``.
 
     Returns:
         ``(slots, counts, evicted_keys)``, each table's results concatenated in table order
@@ -195,7 +203,7 @@ def find_or_insert_many(
     cols = [list(c) for c in zip(*tables)] or [[]] * 5
     return torch.ops.veloce.find_or_insert_many(
         *cols, list(ids), list(score_policy), list(score_value), list(allow_evict), list(seed), list(init_kind),
-        list(init_a), list(init_b), list(padding_id), bad_input, defer,
+        list(init_a), list(init_b), list(padding_id), bad_input, defer, clock,
     )  # fmt: skip
 
 
@@ -322,6 +330,18 @@ def _insert_fake(op: str, keys: Tensor, ids: Tensor, defer: bool = False) -> tup
     return ids.new_empty(ids.shape), counts, keys.new_empty(num_evicted)
 
 
+def _check_clock_fake(op: str, keys: Tensor, clock: Tensor | None, k: int) -> None:
+    """The op's checks of ``clock`` (shape, dtype, device), for fake tensors."""
+    if clock is None:
+        return
+    torch._check(
+        clock.dtype == torch.int64 and clock.dim() == 1 and clock.shape[0] == k,
+        lambda: f"veloce::{op}: clock must be an int64 tensor of shape ({k},) (one value per table), got "
+        f"{clock.dtype} of shape {tuple(clock.shape)}",
+    )
+    torch._check(clock.device == keys.device, lambda: f"veloce::{op}: clock is on {clock.device}, keys on {keys.device}")
+
+
 def _register_fakes() -> None:
     @torch.library.register_fake("veloce::find")
     def _(keys, digests, ids):
@@ -330,15 +350,18 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("veloce::find_or_insert")
     def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
-          init_kind, init_a, init_b, padding_id=None, bad_input=None, defer=False):
+          init_kind, init_a, init_b, padding_id=None, bad_input=None, defer=False, clock=None):
         _check_bad_input_fake("find_or_insert", keys, bad_input)
+        _check_clock_fake("find_or_insert", keys, clock, 1)
         return _insert_fake("find_or_insert", keys, ids, defer)
 
     @torch.library.register_fake("veloce::find_or_insert_many")
     def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
-          init_kind, init_a, init_b, padding_id, bad_input=None, defer=False):
+          init_kind, init_a, init_b, padding_id, bad_input=None, defer=False, clock=None):
         for k, i in zip(keys, ids):
             _check_table_fake("find_or_insert_many", k, i)
+        if len(keys):
+            _check_clock_fake("find_or_insert_many", keys[0], clock, len(keys))
         if bad_input is not None:
             torch._check(
                 len(keys) > 0,

@@ -122,6 +122,7 @@ def accumulate_and_update(
     step: int = 1,
     check_inputs: bool = True,
     skip: torch.Tensor | None = None,
+    lr_step: torch.Tensor | None = None,
 ) -> None:
     """The backward of ``pooled_lookup`` and the optimizer step in one pass, in place.
 
@@ -146,6 +147,15 @@ def accumulate_and_update(
             True the op changes nothing. It is read on the device (no host sync on CUDA),
             so an update can be queued behind a device-side check whose result the host
             reads later: ``DynamicEmbedding``'s NaN/Inf check of the gradient does this.
+        lr_step: a ``(2,)`` float64 tensor ``[lr, step]`` on ``weights``' device, or None.
+            When given it replaces ``lr`` and ``step`` and is read on the device (on CUDA
+            by the kernels: no host sync), so that a call captured in a CUDA graph applies
+            the learning rate and (Adam) step count the tensor holds when the graph is
+            replayed. The CPU checks its values as it checks ``lr`` and ``step``; on CUDA
+            they are not read on the host, so a bad value (a negative learning rate, an
+            Adam step below 1) is the caller's. Rows too wide for the fused kernel's
+            registers (over 512 fp32 columns, or 128 when rows are not 16-byte aligned)
+            read it on the host, with a sync.
 
     On CUDA the whole op runs without a host synchronization when ``check_inputs`` is
     False: the sort, run-length encode and the fused reduce + update keep every size on
@@ -160,7 +170,7 @@ def accumulate_and_update(
     _ext.require()
     torch.ops.veloce.accumulate_and_update(
         weights, opt_state, grad_output, slots, offsets, per_sample_weights, _mode_id(mode), include_last_offset,
-        _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step, check_inputs, skip,
+        _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step, check_inputs, skip, lr_step,
     )  # fmt: skip
 
 
@@ -182,6 +192,7 @@ def accumulate_and_update_many(
     step: int = 1,
     check_inputs: bool = True,
     skip: torch.Tensor | None = None,
+    lr_step: torch.Tensor | None = None,
 ) -> None:
     """:func:`accumulate_and_update` of K tables in one call, in place.
 
@@ -203,8 +214,9 @@ def accumulate_and_update_many(
         per_sample_weights: one entry per table (None for a table without them), or None
             for no table.
         mode, include_last_offset, optimizer, lr, eps, beta1, beta2, weight_decay, step,
-            check_inputs, skip: as :func:`accumulate_and_update`, for every table (``skip``
-            on the tables' device: every table is updated, or none).
+            check_inputs, skip, lr_step: as :func:`accumulate_and_update`, for every table
+            (``skip`` and ``lr_step`` on the tables' device; with ``skip`` every table is
+            updated, or none).
 
     Shape:
         - per table k: weights ``(C_k, D)``; opt_state ``(C_k, S)``; grad_output ``(B_k, D)``;
@@ -230,7 +242,7 @@ def accumulate_and_update_many(
         return  # no table: nothing to do (and no tensor to dispatch on)
     torch.ops.veloce.accumulate_and_update_many(
         weights, opt_state, list(grad_output), list(slots), list(offsets), psw, _mode_id(mode), include_last_offset,
-        _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step, check_inputs, skip,
+        _optimizer_id(optimizer), lr, eps, beta1, beta2, weight_decay, step, check_inputs, skip, lr_step,
     )  # fmt: skip
 
 

@@ -38,6 +38,12 @@ void check_bad_input_unset(const char* op, bool set);
 // find_or_insert(_many) with defer: no table may evict (`table`: the table's number in a
 // _many op's message, or -1).
 void check_defer(const char* op, bool defer, bool allow_evict, int64_t table = -1);
+// clock of find_or_insert(_many): (K,) int64 on keys' device, when given.
+void check_clock(const char* op, const std::optional<at::Tensor>& clock, int64_t K, const at::Tensor& keys);
+// lr_step of accumulate_and_update(_many): (2,) float64 on ref's device, when given.
+void check_lr_step(const char* op, const std::optional<at::Tensor>& lr_step, const char* ref_name,
+                   const at::Tensor& ref);
+
 
 // find_or_insert_many: every per-table list as long as keys, distinct tables on one
 // device, each table's find_or_insert arguments (messages name the table), and bad_input

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <math.h>
 #include <cstdint>
 
 #include "veloce/macros.h"
@@ -26,13 +27,14 @@ struct UpdateRule {
   int64_t opt;
   acc_t lr, eps, wd, b1c, b2c, step_size;
 
-  static UpdateRule make(int64_t opt, double lr, double eps, double beta1, double beta2, double weight_decay,
-                         int64_t step) {
+  // On the host, or on the device from a tensor's values (accumulate_and_update's lr_step).
+  VELOCE_HD static UpdateRule make(int64_t opt, double lr, double eps, double beta1, double beta2,
+                                   double weight_decay, int64_t step) {
     double step_size = 0.0;
     if (opt == kAdam) {  // torch.optim.SparseAdam: lr * sqrt(1 - b2^t) / (1 - b1^t)
-      const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-      const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-      step_size = lr * std::sqrt(bc2) / bc1;
+      const double bc1 = 1.0 - ::pow(beta1, static_cast<double>(step));
+      const double bc2 = 1.0 - ::pow(beta2, static_cast<double>(step));
+      step_size = lr * ::sqrt(bc2) / bc1;
     }
     return {opt,
             static_cast<acc_t>(lr),
