@@ -88,6 +88,15 @@ void check_lr_step(const char* op, const std::optional<at::Tensor>& lr_step, con
   check_same_device(op, "lr_step", *lr_step, ref_name, ref);
 }
 
+void read_lr_step_values(const char* op, const double* values, int64_t optimizer, double eps, double beta1,
+                         double beta2, double& lr, int64_t& step) {
+  TORCH_CHECK_VALUE(std::isfinite(values[1]) && values[1] == std::floor(values[1]) && std::abs(values[1]) < 9.0e15,
+                    op, ": lr_step[1] (the step count) must be a whole number, got ", values[1]);
+  lr = values[0];
+  step = static_cast<int64_t>(values[1]);
+  check_update_hyper(op, optimizer, lr, eps, beta1, beta2, step);
+}
+
 void check_defer(const char* op, bool defer, bool allow_evict, int64_t table) {
   TORCH_CHECK_VALUE(!(defer && allow_evict), op, ": defer=True with allow_evict=True",
                     table >= 0 ? " (table " + std::to_string(table) + ")" : std::string(),

@@ -189,6 +189,18 @@ def test_bad_lr_step_is_refused_and_changes_nothing(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_lr_step_makes_lr_and_step_placeholders(device):
+    """With lr_step, the scalar lr and step are not read: values they could not hold as
+    arguments (an Adam step of 0, a negative lr) do not refuse the call."""
+    (w, s, grad, slots, offsets), = _update_case(device, 1, 8, "adam", seed=2)
+    a, b = (w.clone(), s.clone()), (w.clone(), s.clone())
+    accumulate_and_update(*a, grad, slots, offsets, None, "sum", False, "adam", 0.1, **HYPER, step=3)
+    accumulate_and_update(*b, grad, slots, offsets, None, "sum", False, "adam", -1.0, **HYPER, step=0,
+                          lr_step=_lr_step(0.1, 3, device))  # fmt: skip
+    _assert_same(b[0], a[0], "adam")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_lr_step_opcheck(device):
     tables = _update_case(device, 2, 8, "adagrad", seed=3)
     w, s, grad, slots, offsets = tables[0]
@@ -220,13 +232,29 @@ def _graph_batches(K, steps, seed):
     return out
 
 
+def _churn_pinned_memory(K):
+    """Between replays: an eager insert over K other tables (its per-table arguments copied
+    from pinned memory) and pinned buffers filled with junk, so that pinned blocks a replay
+    might still read from are handed out again and overwritten."""
+    tabs = [make_table(64, device="cuda") for _ in range(K)]
+    ids = [ids_tensor([1, 2, 3], "cuda")] * K
+    ht.find_or_insert_many([t.tensors() for t in tabs], ids, [LRU] * K, [99] * K, [False] * K, [0] * K, [0] * K,
+                           [0.0] * K, [0.0] * K, [None] * K)  # fmt: skip
+    for n in (1 << 12, 1 << 16):
+        junk = torch.full((n,), 0xAB, dtype=torch.uint8, pin_memory=True)
+        torch.empty(n, dtype=torch.uint8, device="cuda").copy_(junk, non_blocking=True)
+
+
 @CUDA
-@pytest.mark.parametrize("K", [1, 3])  # 1: the insert's calls travel as kernel parameters; 3: copied to the device
+# 1: the insert's calls travel as kernel parameters; 3: copied to the device in one launch's
+# parameters while captured; 12: in several (each carries 3840 bytes)
+@pytest.mark.parametrize("K", [1, 3, 12])
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
 def test_a_captured_step_replays_as_eager_steps_do(K, optimizer):
     """Insert (deferred, clock on the device) and fused update (lr and step on the device) of
-    K tables captured in one CUDA graph, the clock and step advanced inside it, replayed over
-    new ids and a new learning rate: the tables of eager calls with those values."""
+    K tables captured in one CUDA graph, the clocks (one per table) and step advanced inside
+    it, replayed over new ids and a new learning rate, with pinned memory reused between
+    replays: the tables of eager calls with those values."""
     dim = 16
     batches = _graph_batches(K, 6, seed=K)
 
@@ -240,8 +268,8 @@ def test_a_captured_step_replays_as_eager_steps_do(K, optimizer):
     grads = [torch.randn(220, dim, device="cuda") for _ in range(K)]
     offsets = [torch.arange(220, device="cuda")] * K  # bags of one id
 
-    def step(tabs, ids, clock_value, lr, step_count, clock=None, lr_step=None):
-        slots, _, _ = ht.find_or_insert_many([t.tensors() for t in tabs], ids, [LRU] * K, [clock_value] * K,
+    def step(tabs, ids, clock_values, lr, step_count, clock=None, lr_step=None):
+        slots, _, _ = ht.find_or_insert_many([t.tensors() for t in tabs], ids, [LRU] * K, clock_values,
                                              [False] * K, [3] * K, [2] * K, [-0.5] * K, [0.5] * K, [None] * K,
                                              defer=True, clock=clock)  # fmt: skip
         accumulate_and_update_many([t.weights for t in tabs], [t.opt_state for t in tabs], grads,
@@ -250,25 +278,27 @@ def test_a_captured_step_replays_as_eager_steps_do(K, optimizer):
 
     eager = fresh()
     lrs = [0.1, 0.1, 0.05, 0.05, 0.02, 0.02]
+    start = [100 * k for k in range(K)]  # each table's clock
     for i, ids in enumerate(batches):
-        step(eager, ids, i + 1, lrs[i], i + 1)
+        step(eager, ids, [c + i + 1 for c in start], lrs[i], i + 1)
 
     graphed = fresh()
     static_ids = [i.clone() for i in batches[0]]
-    clock = _clock([0] * K, "cuda")  # advanced to i + 1 inside the graph
+    clock = _clock(start, "cuda")  # advanced by one inside the graph
     lr_step = _lr_step(lrs[0], 0, "cuda")  # its step advanced inside the graph, its lr set between replays
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         clock.add_(1)
         lr_step[1:].add_(1.0)
-        step(graphed, static_ids, -1, 9.0, 1, clock=clock, lr_step=lr_step)
+        step(graphed, static_ids, [-1] * K, 9.0, 1, clock=clock, lr_step=lr_step)
     for i, ids in enumerate(batches):
         for s, x in zip(static_ids, ids):
             s.copy_(x)
         lr_step[0].fill_(lrs[i])
         graph.replay()
+        _churn_pinned_memory(max(K, 2))
     torch.cuda.synchronize()
-    assert clock.tolist() == [len(batches)] * K and lr_step[1].item() == len(batches)
+    assert clock.tolist() == [c + len(batches) for c in start] and lr_step[1].item() == len(batches)
     for a, b in zip(graphed, eager):
         assert int((a.digests != 0).sum()) == 300 + 50 * len(batches)
         keys_a, keys_b = a.keys[a.digests != 0], b.keys[b.digests != 0]

@@ -433,12 +433,7 @@ void read_lr_step(const char* op, const std::optional<at::Tensor>& lr_step, cons
   if (!lr_step) return;
   check_lr_step(op, lr_step, ref_name, weights);
   const at::Tensor v = lr_step->contiguous();
-  const double* p = v.data_ptr<double>();
-  TORCH_CHECK_VALUE(std::isfinite(p[1]) && p[1] == std::floor(p[1]) && std::abs(p[1]) < 9.0e15, op,
-                    ": lr_step[1] (the step count) must be a whole number, got ", p[1]);
-  lr = p[0];
-  step = static_cast<int64_t>(p[1]);
-  check_update_hyper(op, optimizer, lr, eps, beta1, beta2, step);
+  read_lr_step_values(op, v.data_ptr<double>(), optimizer, eps, beta1, beta2, lr, step);
 }
 
 void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state,
@@ -449,7 +444,8 @@ void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_
                                bool /*check_inputs: the checks read host memory, no sync to save*/,
                                const std::optional<at::Tensor>& skip, const std::optional<at::Tensor>& lr_step) {
   constexpr const char* op = "veloce::accumulate_and_update";
-  check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
+  // With lr_step, the scalar lr and step are placeholders: its values are checked instead.
+  check_update_args(op, weights, opt_state, optimizer, lr_step ? 0.0 : lr, eps, beta1, beta2, lr_step ? 1 : step);
   read_lr_step(op, lr_step, "weights", weights, optimizer, lr, eps, beta1, beta2, step);
   const int64_t B = check_backward_args(op, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset);
   check_grad_output_for_weights(op, grad_output, weights);
@@ -471,8 +467,8 @@ void accumulate_and_update_many_cpu(at::TensorList weights, at::TensorList opt_s
                                     const std::optional<at::Tensor>& skip, const std::optional<at::Tensor>& lr_step) {
   constexpr const char* op = "veloce::accumulate_and_update_many";
   const ManyTables tables = check_update_many_args(op, weights, opt_state, grad_output, slots, offsets,
-                                                   per_sample_weights, mode, include_last_offset, optimizer, lr, eps,
-                                                   beta1, beta2, step);
+                                                   per_sample_weights, mode, include_last_offset, optimizer,
+                                                   lr_step ? 0.0 : lr, eps, beta1, beta2, lr_step ? 1 : step);
   if (!weights.empty()) read_lr_step(op, lr_step, "weights[0]", weights[0], optimizer, lr, eps, beta1, beta2, step);
   const size_t K = weights.size();
   for (size_t k = 0; k < K; ++k) {

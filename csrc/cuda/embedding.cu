@@ -1274,8 +1274,10 @@ void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t o
   const at::Tensor lr_step_c = lr_step.defined() ? lr_step.contiguous() : at::Tensor();
   if (!wide.empty() && lr_step_c.defined()) {
     const at::Tensor v = lr_step_c.cpu();
-    const double wide_lr = v.data_ptr<double>()[0];
-    const int64_t wide_step = static_cast<int64_t>(v.data_ptr<double>()[1]);
+    double wide_lr = 0.0;
+    int64_t wide_step = 1;
+    read_lr_step_values("veloce::accumulate_and_update", v.data_ptr<double>(), optimizer, eps, beta1, beta2, wide_lr,
+                        wide_step);
     for (const TableArgs* t : wide) {
       update_wide(*t, mode, optimizer, wide_lr, eps, beta1, beta2, weight_decay, wide_step);
     }
@@ -1321,7 +1323,8 @@ void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt
                                 double beta2, double weight_decay, int64_t step, bool check_inputs,
                                 const std::optional<at::Tensor>& skip, const std::optional<at::Tensor>& lr_step) {
   constexpr const char* op = "veloce::accumulate_and_update";
-  check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
+  // With lr_step, the scalar lr and step are placeholders (its values are not read here).
+  check_update_args(op, weights, opt_state, optimizer, lr_step ? 0.0 : lr, eps, beta1, beta2, lr_step ? 1 : step);
   check_lr_step(op, lr_step, "weights", weights);
   check_backward_inputs(op, grad_output, slots, offsets, per_sample_weights, mode);
   check_grad_output_for_weights(op, grad_output, weights);
@@ -1394,8 +1397,8 @@ void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_
                                      const std::optional<at::Tensor>& lr_step) {
   constexpr const char* op = "veloce::accumulate_and_update_many";
   const ManyTables checked = check_update_many_args(op, weights, opt_state, grad_output, slots, offsets,
-                                                    per_sample_weights, mode, include_last_offset, optimizer, lr, eps,
-                                                    beta1, beta2, step);
+                                                    per_sample_weights, mode, include_last_offset, optimizer,
+                                                    lr_step ? 0.0 : lr, eps, beta1, beta2, lr_step ? 1 : step);
   const size_t K = weights.size();
   if (K == 0) return;
   if (skip.has_value()) check_flag(op, "skip", *skip, "weights[0]", weights[0]);

@@ -1170,14 +1170,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
   constexpr const char* op = "veloce::find_or_insert";
   // First: a CUDA flag beside a CPU table lands here, and its error should name bad_input.
   check_bad_input(op, bad_input, keys);
-  check_clock(op, clock, 1, keys);
   std::vector<InsertTable> tables;
   tables.push_back(find_or_insert_table(op, keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
                                         allow_evict, seed, init_kind, init_a, init_b, padding_id, at::Tensor()));
+  check_defer(op, defer, allow_evict);
+  check_clock(op, clock, 1, keys);
+  check_defer_cuda(op, defer);
   const at::Tensor clock_values = clock ? clock->contiguous() : at::Tensor();
   if (clock_values.defined()) tables[0].clock = clock_values.data_ptr<int64_t>();
-  check_defer(op, defer, allow_evict);
-  check_defer_cuda(op, defer);
   const c10::cuda::CUDAGuard guard(keys.device());
   Inserter inserter(op, Mode::kFindOrInsert, tables);
   if (defer) {

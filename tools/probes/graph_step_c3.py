@@ -14,7 +14,8 @@ work outside the capture (benchmarks/README.md, twenty-eighth session).
 import os, sys, time, traceback, statistics
 import torch, veloce
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-from veloce import table as T
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import back_to_back  # noqa: E402  (also silences settle() during capture)
 
 dev = torch.device("cuda")
 F, PER, ROWS = 10, 104_857, 1_600_000
@@ -28,12 +29,6 @@ for s in range(STEPS):
     feat = torch.arange(N) // PER
     batches.append(((feat * ROWS + local).to(dev), torch.arange(N, device=dev)))
 
-_orig_settle = T.HashTable.settle
-def settle(self, *a, **k):
-    if torch.cuda.is_current_stream_capturing():
-        return
-    return _orig_settle(self, *a, **k)
-T.HashTable.settle = settle
 
 def make(opt):
     o = veloce.optim.SGD(lr=0.01) if opt == "sgd" else veloce.optim.Adam(lr=0.001)
@@ -46,17 +41,13 @@ def step(emb, ids, offs):
     emb.step()
     emb.zero_grad()
 
-def b2b(fn, n):
-    torch.cuda.synchronize(); t0 = time.perf_counter()
-    for i in range(n): fn(i)
-    torch.cuda.synchronize(); return (time.perf_counter() - t0) * 1e3 / n
 
 for opt in ("sgd", "adam"):
     print(f"== {opt}, update stream {veloce._update_stream.ENABLED}", flush=True)
     emb = make(opt)
     for ids, offs in batches: step(emb, ids, offs)   # warm: every id inserted
     len(emb)
-    eager = [b2b(lambda i: step(emb, *batches[i % STEPS]), 30) for _ in range(3)]
+    eager = [back_to_back(lambda i: step(emb, *batches[i % STEPS]), 30) for _ in range(3)]
     print("eager ms/step", [round(x, 3) for x in eager], flush=True)
     sid, soff = batches[0][0].clone(), batches[0][1].clone()
     s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
@@ -75,7 +66,7 @@ for opt in ("sgd", "adam"):
     def rep(i):
         ids, offs = batches[i % STEPS]
         sid.copy_(ids, non_blocking=True); g.replay()
-    graphed = [b2b(rep, 30) for _ in range(3)]
+    graphed = [back_to_back(rep, 30) for _ in range(3)]
     print("graph ms/step", [round(x, 3) for x in graphed], flush=True)
     # correctness (SGD: no frozen scalar matters but the LRU clock): K eager vs K replays from equal tables
     if opt == "sgd":

@@ -10,7 +10,8 @@ dense optimizer is torch's Adam(capturable=True).
 import sys, time, traceback, os
 import torch, veloce
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-from veloce import table as T
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import back_to_back  # noqa: E402  (also silences settle() during capture)
 from veloce.models import DLRM
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 from bench_distributed import zipf_ids
@@ -25,17 +26,7 @@ for _ in range(40):
     label = (torch.rand(B, generator=gen, device=dev) < 0.25).float()
     data.append((dense, sparse, label))
 
-_orig = T.HashTable.settle
-def settle(self, *a, **k):
-    if torch.cuda.is_current_stream_capturing():
-        return
-    return _orig(self, *a, **k)
-T.HashTable.settle = settle
 
-def b2b(fn, n):
-    torch.cuda.synchronize(); t0 = time.perf_counter()
-    for i in range(n): fn(i)
-    torch.cuda.synchronize(); return (time.perf_counter() - t0) * 1e3 / n
 
 for tf32 in (False, True):
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -54,7 +45,7 @@ for tf32 in (False, True):
         opt.zero_grad(set_to_none=False)
     for b in data: step(*b)
     for t in model.embeddings.values() if hasattr(model.embeddings, "values") else model.embeddings: len(t)
-    eager = [b2b(lambda i: step(*data[i % 40]), 30) for _ in range(3)]
+    eager = [back_to_back(lambda i: step(*data[i % 40]), 30) for _ in range(3)]
     print(f"tf32={tf32} B={B} eager ms/step", [round(x, 3) for x in eager], flush=True)
     sd, ss, sl = [x.clone() for x in data[0]]
     s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
@@ -74,6 +65,6 @@ for tf32 in (False, True):
     def rep(i):
         d, sp, l = data[i % 40]
         sd.copy_(d, non_blocking=True); ss.copy_(sp, non_blocking=True); sl.copy_(l, non_blocking=True); g.replay()
-    graphed = [b2b(rep, 30) for _ in range(3)]
+    graphed = [back_to_back(rep, 30) for _ in range(3)]
     print(f"tf32={tf32} graph ms/step", [round(x, 3) for x in graphed], flush=True)
     del g

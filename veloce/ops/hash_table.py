@@ -334,12 +334,15 @@ def _check_clock_fake(op: str, keys: Tensor, clock: Tensor | None, k: int) -> No
     """The op's checks of ``clock`` (shape, dtype, device), for fake tensors."""
     if clock is None:
         return
-    torch._check(
+    torch._check_value(
         clock.dtype == torch.int64 and clock.dim() == 1 and clock.shape[0] == k,
         lambda: f"veloce::{op}: clock must be an int64 tensor of shape ({k},) (one value per table), got "
         f"{clock.dtype} of shape {tuple(clock.shape)}",
     )
-    torch._check(clock.device == keys.device, lambda: f"veloce::{op}: clock is on {clock.device}, keys on {keys.device}")
+    torch._check_value(
+        clock.device == keys.device,
+        lambda: f"veloce::{op}: clock is on {clock.device} but keys is on {keys.device}",
+    )
 
 
 def _register_fakes() -> None:

@@ -282,12 +282,32 @@ def _fake_nonfinite_flags(tensors, owner, num_owners):
     return tensors[0].new_empty((num_owners + 1,), dtype=torch.bool)
 
 
-def _fake_accumulate_and_update(weights, opt_state, grad_output, slots, offsets, psw, mode, ilo, *hyper):
+def _check_lr_step_fake(op: str, lr_step, ref: torch.Tensor) -> None:
+    """The op's checks of ``lr_step`` (shape, dtype, device), for fake tensors."""
+    if lr_step is None:
+        return
+    torch._check_value(
+        lr_step.dtype == torch.float64 and lr_step.dim() == 1 and lr_step.shape[0] == 2,
+        lambda: f"veloce::{op}: lr_step must be a float64 tensor of shape (2,) ([lr, step]), got {lr_step.dtype} "
+        f"of shape {tuple(lr_step.shape)}",
+    )
+    torch._check_value(
+        lr_step.device == ref.device, lambda: f"veloce::{op}: lr_step is on {lr_step.device} but weights is on {ref.device}"
+    )
+
+
+# hyper: optimizer, lr, eps, beta1, beta2, weight_decay, step[, check_inputs, skip, lr_step]
+def _fake_accumulate_and_update(weights, opt_state, grad_output, slots, offsets, psw, mode, ilo, *hyper, **kw):
     torch._check(weights.dim() == 2, lambda: f"weights must be 2-D, got {weights.dim()}-D")
     torch._check(grad_output.dim() == 2, lambda: f"grad_output must be 2-D, got {grad_output.dim()}-D")
+    _check_lr_step_fake("accumulate_and_update", hyper[9] if len(hyper) > 9 else kw.get("lr_step"), weights)
 
 
-def _fake_accumulate_and_update_many(weights, opt_state, grad_output, slots, offsets, psw, pooling, ilo, *hyper):
+def _fake_accumulate_and_update_many(weights, opt_state, grad_output, slots, offsets, psw, pooling, ilo, *hyper,
+                                     **kw):  # fmt: skip
+    if len(weights):
+        _check_lr_step_fake("accumulate_and_update_many", hyper[9] if len(hyper) > 9 else kw.get("lr_step"),
+                            weights[0])  # fmt: skip
     k = len(weights)
     for name, lst in (("opt_state", opt_state), ("grad_output", grad_output), ("slots", slots), ("offsets", offsets),
                       ("per_sample_weights", psw)):  # fmt: skip

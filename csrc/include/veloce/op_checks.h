@@ -40,6 +40,10 @@ void check_bad_input_unset(const char* op, bool set);
 void check_defer(const char* op, bool defer, bool allow_evict, int64_t table = -1);
 // clock of find_or_insert(_many): (K,) int64 on keys' device, when given.
 void check_clock(const char* op, const std::optional<at::Tensor>& clock, int64_t K, const at::Tensor& keys);
+// lr_step's values read on the host ([lr, step]): the step a whole number, both checked as
+// the scalar arguments are (check_update_hyper); sets lr and step.
+void read_lr_step_values(const char* op, const double* values, int64_t optimizer, double eps, double beta1,
+                         double beta2, double& lr, int64_t& step);
 // lr_step of accumulate_and_update(_many): (2,) float64 on ref's device, when given.
 void check_lr_step(const char* op, const std::optional<at::Tensor>& lr_step, const char* ref_name,
                    const at::Tensor& ref);
