@@ -54,9 +54,15 @@ def zipf_ids(n: int, alpha: float, space: int, gen: torch.Generator, device) -> 
 
 
 def batches(args, rank: int, device) -> list:
-    gen = torch.Generator(device=device).manual_seed(1000 + rank)
+    return dlrm_batches(args, args.warmup + args.steps + args.profile_steps, 1000 + rank, device)
+
+
+def dlrm_batches(args, count: int, seed: int, device) -> list:
+    """``count`` configuration-5 batches ``(dense (B, 13), sparse (B, F) ids, label (B,))`` of
+    ``args.batch`` samples, ``args.features`` features of Zipf(``args.alpha``) ids."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     out = []
-    for _ in range(args.warmup + args.steps + args.profile_steps):
+    for _ in range(count):
         dense = torch.randn(args.batch, 13, generator=gen, device=device)
         sparse = torch.stack(
             [zipf_ids(args.batch, args.alpha, args.id_space, gen, device) + f for f in range(args.features)], 1

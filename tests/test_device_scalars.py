@@ -87,7 +87,8 @@ def test_bad_clock_is_refused_and_changes_nothing(device):
                                clock=_clock([1], device))  # fmt: skip
     t.assert_equal(before)
     if torch.cuda.is_available() and device == "cpu":
-        with pytest.raises((ValueError, RuntimeError), match="clock"):
+        # the dispatcher may pick the CUDA kernel for the clock's device: then keys are refused
+        with pytest.raises((ValueError, RuntimeError), match="clock|keys must be a CUDA tensor"):
             ht.find_or_insert(*t.tensors(), ids, LRU, 0, False, **INIT, clock=_clock([1], "cuda"))
         t.assert_equal(before)
 

@@ -10,16 +10,18 @@ Example::
     out = emb(torch.tensor([[42, -7], [2**62, 42]]))         # any int64 id; (2, 16)
 """
 
-from veloce import _ext, callbacks, checkpoint, data, distributed, init, metrics, models, ops, optim
+from veloce import _ext, callbacks, checkpoint, data, distributed, graphs, init, metrics, models, ops, optim
 from veloce.callbacks import Callback, EarlyStopping
 from veloce.embedding import DynamicEmbedding, lookup_many, step_tables
+from veloce.graphs import CUDAGraphStep
 from veloce.table import HashTable, TableFullError
 from veloce.trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Callback", "DynamicEmbedding", "EarlyStopping", "HashTable", "TableFullError", "Trainer", "lookup_many",
-    "step_tables",
-    "callbacks", "checkpoint", "data", "distributed", "init", "metrics", "models", "ops", "optim", "__version__",
+    "CUDAGraphStep", "Callback", "DynamicEmbedding", "EarlyStopping", "HashTable", "TableFullError", "Trainer",
+    "lookup_many", "step_tables",
+    "callbacks", "checkpoint", "data", "distributed", "graphs", "init", "metrics", "models", "ops", "optim",
+    "__version__",
 ]

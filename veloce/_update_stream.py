@@ -51,6 +51,7 @@ from typing import Any, Callable
 
 import torch
 
+from veloce import _capture
 from veloce._device import current_stream, use_stream, wait_for
 
 __all__ = ["ENABLED", "UpdateFence", "beside_updates", "prefetch_stream", "prefetching", "release_done",
@@ -113,7 +114,7 @@ def run_update(device: torch.device, launch: Callable[[], None], inputs: Any) ->
     """``launch()`` (an update's op call) on ``device``'s update stream, behind all work
     queued so far on the current stream; returns the fence for the updated tables. Off CUDA,
     or with the stream disabled, launches on the current stream and returns None."""
-    if device.type != "cuda" or not ENABLED:
+    if device.type != "cuda" or not ENABLED or _capture.ACTIVE is not None:  # a captured step: one stream
         launch()
         return None
     release_done()

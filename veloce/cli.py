@@ -109,7 +109,9 @@ def build_trainer(
     ``callbacks``."""
     o, tr, st = cfg.optimizer.dense, cfg.trainer, cfg.strategy
     params = [p for p in model.parameters() if p.requires_grad]
-    dense = _DENSE_OPTIMIZERS[o.name](params, lr=o.lr, weight_decay=o.weight_decay) if params else None
+    # A captured step (trainer.cuda_graph) needs Adam's state, its step count too, on the device.
+    extra = {"capturable": True} if tr.cuda_graph and o.name == "adam" else {}
+    dense = _DENSE_OPTIMIZERS[o.name](params, lr=o.lr, weight_decay=o.weight_decay, **extra) if params else None
     return Trainer(
         model, optimizer=dense,
         metrics={"auc": metrics.AUC(), "logloss": metrics.LogLoss(), "accuracy": metrics.Accuracy()},
@@ -119,6 +121,7 @@ def build_trainer(
         max_steps=tr.max_steps, checkpoint_dir=tr.checkpoints() if checkpoints else None,
         checkpoint_every=tr.checkpoint_every if checkpoints else None, keep_last=tr.keep_last,
         log_every=tr.log_every, log_dir=tr.run_dir, progress=tr.progress, seed=tr.seed, callbacks=callbacks,
+        cuda_graph=tr.cuda_graph,
     )  # fmt: skip
 
 

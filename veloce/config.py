@@ -181,9 +181,12 @@ class TrainerConfig:
     seed: int = 0
     device: str = "auto"
     progress: bool = True
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "max_epochs", "max_steps", "accumulate_steps", "log_every", "checkpoint_every")
+        _require(not self.cuda_graph or self.accumulate_steps == 1, "accumulate_steps",
+                 "1 with trainer.cuda_graph (a captured step is a whole optimizer step)", self.accumulate_steps)  # fmt: skip
         _positive(self, "keep_last")
         _non_negative(self, "seed")
         _require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"), "device",
@@ -218,6 +221,11 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+
+    def __post_init__(self) -> None:
+        # torch's Adagrad keeps its step count on the host: a CUDA graph would not advance it.
+        _require(not self.trainer.cuda_graph or self.optimizer.dense.name != "adagrad", "optimizer.dense.name",
+                 "adam or sgd with trainer.cuda_graph (their state stays on the device)", self.optimizer.dense.name)  # fmt: skip
 
 
 # ---- loading ---------------------------------------------------------------------------------

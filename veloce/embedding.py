@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple, NoReturn, Optional, Sequence, Type
 import torch
 from torch import nn
 
-from veloce import _ext
+from veloce import _capture, _ext
 from veloce._device import HostCopy, host_tensor
 from veloce._update_stream import run_update
 from veloce import init as _init
@@ -691,6 +691,12 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
     # flag, and the host reads that result afterwards: it waits for the check, not for the
     # updates, and the GPU never idles between them. Otherwise the result is read first.
     skip = check.skip_flag({t.table.device for t in tables})
+    capture = _capture.ACTIVE
+    if skip is None and checked and capture is not None:
+        raise RuntimeError(
+            "veloce: a step over tables on several devices cannot be captured in a CUDA graph: its NaN/Inf check "
+            "is read before the updates; capture each device's tables in a step of their own"
+        )
     if skip is None:
         _raise_nonfinite(tables, check.result())
     updates = [t._prepare_update(lr, known_finite=t.nonfinite_grad in _CHECKED) for t, lr in zip(tables, lrs)]
@@ -705,11 +711,17 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
         raise
     # "raise_next" alone: the host does not read the check now. Every update carried its
     # flag, so if it failed nothing was applied: reading it later rolls the booking back.
-    deferred = skip is not None and all(t.nonfinite_grad == "raise_next" for t in checked)
+    # A captured step reads every check so (veloce.graphs reads each replay's).
+    deferred = skip is not None and (capture is not None or all(t.nonfinite_grad == "raise_next" for t in checked))
     if skip is not None and not deferred and not all(check.result().values()):
         # Nothing was applied (every call carried the set flag): raise, before any booking.
         _raise_nonfinite(tables, check.result())
-    verdict = _DeferredCheck(check, tables) if deferred and checked else None
+    if capture is not None:
+        if checked:
+            capture.checks.append(_capture.CheckLog(check, list(tables)))
+        for t, u in zip(tables, updates):
+            capture.requested_lr[id(t)] = None if u is None else u.requested_lr
+    verdict = _DeferredCheck(check, tables) if deferred and checked and capture is None else None
     for t, u in zip(tables, updates):
         t._book(u)
     if verdict is not None:
@@ -867,7 +879,10 @@ def _apply_updates(
         # On CUDA the update runs on the update stream: the next step's insert does not wait
         # for it (veloce._update_stream). The fence keeps the inputs alive until the stream they
         # came from waited for it, or it has run.
-        fence = run_update(group[0].weights.device, functools.partial(_launch_update, group, skip), (group, skip))
+        # A captured step reads learning rate and step count from the device (veloce.graphs).
+        lr_step = None if _capture.ACTIVE is None else _capture.ACTIVE.lr_step_of([tables[i] for i in idx])
+        fence = run_update(group[0].weights.device, functools.partial(_launch_update, group, skip, lr_step),
+                           (group, skip))  # fmt: skip
         if fence is not None:
             for i in idx:
                 tables[i].table._update_fence = fence
@@ -875,19 +890,20 @@ def _apply_updates(
             applied.extend(idx)
 
 
-def _launch_update(group: Sequence[_Update], skip: torch.Tensor | None) -> None:
-    """One accumulate_and_update(_many) call for updates that share their group key."""
+def _launch_update(group: Sequence[_Update], skip: torch.Tensor | None, lr_step: torch.Tensor | None = None) -> None:
+    """One accumulate_and_update(_many) call for updates that share their group key
+    (``lr_step``: their learning rate and step count on the device, in a captured step)."""
     u = group[0]
     if len(group) == 1:
         torch.ops.veloce.accumulate_and_update(
             u.weights, u.opt_state, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, u.lr, u.eps,
-            u.beta1, u.beta2, u.weight_decay, u.step, False, skip,
+            u.beta1, u.beta2, u.weight_decay, u.step, False, skip, lr_step,
         )  # fmt: skip
     else:
         torch.ops.veloce.accumulate_and_update_many(
             [v.weights for v in group], [v.opt_state for v in group], [v.grad for v in group],
             [v.slots for v in group], [v.offsets for v in group], [v.psw for v in group], u.mode, False, u.kind,
-            u.lr, u.eps, u.beta1, u.beta2, u.weight_decay, u.step, False, skip,
+            u.lr, u.eps, u.beta1, u.beta2, u.weight_decay, u.step, False, skip, lr_step,
         )  # fmt: skip
 
 
@@ -944,7 +960,8 @@ class _FiniteCheck:
                 where[i] = (dev, base + k)
         self._where = where
         self._flags = {dev: fs[0] if len(fs) == 1 else torch.cat(fs) for dev, fs in flags.items()}
-        self._copies = {dev: HostCopy(f) for dev, f in self._flags.items()}  # queued, not waited for
+        # Queued, not waited for; a captured step's are made after each replay (veloce.graphs).
+        self._copies = {} if _capture.ACTIVE is not None else {dev: HostCopy(f) for dev, f in self._flags.items()}
 
     def skip_flag(self, devices: set) -> Optional[torch.Tensor]:
         """A (1,) bool on the device of every table in ``devices`` (those to be updated),
@@ -1166,7 +1183,7 @@ def _insert_checked(
         if not bool(flag):  # not refused for the offsets: someone else's error
             raise
     else:
-        check.deferring = any(t.defer for t in tables)
+        check.deferring = _capture.ACTIVE is not None or any(t.defer for t in tables)
         return result, check
     _raise_first_offsets_error(layouts)  # outside the except: the refusal is no part of the user's error
 
@@ -1276,6 +1293,15 @@ def autograd_anchor(device: torch.device) -> torch.Tensor:
     theirs through the table, not autograd). Its gradient is always None. One per device,
     shared by every lookup: a step over many tables evaluates one AccumulateGrad node for
     it, not one per table, and allocates nothing."""
+    capture = _capture.ACTIVE
+    if capture is not None:
+        # A captured step's own: autograd syncs a leaf's gradient with the stream its
+        # AccumulateGrad node was made on, and the shared anchor's was made on another
+        # stream, outside the capture (which capture refuses).
+        if capture.anchor is None:
+            with torch.inference_mode(False):
+                capture.anchor = torch.empty(0, device=device, requires_grad=True)
+        return capture.anchor
     anchor = _ANCHORS.get(device)
     if anchor is None:
         with torch.inference_mode(False):  # a normal tensor even when first asked for in inference mode

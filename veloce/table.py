@@ -22,7 +22,7 @@ from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
 import torch
 from torch import nn
 
-from veloce import _ext
+from veloce import _capture, _ext
 from veloce._device import current_stream
 from veloce._memory import empty_table
 from veloce._update_stream import UpdateFence, beside_updates, release_done, wait_prefetch_origin
@@ -346,6 +346,8 @@ class HashTable(PlainAttrs, nn.Module):
         there (and a batch's ids alone do not pass the bound), it grows now, one doubling
         early, and defers. Growth reads the device back anyway: ``bad_input`` is read
         first, and a set flag raises as the op would, before anything changes."""
+        if _capture.ACTIVE is not None:  # a captured insert defers always; the step wrapper made room
+            return self._room_in_capture(sum(i.numel() for i in ids))
         if not self.defer or self._at_max() or torch.are_deterministic_algorithms_enabled():
             return False
         n = sum(i.numel() for i in ids)
@@ -364,6 +366,20 @@ class HashTable(PlainAttrs, nn.Module):
         _refuse_if_set(bad_input)
         self.resize(self.capacity * 2)
         return not self._at_max() and self._size + n <= self.grow_at * self.capacity
+
+    def _room_in_capture(self, n: int) -> bool:
+        """While a CUDA graph is captured (veloce.graphs): True when ``n`` more ids fit under
+        ``grow_at`` with the deferred calls not read yet; else :class:`NeedsRoom` (the
+        wrapper grows the table and captures again). A table that may evict or under
+        deterministic algorithms cannot be captured (a deferred insert does neither)."""
+        if torch.are_deterministic_algorithms_enabled():
+            raise RuntimeError(
+                "veloce: a training step cannot be captured in a CUDA graph under torch.use_deterministic_algorithms"
+                "(True): a deferred CUDA insert races conflicting new ids instead of placing them in order"
+            )
+        if self._size + self._unread_ids() + n > self.grow_at * self.capacity:
+            raise _capture.NeedsRoom(self, n)
+        return True
 
     def _unread_ids(self) -> int:
         """The ids of the deferred calls not read yet: an upper bound of what they inserted."""
@@ -790,25 +806,36 @@ def _insert_deferred(tables: Sequence[HashTable], ids: Sequence[torch.Tensor], p
     """One find_or_insert(_many) op over distinct CUDA tables on one device with ``defer``
     (the tables said yes to :meth:`HashTable._deferrable`): the slots now, the counts later
     (:class:`_DeferredCounts`, read by :meth:`HashTable.settle`)."""
-    for t in tables:
-        if t._unread:  # keep the list short: read what arrived (one event query per call)
-            t.settle(wait=False)
+    capture = _capture.ACTIVE
+    if capture is None:
+        for t in tables:
+            if t._unread:  # keep the list short: read what arrived (one event query per call)
+                t.settle(wait=False)
     args = [t._find_or_insert_args(i, p, False) for t, i, p in zip(tables, ids, padding_ids)]
     states = [t._state(join=False) for t in tables]
+    # Captured in a CUDA graph: the LRU stamps come from device clocks the graph ticks.
+    clocks = None if capture is None else [capture.clock_of(t) for t in tables]
 
-    def call() -> tuple[list[torch.Tensor], _DeferredCounts, torch.Tensor]:
+    def call() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         if len(tables) == 1:  # counts (2,): _DeferredCounts reads it as one row
-            slots, counts, evicted = torch.ops.veloce.find_or_insert(*states[0], *args[0], bad_input, True)
+            clock = None if clocks is None else clocks[0]
+            slots, counts, evicted = torch.ops.veloce.find_or_insert(*states[0], *args[0], bad_input, True, clock)
             out = [slots]
         else:
             cols, per_arg = [list(c) for c in zip(*states)], [list(a) for a in zip(*args)]
-            slots, counts, evicted = torch.ops.veloce.find_or_insert_many(*cols, *per_arg, bad_input, True)
+            clock = None if clocks is None else torch.cat(clocks)
+            slots, counts, evicted = torch.ops.veloce.find_or_insert_many(*cols, *per_arg, bad_input, True, clock)
             out = list(slots.split([i.numel() for i in ids]))
-        return out, _DeferredCounts(counts, on_refused), evicted  # the copy queued on the op's stream
+        return out, counts, evicted
 
     out, counts, evicted = insert_beside_updates(tables, call)
-    for k, (t, i) in enumerate(zip(tables, ids)):
-        t._unread.append((counts, k, i.numel()))
+    if capture is not None:  # read after each replay by the step wrapper (veloce.graphs)
+        capture.inserts.append(_capture.InsertLog(list(tables), [i.numel() for i in ids], counts, on_refused))
+    else:
+        deferred = _DeferredCounts(counts, on_refused)  # the copy queued on the op's stream
+        for k, (t, i) in enumerate(zip(tables, ids)):
+            t._unread.append((deferred, k, i.numel()))
+    for t in tables:
         t._note_inserted(0, evicted)  # none evicted; what it inserted is booked when read (settle)
     return out
 

@@ -19,11 +19,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from veloce import checkpoint
 from veloce._training import batch_size, call_model, gather, model_device, move_to, rng_state, set_rng_state
 from veloce._training import broadcast, gather, lockstep, split_batch, world
 from veloce.callbacks import Callback, JSONLinesLogger, ProgressBar, TensorBoardLogger
+from veloce.graphs import CUDAGraphStep
 from veloce.optim import CombinedOptimizer
 
 __all__ = ["Trainer"]
@@ -75,6 +77,13 @@ class Trainer:
         seed: ``torch.manual_seed(seed)`` when a fit starts from scratch (a resumed fit
             restores the saved RNG state instead).
         device: move the model there first; default: where the model already is.
+        cuda_graph: run each training step (forward, loss, backward, the dense and sparse
+            updates) as one CUDA graph, captured after two eager steps
+            (:class:`veloce.CUDAGraphStep`, ``docs/cuda_graphs.md``): on a GPU, a step bound
+            by the host's launches runs at the speed of its kernels. Needs a CUDA model on
+            one process, ``accumulate_steps=1`` and a dense optimizer that keeps its state on
+            the device (``torch.optim.Adam(..., capturable=True)``; SGD). Batches of another
+            shape than the captured one (an epoch's short last batch) run eagerly.
 
     Example::
 
@@ -104,9 +113,12 @@ class Trainer:
         progress: bool = True,
         seed: int = 0,
         device: Optional[torch.device | str] = None,
+        cuda_graph: bool = False,
     ) -> None:
         _check_args(model, loss_fn, metrics, strategy, precision, accumulate_steps, max_epochs, max_steps,
                     checkpoint_dir, checkpoint_every, keep_last, log_every, callbacks, seed)  # fmt: skip
+        if not isinstance(cuda_graph, bool):
+            raise TypeError(f"Trainer: cuda_graph must be a bool, got {cuda_graph!r}")
         if device is not None:
             model = model.to(device)
         self.module = model
@@ -138,6 +150,12 @@ class Trainer:
         self._last_saved = -1
         self._overwrite = False  # resumed from an explicit checkpoint: replace stale later ones
         self._train_len: Optional[int] = None
+        self._graph: Optional[CUDAGraphStep] = None  # cuda_graph: the captured training step
+        self._graph_spec: Any = None  # the batch structure it was captured for
+        self._spec: Any = None  # the structure of the batch being run
+        if cuda_graph:
+            self._check_cuda_graph()
+            self._graph = CUDAGraphStep(self._graph_fn, self.module, self.optimizer)
 
     # ---- public API -----------------------------------------------------------------------
     def fit(
@@ -219,11 +237,14 @@ class Trainer:
         pending = 0
         for batch in batches:
             pending += 1
-            self._forward_backward(batch)
+            if self._graph is not None:
+                self._graphed_step(batch)  # the optimizer step included
+            else:
+                self._forward_backward(batch)
             self.batches_in_epoch += 1
             if pending == self.accumulate_steps:
                 pending = 0
-                self._optimizer_step()
+                self._optimizer_step(stepped=self._graph is not None)
                 if self.should_stop or self._steps_exhausted():
                     return False
         if pending:
@@ -262,9 +283,48 @@ class Trainer:
         (loss / self.accumulate_steps).backward()
         self._totals.add(loss.detach(), batch_size(target))
 
-    def _optimizer_step(self) -> None:
+    # ---- cuda_graph ---------------------------------------------------------------------
+    def _check_cuda_graph(self) -> None:
+        if self.device.type != "cuda":
+            raise ValueError(f"Trainer: cuda_graph=True needs a model on a CUDA device, got one on {self.device}")
+        if self.world_size > 1:
+            raise ValueError("Trainer: cuda_graph=True runs on one process; sharded tables are not captured yet")
+        if self.accumulate_steps != 1:
+            raise ValueError(
+                f"Trainer: cuda_graph=True captures whole optimizer steps: accumulate_steps must be 1, got "
+                f"{self.accumulate_steps}"
+            )
+
+    def _graph_fn(self, *leaves: torch.Tensor) -> torch.Tensor:
+        """The captured step, over the batch's tensors flattened (torch.utils._pytree)."""
+        inputs, target = pytree.tree_unflatten(list(leaves), self._spec)
+        with self._autocast():
+            loss = self.loss_fn(call_model(self.model, inputs), target)
+        loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
+        return loss.detach()
+
+    def _graphed_step(self, batch: Any) -> None:
+        """One training step of ``batch`` as a replay of the captured step (or eagerly, for a
+        batch of another structure or shape than the captured one)."""
+        assert self._graph is not None
+        inputs, target = move_to(split_batch(batch), self.device)
+        leaves, self._spec = pytree.tree_flatten((inputs, target))
+        if not all(isinstance(x, torch.Tensor) for x in leaves):
+            raise TypeError("Trainer: cuda_graph=True needs batches of tensors (nested tuples, lists, dicts)")
+        if self._graph_spec is None:
+            self._graph_spec = self._spec
+        if self._spec == self._graph_spec and self._graph.matches(*leaves):
+            loss = self._graph(*leaves)
+        else:
+            loss = self._graph.eager(*leaves)
+        self._totals.add(loss, batch_size(target))  # queued on the device before the next replay rewrites it
+
+    def _optimizer_step(self, stepped: bool = False) -> None:
+        if not stepped:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
         self.global_step += 1
         self.steps_in_epoch += 1
         if self.global_step % self.log_every == 0:

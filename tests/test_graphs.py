@@ -1,0 +1,253 @@
+"""veloce.graphs.CUDAGraphStep: a training step captured once and replayed trains as the same
+steps run eagerly (with deferred inserts), grows its tables, follows an LR scheduler, and
+reports bad offsets and NaN/Inf gradients as step() does; its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import veloce
+from veloce import _ext
+
+pytestmark = pytest.mark.skipif(not _ext.loaded, reason="veloce._C is not built")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available() or not _ext.has_cuda_kernels(),
+                          reason="needs a GPU and veloce's CUDA kernels")  # fmt: skip
+
+
+class Tiny(nn.Module):
+    """Two tables looked up together (one insert over both) and one alone, and an MLP."""
+
+    def __init__(self, capacity: int, nonfinite: str = "raise") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+
+        def table(dim, mode, opt, seed):
+            return veloce.DynamicEmbedding(dim, mode=mode, capacity=capacity, optimizer=opt, seed=seed,
+                                           device="cuda", nonfinite_grad=nonfinite, defer_inserts=True)  # fmt: skip
+
+        self.a = table(8, "sum", veloce.optim.Adagrad(lr=0.1), 1)
+        self.b = table(8, "mean", veloce.optim.Adam(lr=0.01), 2)
+        self.c = table(4, "sum", veloce.optim.SGD(lr=0.05), 3)
+        self.mlp = nn.Sequential(nn.Linear(8 + 8 + 4 + 3, 16), nn.ReLU(), nn.Linear(16, 1)).cuda()
+
+    def forward(self, dense, ids_ab, ids_c, offsets_c):
+        ea, eb = veloce.lookup_many([self.a, self.b], [ids_ab[:, :2], ids_ab[:, 2:]])
+        ec = self.c(ids_c, offsets_c)
+        return self.mlp(torch.cat([ea, eb, ec, dense], 1)).squeeze(1)
+
+
+def batches(n, batch=64, seed=0, space=3000):
+    """n batches; ids from a growing space, so every step inserts some."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        dense = torch.randn(batch, 3, generator=g)
+        ids_ab = torch.randint(0, space + 200 * i, (batch, 5), generator=g)
+        ids_c = torch.randint(-50, 400 + 30 * i, (batch * 2,), generator=g)
+        offsets_c = torch.arange(0, batch * 2, 2)
+        label = (torch.rand(batch, generator=g) < 0.3).float()
+        out.append(tuple(x.cuda() for x in (dense, ids_ab, ids_c, offsets_c, label)))
+    return out
+
+
+def trainer(model, dense_lr=1e-2):
+    dense = torch.optim.Adam(model.mlp.parameters(), lr=dense_lr, capturable=True)
+    opt = veloce.optim.CombinedOptimizer(dense, model)
+    loss_fn = nn.BCEWithLogitsLoss()
+
+    def step(dense, ids_ab, ids_c, offsets_c, label):
+        loss = loss_fn(model(dense, ids_ab, ids_c, offsets_c), label)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return opt, step
+
+
+def assert_same_tables(x: Tiny, y: Tiny) -> None:
+    for name in "abc":
+        tx, ty = getattr(x, name), getattr(y, name)
+        assert len(tx) == len(ty), name
+        assert tx.step_count == ty.step_count, name
+        assert tx.table.clock == ty.table.clock, name
+        ex, ey = tx.export(), ty.export()
+        ox, oy = torch.argsort(ex["keys"]), torch.argsort(ey["keys"])
+        assert torch.equal(ex["keys"][ox], ey["keys"][oy]), name
+        for k in ("weights", "optimizer_state"):
+            torch.testing.assert_close(ex[k][ox], ey[k][oy], rtol=1e-5, atol=1e-6, msg=f"{name}.{k}")
+        if "scores" in ex:
+            assert torch.equal(ex["scores"][ox], ey["scores"][oy]), name
+
+
+@CUDA
+@pytest.mark.parametrize("capacity", [8192, 64])  # 64: the tables grow while replayed (captured again)
+def test_replayed_steps_train_as_eager_steps(capacity):
+    data = batches(12)
+    eager = Tiny(capacity)
+    _, eager_step = trainer(eager)
+    want = [eager_step(*b).item() for b in data]
+
+    graphed = Tiny(capacity)
+    opt, fn = trainer(graphed)
+    step = veloce.CUDAGraphStep(fn, graphed, opt, warmup=2)
+    got = [step(*b).item() for b in data]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    assert step.captures >= (2 if capacity == 64 else 1)
+    assert_same_tables(graphed, eager)
+    for p, q in zip(graphed.mlp.parameters(), eager.mlp.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@CUDA
+def test_an_eager_step_between_replays():
+    """A short batch run eagerly between replays (the last batch of an epoch): the graph
+    stays, and the next replays start from the state it left."""
+    data = batches(8, seed=5)
+    short = tuple(x[: x.shape[0] // 2] for x in data[4])  # 32 samples: 64 ids of c, 32 offsets
+    eager = Tiny(8192)
+    _, eager_step = trainer(eager)
+    graphed = Tiny(8192)
+    opt, fn = trainer(graphed)
+    step = veloce.CUDAGraphStep(fn, graphed, opt, warmup=1)
+    for i, b in enumerate(data):
+        if i == 4:
+            want, got = eager_step(*short).item(), step.eager(*short).item()
+        else:
+            want, got = eager_step(*b).item(), step(*b).item()
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6), i
+    assert step.captures == 1
+    assert_same_tables(graphed, eager)
+
+
+@CUDA
+def test_replays_follow_an_lr_scheduler():
+    data = batches(8, seed=1)
+    models, losses = [], []
+    for graph in (False, True):
+        model = Tiny(8192)
+        # The dense Adam's lr is a float, which a capturable Adam bakes into the graph: its
+        # layers stay fixed (lr 0), so that the tables see the same gradients in both runs.
+        opt, fn = trainer(model, dense_lr=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5**i)
+        run = veloce.CUDAGraphStep(fn, model, opt) if graph else fn
+        out = []
+        for b in data:
+            out.append(run(*b).item())
+            sched.step()  # outside the captured step: its new rates reach the next replay
+        models.append(model)
+        losses.append(out)
+    torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=1e-6)
+    assert_same_tables(models[1], models[0])
+    assert models[1].a._last_lr == pytest.approx(0.1 * 0.5**7)
+
+
+def replaying(data, steps):
+    """A Tiny model, its optimizer and its graphed step, after ``steps`` steps of ``data``
+    (the first eager, the others replays)."""
+    model = Tiny(8192)
+    opt, fn = trainer(model)
+    step = veloce.CUDAGraphStep(fn, model, opt, warmup=1)
+    for b in data[:steps]:
+        step(*b)
+    return model, opt, step
+
+
+@CUDA
+def test_a_nan_gradient_is_raised_by_the_next_call_and_applies_nothing():
+    data = batches(6, seed=2)
+    model, opt, step = replaying(data, 3)
+    len(model.a)  # reads the counts: the tables are settled
+    before = {n: getattr(model, n).export() for n in "abc"}
+    steps = model.a.step_count
+    bad = list(data[3])
+    bad[0] = torch.full_like(bad[0], float("nan"))  # every gradient NaN
+    step(*bad)
+    with pytest.raises(FloatingPointError, match="NaN or Inf"):
+        step(*data[4])
+    assert model.a.step_count == steps
+    for n in "abc":
+        after = getattr(model, n).export()
+        keys_before = set(before[n]["keys"].tolist())
+        mask = torch.tensor([k in keys_before for k in after["keys"].tolist()], device=after["keys"].device)
+        o_before, o_after = torch.argsort(before[n]["keys"]), torch.argsort(after["keys"][mask])
+        assert torch.equal(before[n]["weights"][o_before], after["weights"][mask][o_after]), n
+    opt.zero_grad()
+    step(*data[5])  # training goes on
+
+
+@CUDA
+def test_bad_offsets_are_raised_by_the_next_call():
+    data = batches(5, seed=3)
+    _, _, step = replaying(data, 2)
+    bad = list(data[2])
+    bad[3] = bad[3].flip(0)  # decreasing offsets
+    step(*bad)
+    with pytest.raises(ValueError, match="offsets"):
+        step(*data[3])
+
+
+@CUDA
+def test_refusals():
+    data = batches(3, seed=4)
+    _, _, step = replaying(data, 2)
+    _, fn = trainer(Tiny(64))
+    with pytest.raises(ValueError, match="captured for inputs"):
+        step(*(x[:32] for x in data[2][:2]), data[2][2][:64], data[2][3][:32], data[2][4][:32])
+    with pytest.raises(TypeError, match="input 0 must be a tensor"):
+        step(1.0, *data[2][1:])
+    with pytest.raises(ValueError, match="nonfinite_grad='skip'"):
+        veloce.CUDAGraphStep(fn, Tiny(64, nonfinite="skip"))
+
+
+def test_refusals_on_any_machine():
+    plain = nn.Linear(3, 1)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        veloce.CUDAGraphStep(None, plain)
+    with pytest.raises(ValueError, match="warmup must be an int >= 1"):
+        veloce.CUDAGraphStep(lambda: None, plain, warmup=0)
+    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(plain.parameters()), plain)
+    with pytest.raises(ValueError, match="capturable=True"):
+        veloce.CUDAGraphStep(lambda: None, plain, opt)
+    cpu = veloce.DynamicEmbedding(4)
+    with pytest.raises(ValueError, match="on one CUDA device"):
+        veloce.CUDAGraphStep(lambda: None, cpu)
+
+
+@CUDA
+def test_trainer_with_cuda_graph_trains_as_without():
+    """Trainer(cuda_graph=True) on synthetic clicks (a short last batch included): the same
+    losses per epoch and the same tables as the eager Trainer (deferred inserts)."""
+    from veloce.data import SyntheticClicks
+    from veloce.models import DLRM
+
+    def run(cuda_graph):
+        torch.manual_seed(0)
+        table = lambda d: veloce.DynamicEmbedding(d, mode="sum", capacity=256, device="cuda", defer_inserts=True)  # noqa: E731
+        model = DLRM(4, 3, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), embedding_factory=table).cuda()
+        dense = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)
+        data = SyntheticClicks(num_samples=1000, batch_size=128, num_dense=4, num_sparse=3, seed=1)
+        trainer = veloce.Trainer(model, optimizer=dense, max_epochs=2, progress=False, log_dir=None,
+                                 cuda_graph=cuda_graph)  # fmt: skip
+        history = trainer.fit(data)
+        return model, [h["loss"] for h in history], trainer
+
+    eager, eager_loss, _ = run(False)
+    graphed, graph_loss, trainer = run(True)
+    torch.testing.assert_close(torch.tensor(graph_loss), torch.tensor(eager_loss), rtol=1e-5, atol=1e-6)
+    assert trainer._graph.captures >= 1
+    for a, b in zip(graphed.embeddings.values(), eager.embeddings.values()):
+        ea, eb = a.export(), b.export()
+        oa, ob = torch.argsort(ea["keys"]), torch.argsort(eb["keys"])
+        assert torch.equal(ea["keys"][oa], eb["keys"][ob])
+        torch.testing.assert_close(ea["weights"][oa], eb["weights"][ob], rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_refuses_cuda_graph_off_a_gpu():
+    model = nn.Linear(3, 1)
+    with pytest.raises(ValueError, match="cuda_graph=True needs a model on a CUDA device"):
+        veloce.Trainer(model, cuda_graph=True, progress=False)
+    with pytest.raises(TypeError, match="cuda_graph must be a bool"):
+        veloce.Trainer(model, cuda_graph="yes", progress=False)

@@ -1,0 +1,379 @@
+"""A whole training step as one CUDA graph: :class:`CUDAGraphStep`.
+
+On a GPU, a step of a model with many small layers and tables is often bound by the host:
+Python and the launches of a few hundred kernels take longer than the kernels themselves
+(configuration 5's DLRM on one H200 with TF32 matmuls: 7.3 ms eager, 3.9 ms of GPU work;
+``benchmarks/README.md``, twenty-eighth session). A CUDA graph captures the step's kernels
+once and replays them with one launch.
+
+What makes a veloce step capturable (see :mod:`veloce._capture`): while capturing, every
+training insert defers its read-back and stamps its LRU clocks from device tensors; every
+fused update reads its learning rate and step count from device tensors; the graph advances
+both itself. The wrapper carries the host's bookkeeping across replays: it reads each
+replay's insert counts (the table sizes) and NaN/Inf check before the next replay, raising
+their errors as ``step()`` would; it grows a table that a replay could fill and captures
+again; it moves the learning rates of a :class:`veloce.optim.CombinedOptimizer` (an LR
+scheduler's) to the device before each replay.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from veloce import _capture, _update_stream
+from veloce._device import HostCopy
+from veloce.embedding import DynamicEmbedding, _DeferredCheck, _raise_deferred
+from veloce.optim import CombinedOptimizer
+from veloce.table import TableFullError, _DeferredCounts
+
+__all__ = ["CUDAGraphStep"]
+
+
+class CUDAGraphStep:
+    """Runs ``fn(*inputs)``, a whole training step, as one CUDA graph.
+
+    ``fn`` is the step as it would run eagerly: forward, loss, ``backward()``, the
+    optimizer's ``step()`` and ``zero_grad()``; it returns a tensor, a tuple or list of
+    tensors, or None. The first ``warmup`` calls run it eagerly; the next one captures it
+    (the Python in ``fn`` then runs once) and every call after that copies its inputs into
+    the graph's own and replays it. The results are those of eager steps, with two
+    differences: the sparse tables' inserts always defer their read-back
+    (``DynamicEmbedding(defer_inserts=True)``'s semantics), and a NaN/Inf gradient is reported
+    as with ``nonfinite_grad="raise_next"``, by the next call (the failed step applied
+    nothing). ``"skip"`` cannot be captured.
+
+    Rules, as for any CUDA graph:
+    - every call passes tensors of the shapes, dtypes and device of the first captured one
+      (pad the last batch, drop it, or run it with :meth:`eager`); a different shape raises
+      ``ValueError``;
+    - ``fn`` is captured, not re-run: work that must happen at every step on the host (LR
+      schedulers, logging) goes outside it. The sparse tables' learning rates follow the
+      ``CombinedOptimizer`` given as ``optimizer`` (its groups are read before each replay);
+      the dense optimizer must keep its state on the device
+      (``torch.optim.Adam(..., capturable=True)``, whose ``lr`` may be a tensor);
+    - the returned tensors are the graph's outputs, overwritten by the next call: clone what
+      you keep;
+    - the tables must be on one CUDA device, unsharded, and able to grow (a table at its
+      ``max_capacity`` would have to evict, which a graph cannot).
+
+    Args:
+        fn: the training step.
+        model: the module holding the ``DynamicEmbedding`` tables ``fn`` trains (searched
+            recursively).
+        optimizer: the ``CombinedOptimizer`` ``fn`` steps, if any.
+        warmup: eager calls before the capture (lazy initialisation, e.g. the optimizers'
+            state, must not happen inside it). At least 1.
+
+    Example::
+
+        opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), capturable=True), model)
+
+        def train_step(dense, sparse, label):
+            loss = loss_fn(model(dense, sparse), label)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        step = veloce.graphs.CUDAGraphStep(train_step, model, opt)
+        for dense, sparse, label in loader:
+            loss = step(dense, sparse, label)
+    """
+
+    def __init__(self, fn: Callable[..., Any], model: nn.Module, optimizer: Optional[CombinedOptimizer] = None,
+                 warmup: int = 2) -> None:  # fmt: skip
+        if not callable(fn):
+            raise TypeError(f"CUDAGraphStep: fn must be callable, got {type(fn).__name__}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"CUDAGraphStep: model must be an nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, CombinedOptimizer):
+            raise TypeError(
+                f"CUDAGraphStep: optimizer must be a veloce.optim.CombinedOptimizer (or None), got {type(optimizer).__name__}"
+            )
+        if not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"CUDAGraphStep: warmup must be an int >= 1, got {warmup!r}")
+        self.fn, self.model, self.optimizer, self.warmup = fn, model, optimizer, warmup
+        self.modules = [m for m in model.modules() if isinstance(m, DynamicEmbedding)]
+        self._check_modules()
+        self._calls = 0
+        self.captures = 0  # how many times the step was captured (growth captures it again)
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._static: list[torch.Tensor] = []
+        self._out: Any = None
+        self._log: Optional[_capture.Capture] = None
+        self._tensors: list[tuple] = []  # the tables' tensors at capture (growth replaces them)
+        self._tables = list({id(m.table): m.table for m in self.modules}.values())  # modules may share one
+        self._host_delta: dict[int, int] = {}  # id(module) -> steps, id(table) -> clock ticks, per replay
+        self._mirror: dict[int, tuple] = {}  # what the device scalars hold: id -> value
+
+    # ---- checks -----------------------------------------------------------------------
+    def _check_modules(self) -> None:
+        devices = {m.table.device for m in self.modules}
+        if any(d.type != "cuda" for d in devices) or len(devices) > 1:
+            raise ValueError(
+                f"CUDAGraphStep: the tables must be on one CUDA device, got {sorted(str(d) for d in devices)}"
+            )
+        for m in self.modules:
+            if m._shard is not None:
+                raise ValueError("CUDAGraphStep: sharded tables (HybridParallel) cannot be captured yet")
+            if m.nonfinite_grad == "skip":
+                raise ValueError(
+                    "CUDAGraphStep: nonfinite_grad='skip' reads the gradient's check on the host; use 'raise', "
+                    "'raise_next' or 'apply' for a captured step"
+                )
+        dense = self.optimizer.dense if self.optimizer is not None else None
+        if dense is not None and any(g.get("capturable") is False for g in dense.param_groups):
+            raise ValueError(
+                f"CUDAGraphStep: the dense optimizer ({type(dense).__name__}) keeps its state on the host; construct "
+                f"it with capturable=True"
+            )
+
+    def _check_inputs(self, inputs: Sequence[Any]) -> None:
+        for i, x in enumerate(inputs):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"CUDAGraphStep: input {i} must be a tensor, got {type(x).__name__}")
+        if not self.matches(*inputs):
+            got = [(tuple(x.shape), x.dtype) for x in inputs]
+            want = [(tuple(s.shape), s.dtype) for s in self._static]
+            raise ValueError(
+                f"CUDAGraphStep: the step was captured for inputs {want}, got {got}; a graph replays fixed "
+                f"shapes: pad the batch to the captured shape, run it with eager(...) (the last batch of an "
+                f"epoch), or call reset() to capture again"
+            )
+
+    # ---- the call ---------------------------------------------------------------------
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        self._check_inputs(inputs)
+        self._calls += 1
+        if self._calls <= self.warmup:
+            return self._eager(inputs)
+        # The last replay's errors (bad offsets, NaN/Inf gradients) first, as step() raises
+        # them; this reads its insert counts (the sizes) too.
+        _raise_deferred(self.modules)
+        if self._graph is not None and not self._valid():
+            self.reset()
+        if self._graph is None:
+            self._capture(inputs)
+        self._sync_scalars()
+        for t in self._tables:  # an eager update since (run outside the graph): the replay waits for it
+            if t._update_fence is not None:
+                t._join_update()
+        for s, x in zip(self._static, inputs):
+            s.copy_(x, non_blocking=True)
+        before = {id(m): (m._steps, m._last_lr) for m in self.modules}
+        self._graph.replay()
+        self._after_replay(before)
+        return self._out
+
+    def matches(self, *inputs: Any) -> bool:
+        """Whether ``inputs`` may be passed to a call: tensors, of the captured shapes, dtypes
+        and device once the step is captured."""
+        if not all(isinstance(x, torch.Tensor) for x in inputs):
+            return False
+        if self._graph is None:
+            return True
+        return len(inputs) == len(self._static) and all(
+            x.shape == s.shape and x.dtype == s.dtype and x.device == s.device for x, s in zip(inputs, self._static)
+        )
+
+    def eager(self, *inputs: torch.Tensor) -> Any:
+        """``fn(*inputs)`` run eagerly, of any shapes (say, the short last batch of an
+        epoch), between replays: the graph stays, and the next replay starts from the state
+        this step leaves (its step counts, clocks, table sizes and rows)."""
+        for i, x in enumerate(inputs):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"CUDAGraphStep.eager: input {i} must be a tensor, got {type(x).__name__}")
+        return self.fn(*inputs)
+
+    def reset(self) -> None:
+        """Drops the graph: the next call captures the step again."""
+        self._graph, self._log, self._out, self._static = None, None, None, []
+
+    def _eager(self, inputs: Sequence[torch.Tensor]) -> Any:
+        side = torch.cuda.Stream()  # warm-up on a side stream, as torch's graph capture asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = self.fn(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    # ---- capture ----------------------------------------------------------------------
+    def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
+        for attempt in range(64):
+            for t in self._tables:  # nothing in flight that the graph would have to wait for
+                t.settle()
+            torch.cuda.synchronize()
+            for t in self._tables:  # all has run: no event of another stream to wait for inside the capture
+                t._update_fence = None
+                t._changed = None
+            _update_stream.release_done()
+            saved = self._host_state()
+            log = _capture.Capture()
+            dev = self.modules[0].table.device if self.modules else torch.device("cuda")
+            for m in self.modules:
+                log.clocks[id(m.table)] = torch.tensor([m.table.clock], dtype=torch.int64, device=dev)
+                log.lr_steps[id(m)] = torch.tensor([self._lr_of(m, None), float(m._steps)], dtype=torch.float64,
+                                                   device=dev)  # fmt: skip
+            static = [x.clone() for x in inputs]
+            graph = torch.cuda.CUDAGraph()
+            _capture.ACTIVE = log
+            try:
+                with torch.cuda.graph(graph):
+                    out = self.fn(*static)
+            except _capture.NeedsRoom as e:
+                self._restore(saved)
+                self._grow(e.table, e.n)
+                continue
+            except BaseException:
+                self._restore(saved)
+                raise
+            finally:
+                _capture.ACTIVE = None
+            pending = [m for m in self.modules if m._pending]
+            if pending:
+                self._restore(saved)
+                raise ValueError(
+                    "CUDAGraphStep: fn left a sparse gradient pending (it must step its tables: "
+                    "optimizer.step() or table.step(), then zero_grad())"
+                )
+            for m in self.modules:  # what one replay does to the host's bookkeeping
+                self._host_delta[id(m)] = m._steps - saved[id(m)][0]
+            for t in self._tables:
+                self._host_delta[id(t)] = t.clock - saved[id(t)][0]
+            self._restore(saved)
+            self._graph, self._log, self._static, self._out = graph, log, static, out
+            self._tensors = [self._table_tensors(m) for m in self.modules] + [self._dense_tensors()]
+            self._mirror = {}
+            self._sync_scalars()
+            self.captures += 1
+            return
+        raise RuntimeError("CUDAGraphStep: the tables kept lacking room while capturing the step")
+
+    def _grow(self, table: Any, n: int) -> None:
+        """Grows ``table`` (outside any capture) until ``n`` more ids fit under grow_at."""
+        while table._size + table._unread_ids() + n > table.grow_at * table.capacity:
+            if table._at_max():
+                raise TableFullError(
+                    f"CUDAGraphStep: a table at its max_capacity ({table.capacity} slots, {table._size} ids) has no "
+                    f"room for the {n} ids of a step; a captured step cannot evict: raise max_capacity, or train "
+                    f"this model eagerly"
+                )
+            table.resize(min(table.capacity * 2, table.max_capacity or table.capacity * 2))
+
+    def _host_state(self) -> dict[int, tuple]:
+        state: dict[int, tuple] = {}
+        for m in self.modules:
+            state[id(m)] = (m._steps, m._last_lr, m._had_backward, m._verdict, m._nonfinite_error)
+        for t in self._tables:
+            state[id(t)] = (t.clock, t.num_evicted, t.last_evicted, list(t._unread))
+        return state
+
+    def _restore(self, saved: dict[int, tuple]) -> None:
+        """The host's bookkeeping as before the capture (which ran the Python of a step, not
+        its kernels: the first replay does those)."""
+        for m in self.modules:
+            m._steps, m._last_lr, m._had_backward, m._verdict, m._nonfinite_error = saved[id(m)]
+            m._pending = []
+        for t in self._tables:
+            t.clock, t.num_evicted, t.last_evicted, t._unread = saved[id(t)]
+
+    def _dense_tensors(self) -> tuple:
+        """Where the model's parameters and buffers and the dense optimizer's state live: a
+        load that replaces them (an optimizer's load_state_dict does) needs a new capture."""
+        ptrs = [x.data_ptr() for x in self.model.parameters()] + [x.data_ptr() for x in self.model.buffers()]
+        dense = self.optimizer.dense if self.optimizer is not None else None
+        if dense is not None:
+            for state in dense.state.values():
+                ptrs.extend(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+        return tuple(ptrs)
+
+    @staticmethod
+    def _table_tensors(m: DynamicEmbedding) -> tuple:
+        t = m.table
+        return (t.version, t.capacity) + tuple(x.data_ptr() for x in t._state(join=False))
+
+    # ---- replays ----------------------------------------------------------------------
+    def _valid(self) -> bool:
+        """Whether the graph still fits: the tables', parameters' and dense optimizer state's
+        tensors unchanged (no growth, load or move), room for the next replay's ids, and the
+        tables of each captured update call still sharing learning rate and step count."""
+        assert self._log is not None
+        if [self._table_tensors(m) for m in self.modules] + [self._dense_tensors()] != self._tensors:
+            return False
+        for ins in self._log.inserts:
+            for t, n in zip(ins.tables, ins.num_ids):
+                if t._size + t._unread_ids() + n > t.grow_at * t.capacity:
+                    self._grow(t, n)
+                    return False
+        for upd in self._log.updates:
+            if len({(self._lr_of(m, self._log), m._steps) for m in upd.tables}) > 1:
+                return False
+        return True
+
+    def _requested_lr(self, m: DynamicEmbedding, log: Optional[_capture.Capture]) -> Optional[float]:
+        """The ``lr`` argument ``fn``'s step() gives ``m`` now: the CombinedOptimizer's group,
+        else what step() was given at capture (None: the table's optimizer's own)."""
+        if self.optimizer is not None:
+            for (_, table), group in zip(self.optimizer.tables, self.optimizer._sparse_groups):
+                if table is m:
+                    return float(group["lr"])
+        return None if log is None else log.requested_lr.get(id(m))
+
+    def _lr_of(self, m: DynamicEmbedding, log: Optional[_capture.Capture]) -> float:
+        requested = self._requested_lr(m, log)
+        return float(m.optimizer.lr if requested is None else requested)
+
+    def _sync_scalars(self) -> None:
+        """Writes the device clocks and [lr, step] where the host's values moved on without
+        the graph (a load, an eager step, an LR scheduler); nothing when they agree."""
+        log = self._log
+        assert log is not None
+        for t in self._tables:
+            if self._mirror.get(id(t)) != t.clock:
+                log.clocks[id(t)].fill_(t.clock)
+                self._mirror[id(t)] = t.clock
+        for m in self.modules:
+            want = (self._lr_of(m, log), float(m._steps))
+            if self._mirror.get(id(m)) != want:
+                log.lr_steps[id(m)].copy_(torch.tensor(want, dtype=torch.float64))
+                self._mirror[id(m)] = want
+
+    def _after_replay(self, before: dict[int, tuple]) -> None:
+        """The host's bookkeeping of one replay: its insert counts and NaN/Inf checks queued
+        for reading (before the next call), the step counts, clocks and learning rates."""
+        log = self._log
+        assert log is not None
+        for ins in log.inserts:
+            refusal = ins.on_refused  # a _LayoutCheck's, which raises once: a fresh one per replay
+            if refusal is not None and hasattr(refusal, "__self__"):
+                fresh = copy.copy(refusal.__self__)
+                fresh.raised = False
+                refusal = fresh.refused
+            counts = _DeferredCounts(ins.counts, refusal)
+            for k, (t, n) in enumerate(zip(ins.tables, ins.num_ids)):
+                t._unread.append((counts, k, n))
+        for chk in log.checks:
+            check = copy.copy(chk.check)
+            check._result = None
+            check._copies = {dev: HostCopy(f) for dev, f in check._flags.items()}
+            verdict = _DeferredCheck.__new__(_DeferredCheck)
+            verdict.check = check
+            verdict.before = [(m, *before[id(m)]) for m in chk.tables]
+            for m in chk.tables:
+                m._verdict = verdict
+        for m in self.modules:
+            if self._host_delta[id(m)]:
+                m._steps += self._host_delta[id(m)]
+                m._last_lr = self._requested_lr(m, log)
+            lr, steps = self._mirror[id(m)]
+            self._mirror[id(m)] = (lr, steps + log.steps.get(id(m), 0))  # what the graph advanced
+        for t in self._tables:
+            t.clock += self._host_delta[id(t)]
+            self._mirror[id(t)] += log.ticks.get(id(t), 0)
+        if not self.modules:
+            warnings.warn("CUDAGraphStep: the model has no DynamicEmbedding", RuntimeWarning, stacklevel=3)
