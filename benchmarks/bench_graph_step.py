@@ -29,7 +29,7 @@ import veloce
 from veloce.models import DLRM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_distributed import dlrm_batches  # noqa: E402
+from bench_distributed import dlrm_batches
 
 
 def make_step(args, device):

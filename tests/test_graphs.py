@@ -4,6 +4,9 @@ reports bad offsets and NaN/Inf gradients as step() does; its refusals."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -123,25 +126,94 @@ def test_an_eager_step_between_replays():
 
 
 @CUDA
-def test_replays_follow_an_lr_scheduler():
+@pytest.mark.parametrize("dense_lr", [0.0, 1e-2])  # 1e-2: the dense lr changes too (a float: captured again)
+def test_replays_follow_an_lr_scheduler(dense_lr):
     data = batches(8, seed=1)
-    models, losses = [], []
+    models, losses, steps = [], [], None
     for graph in (False, True):
         model = Tiny(8192)
-        # The dense Adam's lr is a float, which a capturable Adam bakes into the graph: its
-        # layers stay fixed (lr 0), so that the tables see the same gradients in both runs.
-        opt, fn = trainer(model, dense_lr=0.0)
+        opt, fn = trainer(model, dense_lr=dense_lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5**i)
-        run = veloce.CUDAGraphStep(fn, model, opt) if graph else fn
+        run = steps = veloce.CUDAGraphStep(fn, model, opt) if graph else fn
         out = []
-        for b in data:
-            out.append(run(*b).item())
-            sched.step()  # outside the captured step: its new rates reach the next replay
+        with pytest.warns(RuntimeWarning, match="captured again") if graph and dense_lr else _no_warning():
+            for b in data:
+                out.append(run(*b).item())
+                sched.step()  # outside the captured step: its new rates reach the next replay
         models.append(model)
         losses.append(out)
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=1e-6)
     assert_same_tables(models[1], models[0])
     assert models[1].a._last_lr == pytest.approx(0.1 * 0.5**7)
+    assert steps.captures == (1 if dense_lr == 0.0 else len(data) - 2)
+
+
+def _no_warning():
+    return contextlib.nullcontext()
+
+
+class Twice(nn.Module):
+    """One table looked up twice in a step (two inserts into it), and one looked up once."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.t = veloce.DynamicEmbedding(8, mode="sum", capacity=capacity, device="cuda", defer_inserts=True)
+        self.u = veloce.DynamicEmbedding(8, mode="sum", capacity=capacity, device="cuda", defer_inserts=True)
+        self.mlp = nn.Linear(24, 1).cuda()
+
+    def forward(self, a, b):
+        x, y, z = veloce.lookup_many([self.t, self.t, self.u], [a, b, a])
+        return self.mlp(torch.cat([x, y, z], 1)).squeeze(1)
+
+
+@CUDA
+def test_a_table_looked_up_twice_has_room_for_both_lookups():
+    g = torch.Generator().manual_seed(6)
+    data = [(torch.randint(0, 100 + 400 * i, (64, 3), generator=g).cuda(),
+             torch.randint(10**6, 10**6 + 100 + 400 * i, (64, 3), generator=g).cuda()) for i in range(10)]  # fmt: skip
+    runs = []
+    for graph in (False, True):
+        model = Twice(64)  # grows several times
+        opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(model.mlp.parameters(), lr=0.1), model)
+
+        def fn(a, b, model=model, opt=opt):
+            loss = model(a, b).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        run = veloce.CUDAGraphStep(fn, model, opt) if graph else fn
+        with warnings.catch_warnings():  # no insert may run out of room (that would warn and drop a lookup)
+            warnings.simplefilter("error", RuntimeWarning)
+            runs.append(([run(*b).item() for b in data], model))
+    torch.testing.assert_close(torch.tensor(runs[1][0]), torch.tensor(runs[0][0]), rtol=1e-5, atol=1e-6)
+    for name in "tu":
+        a, b = getattr(runs[1][1], name), getattr(runs[0][1], name)
+        assert len(a) == len(b)
+        ea, eb = a.export(), b.export()
+        oa, ob = torch.argsort(ea["keys"]), torch.argsort(eb["keys"])
+        torch.testing.assert_close(ea["weights"][oa], eb["weights"][ob], rtol=1e-5, atol=1e-6)
+
+
+@CUDA
+def test_stepping_a_table_twice_is_refused():
+    model = Tiny(8192)
+    opt, fn = trainer(model)
+
+    def twice(*b):
+        loss = fn(*b)
+        model.a(b[1][:, 0].contiguous(), torch.arange(b[1].shape[0], device="cuda")).sum().backward()
+        model.a.step()
+        model.a.zero_grad()
+        return loss
+
+    step = veloce.CUDAGraphStep(twice, model, opt, warmup=1)
+    data = batches(2, seed=7)
+    step(*data[0])
+    with pytest.raises(ValueError, match="steps a table twice"):
+        step(*data[1])
 
 
 def replaying(data, steps):
@@ -225,7 +297,7 @@ def test_trainer_with_cuda_graph_trains_as_without():
 
     def run(cuda_graph):
         torch.manual_seed(0)
-        table = lambda d: veloce.DynamicEmbedding(d, mode="sum", capacity=256, device="cuda", defer_inserts=True)  # noqa: E731
+        table = lambda d: veloce.DynamicEmbedding(d, mode="sum", capacity=256, device="cuda", defer_inserts=True)
         model = DLRM(4, 3, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), embedding_factory=table).cuda()
         dense = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)
         data = SyntheticClicks(num_samples=1000, batch_size=128, num_dense=4, num_sparse=3, seed=1)
@@ -251,3 +323,29 @@ def test_trainer_refuses_cuda_graph_off_a_gpu():
         veloce.Trainer(model, cuda_graph=True, progress=False)
     with pytest.raises(TypeError, match="cuda_graph must be a bool"):
         veloce.Trainer(model, cuda_graph="yes", progress=False)
+
+
+@CUDA
+def test_trainer_captures_a_full_batch_when_the_third_is_short():
+    """A loader whose third batch is short: the Trainer runs it eagerly (also before the
+    capture), captures a full batch, and trains as the eager Trainer."""
+    from veloce.models import DLRM
+
+    g = torch.Generator().manual_seed(8)
+    sizes = [32, 32, 20, 32, 32, 32]
+    loader = [((torch.randn(n, 4, generator=g), torch.randint(0, 500, (n, 3), generator=g)),
+               (torch.rand(n, generator=g) < 0.3).float()) for n in sizes]  # fmt: skip
+
+    def run(cuda_graph):
+        torch.manual_seed(0)
+        table = lambda d: veloce.DynamicEmbedding(d, mode="sum", capacity=1024, device="cuda", defer_inserts=True)
+        model = DLRM(4, 3, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), embedding_factory=table).cuda()
+        dense = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)
+        trainer = veloce.Trainer(model, optimizer=dense, max_epochs=2, progress=False, cuda_graph=cuda_graph)
+        return [h["loss"] for h in trainer.fit(loader)], trainer
+
+    eager_loss, _ = run(False)
+    graph_loss, trainer = run(True)
+    torch.testing.assert_close(torch.tensor(graph_loss), torch.tensor(eager_loss), rtol=1e-5, atol=1e-6)
+    assert trainer._graph.captures == 1
+    assert tuple(trainer._graph._static[0].shape) == (32, 4)

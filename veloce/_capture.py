@@ -78,7 +78,9 @@ class Capture:
 
     def clock_of(self, table: Any) -> torch.Tensor:
         """The table's device clock, ticked inside the graph (the host ticks its own)."""
-        clk = self.clocks[id(table)]
+        clk = self.clocks.get(id(table))
+        if clk is None:
+            raise ValueError(_OUTSIDE)
         clk.add_(1)
         self.ticks[id(table)] = self.ticks.get(id(table), 0) + 1
         return clk
@@ -86,11 +88,17 @@ class Capture:
     def lr_step_of(self, modules: list) -> torch.Tensor:
         """The device ``[lr, step]`` of an update call over ``modules`` (they share both):
         the first one's, after every module's step advanced inside the graph."""
+        if any(id(m) not in self.lr_steps for m in modules):
+            raise ValueError(_OUTSIDE)
         for m in modules:
             self.lr_steps[id(m)][1:].add_(1.0)
             self.steps[id(m)] = self.steps.get(id(m), 0) + 1
         self.updates.append(UpdateLog(list(modules)))
         return self.lr_steps[id(modules[0])]
+
+
+_OUTSIDE = ("CUDAGraphStep: the step trains a DynamicEmbedding that is not in the model it was given; pass the "
+            "module that holds every table the step looks up and steps")
 
 
 def capturing() -> bool:

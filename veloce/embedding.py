@@ -705,7 +705,8 @@ def step_tables(tables: Sequence["DynamicEmbedding"], lrs: Optional[Sequence[Opt
     try:
         _apply_updates([tables[i] for i in ready], [updates[i] for i in ready], skip, applied)
     except BaseException:
-        if skip is None or all(check.result().values()):  # the calls that ran did apply
+        # (a captured step reads no check: its capture fails, and nothing was booked)
+        if capture is None and (skip is None or all(check.result().values())):  # the calls that ran did apply
             for j in applied:
                 tables[ready[j]]._book(updates[ready[j]])
         raise

@@ -43,9 +43,10 @@ class CUDAGraphStep:
     (the Python in ``fn`` then runs once) and every call after that copies its inputs into
     the graph's own and replays it. The results are those of eager steps, with two
     differences: the sparse tables' inserts always defer their read-back
-    (``DynamicEmbedding(defer_inserts=True)``'s semantics), and a NaN/Inf gradient is reported
-    as with ``nonfinite_grad="raise_next"``, by the next call (the failed step applied
-    nothing). ``"skip"`` cannot be captured.
+    (``DynamicEmbedding(defer_inserts=True)``'s semantics), and a NaN/Inf gradient of a
+    checked table (``"raise"`` or ``"raise_next"``) is reported as with ``"raise_next"``, by
+    the next call (the failed step applied nothing). ``"skip"`` cannot be captured; each table
+    is stepped once per step.
 
     Rules, as for any CUDA graph:
     - every call passes tensors of the shapes, dtypes and device of the first captured one
@@ -55,7 +56,9 @@ class CUDAGraphStep:
       schedulers, logging) goes outside it. The sparse tables' learning rates follow the
       ``CombinedOptimizer`` given as ``optimizer`` (its groups are read before each replay);
       the dense optimizer must keep its state on the device
-      (``torch.optim.Adam(..., capturable=True)``, whose ``lr`` may be a tensor);
+      (``torch.optim.Adam(..., capturable=True)``); its float hyperparameters are baked into
+      the graph, so a change (an LR scheduler's) captures the step again, with a warning:
+      give it a tensor ``lr`` to schedule it without new captures;
     - the returned tensors are the graph's outputs, overwritten by the next call: clone what
       you keep;
     - the tables must be on one CUDA device, unsharded, and able to grow (a table at its
@@ -110,6 +113,8 @@ class CUDAGraphStep:
         self._tables = list({id(m.table): m.table for m in self.modules}.values())  # modules may share one
         self._host_delta: dict[int, int] = {}  # id(module) -> steps, id(table) -> clock ticks, per replay
         self._mirror: dict[int, tuple] = {}  # what the device scalars hold: id -> value
+        self._hyper: list = []  # the dense optimizer's settings baked into the graph
+        self._warned_hyper = False
 
     # ---- checks -----------------------------------------------------------------------
     def _check_modules(self) -> None:
@@ -234,6 +239,21 @@ class CUDAGraphStep:
                 raise
             finally:
                 _capture.ACTIVE = None
+            checked = [id(m) for chk in log.checks for m in chk.tables]
+            if len(checked) != len(set(checked)):
+                self._restore(saved)
+                raise ValueError(
+                    "CUDAGraphStep: fn steps a table twice (say, optimizer.step() and then table.step()); a "
+                    "captured step reads one NaN/Inf check per table: step each table once"
+                )
+            dense = self.optimizer.dense if self.optimizer is not None else None
+            if dense is not None and any(isinstance(v, torch.Tensor) and not v.is_cuda
+                                         for st in dense.state.values() for v in st.values()):  # fmt: skip
+                self._restore(saved)
+                raise ValueError(
+                    f"CUDAGraphStep: the dense optimizer ({type(dense).__name__}) keeps state on the host (its step "
+                    f"count?), which a graph would not advance; use torch.optim.Adam(..., capturable=True) or SGD"
+                )
             pending = [m for m in self.modules if m._pending]
             if pending:
                 self._restore(saved)
@@ -248,6 +268,7 @@ class CUDAGraphStep:
             self._restore(saved)
             self._graph, self._log, self._static, self._out = graph, log, static, out
             self._tensors = [self._table_tensors(m) for m in self.modules] + [self._dense_tensors()]
+            self._hyper = self._dense_hyper()
             self._mirror = {}
             self._sync_scalars()
             self.captures += 1
@@ -292,6 +313,14 @@ class CUDAGraphStep:
                 ptrs.extend(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
         return tuple(ptrs)
 
+    def _dense_hyper(self) -> list:
+        """The dense optimizer's plain-number settings (a tensor lr is read at every replay)."""
+        dense = self.optimizer.dense if self.optimizer is not None else None
+        if dense is None:
+            return []
+        return [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, tuple))}
+                for g in dense.param_groups]  # fmt: skip
+
     @staticmethod
     def _table_tensors(m: DynamicEmbedding) -> tuple:
         t = m.table
@@ -305,11 +334,24 @@ class CUDAGraphStep:
         assert self._log is not None
         if [self._table_tensors(m) for m in self.modules] + [self._dense_tensors()] != self._tensors:
             return False
+        per_table: dict[int, tuple[Any, int]] = {}  # a table may take several inserts in a step
         for ins in self._log.inserts:
             for t, n in zip(ins.tables, ins.num_ids):
-                if t._size + t._unread_ids() + n > t.grow_at * t.capacity:
-                    self._grow(t, n)
-                    return False
+                per_table[id(t)] = (t, per_table.get(id(t), (t, 0))[1] + n)
+        for t, n in per_table.values():
+            if t._size + t._unread_ids() + n > t.grow_at * t.capacity:
+                self._grow(t, n)
+                return False
+        if self._dense_hyper() != self._hyper:
+            if not self._warned_hyper:
+                self._warned_hyper = True
+                warnings.warn(
+                    "CUDAGraphStep: the dense optimizer's hyperparameters (its learning rate: an LR scheduler?) "
+                    "changed since the capture, which baked them in: the step is captured again, at every change. "
+                    "Give the optimizer a tensor lr (torch.optim.Adam(..., lr=torch.tensor(1e-3), capturable=True)) "
+                    "to schedule it without new captures", RuntimeWarning, stacklevel=3,
+                )  # fmt: skip
+            return False
         for upd in self._log.updates:
             if len({(self._lr_of(m, self._log), m._steps) for m in upd.tables}) > 1:
                 return False
@@ -348,12 +390,15 @@ class CUDAGraphStep:
         for reading (before the next call), the step counts, clocks and learning rates."""
         log = self._log
         assert log is not None
+        fresh: dict[int, Any] = {}  # per replay, one copy of each captured layout check (shared by inserts)
         for ins in log.inserts:
             refusal = ins.on_refused  # a _LayoutCheck's, which raises once: a fresh one per replay
             if refusal is not None and hasattr(refusal, "__self__"):
-                fresh = copy.copy(refusal.__self__)
-                fresh.raised = False
-                refusal = fresh.refused
+                check = fresh.get(id(refusal.__self__))
+                if check is None:
+                    check = fresh[id(refusal.__self__)] = copy.copy(refusal.__self__)
+                    check.raised = False
+                refusal = check.refused
             counts = _DeferredCounts(ins.counts, refusal)
             for k, (t, n) in enumerate(zip(ins.tables, ins.num_ids)):
                 t._unread.append((counts, k, n))

@@ -377,6 +377,8 @@ class HashTable(PlainAttrs, nn.Module):
                 "veloce: a training step cannot be captured in a CUDA graph under torch.use_deterministic_algorithms"
                 "(True): a deferred CUDA insert races conflicting new ids instead of placing them in order"
             )
+        # with the ids of this step's earlier inserts into the table (a table looked up twice)
+        n += sum(k for log in _capture.ACTIVE.inserts for t, k in zip(log.tables, log.num_ids) if t is self)
         if self._size + self._unread_ids() + n > self.grow_at * self.capacity:
             raise _capture.NeedsRoom(self, n)
         return True

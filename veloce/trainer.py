@@ -313,9 +313,12 @@ class Trainer:
         leaves, self._spec = pytree.tree_flatten((inputs, target))
         if not all(isinstance(x, torch.Tensor) for x in leaves):
             raise TypeError("Trainer: cuda_graph=True needs batches of tensors (nested tuples, lists, dicts)")
-        if self._graph_spec is None:
-            self._graph_spec = self._spec
-        if self._spec == self._graph_spec and self._graph.matches(*leaves):
+        shapes = [(x.shape, x.dtype) for x in leaves]
+        if self._graph_spec is None:  # the first batch's structure and shapes: a full batch, as a rule
+            self._graph_spec = (self._spec, shapes)
+        # Another structure or shape (an epoch's short last batch) runs eagerly, also before
+        # the capture: the step is captured for full batches.
+        if (self._spec, shapes) == self._graph_spec and self._graph.matches(*leaves):
             loss = self._graph(*leaves)
         else:
             loss = self._graph.eager(*leaves)
