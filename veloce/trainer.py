@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from veloce import checkpoint
-from veloce._training import batch_size, call_model, gather, model_device, move_to, rng_state, set_rng_state
-from veloce._training import broadcast, gather, lockstep, split_batch, world
+from veloce._training import batch_size, broadcast, call_model, gather, lockstep, model_device, move_to, rng_state
+from veloce._training import set_rng_state, split_batch, world
 from veloce.callbacks import Callback, JSONLinesLogger, ProgressBar, TensorBoardLogger
 from veloce.graphs import CUDAGraphStep
 from veloce.optim import CombinedOptimizer
