@@ -22,6 +22,10 @@
 #   memcheck   compute-sanitizer memcheck on the hash-table CUDA tests
 #   defer      the deferred-insert tests (find_or_insert(defer=True), DynamicEmbedding(defer_inserts=True))
 #   defmemcheck  compute-sanitizer memcheck on the deferred-insert CUDA tests
+#   graphs     the CUDA-graph tests (tests/test_graphs.py, tests/test_device_scalars.py), then
+#              memcheck over both
+#   graphbench configuration 5's DLRM on one GPU, eager against CUDAGraphStep (bench_graph_step.py),
+#              TF32 with and without the NaN/Inf check, then fp32
 #   c3d        configuration 3 of the new tree with --defer-inserts (each variant's windows
 #              alternately read back and deferred on one table), steps synced, then back to back
 #   c1         configuration 1 (find, find_or_insert) at LOADS (default 0.5,0.75), interleaved
@@ -164,6 +168,18 @@ for stage in "$@"; do
     defer)
       PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/test_hash_table.py tests/test_dynamic_embedding.py -q \
         -p no:cacheprovider -k "defer or no_host_sync" 2>&1 | tee "$OUT/pytest_defer.txt" | tail -3 | say
+      t ;;
+    graphs)
+      PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/test_graphs.py tests/test_device_scalars.py -q \
+        -p no:cacheprovider 2>&1 | tee "$OUT/pytest_graphs.txt" | tail -3 | say
+      PYTHONPATH=$NEW timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+        tests/test_graphs.py tests/test_device_scalars.py -q -p no:cacheprovider 2>&1 | tail -4 | say
+      t ;;
+    graphbench)
+      for a in "--tf32" "--tf32 --nonfinite apply" ""; do
+        PYTHONPATH=$NEW timeout 150 python3 benchmarks/bench_graph_step.py $a \
+          --json "$OUT/graph_$(echo "$a" | tr -d ' -')".json 2>&1 | tail -7 | say
+      done
       t ;;
     defmemcheck)
       PYTHONPATH=$NEW timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
