@@ -349,3 +349,27 @@ def test_trainer_captures_a_full_batch_when_the_third_is_short():
     torch.testing.assert_close(torch.tensor(graph_loss), torch.tensor(eager_loss), rtol=1e-5, atol=1e-6)
     assert trainer._graph.captures == 1
     assert tuple(trainer._graph._static[0].shape) == (32, 4)
+
+
+def test_a_captured_insert_needs_room_for_every_insert_of_the_step():
+    """The capture hook of HashTable._deferrable (any device): a captured insert defers
+    (whatever ``defer`` says) while the table has room for it and for the step's earlier
+    inserts into the same table; otherwise it asks the wrapper to grow the table."""
+    from veloce import _capture
+    from veloce.table import HashTable
+
+    t = HashTable(4, 0, capacity=64, grow_at=0.5)  # room for 32 ids
+    other = HashTable(4, 0, capacity=64, grow_at=0.5)
+    assert not t.defer
+    _capture.ACTIVE = _capture.Capture()
+    try:
+        assert t._deferrable([torch.arange(20)])
+        _capture.ACTIVE.inserts.append(_capture.InsertLog([other, t], [30, 20], None, None))
+        assert t._deferrable([torch.arange(12)])  # 20 + 12 = 32: fits
+        with pytest.raises(_capture.NeedsRoom) as e:
+            t._deferrable([torch.arange(13)])  # 20 + 13 = 33: does not
+        assert e.value.table is t and e.value.n == 33
+        assert other._deferrable([torch.arange(2)])  # its own 30 + 2
+    finally:
+        _capture.ACTIVE = None
+    assert not t._deferrable([torch.arange(1)])  # no capture: the table's own setting again
