@@ -373,3 +373,26 @@ def test_a_captured_insert_needs_room_for_every_insert_of_the_step():
     finally:
         _capture.ACTIVE = None
     assert not t._deferrable([torch.arange(1)])  # no capture: the table's own setting again
+
+
+def test_a_requeued_check_and_a_renewed_layout_check_read_again():
+    """What the wrapper makes per replay (any device): a NaN/Inf check that reads the flags
+    as they are now (a replay rewrote them), and a bag-layout check that raises again."""
+    from veloce.embedding import _FiniteCheck, _LayoutCheck
+
+    emb = veloce.DynamicEmbedding(4, mode="sum")
+    emb(torch.tensor([[1, 2], [3, 4]])).sum().backward()
+    check = _FiniteCheck([emb])
+    assert check.result() == {id(emb): True}
+    check._flags = {d: torch.ones_like(f) for d, f in check._flags.items()}  # as a replay rewrites them
+    assert check.result() == {id(emb): True}  # read once
+    assert check.requeued().result() == {id(emb): False}
+
+    offsets = torch.tensor([0, 3, 1])  # decreasing
+    layouts = [(offsets, 4, False)]
+    refusal = _LayoutCheck(torch.tensor([True]), layouts)
+    with pytest.raises(ValueError, match="offsets"):
+        refusal.refused()
+    refusal.refused()  # once per check
+    with pytest.raises(ValueError, match="offsets"):
+        refusal.renewed().refused()

@@ -99,7 +99,3 @@ class Capture:
 
 _OUTSIDE = ("CUDAGraphStep: the step trains a DynamicEmbedding that is not in the model it was given; pass the "
             "module that holds every table the step looks up and steps")
-
-
-def capturing() -> bool:
-    return ACTIVE is not None

@@ -7,6 +7,7 @@ input, ``D`` embedding dim.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from typing import Any, Callable, NamedTuple, NoReturn, Optional, Sequence, TypeVar
 
@@ -961,8 +962,18 @@ class _FiniteCheck:
                 where[i] = (dev, base + k)
         self._where = where
         self._flags = {dev: fs[0] if len(fs) == 1 else torch.cat(fs) for dev, fs in flags.items()}
-        # Queued, not waited for; a captured step's are made after each replay (veloce.graphs).
-        self._copies = {} if _capture.ACTIVE is not None else {dev: HostCopy(f) for dev, f in self._flags.items()}
+        # Queued, not waited for; a captured step's are made after each replay (requeued).
+        self._copies = {} if _capture.ACTIVE is not None else self._queue_copies()
+
+    def _queue_copies(self) -> dict:
+        return {dev: HostCopy(f) for dev, f in self._flags.items()}
+
+    def requeued(self) -> "_FiniteCheck":
+        """The same check of the flags' current values (a replayed CUDA graph rewrote them):
+        their read-backs queued now, the result not read yet."""
+        again = copy.copy(self)
+        again._result, again._copies = None, self._queue_copies()
+        return again
 
     def skip_flag(self, devices: set) -> Optional[torch.Tensor]:
         """A (1,) bool on the device of every table in ``devices`` (those to be updated),
@@ -1214,6 +1225,12 @@ class _LayoutCheck:
         good = torch.zeros_like(offsets)
         good[-1] = n
         return torch.where(self.flag, good, offsets)
+
+    def renewed(self) -> "_LayoutCheck":
+        """The same check, not raised yet (for a replay of a captured step)."""
+        again = copy.copy(self)
+        again.raised = False
+        return again
 
     def refused(self) -> None:
         """Raises the first bad layout's error (the first time only). When the offsets were

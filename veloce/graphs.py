@@ -18,7 +18,6 @@ scheduler's) to the device before each replay.
 
 from __future__ import annotations
 
-import copy
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -26,7 +25,6 @@ import torch
 from torch import nn
 
 from veloce import _capture, _update_stream
-from veloce._device import HostCopy
 from veloce.embedding import DynamicEmbedding, _DeferredCheck, _raise_deferred
 from veloce.optim import CombinedOptimizer
 from veloce.table import TableFullError, _DeferredCounts
@@ -102,6 +100,8 @@ class CUDAGraphStep:
             raise ValueError(f"CUDAGraphStep: warmup must be an int >= 1, got {warmup!r}")
         self.fn, self.model, self.optimizer, self.warmup = fn, model, optimizer, warmup
         self.modules = [m for m in model.modules() if isinstance(m, DynamicEmbedding)]
+        if not self.modules:
+            warnings.warn("CUDAGraphStep: the model has no DynamicEmbedding", RuntimeWarning, stacklevel=2)
         self._check_modules()
         self._calls = 0
         self.captures = 0  # how many times the step was captured (growth captures it again)
@@ -138,10 +138,14 @@ class CUDAGraphStep:
                 f"it with capturable=True"
             )
 
-    def _check_inputs(self, inputs: Sequence[Any]) -> None:
+    @staticmethod
+    def _check_tensors(inputs: Sequence[Any], where: str) -> None:
         for i, x in enumerate(inputs):
             if not isinstance(x, torch.Tensor):
-                raise TypeError(f"CUDAGraphStep: input {i} must be a tensor, got {type(x).__name__}")
+                raise TypeError(f"{where}: input {i} must be a tensor, got {type(x).__name__}")
+
+    def _check_inputs(self, inputs: Sequence[Any]) -> None:
+        self._check_tensors(inputs, "CUDAGraphStep")
         if not self.matches(*inputs):
             got = [(tuple(x.shape), x.dtype) for x in inputs]
             want = [(tuple(s.shape), s.dtype) for s in self._static]
@@ -170,9 +174,8 @@ class CUDAGraphStep:
                 t._join_update()
         for s, x in zip(self._static, inputs):
             s.copy_(x, non_blocking=True)
-        before = {id(m): (m._steps, m._last_lr) for m in self.modules}
         self._graph.replay()
-        self._after_replay(before)
+        self._after_replay()
         return self._out
 
     def matches(self, *inputs: Any) -> bool:
@@ -190,9 +193,7 @@ class CUDAGraphStep:
         """``fn(*inputs)`` run eagerly, of any shapes (say, the short last batch of an
         epoch), between replays: the graph stays, and the next replay starts from the state
         this step leaves (its step counts, clocks, table sizes and rows)."""
-        for i, x in enumerate(inputs):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"CUDAGraphStep.eager: input {i} must be a tensor, got {type(x).__name__}")
+        self._check_tensors(inputs, "CUDAGraphStep.eager")
         return self.fn(*inputs)
 
     def reset(self) -> None:
@@ -385,7 +386,7 @@ class CUDAGraphStep:
                 log.lr_steps[id(m)].copy_(torch.tensor(want, dtype=torch.float64))
                 self._mirror[id(m)] = want
 
-    def _after_replay(self, before: dict[int, tuple]) -> None:
+    def _after_replay(self) -> None:
         """The host's bookkeeping of one replay: its insert counts and NaN/Inf checks queued
         for reading (before the next call), the step counts, clocks and learning rates."""
         log = self._log
@@ -396,19 +397,13 @@ class CUDAGraphStep:
             if refusal is not None and hasattr(refusal, "__self__"):
                 check = fresh.get(id(refusal.__self__))
                 if check is None:
-                    check = fresh[id(refusal.__self__)] = copy.copy(refusal.__self__)
-                    check.raised = False
+                    check = fresh[id(refusal.__self__)] = refusal.__self__.renewed()
                 refusal = check.refused
             counts = _DeferredCounts(ins.counts, refusal)
             for k, (t, n) in enumerate(zip(ins.tables, ins.num_ids)):
                 t._unread.append((counts, k, n))
-        for chk in log.checks:
-            check = copy.copy(chk.check)
-            check._result = None
-            check._copies = {dev: HostCopy(f) for dev, f in check._flags.items()}
-            verdict = _DeferredCheck.__new__(_DeferredCheck)
-            verdict.check = check
-            verdict.before = [(m, *before[id(m)]) for m in chk.tables]
+        for chk in log.checks:  # before the host's steps move on: the verdict keeps them to roll back
+            verdict = _DeferredCheck(chk.check.requeued(), chk.tables)
             for m in chk.tables:
                 m._verdict = verdict
         for m in self.modules:
@@ -420,5 +415,3 @@ class CUDAGraphStep:
         for t in self._tables:
             t.clock += self._host_delta[id(t)]
             self._mirror[id(t)] += log.ticks.get(id(t), 0)
-        if not self.modules:
-            warnings.warn("CUDAGraphStep: the model has no DynamicEmbedding", RuntimeWarning, stacklevel=3)
