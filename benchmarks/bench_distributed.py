@@ -193,7 +193,7 @@ def run(args) -> None:
         hp = veloce.distributed.HybridParallel(model, sparse=args.sparse, staleness=args.staleness, dedup=args.dedup,
                                                lookup_errors=lookup_errors, prefetch_depth=args.prefetch_depth,
                                                exchange_dtype=args.exchange_dtype)  # fmt: skip
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), hp)
+    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3, capturable=args.graph), hp)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     data = batches(args, rank, device)
     meter = ExchangeMeter(device)
@@ -220,6 +220,21 @@ def run(args) -> None:
         opt.zero_grad()
         if following is not None and args.prefetch_at == "step":
             prefetch(*following)
+
+    graphed = None
+    if args.graph:  # the whole step as CUDA graphs (sharded: static exchanges, veloce.graphs.CUDAGraphStep)
+        def train_step(dense, sparse, label):
+            loss = loss_fn(hp(dense, sparse), label)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        graphed = veloce.graphs.CUDAGraphStep(train_step, hp, opt,
+                                              lookups=lambda dense, sparse, label: model.sparse_lookups(dense, sparse))
+
+        def step(b, following=None):  # noqa: F811 - the graphed step replaces the eager one
+            graphed(*b)
 
     gc.disable()  # collector pauses land in random steps (and stall every rank's collectives)
     times = []
@@ -277,8 +292,8 @@ def run(args) -> None:
         _phases(hp, loss_fn, opt, data, args, device, rank)
     # Instrumented passes: exchange time and bytes per step; then the same steps with the
     # ranks aligned before each exchange (the transfers' own time, as the baseline's).
-    passes = {}
-    for aligned in (False, True):
+    passes = {False: (0.0, 0, {}), True: (0.0, 0, {})}
+    for aligned in () if args.graph else (False, True):  # (a graph's exchanges are not Python calls to time)
         meter.seconds, meter.bytes, meter.calls, meter.aligned, meter.on = 0.0, 0, {}, aligned, True
         for b in data[args.warmup + args.steps :]:
             step(b)
@@ -292,7 +307,7 @@ def run(args) -> None:
     # The baseline moves the ranks' mean exchange bytes (all ranks must move the same amount).
     mean_bytes = torch.tensor([float(ex_bytes)], device=device)
     dist.all_reduce(mean_bytes)
-    base_s = a2a_baseline(int(mean_bytes.item() / world), world, device) if world > 1 else 0.0
+    base_s = a2a_baseline(int(mean_bytes.item() / world), world, device) if world > 1 and ex_bytes else 0.0
     step_s = window_s
     row = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__, "world_size": world,
@@ -300,7 +315,8 @@ def run(args) -> None:
                   + (f"+{args.exchange_dtype}" if args.exchange_dtype else "")
                   + (f"@{args.prefetch_at}" if args.prefetch and args.prefetch_at != "step" else "")
                   + ("/header" if args.prefetch and args.prefetch_depth == "header" else "")
-                  + ("+defer" if args.defer_inserts else ""),
+                  + ("+defer" if args.defer_inserts else "") + ("+graph" if args.graph else ""),
+        "captures": graphed.captures if graphed is not None else None,
         "nccl_priority": args.nccl_priority, "nonfinite_grad": args.nonfinite, "tf32": bool(args.tf32 and cuda),
         "pin_cores": args.pin_cores,
         "staleness": args.staleness if args.sparse == "async" else 0,
@@ -603,6 +619,8 @@ def main() -> None:
                         "(default: the tables' fp32)")
     p.add_argument("--pin-cores", type=int, default=0, metavar="K",
                    help="pin each rank's process to K cores of its own (default: not pinned)")
+    p.add_argument("--graph", action="store_true",
+                   help="each step as CUDA graphs (veloce.graphs.CUDAGraphStep; sharded: static exchanges)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--windows", type=int, default=1,

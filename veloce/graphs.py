@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from veloce import _capture, _update_stream
+from veloce.distributed import static
 from veloce.embedding import DynamicEmbedding, _DeferredCheck, _raise_deferred
 from veloce.optim import CombinedOptimizer
 from veloce.table import TableFullError, _DeferredCounts
@@ -59,8 +60,20 @@ class CUDAGraphStep:
       give it a tensor ``lr`` to schedule it without new captures;
     - the returned tensors are the graph's outputs, overwritten by the next call: clone what
       you keep;
-    - the tables must be on one CUDA device, unsharded, and able to grow (a table at its
+    - the tables must be on one CUDA device and able to grow (a table at its
       ``max_capacity`` would have to evict, which a graph cannot).
+
+    **Sharded tables** (``HybridParallel`` over NCCL, ``sparse="sync"``, without ``dedup``,
+    ``padding_idx`` or per-sample weights): every call first replays a small graph that
+    buckets the batch's ids by owner and swaps the counts, reads the largest over all
+    ranks (the step's one host sync), and replays the step's graph for capacities that
+    hold them (:mod:`veloce.distributed.static`: padded, equal-split all-to-alls; the
+    capacities only grow, so after a few steps the graph stops changing). ``lookups``
+    must then say which lookups the model makes (``veloce.models`` define
+    ``sparse_lookups``). The dense gradients are averaged inside the graph by one
+    all-reduce before the dense optimizer's step (DDP is bypassed there), so ``optimizer``
+    must be the ``CombinedOptimizer`` holding the dense optimizer. Every rank makes the
+    same calls; a table grown on one rank captures again there alone.
 
     Args:
         fn: the training step.
@@ -69,6 +82,10 @@ class CUDAGraphStep:
         optimizer: the ``CombinedOptimizer`` ``fn`` steps, if any.
         warmup: eager calls before the capture (lazy initialisation, e.g. the optimizers'
             state, must not happen inside it). At least 1.
+        lookups: for sharded tables: ``lookups(*inputs)`` returns the step's lookups as
+            ``[(tables, table_inputs), ...]`` in the order the forward makes them (for a
+            ``veloce.models`` model: ``lambda dense, sparse, label: model.sparse_lookups(dense,
+            sparse)``).
 
     Example::
 
@@ -87,7 +104,7 @@ class CUDAGraphStep:
     """
 
     def __init__(self, fn: Callable[..., Any], model: nn.Module, optimizer: Optional[CombinedOptimizer] = None,
-                 warmup: int = 2) -> None:  # fmt: skip
+                 warmup: int = 2, lookups: Optional[Callable[..., Any]] = None) -> None:  # fmt: skip
         if not callable(fn):
             raise TypeError(f"CUDAGraphStep: fn must be callable, got {type(fn).__name__}")
         if not isinstance(model, nn.Module):
@@ -98,11 +115,25 @@ class CUDAGraphStep:
             )
         if not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"CUDAGraphStep: warmup must be an int >= 1, got {warmup!r}")
-        self.fn, self.model, self.optimizer, self.warmup = fn, model, optimizer, warmup
+        self.fn, self.model, self.optimizer, self.warmup, self.lookups = fn, model, optimizer, warmup, lookups
         self.modules = [m for m in model.modules() if isinstance(m, DynamicEmbedding)]
         if not self.modules:
             warnings.warn("CUDAGraphStep: the model has no DynamicEmbedding", RuntimeWarning, stacklevel=2)
         self._check_modules()
+        self._sharded = any(m._shard is not None for m in self.modules)
+        self._hp: Any = None  # the HybridParallel whose dense gradients the graph averages
+        dev = self.modules[0].table.device if self.modules else torch.device("cuda", torch.cuda.current_device())
+        self._stream = torch.cuda.Stream(dev)  # every capture's (see HybridParallel._remake_ddp)
+        if self._sharded:
+            self._check_sharded()
+            if self._hp is not None:
+                self._hp._remake_ddp(self._stream)
+        self._planner = static.Planner()
+        self._count_graph: Optional[torch.cuda.CUDAGraph] = None  # sharded: the counting phase
+        self._count_host: Optional[torch.Tensor] = None
+        self._counted: list = []
+        self._caps: list = []
+        self._plans: list = []
         self._calls = 0
         self.captures = 0  # how many times the step was captured (growth captures it again)
         self._graph: Optional[torch.cuda.CUDAGraph] = None
@@ -124,8 +155,6 @@ class CUDAGraphStep:
                 f"CUDAGraphStep: the tables must be on one CUDA device, got {sorted(str(d) for d in devices)}"
             )
         for m in self.modules:
-            if m._shard is not None:
-                raise ValueError("CUDAGraphStep: sharded tables (HybridParallel) cannot be captured yet")
             if m.nonfinite_grad == "skip":
                 raise ValueError(
                     "CUDAGraphStep: nonfinite_grad='skip' reads the gradient's check on the host; use 'raise', "
@@ -137,6 +166,30 @@ class CUDAGraphStep:
                 f"CUDAGraphStep: the dense optimizer ({type(dense).__name__}) keeps its state on the host; construct "
                 f"it with capturable=True"
             )
+
+    def _check_sharded(self) -> None:
+        from veloce.distributed.hybrid import HybridParallel
+
+        for m in self.modules:
+            if m._shard is None:
+                continue
+            static.check_static([m])
+            if m._shard.group.backend != "nccl":
+                raise ValueError(f"CUDAGraphStep: sharded tables need the NCCL backend, got {m._shard.group.backend!r}")
+        if not callable(self.lookups):
+            raise ValueError(
+                "CUDAGraphStep: the model's tables are sharded (HybridParallel): pass lookups=, a function of the "
+                "step's inputs that returns the model's lookups, e.g. lambda dense, sparse, label: "
+                "model.module.sparse_lookups(dense, sparse)"
+            )  # fmt: skip
+        wrappers = [x for x in self.model.modules() if isinstance(x, HybridParallel)]
+        self._hp = wrappers[0] if wrappers else None
+        if self._hp is not None and self._hp._ddp is not None:
+            if self.optimizer is None or self.optimizer.dense is None:
+                raise ValueError(
+                    "CUDAGraphStep: a HybridParallel model's dense gradients are averaged inside the graph before "
+                    "the dense optimizer's step: pass the CombinedOptimizer that holds it as optimizer"
+                )  # fmt: skip
 
     @staticmethod
     def _check_tensors(inputs: Sequence[Any], where: str) -> None:
@@ -161,19 +214,29 @@ class CUDAGraphStep:
         self._calls += 1
         if self._calls <= self.warmup:
             return self._eager(inputs)
+        plans = None
+        if self._sharded:
+            from veloce.distributed._comm import raise_deferred_failures
+
+            for g in {id(m._shard.group): m._shard.group for m in self.modules if m._shard is not None}.values():
+                raise_deferred_failures(g)  # an eager step's (lookup_errors="raise_next")
+            plans = self._plan(inputs)
+            if plans is None:  # some rank's batch holds the static exchange's padding id
+                return self._eager(inputs)
         # The last replay's errors (bad offsets, NaN/Inf gradients) first, as step() raises
         # them; this reads its insert counts (the sizes) too.
         _raise_deferred(self.modules)
         if self._graph is not None and not self._valid():
             self.reset()
         if self._graph is None:
-            self._capture(inputs)
+            self._capture(inputs, plans)
         self._sync_scalars()
         for t in self._tables:  # an eager update since (run outside the graph): the replay waits for it
             if t._update_fence is not None:
                 t._join_update()
-        for s, x in zip(self._static, inputs):
-            s.copy_(x, non_blocking=True)
+        if not self._sharded:  # (sharded: copied for the counting phase)
+            for s, x in zip(self._static, inputs):
+                s.copy_(x, non_blocking=True)
         self._graph.replay()
         self._after_replay()
         return self._out
@@ -183,7 +246,7 @@ class CUDAGraphStep:
         and device once the step is captured."""
         if not all(isinstance(x, torch.Tensor) for x in inputs):
             return False
-        if self._graph is None:
+        if not self._static:
             return True
         return len(inputs) == len(self._static) and all(
             x.shape == s.shape and x.dtype == s.dtype and x.device == s.device for x, s in zip(inputs, self._static)
@@ -198,7 +261,42 @@ class CUDAGraphStep:
 
     def reset(self) -> None:
         """Drops the graph: the next call captures the step again."""
-        self._graph, self._log, self._out, self._static = None, None, None, []
+        self._graph, self._log, self._out, self._caps = None, None, None, []
+        if not self._sharded:  # (the counting phase's graph and inputs stay: every rank uses it in step)
+            self._static = []
+
+    # ---- sharded tables: the counting phase -----------------------------------------------
+    def _plan(self, inputs: Sequence[torch.Tensor]) -> Optional[list]:
+        """Runs the counting phase of the step's static exchanges on ``inputs`` (a graph of
+        its own, captured at first) and reads the needs over all ranks: the plans of the
+        exchanges, or None when this step must run eagerly. New capacities drop the step's
+        graph."""
+        if self._count_graph is None:
+            self._static = [x.clone() for x in inputs]
+            counted = self._planner.count(self.lookups(*self._static))  # eagerly first: constants, communicators
+            agreed = static.agree(counted)
+            self._count_host = torch.empty(agreed.shape, dtype=agreed.dtype, pin_memory=True)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self._stream):
+                counted = self._planner.count(self.lookups(*self._static))
+                self._count_host.copy_(static.agree(counted), non_blocking=True)
+            self._count_graph, self._counted, self._count_done = graph, counted, torch.cuda.Event()
+        else:
+            for s, x in zip(self._static, inputs):
+                s.copy_(x, non_blocking=True)
+        self._count_graph.replay()
+        self._count_done.record()
+        self._count_done.synchronize()
+        assert self._count_host is not None
+        caps = self._planner.fit(self._counted, self._count_host.tolist())
+        if caps is None:
+            return None
+        if caps != self._caps:
+            self._graph, self._log, self._out = None, None, None
+            self._caps = list(caps)
+            self._plans = [static.prepare(c, k) for c, k in zip(self._counted, caps)]
+        return self._plans
 
     def _eager(self, inputs: Sequence[torch.Tensor]) -> Any:
         side = torch.cuda.Stream()  # warm-up on a side stream, as torch's graph capture asks
@@ -209,7 +307,7 @@ class CUDAGraphStep:
         return out
 
     # ---- capture ----------------------------------------------------------------------
-    def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
+    def _capture(self, inputs: Sequence[torch.Tensor], plans: Optional[list] = None) -> None:
         for attempt in range(64):
             for t in self._tables:  # nothing in flight that the graph would have to wait for
                 t.settle()
@@ -225,12 +323,23 @@ class CUDAGraphStep:
                 log.clocks[id(m.table)] = torch.tensor([m.table.clock], dtype=torch.int64, device=dev)
                 log.lr_steps[id(m)] = torch.tensor([self._lr_of(m, None), float(m._steps)], dtype=torch.float64,
                                                    device=dev)  # fmt: skip
-            static = [x.clone() for x in inputs]
+            inputs_at = self._static if plans is not None else [x.clone() for x in inputs]
             graph = torch.cuda.CUDAGraph()
             _capture.ACTIVE = log
+            hook = None
+            if plans is not None:
+                static.PLANNED.clear()
+                static.PLANNED.extend(plans)
+                if self._hp is not None and self._hp._ddp is not None:
+                    hook = self.optimizer.dense.register_step_pre_hook(lambda *_: self._hp._average_dense_grads())
             try:
-                with torch.cuda.graph(graph):
-                    out = self.fn(*static)
+                with torch.cuda.graph(graph, stream=self._stream):
+                    out = self.fn(*inputs_at)
+                if static.PLANNED:
+                    raise ValueError(
+                        f"CUDAGraphStep: the step made {len(plans) - len(static.PLANNED)} sharded lookups where its "
+                        f"lookups() said {len(plans)}"
+                    )  # fmt: skip
             except _capture.NeedsRoom as e:
                 self._restore(saved)
                 self._grow(e.table, e.n)
@@ -240,6 +349,9 @@ class CUDAGraphStep:
                 raise
             finally:
                 _capture.ACTIVE = None
+                static.PLANNED.clear()
+                if hook is not None:
+                    hook.remove()
             checked = [id(m) for chk in log.checks for m in chk.tables]
             if len(checked) != len(set(checked)):
                 self._restore(saved)
@@ -267,7 +379,7 @@ class CUDAGraphStep:
             for t in self._tables:
                 self._host_delta[id(t)] = t.clock - saved[id(t)][0]
             self._restore(saved)
-            self._graph, self._log, self._static, self._out = graph, log, static, out
+            self._graph, self._log, self._static, self._out = graph, log, inputs_at, out
             self._tensors = [self._table_tensors(m) for m in self.modules] + [self._dense_tensors()]
             self._hyper = self._dense_hyper()
             self._mirror = {}

@@ -202,8 +202,10 @@ class HybridParallel(nn.Module):
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
             devices = {p.device for p in dense_params}
             device_ids = [next(iter(devices))] if len(devices) == 1 and next(iter(devices)).type == "cuda" else None
-            ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=process_group, **ddp_kwargs)
+            self._ddp_kwargs = dict(device_ids=device_ids, process_group=process_group, **ddp_kwargs)
+            ddp = DistributedDataParallel(model, **self._ddp_kwargs)
         object.__setattr__(self, "_ddp", ddp)  # not a submodule: model's state appears once
+        self._process_group = process_group
 
     def _shard_tables(self, process_group: Optional[dist.ProcessGroup]) -> None:
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
@@ -231,11 +233,42 @@ class HybridParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the wrapped model (through DDP when dense parameters are data-parallel)."""
+        from veloce import _capture
+
+        if _capture.ACTIVE is not None:  # a captured step (CUDAGraphStep) averages the dense gradients itself
+            return self.module(*args, **kwargs)
         if self.prefetch_depth == "header" and self.tables and self.world_size > 1:
             from veloce.distributed.sharded import complete_prefetched
 
             complete_prefetched(self.tables[0][1]._shard.group)
         return (self._ddp or self.module)(*args, **kwargs)
+
+    def _remake_ddp(self, stream: Any) -> None:
+        """Makes DDP again with ``stream`` current (a collective: every rank calls it), for a
+        step captured on that stream (CUDAGraphStep): DDP keeps the dense parameters'
+        gradient-accumulation nodes alive, and a node made on another stream ties the
+        backward to that stream, which a capture refuses."""
+        if self._ddp is None:
+            return
+        object.__setattr__(self, "_ddp", None)  # the old reducer, and its nodes, go first
+        with torch.cuda.stream(stream):
+            ddp = DistributedDataParallel(self.module, **self._ddp_kwargs)
+        object.__setattr__(self, "_ddp", ddp)
+
+    @torch.no_grad()
+    def _average_dense_grads(self) -> None:
+        """What DDP does to the dense gradients, as one all-reduce per dtype with no host
+        work per bucket: for a step captured in a CUDA graph (CUDAGraphStep), which runs
+        the model without DDP and calls this before the dense optimizer's step."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.module.parameters():
+            if p.requires_grad and p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)  # divided first, as DDP does
+            dist.all_reduce(flat, group=self._process_group)
+            for g, f in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(f.view_as(g))
 
     def prefetch(self, *args: Any, **kwargs: Any) -> None:
         """Starts the sparse exchange of a later ``forward(*args, **kwargs)`` now: the ids go

@@ -198,6 +198,11 @@ def sharded_lookup(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
     for the offsets' values of the bag ``layouts`` its ``_bags`` deferred: those are checked
     on the device and read back with the exchange's header (one host sync for both). A bad
     layout raises its error on this rank, and the other ranks raise ExchangeError."""
+    from veloce.distributed import static
+
+    plan = static.take_plan(modules)
+    if plan is not None:  # a step of static exchanges (veloce.graphs.CUDAGraphStep)
+        return static.lookup(modules, bags, plan)
     shard = modules[0]._shard
     raise_deferred_failures(shard.group)  # an earlier forward's failure first, before anything moves
     anchor_needed = any(m.training for m in modules) and torch.is_grad_enabled()

@@ -1,0 +1,312 @@
+"""The static exchange (veloce.distributed.static): padded, equal-split all-to-alls whose
+shapes a CUDA graph can hold. Run eagerly here (gloo on CPU; NCCL on GPUs with
+VELOCE_TEST_NCCL=1), it must train exactly like the eager exchange and like one process:
+uneven and empty per-rank batches, empty bags, several tables in one exchange, mean and
+sum tables, growth, and a batch that holds the padding id itself (that step runs eagerly).
+The same exchange inside a captured step is tested in test_graphs.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import veloce
+from _dist import env_world_sizes, run_ranks
+from veloce.distributed import HybridParallel, owner_of
+from veloce.distributed import static
+
+WORLD_SIZES = env_world_sizes()
+STEPS = 12
+SENTINEL_STEP = 7  # the step whose batch holds static.SENTINEL as an id
+
+
+class Model(nn.Module):
+    """Three dim-8 tables in one exchange (a jagged sum table that grows, a 2-D mean table,
+    a 2-D sum table) and a dim-4 table in an exchange of its own."""
+
+    def __init__(self, device="cpu"):
+        super().__init__()
+        torch.manual_seed(0)
+        E = veloce.DynamicEmbedding
+        self.a = E(8, mode="sum", capacity=32, optimizer=veloce.optim.SGD(lr=0.5), seed=1, device=device)
+        self.b = E(8, mode="mean", optimizer=veloce.optim.Adam(lr=0.02), seed=2, device=device)
+        self.c = E(8, mode="sum", optimizer=veloce.optim.RowWiseAdagrad(lr=0.1), seed=3, device=device)
+        self.d = E(4, mode="mean", optimizer=veloce.optim.Adagrad(lr=0.1), seed=4, device=device)
+        self.mlp = nn.Sequential(nn.Linear(8 * 3 + 4 + 3, 16), nn.ReLU(), nn.Linear(16, 1)).to(device)
+
+    def forward(self, dense, ids_a, offsets_a, ids_b):
+        outs = veloce.lookup_many([self.a, self.b, self.c, self.d], self._inputs(ids_a, offsets_a, ids_b))
+        return self.mlp(torch.cat([*outs, dense], 1)).squeeze(1)
+
+    @staticmethod
+    def _inputs(ids_a, offsets_a, ids_b):
+        return [(ids_a, offsets_a), ids_b, ids_b + 1000, ids_b]
+
+    def sparse_lookups(self, dense, ids_a, offsets_a, ids_b):
+        return [([self.a, self.b, self.c, self.d], self._inputs(ids_a, offsets_a, ids_b))]
+
+
+def global_batch(step: int, size: int = 12):
+    g = torch.Generator().manual_seed(500 + step)
+    lengths = torch.randint(0, 5, (size,), generator=g)  # empty bags too
+    ids_a = torch.randint(-150, 150, (int(lengths.sum()),), generator=g)
+    ids_a[::7] = 2**63 - 1  # huge ids
+    if step == SENTINEL_STEP and ids_a.numel():
+        ids_a[0] = static.SENTINEL
+    ids_b = torch.randint(0, 40 + 10 * step, (size, 3), generator=g)
+    dense = torch.randn(size, 3, generator=g)
+    label = (torch.rand(size, generator=g) < 0.4).float()
+    return lengths, ids_a, ids_b, dense, label
+
+
+def split_sizes(step: int, size: int, world: int) -> list[int]:
+    """Uneven per-rank batch sizes; on some steps one rank gets nothing."""
+    if step % 4 == 2:
+        sizes = [0] * world
+        sizes[step % world] = size
+        return sizes
+    g = torch.Generator().manual_seed(9 + step)
+    cuts = sorted(torch.randint(0, size + 1, (world - 1,), generator=g).tolist())
+    return [b - a for a, b in zip([0] + cuts, cuts + [size])]
+
+
+def rank_inputs(step: int, world: int, rank: int):
+    lengths, ids_a, ids_b, dense, label = global_batch(step)
+    size = lengths.numel()
+    sizes = split_sizes(step, size, world)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    a0, a1 = int(starts[lo]), int(starts[hi])
+    return (dense[lo:hi], ids_a[a0:a1], starts[lo:hi] - a0, ids_b[lo:hi]), label[lo:hi], size
+
+
+def train(model, world, rank, device, planner=None):
+    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
+    preds, eager_steps, caps = [], [], []
+    for step in range(STEPS):
+        inputs, label, size = rank_inputs(step, world, rank)
+        inputs = [t.to(device) for t in inputs]
+        if planner is not None:
+            counted = planner.count(model.module.sparse_lookups(*inputs))
+            fitted = planner.fit(counted, static.agree(counted).tolist())
+            if fitted is None:
+                eager_steps.append(step)
+            else:
+                static.PLANNED.extend(static.prepare(c, k) for c, k in zip(counted, fitted))
+                caps.append(fitted)
+        out = model(*inputs)
+        assert not static.PLANNED, "a planned exchange was not taken"
+        loss = nn.functional.binary_cross_entropy_with_logits(out, label.to(device), reduction="sum")
+        (loss * world / size).backward()
+        opt.step()
+        opt.zero_grad()
+        preds.append(out.detach().cpu())
+    return preds, eager_steps, caps
+
+
+def tables_of(model) -> dict:
+    return {n: {k: v.cpu() for k, v in getattr(model, n).export().items()} for n in "abcd"}
+
+
+def _body(rank, world, device_kind, use_static):
+    device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
+    model = Model(device)
+    hp = HybridParallel(model, sparse="sync")
+    preds, eager_steps, caps = train(hp, world, rank, device, static.Planner() if use_static else None)
+    tables = tables_of(model)
+    for name, t in tables.items():
+        assert (owner_of(t["keys"], world) == rank).all(), f"table {name} holds keys it does not own"
+    return {"preds": preds, "tables": tables, "eager": eager_steps, "caps": caps}
+
+
+def _merged(results) -> dict:
+    out = {}
+    for name in "abcd":
+        parts = [r["tables"][name] for r in results]
+        keys = torch.cat([p["keys"] for p in parts])
+        order = keys.argsort()
+        out[name] = {f: torch.cat([p[f] for p in parts])[order] for f in ("keys", "weights", "optimizer_state", "scores")}
+    return out
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_static_exchange_equals_eager_exchange_and_one_process(world):
+    got = run_ranks(_body, world, "cpu", True, timeout=120)
+    eager = run_ranks(_body, world, "cpu", False, timeout=120)
+    model = Model()
+    ref_preds, _, _ = train_one(model)
+    ref_tables = tables_of(model)
+    for r in got:
+        # every rank ran the step that holds the padding id eagerly, and no other
+        assert r["eager"] == [SENTINEL_STEP], r["eager"]
+        # the capacities never shrink and are the same on every rank
+        for before, after in zip(r["caps"], r["caps"][1:]):
+            for b, a in zip(before, after):
+                assert a.ids >= b.ids and a.parts >= b.parts
+                assert all(x >= y for x, y in zip(a.table_ids + a.table_parts, b.table_ids + b.table_parts))
+        assert r["caps"] == got[0]["caps"]
+    for step in range(STEPS):
+        static_preds = torch.cat([r["preds"][step] for r in got])
+        # bit for bit the eager exchange's
+        assert torch.equal(static_preds, torch.cat([r["preds"][step] for r in eager])), f"step {step}"
+        torch.testing.assert_close(static_preds, ref_preds[step], rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    mine, theirs = _merged(got), _merged(eager)
+    for name in "abcd":
+        for f, v in mine[name].items():
+            assert torch.equal(v, theirs[name][f]), f"table {name}: {f} differs from the eager exchange's"
+        want = ref_tables[name]
+        order = want["keys"].argsort()
+        assert torch.equal(mine[name]["keys"], want["keys"][order])
+        for f in ("weights", "optimizer_state"):
+            torch.testing.assert_close(mine[name][f], want[f][order], rtol=1e-5, atol=1e-5)
+    assert len(mine["a"]["keys"]) > 32  # table a grew past its first capacity
+
+
+def train_one(model):
+    """One process on the global batch."""
+    return train(model, 1, 0, "cpu")
+
+
+@pytest.mark.skipif(os.environ.get("VELOCE_TEST_NCCL") != "1", reason="NCCL tests run with VELOCE_TEST_NCCL=1")
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_static_exchange_equals_eager_exchange_nccl(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    got = run_ranks(_body, world, "cuda", True, timeout=180, backend="nccl")
+    eager = run_ranks(_body, world, "cuda", False, timeout=180, backend="nccl")
+    for step in range(STEPS):
+        assert torch.equal(torch.cat([r["preds"][step] for r in got]), torch.cat([r["preds"][step] for r in eager]))
+    mine, theirs = _merged(got), _merged(eager)
+    for name in "abcd":
+        for f, v in mine[name].items():
+            assert torch.equal(v, theirs[name][f]), f"table {name}: {f}"
+
+
+def test_levels_grow_by_an_eighth_and_never_shrink():
+    assert static._level(0, 0) == 0
+    assert static._level(5, 64) == 64  # fits: unchanged
+    for n in (1, 7, 100, 4096, 4097, 123457):
+        cap = static._level(n, 0)
+        assert n + n // 8 < cap <= (n + n // 8 + 1) * 17 // 16 + 1, (n, cap)
+    a = static.Caps(64, 32, (10, 0), (5, 1))
+    b = a.fit(static.Caps(10, 40, (3, 9), (5, 2)))
+    assert b.ids == 64 and b.parts > 40 and b.table_ids[0] == 10 and b.table_ids[1] > 9 and b.table_parts[1] > 2
+
+
+def _refusals(rank, world):
+    out = []
+    for kwargs, table_kwargs in (({"sparse": "async"}, {}), ({"dedup": True}, {}), ({}, {"padding_idx": -1})):
+        model = nn.ModuleDict({"t": veloce.DynamicEmbedding(4, **table_kwargs)})
+        HybridParallel(model, **kwargs)
+        try:
+            static.check_static([model["t"]])
+        except ValueError as e:
+            out.append(str(e))
+    model = nn.ModuleDict({"t": veloce.DynamicEmbedding(4)})
+    HybridParallel(model)
+    ids = torch.tensor([1, 2])
+    try:
+        static.check_static([model["t"]], [(ids, torch.tensor([0]), torch.ones(2))])
+    except ValueError as e:
+        out.append(str(e))
+    return out
+
+
+def test_static_exchange_refuses_what_it_cannot_pad():
+    msgs = run_ranks(_refusals, 2, timeout=60)[0]
+    assert len(msgs) == 4
+    for msg, what in zip(msgs, ("sparse='async'", "dedup=True", "padding_idx", "per-sample weights")):
+        assert what in msg, msg
+
+
+# ---- a captured step of sharded tables (CUDAGraphStep over HybridParallel, NCCL) ---------
+GRAPH_STEPS = 14
+GRAPH_SENTINEL_STEP = 9
+
+
+class Fixed(nn.Module):
+    """Model's tables with inputs of fixed shapes (a graph's): a 1-D jagged table whose bags
+    change (empty ones too) over a fixed number of ids, and three 2-D tables."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.inner = Model(device)
+        self.inner.a.table.grow_at = 0.5
+
+    def forward(self, dense, ids_a, offsets_a, ids_b):
+        return self.inner(dense, ids_a, offsets_a, ids_b)
+
+    def sparse_lookups(self, dense, ids_a, offsets_a, ids_b):
+        return self.inner.sparse_lookups(dense, ids_a, offsets_a, ids_b)
+
+
+def fixed_batch(step: int, rank: int, device):
+    """Rank ``rank``'s batch of step ``step``: 6 + 3 * rank samples (uneven over ranks)."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    size = 6 + 3 * rank
+    n = 2 * size
+    cuts = torch.sort(torch.randint(0, n + 1, (size - 1,), generator=g)).values
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), cuts])
+    ids_a = torch.randint(-200, 200 + 40 * step, (n,), generator=g)
+    if step == GRAPH_SENTINEL_STEP and rank == 0:
+        ids_a[3] = static.SENTINEL
+    ids_b = torch.randint(0, 40 + 10 * step, (size, 3), generator=g)
+    dense = torch.randn(size, 3, generator=g)
+    label = (torch.rand(size, generator=g) < 0.4).float()
+    return [t.to(device) for t in (dense, ids_a, offsets, ids_b, label)]
+
+
+def _graph_body(rank, world, graphed):
+    from veloce.graphs import CUDAGraphStep
+
+    device = torch.device("cuda", rank)
+    model = Fixed(device)
+    hp = HybridParallel(model, sparse="sync")
+    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01, capturable=True), hp)
+    for m in (model.inner.a, model.inner.b, model.inner.c, model.inner.d):
+        m.defer_inserts = True  # what a captured step does (the eager reference alike)
+
+    def train_step(dense, ids_a, offsets_a, ids_b, label):
+        out = hp(dense, ids_a, offsets_a, ids_b)
+        loss = nn.functional.binary_cross_entropy_with_logits(out, label)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return out.detach()
+
+    step = CUDAGraphStep(train_step, hp, opt, lookups=lambda d, i, o, b, y: model.sparse_lookups(d, i, o, b)) \
+        if graphed else train_step
+    preds = []
+    for s in range(GRAPH_STEPS):
+        preds.append(step(*fixed_batch(s, rank, device)).clone().cpu())
+    torch.cuda.synchronize()
+    return {"preds": preds, "tables": tables_of(model.inner), "captures": getattr(step, "captures", 0),
+            "sizes": [len(getattr(model.inner, n)) for n in "abcd"]}  # fmt: skip
+
+
+@pytest.mark.skipif(os.environ.get("VELOCE_TEST_NCCL") != "1", reason="NCCL tests run with VELOCE_TEST_NCCL=1")
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_captured_sharded_step_equals_eager(world):
+    """Sharded tables trained by replays of a captured step (static exchanges), with a table
+    that grows while replayed (captured again on its rank alone), uneven batches over the
+    ranks and a step whose batch holds the padding id (run eagerly on every rank): the
+    same predictions and tables as eager steps."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    got = run_ranks(_graph_body, world, True, timeout=240, backend="nccl")
+    want = run_ranks(_graph_body, world, False, timeout=240, backend="nccl")
+    assert all(r["captures"] >= 1 for r in got)
+    for s in range(GRAPH_STEPS):
+        for r, w in zip(got, want):
+            # the dense gradients are averaged by another all-reduce than DDP's: not bit for bit
+            torch.testing.assert_close(r["preds"][s], w["preds"][s], rtol=1e-5, atol=1e-5, msg=f"step {s}")
+    mine, theirs = _merged(got), _merged(want)
+    for name in "abcd":
+        assert torch.equal(mine[name]["keys"], theirs[name]["keys"]), f"table {name}: keys"
+        for f in ("weights", "optimizer_state"):
+            torch.testing.assert_close(mine[name][f], theirs[name][f], rtol=1e-5, atol=1e-5, msg=f"{name}: {f}")
+    assert [r["sizes"] for r in got] == [r["sizes"] for r in want]

@@ -1,0 +1,471 @@
+"""A sharded lookup whose exchanges have static shapes, for a training step captured in a
+CUDA graph (:class:`veloce.graphs.CUDAGraphStep` over a ``HybridParallel`` model).
+
+The eager exchange (:mod:`veloce.distributed.sharded`) reads its split sizes back to the
+host and moves exactly the ids and rows each peer needs: a graph cannot hold that, since
+its shapes are fixed at capture. This exchange runs in two phases:
+
+1. **Counting** (:func:`count`, captured once as a small graph of its own): the bags are
+   bucketed by owner as the eager exchange does, and a header all-to-all tells each owner
+   how many ids and parts it will receive per table. One all-reduce (max) over the ranks
+   then gives every rank the same needs: the largest block any rank sends any peer, and
+   per table the most ids and parts any owner receives. The host reads them (the step's one
+   host sync) and picks capacities (:class:`Caps`): the needs plus an eighth, rounded, and
+   never lower than before, so that after a few steps they stop changing.
+2. **The step** (:func:`lookup`, inside the step's graph, one graph per set of
+   capacities): every block travels padded to its capacity in an all-to-all of equal
+   splits; padding ids are :data:`SENTINEL`, which the owners' inserts skip (their
+   ``padding_id``) and whose slots (-1) the lookup and the update skip; padding parts have
+   length 0 and their partial sums go to a bag that is dropped. The gradients' way back is
+   the same, reversed.
+
+The results are those of the eager exchange bit for bit: each bag's parts are summed in
+the same (owner) order, and each owner sees the same ids, parts and gradients (plus
+padding that changes nothing). A batch holding the id ``SENTINEL`` itself is flagged by
+the counting phase, on every rank, and that step runs eagerly.
+
+Limits (checked by :func:`check_static`): ``sparse="sync"``, ``dedup=False``, no
+per-sample weights, no ``padding_idx``, each table once per exchange.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from veloce._device import host_tensor
+from veloce.distributed._comm import ExchangeError, Group, wire_code, wire_dtype
+from veloce.ops.exchange import bucketize_bags, combine_parts
+
+__all__ = ["SENTINEL", "Caps", "Counted", "Plan", "check_static", "count", "agree", "prepare", "lookup", "PLANNED"]
+
+SENTINEL = -(1 << 63)  # the padding id of a static exchange (int64's lowest value)
+_SUM = 0
+_STATIC_BIT = 1 << 8  # in the header's signature: a static exchange never pairs with an eager one
+_SIG = 6  # ints of a static header's signature
+_FLAGS = 3  # per group, after the sizes: signatures disagree, SENTINEL met, a bag layout bad
+
+# The plans of the static lookups the step about to run (or be captured) makes, in call
+# order: each sharded lookup takes the first (:func:`take_plan`).
+PLANNED: deque = deque()
+
+
+def check_static(modules: Sequence, bags: Sequence[tuple] = ()) -> None:
+    """Raises ``ValueError`` when ``modules`` (one exchange) cannot run a static exchange."""
+    shard = modules[0]._shard
+    tags = [m._shard.tag for m in modules]
+    why = None
+    if shard.mode != "sync":
+        why = f"sparse={shard.mode!r} (a graph needs sparse='sync')"
+    elif shard.dedup:
+        why = "dedup=True"
+    elif any(m.padding_idx is not None for m in modules):
+        why = "a table with padding_idx"
+    elif len({id(m.table) for m in modules}) < len(modules):
+        why = "a table looked up twice in one exchange"
+    elif any(b[2] is not None for b in bags):
+        why = "per-sample weights"
+    if why is not None:
+        raise ValueError(f"CUDAGraphStep: sharded tables {tags} cannot be captured with {why}")
+
+
+def _level(n: int, cap: int) -> int:
+    """A capacity for ``n``: ``cap`` when ``n`` fits, else ``n`` plus an eighth, rounded up
+    to a sixteenth of its power of two (a few sizes per octave, so that captures repeat)."""
+    if n <= cap:
+        return cap
+    want = n + (n >> 3) + 1
+    unit = 1 << max(0, want.bit_length() - 5)
+    return -(-want // unit) * unit
+
+
+@dataclass(frozen=True)
+class Caps:
+    """The padded sizes of one static exchange (the same on every rank)."""
+
+    ids: int  # ids per block a rank sends a peer
+    parts: int  # parts per block
+    table_ids: tuple  # per table: ids an owner receives, from all peers
+    table_parts: tuple  # per table: parts an owner receives (at least one more: the padding ids' part)
+
+    def fit(self, need: "Caps") -> "Caps":
+        """Capacities for ``need``: these where they suffice, larger where they do not."""
+        return Caps(_level(need.ids, self.ids), _level(need.parts, self.parts),
+                    tuple(_level(n, c) for n, c in zip(need.table_ids, self.table_ids)),
+                    tuple(_level(n, c) for n, c in zip(need.table_parts, self.table_parts)))  # fmt: skip
+
+    @staticmethod
+    def zero(k: int) -> "Caps":
+        return Caps(0, 0, (0,) * k, (0,) * k)
+
+
+@dataclass
+class Counted:
+    """The counting phase of one exchange (:func:`count`): static tensors that the step reads."""
+
+    modules: list
+    group: Group
+    ids: torch.Tensor  # (M,) the bags' ids, table after table
+    num_bags: list[int]
+    starts: torch.Tensor  # (B,) bag starts into ids
+    perm: torch.Tensor  # (M,) positions sorted by owner
+    bag_of_part: torch.Tensor  # (M,) the parts first (by owner, bag), zeros after
+    part_lengths: torch.Tensor  # (M,)
+    id_splits: torch.Tensor  # (W,)
+    part_splits: torch.Tensor  # (W,)
+    recv_ids: torch.Tensor  # (K, W) ids of table k this rank receives from peer p
+    recv_parts: torch.Tensor  # (K, W)
+    needs: torch.Tensor  # (2 + 2K + _FLAGS,) this rank's: see :func:`agree`
+    layouts: list  # the bags' deferred layouts, for the detailed error of a bad one
+    shapes: tuple
+
+
+class Constants:
+    """Small device tensors made from host values once, outside any capture (a graph would
+    copy them from host memory that may since hold something else)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: tuple, values: Sequence[int], dev: torch.device) -> torch.Tensor:
+        t = self._made.get(key)
+        if t is None:
+            if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"veloce internal error: static exchange constant {key[0]} first made in a capture")
+            t = self._made[key] = host_tensor(list(values), dev)
+        return t
+
+
+def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], consts: Constants) -> Counted:
+    """The counting phase of one exchange of ``modules`` (validated ``bags``, their deferred
+    ``layouts``): bucketing, the header's all-to-all; no host sync (capturable once
+    ``consts`` holds its constants)."""
+    from veloce.distributed.sharded import _layout_flag, _raise_bad_layout, _tags_hash
+
+    check_static(modules, bags)
+    modules = list(modules)
+    shard = modules[0]._shard
+    g, K = shard.group, len(modules)
+    W = g.size
+    dev = bags[0][0].device
+    ids = torch.cat([b[0] for b in bags]) if K > 1 else bags[0][0]
+    num_ids = [b[0].numel() for b in bags]
+    starts_l = [b[1][:-1] if m.include_last_offset else b[1] for m, b in zip(modules, bags)]
+    num_bags = [s.numel() for s in starts_l]
+    starts = torch.cat(starts_l) if K > 1 else starts_l[0]
+    bases = [0, *itertools.accumulate(num_ids)][:-1]
+    if any(bases):  # each table's starts shifted past the ids of the tables before it
+        shift = consts.get(("shift", tuple(num_bags), tuple(num_ids)),
+                           [b for b, n in zip(bases, num_bags) for _ in range(n)], dev)  # fmt: skip
+        starts = starts + shift
+    bad_layout = _layout_flag(layouts, dev)
+    try:
+        b = bucketize_bags(ids, starts, W, exact_sizes=False)
+    except RuntimeError:  # (CPU) the concatenated layout is bad: say which table's is
+        _raise_bad_layout(layouts)
+        raise
+    M, B = ids.numel(), sum(num_bags)
+    # Parts per (owner, table) and their ids: runs of the sorted keys owner * B + bag (see
+    # sharded._counts_per_owner_and_table).
+    pos = torch.arange(M, device=dev)
+    owner = torch.searchsorted(torch.cumsum(b.part_splits, 0), pos, right=True)
+    keys = owner * B + b.bag_of_part
+    table_starts = [0, *itertools.accumulate(num_bags)][:-1]
+    bounds = consts.get(("bounds", W, tuple(num_bags)),
+                        [r * B + s for r in range(W) for s in table_starts] + [W * B], dev)  # fmt: skip
+    at = torch.searchsorted(keys, bounds)
+    ids_before = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.cumsum(b.part_lengths, 0)])
+    parts_nk, ids_nk = at.diff(), ids_before[at].diff()
+    wire = wire_dtype(shard.exchange_dtype, modules[0].table.dtype)
+    sig = consts.get(("sig", tuple(m._shard.tag for m in modules)),
+                     [K, _tags_hash(modules), modules[0].embedding_dim, modules[0].table.dtype.itemsize,
+                      wire_code(wire), _STATIC_BIT], dev)  # fmt: skip
+    row = torch.cat([sig.expand(W, _SIG), parts_nk.view(W, K), ids_nk.view(W, K)], 1)
+    theirs = torch.empty_like(row)
+    dist.all_to_all_single(theirs, row, group=g.group)
+    recv_parts = theirs[:, _SIG : _SIG + K].t().contiguous()
+    recv_ids = theirs[:, _SIG + K :].t().contiguous()
+    flags = torch.stack([
+        (theirs[:, :_SIG] != row[:, :_SIG]).any(),
+        (ids == SENTINEL).any(),
+        bad_layout.reshape(()) if bad_layout is not None else torch.zeros((), dtype=torch.bool, device=dev),
+    ]).long()  # fmt: skip
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    needs = torch.cat([torch.cat([b.id_splits, zero]).max().view(1), torch.cat([b.part_splits, zero]).max().view(1),
+                       recv_ids.sum(1), recv_parts.sum(1), flags])  # fmt: skip
+    return Counted(modules, g, ids, num_bags, starts, b.perm, b.bag_of_part, b.part_lengths, b.id_splits,
+                   b.part_splits, recv_ids, recv_parts, needs, list(layouts),
+                   tuple(tuple(x[0].shape) for x in bags))  # fmt: skip
+
+
+def agree(counted: Sequence[Counted]) -> torch.Tensor:
+    """Every exchange's needs, this rank's then the maxima over the ranks, as one tensor
+    (an all-reduce; no host read): what :func:`needs_from` reads."""
+    mine = torch.cat([c.needs for c in counted])
+    top = mine.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=counted[0].group.group)
+    return torch.cat([mine, top])
+
+
+def needs_from(counted: Sequence[Counted], values: Sequence[int]) -> list[Caps]:
+    """The needs of each exchange from :func:`agree`'s values read back. Raises on every
+    rank when an exchange's ranks disagree or a bag layout is bad (this rank's own error
+    where its layout is bad); returns None when some rank's batch holds :data:`SENTINEL`
+    (the step then runs eagerly)."""
+    from veloce.distributed.sharded import _raise_bad_layout
+
+    n = len(values) // 2
+    mine, top = values[:n], values[n:]
+    out, at, sentinel = [], 0, False
+    for c in counted:
+        K = len(c.modules)
+        v, own = top[at : at + 2 + 2 * K + _FLAGS], mine[at : at + 2 + 2 * K + _FLAGS]
+        at += 2 + 2 * K + _FLAGS
+        bad_sig, hit, bad_layout = v[-_FLAGS:]
+        tags = [m._shard.tag for m in c.modules]
+        if own[-1]:
+            _raise_bad_layout(c.layouts)
+            raise ExchangeError(f"DynamicEmbedding tables {tags}: this rank's bag layout was flagged bad, but its "
+                                f"check found nothing")  # fmt: skip
+        if bad_layout:
+            raise ExchangeError(f"DynamicEmbedding tables {tags}: another rank could not take part in this lookup "
+                                f"(its own error says why, e.g. bad input); every rank stops here")  # fmt: skip
+        if bad_sig:
+            raise ExchangeError(
+                f"DynamicEmbedding tables {tags}: the ranks disagree on a captured step's exchange (other tables, "
+                f"dims, dtypes or exchange_dtype, or a rank running it eagerly): every rank must run the same "
+                f"step, graphed alike"
+            )  # fmt: skip
+        sentinel = sentinel or bool(hit)
+        # one more part per table than received: the padding ids' own part (zero length for the real ones)
+        out.append(Caps(v[0], v[1], tuple(v[2 : 2 + K]), tuple(x + 1 for x in v[2 + K : 2 + 2 * K])))
+    return None if sentinel else out
+
+
+@dataclass
+class Plan:
+    """One static exchange of a step: its counting phase, capacities and constants."""
+
+    counted: Counted
+    caps: Caps
+    base_ids: torch.Tensor  # (K,) where each table's ids start in the owner's buffer
+    base_parts: torch.Tensor  # (K,)
+    part_table: torch.Tensor  # (sum table_parts,) the table of each part slot
+
+
+def prepare(counted: Counted, caps: Caps) -> Plan:
+    """The plan of one exchange with capacities ``caps`` (outside any capture)."""
+    dev = counted.ids.device
+    base_ids = host_tensor([0, *itertools.accumulate(caps.table_ids)][:-1], dev)
+    base_parts = host_tensor([0, *itertools.accumulate(caps.table_parts)][:-1], dev)
+    part_table = host_tensor([k for k, n in enumerate(caps.table_parts) for _ in range(n)], dev)
+    return Plan(counted, caps, base_ids, base_parts, part_table)
+
+
+def take_plan(modules: Sequence) -> Optional[Plan]:
+    """The plan of this lookup of ``modules`` when the step runs static exchanges, else None."""
+    if not PLANNED:
+        return None
+    plan = PLANNED.popleft()
+    if [id(m) for m in plan.counted.modules] != [id(m) for m in modules]:
+        PLANNED.clear()
+        raise ValueError(
+            f"CUDAGraphStep: the step looks up tables {[m._shard.tag for m in modules]} where its lookups() said "
+            f"{[m._shard.tag for m in plan.counted.modules]}: lookups(*inputs) must return the groups the "
+            f"model's forward looks up, in order (veloce.models' sparse_lookups do)"
+        )  # fmt: skip
+    return plan
+
+
+def _a2a(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """An all-to-all of equal blocks (dim 0 cut in group.size)."""
+    out = torch.empty_like(t)
+    dist.all_to_all_single(out, t, group=group.group)
+    return out
+
+
+def _table_major(n: torch.Tensor, width: int, base: torch.Tensor, trash: int) -> torch.Tensor:
+    """For each slot ``(p, j)`` of the blocks an owner receives (``width`` per peer, holding
+    ``n[k, p]`` entries of table k from peer p, table after table, then padding): where it
+    goes in the owner's table-major buffer (table k's entries from ``base[k]``, in peer
+    order), ``trash`` for padding. (W, width)."""
+    K, W = n.shape
+    incl_k = n.cumsum(0)
+    before_k = incl_k - n  # (K, W): entries of the tables before k in p's block
+    before_p = n.cumsum(1) - n  # (K, W): entries of table k from the peers before p
+    j = torch.arange(width, device=n.device)
+    k = torch.searchsorted(incl_k.t().contiguous(), j.expand(W, width).contiguous(), right=True)
+    kc = k.clamp(max=K - 1)
+    p = torch.arange(W, device=n.device).view(W, 1)
+    dest = base[kc] + before_p[kc, p] + j - before_k[kc, p]
+    return torch.where(k < K, dest, trash)
+
+
+@dataclass
+class _StaticExchange:
+    """What the backward of a static lookup needs."""
+
+    modules: list
+    plan: Plan
+    served: list
+    bag_idx: torch.Tensor  # (W * Cp,) the bag of each received part slot (num_bags: padding)
+    dest_parts: torch.Tensor  # (W * Cp,) where each part slot goes in the owner's buffer
+    scale: Optional[torch.Tensor]
+
+
+def _forward(modules: list, plan: Plan) -> tuple[tuple, _StaticExchange]:
+    from veloce.distributed.sharded import _Batch, _mean_scale, _per_table, _serve_all
+    from veloce.table import find_or_insert_many
+
+    c, caps = plan.counted, plan.caps
+    g, K = c.group, len(modules)
+    W, Ci, Cp = g.size, caps.ids, caps.parts
+    dev, dtype, dim = c.ids.device, modules[0].table.dtype, modules[0].embedding_dim
+    M, B = c.ids.numel(), sum(c.num_bags)
+    width = Ci + Cp
+    # The requester: its ids, sorted by owner, and its parts' lengths, into one padded block per peer.
+    pos = torch.arange(M, device=dev)
+    id_ends = torch.cumsum(c.id_splits, 0)
+    owner = torch.searchsorted(id_ends, pos, right=True).clamp(max=W - 1)
+    id_dest = owner * width + pos - (id_ends - c.id_splits)[owner]
+    part_ends = torch.cumsum(c.part_splits, 0)
+    part_start = part_ends - c.part_splits
+    powner = torch.searchsorted(part_ends, pos, right=True)
+    pc = powner.clamp(max=W - 1)
+    part_dest = torch.where(powner < W, pc * width + Ci + pos - part_start[pc], W * width)
+    send = torch.empty(W * width + 1, dtype=torch.long, device=dev)
+    blocks = send[:-1].view(W, width)
+    blocks[:, :Ci] = SENTINEL
+    blocks[:, Ci:] = 0
+    send.index_copy_(0, id_dest, c.ids[c.perm])
+    send.index_copy_(0, part_dest, c.part_lengths)  # padding parts (length 0) to the last, dropped, element
+    recv = _a2a(send[:-1], g).view(W, width)
+    # The owner: each table's ids and part lengths gathered from every peer's block.
+    T_ids, T_parts = sum(caps.table_ids), sum(caps.table_parts)
+    dest_ids = _table_major(c.recv_ids, Ci, plan.base_ids, T_ids)
+    dest_parts = _table_major(c.recv_parts, Cp, plan.base_parts, T_parts).view(-1)
+    t_ids = torch.full((T_ids + 1,), SENTINEL, dtype=torch.long, device=dev)
+    t_ids.index_copy_(0, dest_ids.view(-1), recv[:, :Ci].reshape(-1))
+    t_len = torch.zeros(T_parts + 1, dtype=torch.long, device=dev)
+    t_len.index_copy_(0, dest_parts, recv[:, Ci:].reshape(-1))
+    # Part starts within each table's ids: padding parts (length 0) start after the real ids,
+    # and the first of them holds the padding ids.
+    lengths = t_len[:-1]
+    per_table = c.recv_ids.sum(1)
+    starts = torch.cumsum(lengths, 0) - lengths - (torch.cumsum(per_table, 0) - per_table)[plan.part_table]
+    ids_k = list(t_ids[:-1].split(list(caps.table_ids)))
+    starts_k = list(starts.split(list(caps.table_parts)))
+    slots: list = [None] * K
+    train = [k for k, m in enumerate(modules) if m.training]
+    if train:
+        got = find_or_insert_many([modules[k].table for k in train], [ids_k[k] for k in train],
+                                  [SENTINEL] * len(train))  # fmt: skip
+        for k, s in zip(train, got):
+            slots[k] = s
+    served, pooled = _serve_all(modules, ids_k, starts_k, [None] * K, slots)
+    # The partial sums back, padded per peer as the parts came; each bag sums its parts in
+    # owner order (as the eager exchange does); padding parts go to bag B, dropped.
+    wire = wire_dtype(modules[0]._shard.exchange_dtype, dtype) or dtype
+    pooled_all = torch.cat([*pooled, torch.zeros(1, dim, dtype=dtype, device=dev)])
+    rows = _a2a(pooled_all.index_select(0, dest_parts).to(wire), g)
+    j = torch.arange(Cp, device=dev)
+    slot_part = (part_start.view(W, 1) + j).clamp(max=M)
+    bag_ext = torch.cat([c.bag_of_part, torch.full((1,), B, dtype=torch.long, device=dev)])
+    bag_idx = torch.where(j < c.part_splits.view(W, 1), bag_ext[slot_part], B).view(-1)
+    out = combine_parts(rows, bag_idx, B + 1, check_bags=False, dtype=dtype)[:B]
+    scale = _mean_scale(modules, _Batch(c.ids, c.starts, None, [None] * K, [], [], c.num_bags), dtype, dev)
+    if scale is not None:
+        out = out * scale.unsqueeze(1)
+    return _per_table(out, c.num_bags), _StaticExchange(modules, plan, served, bag_idx, dest_parts, scale)
+
+
+def _backward(ex: _StaticExchange, grads: Sequence[Optional[torch.Tensor]]) -> None:
+    from veloce.distributed.sharded import _cat_grads, _record
+
+    c, caps, modules = ex.plan.counted, ex.plan.caps, ex.modules
+    g = c.group
+    dev, dtype, dim = c.ids.device, modules[0].table.dtype, modules[0].embedding_dim
+    grad = _cat_grads(modules, grads, c.num_bags, dev)
+    if ex.scale is not None:
+        grad = grad * ex.scale.unsqueeze(1)
+    wire = wire_dtype(modules[0]._shard.exchange_dtype, dtype) or dtype
+    grad = torch.cat([grad, torch.zeros(1, dim, dtype=grad.dtype, device=dev)])
+    # Averaged over ranks, as DDP, then to each part's owner (padding parts: zeros).
+    sent = torch.div(grad.index_select(0, ex.bag_idx), g.size).to(wire)
+    recv = _a2a(sent, g)
+    t_grad = torch.zeros(sum(caps.table_parts) + 1, dim, dtype=dtype, device=dev)
+    t_grad.index_copy_(0, ex.dest_parts, recv.to(dtype))
+    _record(modules, ex.served, list(t_grad[:-1].split(list(caps.table_parts))))
+
+
+class _StaticLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, modules, plan):  # type: ignore[override]
+        outs, ex = _forward(modules, plan)
+        ctx.ex = ex
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        _backward(ctx.ex, grads)
+        return None, None, None
+
+
+def lookup(modules: Sequence, bags: Sequence[tuple], plan: Plan) -> list[torch.Tensor]:
+    """The pooled lookups of ``modules`` through ``plan``'s static exchange (``bags``: the
+    forward's own, which must have the counted shapes)."""
+    c = plan.counted
+    if tuple(tuple(b[0].shape) for b in bags) != c.shapes:
+        PLANNED.clear()
+        raise ValueError(
+            f"CUDAGraphStep: the lookup of tables {[m._shard.tag for m in modules]} got ids of shapes "
+            f"{[tuple(b[0].shape) for b in bags]}, but lookups() gave {list(c.shapes)} for it: it must return "
+            f"the forward's own inputs"
+        )  # fmt: skip
+    check_static(modules, bags)
+    if not (any(m.training for m in modules) and torch.is_grad_enabled()):
+        with torch.no_grad():
+            return list(_forward(list(modules), plan)[0])
+    from veloce.embedding import autograd_anchor
+
+    return list(_StaticLookup.apply(autograd_anchor(c.ids.device), list(modules), plan))
+
+
+class Planner:
+    """Counts the static exchanges of a step and keeps their capacities, which only grow
+    (every rank reads the same maxima, so every rank keeps the same capacities)."""
+
+    def __init__(self) -> None:
+        self.consts = Constants()
+        self.caps: list[Caps] = []
+
+    def count(self, lookups: Sequence[tuple]) -> list[Counted]:
+        """:func:`count` of each exchange of ``lookups`` (``[(tables, inputs), ...]`` as a
+        model's ``sparse_lookups`` returns them), in the order the forward runs them."""
+        from veloce.embedding import _lookup_groups
+
+        counted = []
+        for tables, inputs in lookups:
+            args, groups, _ = _lookup_groups(tables, inputs, "CUDAGraphStep")
+            aranges: dict = {}
+            for idx in groups.values():
+                layouts: list = []
+                bags = [tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in idx]
+                counted.append(count([tables[i] for i in idx], bags, layouts, self.consts))
+        return counted
+
+    def fit(self, counted: Sequence[Counted], values: Sequence[int]) -> Optional[list[Caps]]:
+        """The capacities for :func:`agree`'s ``values`` (read back): grown where the needs
+        passed them. None when the step must run eagerly (see :func:`needs_from`)."""
+        needs = needs_from(counted, values)
+        if needs is None:
+            return None
+        if len(self.caps) != len(needs):
+            self.caps = [Caps.zero(len(c.modules)) for c in counted]
+        self.caps = [have.fit(need) for have, need in zip(self.caps, needs)]
+        return self.caps
