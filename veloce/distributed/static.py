@@ -256,6 +256,9 @@ class Plan:
     base_ids: torch.Tensor  # (K,) where each table's ids start in the owner's buffer
     base_parts: torch.Tensor  # (K,)
     part_table: torch.Tensor  # (sum table_parts,) the table of each part slot
+    part_rank: torch.Tensor  # (sum table_parts,) its index within its table
+    table_id_caps: torch.Tensor  # (K,) caps.table_ids
+    table_part_caps: torch.Tensor  # (K,) caps.table_parts
 
 
 def prepare(counted: Counted, caps: Caps) -> Plan:
@@ -264,7 +267,9 @@ def prepare(counted: Counted, caps: Caps) -> Plan:
     base_ids = host_tensor([0, *itertools.accumulate(caps.table_ids)][:-1], dev)
     base_parts = host_tensor([0, *itertools.accumulate(caps.table_parts)][:-1], dev)
     part_table = host_tensor([k for k, n in enumerate(caps.table_parts) for _ in range(n)], dev)
-    return Plan(counted, caps, base_ids, base_parts, part_table)
+    part_rank = host_tensor([i for n in caps.table_parts for i in range(n)], dev)
+    return Plan(counted, caps, base_ids, base_parts, part_table, part_rank, host_tensor(list(caps.table_ids), dev),
+                host_tensor(list(caps.table_parts), dev))  # fmt: skip
 
 
 def take_plan(modules: Sequence) -> Optional[Plan]:
@@ -358,6 +363,14 @@ def _forward(modules: list, plan: Plan) -> tuple[tuple, _StaticExchange]:
     lengths = t_len[:-1]
     per_table = c.recv_ids.sum(1)
     starts = torch.cumsum(lengths, 0) - lengths - (torch.cumsum(per_table, 0) - per_table)[plan.part_table]
+    # The padding parts share the padding ids evenly (their slots -1 are skipped, but one
+    # part holding them all would keep a lookup's thread busy long after the others).
+    n_parts = c.recv_parts.sum(1)
+    pad_parts = plan.table_part_caps - n_parts
+    q = plan.part_rank - n_parts[plan.part_table]  # >= 0 on padding parts
+    spread = per_table[plan.part_table] + q * (plan.table_id_caps - per_table)[plan.part_table] \
+        // pad_parts.clamp(min=1)[plan.part_table]
+    starts = torch.where(q >= 0, spread, starts)
     ids_k = list(t_ids[:-1].split(list(caps.table_ids)))
     starts_k = list(starts.split(list(caps.table_parts)))
     slots: list = [None] * K
@@ -376,8 +389,15 @@ def _forward(modules: list, plan: Plan) -> tuple[tuple, _StaticExchange]:
     j = torch.arange(Cp, device=dev)
     slot_part = (part_start.view(W, 1) + j).clamp(max=M)
     bag_ext = torch.cat([c.bag_of_part, torch.full((1,), B, dtype=torch.long, device=dev)])
-    bag_idx = torch.where(j < c.part_splits.view(W, 1), bag_ext[slot_part], B).view(-1)
-    out = combine_parts(rows, bag_idx, B + 1, check_bags=False, dtype=dtype)[:B]
+    bag_idx = torch.where(j < c.part_splits.view(W, 1), bag_ext[slot_part], B).view(-1)  # for the backward
+    # The received rows in the eager exchange's order (parts by owner, then zero rows for
+    # bucketize's padding parts, each given to another bag: one bag summing them all would
+    # run alone, long after the others).
+    real = powner < W
+    src = torch.where(real, pc * Cp + pos - part_start[pc], W * Cp)
+    rows = torch.cat([rows, rows.new_zeros(1, dim)]).index_select(0, src)
+    bags = torch.where(real, c.bag_of_part, pos % max(B, 1))
+    out = combine_parts(rows, bags, B, check_bags=False, dtype=dtype)
     scale = _mean_scale(modules, _Batch(c.ids, c.starts, None, [None] * K, [], [], c.num_bags), dtype, dev)
     if scale is not None:
         out = out * scale.unsqueeze(1)
