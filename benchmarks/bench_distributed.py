@@ -341,6 +341,11 @@ def run(args) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(row, f, indent=1)
+    if graphed is not None:  # the graphs hold the communicators' work: dropped first
+        torch.cuda.synchronize()
+        graphed.reset()
+        graphed._count_graph = None
+        gc.collect()
     dist.destroy_process_group()
 
 
