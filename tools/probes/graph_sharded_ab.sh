@@ -17,11 +17,20 @@ bench() {  # bench NAME GPUS ARGS...
   kill -- -$pid 2>/dev/null; pkill -f bench_distributed.py; pkill -f probe_main.py; sleep 1
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'w', d['world_size'], 'tf32', d['tf32'], 'step_ms %.2f synced %.2f windows %s captures %s' % (d['step_ms'], d['step_ms_synced'], [round(x,2) for x in d['windows_ms']], d.get('captures')))" $OUT/$name.json $name 2>/dev/null || echo "$name: no result"
 }
-for tf in "" --tf32; do
-  bench w${W}_eager$tf $W $tf
-  bench w${W}_graph$tf $W --graph $tf
-  bench w1_eager$tf 1 $tf
-  bench w1_graph$tf 1 --graph $tf
+if [ -n "${TESTS:-}" ]; then
+  sizes=2; [ "$W" -ge 4 ] && sizes=2,4
+  VELOCE_TEST_NCCL=1 VELOCE_TEST_WORLD_SIZES=$sizes timeout ${TEST_S:-200} python3 -m pytest tests/test_static_exchange.py \
+    -q -x -p no:cacheprovider 2>&1 | tee $OUT/pytest_static.txt | tail -15
+fi
+# RUNS: "name:gpus:args;..." (args comma-separated); default: eager and graphed, fp32 and TF32, all GPUs and one
+RUNS=${RUNS:-"eager:$W:;graph:$W:--graph;eager_tf32:$W:--tf32;graph_tf32:$W:--graph,--tf32;eager:1:;graph:1:--graph;eager_tf32:1:--tf32;graph_tf32:1:--graph,--tf32"}
+IFS=';' read -r -a runs <<< "$RUNS"
+for r in "${runs[@]}"; do
+  IFS=':' read -r name gpus args <<< "$r"
+  # shellcheck disable=SC2086
+  bench "w${gpus}_$name" "$gpus" ${args//,/ }
 done
-bench w${W}_graph_profile $W --graph --steps 10 --windows 1 --profile -
-grep -a -A25 "Self CUDA %" $OUT/w${W}_graph_profile.log | sed -n 28,60p | cut -c1-60,100-118,140-175
+if [ -n "${PROFILE:-}" ]; then
+  bench w${W}_graph_profile $W --graph --steps 10 --windows 1 --profile -
+  grep -a -A25 "Self CUDA %" $OUT/w${W}_graph_profile.log | sed -n 28,60p | cut -c1-60,100-118,140-175
+fi
