@@ -418,7 +418,7 @@ def _inverse(index: torch.Tensor, n: int, missing: int) -> torch.Tensor:
     values equal to n are dropped)."""
     inv = torch.full((n + 1,), missing, dtype=torch.long, device=index.device)
     inv.index_copy_(0, index, torch.arange(index.numel(), device=index.device))
-    inv[n] = missing
+    inv[n:].fill_(missing)  # (a slice filled by a kernel: an indexed assignment copies from the host)
     return inv
 
 
