@@ -318,8 +318,8 @@ class _StaticExchange:
     modules: list
     plan: Plan
     served: list
-    bag_idx: torch.Tensor  # (W * Cp,) the bag of each part slot sent back (num_bags: padding)
-    dest_parts: torch.Tensor  # (T_parts,) per table-major part slot, its row in the received gradients
+    bag_idx: torch.Tensor  # (W * Cp,) the bag of each received part slot (num_bags: padding)
+    dest_parts: torch.Tensor  # (W * Cp,) where each part slot goes in the owner's buffer
     scale: Optional[torch.Tensor]
 
 
@@ -381,45 +381,27 @@ def _forward(modules: list, plan: Plan) -> tuple[tuple, _StaticExchange]:
         for k, s in zip(train, got):
             slots[k] = s
     served, pooled = _serve_all(modules, ids_k, starts_k, [None] * K, slots)
-    # The partial sums back, padded per peer as the parts came (zero rows in the padding):
-    # each table's rows scattered straight into the send buffer, no concatenation first.
+    # The partial sums back, padded per peer as the parts came; each bag sums its parts in
+    # owner order (as the eager exchange does); padding parts go to bag B, dropped.
     wire = wire_dtype(modules[0]._shard.exchange_dtype, dtype) or dtype
-    to_peer = _inverse(dest_parts, T_parts, W * Cp)  # (T_parts + 1,) table-major slot -> peer-major row
-    send_rows = torch.zeros(W * Cp + 1, dim, dtype=wire, device=dev)
-    for k, rows_k in enumerate(pooled):
-        at = int(sum(caps.table_parts[:k]))
-        send_rows.index_copy_(0, to_peer[at : at + caps.table_parts[k]], rows_k.to(wire))
-    rows = _a2a(send_rows[:-1], g)
-    # Each bag sums its parts in owner order, as the eager exchange does: the padded blocks
-    # keep that order. The zero rows of the padding go to bags spread over all of them (one
-    # bag summing them all would run alone, long after the others); x + 0 is x.
+    pooled_all = torch.cat([*pooled, torch.zeros(1, dim, dtype=dtype, device=dev)])
+    rows = _a2a(pooled_all.index_select(0, dest_parts).to(wire), g)
     j = torch.arange(Cp, device=dev)
-    valid = j < c.part_splits.view(W, 1)
     slot_part = (part_start.view(W, 1) + j).clamp(max=M)
     bag_ext = torch.cat([c.bag_of_part, torch.full((1,), B, dtype=torch.long, device=dev)])
-    real_bag = bag_ext[slot_part]
-    bag_idx = torch.where(valid, real_bag, B).view(-1)  # the backward's: padding gathers a zero row
-    spread = torch.arange(W * Cp, device=dev).view(W, Cp) % max(B, 1)
-    if B:
-        out = combine_parts(rows, torch.where(valid, real_bag, spread).view(-1), B, check_bags=False, dtype=dtype)
-    else:  # no bags here (every row received is padding)
-        out = torch.zeros(0, dim, dtype=dtype, device=dev)
+    bag_idx = torch.where(j < c.part_splits.view(W, 1), bag_ext[slot_part], B).view(-1)  # for the backward
+    # The received rows in the eager exchange's order (parts by owner, then zero rows for
+    # bucketize's padding parts, each given to another bag: one bag summing them all would
+    # run alone, long after the others).
+    real = powner < W
+    src = torch.where(real, pc * Cp + pos - part_start[pc], W * Cp)
+    rows = torch.cat([rows, rows.new_zeros(1, dim)]).index_select(0, src)
+    bags = torch.where(real, c.bag_of_part, pos % max(B, 1))
+    out = combine_parts(rows, bags, B, check_bags=False, dtype=dtype)
     scale = _mean_scale(modules, _Batch(c.ids, c.starts, None, [None] * K, [], [], c.num_bags), dtype, dev)
     if scale is not None:
         out = out * scale.unsqueeze(1)
-    # table-major part slot -> its row in what the backward's all-to-all delivers (padding: row 0,
-    # whose finite values the update skips: the padding ids' slots are -1)
-    from_peer = to_peer[:-1].clamp(max=max(W * Cp - 1, 0))
-    return _per_table(out, c.num_bags), _StaticExchange(modules, plan, served, bag_idx, from_peer, scale)
-
-
-def _inverse(index: torch.Tensor, n: int, missing: int) -> torch.Tensor:
-    """``inv`` (n + 1,) with ``inv[index[i]] = i`` and ``missing`` where no i maps (index
-    values equal to n are dropped)."""
-    inv = torch.full((n + 1,), missing, dtype=torch.long, device=index.device)
-    inv.index_copy_(0, index, torch.arange(index.numel(), device=index.device))
-    inv[n:].fill_(missing)  # (a slice filled by a kernel: an indexed assignment copies from the host)
-    return inv
+    return _per_table(out, c.num_bags), _StaticExchange(modules, plan, served, bag_idx, dest_parts, scale)
 
 
 def _backward(ex: _StaticExchange, grads: Sequence[Optional[torch.Tensor]]) -> None:
@@ -428,27 +410,17 @@ def _backward(ex: _StaticExchange, grads: Sequence[Optional[torch.Tensor]]) -> N
     c, caps, modules = ex.plan.counted, ex.plan.caps, ex.modules
     g = c.group
     dev, dtype, dim = c.ids.device, modules[0].table.dtype, modules[0].embedding_dim
-    B = sum(c.num_bags)
-    wire = wire_dtype(modules[0]._shard.exchange_dtype, dtype) or dtype
-    # Averaged over ranks, as DDP, in the wire's dtype, with a zero row after the bags (what
-    # the padding sends): one pass over the gradient.
-    flat = torch.empty(B + 1, dim, dtype=wire, device=dev)
-    flat[B].zero_()
+    grad = _cat_grads(modules, grads, c.num_bags, dev)
     if ex.scale is not None:
-        torch.div(_cat_grads(modules, grads, c.num_bags, dev) * ex.scale.unsqueeze(1), g.size, out=flat[:B])
-    else:
-        at = 0
-        for gr, n in zip(grads, c.num_bags):
-            if gr is None:
-                flat[at : at + n].zero_()
-            else:
-                torch.div(gr.to(dtype), g.size, out=flat[at : at + n])
-            at += n
-    recv = _a2a(flat.index_select(0, ex.bag_idx), g)
-    # Each table's part gradients gathered from the received rows (padding parts: a real
-    # row, finite, which the update skips with their ids).
-    per_table = recv.index_select(0, ex.dest_parts).to(dtype).split(list(caps.table_parts))
-    _record(modules, ex.served, list(per_table))
+        grad = grad * ex.scale.unsqueeze(1)
+    wire = wire_dtype(modules[0]._shard.exchange_dtype, dtype) or dtype
+    grad = torch.cat([grad, torch.zeros(1, dim, dtype=grad.dtype, device=dev)])
+    # Averaged over ranks, as DDP, then to each part's owner (padding parts: zeros).
+    sent = torch.div(grad.index_select(0, ex.bag_idx), g.size).to(wire)
+    recv = _a2a(sent, g)
+    t_grad = torch.zeros(sum(caps.table_parts) + 1, dim, dtype=dtype, device=dev)
+    t_grad.index_copy_(0, ex.dest_parts, recv.to(dtype))
+    _record(modules, ex.served, list(t_grad[:-1].split(list(caps.table_parts))))
 
 
 class _StaticLookup(torch.autograd.Function):
