@@ -288,7 +288,11 @@ class Trainer:
         if self.device.type != "cuda":
             raise ValueError(f"Trainer: cuda_graph=True needs a model on a CUDA device, got one on {self.device}")
         if self.world_size > 1:
-            raise ValueError("Trainer: cuda_graph=True runs on one process; sharded tables are not captured yet")
+            raise ValueError(
+                "Trainer: cuda_graph=True runs on one process (every rank of a sharded run must pick graph or eager "
+                "alike for each batch, which the Trainer does not agree on yet); for sharded tables write the loop "
+                "with veloce.CUDAGraphStep(step, model, optimizer, lookups=...) (docs/cuda_graphs.md)"
+            )  # fmt: skip
         if self.accumulate_steps != 1:
             raise ValueError(
                 f"Trainer: cuda_graph=True captures whole optimizer steps: accumulate_steps must be 1, got "
