@@ -310,3 +310,46 @@ def test_captured_sharded_step_equals_eager(world):
         for f in ("weights", "optimizer_state"):
             torch.testing.assert_close(mine[name][f], theirs[name][f], rtol=1e-5, atol=1e-5, msg=f"{name}: {f}")
     assert [r["sizes"] for r in got] == [r["sizes"] for r in want]
+
+
+def _agreement_body(rank, world):
+    """A rank that cannot run a step makes every rank raise in the counting phase; eval-mode
+    tables and lookups that lookups() did not announce are refused."""
+    from veloce.distributed import ExchangeError
+
+    model = Model()
+    HybridParallel(model, sparse="sync")
+    planner = static.Planner()
+    inputs, _, _ = rank_inputs(0, world, rank)
+    out = []
+    counted = planner.count(model.sparse_lookups(*inputs))
+    status = torch.tensor([int(rank == world - 1)])
+    try:
+        planner.fit(counted, static.agree(counted, status).tolist())
+    except ExchangeError as e:
+        out.append(str(e))
+    # the next step goes on (nothing was left half done)
+    counted = planner.count(model.sparse_lookups(*inputs))
+    out.append(planner.fit(counted, static.agree(counted).tolist()) is not None)
+    model.d.eval()
+    try:
+        planner.count(model.sparse_lookups(*inputs))
+    except ValueError as e:
+        out.append(str(e))
+    model.d.train()
+    static.EXPECTING = True
+    try:
+        model(*inputs)
+    except ValueError as e:
+        out.append(str(e))
+    finally:
+        static.EXPECTING = False
+    return out
+
+
+def test_a_rank_that_cannot_run_the_step_stops_every_rank():
+    for msgs in run_ranks(_agreement_body, 2, timeout=60):
+        assert "another rank could not run this step" in msgs[0], msgs
+        assert msgs[1] is True
+        assert "eval mode" in msgs[2], msgs
+        assert "after the lookups its lookups() said" in msgs[3], msgs

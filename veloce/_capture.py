@@ -75,6 +75,7 @@ class Capture:
     ticks: dict[int, int] = field(default_factory=dict)  # id(HashTable) -> device clock ticks per replay
     steps: dict[int, int] = field(default_factory=dict)  # id(DynamicEmbedding) -> device steps per replay
     anchor: Optional[torch.Tensor] = None  # the lookups' autograd anchor inside the capture (embedding.py)
+    averaging: Any = None  # the HybridParallel whose dense gradients the captured step averages (its DDP bypassed)
 
     def clock_of(self, table: Any) -> torch.Tensor:
         """The table's device clock, ticked inside the graph (the host ticks its own)."""

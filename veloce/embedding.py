@@ -1223,7 +1223,7 @@ class _LayoutCheck:
         if not include_last_offset:
             return torch.where(self.flag, 0, offsets)  # one kernel (masked_fill out of place: a copy and a fill)
         good = torch.zeros_like(offsets)
-        good[-1] = n
+        good[-1:].fill_(n)  # a kernel (an indexed assignment copies from the host, which a capture refuses)
         return torch.where(self.flag, good, offsets)
 
     def renewed(self) -> "_LayoutCheck":

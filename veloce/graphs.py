@@ -134,6 +134,7 @@ class CUDAGraphStep:
         self._counted: list = []
         self._caps: list = []
         self._plans: list = []
+        self._status: Optional[torch.Tensor] = None  # sharded: this rank's verdict, read by the counting phase
         self._calls = 0
         self.captures = 0  # how many times the step was captured (growth captures it again)
         self._graph: Optional[torch.cuda.CUDAGraph] = None
@@ -182,9 +183,16 @@ class CUDAGraphStep:
                 "step's inputs that returns the model's lookups, e.g. lambda dense, sparse, label: "
                 "model.module.sparse_lookups(dense, sparse)"
             )  # fmt: skip
-        wrappers = [x for x in self.model.modules() if isinstance(x, HybridParallel)]
-        self._hp = wrappers[0] if wrappers else None
-        if self._hp is not None and self._hp._ddp is not None:
+        wrappers = {id(w): w for w in (m._shard.wrapper() if m._shard.wrapper is not None else None
+                                       for m in self.modules if m._shard is not None) if w is not None}  # fmt: skip
+        if len(wrappers) != 1:
+            raise ValueError(
+                f"CUDAGraphStep: the sharded tables must belong to one live HybridParallel, found {len(wrappers)}"
+            )
+        self._hp = next(iter(wrappers.values()))
+        if not isinstance(self._hp, HybridParallel):
+            raise TypeError(f"CUDAGraphStep: the tables' wrapper is a {type(self._hp).__name__}")
+        if self._hp._ddp is not None:
             if self.optimizer is None or self.optimizer.dense is None:
                 raise ValueError(
                     "CUDAGraphStep: a HybridParallel model's dense gradients are averaged inside the graph before "
@@ -220,14 +228,19 @@ class CUDAGraphStep:
 
             for g in {id(m._shard.group): m._shard.group for m in self.modules if m._shard is not None}.values():
                 raise_deferred_failures(g)  # an eager step's (lookup_errors="raise_next")
-            plans = self._plan(inputs)
+            # The last replay's errors (its NaN/Inf check is agreed over the ranks: all raise
+            # alike), then room for the step: an error on this rank alone travels in the
+            # counting phase's all-reduce, so that every rank raises, none waits in a replay.
+            _raise_deferred(self.modules)
+            plans = self._plan(inputs, self._room_error(self._plans))
             if plans is None:  # some rank's batch holds the static exchange's padding id
                 return self._eager(inputs)
         # The last replay's errors (bad offsets, NaN/Inf gradients) first, as step() raises
         # them; this reads its insert counts (the sizes) too.
-        _raise_deferred(self.modules)
+        if not self._sharded:
+            _raise_deferred(self.modules)
         if self._graph is not None and not self._valid():
-            self.reset()
+            self._drop_graph()
         if self._graph is None:
             self._capture(inputs, plans)
         self._sync_scalars()
@@ -260,43 +273,83 @@ class CUDAGraphStep:
         return self.fn(*inputs)
 
     def reset(self) -> None:
-        """Drops the graph: the next call captures the step again."""
-        self._graph, self._log, self._out, self._caps = None, None, None, []
-        if not self._sharded:  # (the counting phase's graph and inputs stay: every rank uses it in step)
+        """Drops the graph: the next call captures the step again (of new shapes, if they
+        changed). Sharded tables: the counting phase too; call it on every rank (the next
+        call counts and captures again, which runs collectives)."""
+        self._drop_graph()
+        self._static = []
+        self._count_graph, self._caps, self._plans, self._counted = None, [], [], []
+        self._planner = static.Planner()
+
+    def _drop_graph(self) -> None:
+        """Drops the step's graph (growth, moved tensors): captured again at the next call, with
+        the same counting phase and capacities (a change a rank makes alone)."""
+        self._graph, self._log, self._out = None, None, None
+        if not self._sharded:
             self._static = []
 
     # ---- sharded tables: the counting phase -----------------------------------------------
-    def _plan(self, inputs: Sequence[torch.Tensor]) -> Optional[list]:
+    def _plan(self, inputs: Sequence[torch.Tensor], error: Optional[BaseException]) -> Optional[list]:
         """Runs the counting phase of the step's static exchanges on ``inputs`` (a graph of
         its own, captured at first) and reads the needs over all ranks: the plans of the
-        exchanges, or None when this step must run eagerly. New capacities drop the step's
-        graph."""
+        exchanges, or None when this step must run eagerly. ``error``: this rank cannot run
+        the step (raised after the agreement, the other ranks raise ExchangeError). New
+        capacities drop the step's graph."""
+        dev = self.modules[0].table.device
         if self._count_graph is None:
             self._static = [x.clone() for x in inputs]
+            self._status = torch.zeros(1, dtype=torch.long, device=dev)
             counted = self._planner.count(self.lookups(*self._static))  # eagerly first: constants, communicators
-            agreed = static.agree(counted)
+            agreed = static.agree(counted, self._status)
             self._count_host = torch.empty(agreed.shape, dtype=agreed.dtype, pin_memory=True)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=self._stream):
                 counted = self._planner.count(self.lookups(*self._static))
-                self._count_host.copy_(static.agree(counted), non_blocking=True)
+                self._count_host.copy_(static.agree(counted, self._status), non_blocking=True)
             self._count_graph, self._counted, self._count_done = graph, counted, torch.cuda.Event()
         else:
             for s, x in zip(self._static, inputs):
                 s.copy_(x, non_blocking=True)
+        self._status.fill_(int(error is not None))
         self._count_graph.replay()
         self._count_done.record()
         self._count_done.synchronize()
         assert self._count_host is not None
-        caps = self._planner.fit(self._counted, self._count_host.tolist())
+        if error is not None:
+            raise error
+        caps = self._planner.fit(self._counted, self._count_host.tolist())  # raises when another rank failed
         if caps is None:
             return None
-        if caps != self._caps:
-            self._graph, self._log, self._out = None, None, None
+        if caps != self._caps:  # on every rank alike (the needs are agreed)
+            self._drop_graph()
             self._caps = list(caps)
             self._plans = [static.prepare(c, k) for c, k in zip(self._counted, caps)]
+            # Room for the new capacities: a rank that cannot make it makes every rank raise.
+            failed = self._room_error(self._plans)
+            from veloce.distributed._comm import agree_sum
+
+            if agree_sum(self._counted[0].group, int(failed is not None)):
+                if failed is not None:
+                    raise failed
+                raise static.ExchangeError(
+                    "CUDAGraphStep: another rank could not make room for this step's ids (its own error says why, "
+                    "e.g. a table full at its max_capacity); every rank stops here"
+                )  # fmt: skip
         return self._plans
+
+    def _room_error(self, plans: Sequence[Any]) -> Optional[BaseException]:
+        """Grows (outside any graph) every table that lacks room for ``plans``' ids; the error
+        that stopped it, if one did (a table at its max_capacity, out of memory)."""
+        try:
+            for plan in plans:
+                for m, n in zip(plan.counted.modules, plan.caps.table_ids):
+                    t = m.table
+                    if t._size + t._unread_ids() + n > t.grow_at * t.capacity:
+                        self._grow(t, n)
+        except Exception as e:  # noqa: BLE001 - raised after the ranks agree
+            return e
+        return None
 
     def _eager(self, inputs: Sequence[torch.Tensor]) -> Any:
         side = torch.cuda.Stream()  # warm-up on a side stream, as torch's graph capture asks
@@ -330,7 +383,9 @@ class CUDAGraphStep:
             if plans is not None:
                 static.PLANNED.clear()
                 static.PLANNED.extend(plans)
+                static.EXPECTING = True
                 if self._hp is not None and self._hp._ddp is not None:
+                    log.averaging = self._hp
                     hook = self.optimizer.dense.register_step_pre_hook(lambda *_: self._hp._average_dense_grads())
             try:
                 with torch.cuda.graph(graph, stream=self._stream):
@@ -350,6 +405,7 @@ class CUDAGraphStep:
             finally:
                 _capture.ACTIVE = None
                 static.PLANNED.clear()
+                static.EXPECTING = False
                 if hook is not None:
                     hook.remove()
             checked = [id(m) for chk in log.checks for m in chk.tables]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -225,7 +226,7 @@ class HybridParallel(nn.Module):
         dispatch_group = Group(dist.new_group(ranks=ranks, backend=backend, pg_options=urgent, **local))
         for tag, (name, m) in enumerate(self.tables):
             m._shard = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group, self.dedup,
-                             self.lookup_errors, dispatch_group, self.exchange_dtype)  # fmt: skip
+                             self.lookup_errors, dispatch_group, self.exchange_dtype, weakref.ref(self))  # fmt: skip
         from veloce.distributed.sharded import drop_failed_gradients
 
         modules = [m for _, m in self.tables]
@@ -235,8 +236,8 @@ class HybridParallel(nn.Module):
         """Runs the wrapped model (through DDP when dense parameters are data-parallel)."""
         from veloce import _capture
 
-        if _capture.ACTIVE is not None:  # a captured step (CUDAGraphStep) averages the dense gradients itself
-            return self.module(*args, **kwargs)
+        if _capture.ACTIVE is not None and _capture.ACTIVE.averaging is self:
+            return self.module(*args, **kwargs)  # a captured step (CUDAGraphStep) averages the dense gradients itself
         if self.prefetch_depth == "header" and self.tables and self.world_size > 1:
             from veloce.distributed.sharded import complete_prefetched
 

@@ -101,6 +101,7 @@ class Shard:
     lookup_errors: str = "raise"
     dispatch_group: Optional[Group] = None  # prefetched first halves exchange on it (HybridParallel.prefetch)
     exchange_dtype: Optional[torch.dtype] = None
+    wrapper: Any = None  # a weak reference to the HybridParallel that sharded the table
     steps: int = 0  # optimizer steps taken (async bookkeeping)
     in_flight: deque = field(default_factory=deque)
 

@@ -15,9 +15,9 @@ its shapes are fixed at capture. This exchange runs in two phases:
 2. **The step** (:func:`lookup`, inside the step's graph, one graph per set of
    capacities): every block travels padded to its capacity in an all-to-all of equal
    splits; padding ids are :data:`SENTINEL`, which the owners' inserts skip (their
-   ``padding_id``) and whose slots (-1) the lookup and the update skip; padding parts have
-   length 0 and their partial sums go to a bag that is dropped. The gradients' way back is
-   the same, reversed.
+   ``padding_id``) and whose slots (-1) the lookup and the update skip; the requester's
+   padding parts are empty, and an owner's padding ids make up its padding parts, whose
+   sums (zeros) are spread over the bags. The gradients' way back is the same, reversed.
 
 The results are those of the eager exchange bit for bit: each bag's parts are summed in
 the same (owner) order, and each owner sees the same ids, parts and gradients (plus
@@ -53,6 +53,7 @@ _FLAGS = 3  # per group, after the sizes: signatures disagree, SENTINEL met, a b
 # The plans of the static lookups the step about to run (or be captured) makes, in call
 # order: each sharded lookup takes the first (:func:`take_plan`).
 PLANNED: deque = deque()
+EXPECTING = False  # a captured step is planned: every sharded lookup must find its plan
 
 
 def check_static(modules: Sequence, bags: Sequence[tuple] = ()) -> None:
@@ -148,6 +149,11 @@ def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], co
     from veloce.distributed.sharded import _layout_flag, _raise_bad_layout, _tags_hash
 
     check_static(modules, bags)
+    if not all(m.training for m in modules):
+        raise ValueError(
+            f"CUDAGraphStep: sharded tables {[m._shard.tag for m in modules]} are in eval mode: a captured sharded "
+            f"step trains every sharded table it looks up (an evaluation lookup's initialised rows need host work)"
+        )  # fmt: skip
     modules = list(modules)
     shard = modules[0]._shard
     g, K = shard.group, len(modules)
@@ -203,10 +209,15 @@ def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], co
                    tuple(tuple(x[0].shape) for x in bags))  # fmt: skip
 
 
-def agree(counted: Sequence[Counted]) -> torch.Tensor:
+def agree(counted: Sequence[Counted], status: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Every exchange's needs, this rank's then the maxima over the ranks, as one tensor
-    (an all-reduce; no host read): what :func:`needs_from` reads."""
-    mine = torch.cat([c.needs for c in counted])
+    (an all-reduce; no host read): what :func:`needs_from` reads. ``status``: a (1,) int64
+    on the device, this rank's own verdict (0: it can run the step; else it raises), last."""
+    if len({id(c.group) for c in counted}) != 1:
+        raise ValueError("CUDAGraphStep: the sharded tables of a captured step must share one process group")
+    dev = counted[0].ids.device
+    own = status if status is not None else torch.zeros(1, dtype=torch.long, device=dev)
+    mine = torch.cat([*(c.needs for c in counted), own])
     top = mine.clone()
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=counted[0].group.group)
     return torch.cat([mine, top])
@@ -221,6 +232,11 @@ def needs_from(counted: Sequence[Counted], values: Sequence[int]) -> list[Caps]:
 
     n = len(values) // 2
     mine, top = values[:n], values[n:]
+    if top[n - 1]:  # some rank cannot run the step (its own error is raised there)
+        raise ExchangeError(
+            "CUDAGraphStep: another rank could not run this step (its own error says why, e.g. a table full at its "
+            "max_capacity); every rank stops here"
+        )  # fmt: skip
     out, at, sentinel = [], 0, False
     for c in counted:
         K = len(c.modules)
@@ -238,8 +254,7 @@ def needs_from(counted: Sequence[Counted], values: Sequence[int]) -> list[Caps]:
         if bad_sig:
             raise ExchangeError(
                 f"DynamicEmbedding tables {tags}: the ranks disagree on a captured step's exchange (other tables, "
-                f"dims, dtypes or exchange_dtype, or a rank running it eagerly): every rank must run the same "
-                f"step, graphed alike"
+                f"dims, dtypes or exchange_dtype): every rank must run the same step, graphed alike"
             )  # fmt: skip
         sentinel = sentinel or bool(hit)
         # one more part per table than received: the padding ids' own part (zero length for the real ones)
@@ -275,6 +290,12 @@ def prepare(counted: Counted, caps: Caps) -> Plan:
 def take_plan(modules: Sequence) -> Optional[Plan]:
     """The plan of this lookup of ``modules`` when the step runs static exchanges, else None."""
     if not PLANNED:
+        if EXPECTING:
+            raise ValueError(
+                f"CUDAGraphStep: the step looks up sharded tables {[m._shard.tag for m in modules]} after the "
+                f"lookups its lookups() said: lookups(*inputs) must return every group the model's forward looks "
+                f"up, in order (veloce.models' sparse_lookups do)"
+            )  # fmt: skip
         return None
     plan = PLANNED.popleft()
     if [id(m) for m in plan.counted.modules] != [id(m) for m in modules]:
@@ -324,7 +345,7 @@ class _StaticExchange:
 
 
 def _forward(modules: list, plan: Plan) -> tuple[tuple, _StaticExchange]:
-    from veloce.distributed.sharded import _Batch, _mean_scale, _per_table, _serve_all
+    from veloce.distributed.sharded import _per_table, _serve_all
     from veloce.table import find_or_insert_many
 
     c, caps = plan.counted, plan.caps
@@ -381,8 +402,7 @@ def _forward(modules: list, plan: Plan) -> tuple[tuple, _StaticExchange]:
         for k, s in zip(train, got):
             slots[k] = s
     served, pooled = _serve_all(modules, ids_k, starts_k, [None] * K, slots)
-    # The partial sums back, padded per peer as the parts came; each bag sums its parts in
-    # owner order (as the eager exchange does); padding parts go to bag B, dropped.
+    # The partial sums back, padded per peer as the parts came (the padding: zero rows).
     wire = wire_dtype(modules[0]._shard.exchange_dtype, dtype) or dtype
     pooled_all = torch.cat([*pooled, torch.zeros(1, dim, dtype=dtype, device=dev)])
     rows = _a2a(pooled_all.index_select(0, dest_parts).to(wire), g)
@@ -398,10 +418,22 @@ def _forward(modules: list, plan: Plan) -> tuple[tuple, _StaticExchange]:
     rows = torch.cat([rows, rows.new_zeros(1, dim)]).index_select(0, src)
     bags = torch.where(real, c.bag_of_part, pos % max(B, 1))
     out = combine_parts(rows, bags, B, check_bags=False, dtype=dtype)
-    scale = _mean_scale(modules, _Batch(c.ids, c.starts, None, [None] * K, [], [], c.num_bags), dtype, dev)
+    scale = _mean_scale(modules, c, dtype)
     if scale is not None:
         out = out * scale.unsqueeze(1)
     return _per_table(out, c.num_bags), _StaticExchange(modules, plan, served, bag_idx, dest_parts, scale)
+
+
+def _mean_scale(modules: list, c: Counted, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """1 / (ids in the bag) for the bags of mean tables, 1 elsewhere (sharded._mean_scale's
+    values, made without a host-to-device copy, which a graph would replay from host memory
+    that may since hold something else)."""
+    if all(m.mode != "mean" for m in modules):
+        return None
+    ends = torch.cat([c.starts[1:], c.starts.new_full((1,), c.ids.numel())])
+    counts = (ends - c.starts).to(dtype)
+    is_mean = torch.cat([torch.full((n,), m.mode == "mean", device=c.ids.device) for m, n in zip(modules, c.num_bags)])
+    return torch.where(is_mean, 1.0 / counts.clamp(min=1), torch.ones_like(counts))
 
 
 def _backward(ex: _StaticExchange, grads: Sequence[Optional[torch.Tensor]]) -> None:
