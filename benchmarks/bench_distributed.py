@@ -343,8 +343,7 @@ def run(args) -> None:
                 json.dump(row, f, indent=1)
     if graphed is not None:  # the graphs hold the communicators' work: dropped first
         torch.cuda.synchronize()
-        graphed.reset()
-        graphed._count_graph = None
+        graphed.reset()  # (the counting phase's graph too; every rank calls it)
         gc.collect()
     dist.destroy_process_group()
 
