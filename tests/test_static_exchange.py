@@ -353,3 +353,69 @@ def test_a_rank_that_cannot_run_the_step_stops_every_rank():
         assert msgs[1] is True
         assert "eval mode" in msgs[2], msgs
         assert "after the lookups its lookups() said" in msgs[3], msgs
+
+
+# ---- layouts and settings the static exchange must carry exactly ------------------------
+def _edge_tables(cfg):
+    torch.manual_seed(0)
+    E = veloce.DynamicEmbedding
+    m = nn.Module()
+    m.a = E(8, mode=cfg.get("a_mode", "sum"), include_last_offset=True, optimizer=veloce.optim.SGD(lr=0.5), seed=1)
+    m.b = E(8, mode="mean", include_last_offset=cfg.get("b_ilo", False), optimizer=veloce.optim.Adam(lr=0.02),
+            seed=2)  # fmt: skip
+    m.z = E(8, mode="sum", optimizer=veloce.optim.RowWiseAdagrad(lr=0.1), seed=3)  # bags of no id: (B, 0)
+    return m
+
+
+def _edge_groups(m, cfg, step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    size = 0 if (step % 3 == 1 and rank == 0) else 3 + 2 * rank
+    lengths = torch.randint(0, 4, (size,), generator=g)
+    ids_a = torch.randint(-50, 50, (int(lengths.sum()),), generator=g)
+    offs_a = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # include_last_offset
+    ids_b = torch.randint(0, 30, (size, 2), generator=g)
+    b_in = (ids_b.reshape(-1), torch.arange(0, 2 * size + 1, 2)) if cfg.get("b_ilo") else ids_b
+    groups = [([m.a, m.b, m.z], [(ids_a, offs_a), b_in, torch.zeros(size, 0, dtype=torch.long)])]
+    if cfg.get("two_groups"):  # a second exchange that looks table b up again
+        groups.append(([m.b], [ids_b + 7]))
+    return groups
+
+
+def _edge_body(rank, world, cfg, use_static):
+    m = _edge_tables(cfg)
+    HybridParallel(m, sparse="sync", exchange_dtype=cfg.get("wire"))
+    planner = static.Planner()
+    preds = []
+    for step in range(6):
+        groups = _edge_groups(m, cfg, step, rank)
+        if use_static:
+            counted = planner.count(groups)
+            fitted = planner.fit(counted, static.agree(counted).tolist())
+            static.PLANNED.extend(static.prepare(c, k) for c, k in zip(counted, fitted))
+        outs = [o for tables, inputs in groups for o in veloce.lookup_many(tables, inputs)]
+        assert not static.PLANNED
+        sum(((o * (k + 1)) ** 2).sum() for k, o in enumerate(outs)).backward()
+        for t in (m.a, m.b, m.z):
+            t.step()
+            t.zero_grad()
+        preds.append([o.detach() for o in outs])
+    return {"preds": preds, "tables": {n: getattr(m, n).export() for n in "abz"}}
+
+
+@pytest.mark.parametrize("cfg", [
+    {}, {"a_mode": "mean"}, {"b_ilo": True}, {"wire": torch.bfloat16}, {"two_groups": True},
+], ids=["include_last_offset", "mean with include_last_offset", "2-D as 1-D", "bfloat16 exchange", "two exchanges"])  # fmt: skip
+def test_static_exchange_carries_every_layout_exactly(cfg):
+    """1-D bags with include_last_offset (sum and mean), bags of no id, a rank with no batch,
+    rows sent in bfloat16, a table looked up in two exchanges of one step: bit for bit the
+    eager exchange's outputs and tables."""
+    world = WORLD_SIZES[-1]
+    got = run_ranks(_edge_body, world, cfg, True, timeout=120)
+    want = run_ranks(_edge_body, world, cfg, False, timeout=120)
+    for r, (a, b) in enumerate(zip(got, want)):
+        for s, (pa, pb) in enumerate(zip(a["preds"], b["preds"])):
+            for k, (x, y) in enumerate(zip(pa, pb)):
+                assert torch.equal(x, y), f"rank {r} step {s} output {k}"
+        for t in "abz":
+            for f in ("keys", "weights", "optimizer_state", "scores"):
+                assert torch.equal(a["tables"][t][f], b["tables"][t][f]), f"rank {r} table {t}: {f}"

@@ -1,4 +1,5 @@
-# Configuration 5, eager against graphed (CUDAGraphStep, static exchanges), on all GPUs and
+# TESTS=1: first the static exchange's tests (NCCL, 2 and, on 4 GPUs, 4 ranks) and the
+# single-GPU graph tests. Then configuration 5, eager against graphed (CUDAGraphStep, static exchanges), on all GPUs and
 # on one, fp32 and TF32 matmuls, then a torch.profiler kernel table of the graphed step on
 # all GPUs. Each run is stopped 15 s after its JSON appears (a run with graphs alive can hang
 # in destroy_process_group). Prebuilt extension: carry=[".gpu"].
@@ -21,6 +22,8 @@ if [ -n "${TESTS:-}" ]; then
   sizes=2; [ "$W" -ge 4 ] && sizes=2,4
   VELOCE_TEST_NCCL=1 VELOCE_TEST_WORLD_SIZES=$sizes timeout ${TEST_S:-200} python3 -m pytest tests/test_static_exchange.py \
     -q -x -p no:cacheprovider 2>&1 | tee $OUT/pytest_static.txt | tail -15
+  timeout 200 python3 -m pytest tests/test_graphs.py tests/test_device_scalars.py -q -p no:cacheprovider 2>&1 \
+    | tee $OUT/pytest_graphs.txt | tail -3
 fi
 # RUNS: "name:gpus:args;..." (args comma-separated); default: eager and graphed, fp32 and TF32, all GPUs and one
 RUNS=${RUNS:-"eager:$W:;graph:$W:--graph;eager_tf32:$W:--tf32;graph_tf32:$W:--graph,--tf32;eager:1:;graph:1:--graph;eager_tf32:1:--tf32;graph_tf32:1:--graph,--tf32"}
