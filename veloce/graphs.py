@@ -321,10 +321,11 @@ class CUDAGraphStep:
         caps = self._planner.fit(self._counted, self._count_host.tolist())  # raises when another rank failed
         if caps is None:
             return None
-        if caps != self._caps:  # on every rank alike (the needs are agreed)
-            self._drop_graph()
-            self._caps = list(caps)
-            self._plans = [static.prepare(c, k) for c, k in zip(self._counted, caps)]
+        if self._planner.changed:  # some rank's capacities changed: the same on every rank
+            if caps != self._caps:
+                self._drop_graph()
+                self._caps = list(caps)
+                self._plans = [static.prepare(c, k) for c, k in zip(self._counted, caps)]
             # Room for the new capacities: a rank that cannot make it makes every rank raise.
             failed = self._room_error(self._plans)
             from veloce.distributed._comm import agree_sum

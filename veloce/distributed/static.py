@@ -8,10 +8,14 @@ its shapes are fixed at capture. This exchange runs in two phases:
 1. **Counting** (:func:`count`, captured once as a small graph of its own): the bags are
    bucketed by owner as the eager exchange does, and a header all-to-all tells each owner
    how many ids and parts it will receive per table. One all-reduce (max) over the ranks
-   then gives every rank the same needs: the largest block any rank sends any peer, and
-   per table the most ids and parts any owner receives. The host reads them (the step's one
-   host sync) and picks capacities (:class:`Caps`): the needs plus an eighth, rounded, and
-   never lower than before, so that after a few steps they stop changing.
+   then gives every rank the largest block any rank sends any peer. The host reads the
+   needs (the step's one host sync) and picks capacities (:class:`Caps`): the needs plus
+   an eighth, rounded, and never lower than before, so that after a few steps they stop
+   changing. The blocks' capacities are the same on every rank (the all-to-alls split
+   equally); an owner sizes its per-table buffers by what it receives itself (a table's
+   hot ids all go to one owner: the largest over the owners would make the others'
+   buffers several times too large). Whether any rank's capacities change is agreed too,
+   so that every rank makes room (or fails, if it cannot) together.
 2. **The step** (:func:`lookup`, inside the step's graph, one graph per set of
    capacities): every block travels padded to its capacity in an all-to-all of equal
    splits; padding ids are :data:`SENTINEL`, which the owners' inserts skip (their
@@ -48,7 +52,7 @@ SENTINEL = -(1 << 63)  # the padding id of a static exchange (int64's lowest val
 _SUM = 0
 _STATIC_BIT = 1 << 8  # in the header's signature: a static exchange never pairs with an eager one
 _SIG = 6  # ints of a static header's signature
-_FLAGS = 3  # per group, after the sizes: signatures disagree, SENTINEL met, a bag layout bad
+_FLAGS = 4  # per group, after the sizes: signatures disagree, SENTINEL met, a bag layout bad, a table capacity passed
 
 # The plans of the static lookups the step about to run (or be captured) makes, in call
 # order: each sharded lookup takes the first (:func:`take_plan`).
@@ -142,10 +146,12 @@ class Constants:
         return t
 
 
-def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], consts: Constants) -> Counted:
+def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], consts: Constants,
+          bound: Optional[torch.Tensor] = None) -> Counted:  # fmt: skip
     """The counting phase of one exchange of ``modules`` (validated ``bags``, their deferred
     ``layouts``): bucketing, the header's all-to-all; no host sync (capturable once
-    ``consts`` holds its constants)."""
+    ``consts`` holds its constants). ``bound``: (2, K) int64 on the device, this owner's
+    per-table capacities of ids and parts now (flags a need past them)."""
     from veloce.distributed.sharded import _layout_flag, _raise_bad_layout, _tags_hash
 
     check_static(modules, bags)
@@ -196,10 +202,12 @@ def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], co
     dist.all_to_all_single(theirs, row, group=g.group)
     recv_parts = theirs[:, _SIG : _SIG + K].t().contiguous()
     recv_ids = theirs[:, _SIG + K :].t().contiguous()
+    no = torch.zeros((), dtype=torch.bool, device=dev)
     flags = torch.stack([
         (theirs[:, :_SIG] != row[:, :_SIG]).any(),
         (ids == SENTINEL).any(),
-        bad_layout.reshape(()) if bad_layout is not None else torch.zeros((), dtype=torch.bool, device=dev),
+        bad_layout.reshape(()) if bad_layout is not None else no,
+        ((recv_ids.sum(1) > bound[0]) | (recv_parts.sum(1) + 1 > bound[1])).any() if bound is not None else no,
     ]).long()  # fmt: skip
     zero = torch.zeros(1, dtype=torch.long, device=dev)
     needs = torch.cat([torch.cat([b.id_splits, zero]).max().view(1), torch.cat([b.part_splits, zero]).max().view(1),
@@ -223,11 +231,12 @@ def agree(counted: Sequence[Counted], status: Optional[torch.Tensor] = None) -> 
     return torch.cat([mine, top])
 
 
-def needs_from(counted: Sequence[Counted], values: Sequence[int]) -> list[Caps]:
-    """The needs of each exchange from :func:`agree`'s values read back. Raises on every
-    rank when an exchange's ranks disagree or a bag layout is bad (this rank's own error
-    where its layout is bad); returns None when some rank's batch holds :data:`SENTINEL`
-    (the step then runs eagerly)."""
+def needs_from(counted: Sequence[Counted], values: Sequence[int]) -> tuple[Optional[list[Caps]], bool]:
+    """The needs of each exchange from :func:`agree`'s values read back (the blocks' over
+    all ranks, the per-table ones this owner's own), and whether some rank's per-table
+    capacities must grow. Raises on every rank when an exchange's ranks disagree or a bag
+    layout is bad (this rank's own error where its layout is bad); the needs are None when
+    some rank's batch holds :data:`SENTINEL` (the step then runs eagerly)."""
     from veloce.distributed.sharded import _raise_bad_layout
 
     n = len(values) // 2
@@ -237,14 +246,14 @@ def needs_from(counted: Sequence[Counted], values: Sequence[int]) -> list[Caps]:
             "CUDAGraphStep: another rank could not run this step (its own error says why, e.g. a table full at its "
             "max_capacity); every rank stops here"
         )  # fmt: skip
-    out, at, sentinel = [], 0, False
+    out, at, sentinel, grows = [], 0, False, False
     for c in counted:
         K = len(c.modules)
         v, own = top[at : at + 2 + 2 * K + _FLAGS], mine[at : at + 2 + 2 * K + _FLAGS]
         at += 2 + 2 * K + _FLAGS
-        bad_sig, hit, bad_layout = v[-_FLAGS:]
+        bad_sig, hit, bad_layout, grow = v[-_FLAGS:]
         tags = [m._shard.tag for m in c.modules]
-        if own[-1]:
+        if own[-2]:
             _raise_bad_layout(c.layouts)
             raise ExchangeError(f"DynamicEmbedding tables {tags}: this rank's bag layout was flagged bad, but its "
                                 f"check found nothing")  # fmt: skip
@@ -257,9 +266,11 @@ def needs_from(counted: Sequence[Counted], values: Sequence[int]) -> list[Caps]:
                 f"dims, dtypes or exchange_dtype): every rank must run the same step, graphed alike"
             )  # fmt: skip
         sentinel = sentinel or bool(hit)
-        # one more part per table than received: the padding ids' own part (zero length for the real ones)
-        out.append(Caps(v[0], v[1], tuple(v[2 : 2 + K]), tuple(x + 1 for x in v[2 + K : 2 + 2 * K])))
-    return None if sentinel else out
+        grows = grows or bool(grow)
+        # The blocks: the most any rank sends any peer. The tables: what this owner receives,
+        # one part more (the padding ids' own part).
+        out.append(Caps(v[0], v[1], tuple(own[2 : 2 + K]), tuple(x + 1 for x in own[2 + K : 2 + 2 * K])))
+    return (None if sentinel else out), grows
 
 
 @dataclass
@@ -489,12 +500,17 @@ def lookup(modules: Sequence, bags: Sequence[tuple], plan: Plan) -> list[torch.T
 
 
 class Planner:
-    """Counts the static exchanges of a step and keeps their capacities, which only grow
-    (every rank reads the same maxima, so every rank keeps the same capacities)."""
+    """Counts the static exchanges of a step and keeps their capacities, which only grow.
+    Every rank keeps the same block capacities (it reads the same maxima); an owner's
+    per-table capacities are its own. ``changed`` (after :meth:`fit`, the same on every
+    rank): whether some rank's capacities changed, so that every rank makes room for them
+    together (veloce.graphs)."""
 
     def __init__(self) -> None:
         self.consts = Constants()
         self.caps: list[Caps] = []
+        self.changed = False
+        self._bounds: dict[int, torch.Tensor] = {}  # exchange -> (2, K) this owner's table capacities, on the device
 
     def count(self, lookups: Sequence[tuple]) -> list[Counted]:
         """:func:`count` of each exchange of ``lookups`` (``[(tables, inputs), ...]`` as a
@@ -508,16 +524,26 @@ class Planner:
             for idx in groups.values():
                 layouts: list = []
                 bags = [tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in idx]
-                counted.append(count([tables[i] for i in idx], bags, layouts, self.consts))
+                bound = self._bounds.get(len(counted))
+                if bound is None:  # (made at the first, eager count: a capture reads it in place)
+                    bound = self._bounds[len(counted)] = torch.zeros(2, len(idx), dtype=torch.long,
+                                                                     device=bags[0][0].device)  # fmt: skip
+                counted.append(count([tables[i] for i in idx], bags, layouts, self.consts, bound))
         return counted
 
     def fit(self, counted: Sequence[Counted], values: Sequence[int]) -> Optional[list[Caps]]:
         """The capacities for :func:`agree`'s ``values`` (read back): grown where the needs
         passed them. None when the step must run eagerly (see :func:`needs_from`)."""
-        needs = needs_from(counted, values)
+        needs, grows = needs_from(counted, values)
         if needs is None:
+            self.changed = False
             return None
         if len(self.caps) != len(needs):
             self.caps = [Caps.zero(len(c.modules)) for c in counted]
-        self.caps = [have.fit(need) for have, need in zip(self.caps, needs)]
+        fitted = [have.fit(need) for have, need in zip(self.caps, needs)]
+        self.changed = grows or [(c.ids, c.parts) for c in fitted] != [(c.ids, c.parts) for c in self.caps]
+        for i, (have, new) in enumerate(zip(self.caps, fitted)):
+            if (have.table_ids, have.table_parts) != (new.table_ids, new.table_parts):
+                self._bounds[i].copy_(torch.tensor([list(new.table_ids), list(new.table_parts)]))
+        self.caps = fitted
         return self.caps
