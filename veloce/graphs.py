@@ -222,23 +222,22 @@ class CUDAGraphStep:
         self._calls += 1
         if self._calls <= self.warmup:
             return self._eager(inputs)
-        plans = None
         if self._sharded:
             from veloce.distributed._comm import raise_deferred_failures
 
             for g in {id(m._shard.group): m._shard.group for m in self.modules if m._shard is not None}.values():
                 raise_deferred_failures(g)  # an eager step's (lookup_errors="raise_next")
-            # The last replay's errors (its NaN/Inf check is agreed over the ranks: all raise
-            # alike), then room for the step: an error on this rank alone travels in the
-            # counting phase's all-reduce, so that every rank raises, none waits in a replay.
-            _raise_deferred(self.modules)
+        # The last replay's errors (bad offsets, NaN/Inf gradients) first, as step() raises
+        # them; this reads its insert counts (the sizes) too. (Sharded: the NaN/Inf check is
+        # agreed over the ranks, so all raise alike.)
+        _raise_deferred(self.modules)
+        plans = None
+        if self._sharded:
+            # Room for the step: an error on this rank alone travels in the counting phase's
+            # all-reduce, so that every rank raises, none waits in a replay.
             plans = self._plan(inputs, self._room_error(self._plans))
             if plans is None:  # some rank's batch holds the static exchange's padding id
                 return self._eager(inputs)
-        # The last replay's errors (bad offsets, NaN/Inf gradients) first, as step() raises
-        # them; this reads its insert counts (the sizes) too.
-        if not self._sharded:
-            _raise_deferred(self.modules)
         if self._graph is not None and not self._valid():
             self._drop_graph()
         if self._graph is None:
@@ -346,7 +345,7 @@ class CUDAGraphStep:
             for plan in plans:
                 for m, n in zip(plan.counted.modules, plan.caps.table_ids):
                     t = m.table
-                    if t._size + t._unread_ids() + n > t.grow_at * t.capacity:
+                    if _short_of_room(t, n):
                         self._grow(t, n)
         except Exception as e:  # noqa: BLE001 - raised after the ranks agree
             return e
@@ -447,7 +446,7 @@ class CUDAGraphStep:
 
     def _grow(self, table: Any, n: int) -> None:
         """Grows ``table`` (outside any capture) until ``n`` more ids fit under grow_at."""
-        while table._size + table._unread_ids() + n > table.grow_at * table.capacity:
+        while _short_of_room(table, n):
             if table._at_max():
                 raise TableFullError(
                     f"CUDAGraphStep: a table at its max_capacity ({table.capacity} slots, {table._size} ids) has no "
@@ -509,7 +508,7 @@ class CUDAGraphStep:
             for t, n in zip(ins.tables, ins.num_ids):
                 per_table[id(t)] = (t, per_table.get(id(t), (t, 0))[1] + n)
         for t, n in per_table.values():
-            if t._size + t._unread_ids() + n > t.grow_at * t.capacity:
+            if _short_of_room(t, n):
                 self._grow(t, n)
                 return False
         if self._dense_hyper() != self._hyper:
@@ -584,3 +583,9 @@ class CUDAGraphStep:
         for t in self._tables:
             t.clock += self._host_delta[id(t)]
             self._mirror[id(t)] += log.ticks.get(id(t), 0)
+
+
+def _short_of_room(table: Any, n: int) -> bool:
+    """Whether ``n`` more ids could take ``table`` past its growth threshold, counting the
+    inserts whose counts are not read yet (a replay's inserts defer; they cannot grow it)."""
+    return table._size + table._unread_ids() + n > table.grow_at * table.capacity

@@ -680,7 +680,8 @@ def _all_to_all_pair(group: Group, a: torch.Tensor, b: torch.Tensor, a_splits: l
     return regroup_blocks([recv], [a_recv, b_recv], to_group_major=True).split([sum(a_recv), sum(b_recv)])
 
 
-def _counts_per_owner_and_table(b, num_bags: list[int], world: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+def _counts_per_owner_and_table(b, num_bags: list[int], world: int, dev,
+                                bounds: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Per (owner, table), flattened owner-major: the number of parts and of ids sent, for
     the owner to split what it receives by table. ``b`` may hold padding parts after the
     real ones (``bucketize_bags(exact_sizes=False)``: bag 0, length 0); nothing is read back.
@@ -689,18 +690,26 @@ def _counts_per_owner_and_table(b, num_bags: list[int], world: int, dev) -> tupl
     owner r and table k are one run of the sorted keys ``owner * B + bag`` (padding parts:
     owner W, key W * B, past every real key): a search for the W * K run starts gives both
     counts (the ids through a prefix sum of the part lengths). A scatter-add into the W * K
-    cells would serialize on their atomics."""
+    cells would serialize on their atomics. ``bounds``: :func:`_run_bounds` made already
+    (a captured caller's, made outside the capture)."""
     B = sum(num_bags)
     P = b.bag_of_part.numel()
     ends = torch.cumsum(b.part_splits, 0)
     owner = torch.searchsorted(ends, torch.arange(P, device=dev), right=True)  # W past the real parts
     keys = owner * B + b.bag_of_part  # non-decreasing
-    table_starts = [0, *itertools.accumulate(num_bags)][:-1]
-    # The run starts r * B + (table k's first bag), then the end: known on the host, one copy.
-    bounds = host_tensor([r * B + start for r in range(world) for start in table_starts] + [world * B], dev)
+    if bounds is None:
+        bounds = host_tensor(_run_bounds(num_bags, world), dev)  # known on the host: one copy
     pos = torch.searchsorted(keys, bounds)
     ids_before = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.cumsum(b.part_lengths, 0)])
     return pos.diff(), ids_before[pos].diff()
+
+
+def _run_bounds(num_bags: Sequence[int], world: int) -> list[int]:
+    """The starts of the runs of :func:`_counts_per_owner_and_table`'s sorted keys: r * B +
+    (table k's first bag) for each owner r and table k, then the end W * B."""
+    B = sum(num_bags)
+    table_starts = [0, *itertools.accumulate(num_bags)][:-1]
+    return [r * B + start for r in range(world) for start in table_starts] + [world * B]
 
 
 def _per_table(out: torch.Tensor, num_bags: list[int]) -> tuple[torch.Tensor, ...]:
@@ -749,10 +758,12 @@ def _received_order(per_table: Sequence[torch.Tensor], counts: Sequence[Sequence
 
 
 def _mean_scale(modules: list, batch: _Batch, dtype: torch.dtype, dev: torch.device) -> Optional[torch.Tensor]:
-    """1 / (ids in the bag, padding dropped) for the bags of mean tables, 1 elsewhere."""
+    """1 / (ids in the bag, padding dropped) for the bags of mean tables, 1 elsewhere. No
+    host-to-device copy (a graph would replay one from host memory that may since hold
+    something else)."""
     if all(m.mode != "mean" for m in modules):
         return None
-    ends = torch.cat([batch.starts[1:], host_tensor([batch.ids.numel()], dev)])
+    ends = torch.cat([batch.starts[1:], batch.starts.new_full((1,), batch.ids.numel())])
     counts = (ends - batch.starts).to(dtype)
     is_mean = torch.cat([torch.full((n,), m.mode == "mean", device=dev) for m, n in zip(modules, batch.num_bags)])
     return torch.where(is_mean, 1.0 / counts.clamp(min=1), torch.ones_like(counts))

@@ -152,7 +152,9 @@ def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], co
     ``layouts``): bucketing, the header's all-to-all; no host sync (capturable once
     ``consts`` holds its constants). ``bound``: (2, K) int64 on the device, this owner's
     per-table capacities of ids and parts now (flags a need past them)."""
-    from veloce.distributed.sharded import _layout_flag, _raise_bad_layout, _tags_hash
+    from veloce.distributed.sharded import (
+        _counts_per_owner_and_table, _layout_flag, _raise_bad_layout, _run_bounds, _tags_hash,
+    )  # fmt: skip
 
     check_static(modules, bags)
     if not all(m.training for m in modules):
@@ -181,18 +183,8 @@ def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], co
     except RuntimeError:  # (CPU) the concatenated layout is bad: say which table's is
         _raise_bad_layout(layouts)
         raise
-    M, B = ids.numel(), sum(num_bags)
-    # Parts per (owner, table) and their ids: runs of the sorted keys owner * B + bag (see
-    # sharded._counts_per_owner_and_table).
-    pos = torch.arange(M, device=dev)
-    owner = torch.searchsorted(torch.cumsum(b.part_splits, 0), pos, right=True)
-    keys = owner * B + b.bag_of_part
-    table_starts = [0, *itertools.accumulate(num_bags)][:-1]
-    bounds = consts.get(("bounds", W, tuple(num_bags)),
-                        [r * B + s for r in range(W) for s in table_starts] + [W * B], dev)  # fmt: skip
-    at = torch.searchsorted(keys, bounds)
-    ids_before = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.cumsum(b.part_lengths, 0)])
-    parts_nk, ids_nk = at.diff(), ids_before[at].diff()
+    bounds = consts.get(("bounds", W, tuple(num_bags)), _run_bounds(num_bags, W), dev)
+    parts_nk, ids_nk = _counts_per_owner_and_table(b, num_bags, W, dev, bounds)
     wire = wire_dtype(shard.exchange_dtype, modules[0].table.dtype)
     sig = consts.get(("sig", tuple(m._shard.tag for m in modules)),
                      [K, _tags_hash(modules), modules[0].embedding_dim, modules[0].table.dtype.itemsize,
@@ -356,7 +348,7 @@ class _StaticExchange:
 
 
 def _forward(modules: list, plan: Plan) -> tuple[tuple, _StaticExchange]:
-    from veloce.distributed.sharded import _per_table, _serve_all
+    from veloce.distributed.sharded import _Batch, _mean_scale, _per_table, _serve_all
     from veloce.table import find_or_insert_many
 
     c, caps = plan.counted, plan.caps
@@ -429,22 +421,10 @@ def _forward(modules: list, plan: Plan) -> tuple[tuple, _StaticExchange]:
     rows = torch.cat([rows, rows.new_zeros(1, dim)]).index_select(0, src)
     bags = torch.where(real, c.bag_of_part, pos % max(B, 1))
     out = combine_parts(rows, bags, B, check_bags=False, dtype=dtype)
-    scale = _mean_scale(modules, c, dtype)
+    scale = _mean_scale(modules, _Batch(c.ids, c.starts, None, [None] * K, [], [], c.num_bags), dtype, dev)
     if scale is not None:
         out = out * scale.unsqueeze(1)
     return _per_table(out, c.num_bags), _StaticExchange(modules, plan, served, bag_idx, dest_parts, scale)
-
-
-def _mean_scale(modules: list, c: Counted, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """1 / (ids in the bag) for the bags of mean tables, 1 elsewhere (sharded._mean_scale's
-    values, made without a host-to-device copy, which a graph would replay from host memory
-    that may since hold something else)."""
-    if all(m.mode != "mean" for m in modules):
-        return None
-    ends = torch.cat([c.starts[1:], c.starts.new_full((1,), c.ids.numel())])
-    counts = (ends - c.starts).to(dtype)
-    is_mean = torch.cat([torch.full((n,), m.mode == "mean", device=c.ids.device) for m, n in zip(modules, c.num_bags)])
-    return torch.where(is_mean, 1.0 / counts.clamp(min=1), torch.ones_like(counts))
 
 
 def _backward(ex: _StaticExchange, grads: Sequence[Optional[torch.Tensor]]) -> None:
