@@ -234,7 +234,9 @@ def run(args) -> None:
                                               lookups=lambda dense, sparse, label: model.sparse_lookups(dense, sparse))
 
         def step(b, following=None):  # noqa: F811 - the graphed step replaces the eager one
-            graphed(*b)
+            # --graph-ahead: the next batch's counting phase runs beside this step
+            ahead = args.graph_ahead and following is not None and following[0] < following[1]
+            graphed(*b, next_inputs=data[following[0]] if ahead else None)
 
     gc.disable()  # collector pauses land in random steps (and stall every rank's collectives)
     times = []
@@ -282,11 +284,12 @@ def run(args) -> None:
     gc.enable()
     if args.profile:  # every rank: a profiled rank alone would fall behind the others
         sync_all(device)
+        again = (0, 1) if args.graph_ahead else None  # (graphed: the same batch next, counted ahead)
         if args.profile == "-":
-            _profile(lambda: step(data[0]), device, sys.stdout if rank == 0 else open(os.devnull, "w"))
+            _profile(lambda: step(data[0], again), device, sys.stdout if rank == 0 else open(os.devnull, "w"))
         else:
             with open(f"{args.profile}.rank{rank}.txt", "w") as f:
-                _profile(lambda: step(data[0]), device, f)
+                _profile(lambda: step(data[0], again), device, f)
     hp.flush()
     if args.phases:
         _phases(hp, loss_fn, opt, data, args, device, rank)
@@ -315,7 +318,7 @@ def run(args) -> None:
                   + (f"+{args.exchange_dtype}" if args.exchange_dtype else "")
                   + (f"@{args.prefetch_at}" if args.prefetch and args.prefetch_at != "step" else "")
                   + ("/header" if args.prefetch and args.prefetch_depth == "header" else "")
-                  + ("+defer" if args.defer_inserts else "") + ("+graph" if args.graph else ""),
+                  + ("+defer" if args.defer_inserts else "") + ("+graph" if args.graph else "") + ("+ahead" if args.graph and args.graph_ahead else ""),
         "captures": graphed.captures if graphed is not None else None,
         "nccl_priority": args.nccl_priority, "nonfinite_grad": args.nonfinite, "tf32": bool(args.tf32 and cuda),
         "pin_cores": args.pin_cores,
@@ -623,6 +626,9 @@ def main() -> None:
                         "(default: the tables' fp32)")
     p.add_argument("--pin-cores", type=int, default=0, metavar="K",
                    help="pin each rank's process to K cores of its own (default: not pinned)")
+    p.add_argument("--graph-ahead", action="store_true",
+                   help="with --graph: pass each step the next batch (next_inputs=), so that its counting phase runs "
+                        "beside the step")
     p.add_argument("--graph", action="store_true",
                    help="each step as CUDA graphs (veloce.graphs.CUDAGraphStep; sharded: static exchanges)")
     p.add_argument("--warmup", type=int, default=5)

@@ -261,7 +261,7 @@ def fixed_batch(step: int, rank: int, device):
     return [t.to(device) for t in (dense, ids_a, offsets, ids_b, label)]
 
 
-def _graph_body(rank, world, graphed):
+def _graph_body(rank, world, graphed, ahead=False):
     from veloce.graphs import CUDAGraphStep
 
     device = torch.device("cuda", rank)
@@ -281,24 +281,37 @@ def _graph_body(rank, world, graphed):
 
     step = CUDAGraphStep(train_step, hp, opt, lookups=lambda d, i, o, b, y: model.sparse_lookups(d, i, o, b)) \
         if graphed else train_step
+    batches = [fixed_batch(s, rank, device) for s in range(GRAPH_STEPS)]
     preds = []
     for s in range(GRAPH_STEPS):
-        preds.append(step(*fixed_batch(s, rank, device)).clone().cpu())
+        if ahead:  # the next batch's counting phase beside this step (the last step: none)
+            out = step(*batches[s], next_inputs=batches[s + 1] if s + 1 < GRAPH_STEPS else None)
+        else:
+            out = step(*batches[s])
+        preds.append(out.clone().cpu())
     torch.cuda.synchronize()
-    return {"preds": preds, "tables": tables_of(model.inner), "captures": getattr(step, "captures", 0),
-            "sizes": [len(getattr(model.inner, n)) for n in "abcd"]}  # fmt: skip
+    out = {"preds": preds, "tables": tables_of(model.inner), "captures": getattr(step, "captures", 0),
+           "sizes": [len(getattr(model.inner, n)) for n in "abcd"]}  # fmt: skip
+    if ahead:  # a call that passes other tensors than those announced is refused (every rank alike)
+        step(*batches[0], next_inputs=batches[1])
+        with pytest.raises(ValueError, match="next_inputs announced other tensors"):
+            step(*[x.clone() for x in batches[1]])
+        step.reset()
+    return out
 
 
 @pytest.mark.skipif(os.environ.get("VELOCE_TEST_NCCL") != "1", reason="NCCL tests run with VELOCE_TEST_NCCL=1")
+@pytest.mark.parametrize("ahead", [False, True], ids=["counted in the call", "counted ahead"])
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_captured_sharded_step_equals_eager(world):
+def test_captured_sharded_step_equals_eager(world, ahead):
     """Sharded tables trained by replays of a captured step (static exchanges), with a table
     that grows while replayed (captured again on its rank alone), uneven batches over the
     ranks and a step whose batch holds the padding id (run eagerly on every rank): the
-    same predictions and tables as eager steps."""
+    same predictions and tables as eager steps; also with each step's counting phase run
+    beside the step before (next_inputs=)."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
-    got = run_ranks(_graph_body, world, True, timeout=240, backend="nccl")
+    got = run_ranks(_graph_body, world, True, ahead, timeout=240, backend="nccl")
     want = run_ranks(_graph_body, world, False, timeout=240, backend="nccl")
     assert all(r["captures"] >= 1 for r in got)
     for s in range(GRAPH_STEPS):

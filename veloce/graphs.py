@@ -19,7 +19,7 @@ scheduler's) to the device before each replay.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -73,7 +73,10 @@ class CUDAGraphStep:
     ``sparse_lookups``). The dense gradients are averaged inside the graph by one
     all-reduce before the dense optimizer's step (DDP is bypassed there), so ``optimizer``
     must be the ``CombinedOptimizer`` holding the dense optimizer. Every rank makes the
-    same calls; a table grown on one rank captures again there alone.
+    same calls; a table grown on one rank captures again there alone. Pass each call the
+    next batch (``step(*batch, next_inputs=following)``) and the next call's counting
+    phase runs beside this step, so that the device goes from step to step without waiting
+    for the host (see :meth:`__call__`).
 
     Args:
         fn: the training step.
@@ -131,7 +134,11 @@ class CUDAGraphStep:
         self._planner = static.Planner()
         self._count_graph: Optional[torch.cuda.CUDAGraph] = None  # sharded: the counting phase
         self._count_host: Optional[torch.Tensor] = None
-        self._counted: list = []
+        self._count_inputs: list[torch.Tensor] = []  # the counting phase's inputs (the step's: _static)
+        self._counted: list = []  # the counting phase's results
+        self._step_counted: list = []  # the step's copy of them (static.staged)
+        self._count_error: Optional[BaseException] = None
+        self._ahead: Optional[_Ahead] = None  # the next call's counting phase, run ahead (next_inputs)
         self._caps: list = []
         self._plans: list = []
         self._status: Optional[torch.Tensor] = None  # sharded: this rank's verdict, read by the counting phase
@@ -217,9 +224,29 @@ class CUDAGraphStep:
             )
 
     # ---- the call ---------------------------------------------------------------------
-    def __call__(self, *inputs: torch.Tensor) -> Any:
+    def __call__(self, *inputs: torch.Tensor, next_inputs: Optional[Sequence[torch.Tensor]] = None) -> Any:
+        """One step: ``fn(*inputs)``, eagerly while warming up, then replayed.
+
+        ``next_inputs`` (sharded tables): the inputs the next call will pass, the same
+        tensor objects, left unwritten until then. That call's counting phase then runs now, on a side stream and a
+        communicator of its own, beside this step, so that the next call reads its needs
+        without waiting for this step and launches its graph while this one still runs:
+        the device goes from step to step without the host's round trip between them. A
+        replay's errors (NaN/Inf gradients, refused inserts) are then read by the next
+        call once it has launched its own replay, and raised there: the step after a
+        failed one runs. Ignored without sharded tables, and while warming up."""
         self._check_inputs(inputs)
+        if next_inputs is not None:
+            self._check_tensors(next_inputs, "CUDAGraphStep(next_inputs=)")
         self._calls += 1
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and (len(ahead.inputs) != len(inputs)
+                                  or any(a is not x for a, x in zip(ahead.inputs, inputs))):  # fmt: skip
+            ahead.done.synchronize()  # (its collectives ran on every rank: the results are dropped)
+            raise ValueError(
+                "CUDAGraphStep: the last call's next_inputs announced other tensors than this call's inputs; pass "
+                "the very tensors announced (every rank alike: the announced step's counting phase has run)"
+            )  # fmt: skip
         if self._calls <= self.warmup:
             return self._eager(inputs)
         if self._sharded:
@@ -229,28 +256,57 @@ class CUDAGraphStep:
                 raise_deferred_failures(g)  # an eager step's (lookup_errors="raise_next")
         # The last replay's errors (bad offsets, NaN/Inf gradients) first, as step() raises
         # them; this reads its insert counts (the sizes) too. (Sharded: the NaN/Inf check is
-        # agreed over the ranks, so all raise alike.)
-        _raise_deferred(self.modules)
+        # agreed over the ranks, so all raise alike.) With the counting phase run ahead, they
+        # are read once this step is launched (``unread``).
+        unread = ahead is not None
+        if not unread:
+            _raise_deferred(self.modules)
         plans = None
         if self._sharded:
-            # Room for the step: an error on this rank alone travels in the counting phase's
-            # all-reduce, so that every rank raises, none waits in a replay.
-            plans = self._plan(inputs, self._room_error(self._plans))
+            if ahead is None:
+                # Room for the step: an error on this rank alone travels in the counting
+                # phase's all-reduce, so that every rank raises, none waits in a replay.
+                self._count(inputs, self._room_error(self._plans), ahead=False)
+                plans = self._fit(self._count_error)
+            else:
+                plans = self._fit(ahead.error)
             if plans is None:  # some rank's batch holds the static exchange's padding id
+                if unread:
+                    _raise_deferred(self.modules)
                 return self._eager(inputs)
         if self._graph is not None and not self._valid():
             self._drop_graph()
         if self._graph is None:
+            if unread:  # (the capture runs the step's Python: nothing may be left to read)
+                _raise_deferred(self.modules)
+                unread = False
             self._capture(inputs, plans)
         self._sync_scalars()
         for t in self._tables:  # an eager update since (run outside the graph): the replay waits for it
             if t._update_fence is not None:
                 t._join_update()
-        if not self._sharded:  # (sharded: copied for the counting phase)
+        if self._sharded:  # the counting phase's inputs and results, for the graph to read
+            torch.cuda.current_stream().wait_event(self._count_done)
+            for s, x in zip(self._static, self._count_inputs):
+                s.copy_(x, non_blocking=True)
+            for dst, src in zip(self._step_counted, self._counted):
+                static.stage(dst, src)
+            self._staged.record()
+        else:
             for s, x in zip(self._static, inputs):
                 s.copy_(x, non_blocking=True)
         self._graph.replay()
+        error = None
+        if unread:  # the last replay's, read while this one is queued
+            try:
+                _raise_deferred(self.modules)
+            except Exception as e:  # noqa: BLE001 - raised once this replay is booked
+                error = e
         self._after_replay()
+        if error is not None:
+            raise error
+        if self._sharded and next_inputs is not None:
+            self._count_ahead(next_inputs)
         return self._out
 
     def matches(self, *inputs: Any) -> bool:
@@ -275,9 +331,12 @@ class CUDAGraphStep:
         """Drops the graph: the next call captures the step again (of new shapes, if they
         changed). Sharded tables: the counting phase too; call it on every rank (the next
         call counts and captures again, which runs collectives)."""
+        if self._ahead is not None:  # a counting phase run ahead: let it finish, drop its results
+            self._ahead.done.synchronize()
+            self._ahead = None
         self._drop_graph()
         self._static = []
-        self._count_graph, self._caps, self._plans, self._counted = None, [], [], []
+        self._count_graph, self._caps, self._plans, self._counted, self._step_counted = None, [], [], [], []
         self._planner = static.Planner()
 
     def _drop_graph(self) -> None:
@@ -288,31 +347,57 @@ class CUDAGraphStep:
             self._static = []
 
     # ---- sharded tables: the counting phase -----------------------------------------------
-    def _plan(self, inputs: Sequence[torch.Tensor], error: Optional[BaseException]) -> Optional[list]:
+    def _count(self, inputs: Sequence[torch.Tensor], error: Optional[BaseException], ahead: bool) -> None:
         """Runs the counting phase of the step's static exchanges on ``inputs`` (a graph of
-        its own, captured at first) and reads the needs over all ranks: the plans of the
-        exchanges, or None when this step must run eagerly. ``error``: this rank cannot run
-        the step (raised after the agreement, the other ranks raise ExchangeError). New
-        capacities drop the step's graph."""
+        its own, captured at first): on the current stream, or with ``ahead`` on the side
+        stream, beside the step just launched. ``error``: this rank cannot run the step
+        (raised after the agreement; the other ranks raise ExchangeError)."""
         dev = self.modules[0].table.device
         if self._count_graph is None:
-            self._static = [x.clone() for x in inputs]
+            self._count_inputs = [x.clone() for x in inputs]
+            self._static = [x.clone() for x in inputs]  # the step's: the counting phase's, copied
             self._status = torch.zeros(1, dtype=torch.long, device=dev)
-            counted = self._planner.count(self.lookups(*self._static))  # eagerly first: constants, communicators
+            counted = self._planner.count(self.lookups(*self._count_inputs))  # eagerly first: constants, communicators
             agreed = static.agree(counted, self._status)
             self._count_host = torch.empty(agreed.shape, dtype=agreed.dtype, pin_memory=True)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=self._stream):
-                counted = self._planner.count(self.lookups(*self._static))
+                counted = self._planner.count(self.lookups(*self._count_inputs))
                 self._count_host.copy_(static.agree(counted, self._status), non_blocking=True)
-            self._count_graph, self._counted, self._count_done = graph, counted, torch.cuda.Event()
-        else:
-            for s, x in zip(self._static, inputs):
+            self._count_graph, self._counted = graph, counted
+            self._step_counted = [static.staged(c) for c in counted]
+            self._count_done, self._staged = torch.cuda.Event(), torch.cuda.Event()
+            self._side = torch.cuda.Stream(dev, priority=-1)  # the counting phase run ahead
+        stream = self._side if ahead else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            if ahead:  # after the last step's copies (and, before them, whatever made inputs)
+                stream.wait_event(self._staged)
+            for s, x in zip(self._count_inputs, inputs):
                 s.copy_(x, non_blocking=True)
-        self._status.fill_(int(error is not None))
-        self._count_graph.replay()
-        self._count_done.record()
+                if ahead:
+                    x.record_stream(stream)
+            self._status.fill_(int(error is not None))
+            self._count_graph.replay()
+            self._count_done.record(stream)
+        self._count_error = None if ahead else error
+
+    def _count_ahead(self, inputs: Sequence[torch.Tensor]) -> None:
+        """The next call's counting phase, launched now (``next_inputs``), with this rank's
+        verdict on room for it (this step's inserts counted at their bounds)."""
+        if not self.matches(*inputs):
+            raise ValueError(
+                f"CUDAGraphStep: next_inputs must be of the captured shapes {[tuple(s.shape) for s in self._static]}, "
+                f"got {[tuple(x.shape) for x in inputs]}"
+            )  # fmt: skip
+        error = self._room_error(self._plans)
+        self._count(inputs, error, ahead=True)
+        self._ahead = _Ahead(tuple(inputs), error, self._count_done)
+
+    def _fit(self, error: Optional[BaseException]) -> Optional[list]:
+        """Reads the counting phase's needs over all ranks (the step's one host sync): the
+        plans of the exchanges, or None when this step must run eagerly. New capacities
+        drop the step's graph."""
         self._count_done.synchronize()
         assert self._count_host is not None
         if error is not None:
@@ -324,7 +409,7 @@ class CUDAGraphStep:
             if caps != self._caps:
                 self._drop_graph()
                 self._caps = list(caps)
-                self._plans = [static.prepare(c, k) for c, k in zip(self._counted, caps)]
+                self._plans = [static.prepare(c, k) for c, k in zip(self._step_counted, caps)]
             # Room for the new capacities: a rank that cannot make it makes every rank raise.
             failed = self._room_error(self._plans)
             from veloce.distributed._comm import agree_sum
@@ -583,6 +668,14 @@ class CUDAGraphStep:
         for t in self._tables:
             t.clock += self._host_delta[id(t)]
             self._mirror[id(t)] += log.ticks.get(id(t), 0)
+
+
+class _Ahead(NamedTuple):
+    """A counting phase launched ahead of its step (``next_inputs``)."""
+
+    inputs: tuple  # the tensors the next call must pass
+    error: Optional[BaseException]  # this rank's verdict on room for that step
+    done: torch.cuda.Event  # recorded after it on the side stream
 
 
 def _short_of_room(table: Any, n: int) -> bool:

@@ -1,4 +1,4 @@
-# TESTS=1: first the static exchange's tests (NCCL, 2 and, on 4 GPUs, 4 ranks) and the
+# TESTS=1 (TEST_K: a pytest -k filter for the static exchange's tests): first the static exchange's tests (NCCL, 2 and, on 4 GPUs, 4 ranks) and the
 # single-GPU graph tests. Then configuration 5, eager against graphed (CUDAGraphStep, static exchanges), on all GPUs and
 # on one, fp32 and TF32 matmuls, then a torch.profiler kernel table of the graphed step on
 # all GPUs. Each run is stopped 15 s after its JSON appears (a run with graphs alive can hang
@@ -21,7 +21,7 @@ bench() {  # bench NAME GPUS ARGS...
 if [ -n "${TESTS:-}" ]; then
   sizes=2; [ "$W" -ge 4 ] && sizes=2,4
   VELOCE_TEST_NCCL=1 VELOCE_TEST_WORLD_SIZES=$sizes timeout ${TEST_S:-200} python3 -m pytest tests/test_static_exchange.py \
-    -q -x -p no:cacheprovider 2>&1 | tee $OUT/pytest_static.txt | tail -15
+    -q -x -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} 2>&1 | tee $OUT/pytest_static.txt | tail -15
   timeout 200 python3 -m pytest tests/test_graphs.py tests/test_device_scalars.py -q -p no:cacheprovider 2>&1 \
     | tee $OUT/pytest_graphs.txt | tail -3
 fi
@@ -34,6 +34,6 @@ for r in "${runs[@]}"; do
   bench "w${gpus}_$name" "$gpus" ${args//,/ }
 done
 if [ -n "${PROFILE:-}" ]; then
-  bench w${W}_graph_profile $W --graph --steps 10 --windows 1 --profile -
+  bench w${W}_graph_profile $W --graph --steps 10 --windows 1 --profile - ${PROFILE_ARGS:-}
   grep -a -A25 "Self CUDA %" $OUT/w${W}_graph_profile.log | sed -n 28,60p | cut -c1-60,100-118,140-175
 fi

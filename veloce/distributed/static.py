@@ -6,7 +6,9 @@ host and moves exactly the ids and rows each peer needs: a graph cannot hold tha
 its shapes are fixed at capture. This exchange runs in two phases:
 
 1. **Counting** (:func:`count`, captured once as a small graph of its own): the bags are
-   bucketed by owner as the eager exchange does, and a header all-to-all tells each owner
+   bucketed by owner as the eager exchange does, and a header all-to-all (on the tables'
+   ``dispatch_group``, a communicator of its own, so that the next step's counting phase
+   can run while a step's exchanges do) tells each owner
    how many ids and parts it will receive per table. One all-reduce (max) over the ranks
    then gives every rank the largest block any rank sends any peer. The host reads the
    needs (the step's one host sync) and picks capacities (:class:`Caps`): the needs plus
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Optional, Sequence
 
 import torch
@@ -46,7 +48,8 @@ from veloce._device import host_tensor
 from veloce.distributed._comm import ExchangeError, Group, wire_code, wire_dtype
 from veloce.ops.exchange import bucketize_bags, combine_parts
 
-__all__ = ["SENTINEL", "Caps", "Counted", "Plan", "check_static", "count", "agree", "prepare", "lookup", "PLANNED"]
+__all__ = ["SENTINEL", "Caps", "Counted", "Plan", "check_static", "count", "agree", "prepare", "lookup", "PLANNED",
+           "staged", "stage"]
 
 SENTINEL = -(1 << 63)  # the padding id of a static exchange (int64's lowest value)
 _SUM = 0
@@ -114,7 +117,8 @@ class Counted:
     """The counting phase of one exchange (:func:`count`): static tensors that the step reads."""
 
     modules: list
-    group: Group
+    group: Group  # the step's exchanges'
+    count_group: Group  # the counting phase's (its own communicator: it may run beside a step)
     ids: torch.Tensor  # (M,) the bags' ids, table after table
     num_bags: list[int]
     starts: torch.Tensor  # (B,) bag starts into ids
@@ -165,6 +169,7 @@ def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], co
     modules = list(modules)
     shard = modules[0]._shard
     g, K = shard.group, len(modules)
+    cg = shard.dispatch_group or g
     W = g.size
     dev = bags[0][0].device
     ids = torch.cat([b[0] for b in bags]) if K > 1 else bags[0][0]
@@ -191,7 +196,7 @@ def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], co
                       wire_code(wire), _STATIC_BIT], dev)  # fmt: skip
     row = torch.cat([sig.expand(W, _SIG), parts_nk.view(W, K), ids_nk.view(W, K)], 1)
     theirs = torch.empty_like(row)
-    dist.all_to_all_single(theirs, row, group=g.group)
+    dist.all_to_all_single(theirs, row, group=cg.group)
     recv_parts = theirs[:, _SIG : _SIG + K].t().contiguous()
     recv_ids = theirs[:, _SIG + K :].t().contiguous()
     no = torch.zeros((), dtype=torch.bool, device=dev)
@@ -204,7 +209,7 @@ def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], co
     zero = torch.zeros(1, dtype=torch.long, device=dev)
     needs = torch.cat([torch.cat([b.id_splits, zero]).max().view(1), torch.cat([b.part_splits, zero]).max().view(1),
                        recv_ids.sum(1), recv_parts.sum(1), flags])  # fmt: skip
-    return Counted(modules, g, ids, num_bags, starts, b.perm, b.bag_of_part, b.part_lengths, b.id_splits,
+    return Counted(modules, g, cg, ids, num_bags, starts, b.perm, b.bag_of_part, b.part_lengths, b.id_splits,
                    b.part_splits, recv_ids, recv_parts, needs, list(layouts),
                    tuple(tuple(x[0].shape) for x in bags))  # fmt: skip
 
@@ -219,8 +224,26 @@ def agree(counted: Sequence[Counted], status: Optional[torch.Tensor] = None) -> 
     own = status if status is not None else torch.zeros(1, dtype=torch.long, device=dev)
     mine = torch.cat([*(c.needs for c in counted), own])
     top = mine.clone()
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=counted[0].group.group)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=counted[0].count_group.group)
     return torch.cat([mine, top])
+
+
+def _tensor_fields(counted: Counted) -> list[str]:
+    return [f.name for f in fields(counted) if isinstance(getattr(counted, f.name), torch.Tensor)]
+
+
+def staged(counted: Counted) -> Counted:
+    """A copy of ``counted`` with tensors of its own (made outside any capture), which a
+    step reads while the counting phase refills ``counted`` for the next step (see
+    :func:`stage`)."""
+    return replace(counted, **{n: getattr(counted, n).clone() for n in _tensor_fields(counted)})
+
+
+def stage(dst: Counted, src: Counted) -> None:
+    """Copies ``src``'s tensors (a counting phase's results) into ``dst`` (:func:`staged`),
+    on the current stream."""
+    for n in _tensor_fields(src):
+        getattr(dst, n).copy_(getattr(src, n), non_blocking=True)
 
 
 def needs_from(counted: Sequence[Counted], values: Sequence[int]) -> tuple[Optional[list[Caps]], bool]:
