@@ -45,3 +45,26 @@ def test_a_hung_rank_is_named():
     with pytest.raises(AssertionError, match=r"rank 1 hung \(no result after 8 s; killed\)"):
         run_ranks(_rank_one_hangs, 2, timeout=8)
     assert time.monotonic() - start < 30
+
+
+def _lockstep_kinds(rank, world):
+    """Each rank's batches of kinds 2 (a replay) or 1 (eager), rank 0 with a short loader:
+    the agreed kinds are each batch's lowest over the ranks, on a gloo group of its own, and
+    every rank stops at the shortest loader (the longer one warns)."""
+    import warnings
+
+    from veloce._training import lockstep
+
+    kinds = {0: [2, 1, 2, 2], 1: [2, 2, 1, 2, 2]}
+    group = torch.distributed.new_group(backend="gloo")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = list(lockstep(iter(kinds[rank]), torch.device("cpu"), "test", kind=lambda k: k, group=group))
+    return got, [str(w.message) for w in caught]
+
+
+def test_lockstep_agrees_on_each_batch_kind():
+    (got0, warn0), (got1, warn1) = run_ranks(_lockstep_kinds, 2, timeout=60)
+    assert got0 == [(2, 2), (1, 1), (2, 1), (2, 2)]
+    assert got1 == [(2, 2), (2, 1), (1, 1), (2, 2)]
+    assert not warn0 and any("more batches than another rank" in w for w in warn1)

@@ -326,6 +326,50 @@ def test_captured_sharded_step_equals_eager(world, ahead):
     assert [r["sizes"] for r in got] == [r["sizes"] for r in want]
 
 
+def _trainer_body(rank, world, cuda_graph):
+    """The Trainer over HybridParallel (2 epochs of a small DLRM): uneven batches over the
+    ranks, and rank 0's last batch short (so every rank runs that step eagerly)."""
+    from veloce.models import DLRM
+
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    table = lambda d: veloce.DynamicEmbedding(d, mode="sum", capacity=256, device=device, defer_inserts=True)
+    model = DLRM(4, 3, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), embedding_factory=table).to(device)
+    dense = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)
+    g = torch.Generator().manual_seed(10 + rank)
+    sizes = [16 + 8 * rank] * 6 + [9 if rank == 0 else 16 + 8 * rank]
+    loader = [((torch.randn(n, 4, generator=g), torch.randint(-300, 300 + 40 * i, (n, 3), generator=g)),
+               (torch.rand(n, generator=g) < 0.3).float()) for i, n in enumerate(sizes)]  # fmt: skip
+    trainer = veloce.Trainer(model, optimizer=dense, strategy={"sparse": "sync"}, max_epochs=2, progress=False,
+                             cuda_graph=cuda_graph)  # fmt: skip
+    history = trainer.fit(loader)
+    tables = {n: {k: v.cpu() for k, v in m.export().items()} for n, m in model.embeddings.items()}
+    captures = trainer._graph.captures if cuda_graph else 0
+    if cuda_graph:
+        trainer._graph.reset()
+    return {"loss": [h["loss"] for h in history], "tables": tables, "captures": captures}
+
+
+@pytest.mark.skipif(os.environ.get("VELOCE_TEST_NCCL") != "1", reason="NCCL tests run with VELOCE_TEST_NCCL=1")
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_trainer_cuda_graph_over_sharded_tables_trains_as_eager(world):
+    """Trainer(cuda_graph=True) on several ranks: replays of the captured sharded step, the
+    next batch counted ahead, an epoch's last batch run eagerly on every rank because one
+    rank's is short: the same losses and tables as the eager Trainer."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    got = run_ranks(_trainer_body, world, True, timeout=240, backend="nccl")
+    want = run_ranks(_trainer_body, world, False, timeout=240, backend="nccl")
+    assert all(r["captures"] >= 1 for r in got)
+    for r, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor(r["loss"]), torch.tensor(w["loss"]), rtol=1e-5, atol=1e-6)
+        for name in r["tables"]:
+            a, b = r["tables"][name], w["tables"][name]
+            oa, ob = a["keys"].argsort(), b["keys"].argsort()
+            assert torch.equal(a["keys"][oa], b["keys"][ob]), name
+            torch.testing.assert_close(a["weights"][oa], b["weights"][ob], rtol=1e-5, atol=1e-5, msg=name)
+
+
 def _agreement_body(rank, world):
     """A rank that cannot run a step makes every rank raise in the counting phase; eval-mode
     tables and lookups that lookups() did not announce are refused."""

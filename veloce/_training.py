@@ -12,8 +12,8 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -117,24 +117,35 @@ def broadcast(obj: Any) -> Any:
 _END = object()
 
 
-def lockstep(batches: Iterable, device: torch.device, what: str) -> Iterator:
+def lockstep(batches: Iterable, device: torch.device, what: str, kind: Optional[Callable[[Any], int]] = None,
+             group: Any = None) -> Iterator:  # fmt: skip
     """The batches of this rank, for as long as every rank still has one.
 
     Sharded lookups are collectives, so ranks must run the same number of steps; when
     their loaders yield different numbers of batches, all ranks stop at the shortest
-    (one tiny all-reduce per batch) and a rank that drops batches warns."""
+    (one tiny all-reduce per batch) and a rank that drops batches warns.
+
+    ``kind``: each batch's kind on this rank (an int >= 1); then ``(batch, agreed)`` pairs
+    are yielded, ``agreed`` the lowest kind over the ranks (the Trainer's graphed steps: 1
+    eager, 2 a replay). ``group``: the process group of the all-reduce (a gloo group
+    keeps it off the device's queue); the default group otherwise."""
     _, size = world()
     if size == 1:
-        yield from batches
+        for batch in batches:
+            yield (batch, kind(batch)) if kind is not None else batch
         return
     dist = torch.distributed
-    dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    dev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     it = iter(batches)
     while True:
         batch = next(it, _END)
-        flag = torch.tensor([0 if batch is _END else 1], dtype=torch.int32, device=dev)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if not int(flag.item()):
+        mine = 0 if batch is _END else (kind(batch) if kind is not None else 1)
+        if mine < 1 and batch is not _END:
+            raise ValueError(f"{what}: a batch's kind must be >= 1, got {mine}")
+        flag = torch.tensor([mine], dtype=torch.int32, device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        agreed = int(flag.item())
+        if not agreed:
             if batch is not _END:
                 warnings.warn(
                     f"{what}: this rank ({dist.get_rank()}) has more batches than another rank; its remaining "
@@ -143,4 +154,4 @@ def lockstep(batches: Iterable, device: torch.device, what: str) -> Iterator:
                     stacklevel=2,
                 )
             return
-        yield batch
+        yield (batch, agreed) if kind is not None else batch

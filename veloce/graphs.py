@@ -327,13 +327,19 @@ class CUDAGraphStep:
         self._check_tensors(inputs, "CUDAGraphStep.eager")
         return self.fn(*inputs)
 
+    def discard_ahead(self) -> None:
+        """Drops the counting phase that the last call's ``next_inputs`` launched, if any (the
+        loop stopped before that batch's step): the next call counts its own inputs. Call it
+        on every rank alike."""
+        if self._ahead is not None:
+            self._ahead.done.synchronize()  # (its collectives ran on every rank)
+            self._ahead = None
+
     def reset(self) -> None:
         """Drops the graph: the next call captures the step again (of new shapes, if they
         changed). Sharded tables: the counting phase too; call it on every rank (the next
         call counts and captures again, which runs collectives)."""
-        if self._ahead is not None:  # a counting phase run ahead: let it finish, drop its results
-            self._ahead.done.synchronize()
-            self._ahead = None
+        self.discard_ahead()
         self._drop_graph()
         self._static = []
         self._count_graph, self._caps, self._plans, self._counted, self._step_counted = None, [], [], [], []

@@ -80,10 +80,13 @@ class Trainer:
         cuda_graph: run each training step (forward, loss, backward, the dense and sparse
             updates) as one CUDA graph, captured after two eager steps
             (:class:`veloce.CUDAGraphStep`, ``docs/cuda_graphs.md``): on a GPU, a step bound
-            by the host's launches runs at the speed of its kernels. Needs a CUDA model on
-            one process, ``accumulate_steps=1`` and a dense optimizer that keeps its state on
-            the device (``torch.optim.Adam(..., capturable=True)``; SGD). Batches of another
-            shape than the captured one (an epoch's short last batch) run eagerly.
+            by the host's launches runs at the speed of its kernels. Needs a CUDA model,
+            ``accumulate_steps=1`` and a dense optimizer that keeps its state on the device
+            (``torch.optim.Adam(..., capturable=True)``; SGD). Batches of another shape than
+            the captured one (an epoch's short last batch) run eagerly. On several ranks:
+            sharded tables (``sparse="sync"``) and a model that defines
+            ``sparse_lookups(*inputs)`` (``veloce.models`` do); every rank replays or runs
+            eagerly alike, and each step counts the next batch's ids while it runs.
 
     Example::
 
@@ -153,9 +156,18 @@ class Trainer:
         self._graph: Optional[CUDAGraphStep] = None  # cuda_graph: the captured training step
         self._graph_spec: Any = None  # the batch structure it was captured for
         self._spec: Any = None  # the structure of the batch being run
+        self._control: Any = None  # cuda_graph over several ranks: a gloo group agreeing on each batch's kind
         if cuda_graph:
             self._check_cuda_graph()
-            self._graph = CUDAGraphStep(self._graph_fn, self.module, self.optimizer)
+            lookups = self._graph_lookups if self.world_size > 1 else None
+            self._graph = CUDAGraphStep(self._graph_fn, self.module, self.optimizer, lookups=lookups)
+            if self.world_size > 1:
+                if not self._graph._sharded:
+                    raise ValueError(
+                        "Trainer: cuda_graph=True over several ranks captures sharded steps (HybridParallel with "
+                        "sparse='sync'); this model has no sharded DynamicEmbedding"
+                    )  # fmt: skip
+                self._control = torch.distributed.new_group(backend="gloo")
 
     # ---- public API -----------------------------------------------------------------------
     def fit(
@@ -232,26 +244,27 @@ class Trainer:
     def _train_epoch(self, loader: Iterable) -> bool:
         """Trains the rest of the current epoch; False if it stopped early (max_steps, callback)."""
         self.model.train()
-        batches = self._epoch_batches(loader)
+        if self._graph is not None:
+            batches = self._graph_batches(self._epoch_iter(loader))
+            self._call("on_epoch_start", self.epoch)
+            return self._train_graphed(batches)
+        batches = lockstep(self._epoch_iter(loader), self.device, "Trainer.fit")
         self._call("on_epoch_start", self.epoch)
         pending = 0
         for batch in batches:
             pending += 1
-            if self._graph is not None:
-                self._graphed_step(batch)  # the optimizer step included
-            else:
-                self._forward_backward(batch)
+            self._forward_backward(batch)
             self.batches_in_epoch += 1
             if pending == self.accumulate_steps:
                 pending = 0
-                self._optimizer_step(stepped=self._graph is not None)
+                self._optimizer_step()
                 if self.should_stop or self._steps_exhausted():
                     return False
         if pending:
             self._optimizer_step()
         return True
 
-    def _epoch_batches(self, loader: Iterable) -> Iterator:
+    def _epoch_iter(self, loader: Iterable) -> Iterator:
         """The loader's iterator for this epoch, past the batches a resumed run already consumed.
 
         The iterator is made under the RNG state of the epoch's start, so a shuffling loader
@@ -274,7 +287,7 @@ class Trainer:
                     )
             set_rng_state(at_checkpoint)
         self._totals.start_clock()
-        return lockstep(it, self.device, "Trainer.fit")
+        return it
 
     def _forward_backward(self, batch: Any) -> None:
         inputs, target = move_to(split_batch(batch), self.device)
@@ -287,11 +300,10 @@ class Trainer:
     def _check_cuda_graph(self) -> None:
         if self.device.type != "cuda":
             raise ValueError(f"Trainer: cuda_graph=True needs a model on a CUDA device, got one on {self.device}")
-        if self.world_size > 1:
+        if self.world_size > 1 and not callable(getattr(self.module, "sparse_lookups", None)):
             raise ValueError(
-                "Trainer: cuda_graph=True runs on one process (every rank of a sharded run must pick graph or eager "
-                "alike for each batch, which the Trainer does not agree on yet); for sharded tables write the loop "
-                "with veloce.CUDAGraphStep(step, model, optimizer, lookups=...) (docs/cuda_graphs.md)"
+                f"Trainer: cuda_graph=True over several ranks needs the model to say its sharded lookups: define "
+                f"sparse_lookups(*inputs) on {type(self.module).__name__} (veloce.models do; docs/cuda_graphs.md)"
             )  # fmt: skip
         if self.accumulate_steps != 1:
             raise ValueError(
@@ -309,24 +321,58 @@ class Trainer:
         self.optimizer.zero_grad()
         return loss.detach()
 
-    def _graphed_step(self, batch: Any) -> None:
-        """One training step of ``batch`` as a replay of the captured step (or eagerly, for a
-        batch of another structure or shape than the captured one)."""
+    def _graph_lookups(self, *leaves: torch.Tensor) -> Any:
+        """The captured step's sharded lookups (CUDAGraphStep's ``lookups``), over the batch's
+        tensors flattened: the model's ``sparse_lookups`` of its inputs."""
+        inputs, _ = pytree.tree_unflatten(list(leaves), self._spec)
+        return call_model(self.module.sparse_lookups, inputs)
+
+    def _graph_batches(self, it: Iterator) -> Iterator:
+        """The epoch's batches moved to the device and flattened, with the kind of step every
+        rank agrees on for each (lockstep: one tiny all-reduce per batch, on a gloo group so
+        that it never waits for the device): 2, a replay (every rank's batch has the captured
+        structure and shapes); 1, an eager step (an epoch's short last batch on some rank)."""
+
+        def staged(batch: Any) -> tuple:
+            inputs, target = move_to(split_batch(batch), self.device)
+            leaves, spec = pytree.tree_flatten((inputs, target))
+            if not all(isinstance(x, torch.Tensor) for x in leaves):
+                raise TypeError("Trainer: cuda_graph=True needs batches of tensors (nested tuples, lists, dicts)")
+            shapes = [(x.shape, x.dtype) for x in leaves]
+            if self._graph_spec is None:  # the first batch's structure and shapes: a full batch, as a rule
+                self._graph_spec = (spec, shapes)
+            assert self._graph is not None
+            fits = (spec, shapes) == self._graph_spec and self._graph.matches(*leaves)
+            return leaves, spec, batch_size(target), fits
+
+        return lockstep((staged(b) for b in it), self.device, "Trainer.fit", kind=lambda b: 2 if b[3] else 1,
+                        group=self._control)  # fmt: skip
+
+    def _train_graphed(self, batches: Iterator) -> bool:
+        """The epoch's steps as replays of the captured step (cuda_graph=True), each batch
+        moved to the device one step ahead; sharded tables count the next batch's ids while
+        a step runs (``CUDAGraphStep(next_inputs=)``). False if it stopped early."""
         assert self._graph is not None
-        inputs, target = move_to(split_batch(batch), self.device)
-        leaves, self._spec = pytree.tree_flatten((inputs, target))
-        if not all(isinstance(x, torch.Tensor) for x in leaves):
-            raise TypeError("Trainer: cuda_graph=True needs batches of tensors (nested tuples, lists, dicts)")
-        shapes = [(x.shape, x.dtype) for x in leaves]
-        if self._graph_spec is None:  # the first batch's structure and shapes: a full batch, as a rule
-            self._graph_spec = (self._spec, shapes)
-        # Another structure or shape (an epoch's short last batch) runs eagerly, also before
-        # the capture: the step is captured for full batches.
-        if (self._spec, shapes) == self._graph_spec and self._graph.matches(*leaves):
-            loss = self._graph(*leaves)
-        else:
-            loss = self._graph.eager(*leaves)
-        self._totals.add(loss, batch_size(target))  # queued on the device before the next replay rewrites it
+        cur = next(batches, None)
+        while cur is not None:
+            following = next(batches, None)
+            (leaves, self._spec, size, _), kind = cur
+            last = self.max_steps is not None and self.global_step + 1 >= self.max_steps
+            ahead = following is not None and kind == 2 and following[1] == 2 and not last
+            # Another structure or shape (an epoch's short last batch, on any rank) runs
+            # eagerly, also before the capture: the step is captured for full batches.
+            if kind == 2:
+                loss = self._graph(*leaves, next_inputs=following[0][0] if ahead else None)
+            else:
+                loss = self._graph.eager(*leaves)
+            self._totals.add(loss, size)  # queued on the device before the next replay rewrites it
+            self.batches_in_epoch += 1
+            self._optimizer_step(stepped=True)
+            if self.should_stop or self._steps_exhausted():
+                self._graph.discard_ahead()  # (a callback stopped the run after announcing a batch)
+                return False
+            cur = following
+        return True
 
     def _optimizer_step(self, stepped: bool = False) -> None:
         if not stepped:
