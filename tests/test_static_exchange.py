@@ -326,6 +326,50 @@ def test_captured_sharded_step_equals_eager(world, ahead):
     assert [r["sizes"] for r in got] == [r["sizes"] for r in want]
 
 
+def _nan_body(rank, world):
+    """Steps counted ahead (next_inputs) with a NaN in rank 0's batch 5: the calls that
+    raise FloatingPointError, per rank (the verdict is agreed, so every rank raises at the
+    same calls; none waits in a replay another rank skipped)."""
+    from veloce.graphs import CUDAGraphStep
+
+    device = torch.device("cuda", rank)
+    model = Fixed(device)
+    hp = HybridParallel(model, sparse="sync")
+    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01, capturable=True), hp)
+
+    def train_step(dense, ids_a, offsets_a, ids_b, label):
+        loss = nn.functional.binary_cross_entropy_with_logits(hp(dense, ids_a, offsets_a, ids_b), label)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step = CUDAGraphStep(train_step, hp, opt, lookups=lambda d, i, o, b, y: model.sparse_lookups(d, i, o, b))
+    n = GRAPH_SENTINEL_STEP  # (the batches before the padding id's)
+    batches = [fixed_batch(s, rank, device) for s in range(n)]
+    if rank == 0:
+        batches[5][0] = torch.full_like(batches[5][0], float("nan"))
+    raised = []
+    for s in range(n):
+        try:
+            step(*batches[s], next_inputs=batches[s + 1] if s + 1 < n else None)
+        except FloatingPointError:
+            raised.append(s)
+            opt.zero_grad()
+    torch.cuda.synchronize()
+    step.reset()
+    return raised
+
+
+@pytest.mark.skipif(os.environ.get("VELOCE_TEST_NCCL") != "1", reason="NCCL tests run with VELOCE_TEST_NCCL=1")
+def test_a_nan_step_counted_ahead_raises_on_every_rank_at_the_next_call():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
+    got = run_ranks(_nan_body, 2, timeout=240, backend="nccl")
+    assert got[0] == got[1], got
+    assert got[0] and got[0][0] == 6, got
+
+
 def _trainer_body(rank, world, cuda_graph):
     """The Trainer over HybridParallel (2 epochs of a small DLRM): uneven batches over the
     ranks, and rank 0's last batch short (so every rank runs that step eagerly)."""

@@ -234,15 +234,22 @@ class CUDAGraphStep:
         the device goes from step to step without the host's round trip between them. A
         replay's errors (NaN/Inf gradients, refused inserts) are then read by the next
         call once it has launched its own replay, and raised there: the step after a
-        failed one runs. Ignored without sharded tables, and while warming up."""
+        failed one runs (with the failed step in its optimizer step count). Every rank
+        passes them or None alike. Ignored without sharded tables, while warming up, and
+        when this step runs eagerly (a batch holding the padding id) or raises."""
         self._check_inputs(inputs)
         if next_inputs is not None:
             self._check_tensors(next_inputs, "CUDAGraphStep(next_inputs=)")
+            if not self.matches(*next_inputs):
+                raise ValueError(
+                    f"CUDAGraphStep: next_inputs must be of the captured shapes "
+                    f"{[tuple(s.shape) for s in self._static]}, got {[tuple(x.shape) for x in next_inputs]}"
+                )  # fmt: skip
         self._calls += 1
-        ahead, self._ahead = self._ahead, None
+        ahead = self._ahead
         if ahead is not None and (len(ahead.inputs) != len(inputs)
                                   or any(a is not x for a, x in zip(ahead.inputs, inputs))):  # fmt: skip
-            ahead.done.synchronize()  # (its collectives ran on every rank: the results are dropped)
+            self.discard_ahead()  # (its collectives ran on every rank: the results are dropped)
             raise ValueError(
                 "CUDAGraphStep: the last call's next_inputs announced other tensors than this call's inputs; pass "
                 "the very tensors announced (every rank alike: the announced step's counting phase has run)"
@@ -252,15 +259,22 @@ class CUDAGraphStep:
         if self._sharded:
             from veloce.distributed._comm import raise_deferred_failures
 
-            for g in {id(m._shard.group): m._shard.group for m in self.modules if m._shard is not None}.values():
-                raise_deferred_failures(g)  # an eager step's (lookup_errors="raise_next")
+            try:
+                for g in {id(m._shard.group): m._shard.group for m in self.modules if m._shard is not None}.values():
+                    raise_deferred_failures(g)  # an eager step's (lookup_errors="raise_next"; agreed: all raise)
+            except BaseException:
+                self.discard_ahead()
+                raise
+        self._ahead = None
         # The last replay's errors (bad offsets, NaN/Inf gradients) first, as step() raises
         # them; this reads its insert counts (the sizes) too. (Sharded: the NaN/Inf check is
         # agreed over the ranks, so all raise alike.) With the counting phase run ahead, they
-        # are read once this step is launched (``unread``).
+        # are read once this step is launched (``unread``), and raised once it is booked, so
+        # that every rank queues the same replays.
         unread = ahead is not None
         if not unread:
             _raise_deferred(self.modules)
+        late: Optional[BaseException] = None
         plans = None
         if self._sharded:
             if ahead is None:
@@ -271,15 +285,16 @@ class CUDAGraphStep:
             else:
                 plans = self._fit(ahead.error)
             if plans is None:  # some rank's batch holds the static exchange's padding id
-                if unread:
-                    _raise_deferred(self.modules)
+                if unread:  # (every rank runs this step eagerly: all raise alike)
+                    late = self._read_last()
+                    if late is not None:
+                        raise late
                 return self._eager(inputs)
         if self._graph is not None and not self._valid():
             self._drop_graph()
         if self._graph is None:
             if unread:  # (the capture runs the step's Python: nothing may be left to read)
-                _raise_deferred(self.modules)
-                unread = False
+                late, unread = self._read_last(), False
             self._capture(inputs, plans)
         self._sync_scalars()
         for t in self._tables:  # an eager update since (run outside the graph): the replay waits for it
@@ -296,18 +311,29 @@ class CUDAGraphStep:
             for s, x in zip(self._static, inputs):
                 s.copy_(x, non_blocking=True)
         self._graph.replay()
-        error = None
         if unread:  # the last replay's, read while this one is queued
-            try:
-                _raise_deferred(self.modules)
-            except Exception as e:  # noqa: BLE001 - raised once this replay is booked
-                error = e
+            late = self._read_last()
         self._after_replay()
-        if error is not None:
-            raise error
+        if late is not None:
+            raise late
         if self._sharded and next_inputs is not None:
             self._count_ahead(next_inputs)
         return self._out
+
+    def _read_last(self) -> Optional[BaseException]:
+        """Reads what the last replay left for the host (see ``_raise_deferred``: insert
+        counts, NaN/Inf checks) and returns its error, if any, for the caller to raise once
+        this call's replay is booked. Everything is read even then (a refused insert's
+        error does not leave the checks unread)."""
+        try:
+            _raise_deferred(self.modules)
+            return None
+        except Exception as e:  # noqa: BLE001 - the caller raises it
+            for t in self._tables:
+                t.settle(refusals=False)
+            for m in self.modules:
+                m._settle_check()  # (a failed check's error is raised by the next call)
+            return e
 
     def matches(self, *inputs: Any) -> bool:
         """Whether ``inputs`` may be passed to a call: tensors, of the captured shapes, dtypes
@@ -379,6 +405,8 @@ class CUDAGraphStep:
         with torch.cuda.stream(stream):
             if ahead:  # after the last step's copies (and, before them, whatever made inputs)
                 stream.wait_event(self._staged)
+            else:  # after a count run ahead and dropped (a no-op once it is done, or if none ran)
+                stream.wait_event(self._count_done)
             for s, x in zip(self._count_inputs, inputs):
                 s.copy_(x, non_blocking=True)
                 if ahead:
@@ -662,6 +690,8 @@ class CUDAGraphStep:
             for k, (t, n) in enumerate(zip(ins.tables, ins.num_ids)):
                 t._unread.append((counts, k, n))
         for chk in log.checks:  # before the host's steps move on: the verdict keeps them to roll back
+            for m in chk.tables:  # an older verdict left unread (an error cut its read short): settled first
+                m._settle_check()
             verdict = _DeferredCheck(chk.check.requeued(), chk.tables)
             for m in chk.tables:
                 m._verdict = verdict

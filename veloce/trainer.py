@@ -86,7 +86,9 @@ class Trainer:
             the captured one (an epoch's short last batch) run eagerly. On several ranks:
             sharded tables (``sparse="sync"``) and a model that defines
             ``sparse_lookups(*inputs)`` (``veloce.models`` do); every rank replays or runs
-            eagerly alike, and each step counts the next batch's ids while it runs.
+            eagerly alike, and each step counts the next batch's ids while it runs (the
+            next batch is drawn from the loader before the step: a loader that draws from
+            torch's global RNG per batch does not resume exactly).
 
     Example::
 
@@ -349,29 +351,36 @@ class Trainer:
                         group=self._control)  # fmt: skip
 
     def _train_graphed(self, batches: Iterator) -> bool:
-        """The epoch's steps as replays of the captured step (cuda_graph=True), each batch
-        moved to the device one step ahead; sharded tables count the next batch's ids while
-        a step runs (``CUDAGraphStep(next_inputs=)``). False if it stopped early."""
-        assert self._graph is not None
+        """The epoch's steps as replays of the captured step (cuda_graph=True). False if it
+        stopped early. Sharded tables: each batch is drawn from the loader and moved to the
+        device one step ahead, and counted while the step before runs
+        (``CUDAGraphStep(next_inputs=)``)."""
+        graph = self._graph
+        assert graph is not None
+        ahead_ok = graph._sharded
         cur = next(batches, None)
-        while cur is not None:
-            following = next(batches, None)
-            (leaves, self._spec, size, _), kind = cur
-            last = self.max_steps is not None and self.global_step + 1 >= self.max_steps
-            ahead = following is not None and kind == 2 and following[1] == 2 and not last
-            # Another structure or shape (an epoch's short last batch, on any rank) runs
-            # eagerly, also before the capture: the step is captured for full batches.
-            if kind == 2:
-                loss = self._graph(*leaves, next_inputs=following[0][0] if ahead else None)
-            else:
-                loss = self._graph.eager(*leaves)
-            self._totals.add(loss, size)  # queued on the device before the next replay rewrites it
-            self.batches_in_epoch += 1
-            self._optimizer_step(stepped=True)
-            if self.should_stop or self._steps_exhausted():
-                self._graph.discard_ahead()  # (a callback stopped the run after announcing a batch)
-                return False
-            cur = following
+        try:
+            while cur is not None:
+                following = next(batches, None) if ahead_ok else None
+                (leaves, self._spec, size, _), kind = cur
+                last = self.max_steps is not None and self.global_step + 1 >= self.max_steps
+                ahead = following is not None and kind == 2 and following[1] == 2 and not last
+                # Another structure or shape (an epoch's short last batch, on any rank) runs
+                # eagerly, also before the capture: the step is captured for full batches.
+                if kind == 2:
+                    loss = graph(*leaves, next_inputs=following[0][0] if ahead else None)
+                else:
+                    loss = graph.eager(*leaves)
+                self._totals.add(loss, size)  # queued on the device before the next replay rewrites it
+                self.batches_in_epoch += 1
+                self._optimizer_step(stepped=True)
+                if self.should_stop or self._steps_exhausted():
+                    graph.discard_ahead()  # (a callback stopped the run after a batch was announced)
+                    return False
+                cur = following if ahead_ok else next(batches, None)
+        except BaseException:
+            graph.discard_ahead()  # a later fit() counts its first batch itself
+            raise
         return True
 
     def _optimizer_step(self, stepped: bool = False) -> None:
