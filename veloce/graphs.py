@@ -144,6 +144,9 @@ class CUDAGraphStep:
         self._status: Optional[torch.Tensor] = None  # sharded: this rank's verdict, read by the counting phase
         self._calls = 0
         self.captures = 0  # how many times the step was captured (growth captures it again)
+        # Whether the last call ran its step (replayed or eagerly), also when it then raised
+        # an earlier replay's error (next_inputs: read once this step is launched).
+        self.stepped = False
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._static: list[torch.Tensor] = []
         self._out: Any = None
@@ -237,13 +240,17 @@ class CUDAGraphStep:
         failed one runs (with the failed step in its optimizer step count). Every rank
         passes them or None alike. Ignored without sharded tables, while warming up, and
         when this step runs eagerly (a batch holding the padding id) or raises."""
+        self.stepped = False
         self._check_inputs(inputs)
         if next_inputs is not None:
             self._check_tensors(next_inputs, "CUDAGraphStep(next_inputs=)")
-            if not self.matches(*next_inputs):
+            ref = self._static or inputs  # (before the first capture: this call's, which it captures)
+            if len(next_inputs) != len(ref) or any(
+                x.shape != r.shape or x.dtype != r.dtype or x.device != r.device for x, r in zip(next_inputs, ref)
+            ):
                 raise ValueError(
-                    f"CUDAGraphStep: next_inputs must be of the captured shapes "
-                    f"{[tuple(s.shape) for s in self._static]}, got {[tuple(x.shape) for x in next_inputs]}"
+                    f"CUDAGraphStep: next_inputs must be of the captured shapes {[tuple(r.shape) for r in ref]}, "
+                    f"got {[tuple(x.shape) for x in next_inputs]}"
                 )  # fmt: skip
         self._calls += 1
         ahead = self._ahead
@@ -255,7 +262,9 @@ class CUDAGraphStep:
                 "the very tensors announced (every rank alike: the announced step's counting phase has run)"
             )  # fmt: skip
         if self._calls <= self.warmup:
-            return self._eager(inputs)
+            out = self._eager(inputs)
+            self.stepped = True
+            return out
         if self._sharded:
             from veloce.distributed._comm import raise_deferred_failures
 
@@ -285,17 +294,24 @@ class CUDAGraphStep:
             else:
                 plans = self._fit(ahead.error)
             if plans is None:  # some rank's batch holds the static exchange's padding id
-                if unread:  # (every rank runs this step eagerly: all raise alike)
+                if unread:  # (raised after the step, as after a replay: every rank runs it eagerly)
                     late = self._read_last()
-                    if late is not None:
-                        raise late
-                return self._eager(inputs)
+                out = self._eager(inputs)
+                self.stepped = True
+                if late is not None:
+                    raise late
+                return out
         if self._graph is not None and not self._valid():
             self._drop_graph()
         if self._graph is None:
             if unread:  # (the capture runs the step's Python: nothing may be left to read)
                 late, unread = self._read_last(), False
-            self._capture(inputs, plans)
+            try:
+                self._capture(inputs, plans)
+            except BaseException as e:
+                if late is not None:
+                    raise e from late  # (the last replay's error too)
+                raise
         self._sync_scalars()
         for t in self._tables:  # an eager update since (run outside the graph): the replay waits for it
             if t._update_fence is not None:
@@ -311,9 +327,12 @@ class CUDAGraphStep:
             for s, x in zip(self._static, inputs):
                 s.copy_(x, non_blocking=True)
         self._graph.replay()
-        if unread:  # the last replay's, read while this one is queued
-            late = self._read_last()
-        self._after_replay()
+        self.stepped = True
+        try:
+            if unread:  # the last replay's, read while this one is queued
+                late = self._read_last()
+        finally:
+            self._after_replay()  # (this replay ran: its bookkeeping whatever the reading met)
         if late is not None:
             raise late
         if self._sharded and next_inputs is not None:
@@ -460,12 +479,14 @@ class CUDAGraphStep:
     def _room_error(self, plans: Sequence[Any]) -> Optional[BaseException]:
         """Grows (outside any graph) every table that lacks room for ``plans``' ids; the error
         that stopped it, if one did (a table at its max_capacity, out of memory)."""
+        need: dict[int, tuple[Any, int]] = {}  # per table: a table may be looked up in several exchanges
+        for plan in plans:
+            for m, n in zip(plan.counted.modules, plan.caps.table_ids):
+                need[id(m.table)] = (m.table, need.get(id(m.table), (m.table, 0))[1] + n)
         try:
-            for plan in plans:
-                for m, n in zip(plan.counted.modules, plan.caps.table_ids):
-                    t = m.table
-                    if _short_of_room(t, n):
-                        self._grow(t, n)
+            for t, n in need.values():
+                if _short_of_room(t, n):
+                    self._grow(t, n)
         except Exception as e:  # noqa: BLE001 - raised after the ranks agree
             return e
         return None

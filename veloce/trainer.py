@@ -367,10 +367,17 @@ class Trainer:
                 ahead = following is not None and kind == 2 and following[1] == 2 and not last
                 # Another structure or shape (an epoch's short last batch, on any rank) runs
                 # eagerly, also before the capture: the step is captured for full batches.
-                if kind == 2:
-                    loss = graph(*leaves, next_inputs=following[0][0] if ahead else None)
-                else:
-                    loss = graph.eager(*leaves)
+                try:
+                    if kind == 2:
+                        loss = graph(*leaves, next_inputs=following[0][0] if ahead else None)
+                    else:
+                        loss = graph.eager(*leaves)
+                except BaseException:
+                    if kind == 2 and graph.stepped:  # an earlier replay's error, raised after this step ran
+                        self.batches_in_epoch += 1
+                        self.global_step += 1
+                        self.steps_in_epoch += 1
+                    raise
                 self._totals.add(loss, size)  # queued on the device before the next replay rewrites it
                 self.batches_in_epoch += 1
                 self._optimizer_step(stepped=True)
