@@ -521,3 +521,25 @@ def test_static_exchange_carries_every_layout_exactly(cfg):
         for t in "abz":
             for f in ("keys", "weights", "optimizer_state", "scores"):
                 assert torch.equal(a["tables"][t][f], b["tables"][t][f]), f"rank {r} table {t}: {f}"
+
+
+def test_staged_counting_results_are_copies_the_step_reads():
+    """static.staged gives the step tensors of its own (the counting phase may refill its
+    own while the step runs); static.stage copies the counting phase's values into them."""
+    from dataclasses import fields
+
+    t = lambda *v: torch.tensor(v)
+    c = static.Counted([], None, None, t(5, 6, 7), [3], t(0), t(2, 0, 1), t(0, 1, 0), t(1, 2, 0), t(3), t(3),
+                       t([3]), t([3]), t(3, 3), [], ((3,),))  # fmt: skip
+    tensors = [f.name for f in fields(c) if isinstance(getattr(c, f.name), torch.Tensor)]
+    assert len(tensors) == 10
+    mine = static.staged(c)
+    for n in tensors:
+        a, b = getattr(c, n), getattr(mine, n)
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), n
+    c.ids.fill_(9)
+    c.perm.copy_(t(1, 2, 0))
+    assert mine.ids.tolist() == [5, 6, 7]
+    static.stage(mine, c)
+    assert mine.ids.tolist() == [9, 9, 9] and mine.perm.tolist() == [1, 2, 0]
+    assert mine.modules is c.modules and mine.num_bags == c.num_bags
