@@ -334,10 +334,16 @@ def take_plan(modules: Sequence) -> Optional[Plan]:
     return plan
 
 
-def _a2a(t: torch.Tensor, group: Group) -> torch.Tensor:
-    """An all-to-all of equal blocks (dim 0 cut in group.size)."""
-    out = torch.empty_like(t)
-    dist.all_to_all_single(out, t, group=group.group)
+def _a2a(t: torch.Tensor, group: Group, zero_row: bool = False) -> torch.Tensor:
+    """An all-to-all of equal blocks (dim 0 cut in group.size). ``zero_row``: the result
+    has one more row, of zeros, after the received ones (for gathers that pad with it)."""
+    if not zero_row:
+        out = torch.empty_like(t)
+        dist.all_to_all_single(out, t, group=group.group)
+        return out
+    out = torch.empty((t.shape[0] + 1, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    out[-1].zero_()
+    dist.all_to_all_single(out[:-1], t, group=group.group)
     return out
 
 
@@ -431,7 +437,7 @@ def _forward(modules: list, plan: Plan) -> tuple[tuple, _StaticExchange]:
     # The partial sums back, padded per peer as the parts came (the padding: zero rows).
     wire = wire_dtype(modules[0]._shard.exchange_dtype, dtype) or dtype
     pooled_all = torch.cat([*pooled, torch.zeros(1, dim, dtype=dtype, device=dev)])
-    rows = _a2a(pooled_all.index_select(0, dest_parts).to(wire), g)
+    rows = _a2a(pooled_all.index_select(0, dest_parts).to(wire), g, zero_row=True)  # (W * Cp + 1, dim)
     j = torch.arange(Cp, device=dev)
     slot_part = (part_start.view(W, 1) + j).clamp(max=M)
     bag_ext = torch.cat([c.bag_of_part, torch.full((1,), B, dtype=torch.long, device=dev)])
@@ -441,7 +447,7 @@ def _forward(modules: list, plan: Plan) -> tuple[tuple, _StaticExchange]:
     # run alone, long after the others).
     real = powner < W
     src = torch.where(real, pc * Cp + pos - part_start[pc], W * Cp)
-    rows = torch.cat([rows, rows.new_zeros(1, dim)]).index_select(0, src)
+    rows = rows.index_select(0, src)
     bags = torch.where(real, c.bag_of_part, pos % max(B, 1))
     out = combine_parts(rows, bags, B, check_bags=False, dtype=dtype)
     scale = _mean_scale(modules, _Batch(c.ids, c.starts, None, [None] * K, [], [], c.num_bags), dtype, dev)
@@ -460,10 +466,12 @@ def _backward(ex: _StaticExchange, grads: Sequence[Optional[torch.Tensor]]) -> N
     if ex.scale is not None:
         grad = grad * ex.scale.unsqueeze(1)
     wire = wire_dtype(modules[0]._shard.exchange_dtype, dtype) or dtype
-    grad = torch.cat([grad, torch.zeros(1, dim, dtype=grad.dtype, device=dev)])
-    # Averaged over ranks, as DDP, then to each part's owner (padding parts: zeros).
-    sent = torch.div(grad.index_select(0, ex.bag_idx), g.size).to(wire)
-    recv = _a2a(sent, g)
+    # Averaged over ranks, as DDP, in the wire's dtype (one pass, as the eager exchange),
+    # then gathered to each part's owner (padding parts: the zero row after the bags).
+    sent = torch.empty(grad.shape[0] + 1, dim, dtype=wire, device=dev)
+    torch.div(grad, g.size, out=sent[:-1])
+    sent[-1].zero_()
+    recv = _a2a(sent.index_select(0, ex.bag_idx), g)
     t_grad = torch.zeros(sum(caps.table_parts) + 1, dim, dtype=dtype, device=dev)
     t_grad.index_copy_(0, ex.dest_parts, recv.to(dtype))
     _record(modules, ex.served, list(t_grad[:-1].split(list(caps.table_parts))))
