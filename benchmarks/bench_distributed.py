@@ -223,14 +223,7 @@ def run(args) -> None:
 
     graphed = None
     if args.graph:  # the whole step as CUDA graphs (sharded: static exchanges, veloce.graphs.CUDAGraphStep)
-        def train_step(dense, sparse, label):
-            loss = loss_fn(hp(dense, sparse), label)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
-        graphed = veloce.graphs.CUDAGraphStep(train_step, hp, opt,
+        graphed = veloce.graphs.CUDAGraphStep(whole_step(hp, loss_fn, opt), hp, opt,
                                               lookups=lambda dense, sparse, label: model.sparse_lookups(dense, sparse))
 
         def step(b, following=None):  # noqa: F811 - the graphed step replaces the eager one
@@ -589,6 +582,20 @@ def summarize(paths: list[str]) -> None:
         print(f"| {w} | {s} | {r['step_ms']:.2f} | {synced} | {r['samples_per_s']:,.0f} | {eff:.1%} | {ratio:.2f} | "
               f"{r['exchange_ms']:.2f} | {r['exchange_MB']:.1f} | {r['a2a_same_bytes_ms']:.2f} | {bw:.1%} | "
               f"{payload:.2f} | {pbw:.1%} | {apay:.2f} | {apbw:.1%} |")
+
+
+def whole_step(model, loss_fn, opt):
+    """A training step as one function of the batch, what ``veloce.CUDAGraphStep`` captures:
+    forward, loss, backward, the optimizer's step and zero_grad; returns the loss, detached."""
+
+    def step(dense, sparse, label):
+        loss = loss_fn(model(dense, sparse), label)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ import veloce
 from veloce.models import DLRM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_distributed import dlrm_batches
+from bench_distributed import dlrm_batches, whole_step
 
 
 def make_step(args, device):
@@ -42,16 +42,7 @@ def make_step(args, device):
     model = DLRM(13, args.features, embedding_dim=args.dim, bottom_mlp=(512, 256, args.dim),
                  top_mlp=(1024, 1024, 512, 256, 1), embedding_factory=table).to(device)  # fmt: skip
     opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True), model)
-    loss_fn = nn.BCEWithLogitsLoss()
-
-    def step(dense, sparse, label):
-        loss = loss_fn(model(dense, sparse), label)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    return model, opt, step
+    return model, opt, whole_step(model, nn.BCEWithLogitsLoss(), opt)
 
 
 def window(run, batches, steps, start) -> float:

@@ -137,7 +137,6 @@ class CUDAGraphStep:
         self._count_inputs: list[torch.Tensor] = []  # the counting phase's inputs (the step's: _static)
         self._counted: list = []  # the counting phase's results
         self._step_counted: list = []  # the step's copy of them (static.staged)
-        self._count_error: Optional[BaseException] = None
         self._ahead: Optional[_Ahead] = None  # the next call's counting phase, run ahead (next_inputs)
         self._caps: list = []
         self._plans: list = []
@@ -245,9 +244,7 @@ class CUDAGraphStep:
         if next_inputs is not None:
             self._check_tensors(next_inputs, "CUDAGraphStep(next_inputs=)")
             ref = self._static or inputs  # (before the first capture: this call's, which it captures)
-            if len(next_inputs) != len(ref) or any(
-                x.shape != r.shape or x.dtype != r.dtype or x.device != r.device for x, r in zip(next_inputs, ref)
-            ):
+            if not _alike(next_inputs, ref):
                 raise ValueError(
                     f"CUDAGraphStep: next_inputs must be of the captured shapes {[tuple(r.shape) for r in ref]}, "
                     f"got {[tuple(x.shape) for x in next_inputs]}"
@@ -289,8 +286,9 @@ class CUDAGraphStep:
             if ahead is None:
                 # Room for the step: an error on this rank alone travels in the counting
                 # phase's all-reduce, so that every rank raises, none waits in a replay.
-                self._count(inputs, self._room_error(self._plans), ahead=False)
-                plans = self._fit(self._count_error)
+                error = self._room_error(self._plans)
+                self._count(inputs, error, ahead=False)
+                plans = self._fit(error)
             else:
                 plans = self._fit(ahead.error)
             if plans is None:  # some rank's batch holds the static exchange's padding id
@@ -361,9 +359,7 @@ class CUDAGraphStep:
             return False
         if not self._static:
             return True
-        return len(inputs) == len(self._static) and all(
-            x.shape == s.shape and x.dtype == s.dtype and x.device == s.device for x, s in zip(inputs, self._static)
-        )
+        return _alike(inputs, self._static)
 
     def eager(self, *inputs: torch.Tensor) -> Any:
         """``fn(*inputs)`` run eagerly, of any shapes (say, the short last batch of an
@@ -402,7 +398,7 @@ class CUDAGraphStep:
         """Runs the counting phase of the step's static exchanges on ``inputs`` (a graph of
         its own, captured at first): on the current stream, or with ``ahead`` on the side
         stream, beside the step just launched. ``error``: this rank cannot run the step
-        (raised after the agreement; the other ranks raise ExchangeError)."""
+        (its status in the agreement; :meth:`_fit` raises it, the other ranks ExchangeError)."""
         dev = self.modules[0].table.device
         if self._count_graph is None:
             self._count_inputs = [x.clone() for x in inputs]
@@ -433,16 +429,10 @@ class CUDAGraphStep:
             self._status.fill_(int(error is not None))
             self._count_graph.replay()
             self._count_done.record(stream)
-        self._count_error = None if ahead else error
 
     def _count_ahead(self, inputs: Sequence[torch.Tensor]) -> None:
         """The next call's counting phase, launched now (``next_inputs``), with this rank's
         verdict on room for it (this step's inserts counted at their bounds)."""
-        if not self.matches(*inputs):
-            raise ValueError(
-                f"CUDAGraphStep: next_inputs must be of the captured shapes {[tuple(s.shape) for s in self._static]}, "
-                f"got {[tuple(x.shape) for x in inputs]}"
-            )  # fmt: skip
         error = self._room_error(self._plans)
         self._count(inputs, error, ahead=True)
         self._ahead = _Ahead(tuple(inputs), error, self._count_done)
@@ -733,6 +723,13 @@ class _Ahead(NamedTuple):
     inputs: tuple  # the tensors the next call must pass
     error: Optional[BaseException]  # this rank's verdict on room for that step
     done: torch.cuda.Event  # recorded after it on the side stream
+
+
+def _alike(xs: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> bool:
+    """Whether ``xs`` are as many tensors as ``ref``, of their shapes, dtypes and devices."""
+    return len(xs) == len(ref) and all(
+        x.shape == r.shape and x.dtype == r.dtype and x.device == r.device for x, r in zip(xs, ref)
+    )
 
 
 def _short_of_room(table: Any, n: int) -> bool:

@@ -375,8 +375,7 @@ class Trainer:
                 except BaseException:
                     if kind == 2 and graph.stepped:  # an earlier replay's error, raised after this step ran
                         self.batches_in_epoch += 1
-                        self.global_step += 1
-                        self.steps_in_epoch += 1
+                        self._count_step()
                     raise
                 self._totals.add(loss, size)  # queued on the device before the next replay rewrites it
                 self.batches_in_epoch += 1
@@ -394,13 +393,17 @@ class Trainer:
         if not stepped:
             self.optimizer.step()
             self.optimizer.zero_grad()
-        self.global_step += 1
-        self.steps_in_epoch += 1
+        self._count_step()
         if self.global_step % self.log_every == 0:
             self._log_step()
         self._call("on_step_end", self.global_step)
         if self.checkpoint_every and self.global_step % self.checkpoint_every == 0:
             self._save()
+
+    def _count_step(self) -> None:
+        """An optimizer step taken: the run's and the epoch's step counters."""
+        self.global_step += 1
+        self.steps_in_epoch += 1
 
     def _end_epoch(self, val_loader: Optional[Iterable]) -> None:
         record = {"event": "epoch", "epoch": self.epoch, "step": self.global_step, **self._totals.summary()}
