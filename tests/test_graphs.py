@@ -351,6 +351,54 @@ def test_trainer_captures_a_full_batch_when_the_third_is_short():
     assert tuple(trainer._graph._static[0].shape) == (32, 4)
 
 
+@CUDA
+def test_trainer_resumed_at_a_short_batch_captures_a_full_one(tmp_path):
+    """A run resumed from a checkpoint whose next batch is the epoch's short last one: the
+    captured shape comes from the batches the resume skips (a full one), so the short batch
+    runs eagerly and the next epoch's full batches replay; it trains as an eager run resumed
+    from the same point."""
+    from veloce.models import DLRM
+
+    g = torch.Generator().manual_seed(9)
+    sizes = [32, 32, 20]
+    loader = [((torch.randn(n, 4, generator=g), torch.randint(0, 500, (n, 3), generator=g)),
+               (torch.rand(n, generator=g) < 0.3).float()) for n in sizes]  # fmt: skip
+
+    def run(cuda_graph, where, max_steps):
+        torch.manual_seed(0)
+        table = lambda d: veloce.DynamicEmbedding(d, mode="sum", capacity=1024, device="cuda", defer_inserts=True)
+        model = DLRM(4, 3, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), embedding_factory=table).cuda()
+        dense = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)
+        trainer = veloce.Trainer(model, optimizer=dense, max_epochs=3, max_steps=max_steps, progress=False,
+                                 checkpoint_dir=tmp_path / where, checkpoint_every=2, cuda_graph=cuda_graph)  # fmt: skip
+        return [h["loss"] for h in trainer.fit(loader) if h["event"] == "epoch"], trainer
+
+    for cuda_graph, where in ((False, "eager"), (True, "graphed")):
+        run(cuda_graph, where, max_steps=2)  # stops at step 2: the checkpoint's next batch is the short one
+    eager_loss, _ = run(False, "eager", max_steps=None)
+    graph_loss, trainer = run(True, "graphed", max_steps=None)
+    torch.testing.assert_close(torch.tensor(graph_loss), torch.tensor(eager_loss), rtol=1e-5, atol=1e-6)
+    assert trainer._graph.captures == 1
+    assert tuple(trainer._graph._static[0].shape) == (32, 4)
+
+
+def test_a_resumed_trainer_takes_the_graph_shape_from_the_batches_it_skips():
+    """(Any device.) The shape a resumed Trainer(cuda_graph=True) captures is the first
+    skipped batch's, not that of the batch the resumed epoch starts at."""
+    from veloce._training import rng_state
+
+    trainer = veloce.Trainer(nn.Linear(4, 1), progress=False, log_dir=None)
+    trainer._graph = object()  # as cuda_graph=True sets it (only its presence is read here)
+    loader = [(torch.zeros(n, 4), torch.zeros(n)) for n in (8, 8, 3)]
+    trainer.batches_in_epoch = 2
+    trainer._epoch_rng = rng_state()
+    first = next(trainer._epoch_iter(loader))
+    assert first[0].shape == (3, 4)  # the resumed epoch starts at its short batch
+    spec, shapes = trainer._graph_spec
+    assert shapes == [(torch.Size([8, 4]), torch.float32), (torch.Size([8]), torch.float32)]
+    assert spec == torch.utils._pytree.tree_flatten((torch.zeros(8, 4), torch.zeros(8)))[1]
+
+
 def test_a_captured_insert_needs_room_for_every_insert_of_the_step():
     """The capture hook of HashTable._deferrable (any device): a captured insert defers
     (whatever ``defer`` says) while the table has room for it and for the step's earlier

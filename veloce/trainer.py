@@ -282,11 +282,18 @@ class Trainer:
             set_rng_state(self._epoch_rng)
             it = iter(loader)
             for i in range(self.batches_in_epoch):
-                if next(it, None) is None:
+                batch = next(it, None)
+                if batch is None:
                     raise RuntimeError(
                         f"Trainer: cannot resume: the checkpoint consumed {self.batches_in_epoch} batches of "
                         f"epoch {self.epoch} but the loader has only {i}; resume with the same data"
                     )
+                if i == 0 and self._graph is not None and self._graph_spec is None:
+                    # The captured shape is the first batch's: the epoch's first, a full one,
+                    # rather than the batch the resumed run starts at (its short last, maybe).
+                    leaves, spec = pytree.tree_flatten(split_batch(batch))
+                    if all(isinstance(x, torch.Tensor) for x in leaves):  # (else the first step says so)
+                        self._graph_spec = _graph_shape(leaves, spec)
             set_rng_state(at_checkpoint)
         self._totals.start_clock()
         return it
@@ -340,11 +347,11 @@ class Trainer:
             leaves, spec = pytree.tree_flatten((inputs, target))
             if not all(isinstance(x, torch.Tensor) for x in leaves):
                 raise TypeError("Trainer: cuda_graph=True needs batches of tensors (nested tuples, lists, dicts)")
-            shapes = [(x.shape, x.dtype) for x in leaves]
+            shape = _graph_shape(leaves, spec)
             if self._graph_spec is None:  # the first batch's structure and shapes: a full batch, as a rule
-                self._graph_spec = (spec, shapes)
+                self._graph_spec = shape
             assert self._graph is not None
-            fits = (spec, shapes) == self._graph_spec and self._graph.matches(*leaves)
+            fits = shape == self._graph_spec and self._graph.matches(*leaves)
             return leaves, spec, batch_size(target), fits
 
         return lockstep((staged(b) for b in it), self.device, "Trainer.fit", kind=lambda b: 2 if b[3] else 1,
@@ -595,6 +602,13 @@ def _combined(optimizer: Optional[torch.optim.Optimizer], model: nn.Module) -> C
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.Adam(params, lr=1e-3) if params else None
     return CombinedOptimizer(optimizer, model)
+
+
+def _graph_shape(leaves: Sequence[torch.Tensor], spec: Any) -> tuple:
+    """A batch's structure (its pytree spec) and its tensors' shapes and dtypes: with
+    cuda_graph=True, the batches of the captured shape replay the step, the others run
+    eagerly."""
+    return spec, [(x.shape, x.dtype) for x in leaves]
 
 
 def _len_or_none(loader: Iterable) -> Optional[int]:
