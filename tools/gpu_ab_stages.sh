@@ -32,6 +32,8 @@
 #   c3         configuration 3 (SGD, Adam; checked and unchecked), interleaved
 #   c3ncu      ncu's duration, DRAM throughput and registers of the fused update kernel
 #              (tools/profile_step.py's table, SGD and Adam, unchecked) of both trees, interleaved
+#   c3diag     ncu's warp states, scheduler and memory sections of the fused update kernel (SGD,
+#              unchecked) of both trees: where its warps wait (benchmarks/README.md, thirty-first session)
 #   c3phases   configuration 3's host path (tools/profile_step.py --phases, checked and
 #              unchecked) of both trees, interleaved 2x, per optimizer in C3P_OPTS (default adam)
 #   hostab     the host path of both trees: configuration 3's step on a small table and batch
@@ -221,6 +223,17 @@ for stage in "$@"; do
            python3 tools/profile_step.py --device cuda --optimizer "$1" --unchecked --phases > /tmp/ab_ncu.txt 2>&1)
         echo "$1 $2: $(grep -E ' Duration|DRAM Throughput|Registers Per|Achieved Occupancy' /tmp/ab_ncu.txt \
            | awk '{printf "%s %s, ", $1, $NF}')" | say
+      done
+      t ;;
+    c3diag)
+      for tag in old new; do
+        d=$(tree $tag)
+        (cd "$d" && PYTHONPATH="$d" timeout 90 ncu --clock-control none --kernel-name regex:accumulate_update_kernel \
+           --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+           --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+           python3 tools/profile_step.py --device cuda --optimizer sgd --unchecked --phases > "$OUT/ncu_diag_$tag.txt" 2>&1)
+        grep -E "Duration|Warp Cycles|Issued Warp|Eligible|Active Warps|L2 Hit|L1/TEX Hit|Mem Busy|DRAM Throughput" \
+          "$OUT/ncu_diag_$tag.txt" | sed "s/^/$tag /" | say
       done
       t ;;
     c3phases)
