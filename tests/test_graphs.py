@@ -371,7 +371,7 @@ def test_trainer_resumed_at_a_short_batch_captures_a_full_one(tmp_path):
         dense = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)
         trainer = veloce.Trainer(model, optimizer=dense, max_epochs=3, max_steps=max_steps, progress=False,
                                  checkpoint_dir=tmp_path / where, checkpoint_every=2, cuda_graph=cuda_graph)  # fmt: skip
-        return [h["loss"] for h in trainer.fit(loader) if h["event"] == "epoch"], trainer
+        return [h["loss"] for h in trainer.fit(loader)], trainer
 
     for cuda_graph, where in ((False, "eager"), (True, "graphed")):
         run(cuda_graph, where, max_steps=2)  # stops at step 2: the checkpoint's next batch is the short one

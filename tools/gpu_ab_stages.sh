@@ -111,6 +111,12 @@ gpu_cpus() {  # one line per GPU: its index and the CPUs of its NUMA node (sysfs
     echo "$i $(cat "/sys/bus/pci/devices/$bus/local_cpulist" 2>/dev/null || echo "0-$(( $(nproc) - 1 ))")"
   done
 }
+ncu_update() {  # ncu_update DIR OPTIMIZER OUTFILE SECONDS [MORE NCU SECTIONS...]: the fused update kernel, once
+  local d=$1 opt=$2 out=$3 secs=$4; shift 4
+  (cd "$d" && PYTHONPATH="$d" timeout "$secs" ncu --clock-control none --kernel-name regex:accumulate_update_kernel \
+     --launch-skip 3 --launch-count 1 --section SpeedOfLight --section LaunchStats --section Occupancy "$@" \
+     python3 tools/profile_step.py --device cuda --optimizer "$opt" --unchecked --phases > "$out" 2>&1)
+}
 c5_run() {  # c5_run TAG GPUS [EXTRA ARGS...]; TAG old or new (new+prefetch: the new tree, --prefetch)
   local tag=$1 w=$2; shift 2
   local d; d=$(tree "${tag%%+*}")
@@ -218,9 +224,7 @@ for stage in "$@"; do
       for run in "sgd old" "sgd new" "sgd new" "sgd old" "adam old" "adam new" "adam new" "adam old"; do
         set -- $run
         d=$(tree "$2")
-        (cd "$d" && PYTHONPATH="$d" timeout 60 ncu --clock-control none --kernel-name regex:accumulate_update_kernel \
-           --launch-skip 3 --launch-count 1 --section SpeedOfLight --section LaunchStats --section Occupancy \
-           python3 tools/profile_step.py --device cuda --optimizer "$1" --unchecked --phases > /tmp/ab_ncu.txt 2>&1)
+        ncu_update "$d" "$1" /tmp/ab_ncu.txt 60
         echo "$1 $2: $(grep -E ' Duration|DRAM Throughput|Registers Per|Achieved Occupancy' /tmp/ab_ncu.txt \
            | awk '{printf "%s %s, ", $1, $NF}')" | say
       done
@@ -228,10 +232,8 @@ for stage in "$@"; do
     c3diag)
       for tag in old new; do
         d=$(tree $tag)
-        (cd "$d" && PYTHONPATH="$d" timeout 90 ncu --clock-control none --kernel-name regex:accumulate_update_kernel \
-           --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-           --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-           python3 tools/profile_step.py --device cuda --optimizer sgd --unchecked --phases > "$OUT/ncu_diag_$tag.txt" 2>&1)
+        ncu_update "$d" sgd "$OUT/ncu_diag_$tag.txt" 90 --section WarpStateStats --section SchedulerStats \
+          --section MemoryWorkloadAnalysis
         grep -E "Duration|Warp Cycles|Issued Warp|Eligible|Active Warps|L2 Hit|L1/TEX Hit|Mem Busy|DRAM Throughput" \
           "$OUT/ncu_diag_$tag.txt" | sed "s/^/$tag /" | say
       done

@@ -291,9 +291,7 @@ class Trainer:
                 if i == 0 and self._graph is not None and self._graph_spec is None:
                     # The captured shape is the first batch's: the epoch's first, a full one,
                     # rather than the batch the resumed run starts at (its short last, maybe).
-                    leaves, spec = pytree.tree_flatten(split_batch(batch))
-                    if all(isinstance(x, torch.Tensor) for x in leaves):  # (else the first step says so)
-                        self._graph_spec = _graph_shape(leaves, spec)
+                    self._graph_spec = _graph_shape(*pytree.tree_flatten(split_batch(batch)))  # (None: not tensors)
             set_rng_state(at_checkpoint)
         self._totals.start_clock()
         return it
@@ -345,9 +343,9 @@ class Trainer:
         def staged(batch: Any) -> tuple:
             inputs, target = move_to(split_batch(batch), self.device)
             leaves, spec = pytree.tree_flatten((inputs, target))
-            if not all(isinstance(x, torch.Tensor) for x in leaves):
-                raise TypeError("Trainer: cuda_graph=True needs batches of tensors (nested tuples, lists, dicts)")
             shape = _graph_shape(leaves, spec)
+            if shape is None:
+                raise TypeError("Trainer: cuda_graph=True needs batches of tensors (nested tuples, lists, dicts)")
             if self._graph_spec is None:  # the first batch's structure and shapes: a full batch, as a rule
                 self._graph_spec = shape
             assert self._graph is not None
@@ -604,10 +602,12 @@ def _combined(optimizer: Optional[torch.optim.Optimizer], model: nn.Module) -> C
     return CombinedOptimizer(optimizer, model)
 
 
-def _graph_shape(leaves: Sequence[torch.Tensor], spec: Any) -> tuple:
-    """A batch's structure (its pytree spec) and its tensors' shapes and dtypes: with
-    cuda_graph=True, the batches of the captured shape replay the step, the others run
-    eagerly."""
+def _graph_shape(leaves: Sequence[Any], spec: Any) -> Optional[tuple]:
+    """A batch's structure (its pytree spec) and its tensors' shapes and dtypes, or None when
+    some leaf is not a tensor: with cuda_graph=True, the batches of the captured shape replay
+    the step, the others run eagerly."""
+    if not all(isinstance(x, torch.Tensor) for x in leaves):
+        return None
     return spec, [(x.shape, x.dtype) for x in leaves]
 
 
