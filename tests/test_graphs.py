@@ -126,6 +126,45 @@ def test_an_eager_step_between_replays():
 
 
 @CUDA
+@pytest.mark.parametrize("warmup", [1, 2])
+def test_a_capture_after_eager_steps_whose_graphs_are_alive(warmup):
+    """Eager steps before the first capture (a resumed epoch's short batch, the warm-up
+    steps) whose autograd graphs the caller keeps alive (fn returns the loss itself, and the
+    test keeps the losses): their parameters' AccumulateGrad nodes are still alive at the
+    capture, which must work all the same (cudaErrorStreamCaptureImplicit when they were
+    made on the default stream) and train as eager steps do."""
+    data = batches(5, seed=11)
+    short = tuple(x[: x.shape[0] // 2] for x in data[0])
+    eager = Tiny(8192)
+    _, eager_step = trainer(eager)
+    want = [eager_step(*short).item()] + [eager_step(*b).item() for b in data]
+
+    graphed = Tiny(8192)
+    dense = torch.optim.Adam(graphed.mlp.parameters(), lr=1e-2, capturable=True)
+    opt = veloce.optim.CombinedOptimizer(dense, graphed)
+    loss_fn = nn.BCEWithLogitsLoss()
+
+    def fn(dense, ids_ab, ids_c, offsets_c, label):
+        loss = loss_fn(graphed(dense, ids_ab, ids_c, offsets_c), label)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss  # not detached: its graph lives as long as the caller keeps it
+
+    step = veloce.CUDAGraphStep(fn, graphed, opt, warmup=warmup)
+    kept = [step.eager(*short)]
+    got = [kept[0].item()]
+    for b in data:
+        loss = step(*b)
+        got.append(loss.item())  # (a replay returns the same tensor each time)
+        kept.append(loss)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    assert all(x.grad_fn is not None for x in kept[: 1 + warmup])  # alive at the capture, with their graphs
+    assert step.captures == 1
+    assert_same_tables(graphed, eager)
+
+
+@CUDA
 @pytest.mark.parametrize("dense_lr", [0.0, 1e-2])  # 1e-2: the dense lr changes too (a float: captured again)
 def test_replays_follow_an_lr_scheduler(dense_lr):
     data = batches(8, seed=1)

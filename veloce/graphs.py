@@ -366,7 +366,7 @@ class CUDAGraphStep:
         epoch), between replays: the graph stays, and the next replay starts from the state
         this step leaves (its step counts, clocks, table sizes and rows)."""
         self._check_tensors(inputs, "CUDAGraphStep.eager")
-        return self.fn(*inputs)
+        return self._eager(inputs)
 
     def discard_ahead(self) -> None:
         """Drops the counting phase that the last call's ``next_inputs`` launched, if any (the
@@ -482,11 +482,23 @@ class CUDAGraphStep:
         return None
 
     def _eager(self, inputs: Sequence[torch.Tensor]) -> Any:
-        side = torch.cuda.Stream()  # warm-up on a side stream, as torch's graph capture asks
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        """``fn(*inputs)`` run eagerly on the captures' stream (warm-up steps, eager steps).
+
+        Autograd runs a leaf's AccumulateGrad node, and syncs the leaf's gradient, on the
+        stream the node was made on, and the node lives as long as some graph holding it
+        does (a loss the caller keeps, DDP's hooks). A node made by an eager step on the
+        default stream and still alive at a later capture makes the capture depend on the
+        legacy stream, which it refuses (``cudaErrorStreamCaptureImplicit``); one made on
+        another side stream would make it wait on work outside the capture. Made on the
+        captures' own stream, it is what a capture would make. (HybridParallel's DDP is
+        made on that stream too.) The tensors the step allocates there and the caller uses
+        afterwards are safe: every later use of the stream waits for the caller's stream
+        first."""
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             out = self.fn(*inputs)
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(stream)
         return out
 
     # ---- capture ----------------------------------------------------------------------

@@ -967,16 +967,41 @@ __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>
   const unsigned mask = group_mask(lanes);
   const int leader = static_cast<int>(threadIdx.x & 31) - lane;
   const int64_t groups = static_cast<int64_t>(gridDim.x) * blockDim.x / lanes;
-  for (int64_t i = t / lanes; i < total; i += groups) {  // the lanes of a group share i
+  // A run's head (its plan, its scan and its key) is loaded one work item ahead: the chain
+  // head -> sorted positions (-> bags, with per-sample weights) -> gradient rows then waits
+  // one dependent load less per run.
+  // Only what a run of one chunk reads is carried ahead (its first sorted position, length,
+  // chunks and key): the partial counts matter to the chunks of long runs alone.
+  int64_t i = t / lanes;  // the lanes of a group share i
+  int32_t start_ahead = 0, len_ahead = 0, chunks_ahead = 0;
+  key_t key_ahead = 0;
+  if (i < runs) {
+    start_ahead = first[i].len;
+    len_ahead = plan[i].len;
+    chunks_ahead = plan[i].chunks;
+    key_ahead = uniq[i];
+  }
+  for (; i < total; i += groups) {
     int64_t u = i, k = 0;
-    if (i >= runs) {
+    RunPlan f{start_ahead, 0, 0}, p{len_ahead, chunks_ahead, 0};
+    int64_t key = static_cast<int64_t>(key_ahead);
+    if (i < runs) {
+      const int64_t next = i + groups;
+      if (next < runs) {
+        start_ahead = first[next].len;
+        len_ahead = plan[next].len;
+        chunks_ahead = plan[next].chunks;
+        key_ahead = uniq[next];
+      }
+    } else {
       u = run_of_partial(first, N, i - runs);
-      k = i - runs - first[u].partials;
+      f = first[u];
+      p = plan[u];
+      k = i - runs - f.partials;
+      key = static_cast<int64_t>(uniq[u]);
     }
-    const RunPlan f = first[u], p = plan[u];
     if (i < runs && p.chunks != 1) continue;  // no gradient, or a long run (its chunks follow)
     // The run's table (runs never span tables) and its inputs.
-    const int64_t key = static_cast<int64_t>(uniq[u]);
     const int tb = segment_of(tg.row_base, tg.K, key);
     const scalar_t* __restrict__ grad_output = static_cast<const scalar_t*>(tg.grad[tb]);
     const scalar_t* __restrict__ psw = static_cast<const scalar_t*>(tg.psw[tb]);
