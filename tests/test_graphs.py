@@ -5,6 +5,7 @@ reports bad offsets and NaN/Inf gradients as step() does; its refusals."""
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 
 import pytest
@@ -162,6 +163,72 @@ def test_a_capture_after_eager_steps_whose_graphs_are_alive(warmup):
     assert all(x.grad_fn is not None for x in kept[: 1 + warmup])  # alive at the capture, with their graphs
     assert step.captures == 1
     assert_same_tables(graphed, eager)
+
+
+_KEPT_OUTSIDE = """
+import torch, veloce
+from torch import nn
+table = veloce.DynamicEmbedding(8, mode="sum", capacity=1024, device="cuda", defer_inserts=True)
+mlp = nn.Linear(8, 1).cuda()
+dense = torch.optim.Adam(mlp.parameters(), lr=1e-2, capturable=True)
+model = nn.ModuleDict({"table": table, "mlp": mlp})
+opt = veloce.optim.CombinedOptimizer(dense, model)
+
+def fn(ids, offsets, label):
+    loss = nn.functional.binary_cross_entropy_with_logits(mlp(table(ids, offsets)).squeeze(1), label)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+ids, offsets, label = torch.arange(64, device="cuda"), torch.arange(0, 64, 2, device="cuda"), torch.ones(32, device="cuda")
+kept = nn.functional.binary_cross_entropy_with_logits(mlp(table(ids, offsets)).squeeze(1), label)
+kept.backward()  # a step of its own, on the default stream; its loss (and graph) is kept
+opt.step()
+opt.zero_grad()
+step = veloce.CUDAGraphStep(fn, model, opt, warmup=1)
+step(ids, offsets, label)  # warm-up
+try:
+    step(ids, offsets, label)  # the capture
+except RuntimeError as e:
+    print("RAISED:", e)
+else:
+    print("CAPTURED")
+"""
+
+
+@CUDA
+def test_a_graph_kept_from_a_step_outside_the_wrapper_is_named_when_it_breaks_the_capture(tmp_path):
+    """A step run outside the wrapper on the default stream, its loss kept: the capture fails
+    (autograd syncs the parameters' gradients with the default stream) with an error that
+    says why and what to do. (A subprocess: a failed capture leaves torch's CUDA generator
+    in capture mode for the rest of the process.)"""
+    from _jobs import run_command
+
+    script = tmp_path / "kept.py"
+    script.write_text(_KEPT_OUTSIDE)
+    out = run_command([sys.executable, str(script)], timeout=120).stdout
+    assert "RAISED: CUDAGraphStep: the capture of the step needed the default stream" in out, out
+    assert ".detach()" in out and "CUDAGraphStep.eager()" in out, out
+
+
+def test_the_default_stream_refusal_is_found_behind_the_capture_end_error():
+    """(Any device.) torch's capture end raises 'invalidated' while handling CUDA's refusal
+    to make the default stream depend on the capture: the wrapper finds the refusal in the
+    chain (and only it) to say what to do."""
+    from veloce.graphs import _needed_default_stream
+
+    refusal = RuntimeError("CUDA error: operation would make the legacy stream depend on a capturing blocking stream")
+    try:
+        try:
+            raise refusal
+        except RuntimeError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")  # noqa: B904
+    except RuntimeError as e:
+        assert _needed_default_stream(e)
+    assert _needed_default_stream(refusal)
+    assert not _needed_default_stream(RuntimeError("CUDA error: operation failed due to a previous error during capture"))
+    assert not _needed_default_stream(ValueError("CUDAGraphStep: fn steps a table twice"))
 
 
 @CUDA

@@ -33,6 +33,20 @@ from veloce.table import TableFullError, _DeferredCounts
 __all__ = ["CUDAGraphStep"]
 
 
+def _needed_default_stream(e: BaseException) -> bool:
+    """Whether a failed capture's error (or one it was raised while handling: the capture's
+    end reports only that the capture was invalidated) is CUDA's refusal to make the legacy
+    default stream depend on the capture."""
+    seen: set[int] = set()
+    x: Optional[BaseException] = e
+    while x is not None and id(x) not in seen:
+        if "legacy stream depend on a capturing" in str(x):
+            return True
+        seen.add(id(x))
+        x = x.__cause__ or x.__context__
+    return False
+
+
 class CUDAGraphStep:
     """Runs ``fn(*inputs)``, a whole training step, as one CUDA graph.
 
@@ -364,7 +378,9 @@ class CUDAGraphStep:
     def eager(self, *inputs: torch.Tensor) -> Any:
         """``fn(*inputs)`` run eagerly, of any shapes (say, the short last batch of an
         epoch), between replays: the graph stays, and the next replay starts from the state
-        this step leaves (its step counts, clocks, table sizes and rows)."""
+        this step leaves (its step counts, clocks, table sizes and rows). It runs on the
+        stream the captures use (after the work queued on the current stream, which then
+        waits for it), so that a graph it leaves alive cannot break a later capture."""
         self._check_tensors(inputs, "CUDAGraphStep.eager")
         return self._eager(inputs)
 
@@ -541,8 +557,16 @@ class CUDAGraphStep:
                 self._restore(saved)
                 self._grow(e.table, e.n)
                 continue
-            except BaseException:
+            except BaseException as e:
                 self._restore(saved)
+                if _needed_default_stream(e):
+                    raise RuntimeError(
+                        "CUDAGraphStep: the capture of the step needed the default stream: a graph of an earlier "
+                        "step run on the default stream outside the wrapper is still alive (a loss kept with its "
+                        "grad_fn?), and autograd syncs its parameters' gradients with the stream that step ran on. "
+                        "Drop that loss or keep it .detach()ed, or run such steps through CUDAGraphStep.eager() "
+                        "(docs/cuda_graphs.md, 'Eager steps and the capture')"
+                    ) from e  # fmt: skip
                 raise
             finally:
                 _capture.ACTIVE = None

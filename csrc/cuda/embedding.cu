@@ -972,6 +972,8 @@ __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>
   // one dependent load less per run.
   // Only what a run of one chunk reads is carried ahead (its first sorted position, length,
   // chunks and key): the partial counts matter to the chunks of long runs alone.
+  // Configuration 3 on an H200 (ncu, interleaved): Adam 8% faster, SGD 2% (benchmarks/README.md,
+  // thirty-second session), despite fp32's spill stores growing from 16 to 48-56 bytes.
   int64_t i = t / lanes;  // the lanes of a group share i
   int32_t start_ahead = 0, len_ahead = 0, chunks_ahead = 0;
   key_t key_ahead = 0;
