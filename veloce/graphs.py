@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from veloce import _capture, _update_stream
+from veloce._device import current_stream
 from veloce.distributed import static
 from veloce.embedding import DynamicEmbedding, _DeferredCheck, _raise_deferred
 from veloce.optim import CombinedOptimizer
@@ -509,12 +510,24 @@ class CUDAGraphStep:
         captures' own stream, it is what a capture would make. (HybridParallel's DDP is
         made on that stream too.) The tensors the step allocates there and the caller uses
         afterwards are safe: every later use of the stream waits for the caller's stream
-        first."""
+        first.
+
+        An update it queued keeps a fence whose origin is the captures' stream; the caller's
+        stream becomes its origin, so that the next replay's join (on the caller's stream)
+        drops it, as it dropped the fence of an eager step on that stream: the captures'
+        stream waits for the caller's before its next use."""
         stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            out = self.fn(*inputs)
-        torch.cuda.current_stream().wait_stream(stream)
+        caller = current_stream(stream.device)  # (the tables' device, also when another is current)
+        stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(stream):
+                out = self.fn(*inputs)
+        finally:  # also when fn raises: the caller's stream comes after what fn queued
+            caller.wait_stream(stream)
+            for t in self._tables:
+                fence = t._update_fence
+                if fence is not None and fence.origin == stream:
+                    fence.origin = caller
         return out
 
     # ---- capture ----------------------------------------------------------------------
@@ -561,10 +574,13 @@ class CUDAGraphStep:
                 self._restore(saved)
                 if _needed_default_stream(e):
                     raise RuntimeError(
-                        "CUDAGraphStep: the capture of the step needed the default stream: a graph of an earlier "
-                        "step run on the default stream outside the wrapper is still alive (a loss kept with its "
-                        "grad_fn?), and autograd syncs its parameters' gradients with the stream that step ran on. "
-                        "Drop that loss or keep it .detach()ed, or run such steps through CUDAGraphStep.eager() "
+                        "CUDAGraphStep: the capture of the step needed the default stream: autograd syncs a "
+                        "parameter's gradient with the stream its gradient node was made on, and some node made "
+                        "on the default stream is still alive. Either a graph of a step run outside the wrapper "
+                        "is (a loss kept with its grad_fn: drop it or keep it .detach()ed, or run such steps "
+                        "through CUDAGraphStep.eager()), or a DistributedDataParallel made on the default stream "
+                        "holds its nodes (use HybridParallel, whose DDP the wrapper remakes on its stream). A "
+                        "failed capture leaves torch's CUDA state unusable: fix it and start the process again "
                         "(docs/cuda_graphs.md, 'Eager steps and the capture')"
                     ) from e  # fmt: skip
                 raise
