@@ -56,7 +56,9 @@ def batches(n, batch=64, seed=0, space=3000):
     return out
 
 
-def trainer(model, dense_lr=1e-2):
+def trainer(model, dense_lr=1e-2, detach=True):
+    """The model's optimizer and training step; ``detach=False``: the step returns the loss
+    itself, whose graph lives as long as the caller keeps it."""
     dense = torch.optim.Adam(model.mlp.parameters(), lr=dense_lr, capturable=True)
     opt = veloce.optim.CombinedOptimizer(dense, model)
     loss_fn = nn.BCEWithLogitsLoss()
@@ -66,7 +68,7 @@ def trainer(model, dense_lr=1e-2):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        return loss.detach()
+        return loss.detach() if detach else loss
 
     return opt, step
 
@@ -143,17 +145,7 @@ def test_a_capture_after_eager_steps_whose_graphs_are_alive(warmup):
     want = [eager_step(*short).item()] + [eager_step(*b).item() for b in data]
 
     graphed = Tiny(8192)
-    dense = torch.optim.Adam(graphed.mlp.parameters(), lr=1e-2, capturable=True)
-    opt = veloce.optim.CombinedOptimizer(dense, graphed)
-    loss_fn = nn.BCEWithLogitsLoss()
-
-    def fn(dense, ids_ab, ids_c, offsets_c, label):
-        loss = loss_fn(graphed(dense, ids_ab, ids_c, offsets_c), label)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss  # not detached: its graph lives as long as the caller keeps it
-
+    opt, fn = trainer(graphed, detach=False)
     step = veloce.CUDAGraphStep(fn, graphed, opt, warmup=warmup)
     kept = [step.eager(*short)]
     got = [kept[0].item()]
