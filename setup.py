@@ -59,7 +59,11 @@ def extensions():
     # No -fvisibility=hidden: with the CUDA objects it made the library bind its own copy
     # of libstdc++'s ostream code (instantiated in an nvcc-compiled file) whose locale
     # facets were never registered, and formatting any error message crashed.
-    cxx += ["-fno-math-errno"]
+    # -ffp-contract=off: no a * b + c fused into one FMA (GCC does so by default where the
+    # target has FMA, e.g. aarch64): the CPU kernels are the specification, and their sums
+    # must be the same, bit for bit, on every machine (tests/test_embedding.py checks them
+    # against a sequential sum with a rounding after each multiply and each add).
+    cxx += ["-fno-math-errno", "-ffp-contract=off"]
     # py_limited_api=True (below) makes BuildExtension define Py_LIMITED_API itself.
     define_macros = []
     link = []

@@ -176,6 +176,109 @@ def test_accumulate_grad_is_deterministic_across_thread_counts():
     assert torch.equal(part[0], want)
 
 
+# Bags across the CPU kernels' chunks of 32 rows (padding and zero rows take no place in a
+# chunk), dims with every remainder of their 16- (fp32) and 8-column (fp64) blocks.
+LONG_BAG_LENGTHS = [0, 1, 31, 32, 33, 64, 65, 100, 3]
+ODD_DIMS = [1, 3, 15, 16, 17, 31, 33, 100, 600]  # 600: chunks of fewer rows (wide rows)
+ACC = {torch.float32: torch.float32, torch.float64: torch.float64, torch.bfloat16: torch.float32,
+       torch.float16: torch.float32}
+BIT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def long_bags(dtype, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    C, M = 50, 3
+    weights = torch.randn(C, dim, generator=g, dtype=torch.float64).to(dtype)
+    extra = torch.randn(M, dim, generator=g, dtype=torch.float64).to(dtype)
+    bags = []
+    for n in LONG_BAG_LENGTHS:
+        s = torch.randint(0, C + M, (n,), generator=g)
+        s[torch.rand(n, generator=g) < 0.1] = -2  # zero rows
+        s[torch.rand(n, generator=g) < 0.1] = -1  # padding
+        bags.append(s)
+    rows = lambda n: torch.randint(0, C + M, (n,), generator=g)  # noqa: E731
+    pad, zero = torch.full((5,), -1), torch.full((3,), -2)
+    bags += [
+        rows(32),  # exactly one full chunk
+        rows(64),  # exactly two
+        torch.cat([rows(32), pad]),  # a full chunk, then padding: a last chunk of no rows
+        torch.cat([rows(32), zero, pad]),  # ... of zero rows, which mean pooling counts
+        torch.cat([pad, rows(40), zero, rows(24)]),  # two chunks, the second full
+        torch.full((70,), -1),  # padding only, longer than a chunk
+    ]
+    starts = torch.tensor([0] + [len(b) for b in bags]).cumsum(0)
+    slots = torch.cat(bags)
+    psw = torch.rand(len(slots), generator=g, dtype=torch.float64).to(dtype)
+    return weights, extra, slots, starts, psw
+
+
+def sequential_lookup(weights, extra, slots, starts, psw, mean):
+    """pooled_lookup position by position, each step one rounding in the accumulation dtype."""
+    acc_t = ACC[weights.dtype]
+    table = torch.cat([weights, extra]).to(acc_t)
+    out = []
+    for b in range(len(starts) - 1):
+        a = torch.zeros(weights.shape[1], dtype=acc_t)
+        count = 0
+        for i in range(int(starts[b]), int(starts[b + 1])):
+            s = int(slots[i])
+            if s == -1:
+                continue
+            count += 1
+            if s == -2:
+                continue
+            a = a + (psw[i].to(acc_t) * table[s] if psw is not None else table[s])
+        out.append(a / count if mean and count > 0 else a)
+    return torch.stack(out).to(weights.dtype)
+
+
+@pytest.mark.parametrize("dtype", BIT_DTYPES)
+@pytest.mark.parametrize("dim", ODD_DIMS)
+@pytest.mark.parametrize("variant", ["sum", "mean", "weighted"])
+def test_cpu_pooled_lookup_adds_in_position_order_bit_for_bit(dtype, dim, variant):
+    """The CPU kernel is the specification: its sums equal a sequential sum exactly, whatever
+    the bag length (chunks of positions) and dim (column blocks)."""
+    weights, extra, slots, starts, psw = long_bags(dtype, dim, seed=dim)
+    psw = psw if variant == "weighted" else None
+    mean = variant == "mean"
+    got = pooled_lookup(weights, slots, starts[:-1], psw, "mean" if mean else "sum", extra_rows=extra)
+    assert torch.equal(got, sequential_lookup(weights, extra, slots, starts, psw, mean))
+
+
+@pytest.mark.parametrize("dtype", BIT_DTYPES)
+@pytest.mark.parametrize("dim", ODD_DIMS)
+@pytest.mark.parametrize("variant", ["sum", "mean", "weighted"])
+def test_cpu_accumulate_grad_adds_in_position_order_bit_for_bit(dtype, dim, variant):
+    """Each slot's gradient is its positions' rows (times their scale) added one by one in
+    position order: runs longer than a chunk included."""
+    _, _, slots, starts, psw = long_bags(dtype, dim, seed=dim + 1)
+    slots = torch.where(slots >= 0, slots % 4, slots)  # 4 slots: segments of about 100 rows
+    slots[slots == 3] = 2  # and a segment of exactly 64 rows, the first 64 of slot 3's
+    slots[(slots == 2).nonzero().flatten()[:64]] = 3
+    psw = psw if variant == "weighted" else None
+    acc_t = ACC[dtype]
+    B = len(starts) - 1
+    g = torch.Generator().manual_seed(dim)
+    grad_output = torch.randn(B, dim, generator=g, dtype=torch.float64).to(dtype)
+    us, gr = accumulate_grad(grad_output, slots, starts[:-1], psw, variant if variant == "mean" else "sum", False, 4)
+    bag_of = torch.repeat_interleave(torch.arange(B), starts.diff())
+    counts = torch.tensor([int((slots[starts[b] : starts[b + 1]] != -1).sum()) for b in range(B)])
+    want = []
+    for u in us.tolist():
+        a = torch.zeros(dim, dtype=acc_t)
+        for i in (slots == u).nonzero().flatten().tolist():
+            b = int(bag_of[i])
+            row = grad_output[b].to(acc_t)
+            if psw is not None:
+                a = a + psw[i].to(acc_t) * row
+            elif variant == "mean":
+                a = a + (torch.ones((), dtype=acc_t) / int(counts[b])) * row
+            else:
+                a = a + row
+        want.append(a)
+    assert torch.equal(gr, torch.stack(want).to(dtype))
+
+
 def test_empty_inputs():
     w = torch.randn(5, 3)
     out = pooled_lookup(w, torch.empty(0, dtype=torch.long), torch.zeros(3, dtype=torch.long))

@@ -35,6 +35,102 @@ inline int64_t bag_end(const int64_t* offsets, int64_t num_offsets, int64_t b, i
   return b + 1 < num_offsets ? offsets[b + 1] : n;
 }
 
+// ---- summing gathered rows -------------------------------------------------------------
+
+// A bag's rows (or a backward segment's gradient rows) are summed in chunks of up to kChunk
+// rows. A first pass resolves positions to row pointers (and scales) until the chunk is
+// full, skipping padding and zero rows and prefetching rows ahead; the sum then runs kCols
+// columns at a time, the block's sums in registers (a local array of compile-time size),
+// adding each row with a few vector instructions and nothing else. Before, the sums lived in
+// a buffer of D in memory, so each add of a row waited for the previous row's store
+// (benchmarks/README.md, thirty-third session). Each column's additions are those of a plain
+// loop over the positions, in position order: the results are the same, bit for bit.
+constexpr int kChunk = 32;
+// The rows of a chunk stay in L1 while its column blocks pass over them: wide rows take
+// fewer positions per chunk (32 up to 512 bytes a row, 1 from 16 KiB).
+inline int chunk_rows(int64_t row_bytes) {
+  constexpr int64_t kChunkBytes = 16 * 1024;
+  return static_cast<int>(std::clamp<int64_t>(kChunkBytes / std::max<int64_t>(row_bytes, 1), 1, kChunk));
+}
+template <typename acc_t>
+constexpr int kCols = static_cast<int>(64 / sizeof(acc_t));  // 4 SSE registers, 1 AVX-512 one
+
+template <typename acc_t, int W>
+struct ColBlock {
+  static constexpr int kWidth = W;
+  acc_t v[W];
+};
+
+// Calls f(std::integral_constant<int, W>{}, c) for blocks [c, c + W) covering [0, D): full
+// blocks of W = Full, then the remainder as power-of-two widths (Full / 2, ..., 1).
+template <int W, int Full, typename F>
+inline void column_blocks(int64_t c, int64_t D, const F& f) {
+  if constexpr (W == Full) {
+    for (; c + W <= D; c += W) f(std::integral_constant<int, W>{}, c);
+  } else if (c + W <= D) {
+    f(std::integral_constant<int, W>{}, c);
+    c += W;
+  }
+  if constexpr (W > 1) column_blocks<W / 2, Full>(c, D, f);
+}
+
+// Adds rows[0..n) (times scale[k] when kScaled) to the sums of the earlier chunks (acc, or
+// zeros when kFirst), column block by column block. The sums go back to acc, or, for the
+// last chunk (kLast), to done(c, block).
+template <bool kScaled, bool kFirst, bool kLast, typename acc_t, typename scalar_t, typename Done>
+inline void sum_chunk(const scalar_t* const* rows, const acc_t* scale, int n, int64_t D, acc_t* acc,
+                      const Done& done) {
+  column_blocks<kCols<acc_t>, kCols<acc_t>>(0, D, [&](auto width, int64_t c) {
+    constexpr int W = decltype(width)::value;
+    ColBlock<acc_t, W> a;
+    for (int j = 0; j < W; ++j) a.v[j] = kFirst ? acc_t(0) : acc[c + j];
+    for (int k = 0; k < n; ++k) {
+      const scalar_t* __restrict__ r = rows[k] + c;
+      if constexpr (kScaled) {
+        const acc_t w = scale[k];
+        for (int j = 0; j < W; ++j) a.v[j] += w * static_cast<acc_t>(r[j]);
+      } else {
+        for (int j = 0; j < W; ++j) a.v[j] += static_cast<acc_t>(r[j]);
+      }
+    }
+    if constexpr (kLast) {
+      done(c, a);
+    } else {
+      for (int j = 0; j < W; ++j) acc[c + j] = a.v[j];
+    }
+  });
+}
+
+// sum_chunk with its flags given at run time.
+template <typename acc_t, typename scalar_t, typename Done>
+inline void sum_chunk(bool scaled, bool first, bool last, const scalar_t* const* rows, const acc_t* scale, int n,
+                      int64_t D, acc_t* acc, const Done& done) {
+  auto run = [&](auto kScaled) {
+    constexpr bool S = decltype(kScaled)::value;
+    if (first && last) {
+      sum_chunk<S, true, true>(rows, scale, n, D, acc, done);
+    } else if (first) {
+      sum_chunk<S, true, false>(rows, scale, n, D, acc, done);
+    } else if (last) {
+      sum_chunk<S, false, true>(rows, scale, n, D, acc, done);
+    } else {
+      sum_chunk<S, false, false>(rows, scale, n, D, acc, done);
+    }
+  };
+  if (scaled) {
+    run(std::true_type{});
+  } else {
+    run(std::false_type{});
+  }
+}
+
+// Prefetches the cache lines of bytes at p, to read (kWrite = 0) or to write (1).
+template <int kWrite = 0>
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, kWrite);
+}
+
 // ---- pooled_lookup -------------------------------------------------------------------
 
 template <typename scalar_t>
@@ -51,42 +147,46 @@ void pooled_lookup_kernel(const scalar_t* weights,  // (C, D)
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t avg = B > 0 ? std::max<int64_t>(1, N / B) : 1;
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, avg * D));
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  auto row_of = [&](int64_t s) -> const scalar_t* { return s < C ? weights + s * D : extra + (s - C) * D; };
   at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> acc(D);
-    acc_t* a = acc.data();
-    auto row_of = [&](int64_t s) -> const scalar_t* { return s < C ? weights + s * D : extra + (s - C) * D; };
+    std::vector<acc_t> acc(D);  // the sums of a bag's earlier chunks
+    const scalar_t* rows[kChunk];
+    acc_t scale[kChunk];
+    const int chunk = chunk_rows(row_bytes);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t start = offsets[b];
       const int64_t stop = bag_end(offsets, num_offsets, b, N);
-      std::fill(a, a + D, acc_t(0));
-      int64_t count = 0;
-      for (int64_t i = start; i < stop; ++i) {
-        // Prefetch a row a few positions ahead: the table is much larger than the cache.
-        if (i + kPrefetch < N) {
-          const int64_t sp = slots[i + kPrefetch];
-          if (sp >= 0) {
-            const char* p = reinterpret_cast<const char*>(row_of(sp));
-            for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) __builtin_prefetch(p + off);
-          }
-        }
-        const int64_t s = slots[i];
-        if (s == kPaddingSlot) continue;
-        ++count;
-        if (s == kZeroSlot) continue;
-        const scalar_t* __restrict__ row = row_of(s);
-        if (psw != nullptr) {
-          const acc_t w = static_cast<acc_t>(psw[i]);
-          for (int64_t j = 0; j < D; ++j) a[j] += w * static_cast<acc_t>(row[j]);
-        } else {
-          for (int64_t j = 0; j < D; ++j) a[j] += static_cast<acc_t>(row[j]);
-        }
-      }
       scalar_t* __restrict__ o = out + b * D;
-      if (mean && count > 0) {
-        const acc_t c = static_cast<acc_t>(count);
-        for (int64_t j = 0; j < D; ++j) o[j] = static_cast<scalar_t>(a[j] / c);
-      } else {
-        for (int64_t j = 0; j < D; ++j) o[j] = static_cast<scalar_t>(a[j]);
+      int64_t i = offsets[b], count = 0;
+      bool first = true, last = false;
+      while (!last) {
+        int n = 0;
+        for (; i < stop && n < chunk; ++i) {
+          // Prefetch a row a few positions ahead: the table is much larger than the cache.
+          if (i + kPrefetch < N) {
+            const int64_t sp = slots[i + kPrefetch];
+            if (sp >= 0) prefetch_row(row_of(sp), row_bytes);
+          }
+          const int64_t s = slots[i];
+          if (s == kPaddingSlot) continue;
+          ++count;
+          if (s == kZeroSlot) continue;
+          rows[n] = row_of(s);
+          if (psw != nullptr) scale[n] = static_cast<acc_t>(psw[i]);
+          ++n;
+        }
+        last = i >= stop;  // else the chunk is full
+        if (mean && last && count > 0) {
+          const acc_t divisor = static_cast<acc_t>(count);
+          sum_chunk(psw != nullptr, first, last, rows, scale, n, D, acc.data(), [&](int64_t c, const auto& a) {
+            for (int j = 0; j < a.kWidth; ++j) o[c + j] = static_cast<scalar_t>(a.v[j] / divisor);
+          });
+        } else {
+          sum_chunk(psw != nullptr, first, last, rows, scale, n, D, acc.data(), [&](int64_t c, const auto& a) {
+            for (int j = 0; j < a.kWidth; ++j) o[c + j] = static_cast<scalar_t>(a.v[j]);
+          });
+        }
+        first = false;
       }
     }
   });
@@ -199,11 +299,6 @@ void radix_sort(std::vector<uint64_t>& a, std::vector<uint64_t>& tmp, int lo, in
   }
 }
 
-inline void prefetch_rows(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 1);
-}
-
 // The positions of a backward pass grouped by slot: entries (slot << pos_bits | low)
 // where low is the position, or, when no per-sample weight needs the position
 // (by_bag), directly the position's bag, which saves a dependent random read per entry.
@@ -305,28 +400,36 @@ void reduce_segments(const Segments& seg, const scalar_t* grad_output,  // (B, D
   const int64_t* bag_of = seg.bag_of.data();
   const int64_t avg = U > 0 ? std::max<int64_t>(1, num_entries / U) : 1;
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, avg * D));
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  const bool scaled = psw != nullptr || bag_scale != nullptr;
   at::parallel_for(0, U, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> acc(D);
     acc_t* a = acc.data();
+    const scalar_t* rows[kChunk];
+    acc_t scale[kChunk];
+    const int chunk = chunk_rows(row_bytes);
     for (int64_t u = begin; u < end; ++u) {
       if (u + kPrefetch < end) ahead(u + kPrefetch);
-      std::fill(a, a + D, acc_t(0));
-      for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
-        if (k + kPrefetch < num_entries) {  // gradient rows are read in slot order: random
-          const int64_t lp = static_cast<int64_t>(entries[k + kPrefetch] & seg.pos_mask);
-          const int64_t bp = seg.by_bag ? lp : bag_of[lp];
-          const char* p = reinterpret_cast<const char*>(grad_output + bp * D);
-          for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) __builtin_prefetch(p + off);
+      const int64_t stop = starts[u + 1];
+      int64_t k = starts[u];
+      bool first = true, last = false;
+      while (!last) {
+        int n = 0;
+        for (; k < stop && n < chunk; ++k, ++n) {
+          if (k + kPrefetch < num_entries) {  // gradient rows are read in slot order: random
+            const int64_t lp = static_cast<int64_t>(entries[k + kPrefetch] & seg.pos_mask);
+            prefetch_row(grad_output + (seg.by_bag ? lp : bag_of[lp]) * D, row_bytes);
+          }
+          const int64_t pos = static_cast<int64_t>(entries[k] & seg.pos_mask);  // a bag if by_bag
+          const int64_t b = seg.by_bag ? pos : bag_of[pos];
+          rows[n] = grad_output + b * D;
+          if (scaled) scale[n] = psw != nullptr ? static_cast<acc_t>(psw[pos]) : bag_scale[b];
         }
-        const int64_t pos = static_cast<int64_t>(entries[k] & seg.pos_mask);  // a bag if by_bag
-        const int64_t b = seg.by_bag ? pos : bag_of[pos];
-        const scalar_t* __restrict__ g = grad_output + b * D;
-        if (psw != nullptr || bag_scale != nullptr) {
-          const acc_t w = psw != nullptr ? static_cast<acc_t>(psw[pos]) : bag_scale[b];
-          for (int64_t j = 0; j < D; ++j) a[j] += w * static_cast<acc_t>(g[j]);
-        } else {
-          for (int64_t j = 0; j < D; ++j) a[j] += static_cast<acc_t>(g[j]);
-        }
+        last = k >= stop;
+        sum_chunk(scaled, first, last, rows, scale, n, D, a, [&](int64_t c, const auto& blk) {
+          for (int j = 0; j < blk.kWidth; ++j) a[c + j] = blk.v[j];
+        });
+        first = false;
       }
       sink(u, a);
     }
@@ -411,8 +514,8 @@ void fused_update(const char* op, const at::Tensor& weights, const at::Tensor& o
                       },
                       [&](int64_t v) {  // the rows the update of segment v reads and writes
                         const int64_t slot = seg.slot(v);
-                        prefetch_rows(w + slot * D, D * sizeof(scalar_t));
-                        prefetch_rows(st + slot * S, S * sizeof(acc_t));
+                        prefetch_row<1>(w + slot * D, D * sizeof(scalar_t));
+                        prefetch_row<1>(st + slot * S, S * sizeof(acc_t));
                       });
                 });
 }
