@@ -426,9 +426,8 @@ void reduce_segments(const Segments& seg, const scalar_t* grad_output,  // (B, D
           if (scaled) scale[n] = psw != nullptr ? static_cast<acc_t>(psw[pos]) : bag_scale[b];
         }
         last = k >= stop;
-        sum_chunk(scaled, first, last, rows, scale, n, D, a, [&](int64_t c, const auto& blk) {
-          for (int j = 0; j < blk.kWidth; ++j) a[c + j] = blk.v[j];
-        });
+        // Every chunk's sums go back to a, the last one's too: sink reads the whole row there.
+        sum_chunk(scaled, first, /*last=*/false, rows, scale, n, D, a, [](int64_t, const auto&) {});
         first = false;
       }
       sink(u, a);
