@@ -123,6 +123,42 @@ def test_shipped_configs_load_and_every_field_is_documented():
         documented(f.default_factory)
 
 
+def test_inspect_verify_checks_every_sha256(tmp_path, capsys):
+    import torch
+
+    from veloce.models import DLRM
+
+    model = DLRM(4, 2, embedding_dim=4, bottom_mlp=(8, 4), top_mlp=(8, 1))
+    model(torch.randn(3, 4), torch.tensor([[1, 2], [3, 4], [5, 6]]))
+    path = checkpoint.save_in(tmp_path, model, step=1)
+    assert cli.main(["inspect", str(path), "--verify"]) == 0
+    assert capsys.readouterr().out.count("sha256 ok") == len(checkpoint.describe(path)["files"])
+    victim = path / "dense.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF  # the same size, another sha256
+    victim.write_bytes(bytes(data))
+    assert cli.main(["inspect", str(path)]) == 0  # without --verify only sizes are compared
+    assert cli.main(["inspect", str(path), "--verify"]) == 1
+    out, err = capsys.readouterr()
+    assert "dense.safetensors" in err and "sha256 MISMATCH" in out
+
+
+def test_an_empty_section_takes_every_default():
+    cfg = parse_config(yaml.safe_load("model:\ntrainer:\n  # max_epochs: 3\n"))
+    assert cfg.trainer == Config().trainer and cfg.model == Config().model
+
+
+def test_a_cuda_device_without_cuda_is_a_config_error(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    raw = json.loads(json.dumps(TINY))
+    raw["trainer"]["device"] = "cuda"
+    assert cli.main(["train", write_config(tmp_path, raw)]) == 2
+    assert "trainer.device is 'cuda' but torch sees no CUDA device" in capsys.readouterr().err
+
+
 def test_inspect_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path)]) == 1
     assert "checkpoint error" in capsys.readouterr().err

@@ -455,6 +455,187 @@ def test_state_dict_wrong_dim_is_refused():
         dst.load_state_dict(src.state_dict())
 
 
+def _bad_state_dicts(src):
+    """(what is wrong, state dict, error pattern): each must be refused with the table unchanged."""
+    def edited(**changes):
+        sd = src.state_dict()
+        sd.update(changes)
+        return sd
+
+    sd = src.state_dict()
+    return [
+        ("step not a scalar", edited(step=torch.tensor([5, 6])), r"step must be an int >= 0"),
+        ("fractional step", edited(step=torch.tensor(1.5)), r"step must be an int >= 0"),
+        ("negative clock", edited(clock=torch.tensor(-1)), r"clock must be an int >= 0"),
+        ("float keys", edited(keys=sd["keys"].double()), r"keys must be an int64 tensor, got torch.float64"),
+        ("repeated keys", edited(keys=torch.zeros_like(sd["keys"])), r"keys hold 2 repeated id\(s\) \(id 0 is one\)"),
+        ("2-D keys", edited(keys=sd["keys"].view(1, -1)), r"keys must be 1-D"),
+        ("integer weights", edited(weights=sd["weights"].long()), r"weights must be a floating-point tensor"),
+        ("float scores", edited(scores=sd["scores"].float()), r"scores must be an int64 tensor"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_load_state_dict_refuses_bad_entries_and_changes_nothing(case):
+    """Every entry is checked before the table changes: a bad step or clock used to be read
+    only after the rows were replaced, float keys were rounded, and repeated keys made a
+    table whose len() disagreed with what was loaded."""
+    src = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.Adam(lr=0.1))
+    src(torch.tensor([1, 2, 123456789012345679]), torch.tensor([0])).sum().backward()
+    src.step()
+    name, sd, pattern = _bad_state_dicts(src)[case]
+    dst = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.Adam(lr=0.1))
+    dst(torch.tensor([7]), torch.tensor([0]))
+    before = snapshot(dst)
+    with pytest.raises(RuntimeError, match=pattern):
+        dst.load_state_dict(sd)
+    assert_same_snapshot(before, snapshot(dst))
+    assert dst.step_count == 0, name
+
+
+def test_load_state_dict_strict_reports_unexpected_keys():
+    src = veloce.DynamicEmbedding(4)
+    src(torch.tensor([[1, 2]]))
+    model = nn.ModuleDict({"emb": veloce.DynamicEmbedding(4)})
+    sd = {f"emb.{k}": v for k, v in src.state_dict().items()}
+    sd["emb.wieghts"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "emb.wieghts"'):
+        model.load_state_dict(sd)
+    result = model.load_state_dict(sd, strict=False)
+    assert result.unexpected_keys == ["emb.wieghts"] and result.missing_keys == []
+    assert sorted(model["emb"].export()["keys"].tolist()) == [1, 2]
+
+
+def test_load_state_dict_forgets_a_backward_before_it():
+    """A backward, then a load: the next step() has nothing to apply and counts no step
+    (Adam's bias correction would be one step off)."""
+    src = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.Adam(lr=0.1))
+    src(torch.tensor([1]), torch.tensor([0]))
+    dst = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.Adam(lr=0.1))
+    dst(torch.tensor([5]), torch.tensor([0])).sum().backward()
+    dst.load_state_dict(src.state_dict())
+    dst.step()
+    assert dst.step_count == 0
+    assert_same_snapshot(snapshot(src), snapshot(dst))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
+def test_module_cast_keeps_optimizer_state_dtype(device, cast):
+    """.half() / .bfloat16() cast every floating buffer, but 16-bit rows keep their
+    optimizer state in float32 (as a table made in that dtype does), unrounded; the cast
+    table trains like one made in that dtype from the same rows."""
+    def trained(dtype):
+        e = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.Adam(lr=0.1), dtype=dtype, device=device)
+        e(torch.tensor([1, 2, 3], device=device), torch.tensor([0], device=device)).sum().backward()
+        e.step()
+        return e
+
+    emb = trained(torch.float32)
+    state = emb.table.opt_state.clone()
+    getattr(emb, cast)()
+    dtype = emb.table.weights.dtype
+    want = torch.float64 if dtype == torch.float64 else torch.float32
+    assert emb.table.opt_state.dtype == want
+    assert torch.equal(emb.table.opt_state, state.to(want))
+    ref = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.Adam(lr=0.1), dtype=dtype, device=device)
+    ref.load_state_dict(emb.state_dict())
+    for m in (emb, ref):
+        m(torch.tensor([1, 2, 4], device=device), torch.tensor([0], device=device)).sum().backward()
+        m.step()
+    assert_same_snapshot(snapshot(ref), snapshot(emb))
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(max_capacity=0), r"max_capacity must be an int >= 1 or None, got 0"),
+    (dict(capacity=2.5), r"capacity must be an int >= 1, got 2.5"),
+    (dict(padding_idx=2**64), r"padding_idx must be an int64 id or None, got 18446744073709551616"),
+    (dict(padding_idx=True), r"padding_idx must be an int64 id or None, got True"),
+    (dict(seed=-(2**63) - 1), r"seed must be an int in the int64 range"),
+])  # fmt: skip
+def test_constructor_names_the_bad_argument(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        veloce.DynamicEmbedding(4, **kwargs)
+
+
+def test_constructor_takes_numpy_integers():
+    np = pytest.importorskip("numpy")
+    emb = veloce.DynamicEmbedding(4, mode="sum", padding_idx=np.int64(3), seed=np.int32(5), capacity=np.int64(64))
+    assert emb.padding_idx == 3 and type(emb.padding_idx) is int and emb.table.seed == 5
+    out = emb(torch.tensor([3, 1]), torch.tensor([0]))  # the padding id contributes nothing
+    assert len(emb) == 1 and torch.equal(out, emb.find(torch.tensor([1]))[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=)"])
+def test_a_pass_asked_for_other_gradients_does_not_train_the_table(device, how):
+    """torch.autograd.grad(out, psw) and out.backward(inputs=[psw]) leave an
+    nn.EmbeddingBag's weight.grad alone; they give the table nothing either, while the
+    per-sample weights get their gradient."""
+    emb = veloce.DynamicEmbedding(2, mode="sum", optimizer=veloce.optim.SGD(lr=1.0),
+                                  initializer=veloce.init.constant(1.0), device=device)  # fmt: skip
+    ids, offsets = torch.tensor([1, 2], device=device), torch.tensor([0], device=device)
+    w = torch.tensor([1.0, 2.0], device=device, requires_grad=True)
+    out = emb(ids, offsets, w)
+    if how == "autograd.grad":
+        (g,) = torch.autograd.grad(out.sum(), w)
+    else:
+        out.sum().backward(inputs=[w])
+        g = w.grad
+    assert g.tolist() == [2.0, 2.0]
+    emb.step()
+    assert emb.step_count == 0
+    assert emb.find(ids)[0].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_grad_then_backward_trains_the_table_once(device):
+    """The gradient of the per-sample weights taken first (torch.autograd.grad, keeping the
+    graph), then loss.backward(): the table gets the loss's gradient once (it used to get
+    it from both passes), the same as from loss.backward() alone."""
+    ids, offsets = torch.tensor([1, 2, 2], device=device), torch.tensor([0, 1], device=device)
+    tables = []
+    for first in (False, True):
+        torch.manual_seed(0)
+        emb = veloce.DynamicEmbedding(3, mode="sum", optimizer=veloce.optim.SGD(lr=0.5), device=device)
+        lin = nn.Linear(3, 1).to(device)
+        w = torch.tensor([1.0, 0.5, 2.0], device=device, requires_grad=True)
+        loss = lin(emb(ids, offsets, w)).pow(2).sum()
+        if first:
+            torch.autograd.grad(loss, w, retain_graph=True)
+        loss.backward()
+        emb.step()
+        tables.append(snapshot(emb))
+    assert_same_snapshot(*tables)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", ["raise", "raise_next", "skip"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_per_sample_weight_counts_as_a_nonfinite_gradient(device, policy, bad):
+    """A NaN/Inf per-sample weight makes its rows' gradient NaN/Inf even when the pooled
+    gradient is finite: "raise" and "raise_next" apply nothing, "skip" drops that bag."""
+    emb = veloce.DynamicEmbedding(2, mode="sum", optimizer=veloce.optim.SGD(lr=1.0), nonfinite_grad=policy,
+                                  initializer=veloce.init.zeros(), device=device)  # fmt: skip
+    ids = torch.tensor([1, 2, 3, 4], device=device)
+    offsets = torch.tensor([0, 2], device=device)
+    w = torch.tensor([1.0, bad, 1.0, 2.0], device=device)
+    torch.nan_to_num(emb(ids, offsets, w)).sum().backward()
+    before = snapshot(emb)
+    if policy == "raise":
+        with pytest.raises(FloatingPointError, match="1 bag"):
+            emb.step()
+        assert_same_snapshot(before, snapshot(emb))
+        return
+    emb.step()
+    if policy == "raise_next":
+        with pytest.raises(FloatingPointError, match="NaN or Inf"):
+            emb.step()
+        assert_same_snapshot(before, snapshot(emb))
+        return
+    assert emb.find(ids)[0][:, 0].tolist() == [0.0, 0.0, -1.0, -2.0]
+
+
 def test_nonfinite_gradient_policy():
     emb = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=1.0))
     ids = torch.tensor([[1, 2]])

@@ -327,11 +327,34 @@ def test_early_stopping_stops_after_patience_epochs_without_improvement(tmp_path
 
 
 def test_early_stopping_names_the_missing_key():
-    t = trainer(model(), callbacks=[veloce.EarlyStopping("val_auc")])
-    with pytest.raises(KeyError, match="val_auc.*need val_loader"):
+    t = trainer(model(), callbacks=[veloce.EarlyStopping("loss_typo")])
+    with pytest.raises(KeyError, match="loss_typo.*need val_loader"):
         t.fit(data(256, 128))
     with pytest.raises(ValueError, match="mode must be 'max' or 'min'"):
         veloce.EarlyStopping("loss", mode="up")
+
+
+@pytest.mark.parametrize("case", ["val without metrics", "early stop without val", "early stop on no metric",
+                                  "unwritable checkpoint_dir"])  # fmt: skip
+def test_fit_refuses_what_would_fail_after_an_epoch_before_training(tmp_path, case):
+    """Each of these used to fail only at the first epoch's end (or first checkpoint), after
+    an epoch of training that was then lost."""
+    val = data(128, 128, start=10**8)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    kwargs, fit_val, pattern = {
+        "val without metrics": ({}, val, "val_loader is given but the Trainer has no metrics"),
+        "early stop without val": ({"callbacks": [veloce.EarlyStopping("val_auc")]}, None,
+                                   "EarlyStopping monitors 'val_auc', which needs a val_loader"),
+        "early stop on no metric": ({"metrics": {"auc": veloce.metrics.AUC()},
+                                     "callbacks": [veloce.EarlyStopping("val_logloss", mode="min")]}, val,
+                                    r"monitors 'val_logloss', but the metrics are \['auc'\]"),
+        "unwritable checkpoint_dir": ({"checkpoint_dir": blocker / "ck"}, None, "cannot be written"),
+    }[case]  # fmt: skip
+    t = trainer(model(), **kwargs)
+    with pytest.raises((ValueError, veloce.checkpoint.CheckpointError), match=pattern):
+        t.fit(data(256, 128), val_loader=fit_val)
+    assert t.global_step == 0
 
 
 def test_json_lines_log_has_every_logged_step_and_epoch(tmp_path):
@@ -414,3 +437,112 @@ def test_max_steps_reached_by_a_last_partial_group_stops_the_run():
     trainer = veloce.Trainer(M(), accumulate_steps=2, max_epochs=3, max_steps=3, progress=False)
     trainer.fit(data)
     assert trainer.global_step == 3
+
+
+def test_max_steps_at_an_epochs_last_batch_ends_the_epoch(tmp_path):
+    """A run stopped by max_steps on the last batch of an epoch still validates it, records
+    it and checkpoints its end: a later fit goes on with the next epoch, and its history is
+    that of an uninterrupted run."""
+    val = data(256, 128, start=10**8)
+    metrics = {"auc": veloce.metrics.AUC()}
+    t = trainer(model(), metrics=metrics, max_epochs=2, max_steps=8, checkpoint_dir=tmp_path)
+    h = t.fit(data(1024, 128), val)  # 8 steps per epoch
+    assert [r["epoch"] for r in h] == [0] and "val_auc" in h[0]
+    assert veloce.checkpoint.describe(veloce.checkpoint.latest(tmp_path))["extra"]["epoch"] == 1
+    t2 = trainer(model(seed=9), metrics={"auc": veloce.metrics.AUC()}, max_epochs=2, checkpoint_dir=tmp_path)
+    h2 = t2.fit(data(1024, 128), val)
+    ref = trainer(model(), metrics={"auc": veloce.metrics.AUC()}, max_epochs=2).fit(data(1024, 128), val)
+    assert [r["epoch"] for r in h2] == [0, 1]
+    assert [r["val_auc"] for r in h2] == pytest.approx([r["val_auc"] for r in ref], abs=1e-6)
+
+
+class _NoLen:
+    """A loader without len(): the Trainer learns that an epoch ended only when it does."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_an_epoch_ending_at_a_step_checkpoint_every_saved_is_checkpointed_as_ended(tmp_path, sized):
+    """checkpoint_every falls on the epoch's last step. The epoch's end (its record, the
+    next epoch's position) must be what the newest checkpoint holds, or a resumed fit
+    repeats the epoch's validation and records it twice: a loader with len() saves once,
+    at the epoch's end; one without saves at the step and then replaces that checkpoint."""
+    saved = []
+
+    class Saves(veloce.Callback):
+        def on_checkpoint(self, trainer, path):
+            saved.append(path.name)
+
+    train = data(1024, 128) if sized else _NoLen(list(data(1024, 128)))
+    t = trainer(model(), metrics={"auc": veloce.metrics.AUC()}, checkpoint_dir=tmp_path, checkpoint_every=4,
+                callbacks=[Saves()])  # fmt: skip
+    h = t.fit(train, data(256, 128, start=10**8))  # 8 steps
+    assert saved == (["step_000000004", "step_000000008"] if sized else ["step_000000004"] + ["step_000000008"] * 2)
+    extra = veloce.checkpoint.describe(veloce.checkpoint.latest(tmp_path))["extra"]
+    assert (extra["epoch"], extra["batches_in_epoch"], len(extra["history"])) == (1, 0, 1)
+    again = trainer(model(seed=3), metrics={"auc": veloce.metrics.AUC()}, checkpoint_dir=tmp_path, max_epochs=1)
+    assert again.fit(data(1024, 128), data(256, 128, start=10**8)) == h
+
+
+def test_nan_in_an_epoch_record_is_checkpointed_and_resumed(tmp_path):
+    """An AUC on a one-class validation split is NaN (veloce.metrics returns it rather than
+    raising): the checkpoint's strict JSON keeps it, and a resumed run reads it back."""
+    one_class = [(x, torch.zeros_like(y)) for x, y in data(256, 128, start=10**8)]
+    t = trainer(model(), metrics={"auc": veloce.metrics.AUC()}, checkpoint_dir=tmp_path)
+    h = t.fit(data(512, 128), one_class)
+    assert len(h) == 1 and h[0]["val_auc"] != h[0]["val_auc"]  # NaN
+    t2 = trainer(model(), metrics={"auc": veloce.metrics.AUC()}, checkpoint_dir=tmp_path)
+    h2 = t2.fit(data(512, 128), one_class)
+    assert len(h2) == 1 and h2[0]["val_auc"] != h2[0]["val_auc"] and h2[0]["loss"] == h[0]["loss"]
+
+
+def test_a_nan_loss_applies_nothing_dense_or_sparse():
+    """The tables' NaN/Inf check (nonfinite_grad="raise") runs before the dense step: a
+    NaN loss raises with every parameter and every table as they were."""
+    m = model()
+    t = trainer(m)
+    t.fit(data(256, 128))
+    before = state(m)
+    x, y = next(iter(data(128, 128, start=7)))
+    loss = m(*x).sum() * float("nan")
+    loss.backward()
+    with pytest.raises(FloatingPointError, match="nothing was applied"):
+        t.optimizer.step()
+    assert_states_close(state(m), before)
+
+
+def test_resuming_from_a_checkpoint_no_trainer_wrote_is_refused_before_loading(tmp_path):
+    src = model(seed=4)
+    veloce.checkpoint.save_in(tmp_path, src, step=5, extra={"note": "mine"})
+    m = model()
+    before = state(m)
+    with pytest.raises(veloce.checkpoint.CheckpointError, match="not written by a Trainer.*lacks epoch"):
+        trainer(m, checkpoint_dir=tmp_path).fit(data(256, 128))
+    assert_states_close(state(m), before)
+
+
+def test_an_empty_epoch_has_a_nan_loss_and_warns():
+    t = trainer(model())
+    with pytest.warns(UserWarning, match="an epoch without batches"):
+        h = t.fit([])
+    assert len(h) == 1 and h[0]["loss"] != h[0]["loss"] and h[0]["samples"] == 0
+
+
+def test_a_resumed_epoch_counts_the_time_before_the_interruption(tmp_path, monkeypatch):
+    """The epoch's seconds (and so samples/s) include the training before a resume: the
+    clock used to restart at the resume, which made the throughput of a resumed epoch
+    absurd."""
+    clock = iter(range(0, 10**6, 10))  # every read of the clock is 10 s after the one before
+    monkeypatch.setattr(veloce.trainer.time, "perf_counter", lambda: float(next(clock)))
+    t = trainer(model(), max_steps=4, checkpoint_dir=tmp_path)
+    t.fit(data(1024, 128))
+    saved = veloce.checkpoint.describe(veloce.checkpoint.latest(tmp_path))["extra"]["ranks"][0]["totals"]["seconds"]
+    assert saved > 0
+    t2 = trainer(model(), checkpoint_dir=tmp_path)
+    (record,) = t2.fit(data(1024, 128))
+    assert record["seconds"] > saved

@@ -2,7 +2,7 @@
 
     veloce train configs/dlrm_synthetic.yaml [--set trainer.max_epochs=2 ...]
     veloce evaluate configs/dlrm_synthetic.yaml --checkpoint runs/dlrm_synthetic/checkpoints
-    veloce inspect runs/dlrm_synthetic/checkpoints/step_0000000489 [--json]
+    veloce inspect runs/dlrm_synthetic/checkpoints/step_000000489 [--json] [--verify]
     veloce train configs/dlrm_criteo.yaml --launcher torchrun --workers 2      # several ranks
     veloce train configs/dlrm_criteo.yaml --launcher ray --workers 4           # on Ray Train
 
@@ -139,7 +139,15 @@ def _device(cfg: Config) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and "LOCAL_RANK" in os.environ:
         name = f"cuda:{os.environ['LOCAL_RANK']}"
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"config error: trainer.device is {cfg.trainer.device!r} but torch sees no CUDA device "
+                              f"(torch {torch.__version__}); use trainer.device=cpu or auto")  # fmt: skip
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"config error: trainer.device is {name!r} but torch sees {count} CUDA device(s)")
+    return device
 
 
 @contextlib.contextmanager
@@ -244,8 +252,13 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    info = checkpoint.describe(args.checkpoint)
+    info = checkpoint.describe(args.checkpoint, verify=args.verify)
     print(json.dumps(info, indent=1) if args.json else format_description(info))
+    bad = [f["name"] for f in info["files"] if f["ok"] is False or f["present"] is None]
+    if args.verify and bad:
+        print(f"checkpoint error: {len(bad)} file(s) missing or not matching their sha256: {', '.join(bad)}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     return 0
 
 
@@ -270,7 +283,8 @@ def format_description(info: dict[str, Any]) -> str:
     lines.append(f"files: {len(files)}")
     for f in files:
         state = "" if f.get("present") == f.get("size") else f"  (on disk: {f.get('present')})"
-        lines.append(f"  {f['name']}  {f['size']:,} bytes{state}")
+        ok = {True: "  sha256 ok", False: "  sha256 MISMATCH"}.get(f.get("ok"), "")
+        lines.append(f"  {f['name']}  {f['size']:,} bytes{state}{ok}")
     return "\n".join(lines)
 
 
@@ -290,6 +304,8 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("inspect", help="print a checkpoint's manifest: step, world size, tables, files")
     c.add_argument("checkpoint", help="a checkpoint directory")
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    c.add_argument("--verify", action="store_true",
+                   help="also check every file's sha256 (reads everything); exit status 1 if one does not match")
     return p
 
 

@@ -295,6 +295,8 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     """``value`` checked against the field's type (ints stay ints where a float is allowed)."""
     origin = get_origin(hint)
     if dataclasses.is_dataclass(hint):
+        if value is None:  # a section whose fields are all commented out: every field's default
+            value = {}
         if not isinstance(value, Mapping):
             raise ConfigError(f"config error: {path} must be a section (a mapping of fields), got {value!r}")
         return _build(hint, value, path)

@@ -21,7 +21,7 @@ from veloce import init as _init
 from veloce import optim as _optim
 from veloce.ops import optimizer as _ops
 from veloce.ops.embedding import bag_layouts_bad, pooled_lookup_kernels
-from veloce.table import HashTable, PlainAttrs, find_or_insert_many, insert_beside_updates
+from veloce.table import HashTable, PlainAttrs, find_or_insert_many, insert_beside_updates, is_int64
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
 
@@ -41,7 +41,18 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
     :class:`veloce.optim.CombinedOptimizer`), and the table grows as needed up to
     ``max_capacity``, where it evicts by ``eviction`` policy. In eval mode
     (``module.eval()``) lookups never insert: unknown ids read the initializer's value
-    (``unknown="init"``) or zeros (``unknown="zeros"``).
+    (``unknown="init"``) or zeros (``unknown="zeros"``); nor do they train the table
+    (per-sample weights still get their gradient).
+
+    The rows are not parameters: the sparse gradient a backward pass leaves waits in the
+    table until :meth:`step`. :meth:`zero_grad` (and
+    :class:`veloce.optim.CombinedOptimizer`'s) drops it; ``model.zero_grad()`` and a dense
+    optimizer's ``zero_grad()`` do not, and ``requires_grad_(False)`` does not freeze the
+    table (look it up in eval mode instead, or do not step it). A backward pass that
+    accumulates only into what it is asked for (``torch.autograd.grad``,
+    ``backward(inputs=...)``) gives the table nothing, as it leaves an
+    ``nn.EmbeddingBag``'s ``weight.grad`` alone (tables sharded by
+    :class:`veloce.distributed.HybridParallel` take every pass's gradient).
 
     Args:
         embedding_dim: D.
@@ -59,7 +70,8 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         dtype: row dtype (float32; float64, float16, bfloat16 also work).
         device: where the table lives.
         unknown: eval-mode value of ids not in the table: "init" or "zeros".
-        nonfinite_grad: what :meth:`step` does with NaN/Inf gradient rows: "raise"
+        nonfinite_grad: what :meth:`step` does with NaN/Inf gradients (of a bag's
+            pooled output, or a NaN/Inf per-sample weight in it): "raise"
             (default; nothing is applied), "raise_next" (nothing is applied either, but
             step() does not wait for the check: the update skips itself on the device, and
             the next step() raises; see :meth:`step`), "skip" (those rows are not updated)
@@ -128,8 +140,8 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             raise ValueError(f"nonfinite_grad must be one of {_NONFINITE}, got {nonfinite_grad!r}")
         if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be a floating dtype (float32, float64, float16, bfloat16), got {dtype}")
-        if padding_idx is not None and not isinstance(padding_idx, int):
-            raise ValueError(f"padding_idx must be an int id or None, got {padding_idx!r}")
+        if padding_idx is not None and not is_int64(padding_idx):
+            raise ValueError(f"padding_idx must be an int64 id or None, got {padding_idx!r}")
         initializer = _init.normal(std=0.01) if initializer is None else initializer
         optimizer = _optim.Adagrad(lr=0.05) if optimizer is None else optimizer
         if not isinstance(initializer, _init.Initializer):
@@ -138,7 +150,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             raise TypeError(f"optimizer must come from veloce.optim (SGD, Adagrad, ...), got {type(optimizer).__name__}")
         self.embedding_dim = embedding_dim
         self.mode = mode
-        self.padding_idx = padding_idx
+        self.padding_idx = None if padding_idx is None else int(padding_idx)
         self.include_last_offset = include_last_offset
         self.optimizer = optimizer
         self.unknown = unknown
@@ -467,7 +479,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             return None
         _ext.require()
         if bad is not None:
-            self._pending = [e._replace(grad=e.grad.masked_fill(b.unsqueeze(1), 0)) for e, b in zip(self._pending, bad)]
+            self._pending = [_drop_bags(e, b) for e, b in zip(self._pending, bad)]
         e = self._merged()
         slots = self._resolved(e) if e.ids is not None else e.slots
         opt = self.optimizer
@@ -513,11 +525,12 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         bad: list[torch.Tensor] = []
         num_bad = 0
         n = len(self._pending)
-        flags = _ops.nonfinite_flags([e.grad for e in self._pending], range(n), n).tolist() if n else []
+        tensors, owner = _checked_tensors(self._pending)
+        flags = _ops.nonfinite_flags(tensors, owner, n).tolist() if n else []
         for e, flagged in zip(self._pending, flags):  # one read-back for all pending gradients
             b = torch.zeros(e.grad.shape[0], dtype=torch.bool, device=e.grad.device)
             if flagged:
-                b = ~torch.isfinite(e.grad).all(dim=1)
+                b = _nonfinite_bags(e)
                 num_bad += int(b.sum())
             bad.append(b)
         if self.nonfinite_grad in _CHECKED:
@@ -583,6 +596,9 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         ids = self._check_ids(ids, "ids")
         if self._shard is not None:
             self._check_owned(ids)
+        if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+            got = weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__
+            raise TypeError(f"weights must be a floating-point tensor, got {got}")
         if weights.shape != (ids.numel(), self.embedding_dim):
             raise ValueError(f"weights must have shape ({ids.numel()}, {self.embedding_dim}), got {tuple(weights.shape)}")
         self.table.insert(ids, weights.to(self.table.device, self.table.dtype))
@@ -632,19 +648,36 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ) -> None:
         names = ("keys", "weights", "optimizer_state", "scores", "step", "clock")
+        if strict:  # keys of this module that it does not know (a child's are the child's to judge)
+            unexpected_keys.extend(
+                k for k in state_dict
+                if k.startswith(prefix) and k[len(prefix):].split(".", 1)[0] not in (*names, *self._modules)
+            )  # fmt: skip
         missing = [prefix + n for n in names if prefix + n not in state_dict]
         if missing:
             missing_keys.extend(missing)
             return
+        counters = {}
+        for n in ("step", "clock"):  # checked before the table changes
+            v = state_dict[prefix + n]
+            if isinstance(v, torch.Tensor) and v.numel() == 1 and v.dtype in (torch.int64, torch.int32):
+                v = int(v)
+            if type(v) is not int or v < 0:
+                got = f"{v.dtype} tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else repr(v)
+                error_msgs.append(f"while loading DynamicEmbedding {prefix!r}: {n} must be an int >= 0, got {got}")
+                return
+            counters[n] = v
         entries = {n: state_dict[prefix + n] for n in names[:4]}
         try:
             self.table.load_entries(entries)
         except ValueError as exc:
             error_msgs.append(f"while loading DynamicEmbedding {prefix!r}: {exc}")
             return
-        self.step_count = int(state_dict[prefix + "step"])  # drops the last step's unread check
-        self.table.clock = int(state_dict[prefix + "clock"])
+        self.step_count = counters["step"]  # drops the last step's unread check
+        self.table.clock = counters["clock"]
         self._pending.clear()
+        if self._had_backward:  # a backward before the load books no step after it
+            self._had_backward = False
 
     def extra_repr(self) -> str:
         return f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, {self.table._size_text()}"
@@ -935,9 +968,9 @@ class _FiniteCheck:
         for dev, idx in by_device.items():
             grads, owner = [], []
             for j, i in enumerate(idx):
-                for e in self.tables[i]._pending:
-                    grads.append(e.grad)
-                    owner.append(j)
+                g, _ = _checked_tensors(self.tables[i]._pending)
+                grads += g
+                owner += [j] * len(g)
             if grads:
                 f = _ops.nonfinite_flags(grads, owner, len(idx))
                 flags[dev], self._any[dev] = [f[:-1]], f[-1:]
@@ -1356,6 +1389,7 @@ class _SparseLookup(torch.autograd.Function):
         saved = ctx.saved_tensors
         ids, slots, offsets, psws = (saved[j * k : (j + 1) * k] for j in range(4))
         grads = _contiguous_grads(grads, [m.table.dtype for m in ctx.modules])
+        trains = _accumulates_into(ctx.next_functions[0][0])
         grad_psws = []
         for j, (module, grad_out) in enumerate(zip(ctx.modules, grads)):
             if grad_out is None:
@@ -1366,14 +1400,33 @@ class _SparseLookup(torch.autograd.Function):
             if ctx.versions[j] != table.version:  # the table grew or evicted since forward
                 s = _reresolve(table, ids[j], s)
             ilo = module.include_last_offset
-            module._accumulate(
-                _Pending(ids[j], s, offsets[j], psws[j], grad_out, _MODES[module.mode], ilo, table.version)
-            )
+            if trains:
+                module._accumulate(
+                    _Pending(ids[j], s, offsets[j], psws[j], grad_out, _MODES[module.mode], ilo, table.version)
+                )
             grad_psw = None
             if psws[j] is not None and ctx.needs_input_grad[5 + j]:
                 grad_psw = _psw_grad(table.weights, s, offsets[j], grad_out, ilo)
             grad_psws.append(grad_psw)
         return (None, None, None, None, None, *grad_psws)
+
+
+_WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def _accumulates_into(anchor_node) -> bool:
+    """Whether the backward pass running now accumulates gradients into the anchor's
+    leaf (``anchor_node``: its AccumulateGrad node), as ``loss.backward()`` does into every
+    leaf. ``torch.autograd.grad(...)`` and ``backward(inputs=[...])`` accumulate only into
+    what they are asked for, never into the anchor: such a pass gives the per-sample
+    weights their gradient but the tables none, as it leaves an ``nn.EmbeddingBag``'s
+    ``weight.grad`` alone."""
+    if _WILL_EXECUTE is None:  # no such query in this torch: every pass trains the tables
+        return True
+    try:
+        return bool(_WILL_EXECUTE(anchor_node))
+    except RuntimeError:  # autograd.grad(..., inputs=[the anchor]): grad() accumulates into nothing
+        return False
 
 
 def _contiguous_grads(grads: Sequence[Optional[torch.Tensor]],
@@ -1417,6 +1470,40 @@ def _reresolve(table: HashTable, ids: torch.Tensor, slots: torch.Tensor) -> torc
     counted by mean, no gradient), padding (-1 in ``slots``) stays -1."""
     fresh = table.find(ids)
     return fresh.masked_fill(fresh < 0, -2).masked_fill(slots == -1, -1)
+
+
+def _checked_tensors(pending: Sequence[_Pending]) -> tuple[list[torch.Tensor], list[int]]:
+    """What the NaN/Inf check reads of pending entries, and the entry each tensor belongs
+    to: every gradient, and the per-sample weights that scale it into the rows' gradients
+    (a NaN weight makes a NaN row gradient out of a finite pooled one)."""
+    tensors, owner = [], []
+    for j, e in enumerate(pending):
+        tensors.append(e.grad)
+        owner.append(j)
+        if e.psw is not None:
+            tensors.append(e.psw)
+            owner.append(j)
+    return tensors, owner
+
+
+def _nonfinite_bags(e: _Pending) -> torch.Tensor:
+    """(B,) bool: the bags of ``e`` whose gradient, or some position's per-sample weight,
+    holds NaN or Inf."""
+    bad = ~torch.isfinite(e.grad).all(dim=1)
+    if e.psw is not None:
+        offsets = e.offsets[:-1] if e.include_last_offset else e.offsets
+        bad[_bag_of(offsets, e.psw.numel())[~torch.isfinite(e.psw)]] = True
+    return bad
+
+
+def _drop_bags(e: _Pending, bad: torch.Tensor) -> _Pending:
+    """``e`` without the gradient of the ``bad`` bags (nonfinite_grad="skip"): their pooled
+    gradient and their positions' per-sample weights become zero."""
+    grad = e.grad.masked_fill(bad.unsqueeze(1), 0)
+    if e.psw is None:
+        return e._replace(grad=grad)
+    offsets = e.offsets[:-1] if e.include_last_offset else e.offsets
+    return e._replace(grad=grad, psw=e.psw.masked_fill(bad[_bag_of(offsets, e.psw.numel())], 0))
 
 
 def _bag_of(offsets: torch.Tensor, n: int) -> torch.Tensor:

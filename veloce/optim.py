@@ -158,8 +158,10 @@ def _sparse_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 class CombinedOptimizer(torch.optim.Optimizer):
     """One optimizer for a model's dense parameters and all its ``DynamicEmbedding`` tables.
 
-    ``step()`` runs the dense optimizer, then every table's fused sparse update;
-    ``zero_grad()`` clears both. ``param_groups`` holds the dense optimizer's groups
+    ``step()`` runs every table's fused sparse update, then the dense optimizer (with a
+    ``closure``, the dense optimizer first: the closure computes the gradients). A table
+    that refuses a NaN/Inf gradient (``nonfinite_grad="raise"``) raises before the dense
+    step, so that nothing is applied. ``zero_grad()`` clears both. ``param_groups`` holds the dense optimizer's groups
     followed by one group per table (``{"params": [], "lr": ..., "table": name}``),
     so any ``torch.optim.lr_scheduler`` scales the sparse learning rates too.
 
@@ -207,14 +209,23 @@ class CombinedOptimizer(torch.optim.Optimizer):
         # A "raise_next" error of the last step is raised before the dense step too: this
         # step then applies nothing, dense or sparse.
         _raise_deferred([table for _, table in self.tables])
-        loss = None
+        tables, lrs = [table for _, table in self.tables], [group["lr"] for group in self._sparse_groups]
+        if closure is None:
+            # The tables first: a NaN/Inf gradient that one of them refuses ("raise") stops
+            # the step before the dense one too, so that nothing is applied. One device
+            # read-back for every table's finiteness check (see step_tables).
+            step_tables(tables, lrs)
+            if self.dense is not None:
+                self.dense.step()
+            return None
+        # The closure computes the gradients the tables step with: the dense step (which
+        # calls it) first.
         if self.dense is not None:
             loss = self.dense.step(closure)
-        elif closure is not None:
+        else:
             with torch.enable_grad():
                 loss = closure()
-        # One device read-back for every table's finiteness check (see step_tables).
-        step_tables([table for _, table in self.tables], [group["lr"] for group in self._sparse_groups])
+        step_tables(tables, lrs)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102

@@ -61,8 +61,8 @@ class ReportCallback(Callback):
       report, as often as the others). ``metrics`` is the epoch record when the checkpoint
       ends an epoch, else ``{"event": "checkpoint", "epoch": ..., "step": ...}``.
     - Each epoch's record (``loss``, ``val_<metric>``, ...) that no checkpoint followed
-      (no ``checkpoint_dir``, or the step's checkpoint was already written) is reported
-      alone, before the next epoch starts or when ``fit`` ends.
+      (no ``checkpoint_dir``) is reported alone, before the next epoch starts or when
+      ``fit`` ends.
     """
 
     def __init__(self) -> None:

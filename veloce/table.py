@@ -15,6 +15,7 @@ autograd contexts) compare versions and re-resolve their slots by key.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import warnings
 from collections.abc import Iterator
 from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
@@ -33,12 +34,33 @@ __all__ = ["HashTable", "TableFullError", "BUCKET_SIZE", "find_or_insert_many", 
 BUCKET_SIZE = 32  # slots per bucket; csrc/include/veloce/hash.h kBucketSize
 _SCORE_POLICY = {"lru": 1, "lfu": 2, "none": 1}  # "none" keeps LRU scores (informative only)
 _EXPORT_CHUNK = 1 << 20
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The optimizer state's dtype for rows of ``dtype``: float64 for float64 rows, else
+    float32 (16-bit rows keep their state in float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 _STATE_NAMES = ("keys", "digests", "scores", "weights", "opt_state")  # the buffers, in the ops' order
 _T = TypeVar("_T")
 
 
 class TableFullError(RuntimeError):
     """Raised when a table at ``max_capacity`` with ``eviction="none"`` has no room."""
+
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _is_int(value: Any) -> bool:
+    """An integer (Python's, NumPy's, ...), and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_int64(value: Any) -> bool:
+    """An integer (not a bool) that an int64 holds: what an id, a padding id or a seed may be."""
+    return _is_int(value) and _INT64_MIN <= value <= _INT64_MAX
 
 
 def round_capacity(capacity: int) -> int:
@@ -119,6 +141,11 @@ class HashTable(PlainAttrs, nn.Module):
             raise ValueError(f"eviction must be 'lru', 'lfu' or 'none', got {eviction!r}")
         if not 0.0 < grow_at <= 1.0:
             raise ValueError(f"grow_at must be in (0, 1], got {grow_at}")
+        for name, value in (("capacity", capacity), ("max_capacity", max_capacity)):
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1{' or None' if name == 'max_capacity' else ''}, got {value!r}")
+        if not is_int64(seed):
+            raise ValueError(f"seed must be an int in the int64 range, got {seed!r}")
         self.dim = int(dim)
         self.state_dim = int(state_dim)
         self.eviction = eviction
@@ -163,7 +190,7 @@ class HashTable(PlainAttrs, nn.Module):
             # on its side stream): their memory must not be reused before that work ran.
             if old is not None and old.is_cuda:
                 old.record_stream(current_stream(old.device))
-        opt_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        opt_dtype = state_dtype(dtype)
         shapes = {
             "keys": ((capacity,), torch.long),
             "digests": ((capacity,), torch.uint8),
@@ -223,7 +250,16 @@ class HashTable(PlainAttrs, nn.Module):
         if self._changed is not None:  # and after the last change, whatever stream queued it
             self._wait_changed()
             self._changed = None  # the buffers are replaced, on the current stream
-        return super()._apply(fn, recurse)
+        opt = self._buffers["opt_state"]
+        out = super()._apply(fn, recurse)
+        # A cast of the module (.half(), .to(torch.bfloat16), .double()) casts every floating
+        # buffer alike, but the optimizer state keeps the dtype the rows' dtype calls for
+        # (float32 for 16-bit rows): it is converted once, from the state before the cast.
+        b = self._buffers
+        want = state_dtype(b["weights"].dtype)
+        if b["opt_state"].dtype != want:
+            b["opt_state"] = opt.to(device=b["weights"].device, dtype=want)
+        return out
 
     def __getstate__(self) -> dict[str, Any]:
         # copy.deepcopy / pickle: the rows after the update and after the last change (a copy
@@ -621,8 +657,19 @@ class HashTable(PlainAttrs, nn.Module):
     def load_entries(self, entries: dict[str, torch.Tensor]) -> None:
         """Replaces the contents with exported ``entries`` (keys, weights,
         optimizer_state, scores), growing as needed. Checks shapes first."""
+        for name, kinds in (("keys", "int"), ("weights", "float"), ("optimizer_state", "float"), ("scores", "int")):
+            t = entries[name]
+            ok = isinstance(t, torch.Tensor) and (
+                t.dtype in (torch.int64, torch.int32) if kinds == "int" else t.is_floating_point()
+            )
+            if not ok:
+                want = "an int64" if kinds == "int" else "a floating-point"
+                got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be {want} tensor, got {got}")
         keys, weights = entries["keys"], entries["weights"]
         opt, scores = entries["optimizer_state"], entries["scores"]
+        if keys.dim() != 1:
+            raise ValueError(f"keys must be 1-D, got shape {tuple(keys.shape)}")
         n = keys.numel()
         if weights.dim() != 2 or weights.size(1) != self.dim:
             raise ValueError(f"weights must be (N, {self.dim}), got {tuple(weights.shape)}")
@@ -637,6 +684,10 @@ class HashTable(PlainAttrs, nn.Module):
             )
         if self.max_capacity is not None and n > self.max_capacity:
             raise ValueError(f"{n} entries do not fit max_capacity {self.max_capacity}")
+        distinct, counts = keys.unique(return_counts=True)
+        if distinct.numel() != n:
+            dup = int(distinct[counts > 1][0])
+            raise ValueError(f"keys hold {n - distinct.numel()} repeated id(s) (id {dup} is one): each id must appear once")
         self.settle(refusals=False)  # the contents are replaced: a refused call (it changed nothing) is forgotten
         cap = self.capacity
         while n > self.grow_at * cap and (self.max_capacity is None or cap < self.max_capacity):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import tempfile
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -152,7 +154,7 @@ class Trainer:
         self._finished = False  # a callback stopped the run: a later fit does not train further
         self._epoch_rng: Optional[dict[str, list]] = None  # RNG state when the epoch's iterator was made
         self._totals = _Totals(self.device)
-        self._last_saved = -1
+        self._last_saved: Optional[tuple[int, int]] = None  # (global_step, epoch) of the last checkpoint
         self._overwrite = False  # resumed from an explicit checkpoint: replace stale later ones
         self._train_len: Optional[int] = None
         self._graph: Optional[CUDAGraphStep] = None  # cuda_graph: the captured training step
@@ -201,6 +203,7 @@ class Trainer:
         self._start(resume_from)
         if self._finished or self._steps_exhausted():
             return self.history
+        self._check_fit_args(val_loader)
         self._train_len = _len_or_none(train_loader)
         self._call("on_fit_start")
         while self.epoch < self.max_epochs and not self.should_stop and not self._steps_exhausted():
@@ -212,6 +215,30 @@ class Trainer:
         self._save()
         self._call("on_fit_end", self.history)
         return self.history
+
+    def _check_fit_args(self, val_loader: Optional[Iterable]) -> None:
+        """What would otherwise fail only at the first epoch's end or the first checkpoint,
+        after an epoch of training: validation without metrics, an early stop on a record
+        field no epoch will have, a checkpoint directory that cannot be written."""
+        if val_loader is not None and not self.metrics:
+            raise ValueError(
+                "Trainer.fit: val_loader is given but the Trainer has no metrics to evaluate on it; pass "
+                "metrics={'auc': veloce.metrics.AUC(), ...} to the Trainer, or no val_loader"
+            )
+        from veloce.callbacks import EarlyStopping
+
+        for cb in self.callbacks:
+            if not isinstance(cb, EarlyStopping) or not cb.monitor.startswith("val_"):
+                continue
+            if val_loader is None:
+                raise ValueError(f"Trainer.fit: EarlyStopping monitors {cb.monitor!r}, which needs a val_loader")
+            if cb.monitor[4:] not in self.metrics:
+                raise ValueError(
+                    f"Trainer.fit: EarlyStopping monitors {cb.monitor!r}, but the metrics are {sorted(self.metrics)} "
+                    f"(the epoch record will have {sorted('val_' + k for k in self.metrics)})"
+                )
+        if self.checkpoint_dir is not None and self.rank == 0:
+            _check_writable(self.checkpoint_dir)
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable) -> dict[str, float]:
@@ -261,10 +288,17 @@ class Trainer:
                 pending = 0
                 self._optimizer_step()
                 if self.should_stop or self._steps_exhausted():
-                    return False
+                    return self._loader_done()
         if pending:
             self._optimizer_step()
         return True
+
+    def _loader_done(self) -> bool:
+        """Whether the epoch's batches are all consumed, when a stop (``max_steps``, a
+        callback) comes at a step: then the epoch ends as usual (validation, its record, a
+        checkpoint). Known from the loader's length; a loader without one is not drawn
+        from again, so its epoch stays open and a later fit finishes it."""
+        return self._train_len is not None and self.batches_in_epoch >= self._train_len
 
     def _epoch_iter(self, loader: Iterable) -> Iterator:
         """The loader's iterator for this epoch, past the batches a resumed run already consumed.
@@ -387,7 +421,7 @@ class Trainer:
                 self._optimizer_step(stepped=True)
                 if self.should_stop or self._steps_exhausted():
                     graph.discard_ahead()  # (a callback stopped the run after a batch was announced)
-                    return False
+                    return self._loader_done()
                 cur = following if ahead_ok else next(batches, None)
         except BaseException:
             graph.discard_ahead()  # a later fit() counts its first batch itself
@@ -402,7 +436,8 @@ class Trainer:
         if self.global_step % self.log_every == 0:
             self._log_step()
         self._call("on_step_end", self.global_step)
-        if self.checkpoint_every and self.global_step % self.checkpoint_every == 0:
+        # (not at an epoch's last step: the epoch's end saves right after, with its record)
+        if self.checkpoint_every and self.global_step % self.checkpoint_every == 0 and not self._loader_done():
             self._save()
 
     def _count_step(self) -> None:
@@ -440,7 +475,8 @@ class Trainer:
             if self.global_step == 0:
                 torch.manual_seed(self.seed)
             return
-        extra = checkpoint.load(path, self.model, self.optimizer)["extra"]
+        _check_resumable(path)
+        extra = _decode_floats(checkpoint.load(path, self.model, self.optimizer)["extra"])
         self.epoch, self.global_step = extra["epoch"], extra["global_step"]
         self.batches_in_epoch, self.steps_in_epoch = extra["batches_in_epoch"], extra["steps_in_epoch"]
         self.history, self._finished = extra["history"], extra["finished"]
@@ -450,11 +486,14 @@ class Trainer:
         for cb, state in zip(self.callbacks, extra["callbacks"]):
             cb.load_state_dict(state)
         set_rng_state(mine["rng"])
-        self._last_saved = self.global_step
+        self._last_saved = (self.global_step, self.epoch)
 
     def _save(self) -> None:
-        if self.checkpoint_dir is None or self.global_step == self._last_saved:
+        # Saved once per step and epoch: an epoch that ends at a step checkpoint_every saved
+        # replaces that checkpoint (the same model; now with the epoch's end and record).
+        if self.checkpoint_dir is None or (self.global_step, self.epoch) == self._last_saved:
             return
+        again = self._last_saved is not None and self._last_saved[0] == self.global_step
         self._flush()
         extra = {
             "epoch": self.epoch, "global_step": self.global_step, "batches_in_epoch": self.batches_in_epoch,
@@ -464,9 +503,9 @@ class Trainer:
             "ranks": gather({"rng": rng_state(), "epoch_rng": self._epoch_rng, "totals": self._totals.state()}),
         }  # fmt: skip
         path = checkpoint.save_in(self.checkpoint_dir, self.model, self.optimizer, step=self.global_step,
-                                  extra=extra, keep_last=self.keep_last,
-                                  overwrite=self._overwrite)  # fmt: skip
-        self._last_saved = self.global_step
+                                  extra=_encode_floats(extra), keep_last=self.keep_last,
+                                  overwrite=self._overwrite or again)  # fmt: skip
+        self._last_saved = (self.global_step, self.epoch)
         self._call("on_checkpoint", path)
 
     # ---- helpers --------------------------------------------------------------------------
@@ -507,6 +546,7 @@ class _Totals:
     def reset(self, device: torch.device) -> None:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.batches = self.samples = 0
+        self.seconds_before = 0.0  # the epoch's training time before a resume
         self.start_clock()
 
     def start_clock(self) -> None:
@@ -531,17 +571,26 @@ class _Totals:
         """The epoch's record fields, summed over ranks."""
         per_rank = gather((float(self.loss_sum), self.batches, self.samples))
         loss, batches, samples = (sum(x) for x in zip(*per_rank))
-        seconds = time.perf_counter() - self.started
-        return {"loss": loss / max(batches, 1), "samples": samples, "seconds": seconds,
+        seconds = self.seconds()
+        if not batches:
+            warnings.warn("Trainer: an epoch without batches (an empty loader, or a one-shot iterator already "
+                          "used up by an earlier epoch); its loss is NaN", stacklevel=3)  # fmt: skip
+        return {"loss": loss / batches if batches else math.nan, "samples": samples, "seconds": seconds,
                 "samples_per_s": samples / max(seconds, 1e-9)}  # fmt: skip
 
+    def seconds(self) -> float:
+        """The epoch's training time so far, over resumes."""
+        return self.seconds_before + time.perf_counter() - self.started
+
     def state(self) -> dict[str, Any]:
-        return {"loss_sum": float(self.loss_sum), "batches": self.batches, "samples": self.samples}
+        return {"loss_sum": float(self.loss_sum), "batches": self.batches, "samples": self.samples,
+                "seconds": self.seconds()}  # fmt: skip
 
     def load(self, state: Mapping[str, Any], device: torch.device) -> None:
         self.reset(device)
         self.loss_sum.fill_(state["loss_sum"])
         self.batches, self.samples = state["batches"], state["samples"]
+        self.seconds_before = state.get("seconds", 0.0)  # (checkpoints before 2026-12-02 lack it)
 
 
 class _MetricSink:
@@ -576,6 +625,60 @@ class _MetricSink:
         return {k: float(m.compute()) for k, m in self.metrics.items()}
 
 
+def _check_writable(directory: Path) -> None:
+    """Makes ``directory`` and writes a file in it, or raises CheckpointError saying why."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise checkpoint.CheckpointError(
+            f"Trainer: checkpoint_dir {str(directory)!r} cannot be written ({exc.strerror or exc}); choose another "
+            f"checkpoint_dir"
+        ) from exc
+
+
+_RESUME_KEYS = ("epoch", "global_step", "batches_in_epoch", "steps_in_epoch", "history", "finished", "callbacks",
+                "ranks")  # fmt: skip
+
+
+def _check_resumable(path: Path) -> None:
+    """Refuses, before the model changes, a checkpoint that a Trainer did not write (a
+    ``veloce.checkpoint.save_in`` of one's own holds no training position)."""
+    extra = checkpoint.describe(path)["extra"]
+    missing = [k for k in _RESUME_KEYS if not isinstance(extra, dict) or k not in extra]
+    if missing:
+        raise checkpoint.CheckpointError(
+            f"Trainer: {path} was not written by a Trainer (its extra lacks {', '.join(missing)}): a fit cannot "
+            f"resume from it. Load the model from it with veloce.checkpoint.load(path, model) before making the "
+            f"Trainer, and give the Trainer a checkpoint_dir without it"
+        )
+
+
+def _encode_floats(obj: Any) -> Any:
+    """``obj`` (JSON types) with NaN and infinities as ``{"$float": "nan"}`` etc.: a
+    checkpoint's extra is strict JSON, and an epoch record may hold NaN (a metric on a
+    one-class split, a loss gone NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"$float": repr(obj)}
+    if isinstance(obj, dict):
+        return {k: _encode_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_encode_floats(v) for v in obj]
+    return obj
+
+
+def _decode_floats(obj: Any) -> Any:
+    """The inverse of :func:`_encode_floats`."""
+    if isinstance(obj, dict):
+        if obj.keys() == {"$float"}:
+            return float(obj["$float"])
+        return {k: _decode_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode_floats(v) for v in obj]
+    return obj
+
+
 def _rank_state(ranks: list[dict[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
     """This rank's saved RNG and epoch totals. Saved by another number of ranks: rank 0's
     RNG everywhere, and the epoch totals summed on rank 0 (zero elsewhere) so that the
@@ -583,7 +686,9 @@ def _rank_state(ranks: list[dict[str, Any]], rank: int, world_size: int) -> dict
     if len(ranks) == world_size:
         return ranks[rank]
     totals = [r["totals"] for r in ranks]
-    summed = {k: sum(t[k] for t in totals) for k in totals[0]} if rank == 0 else {k: 0 for k in totals[0]}
+    # (the ranks trained side by side: the epoch's time so far is the longest rank's)
+    summed = {k: (max if k == "seconds" else sum)(t[k] for t in totals) for k in totals[0]}
+    summed = summed if rank == 0 else {k: 0 for k in totals[0]}
     return {**ranks[0], "totals": summed}
 
 
