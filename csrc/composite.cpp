@@ -33,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> export_entries(const 
 }  // namespace
 }  // namespace veloce
 
-// Registered for CUDA only (not CompositeExplicitAutograd, which FakeTensor's Python
+// Registered for CPU and CUDA (not CompositeExplicitAutograd, which FakeTensor's Python
 // dispatch trips over for an op with an argument named `mode`).
 TORCH_LIBRARY_IMPL(veloce, CPU, m) { m.impl("export", &veloce::export_entries); }
 

@@ -16,7 +16,11 @@
 //     table and calls again.
 
 #include <Python.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include <vector>
 
 extern "C" {
 // An empty module: importing veloce._C loads the shared library, whose static
@@ -208,4 +212,58 @@ TORCH_LIBRARY(veloce, m) {
   // every element and no host sync; flags[num_owners:] is a ready `skip` argument of the
   // updating ops (DynamicEmbedding's NaN/Inf check of its pending gradients).
   m.def("nonfinite_flags(Tensor[] tensors, int[] owner, int num_owners) -> Tensor");
+}
+
+namespace veloce {
+namespace {
+
+// Whether an argument is one the op writes: Tensor(a!), or Tensor(a!)[] (whose element
+// type carries the annotation).
+bool is_written(const c10::Argument& arg) {
+  const c10::AliasInfo* alias = arg.alias_info();
+  if (alias == nullptr) return false;
+  if (alias->isWrite()) return true;
+  for (const c10::AliasInfo& inner : alias->containedTypes()) {
+    if (inner.isWrite()) return true;
+  }
+  return false;
+}
+
+// The ADInplaceOrView kernel of the ops that write their arguments: it runs the op, then
+// bumps the version counter of every tensor the schema marks written, as torch's own
+// in-place ops do. Autograd then refuses a backward that saved one of those tensors before
+// the op changed it ("modified by an inplace operation"), where it would silently use the
+// new rows: pooled_lookup saves the weights for the gradient of per_sample_weights, and a
+// find_or_insert that evicts, or an update, rewrites them. Inference tensors have no
+// version counter (and no ADInplaceOrView key: in inference mode this kernel is skipped).
+void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const std::vector<c10::Argument>& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (!is_written(args[i])) continue;
+    const c10::IValue& value = (*stack)[first + i];
+    if (value.isTensor()) {
+      written.push_back(value.toTensor());
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& t : value.toTensorVector()) written.push_back(t);
+    }
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& t : written) {
+    if (t.defined() && !t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
+}  // namespace
+}  // namespace veloce
+
+TORCH_LIBRARY_IMPL(veloce, ADInplaceOrView, m) {
+  for (const char* name : {"find_or_insert", "find_or_insert_many", "insert_or_assign", "erase", "sparse_update",
+                           "accumulate_and_update", "accumulate_and_update_many"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&veloce::bump_written_versions>());
+  }
 }

@@ -753,3 +753,86 @@ def test_pooled_lookup_many_bad_inputs_name_the_table():
         pooled_lookup_many([w, w.double()], [s.clamp(max=11), s.clamp(max=11)], [o, o])
     with pytest.raises(RuntimeError, match=r"pooled_lookup_many \(table 1\).*slots"):
         pooled_lookup_many([w, w], [s.clamp(max=11), s + 100], [o, o])
+
+
+# ---- autograd at the op layer --------------------------------------------------------------
+def _written_tensors_bumped(device):
+    """Each op that writes its arguments (Tensor(a!) in its schema), run once on a small
+    table: (name, [versions of the written tensors before], [after])."""
+    from veloce.ops import optimizer as opt
+    from veloce.table import HashTable
+
+    cases = []
+    table = HashTable(4, 0, capacity=32, device=device)
+    ids = torch.tensor([1, 2, 3], device=device)
+
+    def run(name, fn, tensors):
+        before = [t._version for t in tensors]
+        fn()
+        cases.append((name, before, [t._version for t in tensors]))
+
+    b = table._buffers
+    everything = [b["keys"], b["digests"], b["scores"], b["weights"], b["opt_state"]]
+    run("find_or_insert", lambda: table.find_or_insert(ids), everything)
+    run("insert_or_assign", lambda: table.insert(ids, torch.ones(3, 4, device=device)), everything)
+    run("erase", lambda: table.erase(ids[:1]), [b["digests"]])
+    w, s = torch.zeros(8, 4, device=device), torch.zeros(8, 4, device=device)
+    slots = torch.tensor([2, 5], device=device)
+    run("sparse_update", lambda: opt.sparse_update(w, s, slots, torch.ones(2, 4, device=device), "adagrad", lr=0.1),
+        [w, s])  # fmt: skip
+    run("accumulate_and_update",
+        lambda: opt.accumulate_and_update(w, s, torch.ones(1, 4, device=device), slots, torch.tensor([0], device=device),
+                                          None, "sum", False, "adagrad", lr=0.1), [w, s])  # fmt: skip
+    return cases
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ops_that_write_their_arguments_bump_the_version_counters(device):
+    """As torch's in-place ops do: autograd can then tell that a tensor it saved changed."""
+    for name, before, after in _written_tensors_bumped(device):
+        assert all(a > b for a, b in zip(after, before)), (name, before, after)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_backward_after_an_update_of_its_saved_rows_raises(device):
+    """pooled_lookup saves the rows for the gradient of per_sample_weights; an update of
+    them before backward used to give a gradient computed from the new rows, silently."""
+    from veloce.ops import optimizer as opt
+
+    w = torch.randn(8, 4, device=device)
+    psw = torch.ones(3, device=device, requires_grad=True)
+    out = pooled_lookup(w, torch.tensor([1, 2, 3], device=device), torch.tensor([0], device=device), psw)
+    opt.sparse_update(w, torch.zeros(8, 0, device=device), torch.tensor([1], device=device),
+                      torch.ones(1, 4, device=device), "sgd", lr=10.0)  # fmt: skip
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_a_double_backward_through_pooled_lookup_raises():
+    """The weights' gradient comes from accumulate_grad, which has no derivative: a second
+    derivative through it raised nothing and was wrong (gradgradcheck failed)."""
+    w = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    out = pooled_lookup(w, torch.tensor([0, 2, 2, 5]), torch.tensor([0, 1]))
+    (g,) = torch.autograd.grad(out.pow(2).sum(), w, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
+
+
+def test_pooled_lookup_many_refuses_a_backward():
+    w = torch.randn(4, 2, requires_grad=True)
+    (out,) = torch.ops.veloce.pooled_lookup_many([w], [torch.tensor([1, 2])], [torch.tensor([0])], [None], [0], False,
+                                                 [None])  # fmt: skip
+    with pytest.raises(RuntimeError, match="pooled_lookup_many has no gradient: call pooled_lookup per table"):
+        out.sum().backward()
+
+
+def test_wrapper_arguments_that_used_to_be_misread():
+    from veloce.ops.exchange import bucketize_bags
+
+    with pytest.raises(TypeError, match="num_rows is required"):
+        accumulate_grad(torch.ones(1, 2), torch.tensor([0]), torch.tensor([0]))
+    ids, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2, 4])
+    with pytest.raises(TypeError, match="world_size must be an int, got True"):
+        bucketize_bags(ids, offsets, True, 4)  # the op's order, not the wrapper's
+    with pytest.raises(ValueError, match=r"Adam.eps must be a finite number > 0"):
+        veloce.optim.Adam(eps=0.0)

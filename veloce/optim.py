@@ -139,8 +139,8 @@ class Adam(SparseOptimizer):
         super().__post_init__()
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"Adam.betas must be two numbers in [0, 1), got {self.betas}")
-        if not (math.isfinite(self.eps) and self.eps >= 0):
-            raise ValueError(f"Adam.eps must be >= 0, got {self.eps}")
+        if not (math.isfinite(self.eps) and self.eps > 0):  # (0 divides 0 by 0 in a column of zero gradients)
+            raise ValueError(f"Adam.eps must be a finite number > 0 (as torch.optim.SparseAdam's), got {self.eps}")
 
     def state_dim(self, dim: int) -> int:
         return 2 * dim

@@ -14,8 +14,10 @@ mean), ``slot >= C`` reads ``extra_rows[slot - C]``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from veloce import _ext
 
@@ -147,7 +149,7 @@ def accumulate_grad(
     per_sample_weights: torch.Tensor | None = None,
     mode: int | str = "sum",
     include_last_offset: bool = False,
-    num_rows: int = 0,
+    num_rows: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradient of :func:`pooled_lookup` w.r.t. ``weights``, reduced per unique slot.
 
@@ -164,7 +166,7 @@ def accumulate_grad(
         per_sample_weights: optional per-position scales (sum mode only).
         mode: ``"sum"`` / 0 or ``"mean"`` / 1.
         include_last_offset: as in :func:`pooled_lookup`.
-        num_rows: the number of table rows ``C``; larger slots get no gradient.
+        num_rows: the number of table rows ``C`` (required); larger slots get no gradient.
 
     Returns:
         ``(unique_slots, grad_rows)``: the touched slots in ascending order and their summed gradients.
@@ -181,6 +183,8 @@ def accumulate_grad(
         [1, 3]
     """
     _ext.require()
+    if num_rows is None:  # (a default of 0 made every slot an extra row: an empty gradient)
+        raise TypeError("accumulate_grad: num_rows is required: the number of table rows C (weights.shape[0])")
     return torch.ops.veloce.accumulate_grad(
         grad_output, slots, offsets, per_sample_weights, _mode_id(mode), include_last_offset, num_rows
     )
@@ -295,6 +299,17 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(weights, slots, offsets, per_sample_weights, extra_rows)
 
 
+def _setup_many(ctx, inputs, output) -> None:
+    pass
+
+
+def _backward_many(ctx, *grads):
+    raise RuntimeError(
+        "veloce::pooled_lookup_many has no gradient: call pooled_lookup per table for gradients w.r.t. weights "
+        "or per_sample_weights (DynamicEmbedding and lookup_many send their tables' gradients to the tables)"
+    )
+
+
 def _backward(ctx, grad_output: torch.Tensor):
     weights, slots, offsets, per_sample_weights, extra_rows = ctx.saved_tensors
     grad_weights = grad_psw = None
@@ -328,4 +343,8 @@ if _ext.loaded:
     torch.library.register_fake("veloce::pooled_lookup_many")(_fake_pooled_lookup_many)
     torch.library.register_fake("veloce::accumulate_grad")(_fake_accumulate_grad)
     torch.library.register_fake("veloce::bag_layouts_bad")(_fake_bag_layouts_bad)
-    torch.library.register_autograd("veloce::pooled_lookup", _backward, setup_context=_setup_context)
+    # once_differentiable: the weights' gradient comes from accumulate_grad, which has no
+    # derivative of its own; a double backward through it raises instead of being wrong.
+    torch.library.register_autograd("veloce::pooled_lookup", once_differentiable(_backward),
+                                    setup_context=_setup_context)  # fmt: skip
+    torch.library.register_autograd("veloce::pooled_lookup_many", _backward_many, setup_context=_setup_many)

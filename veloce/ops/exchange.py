@@ -91,6 +91,13 @@ def bucketize_bags(
         :class:`Buckets`.
     """
     _ext.require()
+    # (the op's schema has include_last_offset before world_size: a call in that order would
+    # pass a bool as world_size)
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"bucketize_bags: world_size must be an int, got {world_size!r} (the wrapper takes ids, "
+                        f"offsets, world_size, include_last_offset, ...)")  # fmt: skip
+    if not isinstance(include_last_offset, bool):
+        raise TypeError(f"bucketize_bags: include_last_offset must be a bool, got {include_last_offset!r}")
     return Buckets(*torch.ops.veloce.bucketize_bags(ids, offsets, include_last_offset, world_size, padding_id,
                                                     exact_sizes))  # fmt: skip
 
