@@ -558,6 +558,21 @@ def test_constructor_names_the_bad_argument(kwargs, pattern):
         veloce.DynamicEmbedding(4, **kwargs)
 
 
+@pytest.mark.parametrize("init, dtype, wider", [
+    (veloce.init.constant(1e39), torch.float32, torch.float64),
+    (veloce.init.uniform(-1e308, 1e308), torch.float64, None),  # b - a is inf even in float64
+    (veloce.init.normal(std=1e4), torch.float16, torch.float32),
+    (veloce.init.uniform(-1e5, 0.0), torch.float16, torch.bfloat16),
+])  # fmt: skip
+def test_an_initializer_beyond_the_dtype_is_refused(init, dtype, wider):
+    """Its rows would hold inf (the checks of the initializer alone are in float64)."""
+    with pytest.raises(ValueError, match=r"makes values beyond .* range"):
+        veloce.DynamicEmbedding(4, initializer=init, dtype=dtype)
+    if wider is not None:
+        emb = veloce.DynamicEmbedding(4, initializer=init, dtype=wider)
+        assert torch.isfinite(emb(torch.tensor([[1, 2, 3]]))).all()
+
+
 def test_constructor_takes_numpy_integers():
     np = pytest.importorskip("numpy")
     emb = veloce.DynamicEmbedding(4, mode="sum", padding_idx=np.int64(3), seed=np.int32(5), capacity=np.int64(64))

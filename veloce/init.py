@@ -44,6 +44,28 @@ class Initializer:
         if self.kind == 3 and self.b < 0:
             raise ValueError(f"normal(std=...) needs std >= 0, got {self.b}")
 
+    def check_fits(self, dtype: "torch.dtype") -> None:
+        """Raises ValueError when rows of ``dtype`` could not hold this initializer's values
+        (they would become inf): a constant or a bound beyond the dtype's largest value, a
+        uniform range wider than a double holds, or a normal whose draws (within 9 std of
+        the mean: the sampler's reach) could pass it."""
+        import torch
+
+        largest = torch.finfo(dtype).max
+        if self.kind == 1:
+            reach = abs(self.a)
+        elif self.kind == 2:
+            reach = max(abs(self.a), abs(self.b))
+            if not math.isfinite(self.b - self.a):
+                reach = math.inf
+        elif self.kind == 3:
+            reach = abs(self.a) + 9.0 * self.b
+        else:
+            return
+        if not reach <= largest:
+            raise ValueError(f"initializer {self!r} makes values beyond {dtype}'s range (largest {largest:g}): new "
+                             f"rows would hold inf; choose a smaller scale or a wider dtype")  # fmt: skip
+
     def __repr__(self) -> str:
         if self.kind == 0:
             return "zeros()"

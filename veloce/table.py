@@ -146,6 +146,7 @@ class HashTable(PlainAttrs, nn.Module):
                 raise ValueError(f"{name} must be an int >= 1{' or None' if name == 'max_capacity' else ''}, got {value!r}")
         if not is_int64(seed):
             raise ValueError(f"seed must be an int in the int64 range, got {seed!r}")
+        initializer.check_fits(dtype)
         self.dim = int(dim)
         self.state_dim = int(state_dim)
         self.eviction = eviction
