@@ -563,6 +563,37 @@ def test_unwrap_keeps_async_gradients_in_flight():
     torch.testing.assert_close(got["a"]["weights"], want["a"]["weights"][order], rtol=1e-5, atol=1e-5)
 
 
+def _load_whole_table_body(rank, world, path):
+    """Every rank loads one process's state dict (the DDP habit), then saves a checkpoint and
+    loads it back: each shard keeps the rows it owns."""
+    whole = torch.load(path, weights_only=True)
+    model = Small()
+    hp = HybridParallel(model)
+    model.load_state_dict(whole)
+    mine = owner_of(whole["a.keys"], world) == rank
+    exported = model.a.export()
+    order = exported["keys"].argsort()
+    want = whole["a.keys"][mine].argsort()
+    assert torch.equal(exported["keys"][order], whole["a.keys"][mine][want])
+    assert torch.equal(exported["weights"][order], whole["a.weights"][mine][want])
+    ckpt = os.path.join(os.path.dirname(path), "ckpt")
+    veloce.checkpoint.save(ckpt, hp, make_opt(hp), step=1)
+    veloce.checkpoint.load(ckpt, hp)  # the shards do not overlap
+    return len(model.a), len(model.b), model.a.step_count
+
+
+def test_a_whole_tables_state_dict_loads_into_its_shards(tmp_path):
+    """load_state_dict on a sharded table keeps the ids this rank owns (it used to keep
+    every row on every rank, and the next checkpoint's shards overlapped)."""
+    src = Small()
+    train(src, make_opt(src), 1, 0, steps=2)
+    path = str(tmp_path / "whole.pt")
+    torch.save(src.state_dict(), path)
+    results = run_ranks(_load_whole_table_body, 2, path, timeout=90)
+    assert sum(r[0] for r in results) == len(src.a) and sum(r[1] for r in results) == len(src.b)
+    assert all(r[0] < len(src.a) for r in results) and {r[2] for r in results} == {src.a.step_count}
+
+
 def _world_one_body(rank, world):
     model = Small()
     hp = HybridParallel(model)

@@ -668,6 +668,8 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
                 return
             counters[n] = v
         entries = {n: state_dict[prefix + n] for n in names[:4]}
+        if self._shard is not None and isinstance(entries["keys"], torch.Tensor) and entries["keys"].dim() == 1:
+            entries = self._owned_entries(entries)
         try:
             self.table.load_entries(entries)
         except ValueError as exc:
@@ -678,6 +680,19 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         self._pending.clear()
         if self._had_backward:  # a backward before the load books no step after it
             self._had_backward = False
+
+    def _owned_entries(self, entries: dict[str, Any]) -> dict[str, Any]:
+        """The entries of the ids this rank owns, on a table sharded by HybridParallel: a
+        state dict of the whole table (one process's, or every shard's gathered) loads on
+        every rank, each keeping its own rows, as ``veloce.checkpoint.load`` does. Without
+        it each shard kept every row, and the next checkpoint's shards overlapped."""
+        from veloce.ops.exchange import owner_of
+
+        keys = entries["keys"]
+        mine = owner_of(keys.to(self.table.device, torch.long), self._shard.group.size).to(keys.device)
+        mine = mine == self._shard.group.rank
+        return {n: (v[mine] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == keys.shape[0] else v)
+                for n, v in entries.items()}  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, {self.table._size_text()}"

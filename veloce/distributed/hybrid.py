@@ -361,7 +361,8 @@ class HybridParallel(nn.Module):
     def flush(self) -> None:
         """Async mode: waits for every sparse gradient still in flight and applies it, so
         the tables hold every update (call before evaluating, exporting or checkpointing
-        at the end of training). Collective: every rank calls it. A no-op in sync mode."""
+        at the end of training). Collective: every rank calls it, in sync mode too (where
+        it applies nothing and only meets the other ranks: a barrier)."""
         from veloce.embedding import _raise_deferred
 
         _raise_deferred([m for _, m in self.tables])  # a failed step's error first: nothing moved yet
