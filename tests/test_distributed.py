@@ -594,6 +594,42 @@ def test_a_whole_tables_state_dict_loads_into_its_shards(tmp_path):
     assert all(r[0] < len(src.a) for r in results) and {r[2] for r in results} == {src.a.step_count}
 
 
+class _WithLocal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=0.1))
+        self.shared, self.local = nn.Linear(4, 1), nn.Linear(4, 1)
+
+    def forward(self, ids, offsets):
+        e = self.emb(ids, offsets)
+        return self.shared(e).squeeze(1) + self.local(e).squeeze(1)
+
+
+def _wrap_twice_and_own_ignores(rank, world):
+    model = _WithLocal()
+    DistributedDataParallel = torch.nn.parallel.DistributedDataParallel
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["local.weight", "local.bias"])
+    try:
+        HybridParallel(model, find_unused_parameter=True)  # a typo of a DDP argument
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("the mistyped DDP argument was accepted")
+    assert model.emb._shard is None  # the failed call left no sharding behind
+    hp = HybridParallel(model, find_unused_parameters=False)
+    assert "local.weight" in model._ddp_params_and_buffers_to_ignore
+    ids = torch.tensor([rank * 10 + 1, rank * 10 + 2])
+    hp(ids, torch.tensor([0])).sum().mul(rank + 1).backward()
+    return model.local.weight.grad.clone(), model.shared.weight.grad.clone()
+
+
+def test_a_failed_wrap_can_be_retried_and_the_users_ddp_ignores_stay():
+    (l0, s0), (l1, s1) = run_ranks(_wrap_twice_and_own_ignores, 2, timeout=90)
+    assert torch.equal(s0, s1)  # averaged by DDP
+    assert not torch.equal(l0, l1)  # the user's ignored parameter: each rank's own gradient
+
+
 def _world_one_body(rank, world):
     model = Small()
     hp = HybridParallel(model)

@@ -199,12 +199,22 @@ class HybridParallel(nn.Module):
         dense_params = [p for p in model.parameters() if p.requires_grad]
         ddp = None
         if dense == "ddp" and self.world_size > 1 and dense_params:
+            # The tables' buffers join what the user told DDP to ignore, if anything.
+            own = list(getattr(model, "_ddp_params_and_buffers_to_ignore", None) or [])
             ignored = [f"{name}.{b}" if name else b for name, m in self.tables for b, _ in m.named_buffers()]
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(dict.fromkeys(own + ignored)))
             devices = {p.device for p in dense_params}
             device_ids = [next(iter(devices))] if len(devices) == 1 and next(iter(devices)).type == "cuda" else None
             self._ddp_kwargs = dict(device_ids=device_ids, process_group=process_group, **ddp_kwargs)
-            ddp = DistributedDataParallel(model, **self._ddp_kwargs)
+            try:
+                ddp = DistributedDataParallel(model, **self._ddp_kwargs)
+            except BaseException:
+                # (a mistyped DDP argument, say) the tables as they were, so that a corrected
+                # call can wrap them
+                for _, m in self.tables:
+                    m._shard = None
+                model._ddp_params_and_buffers_to_ignore = own
+                raise
         object.__setattr__(self, "_ddp", ddp)  # not a submodule: model's state appears once
         self._process_group = process_group
 
