@@ -630,6 +630,26 @@ def test_a_failed_wrap_can_be_retried_and_the_users_ddp_ignores_stay():
     assert not torch.equal(l0, l1)  # the user's ignored parameter: each rank's own gradient
 
 
+def _modes_disagree(rank, world, dedup):
+    model = _WithLocal()
+    hp = HybridParallel(model, dedup=dedup)
+    if rank == 0:
+        hp.eval()
+    try:
+        hp(torch.tensor([1, 2, 3]), torch.tensor([0, 2]))
+    except ExchangeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+def test_ranks_in_train_and_eval_mode_raise_instead_of_hanging(dedup):
+    """A rank in eval and one in training used to pass the lookup's header and then wait in
+    different collectives (the gradient exchange, the step's agreement) for ever."""
+    for rank, msg in enumerate(run_ranks(_modes_disagree, 2, dedup, timeout=60)):
+        assert msg is not None and f"rank {1 - rank} sent signature" in msg and "train or eval mode" in msg
+
+
 def _world_one_body(rank, world):
     model = Small()
     hp = HybridParallel(model)

@@ -9,7 +9,7 @@ with an error on every rank instead of hanging or reading garbage.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -128,7 +128,7 @@ def finish_headers(
                 f"{what}: rank {peer} sent signature {sig} to rank {group.rank}, which expected {mine}. Every rank "
                 f"must call its sharded tables in the same order, grouped the same way, with the same "
                 f"configuration (embedding dim, per_sample_weights given or not and requiring grad or not, "
-                f"HybridParallel's dedup and exchange_dtype)."
+                f"train or eval mode, HybridParallel's dedup and exchange_dtype)."
             )
     if inline:
         return _columns(sent_rows, SIGNATURE_WIDTH, k), _columns(recv_rows, SIGNATURE_WIDTH, k)
@@ -260,6 +260,13 @@ def wire_dtype(wanted: Optional[torch.dtype], table_dtype: torch.dtype) -> Optio
     if wanted is None or wanted.itemsize >= table_dtype.itemsize:
         return None
     return wanted
+
+
+def modes_code(modules: Sequence[Any]) -> int:
+    """The train/eval modes of an exchange's tables, for its signature (bits 16 and up):
+    ranks whose tables are in different modes fail the header instead of waiting in
+    different collectives (training ranks exchange gradients, eval ranks do not)."""
+    return sum(1 << (16 + k) for k, m in enumerate(modules[:32]) if m.training) if modules else 0
 
 
 def wire_code(wire: Optional[torch.dtype]) -> int:

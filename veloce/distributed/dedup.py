@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from veloce._device import host_tensor
-from veloce.distributed._comm import all_to_all, all_to_all_rows, exchange_headers, wire_code, wire_dtype
+from veloce.distributed._comm import all_to_all, all_to_all_rows, exchange_headers, modes_code, wire_code, wire_dtype
 from veloce.distributed.sharded import (
     _SUM, Shard, _cat_grads, _concat_bags, _deliver, _mean_scale, _per_table, _received_order,
     _serve_tables, _table_major, _split_psw_grads, _tags_hash,
@@ -115,7 +115,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     ids_nk = torch.zeros(W * K, dtype=torch.long, device=dev).index_add_(0, cell, torch.ones_like(cell)).view(W, K)
     wire = wire_dtype(shard.exchange_dtype, dtype)
     signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(batch.psw is not None), int(psw_grad),
-                 1 | wire_code(wire) << 1)  # fmt: skip
+                 1 | wire_code(wire) << 1 | modes_code(modules))  # fmt: skip
     what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
     sent, recv = exchange_headers(g, torch.cat([ids_nk.sum(1, keepdim=True), ids_nk], 1), signature, what)
     id_splits, recv_ids_n, recv_ids_nk = sent[0], recv[0], recv[1:]  # recv_ids_nk[k][peer]

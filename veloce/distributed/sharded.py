@@ -45,7 +45,7 @@ from veloce._device import current_stream, host_tensor
 from veloce._update_stream import on_prefetch_stream, record_streams
 from veloce.distributed._comm import (
     DeferredFailure, ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all,
-    all_to_all_rows, Header, begin_headers, finish_headers, raise_deferred_failures, wire_code, wire_dtype,
+    all_to_all_rows, Header, begin_headers, finish_headers, raise_deferred_failures, modes_code, wire_code, wire_dtype,
 )  # fmt: skip
 from veloce.ops.embedding import pooled_lookup_kernels
 from veloce.ops.exchange import bucketize_bags, combine_parts, regroup_blocks
@@ -583,9 +583,11 @@ def _begin(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = 
 
         parts_nk, ids_nk = _counts_per_owner_and_table(b, cb.num_bags, g.size, dev)
     wire = wire_dtype(shard.exchange_dtype, dtype)
-    # The last int: 0 = parts (dedup.py sends 1), and the rows' wire dtype.
+    # The last int: 0 = parts (dedup.py sends 1), the rows' wire dtype, and the tables'
+    # train/eval modes (a rank in eval and one in training would otherwise meet in
+    # different collectives: the trainer's gradient exchange, the other's step).
     signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(any_psw), int(psw_grad),
-                 wire_code(wire) << 1)  # fmt: skip
+                 wire_code(wire) << 1 | modes_code(modules))  # fmt: skip
     # One column per field: the ids and parts per owner, then per (owner, table) the parts and ids.
     fields = torch.cat([b.id_splits.view(-1, 1), b.part_splits.view(-1, 1), parts_nk.view(g.size, K),
                         ids_nk.view(g.size, K)], 1)  # fmt: skip
