@@ -650,6 +650,26 @@ def test_ranks_in_train_and_eval_mode_raise_instead_of_hanging(dedup):
         assert msg is not None and f"rank {1 - rank} sent signature" in msg and "train or eval mode" in msg
 
 
+def _bad_input_in_a_later_exchange(rank, world):
+    a = veloce.DynamicEmbedding(4, mode="sum")
+    b = veloce.DynamicEmbedding(8, mode="sum")  # another dim: another exchange
+    HybridParallel(nn.ModuleDict({"a": a, "b": b}))
+    ids_b = torch.tensor([5.0]) if rank == 1 else torch.tensor([5])  # rank 1's is not ids
+    try:
+        veloce.lookup_many([a, b], [(torch.tensor([1, 2, 3]), torch.tensor([0])), (ids_b, torch.tensor([0]))])
+    except (TypeError, ExchangeError) as e:
+        return type(e).__name__, len(a), len(b)
+    return None, len(a), len(b)
+
+
+def test_bad_input_of_a_later_exchange_changes_no_table():
+    """lookup_many checks every sharded table's input before the first exchange: rank 1's
+    bad ids for the second table used to arrive after the first table's rows were inserted."""
+    (e0, a0, b0), (e1, a1, b1) = run_ranks(_bad_input_in_a_later_exchange, 2, timeout=60)
+    assert (e0, e1) == ("ExchangeError", "TypeError")
+    assert a0 == a1 == b0 == b1 == 0
+
+
 def _world_one_body(rank, world):
     model = Small()
     hp = HybridParallel(model)

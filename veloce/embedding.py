@@ -1063,6 +1063,17 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
     args, groups, local = _lookup_groups(tables, inputs, "lookup_many")
     out: list[Optional[torch.Tensor]] = [None] * len(tables)
     aranges: dict = {}  # the offsets of 2-D inputs, shared by the tables (see _bags)
+    # Every sharded table's input is checked before any table changes (a bad input of a
+    # later exchange used to arrive after the earlier exchanges inserted): this rank then
+    # abandons the first exchange, where every other rank raises too. The offsets' values
+    # are checked with each exchange's header.
+    sharded: list[tuple[list[int], list, list]] = []
+    if groups:
+        with tables[next(iter(groups.values()))[0]]._shard.abandon_on_error():
+            for idx in groups.values():
+                layouts_k: list = []
+                sharded.append((idx, [tables[i]._bags(*args[i], deferred=layouts_k, aranges=aranges) for i in idx],
+                                layouts_k))  # fmt: skip
     if local:
         # A local table's error (bad input, a full table) must not leave the other ranks
         # waiting in this call's first sharded exchange: this rank abandons it, so they
@@ -1105,12 +1116,9 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
                     out[i] = tables[i]._lookup(*bags[i], check=check if tables[i].training else None)
     from veloce.distributed.sharded import sharded_lookup
 
-    for idx in groups.values():
-        with tables[idx[0]]._shard.abandon_on_error():  # bad input fails every rank, not just this one
-            layouts = []
-            bags = [tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in idx]
+    for idx, bags_k, layouts_k in sharded:
         # The layouts' offsets are checked with the exchange's header (one host sync for both).
-        for i, o in zip(idx, sharded_lookup([tables[i] for i in idx], bags, layouts)):
+        for i, o in zip(idx, sharded_lookup([tables[i] for i in idx], bags_k, layouts_k)):
             out[i] = o
     return out  # type: ignore[return-value]
 
