@@ -1514,8 +1514,7 @@ def _nonfinite_bags(e: _Pending) -> torch.Tensor:
     holds NaN or Inf."""
     bad = ~torch.isfinite(e.grad).all(dim=1)
     if e.psw is not None:
-        offsets = e.offsets[:-1] if e.include_last_offset else e.offsets
-        bad[_bag_of(offsets, e.psw.numel())[~torch.isfinite(e.psw)]] = True
+        bad[_position_bags(e)[~torch.isfinite(e.psw)]] = True
     return bad
 
 
@@ -1525,8 +1524,12 @@ def _drop_bags(e: _Pending, bad: torch.Tensor) -> _Pending:
     grad = e.grad.masked_fill(bad.unsqueeze(1), 0)
     if e.psw is None:
         return e._replace(grad=grad)
-    offsets = e.offsets[:-1] if e.include_last_offset else e.offsets
-    return e._replace(grad=grad, psw=e.psw.masked_fill(bad[_bag_of(offsets, e.psw.numel())], 0))
+    return e._replace(grad=grad, psw=e.psw.masked_fill(bad[_position_bags(e)], 0))
+
+
+def _position_bags(e: _Pending) -> torch.Tensor:
+    """(N,) the bag of each position of a pending entry."""
+    return _bag_of(e.offsets[:-1] if e.include_last_offset else e.offsets, e.slots.numel())
 
 
 def _bag_of(offsets: torch.Tensor, n: int) -> torch.Tensor:

@@ -299,10 +299,6 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(weights, slots, offsets, per_sample_weights, extra_rows)
 
 
-def _setup_many(ctx, inputs, output) -> None:
-    pass
-
-
 def _backward_many(ctx, *grads):
     raise RuntimeError(
         "veloce::pooled_lookup_many has no gradient: call pooled_lookup per table for gradients w.r.t. weights "
@@ -347,4 +343,4 @@ if _ext.loaded:
     # derivative of its own; a double backward through it raises instead of being wrong.
     torch.library.register_autograd("veloce::pooled_lookup", once_differentiable(_backward),
                                     setup_context=_setup_context)  # fmt: skip
-    torch.library.register_autograd("veloce::pooled_lookup_many", _backward_many, setup_context=_setup_many)
+    torch.library.register_autograd("veloce::pooled_lookup_many", _backward_many)
