@@ -624,6 +624,40 @@ def _wrap_twice_and_own_ignores(rank, world):
     return model.local.weight.grad.clone(), model.shared.weight.grad.clone()
 
 
+def _plain_ddp(rank, world):
+    """A model with a table wrapped in torch's DistributedDataParallel, trained one step;
+    then a lookup_many of the table, and the per_rank opt-out. Returns what each raised
+    and the table's size."""
+    model = _WithLocal()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ids, offsets = torch.tensor([rank * 10 + 1, 2]), torch.tensor([0])
+    errors = []
+    for call in (lambda: ddp(ids, offsets).sum().backward(), lambda: veloce.lookup_many([model.emb], [(ids, offsets)])):
+        try:
+            call()
+        except RuntimeError as e:
+            errors.append(str(e))
+    size_refused = len(model.emb)
+    model.emb.per_rank = True  # each rank's own table, on purpose
+    model(ids, offsets).sum().backward()
+    model.emb.step()
+    return errors, size_refused, len(model.emb)
+
+
+def test_plain_ddp_around_a_model_with_tables_is_refused_with_use_hybrid_parallel():
+    """DDP synchronises parameters only: each rank's table would drift apart. The first
+    training lookup raises (nothing inserted) and names HybridParallel; per_rank=True
+    trains each rank's own table."""
+    for errors, size_refused, size_per_rank in run_ranks(_plain_ddp, 2, timeout=90):
+        assert len(errors) == 2, errors
+        ddp_error, many_error = errors
+        assert "DistributedDataParallel does not synchronise DynamicEmbedding tables" in ddp_error
+        for e in (ddp_error, many_error):
+            assert "Use veloce.distributed.HybridParallel(model) instead of DistributedDataParallel(model)" in e
+            assert "per_rank=True" in e
+        assert size_refused == 0 and size_per_rank == 2
+
+
 def test_a_failed_wrap_can_be_retried_and_the_users_ddp_ignores_stay():
     (l0, s0), (l1, s1) = run_ranks(_wrap_twice_and_own_ignores, 2, timeout=90)
     assert torch.equal(s0, s1)  # averaged by DDP
@@ -1566,7 +1600,7 @@ def test_ranks_disagreeing_on_the_number_of_tables_raise_not_hang():
 def _local_table_fails(rank, world):
     """A local (unsharded) table and a sharded one in one lookup_many; rank 0's input to
     the local table is bad."""
-    local = veloce.DynamicEmbedding(2, mode="sum")
+    local = veloce.DynamicEmbedding(2, mode="sum", per_rank=True)
     sharded = veloce.DynamicEmbedding(2, mode="sum")
     HybridParallel(nn.ModuleList([sharded]), dense="none")
     x = torch.tensor([1, 2])

@@ -26,6 +26,7 @@ from veloce.table import HashTable, PlainAttrs, find_or_insert_many, insert_besi
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
 
 _T = TypeVar("_T")
+_DIST_AVAILABLE = torch.distributed.is_available()
 _MODES = {"sum": 0, "mean": 1}
 _NONFINITE = ("raise", "raise_next", "skip", "apply")
 _CHECKED = ("raise", "raise_next")  # policies whose step() checks every gradient before applying any
@@ -96,6 +97,13 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             must stop every rank). A refusal is raised by whatever reads the counts first
             (``step()``, ``len()``, ``erase()``, saving a checkpoint). Default False: every
             error in the forward that caused it.
+        per_rank: each rank of a multi-process run trains a table of its own on purpose.
+            Without it, a training lookup of a table that HybridParallel did not shard
+            raises while ``torch.distributed`` runs more than one rank: under
+            ``DistributedDataParallel`` (which synchronises parameters only, and the rows
+            are not parameters) each rank's copy would drift apart unnoticed. Use
+            :class:`veloce.distributed.HybridParallel` to train one table over the ranks.
+            A per-rank table is checkpointed from rank 0 (``veloce.checkpoint``).
 
     Shape:
         - input: (N,) with ``offsets`` (B,) (or (B+1,) with ``include_last_offset``),
@@ -128,6 +136,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         unknown: str = "init",
         nonfinite_grad: str = "raise",
         defer_inserts: bool = False,
+        per_rank: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(embedding_dim, int) or embedding_dim < 1:
@@ -155,6 +164,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         self.optimizer = optimizer
         self.unknown = unknown
         self.nonfinite_grad = nonfinite_grad
+        self.per_rank = bool(per_rank)
         self.table = HashTable(
             embedding_dim, optimizer.state_dim(embedding_dim), capacity=capacity, max_capacity=max_capacity,
             eviction=eviction, initializer=initializer, seed=seed, dtype=dtype, device=device,
@@ -222,6 +232,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             state["_steps"] = state.pop("step_count")
         state.setdefault("_verdict", None)
         state.setdefault("_nonfinite_error", None)
+        state.setdefault("per_rank", False)
         super().__setstate__(state)
 
     def _settle_check(self) -> None:
@@ -253,6 +264,8 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         layouts: list = []
         if not self.training:
             return self._lookup(*self._bags(input, offsets, per_sample_weights, deferred=layouts), unchecked=layouts)
+        if not self.per_rank and _world_size() > 1:
+            _refuse_replicated_training(self)
         table = self.table
 
         def checked_insert():  # on the insert stream while an update is in flight (veloce._update_stream)
@@ -1090,6 +1103,10 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
             first: dict[int, int] = {}
             train = [i for i in local if tables[i].training and first.setdefault(id(tables[i].table), i) == i]
             train_tables = [tables[i].table for i in train]
+            if train and _world_size() > 1:
+                for i in train:
+                    if not tables[i].per_rank:
+                        _refuse_replicated_training(tables[i])
 
             def checked_insert():  # on the insert stream while an update is in flight (veloce._update_stream)
                 bags = {i: tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in local}
@@ -1121,6 +1138,36 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
         for i, o in zip(idx, sharded_lookup([tables[i] for i in idx], bags_k, layouts_k)):
             out[i] = o
     return out  # type: ignore[return-value]
+
+
+def _world_size() -> int:
+    """The default process group's size; 1 without torch.distributed (one cheap check on
+    the training lookups of tables that are not sharded)."""
+    if not _DIST_AVAILABLE or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size()
+
+
+def _refuse_replicated_training(table: "DynamicEmbedding") -> NoReturn:
+    """Raises for a training lookup of an unsharded table while several ranks run: each
+    rank would train a copy of its own. A gradient all-reduce (DDP's, FSDP's, a user's)
+    covers parameters, and a table's rows are not parameters, so nothing else notices."""
+    ddp_cls = getattr(getattr(torch.nn, "parallel", None), "DistributedDataParallel", None)
+    inside_ddp = getattr(ddp_cls, "_active_ddp_module", None) is not None
+    why = (
+        "torch.nn.parallel.DistributedDataParallel does not synchronise DynamicEmbedding tables (their rows are "
+        "not parameters): every rank would train its own copy and the copies drift apart"
+        if inside_ddp else
+        "every rank would train its own copy of the table and the copies drift apart (DistributedDataParallel, "
+        "FSDP and gradient all-reduces synchronise parameters only; a table's rows are not parameters)"
+    )  # fmt: skip
+    raise RuntimeError(
+        f"DynamicEmbedding: training lookup of a table that is not sharded, while torch.distributed runs "
+        f"{_world_size()} ranks: {why}. Use veloce.distributed.HybridParallel(model) instead of "
+        f"DistributedDataParallel(model): it shards the tables across the ranks and runs DDP over the dense "
+        f"parameters. For a table that each rank trains on its own on purpose, pass per_rank=True "
+        f"(DynamicEmbedding(..., per_rank=True), or set table.per_rank = True)."
+    )
 
 
 def _lookup_groups(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], what: str):

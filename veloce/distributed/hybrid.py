@@ -134,6 +134,9 @@ class HybridParallel(nn.Module):
         process_group: the ranks to shard over (default: the whole world).
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
+    Over a ``process_group`` of one rank (in a larger world) nothing is sharded, and each
+    rank's tables become its own (``per_rank=True``).
+
     Every rank must construct its tables with the same seed and initializer (rows start
     as a function of (seed, id), so shards agree with a single process) and call them in
     the same order. World size 1 is plain single-process training.
@@ -196,6 +199,9 @@ class HybridParallel(nn.Module):
             raise ValueError(f"HybridParallel: table(s) {taken} are already sharded by another wrapper")
         if self.world_size > 1:
             self._shard_tables(process_group)
+        elif dist.get_world_size() > 1:
+            for _, m in self.tables:  # a group of one rank: each rank's tables are its own
+                m.per_rank = True
         dense_params = [p for p in model.parameters() if p.requires_grad]
         ddp = None
         if dense == "ddp" and self.world_size > 1 and dense_params:
