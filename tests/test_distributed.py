@@ -658,6 +658,23 @@ def test_plain_ddp_around_a_model_with_tables_is_refused_with_use_hybrid_paralle
         assert size_refused == 0 and size_per_rank == 2
 
 
+def _wrap_a_max_table(rank, world):
+    tables = nn.ModuleList([veloce.DynamicEmbedding(4, mode="sum"), veloce.DynamicEmbedding(4, mode="max")])
+    try:
+        HybridParallel(tables, dense="none")
+    except ValueError as e:
+        return str(e), [t._shard is None for t in tables]
+    return None, [t._shard is None for t in tables]
+
+
+def test_hybrid_parallel_around_a_max_table_says_max_is_not_sharded():
+    """An owner pools only its part of a bag, so mode="max" tables are refused over several
+    ranks, before any table is sharded."""
+    for error, unsharded in run_ranks(_wrap_a_max_table, 2, timeout=60):
+        assert error is not None and "table(s) ['1'] pool with mode='max'" in error
+        assert unsharded == [True, True]
+
+
 def test_a_failed_wrap_can_be_retried_and_the_users_ddp_ignores_stay():
     (l0, s0), (l1, s1) = run_ranks(_wrap_twice_and_own_ignores, 2, timeout=90)
     assert torch.equal(s0, s1)  # averaged by DDP

@@ -1791,3 +1791,87 @@ def test_a_load_forgets_an_unread_refusal(device, monkeypatch):
     emb.load_state_dict(src.state_dict())
     assert len(emb) == 8 and "size=8" in repr(emb)
     emb.step()  # nothing left to raise
+
+
+# ---- drop-in for nn.EmbeddingBag: mode="max", argument order, .weight, from_pretrained, TorchScript
+def _max_reference(emb, ids, pad=None):
+    """An nn.EmbeddingBag(mode="max") over the table's rows of ``ids`` (remapped by a dict),
+    with a zero row for an absent padding id; returns (ref, index of each id)."""
+    uniq = sorted(set(ids.tolist()) | ({pad} if pad is not None else set()))
+    index = {k: i for i, k in enumerate(uniq)}
+    rows, _ = emb.find(torch.tensor(uniq, device=ids.device))
+    ref = nn.EmbeddingBag(len(uniq), emb.embedding_dim, mode="max", padding_idx=None if pad is None else index[pad],
+                          include_last_offset=emb.include_last_offset).to(ids.device)  # fmt: skip
+    with torch.no_grad():
+        ref.weight.copy_(rows)
+    return ref, torch.tensor([index[k] for k in ids.tolist()], dtype=torch.long, device=ids.device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("use_pad, ilo", [(False, False), (True, False), (False, True), (True, True)])
+def test_mode_max_trains_like_embedding_bag_max(device, use_pad, ilo):
+    """mode="max" as nn.EmbeddingBag: forward (empty bags, padding, include_last_offset),
+    then the rows after five SGD steps (each column's gradient to its bag's argmax row),
+    and the eval lookup of the trained rows."""
+    g = torch.Generator().manual_seed(5)
+    pad = 2**40 + 3 if use_pad else None
+    emb = veloce.DynamicEmbedding(6, mode="max", optimizer=veloce.optim.SGD(lr=0.3), padding_idx=pad,
+                                  include_last_offset=ilo, initializer=veloce.init.uniform(-1, 1), device=device)
+    for _ in range(5):
+        ids = torch.randint(0, 12, (30,), generator=g) * 2**40 + 3  # repeats within bags: ties and shared rows
+        cuts = torch.sort(torch.randint(0, 31, (7,), generator=g)).values
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), cuts] + ([torch.tensor([30])] if ilo else []))
+        ids, offsets = ids.to(device), offsets.to(device)
+        target = torch.randn(offsets.numel() - int(ilo), 6, generator=g).to(device)
+        out = emb(ids, offsets)
+        ref, idx = _max_reference(emb, ids, pad)
+        torch.testing.assert_close(out, ref(idx, offsets))
+        ((out - target) ** 2).sum().backward()
+        ((ref(idx, offsets) - target) ** 2).sum().backward()
+        emb.step()
+        emb.zero_grad()
+        with torch.no_grad():
+            ref.weight -= 0.3 * ref.weight.grad
+        keys = torch.tensor(sorted(set(ids.tolist()) | ({pad} if pad is not None else set())), device=device)
+        rows, _ = emb.find(keys)
+        torch.testing.assert_close(rows, ref.weight.detach(), atol=1e-6, rtol=1e-6)
+    assert pad is None or not bool(emb.find(torch.tensor([pad], device=device))[1].any())
+    emb.eval()
+    ref, idx = _max_reference(emb, ids, pad)
+    torch.testing.assert_close(emb(ids, offsets), ref(idx, offsets))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mode_max_with_2d_input_lookup_many_and_unknown_ids_in_eval(device):
+    """mode="max" through lookup_many beside a sum table (one autograd node for both), 2-D
+    input, and eval lookups of unseen ids (their initial rows, or zeros)."""
+    a = veloce.DynamicEmbedding(4, mode="max", optimizer=veloce.optim.SGD(lr=0.5), device=device, seed=1)
+    b = veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=0.5), device=device, seed=2)
+    a2, b2 = copy.deepcopy(a), copy.deepcopy(b)
+    x = torch.tensor([[1, 5, 5], [7, 1, 9]], device=device)
+    outs = veloce.lookup_many([a, b], [x, x])
+    outs2 = [a2(x), b2(x)]
+    torch.testing.assert_close(outs[0], outs2[0])
+    torch.testing.assert_close(outs[1], outs2[1])
+    (outs[0].sum() + outs[1].sum()).backward()
+    (outs2[0].sum() + outs2[1].sum()).backward()
+    veloce.step_tables([a, b, a2, b2])
+    assert_same_snapshot(snapshot(a), snapshot(a2))
+    assert_same_snapshot(snapshot(b), snapshot(b2))
+    a.eval()
+    unseen = torch.tensor([[123, 1]], device=device)
+    rows = torch.cat([ref_init_rows([123], 4, a.table.initializer, seed=1).to(device), a.find(unseen[0, 1:])[0]])
+    torch.testing.assert_close(a(unseen), rows.max(0).values.unsqueeze(0))
+    a.unknown = "zeros"
+    torch.testing.assert_close(a(unseen), rows[1:].clamp(min=0))
+    with pytest.raises(ValueError, match="per_sample_weights is only supported with mode='sum', got mode='max'"):
+        a(x, per_sample_weights=torch.ones(2, 3, device=device))
+
+
+def test_embedding_bag_argument_order_says_what_to_write():
+    """nn.EmbeddingBag(1000, 8) is (num_embeddings, embedding_dim): the error says the
+    DynamicEmbedding call that means the same."""
+    with pytest.raises(TypeError, match=r"write DynamicEmbedding\(8\) \(capacity=1000 pre-sizes the table"):
+        veloce.DynamicEmbedding(1000, 8)
+    with pytest.raises(ValueError, match="mode must be 'sum', 'mean' or 'max', got 'min'"):
+        veloce.DynamicEmbedding(8, mode="min")

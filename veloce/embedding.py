@@ -20,14 +20,15 @@ from veloce._update_stream import run_update
 from veloce import init as _init
 from veloce import optim as _optim
 from veloce.ops import optimizer as _ops
-from veloce.ops.embedding import bag_layouts_bad, pooled_lookup_kernels
+from veloce.ops.embedding import bag_layouts_bad, max_pool, max_pool_position_grad, pooled_lookup_kernels
 from veloce.table import HashTable, PlainAttrs, find_or_insert_many, insert_beside_updates, is_int64
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
 
 _T = TypeVar("_T")
 _DIST_AVAILABLE = torch.distributed.is_available()
-_MODES = {"sum": 0, "mean": 1}
+_MODES = {"sum": 0, "mean": 1}  # the pooling kernels' modes; "max" pools in veloce.ops.embedding.max_pool
+_POOLINGS = ("sum", "mean", "max")
 _NONFINITE = ("raise", "raise_next", "skip", "apply")
 _CHECKED = ("raise", "raise_next")  # policies whose step() checks every gradient before applying any
 _UNKNOWN = ("init", "zeros")
@@ -57,7 +58,10 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
 
     Args:
         embedding_dim: D.
-        mode: "sum" or "mean" (default "mean", like ``nn.EmbeddingBag``).
+        mode: "sum", "mean" or "max" (default "mean", like ``nn.EmbeddingBag``). "max"
+            takes each column's max over the bag (empty bags give zeros) and sends each
+            column's gradient to the row that held the max; it takes no
+            per_sample_weights and is not sharded by HybridParallel.
         capacity: initial slots (rounded up to a power of two >= 32).
         max_capacity: most slots the table may grow to; None = no bound.
         eviction: "lru", "lfu" or "none" (a full table raises
@@ -141,8 +145,16 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         super().__init__()
         if not isinstance(embedding_dim, int) or embedding_dim < 1:
             raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
-        if mode not in _MODES:
-            raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        if isinstance(mode, int) and not isinstance(mode, bool):
+            # nn.EmbeddingBag(num_embeddings, embedding_dim)'s order: the second int is the dim
+            raise TypeError(
+                f"DynamicEmbedding({embedding_dim}, {mode}): the second argument is mode, got the int {mode}. "
+                f"DynamicEmbedding has no num_embeddings (the table grows with the ids it sees): where you had "
+                f"nn.EmbeddingBag({embedding_dim}, {mode}), write DynamicEmbedding({mode}) (capacity={embedding_dim} "
+                f"pre-sizes the table, max_capacity={embedding_dim} bounds it)"
+            )
+        if mode not in _POOLINGS:
+            raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
         if unknown not in _UNKNOWN:
             raise ValueError(f"unknown must be 'init' or 'zeros', got {unknown!r}")
         if nonfinite_grad not in _NONFINITE:
@@ -308,6 +320,8 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             return out
         _check_offsets_many(unchecked)
         slots, extra = self._eval_slots(ids)
+        if self.mode == "max":
+            return max_pool(table.weights, slots, offsets, self.include_last_offset, extra)[0]
         # The offsets passed _bags' checks and the slots come from the table: no re-check.
         return torch.ops.veloce.pooled_lookup(
             table.weights, slots, offsets, psw, _MODES[self.mode], self.include_last_offset, extra, False
@@ -1445,9 +1459,13 @@ class _SparseLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, modules, ids, slots, offsets, *psws):  # type: ignore[override]
         ctx.set_materialize_grads(False)  # None stays None: an unused output sends no gradient
-        outs = pooled_lookup_kernels([m.table.weights for m in modules], slots, offsets, psws,
-                                     [_MODES[m.mode] for m in modules], [m.include_last_offset for m in modules],
-                                     [None] * len(modules))  # fmt: skip
+        ctx.argmax = None
+        if any(m.mode == "max" for m in modules):
+            outs, ctx.argmax = _lookups_with_max(modules, slots, offsets, psws)
+        else:
+            outs = pooled_lookup_kernels([m.table.weights for m in modules], slots, offsets, psws,
+                                         [_MODES[m.mode] for m in modules], [m.include_last_offset for m in modules],
+                                         [None] * len(modules))  # fmt: skip
         ctx.modules = modules
         ctx.versions = [m.table.version for m in modules]
         ctx.save_for_backward(*ids, *slots, *offsets, *psws)
@@ -1470,7 +1488,12 @@ class _SparseLookup(torch.autograd.Function):
             if ctx.versions[j] != table.version:  # the table grew or evicted since forward
                 s = _reresolve(table, ids[j], s)
             ilo = module.include_last_offset
-            if trains:
+            if trains and ctx.argmax is not None and ctx.argmax[j] is not None:
+                # max: each column's gradient goes to its bag's argmax position, one bag per position
+                grad_rows = max_pool_position_grad(grad_out, ctx.argmax[j], offsets[j], s.numel(), ilo)
+                positions = torch.arange(s.numel(), device=s.device)
+                module._accumulate(_Pending(ids[j], s, positions, None, grad_rows, _MODES["sum"], False, table.version))
+            elif trains:
                 module._accumulate(
                     _Pending(ids[j], s, offsets[j], psws[j], grad_out, _MODES[module.mode], ilo, table.version)
                 )
@@ -1479,6 +1502,26 @@ class _SparseLookup(torch.autograd.Function):
                 grad_psw = _psw_grad(table.weights, s, offsets[j], grad_out, ilo)
             grad_psws.append(grad_psw)
         return (None, None, None, None, None, *grad_psws)
+
+
+def _lookups_with_max(modules, slots, offsets, psws) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
+    """The training lookups of :class:`_SparseLookup` when some tables pool by max: those
+    by :func:`max_pool` (with each column's argmax position, for the backward), the others
+    by the kernels. Returns the outputs and, per table, its argmax (None for sum / mean)."""
+    outs: list = [None] * len(modules)
+    argmax: list = [None] * len(modules)
+    rest = [k for k, m in enumerate(modules) if m.mode != "max"]
+    if rest:
+        res = pooled_lookup_kernels([modules[k].table.weights for k in rest], [slots[k] for k in rest],
+                                    [offsets[k] for k in rest], [psws[k] for k in rest],
+                                    [_MODES[modules[k].mode] for k in rest],
+                                    [modules[k].include_last_offset for k in rest], [None] * len(rest))  # fmt: skip
+        for k, o in zip(rest, res):
+            outs[k] = o
+    for k, m in enumerate(modules):
+        if m.mode == "max":
+            outs[k], argmax[k] = max_pool(m.table.weights, slots[k], offsets[k], m.include_last_offset)
+    return outs, argmax
 
 
 _WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)

@@ -134,8 +134,9 @@ class HybridParallel(nn.Module):
         process_group: the ranks to shard over (default: the whole world).
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
-    Over a ``process_group`` of one rank (in a larger world) nothing is sharded, and each
-    rank's tables become its own (``per_rank=True``).
+    Tables with ``mode="max"`` are refused over several ranks. Over a ``process_group`` of
+    one rank (in a larger world) nothing is sharded, and each rank's tables become its own
+    (``per_rank=True``).
 
     Every rank must construct its tables with the same seed and initializer (rows start
     as a function of (seed, id), so shards agree with a single process) and call them in
@@ -197,6 +198,12 @@ class HybridParallel(nn.Module):
         taken = [n for n, m in self.tables if m._shard is not None]
         if taken:
             raise ValueError(f"HybridParallel: table(s) {taken} are already sharded by another wrapper")
+        maxed = [n for n, m in self.tables if m.mode == "max"]
+        if maxed and self.world_size > 1:
+            raise ValueError(
+                f"HybridParallel: table(s) {maxed} pool with mode='max', which sharded tables do not support (an "
+                f"owner pools only its part of a bag); use mode='sum' or 'mean' for tables sharded over ranks"
+            )
         if self.world_size > 1:
             self._shard_tables(process_group)
         elif dist.get_world_size() > 1:

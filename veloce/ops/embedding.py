@@ -21,7 +21,8 @@ from torch.autograd.function import once_differentiable
 
 from veloce import _ext
 
-__all__ = ["MODES", "accumulate_grad", "bag_layouts_bad", "pooled_lookup", "pooled_lookup_many"]
+__all__ = ["MODES", "accumulate_grad", "bag_layouts_bad", "max_pool", "max_pool_position_grad", "pooled_lookup",
+           "pooled_lookup_many"]
 
 #: Pooling modes by name, as in ``nn.EmbeddingBag``.
 MODES = {"sum": 0, "mean": 1}
@@ -246,6 +247,81 @@ def pooled_lookup_kernels(weights: Sequence[torch.Tensor], slots: Sequence[torch
             for k, o in zip(idx, res):
                 out[k] = o
     return out
+
+
+def max_pool(
+    weights: torch.Tensor,
+    slots: torch.Tensor,
+    offsets: torch.Tensor,
+    include_last_offset: bool = False,
+    extra_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-column max of each bag's rows, as ``nn.EmbeddingBag(mode="max")``, and where it
+    was found. Composed of torch ops (a gather and two scatter reductions; no host sync).
+
+    Slot codes as :func:`pooled_lookup`'s: padding (-1) is skipped, -2 is a row of zeros,
+    ``slot >= C`` reads ``extra_rows``. An empty bag (or one of padding only) gives zeros,
+    as in torch. Ties go to the first position, as torch's CPU kernel. The inputs are not
+    checked (callers pass validated bags).
+
+    Args:
+        weights: the table rows.
+        slots: int64 row of each position.
+        offsets: int64 start of each bag.
+        include_last_offset: offsets has ``B + 1`` entries, the last equal to ``N``.
+        extra_rows: rows read by slots ``>= C``.
+
+    Returns:
+        ``(out, argmax)``: the pooled rows, and per bag and column the position whose row
+        gave the max (``N`` where the bag has none), for :func:`max_pool_position_grad`.
+
+    Shape:
+        - weights: ``(C, D)``; slots: ``(N,)``; offsets: ``(B,)`` or ``(B + 1,)``; extra_rows: ``(M, D)``
+        - out: ``(B, D)``, dtype of ``weights``; argmax: ``(B, D)`` int64
+    """
+    offs = offsets[:-1] if include_last_offset else offsets
+    b, n, d = offs.shape[0], slots.shape[0], weights.shape[1]
+    c = weights.shape[0]
+    bag = torch.bucketize(torch.arange(n, device=slots.device), offs, right=True) - 1
+    rows = weights.index_select(0, slots.clamp(0, max(c - 1, 0))) if c else weights.new_zeros((n, d))
+    if extra_rows is not None and extra_rows.shape[0]:
+        extra = slots >= c
+        picked = extra_rows.index_select(0, (slots - c).clamp(0, extra_rows.shape[0] - 1))
+        rows = torch.where(extra.unsqueeze(1), picked, rows)
+    valid = slots != -1
+    rows = rows.masked_fill((slots < 0).unsqueeze(1), 0)  # -2: a zero row, counted
+    rows = rows.masked_fill(~valid.unsqueeze(1), float("-inf"))  # padding never wins
+    index = bag.unsqueeze(1).expand(n, d)
+    out = weights.new_full((b, d), float("-inf")).scatter_reduce(0, index, rows, "amax", include_self=True)
+    count = torch.zeros(b, dtype=torch.long, device=slots.device).index_add_(0, bag, valid.long())
+    out = out.masked_fill((count == 0).unsqueeze(1), 0)
+    position = torch.arange(n, device=slots.device).unsqueeze(1).expand(n, d)
+    hit = (rows == out.index_select(0, bag)) & valid.unsqueeze(1)
+    argmax = torch.full((b, d), n, dtype=torch.long, device=slots.device).scatter_reduce(
+        0, index, torch.where(hit, position, n), "amin", include_self=True
+    )
+    return out, argmax
+
+
+def max_pool_position_grad(
+    grad_output: torch.Tensor, argmax: torch.Tensor, offsets: torch.Tensor, num_positions: int,
+    include_last_offset: bool = False,
+) -> torch.Tensor:
+    """The gradient of :func:`max_pool` per position: position ``i`` of bag ``b`` gets
+    ``grad_output[b, j]`` in each column ``j`` whose max it holds, zero elsewhere. Read as
+    a gradient of ``N`` bags of one position each (``offsets = arange(N)``, mode sum), it
+    is the rows' gradient (:func:`accumulate_grad`, a sparse optimizer step).
+
+    Shape:
+        - grad_output, argmax: ``(B, D)``; offsets: ``(B,)`` or ``(B + 1,)``
+        - output: ``(N, D)``, dtype of ``grad_output``
+    """
+    offs = offsets[:-1] if include_last_offset else offsets
+    n, d = num_positions, grad_output.shape[1]
+    bag = torch.bucketize(torch.arange(n, device=offs.device), offs, right=True) - 1
+    position = torch.arange(n, device=offs.device).unsqueeze(1)
+    mine = argmax.index_select(0, bag) == position
+    return torch.where(mine, grad_output.index_select(0, bag), grad_output.new_zeros(()))
 
 
 def _num_bags(offsets: torch.Tensor, include_last_offset: bool) -> int:
