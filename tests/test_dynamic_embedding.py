@@ -1875,3 +1875,52 @@ def test_embedding_bag_argument_order_says_what_to_write():
         veloce.DynamicEmbedding(1000, 8)
     with pytest.raises(ValueError, match="mode must be 'sum', 'mean' or 'max', got 'min'"):
         veloce.DynamicEmbedding(8, mode="min")
+
+
+def test_weight_access_says_what_to_use_instead():
+    emb = veloce.DynamicEmbedding(4)
+    with pytest.raises(AttributeError, match=r"no attribute 'weight': .*find\(ids\).*from_pretrained"):
+        emb.weight
+    with pytest.raises(AttributeError, match="no attribute 'num_embeddings': there is no vocabulary size"):
+        emb.num_embeddings
+    assert not hasattr(emb, "weight")
+    with pytest.raises(AttributeError, match="no attribute 'bias'$"):
+        emb.bias
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_pretrained_reads_the_rows_and_a_frozen_table_never_changes(device):
+    """from_pretrained(weight) looks up like nn.EmbeddingBag.from_pretrained(weight); frozen
+    (the default), training changes nothing even after model.train(), and per-sample
+    weights still get their gradient; freeze=False trains the rows."""
+    weight = torch.randn(10, 3, generator=torch.Generator().manual_seed(0)).to(device)
+    x, offsets, psw = (torch.tensor([1, 4, 4, 9], device=device), torch.tensor([0, 1], device=device),
+                       torch.rand(4, device=device, requires_grad=True))  # fmt: skip
+    ref = nn.EmbeddingBag.from_pretrained(weight, mode="sum")
+    emb = veloce.DynamicEmbedding.from_pretrained(weight, mode="sum", optimizer=veloce.optim.SGD(lr=1.0))
+    assert emb.frozen and len(emb) == 10 and emb.table.dtype == weight.dtype
+    nn.Sequential(emb).train()
+    before = snapshot(emb)
+    out = emb(torch.cat([x, torch.tensor([77], device=device)]), offsets,
+              torch.cat([psw, torch.ones(1, device=device)]))  # an unknown id: no insert
+    torch.testing.assert_close(out, ref(x, offsets, psw) + torch.stack(
+        [torch.zeros(3, device=device), ref_init_rows([77], 3, emb.table.initializer).to(device)[0]]))
+    out.sum().backward()
+    emb.step()
+    assert_same_snapshot(before, snapshot(emb))
+    assert psw.grad is not None and bool((psw.grad != 0).all())
+    ids = torch.tensor([5, -3], device=device)
+    trained = veloce.DynamicEmbedding.from_pretrained(weight[:2], ids=ids, freeze=False,
+                                                      optimizer=veloce.optim.SGD(lr=1.0), mode="sum")  # fmt: skip
+    assert not trained.frozen and trained.training
+    trained(ids, torch.tensor([0], device=device)).sum().backward()
+    trained.step()
+    torch.testing.assert_close(trained.find(ids)[0], weight[:2] - 1.0)
+    with pytest.raises(ValueError, match=r"ids must be an int64 tensor of shape \(2,\)"):
+        veloce.DynamicEmbedding.from_pretrained(weight[:2], ids=torch.tensor([1]))
+
+
+def test_torchscript_says_it_is_not_supported():
+    model = nn.Sequential(veloce.DynamicEmbedding(4), nn.Linear(4, 1))
+    with pytest.raises(RuntimeError, match=r"DynamicEmbedding does not support TorchScript \(torch.jit.script\)"):
+        torch.jit.script(model)

@@ -32,6 +32,15 @@ _POOLINGS = ("sum", "mean", "max")
 _NONFINITE = ("raise", "raise_next", "skip", "apply")
 _CHECKED = ("raise", "raise_next")  # policies whose step() checks every gradient before applying any
 _UNKNOWN = ("init", "zeros")
+# What a user of nn.EmbeddingBag reaches for and what does that here (see __getattr__).
+_NOT_EMBEDDING_BAG = {
+    "weight": "the rows live in a hash table keyed by raw ids, not in a (num_embeddings, D) matrix whose row i "
+              "is id i. Read rows with find(ids) (export() gives every id and row), write them with "
+              "insert(ids, rows), start from a matrix with DynamicEmbedding.from_pretrained(weight), and choose "
+              "new rows' values with initializer=veloce.init...",
+    "num_embeddings": "there is no vocabulary size: len(emb) is the number of ids held now, emb.capacity the "
+                      "slots allocated, emb.max_capacity the bound (None: unbounded)",
+}
 
 
 class DynamicEmbedding(PlainAttrs, nn.Module):
@@ -109,6 +118,12 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             :class:`veloce.distributed.HybridParallel` to train one table over the ranks.
             A per-rank table is checkpointed from rank 0 (``veloce.checkpoint``).
 
+    Differences from ``nn.EmbeddingBag`` (README's "Differences from nn.EmbeddingBag"):
+    no ``num_embeddings`` (the first argument is ``embedding_dim``), no ``.weight`` (see
+    :meth:`find`, :meth:`insert`, :meth:`export`, :meth:`from_pretrained`), no
+    ``max_norm``, ``norm_type``, ``scale_grad_by_freq`` or ``sparse`` arguments, and no
+    TorchScript.
+
     Shape:
         - input: (N,) with ``offsets`` (B,) (or (B+1,) with ``include_last_offset``),
           or (B, L) with ``offsets=None``.
@@ -177,6 +192,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         self.unknown = unknown
         self.nonfinite_grad = nonfinite_grad
         self.per_rank = bool(per_rank)
+        self._frozen = False
         self.table = HashTable(
             embedding_dim, optimizer.state_dim(embedding_dim), capacity=capacity, max_capacity=max_capacity,
             eviction=eviction, initializer=initializer, seed=seed, dtype=dtype, device=device,
@@ -218,6 +234,100 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         self.table.defer = bool(value)
 
     @property
+    def frozen(self) -> bool:
+        """Whether the table is frozen (``from_pretrained(..., freeze=True)``): it stays in
+        eval mode whatever ``train()`` says, so its lookups never insert and never leave a
+        gradient for :meth:`step` (per-sample weights still get theirs), as an
+        ``nn.EmbeddingBag`` whose weight does not require grad. Settable; unfreezing leaves
+        the table in eval mode until the next ``train()``."""
+        return self._frozen
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        self._frozen = bool(value)
+        if self._frozen:
+            self.train(False)
+
+    def train(self, mode: bool = True) -> "DynamicEmbedding":
+        """``nn.Module.train``; a :attr:`frozen` table stays in eval mode."""
+        return super().train(bool(mode) and not self._frozen)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        embeddings: torch.Tensor,
+        ids: Optional[torch.Tensor] = None,
+        freeze: bool = True,
+        **kwargs: Any,
+    ) -> "DynamicEmbedding":
+        """A table holding given rows, like ``nn.EmbeddingBag.from_pretrained``.
+
+        Args:
+            embeddings: the rows, one per id; its second dim is the embedding dim.
+            ids: the id of each row; default ``arange(N)``, so that ids index
+                ``embeddings`` as they index an ``nn.EmbeddingBag``'s weight.
+            freeze: the table never changes in training (:attr:`frozen`): lookups read
+                the given rows and never insert; an id not among ``ids`` reads what
+                ``unknown`` says (the initializer's row, or zeros with
+                ``unknown="zeros"``). With ``freeze=False`` the rows are trained and new
+                ids are inserted as in any table. Default True, as ``nn.EmbeddingBag``'s.
+            **kwargs: the constructor's other arguments (``mode``, ``optimizer``,
+                ``unknown``, ``padding_idx``, ``device``, ...). ``capacity`` defaults to
+                room for the given rows; ``dtype`` to that of ``embeddings`` (if floating).
+
+        Returns:
+            The table, in training mode unless frozen; the rows start with zero optimizer
+            state.
+
+        Shape:
+            - embeddings: (N, D); ids: (N,), distinct.
+
+        Example::
+
+            glove = torch.randn(1000, 50)
+            emb = veloce.DynamicEmbedding.from_pretrained(glove, mode="sum")  # frozen
+            out = emb(torch.tensor([[1, 2], [3, 999]]))                         # (2, 50)
+        """
+        if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2 or not embeddings.is_floating_point():
+            got = f"shape {tuple(embeddings.shape)}, dtype {embeddings.dtype}" if isinstance(embeddings, torch.Tensor) \
+                else type(embeddings).__name__  # fmt: skip
+            raise ValueError(f"from_pretrained: embeddings must be a 2-D floating-point tensor (N, D), got {got}")
+        n = embeddings.shape[0]
+        if ids is None:
+            ids = torch.arange(n, device=embeddings.device)
+        if not isinstance(ids, torch.Tensor) or ids.shape != (n,) or ids.dtype not in (torch.int64, torch.int32):
+            got = f"shape {tuple(ids.shape)}, dtype {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(f"from_pretrained: ids must be an int64 tensor of shape ({n},) (one id per row), got {got}")
+        if ids.unique().numel() != n:
+            raise ValueError("from_pretrained: ids must be distinct (one row per id)")
+        if "dtype" not in kwargs and embeddings.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            kwargs["dtype"] = embeddings.dtype
+        kwargs.setdefault("capacity", max(1024, int(n / 0.85) + 1))  # below the growth threshold (grow_at 0.9)
+        emb = cls(embeddings.shape[1], **kwargs)
+        emb.insert(ids, embeddings.detach())
+        emb.frozen = bool(freeze)
+        return emb
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            hint = _NOT_EMBEDDING_BAG.get(name)
+            if hint is None:
+                raise
+            raise AttributeError(f"'DynamicEmbedding' object has no attribute {name!r}: {hint}") from None
+
+    def __prepare_scriptable__(self) -> NoReturn:
+        # torch.jit.script calls this on every submodule before compiling it: a clear
+        # refusal instead of an annotation error from deep inside the table's code.
+        raise RuntimeError(
+            "DynamicEmbedding does not support TorchScript (torch.jit.script): its lookups insert into a hash "
+            "table that grows and route gradients outside autograd. Use the module eagerly, or torch.compile "
+            "it (see docs/ops.md); to serve lookups without Python, export the rows (export()) into an "
+            "nn.EmbeddingBag over a dict of ids"
+        )
+
+    @property
     def step_count(self) -> int:
         """Sparse optimizer steps applied (Adam's t). With nonfinite_grad="raise_next",
         reading it first reads the last step's check (a step whose gradient held NaN/Inf
@@ -245,6 +355,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         state.setdefault("_verdict", None)
         state.setdefault("_nonfinite_error", None)
         state.setdefault("per_rank", False)
+        state.setdefault("_frozen", False)
         super().__setstate__(state)
 
     def _settle_check(self) -> None:
