@@ -1072,7 +1072,7 @@ def test_constructor_errors_name_the_argument():
     with pytest.raises(ValueError, match="embedding_dim"):
         veloce.DynamicEmbedding(0)
     with pytest.raises(ValueError, match="mode must be"):
-        veloce.DynamicEmbedding(4, mode="max")
+        veloce.DynamicEmbedding(4, mode="min")
     with pytest.raises(ValueError, match="eviction must be"):
         veloce.DynamicEmbedding(4, eviction="fifo")
     with pytest.raises(TypeError, match="optimizer must come from veloce.optim"):

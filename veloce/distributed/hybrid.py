@@ -403,7 +403,9 @@ class HybridParallel(nn.Module):
         pending gradients, for their next ``step()`` (a ``zero_grad()`` before it drops
         them). Call it on every rank: a failure of an earlier step that was deferred
         (``lookup_errors`` or ``nonfinite_grad`` "raise_next") is raised first, on every
-        rank, with the model still wrapped and that step's gradients dropped."""
+        rank, with the model still wrapped and that step's gradients dropped. While several
+        ranks run, a training lookup of an unwrapped table then raises (each rank would
+        train its shard alone) unless the table is ``per_rank``."""
         from veloce.embedding import _raise_deferred
 
         _raise_deferred([m for _, m in self.tables])
