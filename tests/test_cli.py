@@ -360,3 +360,18 @@ def test_ctrl_c_during_veloce_train_checkpoints_and_the_rerun_ends_like_an_unint
     assert 5 <= step < 100 and checkpoint.describe(match.group(2))["step"] == step  # mid-epoch, not at its end
     assert cli.main(["train", run]) == 0
     assert _history(tmp_path / "run" / "run") == _history(tmp_path / "ref" / "run")
+
+
+def test_ctrl_c_under_launcher_torchrun_is_left_to_torchrun(tmp_path, monkeypatch):
+    class _Torchrun:  # gets the terminal's Ctrl-C like the launcher, and ends after its ranks saved
+        def __init__(self, cmd, env):
+            self.cmd = cmd
+
+        def wait(self):
+            os.kill(os.getpid(), signal.SIGINT)  # the Ctrl-C reaches the launcher while it waits
+            return 130
+
+    monkeypatch.setattr(subprocess, "Popen", _Torchrun)
+    config = write_config(tmp_path, TINY)
+    assert cli.main(["train", config, "--launcher", "torchrun", "--workers", "2"]) == 130  # not killed by it
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

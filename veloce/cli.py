@@ -195,7 +195,8 @@ def _process_group(device: torch.device, timeout: Optional[float] = None) -> Ite
     if device.type == "cuda":
         torch.cuda.set_device(device)
     seconds = DEFAULT_TIMEOUT if timeout is None else timeout
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=seconds))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds))
     try:
         yield dist.get_rank(), world_size
     finally:  # left to interpreter exit, gloo's threads can abort the process
@@ -293,7 +294,7 @@ def prepare_run_dir(cfg: Config, overwrite: bool = False, resume_from: Optional[
         more = f"to train further, --set trainer.max_epochs={epoch + 1} (or more)"
     elif tr.max_steps is not None and step >= tr.max_steps:
         why = f"step {step} of trainer.max_steps={tr.max_steps} done"
-        more = f"to train further, a larger --set trainer.max_steps=... (or null)"
+        more = "to train further, a larger --set trainer.max_steps=... (or null)"
     else:
         return None
     return (f"run dir {tr.run_dir} already holds a finished run ({why}; checkpoint {found}): nothing to train; "
@@ -344,7 +345,9 @@ def _train(args: argparse.Namespace) -> int:
 def _check_checkpoint(path: str, option: str) -> None:
     """A committed checkpoint at ``path``, or CheckpointError naming the option."""
     if not checkpoint.describe(path)["committed"]:
-        raise checkpoint.CheckpointError(f"{option} {path}: the checkpoint was not committed (an interrupted write)")
+        raise checkpoint.CheckpointError(
+            f"{option} {path}: the checkpoint was not committed (an interrupted write)"
+        )
 
 
 def _evaluate(args: argparse.Namespace) -> int:
@@ -444,7 +447,7 @@ def _one_line(exc: BaseException) -> str:
     original message."""
     lines = [line for line in str(exc).splitlines() if line.strip()]
     if len(lines) > 1 and lines[0].startswith("Caught "):
-        head, sep, message = lines[-1].partition(f"{type(exc).__name__}: ")
+        _, sep, message = lines[-1].partition(f"{type(exc).__name__}: ")
         return message if sep else lines[-1]
     return " ".join(line.strip() for line in lines)
 
@@ -484,8 +487,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BrokenPipeError:
         return _stdout_gone()
     except TrainingInterrupted as exc:
-        print(f"veloce {args.command}: interrupted at step {exc.step} (epoch {exc.epoch}); checkpoint {exc.checkpoint}; "
-              f"run the same command to resume", file=sys.stderr)  # fmt: skip
+        print(f"veloce {args.command}: interrupted at step {exc.step} (epoch {exc.epoch}); "
+              f"checkpoint {exc.checkpoint}; run the same command to resume", file=sys.stderr)  # fmt: skip
         return 128 + signal.SIGINT
     except KeyboardInterrupt:
         print(f"veloce {args.command}: interrupted", file=sys.stderr)

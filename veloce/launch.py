@@ -21,8 +21,10 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 
 from veloce.config import Config
 
@@ -73,9 +75,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     if timeout is not None and not timeout > 0:
         raise LauncherError(f"--timeout must be a number of seconds > 0, got {timeout}")
     if getattr(args, "overwrite", False) and getattr(args, "resume_from", None):
-        raise LauncherError("--overwrite starts the run from scratch and --resume-from resumes it: give one of them")
+        raise LauncherError(
+            "--overwrite starts the run from scratch and --resume-from resumes it: give one of them"
+        )
     if args.launcher == "ray":
-        given = [o for o, v in (("--timeout", timeout), ("--resume-from", getattr(args, "resume_from", None))) if v]
+        options = (("--timeout", timeout), ("--resume-from", getattr(args, "resume_from", None)))
+        given = [option for option, value in options if value]
         if given:
             raise LauncherError(f"{given[0]} is not available with --launcher ray (Ray Train makes the process group "
                                 f"and resumes from its own checkpoints)")  # fmt: skip
@@ -149,13 +154,28 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
+def _wait_leaving_ctrl_c(proc: subprocess.Popen) -> int:
+    """Waits for torchrun and returns its exit status. A Ctrl-C in the terminal reaches
+    torchrun and its ranks too: torchrun passes it on and waits while the ranks checkpoint
+    their step, so this process ignores it rather than kill torchrun."""
+    if threading.current_thread() is not threading.main_thread():
+        return proc.wait()
+    # (set after the start: torchrun gets Python's default handler, not this one)
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        return proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def launch(args: argparse.Namespace, cfg: Config) -> int:
     """Runs ``veloce train`` through ``args.launcher`` (torchrun or ray); returns the exit status."""
     if args.launcher == "torchrun":
         cmd, env = torchrun_command(args), torchrun_environment(args)
         shown = " ".join(f"{k}={v}" for k, v in env.items())
         print(f"veloce: running {shown + ' ' if shown else ''}{shlex.join(cmd)}", flush=True)
-        return subprocess.run(cmd, env={**os.environ, **env}, check=False).returncode
+        proc = subprocess.Popen(cmd, env={**os.environ, **env})
+        return _wait_leaving_ctrl_c(proc)
     try:
         from veloce import ray as veloce_ray
     except ImportError as exc:

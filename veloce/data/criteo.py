@@ -81,7 +81,8 @@ def _read_lines(path: str) -> Iterator[tuple[int, bytes]]:
 
 def _unreadable(path: str, after: str, exc: BaseException) -> str:
     if isinstance(exc, EOFError):
-        return f"{path}: the compressed data ends {after}, before the end of the gzip stream (a truncated .gz file?)"
+        return (f"{path}: the compressed data ends {after}, before the end of the gzip stream "
+                f"(a truncated .gz file?)")  # fmt: skip
     if isinstance(exc, (gzip.BadGzipFile, zlib.error)):
         return f"{path}: corrupt gzip data {after}: {exc}"
     return f"{path}: cannot be read {after}: {getattr(exc, 'strerror', None) or exc}"
@@ -96,7 +97,8 @@ def _count_lines(path: str) -> int:
                 total += chunk.count(b"\n")
                 last = chunk[-1:]
     except (EOFError, OSError, zlib.error) as exc:
-        raise DataError(_unreadable(path, f"after {total} or more lines" if total else "at its start", exc), path) from exc
+        where = f"after {total} or more lines" if total else "at its start"
+        raise DataError(_unreadable(path, where, exc), path) from exc
     return total + (last != b"\n")
 
 
@@ -228,7 +230,9 @@ class CriteoTSV(IterableDataset):
                 if row >= self.start:
                     yield line, p, lineno
                 row += 1
-        want = self.total_rows if self.stop is None or self.total_rows is None else min(self.stop, self.total_rows)
+        want = self.total_rows
+        if want is not None and self.stop is not None:
+            want = min(self.stop, want)
         if want is not None and row < want:
             files = self.paths[0] if len(self.paths) == 1 else f"{self.paths[0]} .. {self.paths[-1]}"
             raise DataError(
@@ -338,7 +342,7 @@ class CriteoTSV(IterableDataset):
                         f"8 hex digits or empty, got {v!r}",
                         path, lineno,
                     )  # fmt: skip
-        raise DataError(f"{items[0][1]}: malformed batch starting at line {items[0][2]}", items[0][1])  # unreachable
+        raise DataError(f"{items[0][1]}: malformed batch at line {items[0][2]}", items[0][1])  # unreachable
 
 
 class _Bad(Exception):
