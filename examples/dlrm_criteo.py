@@ -54,8 +54,8 @@ def main() -> None:
 
     rows = args.rows or CriteoTSV(args.data).num_rows()
     split = int(rows * (1 - args.val_fraction))
-    train = CriteoTSV(args.data, batch_size=args.batch, stop=split)
-    val = CriteoTSV(args.data, batch_size=4096, start=split, stop=rows)
+    train = CriteoTSV(args.data, batch_size=args.batch, stop=split, total_rows=rows)  # (len() without a recount)
+    val = CriteoTSV(args.data, batch_size=4096, start=split, stop=rows, total_rows=rows)
     loader = lambda ds: torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers)  # noqa: E731
 
     def table(dim: int) -> veloce.DynamicEmbedding:

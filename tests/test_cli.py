@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-from veloce import checkpoint, cli
+from veloce import checkpoint, cli, launch
+from veloce.data import DataError
 from veloce.config import Config, ConfigError, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,3 +205,173 @@ def test_tables_defer_inserts_reaches_every_table_and_trains_alike(tmp_path, cap
                         for r in json.loads((path / "run" / "metrics.json").read_text())["history"]])  # fmt: skip
     capsys.readouterr()
     assert history[0] == history[1] and len(history[0]) == 2
+
+
+# ---- run handling ------------------------------------------------------------------------
+def _history(run: Path) -> list[dict]:
+    drop = ("seconds", "samples_per_s")
+    records = json.loads((run / "metrics.json").read_text())["history"]
+    return [{k: v for k, v in r.items() if k not in drop} for r in records]
+
+
+def test_rerunning_a_finished_run_refuses_and_says_what_to_do(tmp_path, capsys):
+    config = write_config(tmp_path, TINY)
+    assert cli.main(["train", config]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", config]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"veloce train: run dir {tmp_path / 'run'} already holds a finished run (epoch 2 of 2 done, step 16" in err
+    assert "--set trainer.max_epochs=3" in err and "--overwrite" in err
+    assert cli.main(["train", config, "--set", "trainer.max_epochs=3"]) == 0  # trains one more epoch
+    assert [r["step"] for r in _history(tmp_path / "run")] == [8, 16, 24]
+    assert cli.main(["train", config, "--overwrite"]) == 0  # from scratch: 2 epochs again
+    assert [r["step"] for r in _history(tmp_path / "run")] == [8, 16]
+    assert checkpoint.describe(checkpoint.latest(tmp_path / "run" / "checkpoints"))["step"] == 16
+
+
+def test_resume_from_an_older_checkpoint_when_the_newest_is_damaged(tmp_path, capsys):
+    config = write_config(tmp_path, TINY)
+    assert cli.main(["train", config]) == 0
+    reference = _history(tmp_path / "run")
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert cli.main(["train", config, "--overwrite", "--set", "trainer.max_steps=13"]) == 0  # steps 8, 12, 13
+    newest = checkpoint.latest(ckpts)
+    assert newest.name == "step_000000013"
+    damaged = newest / "dense.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-8] + bytes(8))
+    capsys.readouterr()
+    assert cli.main(["train", config]) == 1
+    assert "checkpoint error" in capsys.readouterr().err
+    assert cli.main(["train", config, "--resume-from", str(ckpts / "step_000000012")]) == 0
+    assert _history(tmp_path / "run") == reference  # the damaged step 13 was replaced on the way
+    assert cli.main(["train", config, "--resume-from", str(tmp_path / "nothing")]) == 1
+
+
+def _criteo_lines(n: int, seed: int = 0) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return ["\t".join([str(rng.randint(0, 1))] + [str(rng.randint(0, 50)) for _ in range(13)]
+                      + [f"{rng.randrange(40):08x}" for _ in range(26)]) for _ in range(n)]  # fmt: skip
+
+
+def _criteo_config(tmp_path: Path, text: str, **data) -> str:
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "day.tsv").write_text(text)
+    raw = {**TINY, "data": {"kind": "criteo", "path": "data/day.tsv", "batch_size": 64, "val_batch_size": 64, **data}}
+    raw["trainer"] = {**TINY["trainer"], "max_epochs": 1}
+    return write_config(tmp_path, raw)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_truncated_criteo_file_prints_one_line_naming_file_and_line(tmp_path, capsys, num_workers):
+    lines = _criteo_lines(300)
+    config = _criteo_config(tmp_path, "\n".join(lines[:250] + [lines[250][:60]] + lines[251:]) + "\n",
+                            num_workers=num_workers)  # fmt: skip
+    assert cli.main(["train", config]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"data error: {tmp_path / 'data' / 'day.tsv'}:251: ") and "fields, expected 40" in err
+    with pytest.raises(DataError):  # --traceback shows the error itself
+        cli.main(["train", config, "--traceback"])
+
+
+def test_config_data_path_is_relative_to_the_config_file_and_set_paths_to_the_cwd(tmp_path, monkeypatch, capsys):
+    config = _criteo_config(tmp_path, "\n".join(_criteo_lines(300)) + "\n")
+    monkeypatch.chdir(tmp_path / "data")  # anywhere but the config's folder
+    assert load_config(config).data.path == str(tmp_path / "data" / "day.tsv")
+    assert load_config(config, ["data.path=day.tsv"]).data.path == str(tmp_path / "data" / "day.tsv")
+    assert load_config(config, ["data.path=../x.tsv"]).data.path == str(tmp_path / "x.tsv")
+    assert cli.main(["train", config]) == 0
+
+
+def test_criteo_progress_bar_has_a_total(tmp_path):
+    config = _criteo_config(tmp_path, "\n".join(_criteo_lines(300)) + "\n", val_fraction=0.2)
+    train_loader, val_loader = cli.build_loaders(load_config(config))
+    assert len(train_loader) == 4 == len(list(train_loader)) and len(val_loader) == 1  # 240 and 60 rows
+    t = cli.build_trainer(load_config(config), cli.build_model(load_config(config), torch.device("cpu")),
+                          checkpoints=False)  # fmt: skip
+    t.fit(train_loader)
+    assert t.steps_per_epoch() == 4
+
+
+def test_process_group_timeout_is_passed_to_init_process_group(monkeypatch):
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def init(backend, **kwargs):
+        seen.append(kwargs["timeout"])
+        raise Stop
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", init)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for timeout, want in ((None, cli.DEFAULT_TIMEOUT), (45.0, 45.0)):
+        with pytest.raises(Stop), cli._process_group(torch.device("cpu"), timeout):
+            pass
+        assert seen[-1].total_seconds() == want
+    args = cli._parser().parse_args(["train", "c.yaml", "--launcher", "torchrun", "--workers", "2", "--timeout", "45",
+                                     "--resume-from", "ck", "--overwrite"])  # fmt: skip
+    with pytest.raises(launch.LauncherError, match="--overwrite starts the run from scratch"):
+        launch.check_arguments(args)
+    args.overwrite = False
+    assert launch.torchrun_command(args)[-2:] == ["--resume-from=ck", "--timeout=45"]
+    args.timeout = 0
+    with pytest.raises(launch.LauncherError, match="--timeout must be a number of seconds > 0, got 0"):
+        launch.check_arguments(args)
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(tmp_path):
+    config = write_config(tmp_path, {**TINY, "trainer": {**TINY["trainer"], "max_epochs": 1}})
+    assert cli.main(["train", config]) == 0
+    latest = checkpoint.latest(tmp_path / "run" / "checkpoints")
+    read, write = os.pipe()
+    os.close(read)  # `| head` that has exited already: every write fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "veloce.cli", "inspect", str(latest)], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    finally:
+        os.close(write)
+    assert proc.stderr == "" and proc.returncode == 141
+
+
+def test_ctrl_c_during_veloce_train_checkpoints_and_the_rerun_ends_like_an_uninterrupted_run(tmp_path):
+    raw = {**TINY, "data": {**TINY["data"], "samples": 6400, "batch_size": 64},  # 100 steps
+           "trainer": {**TINY["trainer"], "max_epochs": 1, "checkpoint_every": None, "log_every": 5, "device": "cpu"}}  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for name in ("ref", "run"):
+        (tmp_path / name).mkdir()
+    ref, run = write_config(tmp_path / "ref", raw), write_config(tmp_path / "run", raw)
+    assert cli.main(["train", ref]) == 0
+    proc = subprocess.Popen([sys.executable, "-m", "veloce.cli", "train", run], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    log = tmp_path / "run" / "run" / "log.jsonl"
+    deadline = time.monotonic() + 120
+    while not (log.is_file() and '"event": "step"' in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    match = re.search(r"veloce train: interrupted at step (\d+) \(epoch 0\); checkpoint (\S+); run the same", err)
+    assert match and "Traceback" not in err, err
+    step = int(match.group(1))
+    assert 5 <= step < 100 and checkpoint.describe(match.group(2))["step"] == step  # mid-epoch, not at its end
+    assert cli.main(["train", run]) == 0
+    assert _history(tmp_path / "run" / "run") == _history(tmp_path / "ref" / "run")
+
+
+def test_ctrl_c_under_launcher_torchrun_is_left_to_torchrun(tmp_path, monkeypatch):
+    class _Torchrun:  # gets the terminal's Ctrl-C like the launcher, and ends after its ranks saved
+        def __init__(self, cmd, env):
+            self.cmd = cmd
+
+        def wait(self):
+            os.kill(os.getpid(), signal.SIGINT)  # the Ctrl-C reaches the launcher while it waits
+            return 130
+
+    monkeypatch.setattr(subprocess, "Popen", _Torchrun)
+    config = write_config(tmp_path, TINY)
+    assert cli.main(["train", config, "--launcher", "torchrun", "--workers", "2"]) == 130  # not killed by it
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from veloce.data import MISSING_ID, CriteoTSV, SyntheticClicks, expected_auc, raw_ids
+from veloce.data import MISSING_ID, CriteoTSV, DataError, SyntheticClicks, expected_auc, raw_ids
 from veloce.metrics import AUC
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -98,21 +98,23 @@ def test_criteo_test_layout():
     assert sparse[0, :6].tolist() == hex_ids("5a9ed9b0,a0e12995,a1e14474,08a40877,25c83c98,")
     assert sparse[1, 25].item() == 0xEE63DD9B
     # the wrong layout is refused with the file and line
-    with pytest.raises(ValueError, match=r"criteo_kaggle_test_sample\.tsv:1: label must be 0 or 1"):
+    with pytest.raises(ValueError, match=r"criteo_kaggle_test_sample\.tsv:1: 39 tab-separated fields.*has_label=False"):
         next(iter(CriteoTSV(TEST, batch_size=8)))
     with pytest.raises(ValueError, match=r"train_sample\.tsv:1: 40 tab-separated fields.*has_label=True"):
         next(iter(CriteoTSV(TRAIN, batch_size=8, has_label=False)))
 
 
 @needs_criteo
-def test_criteo_pads_lines_with_stripped_trailing_fields(tmp_path):
+def test_criteo_pads_lines_with_stripped_trailing_fields_when_not_strict(tmp_path):
     # The raw-TSV copies in circulation strip trailing empty fields (README: pad to 40).
     lines = TRAIN.read_bytes().split(b"\n")[:400]
     stripped = [line.rstrip(b"\t") for line in lines]
     assert sum(len(s.split(b"\t")) < 40 for s in stripped) > 10  # the fixture does strip some
     short = tmp_path / "stripped.txt"
-    short.write_bytes(b"\n".join(stripped))  # and, like those copies, no final newline
-    got = read_all(CriteoTSV(short, batch_size=128))
+    short.write_bytes(b"\n".join(stripped) + b"\n")
+    with pytest.raises(DataError, match=r"stripped\.txt:\d+: \d+ tab-separated fields, expected 40"):
+        read_all(CriteoTSV(short, batch_size=128))  # strict by default
+    got = read_all(CriteoTSV(short, batch_size=128, strict=False))
     want = read_all(CriteoTSV(TRAIN, batch_size=128, stop=400))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
@@ -169,7 +171,8 @@ GOOD = "0\t1\t\t-3\t" + "\t" * 10 + "\t".join(["0a1b2c3d"] * 26)
         ("2" + GOOD[1:], r"bad\.tsv:3: label must be 0 or 1, got b'2'"),
         (GOOD.replace("\t1\t", "\t1.5\t", 1), r"bad\.tsv:3: field I1 \(column 2\) must be an integer"),
         (GOOD.replace("\t1\t", "\t" + "9" * 30 + "\t", 1), r"bad\.tsv:3: field I1"),
-        ("", r"bad\.tsv:3: label must be 0 or 1, got b''"),
+        ("", r"bad\.tsv:3: 1 tab-separated fields, expected 40"),
+        ("\t".join(GOOD.split("\t")[:39]), r"bad\.tsv:3: 39 tab-separated fields, expected 40 .*has_label=False"),
     ],
 )
 def test_criteo_malformed_line_names_file_line_and_field(tmp_path, bad, message):
@@ -178,6 +181,81 @@ def test_criteo_malformed_line_names_file_line_and_field(tmp_path, bad, message)
     assert len(list(CriteoTSV(path, batch_size=2, stop=2))) == 1  # the good lines parse
     with pytest.raises(ValueError, match=message):
         list(CriteoTSV(path, batch_size=2))
+
+
+def test_a_criteo_file_cut_in_its_last_line_is_an_error_naming_file_and_line(tmp_path):
+    path = tmp_path / "cut.tsv"
+    path.write_text(f"{GOOD}\n{GOOD}\n{GOOD[:25]}")  # a copy interrupted mid-field: no final newline
+    with pytest.raises(DataError, match=r"cut\.tsv:3: the file ends inside this line \(\d+ of 40 .*no newline"):
+        list(CriteoTSV(path, batch_size=2))
+    path.write_text(f"{GOOD}\n{GOOD}\n" + "\t".join(GOOD.split("\t")[:20]))  # cut at a field's end
+    with pytest.warns(UserWarning, match=r"cut\.tsv:3: the file ends inside this line \(20 of 40"):
+        assert len(list(CriteoTSV(path, batch_size=2, strict=False))) == 2  # lenient: read, but said
+    path.write_text(f"{GOOD}\n{GOOD}\n{GOOD}")  # a whole last line needs no newline
+    assert CriteoTSV(path).num_rows() == 3 and next(iter(CriteoTSV(path)))[0][0].shape == (3, 13)
+
+
+def test_a_criteo_line_cut_short_is_an_error_unless_strict_is_false(tmp_path):
+    path = tmp_path / "short.tsv"
+    short = "\t".join(GOOD.split("\t")[:20])
+    path.write_text(f"{GOOD}\n{short}\n{GOOD}\n")
+    with pytest.raises(DataError, match=r"short\.tsv:2: 20 tab-separated fields, expected 40 .*strict=False") as info:
+        list(CriteoTSV(path, batch_size=8))
+    assert (info.value.path, info.value.line) == (str(path), 2) and isinstance(info.value, ValueError)
+    (dense, sparse), _ = next(iter(CriteoTSV(path, batch_size=8, strict=False, log_dense=False)))
+    assert (sparse[1, 6:] == MISSING_ID).all() and (sparse[1, :6] == 0x0A1B2C3D).all() and dense[1, 0] == 1
+
+
+def _gzip_lines(path: Path, n: int) -> bytes:
+    lines = (GOOD.replace("0a1b2c3d", f"{i * 2654435761 % 2**32:08x}") for i in range(n))  # not too compressible
+    data = gzip.compress("".join(f"{line}\n" for line in lines).encode(), mtime=0)
+    path.write_bytes(data)
+    return data
+
+
+def test_a_truncated_gzip_names_the_file(tmp_path):
+    path = tmp_path / "day.tsv.gz"
+    data = _gzip_lines(path, 3000)
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"day\.tsv\.gz: the compressed data ends after line \d+, before the end"):
+        list(iter(CriteoTSV(path, batch_size=512)))  # (iter: list() would ask len(), which counts first)
+    with pytest.raises(DataError, match=r"day\.tsv\.gz: the compressed data ends (after \d+ or more lines|at its start)"):
+        CriteoTSV(path).num_rows()
+
+
+def test_a_corrupt_gzip_names_the_file(tmp_path):
+    path = tmp_path / "day.tsv.gz"
+    data = bytearray(_gzip_lines(path, 3000))
+    data[len(data) // 2 : len(data) // 2 + 16] = bytes(16)
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"day\.tsv\.gz: corrupt gzip data after line \d+"):
+        list(iter(CriteoTSV(path, batch_size=512)))  # (iter: list() would ask len(), which counts first)
+    path.write_bytes(b"not gzip at all\n")
+    with pytest.raises(DataError, match=r"day\.tsv\.gz: corrupt gzip data at its start"):
+        list(iter(CriteoTSV(path)))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_criteo_len_is_the_batches_each_rank_and_loader_yields(tmp_path, drop_last):
+    path = tmp_path / "rows.tsv"
+    path.write_text(f"{GOOD}\n" * 1000)
+    for world in (1, 2, 3):
+        for rank in range(world):
+            ds = CriteoTSV(path, batch_size=64, start=30, stop=990, drop_last=drop_last, rank=rank, world_size=world)
+            loader = DataLoader(ds, batch_size=None, num_workers=2 if rank == 0 else 0)
+            assert len(loader) == len(ds) == len(list(loader)) > 0
+
+
+def test_criteo_total_rows_spares_the_count_and_is_checked(tmp_path, monkeypatch):
+    from veloce.data import criteo
+
+    path = tmp_path / "rows.tsv"
+    path.write_text(f"{GOOD}\n" * 100)
+    monkeypatch.setattr(criteo, "_count_lines", lambda p: pytest.fail("counted the file"))
+    ds = CriteoTSV(path, batch_size=16, stop=80, total_rows=100)
+    assert len(ds) == 5 and len(list(ds)) == 5
+    with pytest.raises(DataError, match=r"rows\.tsv: the data ends after 100 rows, but total_rows=120"):
+        list(CriteoTSV(path, batch_size=16, total_rows=120))
 
 
 def test_criteo_parses_negatives_missing_and_uppercase(tmp_path):

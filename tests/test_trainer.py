@@ -4,7 +4,9 @@ callbacks, early stopping, logs, argument checks; and the veloce CLI."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from collections import namedtuple
 from pathlib import Path
 
@@ -546,3 +548,92 @@ def test_a_resumed_epoch_counts_the_time_before_the_interruption(tmp_path, monke
     t2 = trainer(model(), checkpoint_dir=tmp_path)
     (record,) = t2.fit(data(1024, 128))
     assert record["seconds"] > saved
+
+
+# ---- Ctrl-C ------------------------------------------------------------------------------
+class _SigintAt(veloce.Callback):
+    """Sends this process SIGINT (a Ctrl-C) during step ``step``'s end, on rank ``rank``."""
+
+    def __init__(self, step: int, rank: int = 0) -> None:
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, trainer, step):
+        if step == self.step and trainer.rank == self.rank:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_ctrl_c_checkpoints_the_step_reached_and_the_resume_equals_the_uninterrupted_run(tmp_path):
+    ref_model, ref_trainer, ref_history = _resumable_run(tmp_path, "ref", seed=0)
+    with pytest.raises(veloce.trainer.TrainingInterrupted, match=r"interrupted at step 7 \(epoch 1\)") as info:
+        _resumable_run(tmp_path, "run", seed=0, callbacks=[_SigintAt(7)])
+    assert info.value.step == 7 and info.value.checkpoint == tmp_path / "run" / "step_000000007"
+    assert veloce.checkpoint.describe(veloce.checkpoint.latest(tmp_path / "run"))["step"] == 7  # not 6
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # fit gave Ctrl-C back
+    model_, trainer_, history = _resumable_run(tmp_path, "run", seed=123)
+    assert trainer_.global_step == ref_trainer.global_step == 10
+    assert_states_close(state(model_), state(ref_model))
+    drop = ("seconds", "samples_per_s")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in history] == [
+        {k: v for k, v in r.items() if k not in drop} for r in ref_history
+    ]
+
+
+class _SigintInValidation(veloce.metrics.AUC):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = False
+
+    def update(self, preds, target):
+        super().update(preds, target)
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_ctrl_c_during_validation_checkpoints_the_trained_epoch_and_the_resume_validates_it(tmp_path):
+    def run(metric):
+        torch.manual_seed(0)
+        m = model()
+        t = trainer(m, metrics={"auc": metric}, max_epochs=1, checkpoint_dir=tmp_path / "run")
+        return t, t.fit(data(512, 128), val_loader=data(512, 128, start=10**6))
+
+    with pytest.raises(veloce.trainer.TrainingInterrupted, match="interrupted at step 4 \\(epoch 0\\)"):
+        run(_SigintInValidation())
+    t, history = run(veloce.metrics.AUC())
+    assert t.global_step == 4 and [r["epoch"] for r in history] == [0] and 0 <= history[0]["val_auc"] <= 1
+
+
+def _ctrl_c_on_one_rank_body(rank: int, world_size: int, root: str) -> dict:
+    def run(name: str, callbacks=()):
+        torch.manual_seed(0)
+        m = model()
+        t = trainer(m, metrics={"auc": veloce.metrics.AUC()}, max_epochs=2, checkpoint_dir=Path(root) / name,
+                    callbacks=list(callbacks))  # fmt: skip
+        ds = SyntheticClicks(1024, batch_size=128, num_dense=NUM_DENSE, num_sparse=NUM_SPARSE, id_space=500,
+                             seed=1, rank=rank, world_size=world_size)  # fmt: skip
+        return t.fit(ds, val_loader=data(256, 128, start=10**6))
+
+    drop = ("seconds", "samples_per_s")
+    ref = run("ref")
+    try:
+        run("run", [_SigintAt(step=3, rank=1)])  # only rank 1 is interrupted
+        interrupted = None
+    except veloce.trainer.TrainingInterrupted as exc:
+        interrupted = exc.step
+    history = run("run")
+    return {"interrupted": interrupted, "same": [{k: v for k, v in r.items() if k not in drop} for r in history]
+            == [{k: v for k, v in r.items() if k not in drop} for r in ref]}  # fmt: skip
+
+
+def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step_and_resumes_exactly(tmp_path):
+    from _dist import run_ranks
+
+    results = run_ranks(_ctrl_c_on_one_rank_body, 2, str(tmp_path), timeout=120)
+    assert results == [{"interrupted": 3, "same": True}] * 2
+
+
+def test_ctrl_c_without_a_checkpoint_dir_is_a_plain_keyboard_interrupt():
+    t = trainer(model(), callbacks=[_SigintAt(2)])
+    with pytest.raises(KeyboardInterrupt) as info:
+        t.fit(data(512, 128))
+    assert type(info.value) is KeyboardInterrupt

@@ -7,6 +7,12 @@ ranges and names the offending field::
     config error: optimizer.sparse.lr must be a positive number, got -1
     config error: unknown field trainer.max_epoch (did you mean max_epochs?)
 
+Paths: ``data.path`` written in a config file is relative to that file's directory (the
+config and its data move together); given with ``--set`` it is relative to the current
+directory, as any path typed in a shell. :func:`load_config` makes it absolute.
+``trainer.run_dir`` and ``trainer.checkpoint_dir`` stay relative to the current directory
+(outputs go where the command runs).
+
 Example::
 
     cfg = load_config("configs/dlrm_synthetic.yaml", overrides=["trainer.max_epochs=2"])
@@ -18,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +107,7 @@ class DataConfig:
     path: Optional[str] = None
     rows: Optional[int] = None
     val_fraction: float = 0.15
+    strict: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "val_batch_size", "samples", "val_samples", "num_sparse", "id_space",
@@ -232,6 +240,9 @@ class Config:
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Reads a YAML config, applies ``key.sub=value`` overrides (values parsed as YAML), validates.
 
+    ``data.path`` is made absolute: from the file, relative to the file's directory; from
+    an override, relative to the current directory (``$VARS`` and ``~`` expanded first).
+
     Raises:
         ConfigError: naming the file, the override or the field that is wrong.
     """
@@ -241,7 +252,23 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"config error: cannot read {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config error: {path} is not valid YAML: {exc}") from None
-    return parse_config({} if raw is None else raw, overrides)
+    raw = {} if raw is None else raw
+    if isinstance(raw, Mapping):
+        raw = _resolve_data_path(raw, Path(path).resolve().parent)
+        cwd = Path.cwd()
+        raw = _resolve_data_path(_apply_overrides(raw, overrides), cwd) if overrides else raw
+        overrides = ()
+    return parse_config(raw, overrides)
+
+
+def _resolve_data_path(raw: Mapping[str, Any], base: Path) -> dict[str, Any]:
+    """``raw`` with a relative ``data.path`` (a string) made absolute against ``base``."""
+    out = _copy(raw)
+    data = out.get("data")
+    if isinstance(data, dict) and isinstance(data.get("path"), str):
+        expanded = os.path.expanduser(os.path.expandvars(data["path"]))
+        data["path"] = expanded if os.path.isabs(expanded) else os.path.normpath(base / expanded)
+    return out
 
 
 def parse_config(raw: Any, overrides: Sequence[str] = ()) -> Config:

@@ -7,6 +7,8 @@
     veloce train CONFIG --launcher ray --workers 16              # 16 Ray Train workers
     ... [--max-restarts K]                                       # torchrun / ray: restart K times,
                                                                  # resuming from the last checkpoint
+    ... [--timeout SECONDS]                                      # local / torchrun: a collective fails
+                                                                 # after waiting this long for a rank
 
 ``torchrun`` runs ``python -m torch.distributed.run ... -m veloce.cli train CONFIG`` (the
 command is printed first), so each rank runs the local path with ``torch.distributed``
@@ -19,8 +21,10 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 
 from veloce.config import Config
 
@@ -44,7 +48,8 @@ class LauncherError(ValueError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds ``--launcher``, ``--workers``, ``--nnodes``, ``--rdzv-endpoint``, ``--max-restarts``."""
+    """Adds ``--launcher``, ``--workers``, ``--nnodes``, ``--rdzv-endpoint``, ``--max-restarts``,
+    ``--timeout``."""
     g = parser.add_argument_group("launching (docs/scaling.md)")
     g.add_argument("--launcher", choices=LAUNCHERS, default="local",
                    help="local: this process (or this rank, under torchrun); torchrun: start --workers ranks "
@@ -58,10 +63,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="torchrun / ray: restart the job up to K times after a failure; it resumes from "
                         "the last checkpoint")  # fmt: skip
+    g.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="several ranks (torchrun, or local under torchrun): seconds a rank waits in a collective "
+                        "for the others before the run fails (default 600); raise it if saving a checkpoint or "
+                        "evaluating can keep one rank that long")  # fmt: skip
 
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Raises :class:`LauncherError` naming the option when the launcher options disagree."""
+    timeout = getattr(args, "timeout", None)
+    if timeout is not None and not timeout > 0:
+        raise LauncherError(f"--timeout must be a number of seconds > 0, got {timeout}")
+    if getattr(args, "overwrite", False) and getattr(args, "resume_from", None):
+        raise LauncherError(
+            "--overwrite starts the run from scratch and --resume-from resumes it: give one of them"
+        )
+    if args.launcher == "ray":
+        options = (("--timeout", timeout), ("--resume-from", getattr(args, "resume_from", None)))
+        given = [option for option, value in options if value]
+        if given:
+            raise LauncherError(f"{given[0]} is not available with --launcher ray (Ray Train makes the process group "
+                                f"and resumes from its own checkpoints)")  # fmt: skip
     if args.launcher == "local":
         _check_local(args)
         return
@@ -121,7 +143,29 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         cmd += ["--standalone"]
     if args.max_restarts:
         cmd += [f"--max-restarts={args.max_restarts}"]
-    return cmd + ["-m", "veloce.cli", "train", args.config, *(f"--set={item}" for item in args.set)]
+    cmd += ["-m", "veloce.cli", "train", args.config, *(f"--set={item}" for item in args.set)]
+    # (not --overwrite: the launcher clears the run once, before starting the ranks)
+    if getattr(args, "resume_from", None):
+        cmd += [f"--resume-from={args.resume_from}"]
+    if getattr(args, "timeout", None) is not None:
+        cmd += [f"--timeout={args.timeout:g}"]
+    if getattr(args, "traceback", False):
+        cmd += ["--traceback"]
+    return cmd
+
+
+def _wait_leaving_ctrl_c(proc: subprocess.Popen) -> int:
+    """Waits for torchrun and returns its exit status. A Ctrl-C in the terminal reaches
+    torchrun and its ranks too: torchrun passes it on and waits while the ranks checkpoint
+    their step, so this process ignores it rather than kill torchrun."""
+    if threading.current_thread() is not threading.main_thread():
+        return proc.wait()
+    # (set after the start: torchrun gets Python's default handler, not this one)
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        return proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def launch(args: argparse.Namespace, cfg: Config) -> int:
@@ -130,7 +174,8 @@ def launch(args: argparse.Namespace, cfg: Config) -> int:
         cmd, env = torchrun_command(args), torchrun_environment(args)
         shown = " ".join(f"{k}={v}" for k, v in env.items())
         print(f"veloce: running {shown + ' ' if shown else ''}{shlex.join(cmd)}", flush=True)
-        return subprocess.run(cmd, env={**os.environ, **env}, check=False).returncode
+        proc = subprocess.Popen(cmd, env={**os.environ, **env})
+        return _wait_leaving_ctrl_c(proc)
     try:
         from veloce import ray as veloce_ray
     except ImportError as exc:

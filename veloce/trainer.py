@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
+import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -30,10 +33,70 @@ from veloce.callbacks import Callback, JSONLinesLogger, ProgressBar, TensorBoard
 from veloce.graphs import CUDAGraphStep
 from veloce.optim import CombinedOptimizer
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "TrainingInterrupted"]
 
 PRECISIONS = ("fp32", "bf16")
 LOG_FILE = "log.jsonl"
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """``Trainer.fit`` stopped on Ctrl-C (SIGINT) after checkpointing the step it reached.
+
+    A ``KeyboardInterrupt``, so code that lets Ctrl-C through still does. A later ``fit``
+    with the same ``checkpoint_dir`` resumes from ``checkpoint``.
+
+    Attributes:
+        step: the optimizer steps taken (the checkpoint's step).
+        epoch: the epoch it stopped in (0-based).
+        checkpoint: the checkpoint holding that step.
+    """
+
+    def __init__(self, message: str, step: int = 0, epoch: int = 0, checkpoint: Optional[Path] = None) -> None:
+        super().__init__(message)
+        self.step, self.epoch, self.checkpoint = step, epoch, checkpoint
+
+
+class _Interrupt(Exception):
+    """Every rank agreed to stop at this step boundary (raised inside fit, caught by it)."""
+
+
+class _InterruptHandler:
+    """SIGINT during ``fit``: noted, and acted on at the next step boundary (where the state
+    is whole: no half-applied optimizer step) rather than wherever Python happens to be.
+
+    Installed only in the main thread and only over Python's default handler (an ignored
+    SIGINT, a handler of the user's, stay). A second SIGINT a second or more after the first
+    raises ``KeyboardInterrupt`` at once, without the checkpoint; one within the second is
+    the same Ctrl-C arriving again (torchrun forwards its own SIGINT to the ranks, which
+    the terminal signalled already)."""
+
+    def __init__(self, announce: bool) -> None:
+        self.requested = False
+        self.announce = announce
+        self._first: Optional[float] = None
+        self._installed = False
+
+    def __enter__(self) -> _InterruptHandler:
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                signal.signal(signal.SIGINT, self._handle)
+                self._installed = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self._installed = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if self._first is None:
+            self._first, self.requested = now, True
+            if self.announce:
+                print("\nveloce: interrupted; stopping after this step to save a checkpoint (Ctrl-C again to stop "
+                      "at once, without it)", file=sys.stderr, flush=True)  # fmt: skip
+        elif now - self._first >= 1.0:
+            raise KeyboardInterrupt
 
 
 class Trainer:
@@ -68,6 +131,10 @@ class Trainer:
         max_steps: stop after this many optimizer steps in total (None: no limit); a later
             ``fit`` with a larger limit resumes from the checkpoint.
         checkpoint_dir: where checkpoints go; ``fit`` resumes from the newest one there.
+            With it, Ctrl-C (SIGINT, in the main thread) during ``fit`` stops at the end of
+            the current optimizer step (or validation batch), checkpoints that step and
+            raises :class:`TrainingInterrupted`; on several ranks, every rank stops at the
+            same step when any rank is interrupted (one tiny all-reduce per step).
         checkpoint_every: also checkpoint every this many optimizer steps (besides every
             epoch's end); needs ``checkpoint_dir``.
         keep_last: checkpoints kept in ``checkpoint_dir``.
@@ -155,6 +222,8 @@ class Trainer:
         self._epoch_rng: Optional[dict[str, list]] = None  # RNG state when the epoch's iterator was made
         self._totals = _Totals(self.device)
         self._last_saved: Optional[tuple[int, int]] = None  # (global_step, epoch) of the last checkpoint
+        self._last_path: Optional[Path] = None  # ... and where it is
+        self._interrupts: Optional[_InterruptHandler] = None  # during fit with a checkpoint_dir: Ctrl-C
         self._overwrite = False  # resumed from an explicit checkpoint: replace stale later ones
         self._train_len: Optional[int] = None
         self._graph: Optional[CUDAGraphStep] = None  # cuda_graph: the captured training step
@@ -199,12 +268,34 @@ class Trainer:
 
         Returns:
             The history: one record per completed epoch (see :mod:`veloce.callbacks`).
+
+        Raises:
+            TrainingInterrupted: Ctrl-C (with a ``checkpoint_dir``), after the checkpoint
+                of the step reached.
         """
         self._start(resume_from)
         if self._finished or self._steps_exhausted():
             return self.history
         self._check_fit_args(val_loader)
         self._train_len = _len_or_none(train_loader)
+        handler = _InterruptHandler(announce=self.rank == 0) if self.checkpoint_dir is not None else None
+        with handler if handler is not None else contextlib.nullcontext():
+            self._interrupts = handler
+            try:
+                self._fit_epochs(train_loader, val_loader)
+            except _Interrupt:
+                self._flush()
+                self._save()
+                raise TrainingInterrupted(
+                    f"interrupted at step {self.global_step} (epoch {self.epoch}); checkpoint {self._last_path}; "
+                    f"fit again with the same checkpoint_dir to resume",
+                    self.global_step, self.epoch, self._last_path,
+                ) from None  # fmt: skip
+            finally:
+                self._interrupts = None
+        return self.history
+
+    def _fit_epochs(self, train_loader: Iterable, val_loader: Optional[Iterable]) -> None:
         self._call("on_fit_start")
         while self.epoch < self.max_epochs and not self.should_stop and not self._steps_exhausted():
             completed = self._train_epoch(train_loader)
@@ -214,7 +305,21 @@ class Trainer:
         self._flush()  # async sparse updates still in flight belong to the result
         self._save()
         self._call("on_fit_end", self.history)
-        return self.history
+
+    def _check_interrupt(self) -> None:
+        """Raises _Interrupt on every rank when Ctrl-C reached any rank (during fit with a
+        checkpoint_dir; a collective then: every rank calls it at the same points)."""
+        if self._interrupts is None:
+            return
+        stop = self._interrupts.requested
+        if self.world_size > 1:
+            dist = torch.distributed
+            dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+            flag = torch.tensor([int(stop)], dtype=torch.int32, device=dev)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        if stop:
+            raise _Interrupt
 
     def _check_fit_args(self, val_loader: Optional[Iterable]) -> None:
         """What would otherwise fail only at the first epoch's end or the first checkpoint,
@@ -259,6 +364,7 @@ class Trainer:
                 with self._autocast():
                     preds = call_model(self.model, inputs)
                 sink.update(preds.float() if torch.is_tensor(preds) else preds, target)
+                self._check_interrupt()  # (validation inside fit: Ctrl-C need not wait for its end)
             return sink.compute()
         finally:
             self.model.train(was_training)
@@ -439,6 +545,7 @@ class Trainer:
         # (not at an epoch's last step: the epoch's end saves right after, with its record)
         if self.checkpoint_every and self.global_step % self.checkpoint_every == 0 and not self._loader_done():
             self._save()
+        self._check_interrupt()
 
     def _count_step(self) -> None:
         """An optimizer step taken: the run's and the epoch's step counters."""
@@ -486,7 +593,7 @@ class Trainer:
         for cb, state in zip(self.callbacks, extra["callbacks"]):
             cb.load_state_dict(state)
         set_rng_state(mine["rng"])
-        self._last_saved = (self.global_step, self.epoch)
+        self._last_saved, self._last_path = (self.global_step, self.epoch), path
 
     def _save(self) -> None:
         # Saved once per step and epoch: an epoch that ends at a step checkpoint_every saved
@@ -505,7 +612,7 @@ class Trainer:
         path = checkpoint.save_in(self.checkpoint_dir, self.model, self.optimizer, step=self.global_step,
                                   extra=_encode_floats(extra), keep_last=self.keep_last,
                                   overwrite=self._overwrite or again)  # fmt: skip
-        self._last_saved = (self.global_step, self.epoch)
+        self._last_saved, self._last_path = (self.global_step, self.epoch), path
         self._call("on_checkpoint", path)
 
     # ---- helpers --------------------------------------------------------------------------

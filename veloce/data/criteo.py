@@ -3,8 +3,14 @@
 Layout, one impression per line, tab-separated: ``<label> <I1>..<I13> <C1>..<C26>``
 (40 fields; the test layout has no label: 39 fields). ``I*`` are integers, possibly
 negative; ``C*`` are 32-bit hashes written as 8 hex digits. Any field may be empty
-(missing). Some copies strip trailing empty fields; such short lines are padded back
-with empty fields. Lines longer than the layout are an error.
+(missing).
+
+Reading is strict by default: a line with fewer or more fields than the layout is an
+error, since a line cut short (a truncated or damaged file) would otherwise become a row
+of missing values. Some copies strip trailing empty fields: ``strict=False`` reads their
+short lines padded back with empty fields. The last line may lack its newline when it has
+every field; a last line without newline and with too few fields is the cut end of a
+truncated file: an error when strict, a warning otherwise.
 
 How values become tensors, with no vocabulary pass:
 
@@ -16,14 +22,17 @@ How values become tensors, with no vocabulary pass:
 - label: 0 or 1.
 
 Files are read as bytes, a batch of lines at a time, and converted with vectorised numpy;
-a bad line raises ``ValueError`` naming the file, the line number and the field.
-Plain and gzip (``.gz``) files are read.
+a bad line raises :class:`~veloce.data.DataError` (a ``ValueError``) naming the file, the
+line number and the field. Plain and gzip (``.gz``) files are read; a truncated or corrupt
+``.gz`` raises ``DataError`` naming the file and the last line read.
 """
 
 from __future__ import annotations
 
 import gzip
 import os
+import warnings
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import IO, Optional, Union
 
@@ -31,7 +40,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from veloce.data._sharding import current_shard
+from veloce.data._errors import DataError
+from veloce.data._sharding import current_shard, rank_blocks
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -56,6 +66,42 @@ def _open(path: str) -> IO[bytes]:
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
+def _read_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line with its newline) of one file; a file that cannot be
+    read to its end (a truncated or corrupt ``.gz``, an I/O error) raises DataError."""
+    lineno = 0
+    try:
+        with _open(path) as f:
+            for lineno, line in enumerate(f, 1):
+                yield lineno, line
+    except (EOFError, OSError, zlib.error) as exc:
+        raise DataError(_unreadable(path, f"after line {lineno}" if lineno else "at its start", exc), path,
+                        lineno + 1) from exc  # fmt: skip
+
+
+def _unreadable(path: str, after: str, exc: BaseException) -> str:
+    if isinstance(exc, EOFError):
+        return (f"{path}: the compressed data ends {after}, before the end of the gzip stream "
+                f"(a truncated .gz file?)")  # fmt: skip
+    if isinstance(exc, (gzip.BadGzipFile, zlib.error)):
+        return f"{path}: corrupt gzip data {after}: {exc}"
+    return f"{path}: cannot be read {after}: {getattr(exc, 'strerror', None) or exc}"
+
+
+def _count_lines(path: str) -> int:
+    """Lines of one file, a last line without newline included (reads the whole file)."""
+    total, last = 0, b"\n"
+    try:
+        with _open(path) as f:
+            while chunk := f.read(1 << 22):
+                total += chunk.count(b"\n")
+                last = chunk[-1:]
+    except (EOFError, OSError, zlib.error) as exc:
+        where = f"after {total} or more lines" if total else "at its start"
+        raise DataError(_unreadable(path, where, exc), path) from exc
+    return total + (last != b"\n")
+
+
 class CriteoTSV(IterableDataset):
     """Criteo raw TSV as an ``IterableDataset`` of batches.
 
@@ -75,6 +121,17 @@ class CriteoTSV(IterableDataset):
         drop_last: drop the last batch if it is smaller than ``batch_size``.
         rank: this process's rank, for sharding batches across ranks.
         world_size: number of ranks.
+        strict: a line with too few fields is an error (a line cut short); with False such
+            lines are padded with empty (missing) fields, for copies that strip trailing
+            empty fields. Lines with too many fields are an error either way.
+        total_rows: the rows the files hold (or at least the rows up to ``stop``), when
+            known: ``len()`` and :meth:`num_rows` then need no counting pass over the
+            files, and reading raises ``DataError`` if the files end before that many rows
+            (before ``stop``, when it is smaller).
+
+    Raises:
+        DataError: while reading, a malformed line (naming file, line and field), a line
+            cut short, a truncated or corrupt ``.gz``, files shorter than ``total_rows``.
 
     Shape:
         Each batch is ``((dense, sparse), label)``:
@@ -102,6 +159,8 @@ class CriteoTSV(IterableDataset):
         drop_last: bool = False,
         rank: int = 0,
         world_size: int = 1,
+        strict: bool = True,
+        total_rows: int | None = None,
     ) -> None:
         super().__init__()
         if isinstance(paths, (str, os.PathLike)):
@@ -120,6 +179,10 @@ class CriteoTSV(IterableDataset):
             raise ValueError(f"CriteoTSV: stop must be None or >= start={start}, got {stop}")
         if not 0 <= rank < world_size:
             raise ValueError(f"CriteoTSV: rank must be in [0, world_size={world_size}), got {rank}")
+        if not isinstance(strict, bool):
+            raise TypeError(f"CriteoTSV: strict must be a bool, got {strict!r}")
+        if total_rows is not None and total_rows < 0:
+            raise ValueError(f"CriteoTSV: total_rows must be None or >= 0, got {total_rows}")
         self.batch_size = batch_size
         self.has_label = has_label
         self.start = start
@@ -128,32 +191,55 @@ class CriteoTSV(IterableDataset):
         self.drop_last = drop_last
         self.rank = rank
         self.world_size = world_size
+        self.strict = strict
+        self.total_rows = total_rows
         self.num_fields = NUM_DENSE + NUM_SPARSE + (1 if has_label else 0)
 
+    # ------------------------------------------------------------------ sizes
     def num_rows(self) -> int:
-        """Rows in ``[start, stop)`` that the files hold (counts lines; reads every file once)."""
-        total = 0
-        for p in self.paths:
-            with _open(p) as f:
-                last = b"\n"
-                while chunk := f.read(1 << 22):
-                    total += chunk.count(b"\n")
-                    last = chunk[-1:]
-                total += last != b"\n"  # a final line without newline
+        """Rows in ``[start, stop)`` that the files hold.
+
+        Counts the lines of every file once (the count is kept), unless ``total_rows``
+        was given."""
+        total = self.total_rows
+        if total is None:
+            total = self.__dict__.get("_counted")
+            if total is None:
+                total = self._counted = sum(_count_lines(p) for p in self.paths)
         stop = total if self.stop is None else min(self.stop, total)
         return max(stop - self.start, 0)
 
+    def num_batches(self) -> int:
+        """Number of batches over all ranks."""
+        full, rest = divmod(self.num_rows(), self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __len__(self) -> int:
+        """Number of batches this rank yields (all its DataLoader workers together); see
+        :meth:`num_rows` for what it reads."""
+        return rank_blocks(self.num_batches(), self.rank, self.world_size)
+
+    # ------------------------------------------------------------------ reading
     def _lines(self) -> Iterator[tuple[bytes, str, int]]:
         """(line, path, 1-based line number) for rows start..stop-1."""
         row = 0
         for p in self.paths:
-            with _open(p) as f:
-                for lineno, line in enumerate(f, 1):
-                    if self.stop is not None and row >= self.stop:
-                        return
-                    if row >= self.start:
-                        yield line, p, lineno
-                    row += 1
+            for lineno, line in _read_lines(p):
+                if self.stop is not None and row >= self.stop:
+                    return
+                if row >= self.start:
+                    yield line, p, lineno
+                row += 1
+        want = self.total_rows
+        if want is not None and self.stop is not None:
+            want = min(self.stop, want)
+        if want is not None and row < want:
+            files = self.paths[0] if len(self.paths) == 1 else f"{self.paths[0]} .. {self.paths[-1]}"
+            raise DataError(
+                f"{files}: the data ends after {row} rows, but total_rows={self.total_rows} rows were announced "
+                f"(a truncated file, or a row count larger than the file)",
+                self.paths[-1],
+            )
 
     def __iter__(self) -> Iterator[Batch]:
         shard = current_shard(self.rank, self.world_size)
@@ -175,12 +261,13 @@ class CriteoTSV(IterableDataset):
         for line, path, lineno in items:
             fields = line.rstrip(b"\r\n").split(b"\t")
             if len(fields) > n:
-                raise ValueError(
+                raise DataError(
                     f"{path}:{lineno}: {len(fields)} tab-separated fields, expected at most {n} "
-                    f"({'label, ' if self.has_label else ''}13 integer and 26 categorical fields"
-                    f"{'' if self.has_label else '; use has_label=True for the train layout'})"
-                )
+                    f"({self._layout()}{'' if self.has_label else '; use has_label=True for the train layout'})",
+                    path, lineno,
+                )  # fmt: skip
             if len(fields) < n:
+                self._short_line(line, len(fields), path, lineno)
                 fields.extend([b""] * (n - len(fields)))
             rows.append(fields)
         lab_off = 1 if self.has_label else 0
@@ -207,12 +294,35 @@ class CriteoTSV(IterableDataset):
             dense_f = dense.astype(np.float32)
         return (torch.from_numpy(dense_f), torch.from_numpy(sparse)), label
 
+    def _layout(self) -> str:
+        return f"{'label, ' if self.has_label else ''}13 integer and 26 categorical fields"
+
+    def _short_line(self, line: bytes, count: int, path: str, lineno: int) -> None:
+        """A line with ``count`` < num_fields fields: an error when strict; else padded, with
+        a warning when it is the file's unterminated last line (maybe a cut one)."""
+        n, where = self.num_fields, f"{path}:{lineno}"
+        if not line.endswith(b"\n"):
+            what = f"the file ends inside this line ({count} of {n} tab-separated fields and no newline)"
+            if not self.strict:
+                warnings.warn(f"CriteoTSV: {where}: {what}; read with its missing fields empty (strict=False), "
+                              f"but if the file was cut short this row is damaged", stacklevel=4)  # fmt: skip
+                return
+            raise DataError(f"{where}: {what}: a truncated file?", path, lineno)
+        if self.strict:
+            hint = "; use has_label=False for the test layout" if self.has_label and count == n - 1 else ""
+            raise DataError(
+                f"{where}: {count} tab-separated fields, expected {n} ({self._layout()}): a line cut short, or a copy "
+                f"that strips trailing empty fields (strict=False, config data.strict: false, reads those as "
+                f"missing values){hint}",
+                path, lineno,
+            )  # fmt: skip
+
     def _raise_first_error(self, rows: list[list[bytes]], items: list[tuple[bytes, str, int]]) -> None:
         lab_off = 1 if self.has_label else 0
         for fields, (_, path, lineno) in zip(rows, items):
             where = f"{path}:{lineno}"
             if self.has_label and fields[0] not in (b"0", b"1"):
-                raise ValueError(f"{where}: label must be 0 or 1, got {fields[0]!r}")
+                raise DataError(f"{where}: label must be 0 or 1, got {fields[0]!r}", path, lineno)
             for j, v in enumerate(fields[lab_off : lab_off + NUM_DENSE]):
                 if v:
                     try:
@@ -220,17 +330,19 @@ class CriteoTSV(IterableDataset):
                         if not -(2**63) <= x < 2**63:
                             raise OverflowError
                     except (ValueError, OverflowError):
-                        raise ValueError(
+                        raise DataError(
                             f"{where}: field {DENSE_NAMES[j]} (column {lab_off + j + 1}) must be an "
-                            f"integer or empty, got {v!r}"
-                        ) from None
+                            f"integer or empty, got {v!r}",
+                            path, lineno,
+                        ) from None  # fmt: skip
             for j, v in enumerate(fields[lab_off + NUM_DENSE :]):
                 if v and (len(v) != 8 or any(_HEX[c] == 255 for c in v)):
-                    raise ValueError(
+                    raise DataError(
                         f"{where}: field {SPARSE_NAMES[j]} (column {lab_off + NUM_DENSE + j + 1}) must be "
-                        f"8 hex digits or empty, got {v!r}"
-                    )
-        raise ValueError(f"{items[0][1]}: malformed batch starting at line {items[0][2]}")  # unreachable
+                        f"8 hex digits or empty, got {v!r}",
+                        path, lineno,
+                    )  # fmt: skip
+        raise DataError(f"{items[0][1]}: malformed batch at line {items[0][2]}", items[0][1])  # unreachable
 
 
 class _Bad(Exception):
