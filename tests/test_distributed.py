@@ -700,7 +700,7 @@ NCCL_OR_GLOO = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     reason="NCCL tests run with VELOCE_TEST_NCCL=1 on 2+ GPUs"))]  # fmt: skip
 
 
-def _trainer_run(rank, world, per_rank_batch, strategy, ckpt_dir, device_kind="cpu"):
+def _trainer_run(rank, world, batch, strategy, ckpt_dir, device_kind="cpu"):
     from veloce.data import SyntheticClicks
     from veloce.models import DLRM
 
@@ -711,7 +711,7 @@ def _trainer_run(rank, world, per_rank_batch, strategy, ckpt_dir, device_kind="c
         return veloce.DynamicEmbedding(dim, mode="sum", optimizer=veloce.optim.Adagrad(lr=0.2), device=device)
 
     model = DLRM(4, 5, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), embedding_factory=table)
-    train = SyntheticClicks(8192, batch_size=per_rank_batch, num_dense=4, num_sparse=5, id_space=2000, seed=1,
+    train = SyntheticClicks(8192, batch_size=batch, num_dense=4, num_sparse=5, id_space=2000, seed=1,
                             rank=rank, world_size=world)  # fmt: skip
     val = SyntheticClicks(4096, batch_size=1024, num_dense=4, num_sparse=5, id_space=2000, seed=1, start=10**7,
                           rank=rank, world_size=world)  # fmt: skip
@@ -728,10 +728,10 @@ def _trainer_run(rank, world, per_rank_batch, strategy, ckpt_dir, device_kind="c
 @pytest.mark.parametrize("device_kind", NCCL_OR_GLOO)
 def test_trainer_on_two_ranks_equals_one_process(tmp_path, device_kind):
     """Trainer.fit under 2 ranks (sync HybridParallel, checkpoints on; gloo, or NCCL on
-    GPUs) == one process on the global batch: validation AUC (gathered over ranks) and
-    the merged tables."""
+    GPUs) == one process on the same global batches of 512 (256 rows a rank): validation
+    AUC (gathered over ranks) and the merged tables."""
     backend = "nccl" if device_kind == "cuda" else "gloo"
-    two = run_ranks(_trainer_run, 2, 256, {"sparse": "sync"}, str(tmp_path / "two"), device_kind, timeout=120,
+    two = run_ranks(_trainer_run, 2, 512, {"sparse": "sync"}, str(tmp_path / "two"), device_kind, timeout=120,
                     backend=backend)  # fmt: skip
     (one,) = run_ranks(_trainer_run, 1, 512, None, str(tmp_path / "one"), device_kind, timeout=120, backend=backend)
     assert two[0]["history"][-1]["val_auc"] == pytest.approx(one["history"][-1]["val_auc"], abs=1e-6)
@@ -755,7 +755,7 @@ def test_trainer_async_on_two_ranks_trains(tmp_path, dedup):
     """Async sparse mode through the Trainer: it flushes in-flight gradients before every
     evaluation and checkpoint (a checkpoint refuses gradients in flight)."""
     strategy = {"sparse": "async", "staleness": 1, "dedup": dedup}
-    two = run_ranks(_trainer_run, 2, 256, strategy, str(tmp_path / "a"), timeout=120)
+    two = run_ranks(_trainer_run, 2, 512, strategy, str(tmp_path / "a"), timeout=120)
     assert two[0]["history"][-1]["val_auc"] > 0.6
     assert veloce.checkpoint.latest(tmp_path / "a") is not None
 
