@@ -501,6 +501,21 @@ def test_nan_in_an_epoch_record_is_checkpointed_and_resumed(tmp_path):
     assert len(h2) == 1 and h2[0]["val_auc"] != h2[0]["val_auc"] and h2[0]["loss"] == h[0]["loss"]
 
 
+def test_epoch_loss_is_the_mean_over_every_sample():
+    """A short last batch weighs by its samples: the epoch loss is the mean over all of them."""
+    losses = []
+
+    class Record(nn.BCEWithLogitsLoss):
+        def forward(self, preds, target):
+            loss = super().forward(preds, target)
+            losses.append((loss.item(), len(target)))
+            return loss
+
+    (record,) = trainer(model(), loss_fn=Record()).fit(data(300, 128))  # batches of 128, 128 and 44
+    assert [n for _, n in losses] == [128, 128, 44] and record["samples"] == 300
+    assert record["loss"] == pytest.approx(sum(v * n for v, n in losses) / 300, rel=1e-12)
+
+
 def test_a_nan_loss_applies_nothing_dense_or_sparse():
     """The tables' NaN/Inf check (nonfinite_grad="raise") runs before the dense step: a
     NaN loss raises with every parameter and every table as they were."""
@@ -528,7 +543,7 @@ def test_resuming_from_a_checkpoint_no_trainer_wrote_is_refused_before_loading(t
 
 def test_an_empty_epoch_has_a_nan_loss_and_warns():
     t = trainer(model())
-    with pytest.warns(UserWarning, match="an epoch without batches"):
+    with pytest.warns(UserWarning, match="an epoch without samples"):
         h = t.fit([])
     assert len(h) == 1 and h[0]["loss"] != h[0]["loss"] and h[0]["samples"] == 0
 
