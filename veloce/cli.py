@@ -8,8 +8,9 @@
 
 The config's fields are documented in ``docs/config.md`` (schema: :mod:`veloce.config`);
 the launchers in ``docs/scaling.md`` (code: :mod:`veloce.launch`).
-Exit status: 0 on success, 1 on a runtime or checkpoint error, 2 on a config or option
-error (torchrun's own status when it launches).
+Exit status: 0 on success, 1 on a runtime or checkpoint error or a validation metric
+that computed to NaN (``veloce.metrics.MetricError``), 2 on a config or option error
+(torchrun's own status when it launches).
 """
 
 from __future__ import annotations
@@ -323,6 +324,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except checkpoint.CheckpointError as exc:
         print(f"checkpoint error: {exc}", file=sys.stderr)
+        return 1
+    except metrics.MetricError as exc:  # a validation metric without a value (NaN) fails the run
+        print(f"veloce {args.command}: {exc}", file=sys.stderr)
         return 1
 
 

@@ -28,6 +28,7 @@ from veloce._training import Step, batch_size, broadcast, call_model, gather, lo
 from veloce._training import rng_state, set_rng_state, split_batch, world
 from veloce.callbacks import Callback, JSONLinesLogger, ProgressBar, TensorBoardLogger
 from veloce.graphs import CUDAGraphStep
+from veloce.metrics import MetricError
 from veloce.optim import CombinedOptimizer
 
 __all__ = ["Trainer"]
@@ -64,7 +65,9 @@ class Trainer:
             dense parameters (wrapped in a ``CombinedOptimizer`` so the tables are stepped
             too), or None for ``torch.optim.Adam(lr=1e-3)`` on the dense parameters.
         metrics: name -> metric with ``update(preds, target)``, ``compute()``, ``reset()``
-            (``veloce.metrics`` or torchmetrics objects).
+            (``veloce.metrics`` or torchmetrics objects). A metric that computes to NaN
+            (an empty or one-class evaluation set) raises
+            :class:`veloce.metrics.MetricError`.
         strategy: keyword arguments of ``HybridParallel`` (e.g. ``{"sparse": "async",
             "staleness": 2}``); used only when the world size is > 1.
         precision: ``"fp32"``, or ``"bf16"`` for autocast to bfloat16 around forward and
@@ -259,6 +262,10 @@ class Trainer:
 
         Returns:
             metric name -> float.
+
+        Raises:
+            veloce.metrics.MetricError: a metric computed to NaN (no samples at all, or an
+                AUC over samples of one class): it names the metric and why.
         """
         if not self.metrics:
             raise ValueError("Trainer.evaluate: no metrics; pass metrics={'auc': veloce.metrics.AUC(), ...}")
@@ -266,16 +273,32 @@ class Trainer:
         self._flush()
         self.model.eval()
         sink = _MetricSink(self.metrics, self.world_size)
+        samples = 0
         try:
             for step in lockstep(loader, self.device, "Trainer.evaluate"):
                 inputs, target = move_to(split_batch(step.batch), self.device)
                 with self._autocast():
                     preds = call_model(self.model, inputs)
+                samples += step.total
                 if step.rows:  # (a zero-row batch runs for the ranks' collectives only)
                     sink.update(preds.float() if torch.is_tensor(preds) else preds, target)
-            return sink.compute()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = sink.compute()
         finally:
             self.model.train(was_training)
+        nan = [k for k, v in result.items() if math.isnan(v)]
+        if nan:
+            why = "; ".join(dict.fromkeys(str(w.message) for w in caught))
+            raise MetricError(
+                f"Trainer.evaluate: metric{'s' if len(nan) > 1 else ''} {', '.join(map(repr, nan))} computed to NaN "
+                f"over the {samples} evaluation samples of all {self.world_size} rank(s)"
+                f"{f' ({why})' if why else ''}: evaluate on data with samples, of both classes for an AUC "
+                f"(a larger or another validation split)"
+            )  # fmt: skip
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return result
 
     def steps_per_epoch(self) -> Optional[int]:
         """Optimizer steps in one epoch of the current train loader (None if it has no length)."""
@@ -491,7 +514,13 @@ class Trainer:
     def _end_epoch(self, val_loader: Optional[Iterable]) -> None:
         record = {"event": "epoch", "epoch": self.epoch, "step": self.global_step, **self._totals.summary()}
         if val_loader is not None:
-            record.update({f"val_{k}": v for k, v in self.evaluate(val_loader).items()})
+            try:
+                record.update({f"val_{k}": v for k, v in self.evaluate(val_loader).items()})
+            except MetricError:
+                # The epoch's training is kept (its last batch consumed, the epoch not ended):
+                # a fit resumed with a usable val_loader validates it and goes on.
+                self._save()
+                raise
         self.history.append(record)
         self._call("on_epoch_end", record)
         self.epoch += 1
