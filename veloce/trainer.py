@@ -171,7 +171,7 @@ class Trainer:
         self._graph_spec: Any = None  # the batch structure it was captured for
         self._spec: Any = None  # the structure of the batch being run
         self._control: Any = None  # cuda_graph over several ranks: a gloo group agreeing on each batch's kind
-        self._step_rows, self._loss_scale = 1, 1.0  # cuda_graph: the step's samples on this rank, its loss weight
+        self._step_rows, self._loss_scale = 1, 1.0  # cuda_graph: the step's samples here, its loss weight
         if cuda_graph:
             self._check_cuda_graph()
             lookups = self._graph_lookups if self.world_size > 1 else None
@@ -482,7 +482,8 @@ class Trainer:
                         self.batches_in_epoch += 1
                         self._count_step()
                     raise
-                self._totals.add(loss, cur.rows, cur.drawn)  # queued on the device before the next replay rewrites it
+                # (queued on the device before the next replay rewrites the loss)
+                self._totals.add(loss, cur.rows, cur.drawn)
                 self.batches_in_epoch += 1
                 self._optimizer_step(stepped=True)
                 if self.should_stop or self._steps_exhausted():
@@ -637,7 +638,8 @@ class _Totals:
         self.samples += samples
 
     def window(self) -> dict[str, float]:
-        """Mean loss over this rank's samples, and samples/s, since the previous call (or the epoch's start)."""
+        """Mean loss over this rank's samples, and samples/s, since the previous call (or the
+        epoch's start)."""
         loss, now = float(self.loss_rows), time.perf_counter()
         loss0, samples0, t0 = self._mark
         self._mark = (loss, self.samples, now)
@@ -650,8 +652,8 @@ class _Totals:
         loss, samples = (sum(x) for x in zip(*per_rank))
         seconds = self.seconds()
         if not samples:
-            warnings.warn("Trainer: an epoch without samples (an empty loader, or a one-shot iterator already "
-                          "used up by an earlier epoch); its loss is NaN", stacklevel=3)  # fmt: skip
+            warnings.warn("Trainer: an epoch without samples (an empty loader, or a one-shot iterator "
+                          "already used up by an earlier epoch); its loss is NaN", stacklevel=3)  # fmt: skip
         return {"loss": loss / samples if samples else math.nan, "samples": samples, "seconds": seconds,
                 "samples_per_s": samples / max(seconds, 1e-9)}  # fmt: skip
 
@@ -714,7 +716,9 @@ def _zero_loss(preds: Any) -> torch.Tensor:
     tables' gradient exchange wait for every rank's backward)."""
     leaves = [x for x in pytree.tree_leaves(preds) if isinstance(x, torch.Tensor) and x.is_floating_point()]
     if not leaves:
-        raise TypeError(f"Trainer: the model's output has no floating-point tensor, got {type(preds).__name__}")
+        raise TypeError(
+            f"Trainer: the model's output has no floating-point tensor, got {type(preds).__name__}"
+        )
     return sum(x.sum() for x in leaves) * 0.0
 
 

@@ -181,7 +181,8 @@ class CriteoTSV(IterableDataset):
         if items:
             return self._parse(items)
         label = torch.zeros(0, dtype=torch.float32) if self.has_label else None
-        return (torch.zeros(0, NUM_DENSE, dtype=torch.float32), torch.zeros(0, NUM_SPARSE, dtype=torch.int64)), label
+        dense = torch.zeros(0, NUM_DENSE, dtype=torch.float32)
+        return (dense, torch.zeros(0, NUM_SPARSE, dtype=torch.int64)), label
 
     # ------------------------------------------------------------------ parsing
     def _parse(self, items: list[tuple[bytes, str, int]]) -> Batch:
