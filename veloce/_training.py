@@ -124,7 +124,7 @@ class Step(NamedTuple):
     batch: Any  # this rank's batch (``stage``d); a zero-row one when this rank's loader is done
     rows: int  # samples in this rank's batch (the first dimension of its target)
     total: int  # samples in the step's batches over all ranks
-    kind: int  # with ``kind``: the lowest kind over the ranks (an empty batch counts as 1); else 1
+    kind: int  # with ``kind``: the lowest kind (1 or 2) over the ranks (a zero-row batch counts as 1); else 1
     drawn: bool  # whether the batch came from this rank's loader (False: a zero-row stand-in)
 
     def loss_scale(self, world_size: int) -> float:
@@ -164,9 +164,9 @@ def lockstep(batches: Iterable, device: torch.device, what: str, *, stage: Optio
         what: who asks, for errors.
         stage: applied to each batch (the drawn ones and the zero-row ones) before ``kind``;
             ``Step.batch`` is what it returns.
-        kind: each staged batch's kind on this rank (an int >= 1; the Trainer's graphed
-            steps: 1 eager, 2 a replay); ``Step.kind`` is the lowest over the ranks, and
-            a zero-row batch is 1.
+        kind: each staged batch's kind on this rank, 1 or 2 (the Trainer's graphed steps:
+            1 eager, 2 a replay); ``Step.kind`` is the lowest over the ranks, and a zero-row
+            batch is 1.
         group: the process group of the all-reduce (a gloo group keeps it off the device's
             queue); the default group otherwise.
         last: the batch this rank drew last before ``batches`` (a resumed epoch's skipped
@@ -190,8 +190,8 @@ def lockstep(batches: Iterable, device: torch.device, what: str, *, stage: Optio
         if drawn:
             rows, staged = _rows(batch), stage(batch)
             mine = kind(staged) if kind is not None else 1
-            if mine < 1:
-                raise ValueError(f"{what}: a batch's kind must be >= 1, got {mine}")
+            if mine not in (1, 2):
+                raise ValueError(f"{what}: a batch's kind must be 1 or 2, got {mine}")
             last = batch
         # [ranks with a batch, samples, ranks whose batch runs eagerly (kind 1)]
         flag = torch.tensor([int(drawn), rows, int(mine == 1 or not drawn)], dtype=torch.int64, device=dev)
