@@ -25,11 +25,11 @@ import yaml
 import veloce
 
 ROOT = Path(__file__).resolve().parents[1]
-# DLRM(4 dense, 5 sparse, dim 8); 2 ranks x 8 batches of 128 an epoch, 2 epochs: 16 steps,
-# checkpoints at steps 6, 8 (epoch end), 12, 16 (few: a report to Ray takes a while)
+# DLRM(4 dense, 5 sparse, dim 8); 8 global batches of 256 (128 a rank on 2 ranks) an epoch,
+# 2 epochs: 16 steps, checkpoints at steps 6, 8 (epoch end), 12, 16 (few: a report to Ray takes a while)
 SMALL = {
     "model": {"embedding_dim": 8, "bottom_mlp": [16, 8], "top_mlp": [16, 1]},
-    "data": {"samples": 2048, "val_samples": 512, "batch_size": 128, "val_batch_size": 256, "num_dense": 4,
+    "data": {"samples": 2048, "val_samples": 512, "batch_size": 256, "val_batch_size": 512, "num_dense": 4,
              "num_sparse": 5, "id_space": 2000},
     "tables": {"capacity": 1024},
     "optimizer": {"dense": {"lr": 0.01}, "sparse": {"lr": 0.2}},

@@ -40,6 +40,16 @@ def write_config(tmp_path: Path, raw: dict) -> str:
     return str(path)
 
 
+def test_train_whose_validation_metric_is_nan_exits_1_naming_it(tmp_path, capsys):
+    """A validation split of one sample has no AUC: ``veloce train`` prints one line naming
+    the metric and why, and exits 1, instead of reporting NaN and exiting 0."""
+    config = write_config(tmp_path, TINY)
+    assert cli.main(["train", config, "--set", "data.val_samples=1", "--set", "trainer.max_epochs=1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("veloce train: Trainer.evaluate: metric 'auc' computed to NaN over the 1 evaluation samples")
+    assert "AUC is undefined when all 1 targets are" in err and err.count("\n") == 1
+
+
 def test_train_evaluate_inspect(tmp_path, capsys):
     config = write_config(tmp_path, TINY)
     assert cli.main(["train", config]) == 0

@@ -121,18 +121,46 @@ def test_criteo_pads_lines_with_stripped_trailing_fields_when_not_strict(tmp_pat
     assert CriteoTSV(short).num_rows() == 400
 
 
+def assert_ranks_split_each_global_batch(per_rank: list[list], whole: list) -> None:
+    """Every rank has as many batches as one process; step k's batches, concatenated in rank
+    order, are one process's batch k; the ranks' parts differ by at most one row."""
+    assert all(len(batches) == len(whole) for batches in per_rank)
+    for k, want in enumerate(whole):
+        parts = [batches[k] for batches in per_rank]
+        sizes = [len(y) for _, y in parts]
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True), (k, sizes)
+        for g, w in zip(read_all(parts), read_all([want])):
+            assert torch.equal(g, w), k
+
+
 @needs_criteo
-def test_criteo_workers_and_ranks_cover_each_row_once_in_order():
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_criteo_ranks_split_every_global_batch_without_dropping_a_row(world_size):
+    """batch_size is the global batch: 3001 rows in batches of 256 are 12 steps on any number
+    of ranks, the last of 185 rows; with batch_size 2 (fewer rows than 3 ranks in the last
+    batch) a rank gets an empty batch rather than none. DataLoader workers keep the order."""
+    whole = list(CriteoTSV(TRAIN, batch_size=256, stop=3001))
+    assert len(whole) == 12 and len(whole[-1][1]) == 185
+    per_rank = [list(CriteoTSV(TRAIN, batch_size=256, stop=3001, rank=r, world_size=world_size))
+                for r in range(world_size)]  # fmt: skip
+    assert_ranks_split_each_global_batch(per_rank, whole)
+    with_workers = [list(DataLoader(CriteoTSV(TRAIN, batch_size=256, stop=3001, rank=r, world_size=world_size),
+                                    batch_size=None, num_workers=2)) for r in range(world_size)]  # fmt: skip
+    assert_ranks_split_each_global_batch(with_workers, whole)
+    tiny = [list(CriteoTSV(TRAIN, batch_size=2, start=10, stop=15, rank=r, world_size=world_size))
+            for r in range(world_size)]  # fmt: skip
+    assert [[len(y) for _, y in t] for t in tiny][-1] == ([1, 1, 0] if world_size == 2 else [0, 0, 0])
+    assert_ranks_split_each_global_batch(tiny, list(CriteoTSV(TRAIN, batch_size=2, start=10, stop=15)))
+    (dense, sparse), label = tiny[-1][-1]
+    assert dense.shape == (0, 13) and sparse.shape == (0, 26) and label.shape == (0,)
+
+
+@needs_criteo
+def test_criteo_workers_cover_each_row_once_in_order():
     full = read_all(CriteoTSV(TRAIN, batch_size=256, stop=3000))
     ds = CriteoTSV(TRAIN, batch_size=256, stop=3000)
     loader = DataLoader(ds, batch_size=None, num_workers=2)
     for g, w in zip(read_all(loader), full):
-        assert torch.equal(g, w)
-    # two ranks: rank r gets blocks r, r + 2, ...; interleaving them gives the file back
-    per_rank = [list(CriteoTSV(TRAIN, batch_size=256, stop=3000, rank=r, world_size=2)) for r in (0, 1)]
-    assert [len(b) for b in per_rank] == [6, 6]
-    interleaved = [per_rank[i % 2][i // 2] for i in range(12)]
-    for g, w in zip(read_all(interleaved), full):
         assert torch.equal(g, w)
 
 
@@ -317,17 +345,19 @@ def test_synthetic_ids_are_scrambled_zipf_ranks():
     assert not torch.equal(raw_ids(torch.arange(10), 0), raw_ids(torch.arange(10), 1))
 
 
-def test_synthetic_workers_and_ranks():
+def test_synthetic_workers_and_ranks_split_every_global_batch():
     ds = SyntheticClicks(3000, batch_size=256, seed=1)
     full = read_all(ds)
     for g, w in zip(read_all(DataLoader(ds, batch_size=None, num_workers=2)), full):
         assert torch.equal(g, w)
     ranks = [SyntheticClicks(3000, batch_size=256, seed=1, rank=r, world_size=3) for r in range(3)]
-    assert [len(r) for r in ranks] == [4, 4, 4]
-    got = [list(r) for r in ranks]
-    interleaved = [got[i % 3][i // 3] for i in range(12)]
-    for g, w in zip(read_all(interleaved), full):
-        assert torch.equal(g, w)
+    assert [len(r) for r in ranks] == [12, 12, 12]
+    assert_ranks_split_each_global_batch([list(r) for r in ranks], list(ds))
+    with_workers = [list(DataLoader(r, batch_size=None, num_workers=2)) for r in ranks]
+    assert_ranks_split_each_global_batch(with_workers, list(ds))
+    # a last batch of 1 sample over 3 ranks: ranks 1 and 2 get an empty batch
+    last = [list(SyntheticClicks(257, batch_size=256, seed=1, rank=r, world_size=3))[-1] for r in range(3)]
+    assert [len(y) for _, y in last] == [1, 0, 0] and last[2][0][1].shape == (0, 26)
 
 
 def test_expected_auc_matches_brute_force():

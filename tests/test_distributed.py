@@ -751,7 +751,7 @@ NCCL_OR_GLOO = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     reason="NCCL tests run with VELOCE_TEST_NCCL=1 on 2+ GPUs"))]  # fmt: skip
 
 
-def _trainer_run(rank, world, per_rank_batch, strategy, ckpt_dir, device_kind="cpu"):
+def _trainer_run(rank, world, batch, strategy, ckpt_dir, device_kind="cpu"):
     from veloce.data import SyntheticClicks
     from veloce.models import DLRM
 
@@ -762,7 +762,7 @@ def _trainer_run(rank, world, per_rank_batch, strategy, ckpt_dir, device_kind="c
         return veloce.DynamicEmbedding(dim, mode="sum", optimizer=veloce.optim.Adagrad(lr=0.2), device=device)
 
     model = DLRM(4, 5, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(16, 1), embedding_factory=table)
-    train = SyntheticClicks(8192, batch_size=per_rank_batch, num_dense=4, num_sparse=5, id_space=2000, seed=1,
+    train = SyntheticClicks(8192, batch_size=batch, num_dense=4, num_sparse=5, id_space=2000, seed=1,
                             rank=rank, world_size=world)  # fmt: skip
     val = SyntheticClicks(4096, batch_size=1024, num_dense=4, num_sparse=5, id_space=2000, seed=1, start=10**7,
                           rank=rank, world_size=world)  # fmt: skip
@@ -779,10 +779,10 @@ def _trainer_run(rank, world, per_rank_batch, strategy, ckpt_dir, device_kind="c
 @pytest.mark.parametrize("device_kind", NCCL_OR_GLOO)
 def test_trainer_on_two_ranks_equals_one_process(tmp_path, device_kind):
     """Trainer.fit under 2 ranks (sync HybridParallel, checkpoints on; gloo, or NCCL on
-    GPUs) == one process on the global batch: validation AUC (gathered over ranks) and
-    the merged tables."""
+    GPUs) == one process on the same global batches of 512 (256 rows a rank): validation
+    AUC (gathered over ranks) and the merged tables."""
     backend = "nccl" if device_kind == "cuda" else "gloo"
-    two = run_ranks(_trainer_run, 2, 256, {"sparse": "sync"}, str(tmp_path / "two"), device_kind, timeout=120,
+    two = run_ranks(_trainer_run, 2, 512, {"sparse": "sync"}, str(tmp_path / "two"), device_kind, timeout=120,
                     backend=backend)  # fmt: skip
     (one,) = run_ranks(_trainer_run, 1, 512, None, str(tmp_path / "one"), device_kind, timeout=120, backend=backend)
     assert two[0]["history"][-1]["val_auc"] == pytest.approx(one["history"][-1]["val_auc"], abs=1e-6)
@@ -806,7 +806,7 @@ def test_trainer_async_on_two_ranks_trains(tmp_path, dedup):
     """Async sparse mode through the Trainer: it flushes in-flight gradients before every
     evaluation and checkpoint (a checkpoint refuses gradients in flight)."""
     strategy = {"sparse": "async", "staleness": 1, "dedup": dedup}
-    two = run_ranks(_trainer_run, 2, 256, strategy, str(tmp_path / "a"), timeout=120)
+    two = run_ranks(_trainer_run, 2, 512, strategy, str(tmp_path / "a"), timeout=120)
     assert two[0]["history"][-1]["val_auc"] > 0.6
     assert veloce.checkpoint.latest(tmp_path / "a") is not None
 
@@ -1095,39 +1095,66 @@ def test_ranks_grouping_tables_differently_raise_on_every_rank():
         assert f"rank {1 - rank} sent signature" in msg and "grouped the same way" in msg
 
 
-def _uneven_batch_counts(rank, world, device_kind):
-    import warnings
-
-    from veloce.data import SyntheticClicks
+def _uneven_model(device):
     from veloce.models import DLRM
 
     torch.manual_seed(0)
+    return DLRM(2, 2, embedding_dim=4, bottom_mlp=(4,), top_mlp=(4, 1),
+                embedding_factory=lambda dim: veloce.DynamicEmbedding(dim, mode="sum", device=device))  # fmt: skip
+
+
+def _uneven_data():
+    """(batches of one process, each rank's batches) for training and validation: step k's
+    batches of the ranks, concatenated, are one process's batch k. Training: rank 0 has 3
+    batches, rank 1 one; validation: rank 0 none, rank 1 two."""
+    from veloce.data import SyntheticClicks
+
+    ds = SyntheticClicks(10**6, num_dense=2, num_sparse=2, id_space=50, seed=3)
+    rows = lambda lo, hi: ds.samples(lo, hi)  # noqa: E731
+    train = {0: [rows(0, 8), rows(16, 24), rows(24, 29)], 1: [rows(8, 16)]}
+    val = {0: [], 1: [rows(100, 120), rows(120, 133)]}
+    return ([rows(0, 16), rows(16, 24), rows(24, 29)], [rows(100, 120), rows(120, 133)]), (train, val)
+
+
+def _uneven_batch_counts(rank, world, device_kind, sparse):
+    import warnings
+
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
-
-    def table(dim):
-        return veloce.DynamicEmbedding(dim, mode="sum", device=device)
-
-    model = DLRM(2, 2, embedding_dim=4, bottom_mlp=(4,), top_mlp=(4, 1), embedding_factory=table)
-    train = SyntheticClicks(3 * 8, 8, num_dense=2, num_sparse=2, rank=rank, world_size=world)  # 2 + 1 batches
-    trainer = veloce.Trainer(model, strategy={"sparse": "async", "staleness": 1}, progress=False,
-                             metrics={"auc": veloce.metrics.AUC()}, max_epochs=2, device=device)  # fmt: skip
+    model = _uneven_model(device)
+    _, (train, val) = _uneven_data()
+    strategy = {"sparse": sparse, "staleness": 1} if sparse == "async" else {"sparse": sparse}
+    trainer = veloce.Trainer(model, strategy=strategy, progress=False, max_epochs=2, device=device,
+                             metrics={"auc": veloce.metrics.AUC(), "logloss": veloce.metrics.LogLoss()})  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(train, val_loader=train)
+        history = trainer.fit(train[rank], val_loader=val[rank])
     in_flight = sum(len(m._shard.in_flight) for m in model.modules() if isinstance(m, veloce.DynamicEmbedding))
-    return len(train), trainer.global_step, in_flight, [str(w.message) for w in caught if "more batches" in str(w.message)]
+    return history, trainer.global_step, in_flight, [str(w.message) for w in caught]
 
 
+@pytest.mark.parametrize("sparse", ["sync", "async"])
 @pytest.mark.parametrize("device_kind", NCCL_OR_GLOO)
-def test_ranks_with_different_batch_counts_stop_together(device_kind):
-    """Rank 0's loader has 2 batches, rank 1's has 1: the ranks step together (one step per
-    epoch), rank 0 warns that it skips its extra batch, evaluation does not hang either,
-    and no async gradient is left in flight when fit returns."""
+def test_ranks_with_different_batch_counts_train_every_batch_like_one_process(device_kind, sparse):
+    """Rank 0's loader has 3 batches, rank 1's one; for validation rank 0 has none and rank 1
+    two. The ranks step together until both are done (rank 1, then rank 0, runs zero-row
+    batches meanwhile): no batch is dropped, nothing warns, evaluation does not hang, and
+    no async gradient is left in flight when fit returns. With sync sparse updates, each
+    rank's loss weighted by its share of the step's samples, the run equals one process
+    on the concatenated batches: same epoch loss over 29 samples, same validation
+    metrics over all 33 validation samples."""
     backend = "nccl" if device_kind == "cuda" else "gloo"
-    (n0, steps0, fl0, w0), (n1, steps1, fl1, w1) = run_ranks(_uneven_batch_counts, 2, device_kind, timeout=60,
-                                                             backend=backend)  # fmt: skip
-    assert (n0, n1) == (2, 1) and steps0 == steps1 == 2 and fl0 == fl1 == 0
-    assert w0 and "has more batches than another rank" in w0[0] and not w1
+    results = run_ranks(_uneven_batch_counts, 2, device_kind, sparse, timeout=60, backend=backend)
+    (one_train, one_val), _ = _uneven_data()
+    ref = veloce.Trainer(_uneven_model("cpu"), progress=False, max_epochs=2,
+                         metrics={"auc": veloce.metrics.AUC(), "logloss": veloce.metrics.LogLoss()})  # fmt: skip
+    want = ref.fit(one_train, val_loader=one_val)
+    for history, steps, in_flight, warned in results:
+        assert steps == 6 and in_flight == 0 and not warned
+        assert [r["samples"] for r in history] == [29, 29] and [r["step"] for r in history] == [3, 6]
+        if sparse == "sync":
+            fields = ("loss", "val_auc", "val_logloss")
+            for got, expected in zip(history, want):
+                assert {k: got[k] for k in fields} == pytest.approx({k: expected[k] for k in fields}, abs=1e-6)
 
 
 def _insert_foreign(rank, world):

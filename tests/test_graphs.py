@@ -493,8 +493,10 @@ def test_a_resumed_trainer_takes_the_graph_shape_from_the_batches_it_skips():
     loader = [(torch.zeros(n, 4), torch.zeros(n)) for n in (8, 8, 3)]
     trainer.batches_in_epoch = 2
     trainer._epoch_rng = rng_state()
-    first = next(trainer._epoch_iter(loader))
+    it, last = trainer._epoch_iter(loader)
+    first = next(it)
     assert first[0].shape == (3, 4)  # the resumed epoch starts at its short batch
+    assert last[0].shape == (8, 4)  # the last batch skipped: the form of zero-row batches if the loader is done
     spec, shapes = trainer._graph_spec
     assert shapes == [(torch.Size([8, 4]), torch.float32), (torch.Size([8]), torch.float32)]
     assert spec == torch.utils._pytree.tree_flatten((torch.zeros(8, 4), torch.zeros(8)))[1]

@@ -492,15 +492,55 @@ def test_an_epoch_ending_at_a_step_checkpoint_every_saved_is_checkpointed_as_end
 
 
 def test_nan_in_an_epoch_record_is_checkpointed_and_resumed(tmp_path):
-    """An AUC on a one-class validation split is NaN (veloce.metrics returns it rather than
-    raising): the checkpoint's strict JSON keeps it, and a resumed run reads it back."""
+    """An epoch without samples has a NaN loss: the checkpoint's strict JSON keeps it, and a
+    resumed run reads it back."""
+    t = trainer(model(), checkpoint_dir=tmp_path)
+    with pytest.warns(UserWarning, match="an epoch without samples"):
+        h = t.fit([])
+    assert len(h) == 1 and h[0]["loss"] != h[0]["loss"]  # NaN
+    h2 = trainer(model(), checkpoint_dir=tmp_path).fit([])
+    assert len(h2) == 1 and h2[0]["loss"] != h2[0]["loss"] and h2[0]["samples"] == 0
+
+
+def test_a_one_class_validation_split_fails_the_fit_naming_the_metric(tmp_path):
+    """An AUC over validation samples of one class has no value: fit raises MetricError
+    naming the metric, the samples and why, instead of recording NaN. The epoch's training
+    is checkpointed: a fit with a usable validation split validates it without training
+    it again, and ends as the run that had that split from the start."""
     one_class = [(x, torch.zeros_like(y)) for x, y in data(256, 128, start=10**8)]
-    t = trainer(model(), metrics={"auc": veloce.metrics.AUC()}, checkpoint_dir=tmp_path)
-    h = t.fit(data(512, 128), one_class)
-    assert len(h) == 1 and h[0]["val_auc"] != h[0]["val_auc"]  # NaN
-    t2 = trainer(model(), metrics={"auc": veloce.metrics.AUC()}, checkpoint_dir=tmp_path)
-    h2 = t2.fit(data(512, 128), one_class)
-    assert len(h2) == 1 and h2[0]["val_auc"] != h2[0]["val_auc"] and h2[0]["loss"] == h[0]["loss"]
+    metrics = lambda: {"auc": veloce.metrics.AUC(), "logloss": veloce.metrics.LogLoss()}  # noqa: E731
+    t = trainer(model(), metrics=metrics(), checkpoint_dir=tmp_path)
+    with pytest.raises(veloce.metrics.MetricError, match=r"metric 'auc' computed to NaN over the 256 evaluation "
+                       r"samples of all 1 rank\(s\) \(AUC.compute: AUC is undefined when all 256 targets are negative"):
+        t.fit(data(512, 128), one_class)
+    assert t.global_step == 4 and t.history == []
+    val = data(256, 128, start=10**8)
+    again = trainer(model(seed=5), metrics=metrics(), checkpoint_dir=tmp_path)
+    h = again.fit(data(512, 128), val)
+    ref = trainer(model(), metrics=metrics()).fit(data(512, 128), val)
+    assert again.global_step == 4 and len(h) == 1
+    assert {k: h[0][k] for k in ("loss", "samples", "val_auc")} == {k: ref[0][k] for k in ("loss", "samples", "val_auc")}
+
+
+def test_evaluate_on_an_empty_loader_raises_instead_of_returning_nan():
+    t = trainer(model(), metrics={"logloss": veloce.metrics.LogLoss()})
+    with pytest.raises(veloce.metrics.MetricError, match="metric 'logloss' computed to NaN over the 0 evaluation"):
+        t.evaluate([])
+
+
+def test_epoch_loss_is_the_mean_over_every_sample():
+    """A short last batch weighs by its samples: the epoch loss is the mean over all of them."""
+    losses = []
+
+    class Record(nn.BCEWithLogitsLoss):
+        def forward(self, preds, target):
+            loss = super().forward(preds, target)
+            losses.append((loss.item(), len(target)))
+            return loss
+
+    (record,) = trainer(model(), loss_fn=Record()).fit(data(300, 128))  # batches of 128, 128 and 44
+    assert [n for _, n in losses] == [128, 128, 44] and record["samples"] == 300
+    assert record["loss"] == pytest.approx(sum(v * n for v, n in losses) / 300, rel=1e-12)
 
 
 def test_a_nan_loss_applies_nothing_dense_or_sparse():
@@ -530,7 +570,7 @@ def test_resuming_from_a_checkpoint_no_trainer_wrote_is_refused_before_loading(t
 
 def test_an_empty_epoch_has_a_nan_loss_and_warns():
     t = trainer(model())
-    with pytest.warns(UserWarning, match="an epoch without batches"):
+    with pytest.warns(UserWarning, match="an epoch without samples"):
         h = t.fit([])
     assert len(h) == 1 and h[0]["loss"] != h[0]["loss"] and h[0]["samples"] == 0
 

@@ -6,17 +6,18 @@
 - :func:`rng_state` / :func:`set_rng_state`: the torch RNG states as JSON-serialisable lists;
 - :func:`world`, :func:`gather`, :func:`broadcast` and :func:`lockstep`:
   ``torch.distributed`` when it is initialised, else the one-process answers, so the
-  Trainer has one code path for 1 and N ranks.
+  Trainer has one code path for 1 and N ranks; :func:`lockstep` keeps ranks with
+  different numbers of batches in step without dropping any (:func:`zero_rows`).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 
 def move_to(obj: Any, device: torch.device) -> Any:
@@ -94,13 +95,13 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def gather(obj: Any) -> list[Any]:
+def gather(obj: Any, group: Any = None) -> list[Any]:
     """``obj`` of every rank, in rank order (``all_gather_object``); ``[obj]`` in one process."""
     _, size = world()
     if size == 1:
         return [obj]
     out: list[Any] = [None] * size
-    torch.distributed.all_gather_object(out, obj)
+    torch.distributed.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -117,41 +118,97 @@ def broadcast(obj: Any) -> Any:
 _END = object()
 
 
-def lockstep(batches: Iterable, device: torch.device, what: str, kind: Optional[Callable[[Any], int]] = None,
-             group: Any = None) -> Iterator:  # fmt: skip
-    """The batches of this rank, for as long as every rank still has one.
+class Step(NamedTuple):
+    """One step of :func:`lockstep`: this rank's batch and the step's sample counts."""
 
-    Sharded lookups are collectives, so ranks must run the same number of steps; when
-    their loaders yield different numbers of batches, all ranks stop at the shortest
-    (one tiny all-reduce per batch) and a rank that drops batches warns.
+    batch: Any  # this rank's batch (``stage``d); a zero-row one when this rank's loader is done
+    rows: int  # samples in this rank's batch (the first dimension of its target)
+    total: int  # samples in the step's batches over all ranks
+    kind: int  # with ``kind``: the lowest kind (1 or 2) over the ranks (a zero-row batch counts as 1); else 1
+    drawn: bool  # whether the batch came from this rank's loader (False: a zero-row stand-in)
+    stop: bool = False  # with ``interrupted``: some rank was interrupted (every rank sees the same)
 
-    ``kind``: each batch's kind on this rank (an int >= 1); then ``(batch, agreed)`` pairs
-    are yielded, ``agreed`` the lowest kind over the ranks (the Trainer's graphed steps: 1
-    eager, 2 a replay). ``group``: the process group of the all-reduce (a gloo group
-    keeps it off the device's queue); the default group otherwise."""
+    def loss_scale(self, world_size: int) -> float:
+        """What this rank's mean loss is multiplied by so that the average over ranks (DDP's,
+        and HybridParallel's for the tables) is the gradient of the mean over every rank's
+        samples: ``rows * world_size / total`` (exactly 1.0 when the ranks' batches are equal)."""
+        if self.rows * world_size == self.total:
+            return 1.0
+        return self.rows * world_size / self.total
+
+
+def zero_rows(batch: Any) -> Any:
+    """``batch`` with every tensor of at least one dimension cut to zero rows (``x[:0]``):
+    the batch a rank whose loader is done runs while other ranks still have batches."""
+    return pytree.tree_map(lambda x: x[:0] if isinstance(x, torch.Tensor) and x.dim() > 0 else x, batch)
+
+
+def _rows(batch: Any) -> int:
+    return batch_size(split_batch(batch)[1])
+
+
+def lockstep(batches: Iterable, device: torch.device, what: str, *, stage: Optional[Callable[[Any], Any]] = None,
+             kind: Optional[Callable[[Any], int]] = None, group: Any = None, last: Any = None,
+             interrupted: Optional[Callable[[], bool]] = None) -> Iterator[Step]:  # fmt: skip
+    """The steps of this rank, for as long as any rank still has a batch.
+
+    Sharded lookups are collectives, so ranks must run the same number of steps. When
+    their loaders yield different numbers of batches, a rank whose loader is done keeps
+    stepping with a zero-row batch (:func:`zero_rows` of its last batch, or of another
+    rank's first batch when its loader yielded none) until every rank is done: no batch
+    is dropped. Each step makes one tiny all-reduce (this rank's batch drawn or not, its
+    samples, its kind, whether it was interrupted), which also gives the step's samples
+    over all ranks (:meth:`Step.loss_scale`) and lets every rank stop at the same step.
+
+    Args:
+        batches: this rank's ``(inputs, target)`` batches.
+        device: where the all-reduce's tensor goes on an NCCL group.
+        what: who asks, for errors.
+        stage: applied to each batch (the drawn ones and the zero-row ones) before ``kind``;
+            ``Step.batch`` is what it returns.
+        kind: each staged batch's kind on this rank, 1 or 2 (the Trainer's graphed steps:
+            1 eager, 2 a replay); ``Step.kind`` is the lowest over the ranks, and a zero-row
+            batch is 1.
+        group: the process group of the all-reduce (a gloo group keeps it off the device's
+            queue); the default group otherwise.
+        last: the batch this rank drew last before ``batches`` (a resumed epoch's skipped
+            batches), the template of its zero-row batches if ``batches`` is empty.
+        interrupted: whether this rank was asked to stop (Ctrl-C); ``Step.stop`` is true
+            on every rank when it is true on any.
+    """
+    asked = interrupted if interrupted is not None else (lambda: False)
+    stage = stage if stage is not None else (lambda b: b)
     _, size = world()
     if size == 1:
         for batch in batches:
-            yield (batch, kind(batch)) if kind is not None else batch
+            rows, staged = _rows(batch), stage(batch)
+            yield Step(staged, rows, rows, kind(staged) if kind is not None else 1, True, asked())
         return
     dist = torch.distributed
     dev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     it = iter(batches)
+    first = True
     while True:
         batch = next(it, _END)
-        mine = 0 if batch is _END else (kind(batch) if kind is not None else 1)
-        if mine < 1 and batch is not _END:
-            raise ValueError(f"{what}: a batch's kind must be >= 1, got {mine}")
-        flag = torch.tensor([mine], dtype=torch.int32, device=dev)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        agreed = int(flag.item())
-        if not agreed:
-            if batch is not _END:
-                warnings.warn(
-                    f"{what}: this rank ({dist.get_rank()}) has more batches than another rank; its remaining "
-                    f"batches are skipped so that every rank runs the same steps. Give every rank the same "
-                    f"number of batches (e.g. drop_last, or a sample count that splits evenly).",
-                    stacklevel=2,
-                )
+        drawn = batch is not _END
+        rows, staged, mine = 0, None, 1
+        if drawn:
+            rows, staged = _rows(batch), stage(batch)
+            mine = kind(staged) if kind is not None else 1
+            if mine not in (1, 2):
+                raise ValueError(f"{what}: a batch's kind must be 1 or 2, got {mine}")
+            last = batch
+        # [ranks with a batch, samples, ranks whose batch runs eagerly (kind 1), ranks interrupted]
+        flag = torch.tensor([int(drawn), rows, int(mine == 1 or not drawn), int(asked())], dtype=torch.int64,
+                            device=dev)  # fmt: skip
+        dist.all_reduce(flag, group=group)
+        alive, total, eager, stop = (int(x) for x in flag.tolist())
+        if not alive:
             return
-        yield (batch, agreed) if kind is not None else batch
+        if first and alive < size:  # some rank's loader yielded nothing: it takes another rank's batch's form
+            template = gather(None if last is None else move_to(zero_rows(last), torch.device("cpu")), group)
+            last = last if last is not None else next(t for t in template if t is not None)
+        first = False
+        if not drawn:
+            staged = stage(zero_rows(last))
+        yield Step(staged, rows, total, 1 if eager else 2, drawn, bool(stop))

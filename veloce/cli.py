@@ -12,10 +12,10 @@ the launchers in ``docs/scaling.md`` (code: :mod:`veloce.launch`).
 Errors the user can act on (config, options, a run directory holding a finished run, a
 checkpoint, a data file) print one line naming the field, file or line, without a
 traceback (``--traceback`` or ``VELOCE_TRACEBACK=1`` shows it). Exit status: 0 on success,
-1 on a runtime, checkpoint or data error, 2 on a config or option error (a finished run
-directory included), 130 after Ctrl-C (the step reached is checkpointed), 141 when the
-reader of the output went away (``veloce inspect ... | head``); torchrun's own status when
-it launches.
+1 on a runtime, checkpoint or data error or a validation metric that computed to NaN
+(``veloce.metrics.MetricError``), 2 on a config or option error (a finished run directory
+included), 130 after Ctrl-C (the step reached is checkpointed), 141 when the reader of the
+output went away (``veloce inspect ... | head``); torchrun's own status when it launches.
 """
 
 from __future__ import annotations
@@ -480,6 +480,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except checkpoint.CheckpointError as exc:
         print(f"checkpoint error: {exc}", file=sys.stderr)
+        return 1
+    except metrics.MetricError as exc:  # a validation metric without a value (NaN) fails the run
+        print(f"veloce {args.command}: {exc}", file=sys.stderr)
         return 1
     except DataError as exc:
         print(f"data error: {_one_line(exc)}", file=sys.stderr)

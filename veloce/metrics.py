@@ -7,9 +7,19 @@ probabilities. ``target`` holds 0/1 labels (``LogLoss`` also takes soft labels i
 Inputs of any shape are flattened; ``preds`` and ``target`` must have the same number of
 elements. States live on the CPU in float64, whatever the inputs' device.
 
-Degenerate cases return NaN with a ``RuntimeWarning`` rather than raising, so that an
-evaluation on a tiny or one-class split does not stop a training run: ``compute()`` with
-nothing accumulated (every metric), and ``AUC`` when all targets are one class.
+Degenerate cases return NaN with a ``RuntimeWarning`` rather than raising: ``compute()``
+with nothing accumulated (every metric), and ``AUC`` when all targets are one class.
+:class:`veloce.Trainer` turns a NaN metric into a :class:`MetricError` (a run whose
+validation has no value fails instead of recording NaN).
+
+The metrics accumulate what their process sees. Under ``torch.distributed`` the Trainer
+gathers every rank's predictions once per evaluation and computes these metrics over all
+of them, so they equal one process's metrics on the same samples whatever the world size.
+In a loop of your own, gather the predictions yourself (``all_gather_object``) or use
+torchmetrics, whose metrics synchronise across ranks in ``compute()``. These metrics do
+not: a ``compute()`` that is a collective hangs when only rank 0 calls it, and the
+Trainer's single gather serves every metric at once. torchmetrics is not needed to use
+veloce (``import veloce`` never imports it); the Trainer takes its objects as metrics too.
 
 Example::
 
@@ -29,7 +39,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AUC", "Accuracy", "LogLoss", "Metric"]
+__all__ = ["AUC", "Accuracy", "LogLoss", "Metric", "MetricError"]
+
+
+class MetricError(ValueError):
+    """A metric has no value on the data it was given (NaN): no samples at all, or an AUC
+    over samples of one class. Raised by :meth:`veloce.Trainer.evaluate` (and so by a
+    ``fit`` with a ``val_loader``) naming the metric and why."""
 
 
 class Metric:

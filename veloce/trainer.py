@@ -27,10 +27,11 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from veloce import checkpoint
-from veloce._training import batch_size, broadcast, call_model, gather, lockstep, model_device, move_to, rng_state
-from veloce._training import set_rng_state, split_batch, world
+from veloce._training import Step, batch_size, broadcast, call_model, gather, lockstep, model_device, move_to
+from veloce._training import rng_state, set_rng_state, split_batch, world
 from veloce.callbacks import Callback, JSONLinesLogger, ProgressBar, TensorBoardLogger
 from veloce.graphs import CUDAGraphStep
+from veloce.metrics import MetricError
 from veloce.optim import CombinedOptimizer
 
 __all__ = ["Trainer", "TrainingInterrupted"]
@@ -110,7 +111,14 @@ class Trainer:
 
     Under ``torch.distributed`` with more than one rank, the model is wrapped in
     ``veloce.distributed.HybridParallel(model, **strategy)``, every rank trains on its own
-    batches, metrics are computed over all ranks, and only rank 0 logs.
+    batches, metrics are computed over all ranks' predictions, and only rank 0 logs. Ranks
+    whose loaders yield different numbers of batches all step until the last rank is
+    done: a rank whose loader is done runs zero-row batches meanwhile, and no batch is
+    dropped. Each rank's loss is weighted by its share of the step's samples (``loss_fn``
+    is taken to be a mean over the batch's samples), so the gradients averaged over ranks
+    are those of the mean over every rank's samples: uneven batches train as one process
+    on the concatenated batch would. A rank's zero-row batch runs forward and backward
+    with a zero loss (``loss_fn`` is not called on it).
 
     Args:
         model: the model; its ``DynamicEmbedding`` tables are stepped with their own sparse
@@ -120,7 +128,9 @@ class Trainer:
             dense parameters (wrapped in a ``CombinedOptimizer`` so the tables are stepped
             too), or None for ``torch.optim.Adam(lr=1e-3)`` on the dense parameters.
         metrics: name -> metric with ``update(preds, target)``, ``compute()``, ``reset()``
-            (``veloce.metrics`` or torchmetrics objects).
+            (``veloce.metrics`` or torchmetrics objects). A metric that computes to NaN
+            (an empty or one-class evaluation set) raises
+            :class:`veloce.metrics.MetricError`.
         strategy: keyword arguments of ``HybridParallel`` (e.g. ``{"sparse": "async",
             "staleness": 2}``); used only when the world size is > 1.
         precision: ``"fp32"``, or ``"bf16"`` for autocast to bfloat16 around forward and
@@ -134,7 +144,8 @@ class Trainer:
             With it, Ctrl-C (SIGINT, in the main thread) during ``fit`` stops at the end of
             the current optimizer step (or validation batch), checkpoints that step and
             raises :class:`TrainingInterrupted`; on several ranks, every rank stops at the
-            same step when any rank is interrupted (one tiny all-reduce per step).
+            same step when any rank is interrupted (the flag rides on the all-reduce the ranks make
+            at every step anyway).
         checkpoint_every: also checkpoint every this many optimizer steps (besides every
             epoch's end); needs ``checkpoint_dir``.
         keep_last: checkpoints kept in ``checkpoint_dir``.
@@ -230,6 +241,7 @@ class Trainer:
         self._graph_spec: Any = None  # the batch structure it was captured for
         self._spec: Any = None  # the structure of the batch being run
         self._control: Any = None  # cuda_graph over several ranks: a gloo group agreeing on each batch's kind
+        self._step_rows, self._loss_scale = 1, 1.0  # cuda_graph: the step's samples here, its loss weight
         if cuda_graph:
             self._check_cuda_graph()
             lookups = self._graph_lookups if self.world_size > 1 else None
@@ -277,7 +289,7 @@ class Trainer:
         if self._finished or self._steps_exhausted():
             return self.history
         self._check_fit_args(val_loader)
-        self._train_len = _len_or_none(train_loader)
+        self._train_len = self._steps_of(train_loader)
         handler = _InterruptHandler(announce=self.rank == 0) if self.checkpoint_dir is not None else None
         with handler if handler is not None else contextlib.nullcontext():
             self._interrupts = handler
@@ -306,19 +318,14 @@ class Trainer:
         self._save()
         self._call("on_fit_end", self.history)
 
-    def _check_interrupt(self) -> None:
-        """Raises _Interrupt on every rank when Ctrl-C reached any rank (during fit with a
-        checkpoint_dir; a collective then: every rank calls it at the same points)."""
-        if self._interrupts is None:
-            return
-        stop = self._interrupts.requested
-        if self.world_size > 1:
-            dist = torch.distributed
-            dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-            flag = torch.tensor([int(stop)], dtype=torch.int32, device=dev)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stop = bool(flag.item())
-        if stop:
+    def _interrupted(self) -> bool:
+        """Whether Ctrl-C reached this rank during fit (with a checkpoint_dir); lockstep
+        carries it in its per-step all-reduce, so every rank stops at the same step."""
+        return self._interrupts is not None and self._interrupts.requested
+
+    def _stop_if_interrupted(self, step: Step) -> None:
+        """Raises _Interrupt, on every rank at once, when Ctrl-C reached any rank."""
+        if step.stop and self._interrupts is not None:
             raise _Interrupt
 
     def _check_fit_args(self, val_loader: Optional[Iterable]) -> None:
@@ -349,8 +356,17 @@ class Trainer:
     def evaluate(self, loader: Iterable) -> dict[str, float]:
         """The metrics over every batch of ``loader`` (all ranks together), in eval mode.
 
+        With several ranks, the metrics see the predictions of every rank (veloce's are
+        computed once over all of them; torchmetrics objects synchronise themselves), so
+        they equal the metrics of one process on the same samples; ranks with different
+        numbers of batches all take part until the last one is done.
+
         Returns:
             metric name -> float.
+
+        Raises:
+            veloce.metrics.MetricError: a metric computed to NaN (no samples at all, or an
+                AUC over samples of one class): it names the metric and why.
         """
         if not self.metrics:
             raise ValueError("Trainer.evaluate: no metrics; pass metrics={'auc': veloce.metrics.AUC(), ...}")
@@ -358,16 +374,33 @@ class Trainer:
         self._flush()
         self.model.eval()
         sink = _MetricSink(self.metrics, self.world_size)
+        samples = 0
         try:
-            for batch in lockstep(loader, self.device, "Trainer.evaluate"):
-                inputs, target = move_to(split_batch(batch), self.device)
+            for step in lockstep(loader, self.device, "Trainer.evaluate", interrupted=self._interrupted):
+                self._stop_if_interrupted(step)  # (validation inside fit: Ctrl-C need not wait for its end)
+                inputs, target = move_to(split_batch(step.batch), self.device)
                 with self._autocast():
                     preds = call_model(self.model, inputs)
-                sink.update(preds.float() if torch.is_tensor(preds) else preds, target)
-                self._check_interrupt()  # (validation inside fit: Ctrl-C need not wait for its end)
-            return sink.compute()
+                samples += step.total
+                if step.rows:  # (a zero-row batch runs for the ranks' collectives only)
+                    sink.update(preds.float() if torch.is_tensor(preds) else preds, target)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = sink.compute()
         finally:
             self.model.train(was_training)
+        nan = [k for k, v in result.items() if math.isnan(v)]
+        if nan:
+            why = "; ".join(dict.fromkeys(str(w.message) for w in caught))
+            raise MetricError(
+                f"Trainer.evaluate: metric{'s' if len(nan) > 1 else ''} {', '.join(map(repr, nan))} computed to NaN "
+                f"over the {samples} evaluation samples of all {self.world_size} rank(s)"
+                f"{f' ({why})' if why else ''}: evaluate on data with samples, of both classes for an AUC "
+                f"(a larger or another validation split)"
+            )  # fmt: skip
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return result
 
     def steps_per_epoch(self) -> Optional[int]:
         """Optimizer steps in one epoch of the current train loader (None if it has no length)."""
@@ -380,15 +413,18 @@ class Trainer:
         """Trains the rest of the current epoch; False if it stopped early (max_steps, callback)."""
         self.model.train()
         if self._graph is not None:
-            batches = self._graph_batches(self._epoch_iter(loader))
+            batches = self._graph_batches(*self._epoch_iter(loader))
             self._call("on_epoch_start", self.epoch)
             return self._train_graphed(batches)
-        batches = lockstep(self._epoch_iter(loader), self.device, "Trainer.fit")
+        it, last = self._epoch_iter(loader)
+        batches = lockstep(it, self.device, "Trainer.fit", last=last, interrupted=self._interrupted)
         self._call("on_epoch_start", self.epoch)
         pending = 0
-        for batch in batches:
+        for step in batches:
+            if not pending:  # (at an optimizer step's boundary only: no half-accumulated gradient is lost)
+                self._stop_if_interrupted(step)
             pending += 1
-            self._forward_backward(batch)
+            self._forward_backward(step)
             self.batches_in_epoch += 1
             if pending == self.accumulate_steps:
                 pending = 0
@@ -406,13 +442,26 @@ class Trainer:
         from again, so its epoch stays open and a later fit finishes it."""
         return self._train_len is not None and self.batches_in_epoch >= self._train_len
 
-    def _epoch_iter(self, loader: Iterable) -> Iterator:
-        """The loader's iterator for this epoch, past the batches a resumed run already consumed.
+    def _steps_of(self, loader: Iterable) -> Optional[int]:
+        """Steps in an epoch of ``loader``: its length, the longest over the ranks (every
+        rank steps until the last one is done); None if some rank's loader has no length."""
+        mine = _len_or_none(loader)
+        if self.world_size == 1:
+            return mine
+        lengths = gather(mine)
+        return None if any(n is None for n in lengths) else max(lengths)
+
+    def _epoch_iter(self, loader: Iterable) -> tuple[Iterator, Any]:
+        """The loader's iterator for this epoch, past the batches a resumed run already
+        consumed, and the last batch skipped (None if none was).
 
         The iterator is made under the RNG state of the epoch's start, so a shuffling loader
         draws the same order as the interrupted run; then the RNG state of the checkpoint
-        comes back."""
+        comes back. ``batches_in_epoch`` counts the epoch's steps, the same on every rank:
+        a rank whose loader is shorter skips all of it (it was stepping with zero-row
+        batches)."""
         resuming = self.batches_in_epoch > 0
+        last = None
         if not resuming:
             self._epoch_rng = rng_state()
             self._totals.reset(self.device)
@@ -421,27 +470,35 @@ class Trainer:
             at_checkpoint = rng_state()
             set_rng_state(self._epoch_rng)
             it = iter(loader)
+            skipped = 0
             for i in range(self.batches_in_epoch):
-                batch = next(it, None)
-                if batch is None:
-                    raise RuntimeError(
-                        f"Trainer: cannot resume: the checkpoint consumed {self.batches_in_epoch} batches of "
-                        f"epoch {self.epoch} but the loader has only {i}; resume with the same data"
-                    )
+                batch = next(it, _DONE)
+                if batch is _DONE:
+                    break
+                skipped, last = skipped + 1, batch
                 if i == 0 and self._graph is not None and self._graph_spec is None:
                     # The captured shape is the first batch's: the epoch's first, a full one,
                     # rather than the batch the resumed run starts at (its short last, maybe).
                     self._graph_spec = _graph_shape(*pytree.tree_flatten(split_batch(batch)))  # (None: not tensors)
+            longest = max(gather(skipped))  # (every rank raises alike)
+            if longest < self.batches_in_epoch:
+                raise RuntimeError(
+                    f"Trainer: cannot resume: the checkpoint consumed {self.batches_in_epoch} batches of "
+                    f"epoch {self.epoch} but the loader has only {longest}"
+                    f"{' (the longest over the ranks)' if self.world_size > 1 else ''}; resume with the same data"
+                )  # fmt: skip
             set_rng_state(at_checkpoint)
         self._totals.start_clock()
-        return it
+        return it, last
 
-    def _forward_backward(self, batch: Any) -> None:
-        inputs, target = move_to(split_batch(batch), self.device)
+    def _forward_backward(self, step: Step) -> None:
+        inputs, target = move_to(split_batch(step.batch), self.device)
         with self._autocast():
-            loss = self.loss_fn(call_model(self.model, inputs), target)
-        (loss / self.accumulate_steps).backward()
-        self._totals.add(loss.detach(), batch_size(target))
+            preds = call_model(self.model, inputs)
+            loss = self.loss_fn(preds, target) if step.rows else _zero_loss(preds)
+        scale = step.loss_scale(self.world_size)
+        ((loss * scale if scale != 1.0 else loss) / self.accumulate_steps).backward()
+        self._totals.add(loss.detach(), step.rows, step.drawn)
 
     # ---- cuda_graph ---------------------------------------------------------------------
     def _check_cuda_graph(self) -> None:
@@ -459,11 +516,16 @@ class Trainer:
             )
 
     def _graph_fn(self, *leaves: torch.Tensor) -> torch.Tensor:
-        """The captured step, over the batch's tensors flattened (torch.utils._pytree)."""
+        """The captured step, over the batch's tensors flattened (torch.utils._pytree). Its
+        loss is weighted by ``_loss_scale`` (baked into the capture as a constant: right for
+        every replay, since a replay runs only when every rank's batch has its captured
+        shape, so the ranks' sample counts are those of the capture) and is zero for a
+        zero-row batch (always an eager step)."""
         inputs, target = pytree.tree_unflatten(list(leaves), self._spec)
         with self._autocast():
-            loss = self.loss_fn(call_model(self.model, inputs), target)
-        loss.backward()
+            preds = call_model(self.model, inputs)
+            loss = self.loss_fn(preds, target) if self._step_rows else _zero_loss(preds)
+        (loss * self._loss_scale if self._loss_scale != 1.0 else loss).backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
         return loss.detach()
@@ -474,11 +536,12 @@ class Trainer:
         inputs, _ = pytree.tree_unflatten(list(leaves), self._spec)
         return call_model(self.module.sparse_lookups, inputs)
 
-    def _graph_batches(self, it: Iterator) -> Iterator:
-        """The epoch's batches moved to the device and flattened, with the kind of step every
-        rank agrees on for each (lockstep: one tiny all-reduce per batch, on a gloo group so
-        that it never waits for the device): 2, a replay (every rank's batch has the captured
-        structure and shapes); 1, an eager step (an epoch's short last batch on some rank)."""
+    def _graph_batches(self, it: Iterator, last: Any) -> Iterator[Step]:
+        """The epoch's steps, their batches moved to the device and flattened, with the kind
+        of step every rank agrees on for each (lockstep: one tiny all-reduce per batch, on a
+        gloo group so that it never waits for the device): 2, a replay (every rank's batch
+        has the captured structure and shapes); 1, an eager step (an epoch's short last
+        batch, or a zero-row one, on some rank)."""
 
         def staged(batch: Any) -> tuple:
             inputs, target = move_to(split_batch(batch), self.device)
@@ -486,14 +549,14 @@ class Trainer:
             shape = _graph_shape(leaves, spec)
             if shape is None:
                 raise TypeError("Trainer: cuda_graph=True needs batches of tensors (nested tuples, lists, dicts)")
-            if self._graph_spec is None:  # the first batch's structure and shapes: a full batch, as a rule
+            if self._graph_spec is None and batch_size(target):  # the first batch's: a full batch, as a rule
                 self._graph_spec = shape
             assert self._graph is not None
             fits = shape == self._graph_spec and self._graph.matches(*leaves)
-            return leaves, spec, batch_size(target), fits
+            return leaves, spec, fits
 
-        return lockstep((staged(b) for b in it), self.device, "Trainer.fit", kind=lambda b: 2 if b[3] else 1,
-                        group=self._control)  # fmt: skip
+        return lockstep(it, self.device, "Trainer.fit", stage=staged, kind=lambda b: 2 if b[2] else 1,
+                        group=self._control, last=last, interrupted=self._interrupted)  # fmt: skip
 
     def _train_graphed(self, batches: Iterator) -> bool:
         """The epoch's steps as replays of the captured step (cuda_graph=True). False if it
@@ -506,15 +569,17 @@ class Trainer:
         cur = next(batches, None)
         try:
             while cur is not None:
+                self._stop_if_interrupted(cur)
                 following = next(batches, None) if ahead_ok else None
-                (leaves, self._spec, size, _), kind = cur
+                (leaves, self._spec, _), kind = cur.batch, cur.kind
+                self._step_rows, self._loss_scale = cur.rows, cur.loss_scale(self.world_size)
                 last = self.max_steps is not None and self.global_step + 1 >= self.max_steps
-                ahead = following is not None and kind == 2 and following[1] == 2 and not last
+                ahead = following is not None and kind == 2 and following.kind == 2 and not last
                 # Another structure or shape (an epoch's short last batch, on any rank) runs
                 # eagerly, also before the capture: the step is captured for full batches.
                 try:
                     if kind == 2:
-                        loss = graph(*leaves, next_inputs=following[0][0] if ahead else None)
+                        loss = graph(*leaves, next_inputs=following.batch[0] if ahead else None)
                     else:
                         loss = graph.eager(*leaves)
                 except BaseException:
@@ -522,7 +587,8 @@ class Trainer:
                         self.batches_in_epoch += 1
                         self._count_step()
                     raise
-                self._totals.add(loss, size)  # queued on the device before the next replay rewrites it
+                # (queued on the device before the next replay rewrites the loss)
+                self._totals.add(loss, cur.rows, cur.drawn)
                 self.batches_in_epoch += 1
                 self._optimizer_step(stepped=True)
                 if self.should_stop or self._steps_exhausted():
@@ -545,7 +611,6 @@ class Trainer:
         # (not at an epoch's last step: the epoch's end saves right after, with its record)
         if self.checkpoint_every and self.global_step % self.checkpoint_every == 0 and not self._loader_done():
             self._save()
-        self._check_interrupt()
 
     def _count_step(self) -> None:
         """An optimizer step taken: the run's and the epoch's step counters."""
@@ -555,7 +620,13 @@ class Trainer:
     def _end_epoch(self, val_loader: Optional[Iterable]) -> None:
         record = {"event": "epoch", "epoch": self.epoch, "step": self.global_step, **self._totals.summary()}
         if val_loader is not None:
-            record.update({f"val_{k}": v for k, v in self.evaluate(val_loader).items()})
+            try:
+                record.update({f"val_{k}": v for k, v in self.evaluate(val_loader).items()})
+            except MetricError:
+                # The epoch's training is kept (its last batch consumed, the epoch not ended):
+                # a fit resumed with a usable val_loader validates it and goes on.
+                self._save()
+                raise
         self.history.append(record)
         self._call("on_epoch_end", record)
         self.epoch += 1
@@ -644,45 +715,51 @@ class Trainer:
 
 
 class _Totals:
-    """Loss, batches and samples of the current epoch; the loss stays on the device (no sync
-    per step) in float64 until a record needs it."""
+    """Loss, batches and samples of the current epoch on this rank. The loss is summed
+    weighted by each batch's samples (a mean over every sample of the epoch, whatever the
+    batches' sizes) and stays on the device (no sync per step) in float64 until a record
+    needs it."""
 
     def __init__(self, device: torch.device) -> None:
         self.reset(device)
 
     def reset(self, device: torch.device) -> None:
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.loss_rows = torch.zeros((), dtype=torch.float64, device=device)  # sum of batch loss x samples
         self.batches = self.samples = 0
         self.seconds_before = 0.0  # the epoch's training time before a resume
         self.start_clock()
 
     def start_clock(self) -> None:
         self.started = time.perf_counter()
-        # loss_sum, batches, samples, time at the last step record
-        self._mark = (float(self.loss_sum), self.batches, self.samples, self.started)
+        # loss_rows, samples, time at the last step record
+        self._mark = (float(self.loss_rows), self.samples, self.started)
 
-    def add(self, loss: torch.Tensor, samples: int) -> None:
-        self.loss_sum += loss.to(torch.float64)
-        self.batches += 1
+    def add(self, loss: torch.Tensor, samples: int, drawn: bool = True) -> None:
+        """A batch's mean loss over its ``samples``; ``drawn`` False for a zero-row stand-in
+        batch (it counts as no batch)."""
+        if samples:
+            self.loss_rows += loss.to(torch.float64) * samples
+        self.batches += int(drawn)
         self.samples += samples
 
     def window(self) -> dict[str, float]:
-        """Mean loss and samples/s since the previous call (or the epoch's start)."""
-        loss, now = float(self.loss_sum), time.perf_counter()
-        loss0, batches0, samples0, t0 = self._mark
-        self._mark = (loss, self.batches, self.samples, now)
-        return {"loss": (loss - loss0) / max(self.batches - batches0, 1),
+        """Mean loss over this rank's samples, and samples/s, since the previous call (or the
+        epoch's start)."""
+        loss, now = float(self.loss_rows), time.perf_counter()
+        loss0, samples0, t0 = self._mark
+        self._mark = (loss, self.samples, now)
+        return {"loss": (loss - loss0) / max(self.samples - samples0, 1),
                 "samples_per_s": (self.samples - samples0) / max(now - t0, 1e-9)}  # fmt: skip
 
     def summary(self) -> dict[str, float]:
-        """The epoch's record fields, summed over ranks."""
-        per_rank = gather((float(self.loss_sum), self.batches, self.samples))
-        loss, batches, samples = (sum(x) for x in zip(*per_rank))
+        """The epoch's record fields over all ranks: the mean loss over every sample, each counted once."""
+        per_rank = gather((float(self.loss_rows), self.samples))
+        loss, samples = (sum(x) for x in zip(*per_rank))
         seconds = self.seconds()
-        if not batches:
-            warnings.warn("Trainer: an epoch without batches (an empty loader, or a one-shot iterator already "
-                          "used up by an earlier epoch); its loss is NaN", stacklevel=3)  # fmt: skip
-        return {"loss": loss / batches if batches else math.nan, "samples": samples, "seconds": seconds,
+        if not samples:
+            warnings.warn("Trainer: an epoch without samples (an empty loader, or a one-shot iterator "
+                          "already used up by an earlier epoch); its loss is NaN", stacklevel=3)  # fmt: skip
+        return {"loss": loss / samples if samples else math.nan, "samples": samples, "seconds": seconds,
                 "samples_per_s": samples / max(seconds, 1e-9)}  # fmt: skip
 
     def seconds(self) -> float:
@@ -690,13 +767,16 @@ class _Totals:
         return self.seconds_before + time.perf_counter() - self.started
 
     def state(self) -> dict[str, Any]:
-        return {"loss_sum": float(self.loss_sum), "batches": self.batches, "samples": self.samples,
+        return {"loss_rows": float(self.loss_rows), "batches": self.batches, "samples": self.samples,
                 "seconds": self.seconds()}  # fmt: skip
 
     def load(self, state: Mapping[str, Any], device: torch.device) -> None:
         self.reset(device)
-        self.loss_sum.fill_(state["loss_sum"])
         self.batches, self.samples = state["batches"], state["samples"]
+        if "loss_rows" in state:
+            self.loss_rows.fill_(state["loss_rows"])
+        else:  # a checkpoint whose totals hold the sum of the batches' mean losses instead
+            self.loss_rows.fill_(state["loss_sum"] * self.samples / max(self.batches, 1))
         self.seconds_before = state.get("seconds", 0.0)  # (checkpoints before 2026-12-02 lack it)
 
 
@@ -730,6 +810,21 @@ class _MetricSink:
             for m in self.gathered.values():
                 m.update(preds, target)
         return {k: float(m.compute()) for k, m in self.metrics.items()}
+
+
+_DONE = object()
+
+
+def _zero_loss(preds: Any) -> torch.Tensor:
+    """The loss of a zero-row batch: zero, but computed from the predictions, so that the
+    backward reaches every parameter the forward used (DDP's all-reduces and the sharded
+    tables' gradient exchange wait for every rank's backward)."""
+    leaves = [x for x in pytree.tree_leaves(preds) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not leaves:
+        raise TypeError(
+            f"Trainer: the model's output has no floating-point tensor, got {type(preds).__name__}"
+        )
+    return sum(x.sum() for x in leaves) * 0.0
 
 
 def _check_writable(directory: Path) -> None:

@@ -1,11 +1,17 @@
-"""Which batches a DataLoader worker on a given rank produces.
+"""Which rows a DataLoader worker on a given rank produces.
 
-Both data sets cut their rows into consecutive blocks of ``batch_size`` rows (block
-``b`` is rows ``[b * batch_size, (b + 1) * batch_size)``) and deal the blocks out:
-block ``b`` goes to rank ``b % world_size``; on that rank its ``j``-th block
-(``j = b // world_size``) goes to worker ``j % num_workers``. A ``DataLoader`` reads
-its workers round-robin, so a rank sees its blocks in increasing order whatever
-``num_workers`` is, and every block is produced exactly once over all ranks and workers.
+Both data sets cut their rows into global batches of ``batch_size`` consecutive rows
+(batch ``b`` is rows ``[b * batch_size, (b + 1) * batch_size)``, the last one possibly
+shorter) and split every global batch over the ranks: rank ``r`` gets the ``r``-th of
+``world_size`` contiguous, nearly equal parts (sizes differ by at most one row; a batch of
+fewer rows than ranks leaves the last ranks an empty part). So every rank yields the same
+number of batches, and the concatenation in rank order of step ``k``'s batches is exactly
+batch ``k`` of one process: training and metrics do not depend on the world size.
+
+On a rank, global batch ``b`` goes to DataLoader worker ``b % num_workers``. A
+``DataLoader`` reads its workers round-robin, so a rank sees its batches in increasing
+order whatever ``num_workers`` is, and every row is produced exactly once over all ranks
+and workers.
 """
 
 from __future__ import annotations
@@ -17,18 +23,28 @@ from torch.utils.data import get_worker_info
 
 @dataclass(frozen=True)
 class Shard:
-    """The blocks one worker of one rank produces."""
+    """The batches one worker of one rank produces, and the rows of each that are its rank's."""
 
     rank: int = 0
     world_size: int = 1
     worker: int = 0
     num_workers: int = 1
 
-    def owns(self, block: int) -> bool:
-        """Whether block ``block`` (0-based, counted from the first row read) is this shard's."""
-        if block % self.world_size != self.rank:
-            return False
-        return (block // self.world_size) % self.num_workers == self.worker
+    def owns(self, batch: int) -> bool:
+        """Whether global batch ``batch`` (0-based, counted from the first row read) is this worker's."""
+        return batch % self.num_workers == self.worker
+
+    def part(self, rows: int) -> tuple[int, int]:
+        """``(lo, hi)``: this rank's rows ``[lo, hi)`` of a global batch of ``rows`` rows."""
+        return rank_part(rows, self.rank, self.world_size)
+
+
+def rank_part(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``(lo, hi)``: rank ``rank``'s contiguous part of ``rows`` rows split over ``world_size``
+    ranks; the first ``rows % world_size`` ranks get one row more than the others."""
+    base, extra = divmod(rows, world_size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
 
 
 def current_shard(rank: int, world_size: int) -> Shard:
@@ -41,8 +57,3 @@ def current_shard(rank: int, world_size: int) -> Shard:
     if info is None:
         return Shard(rank, world_size, 0, 1)
     return Shard(rank, world_size, info.id, info.num_workers)
-
-
-def rank_blocks(num_blocks: int, rank: int, world_size: int) -> int:
-    """How many of ``num_blocks`` blocks go to ``rank``."""
-    return len(range(rank, num_blocks, world_size))

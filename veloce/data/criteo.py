@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from veloce.data._errors import DataError
-from veloce.data._sharding import current_shard, rank_blocks
+from veloce.data._sharding import current_shard
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -107,19 +107,24 @@ class CriteoTSV(IterableDataset):
 
     Use it with ``DataLoader(ds, batch_size=None, num_workers=...)``: the data set makes
     the batches itself. Rows ``[start, stop)`` (0-based over the concatenated files) are
-    cut into blocks of ``batch_size`` consecutive rows, dealt out to ranks and DataLoader
-    workers so that each row is read exactly once and a rank sees its batches in file
-    order for any ``num_workers`` (see ``veloce/data/_sharding.py``).
+    cut into global batches of ``batch_size`` consecutive rows; with ``world_size`` ranks
+    each global batch is split into ``world_size`` contiguous, nearly equal parts and rank
+    ``rank`` parses and yields its part (an empty one when a last batch has fewer rows than
+    ranks). Every rank yields the same number of batches, each row is parsed exactly once
+    over all ranks and DataLoader workers, and a rank sees its batches in file order for
+    any ``num_workers`` (see ``veloce/data/_sharding.py``): training and metrics do not
+    depend on the world size.
 
     Args:
         paths: one file or a list of files, read as one concatenated stream.
-        batch_size: rows per batch; the last batch may be smaller.
+        batch_size: rows per global batch (all ranks together; each rank yields about
+            ``batch_size / world_size`` of them); the last batch may be smaller.
         has_label: True for the train layout (40 fields), False for the test layout (39).
         start: first row to read (0-based), e.g. for a time-based split.
         stop: one past the last row to read; None reads to the end.
         log_dense: transform dense values with ``log(1 + max(x, 0))``; else keep them raw.
-        drop_last: drop the last batch if it is smaller than ``batch_size``.
-        rank: this process's rank, for sharding batches across ranks.
+        drop_last: drop the last global batch if it is smaller than ``batch_size``.
+        rank: this process's rank, for splitting batches across ranks.
         world_size: number of ranks.
         strict: a line with too few fields is an error (a line cut short); with False such
             lines are padded with empty (missing) fields, for copies that strip trailing
@@ -134,7 +139,7 @@ class CriteoTSV(IterableDataset):
             cut short, a truncated or corrupt ``.gz``, files shorter than ``total_rows``.
 
     Shape:
-        Each batch is ``((dense, sparse), label)``:
+        Each batch is ``((dense, sparse), label)``, ``B`` this rank's part of the global batch:
 
         - dense: ``(B, 13)`` float32.
         - sparse: ``(B, 26)`` int64; ``C`` values in ``[0, 2**32)``, missing = ``MISSING_ID``.
@@ -210,14 +215,15 @@ class CriteoTSV(IterableDataset):
         return max(stop - self.start, 0)
 
     def num_batches(self) -> int:
-        """Number of batches over all ranks."""
+        """Number of global batches (each split over the ranks: every rank yields this many)."""
         full, rest = divmod(self.num_rows(), self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
     def __len__(self) -> int:
-        """Number of batches this rank yields (all its DataLoader workers together); see
-        :meth:`num_rows` for what it reads."""
-        return rank_blocks(self.num_batches(), self.rank, self.world_size)
+        """Number of batches this rank yields (all its DataLoader workers together): the
+        number of global batches, the same on every rank; see :meth:`num_rows` for what it
+        reads."""
+        return self.num_batches()
 
     # ------------------------------------------------------------------ reading
     def _lines(self) -> Iterator[tuple[bytes, str, int]]:
@@ -244,15 +250,26 @@ class CriteoTSV(IterableDataset):
     def __iter__(self) -> Iterator[Batch]:
         shard = current_shard(self.rank, self.world_size)
         bs = self.batch_size
-        pending: list[tuple[bytes, str, int]] = []
+        full = slice(*shard.part(bs))  # this rank's lines of a full global batch
+        pending: list[tuple[bytes, str, int]] = []  # the lines of the global batch being read
         for i, item in enumerate(self._lines()):
             if shard.owns(i // bs):
                 pending.append(item)
                 if len(pending) == bs:
-                    yield self._parse(pending)
+                    yield self._parse_part(pending[full])
                     pending = []
+        # the last global batch is short: its parts are cut by its own length
         if pending and not self.drop_last:
-            yield self._parse(pending)
+            yield self._parse_part(pending[slice(*shard.part(len(pending)))])
+
+    def _parse_part(self, items: list[tuple[bytes, str, int]]) -> Batch:
+        """This rank's part of a global batch; zero rows (a last batch of fewer rows than ranks)
+        give tensors of zero rows."""
+        if items:
+            return self._parse(items)
+        label = torch.zeros(0, dtype=torch.float32) if self.has_label else None
+        dense = torch.zeros(0, NUM_DENSE, dtype=torch.float32)
+        return (dense, torch.zeros(0, NUM_SPARSE, dtype=torch.int64)), label
 
     # ------------------------------------------------------------------ parsing
     def _parse(self, items: list[tuple[bytes, str, int]]) -> Batch:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from veloce.data._sharding import current_shard, rank_blocks
+from veloce.data._sharding import current_shard, rank_part
 
 Batch = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -133,13 +133,18 @@ class SyntheticClicks(IterableDataset):
     """Synthetic click logs with Zipf-distributed raw int64 ids and a planted signal.
 
     An ``IterableDataset`` of ready-made batches: use it with
-    ``DataLoader(ds, batch_size=None, num_workers=...)``. Batches are dealt out to ranks
-    and workers without overlap (see ``veloce/data/_sharding.py``); a rank sees its
-    batches in the same order for any ``num_workers``.
+    ``DataLoader(ds, batch_size=None, num_workers=...)``. ``batch_size`` is the global
+    batch: with ``world_size`` ranks, each global batch of consecutive samples is split
+    into ``world_size`` contiguous, nearly equal parts and rank ``rank`` yields its part
+    (an empty one when a last batch has fewer samples than ranks), so every rank yields
+    the same number of batches and training does not depend on the world size (see
+    ``veloce/data/_sharding.py``). A rank sees its batches in the same order for any
+    ``num_workers``.
 
     Args:
         num_samples: number of samples (all ranks together).
-        batch_size: samples per batch; the last batch may be smaller.
+        batch_size: samples per global batch (all ranks together; each rank yields about
+            ``batch_size / world_size`` of them); the last batch may be smaller.
         num_dense: number of dense features.
         num_sparse: number of sparse (categorical) features.
         id_space: number of distinct ids per feature (an int, or one per feature).
@@ -152,12 +157,12 @@ class SyntheticClicks(IterableDataset):
         dense_signal: standard deviation of the dense linear term in the logit.
         interaction_signal: standard deviation of the pairwise factor term in the logit.
         base_logit: constant term of the logit (sets the click rate, about 0.25 by default).
-        drop_last: drop the last batch if it is smaller than ``batch_size``.
-        rank: this process's rank, for sharding batches across ranks.
+        drop_last: drop the last global batch if it is smaller than ``batch_size``.
+        rank: this process's rank, for splitting batches across ranks.
         world_size: number of ranks.
 
     Shape:
-        Each batch is ``((dense, sparse), label)``:
+        Each batch is ``((dense, sparse), label)``, ``B`` this rank's part of the global batch:
 
         - dense: ``(B, num_dense)`` float32.
         - sparse: ``(B, num_sparse)`` int64 raw ids.
@@ -248,13 +253,14 @@ class SyntheticClicks(IterableDataset):
 
     # ------------------------------------------------------------------ sizes
     def num_batches(self) -> int:
-        """Number of batches over all ranks."""
+        """Number of global batches (every rank yields one part of each)."""
         full, rest = divmod(self.num_samples, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
     def __len__(self) -> int:
-        """Number of batches this rank yields (all its DataLoader workers together)."""
-        return rank_blocks(self.num_batches(), self.rank, self.world_size)
+        """Number of batches this rank yields (all its DataLoader workers together): the
+        number of global batches, the same on every rank."""
+        return self.num_batches()
 
     # ------------------------------------------------------------------ data
     def __iter__(self) -> Iterator[Batch]:
@@ -264,11 +270,13 @@ class SyntheticClicks(IterableDataset):
                 yield self.batch(b)
 
     def batch(self, index: int) -> Batch:
-        """Batch ``index`` (0-based, counted over all ranks)."""
+        """This rank's part of global batch ``index`` (0-based): the whole batch with
+        ``world_size=1``."""
         _check(0 <= index < self.num_batches(), "index", index, f"must be in [0, {self.num_batches()})")
         lo = self.start + index * self.batch_size
-        hi = min(lo + self.batch_size, self.start + self.num_samples)
-        return self.samples(lo, hi)
+        rows = min(self.batch_size, self.num_samples - index * self.batch_size)
+        mine_lo, mine_hi = rank_part(rows, self.rank, self.world_size)
+        return self.samples(lo + mine_lo, lo + mine_hi)
 
     def samples(self, lo: int, hi: int) -> Batch:
         """Samples ``lo`` to ``hi - 1`` (absolute indices, ``start`` not added)."""
