@@ -650,6 +650,67 @@ def test_ranks_in_train_and_eval_mode_raise_instead_of_hanging(dedup):
         assert msg is not None and f"rank {1 - rank} sent signature" in msg and "train or eval mode" in msg
 
 
+def _validate_under_no_grad(rank, world, dedup):
+    """A training step, then lookups under no_grad with the model still in training mode:
+    through the module and through lookup_many; then rank 0 under no_grad, rank 1 not."""
+    model = _WithLocal()
+    hp = HybridParallel(model, dedup=dedup)
+    opt = make_opt(hp)
+    ids, offsets = torch.tensor([1, 2, 3]) + 10 * rank, torch.tensor([0, 2])
+    hp(ids, offsets).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    before = {k: v.clone() for k, v in model.emb.export().items()}
+    new = torch.tensor([1, 500, 501, 502]) + 10 * rank  # mostly ids no rank has seen
+    with torch.no_grad():
+        got = hp(new, offsets)
+        (many,) = veloce.lookup_many([model.emb], [(new, offsets)])
+    after = model.emb.export()
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    hp.eval()
+    with torch.no_grad():
+        want = hp(new, offsets)
+    (looked_up,) = veloce.lookup_many([model.emb], [(new, offsets)])
+    hp.train()
+    try:  # the table itself: DDP's own forward would wait in a collective on the rank with gradients
+        with torch.no_grad() if rank == 0 else torch.enable_grad():
+            model.emb(ids, offsets)
+    except ExchangeError as e:
+        mixed = str(e)
+    else:
+        mixed = None
+    return unchanged, torch.equal(got, want), torch.equal(many, looked_up), mixed
+
+
+@pytest.mark.parametrize("dedup", [False, True], ids=["parts", "dedup"])
+def test_validation_under_no_grad_in_train_mode_inserts_nothing_on_any_rank(dedup):
+    for rank, (unchanged, same, same_many, mixed) in enumerate(run_ranks(_validate_under_no_grad, 2, dedup,
+                                                                          timeout=60)):  # fmt: skip
+        assert unchanged and same and same_many, rank
+        assert mixed is not None and "torch.no_grad()" in mixed, (rank, mixed)
+
+
+def _plain_torch_optimizer(rank, world, sparse):
+    model = _WithLocal()
+    hp = HybridParallel(model, sparse=sparse)
+    opt = torch.optim.Adam(hp.parameters(), lr=0.01)  # no table among them
+    ids, offsets = torch.tensor([1, 2, 3]) + 10 * rank, torch.tensor([0, 2])
+    hp(ids, offsets).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    try:
+        hp(ids, offsets)
+    except (RuntimeError, ExchangeError) as e:
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+@pytest.mark.parametrize("sparse", ["sync", "async"])
+def test_plain_torch_optimizer_loop_over_hybrid_parallel_raises_on_every_rank(sparse):
+    for rank, (kind, msg) in enumerate(run_ranks(_plain_torch_optimizer, 2, sparse, timeout=60)):
+        assert kind == "RuntimeError" and "CombinedOptimizer" in msg, (rank, kind, msg)
+
+
 def _bad_input_in_a_later_exchange(rank, world):
     a = veloce.DynamicEmbedding(4, mode="sum")
     b = veloce.DynamicEmbedding(8, mode="sum")  # another dim: another exchange

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["SparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "CombinedOptimizer"]
 
@@ -147,6 +148,28 @@ class Adam(SparseOptimizer):
 
     def kernel_args(self) -> tuple[int, float, float, float]:
         return (self.kind, self.eps, float(self.betas[0]), float(self.betas[1]))
+
+
+# Steps of every torch optimizer in the process (CombinedOptimizer's too), counted by
+# torch's global step hook. A table notes the count when a gradient reaches it; a
+# training lookup of a table whose gradient waited through such a step, unapplied, is the
+# mark of a torch optimizer loop that never steps the tables (DynamicEmbedding's forward
+# raises then).
+_torch_steps = 0
+
+
+def _count_torch_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    global _torch_steps
+    _torch_steps += 1
+
+
+register_optimizer_step_post_hook(_count_torch_step)
+
+
+def torch_step_count() -> int:
+    """How many ``step()`` calls of torch optimizers (any ``torch.optim.Optimizer``,
+    :class:`CombinedOptimizer` included) this process has made."""
+    return _torch_steps
 
 
 def _sparse_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
