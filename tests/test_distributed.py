@@ -271,12 +271,14 @@ def rank_slice(batch, lo: int, hi: int):
 STEPS = 20
 
 
-def train(model, opt, world: int, rank: int, steps: int = STEPS, device="cpu", prefetch=False):
+def train(model, opt, world: int, rank: int, steps: int = STEPS, device="cpu", prefetch=False, clip=None):
     """Trains with the global batch split over ranks; each rank's loss is its share of the
     global mean (sum * world / global size), so DDP's average equals the global mean.
     ``prefetch``: each step's sparse exchange starts after the previous step (True), or
     after the previous forward ("forward", for prefetch_depth="header")
-    (HybridParallel.prefetch, given the batch on the CPU as a loader yields it)."""
+    (HybridParallel.prefetch, given the batch on the CPU as a loader yields it).
+    ``clip``: a list; each step's gradients are clipped to norm 0.1 (veloce.clip_grad_norm_)
+    and the total norm it returns appended."""
 
     def rank_batch(step):
         batch = global_batch(step)
@@ -296,6 +298,8 @@ def train(model, opt, world: int, rank: int, steps: int = STEPS, device="cpu", p
             model.prefetch(*rank_batch(step + 1)[0])
         loss = nn.functional.binary_cross_entropy_with_logits(out, label.to(device), reduction="sum")
         (loss * world / size).backward()
+        if clip is not None:
+            clip.append(float(veloce.clip_grad_norm_(model, 0.1)))
         opt.step()
         opt.zero_grad()
         if prefetch is True and step + 1 < steps:
@@ -709,6 +713,32 @@ def _plain_torch_optimizer(rank, world, sparse):
 def test_plain_torch_optimizer_loop_over_hybrid_parallel_raises_on_every_rank(sparse):
     for rank, (kind, msg) in enumerate(run_ranks(_plain_torch_optimizer, 2, sparse, timeout=60)):
         assert kind == "RuntimeError" and "CombinedOptimizer" in msg, (rank, kind, msg)
+
+
+def _clipped_body(rank, world):
+    model = Small()
+    hp = HybridParallel(model, sparse="sync")
+    norms: list = []
+    preds = train(hp, make_opt(hp), world, rank, steps=6, clip=norms)
+    return {"preds": preds, "tables": tables_of(model), "norms": norms}
+
+
+def test_clip_grad_norm_of_sharded_tables_equals_one_process():
+    model = Small()
+    ref_norms: list = []
+    ref_preds = train(model, make_opt(model), 1, 0, steps=6, clip=ref_norms)
+    assert min(ref_norms) > 0.1  # the clipping scales every step's gradients
+    results = run_ranks(_clipped_body, 2, timeout=90)
+    for r in results:  # every rank's total norm is the one process's
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5)
+    for step in range(6):
+        got = torch.cat([r["preds"][step] for r in results])
+        torch.testing.assert_close(got, ref_preds[step], rtol=1e-5, atol=1e-5)
+    got = merged([r["tables"] for r in results])
+    for name, want in tables_of(model).items():
+        order = want["keys"].argsort()
+        assert torch.equal(got[name]["keys"], want["keys"][order])
+        torch.testing.assert_close(got[name]["weights"], want["weights"][order], rtol=1e-5, atol=1e-5)
 
 
 def _bad_input_in_a_later_exchange(rank, world):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import weakref
 from typing import Any, Callable, NamedTuple, NoReturn, Optional, Sequence, TypeVar
 
 import torch
@@ -20,7 +21,7 @@ from veloce._update_stream import run_update
 from veloce import init as _init
 from veloce import optim as _optim
 from veloce.ops import optimizer as _ops
-from veloce.ops.embedding import bag_layouts_bad, pooled_lookup_kernels
+from veloce.ops.embedding import accumulate_grad, bag_layouts_bad, pooled_lookup_kernels
 from veloce.table import HashTable, PlainAttrs, find_or_insert_many, insert_beside_updates, is_int64
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
@@ -30,6 +31,19 @@ _MODES = {"sum": 0, "mean": 1}
 _NONFINITE = ("raise", "raise_next", "skip", "apply")
 _CHECKED = ("raise", "raise_next")  # policies whose step() checks every gradient before applying any
 _UNKNOWN = ("init", "zeros")
+
+
+# Every DynamicEmbedding alive in the process: torch's gradient clipping asks which hold a
+# gradient it cannot see (veloce.optim).
+_LIVE: "weakref.WeakSet[DynamicEmbedding]" = weakref.WeakSet()
+
+
+def waiting_tables() -> list["DynamicEmbedding"]:
+    """The live tables holding a gradient that arrived since the last step of any torch
+    optimizer and waits for their step() (pending, or in flight in async mode): what a
+    gradient clipping of the dense parameters alone would leave unclipped."""
+    steps = _optim.torch_step_count()
+    return [t for t in list(_LIVE) if t._unapplied_since == steps]
 
 
 def training_lookup(module: "DynamicEmbedding") -> bool:
@@ -66,8 +80,10 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
     before one step is fine. :meth:`zero_grad` (and
     :class:`veloce.optim.CombinedOptimizer`'s) drops it; ``model.zero_grad()`` and a dense
     optimizer's ``zero_grad()`` do not, and ``requires_grad_(False)`` does not freeze the
-    table (look it up in eval mode instead, or do not step it). A backward pass that
-    accumulates only into what it is asked for (``torch.autograd.grad``,
+    table (look it up in eval mode instead, or do not step it). ``torch.nn.utils.
+    clip_grad_norm_`` cannot see the gradient: it raises while one waits, and
+    :func:`veloce.clip_grad_norm_` clips the dense gradients and the tables' together. A
+    backward pass that accumulates only into what it is asked for (``torch.autograd.grad``,
     ``backward(inputs=...)``) gives the table nothing, as it leaves an
     ``nn.EmbeddingBag``'s ``weight.grad`` alone (tables sharded by
     :class:`veloce.distributed.HybridParallel` take every pass's gradient).
@@ -193,6 +209,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         self._unapplied_since: Optional[int] = None
         # Row-wise sharding across ranks (set by veloce.distributed.HybridParallel).
         self._shard: Optional[Any] = None
+        _LIVE.add(self)
 
     # Bookkeeping set on every training step (see PlainAttrs).
     _PLAIN_ATTRS = frozenset({"_steps", "_verdict", "_nonfinite_error", "_pending", "_last_lr", "_had_backward",
@@ -253,6 +270,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         state.setdefault("_unapplied_passes", 0)
         state.setdefault("_unapplied_since", None)
         super().__setstate__(state)
+        _LIVE.add(self)
 
     def _settle_check(self) -> None:
         """Reads the last step's unread "raise_next" check, if any (see _DeferredCheck)."""
@@ -476,6 +494,35 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
                 f"Call emb.step() (or veloce.optim.CombinedOptimizer(opt, model).step()) to apply them, or "
                 f"emb.zero_grad() to drop them; to accumulate more passes, raise emb.max_pending_backwards."
             )  # fmt: skip
+
+    def _pending_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending gradient per row, what step() applies (weight decay aside): the
+        touched slots ``(U,)`` in ascending order and their summed gradients ``(U, D)``
+        (an ``nn.EmbeddingBag``'s ``weight.grad`` on those rows)."""
+        if not self._pending:
+            dev = self.table.device
+            return (torch.empty(0, dtype=torch.long, device=dev),
+                    torch.empty(0, self.embedding_dim, dtype=self.table.dtype, device=dev))  # fmt: skip
+        e = self._merged()
+        slots = self._resolved(e) if e.ids is not None else e.slots
+        return accumulate_grad(e.grad, slots, e.offsets, e.psw, e.mode, e.include_last_offset, self.table.capacity)
+
+    def _scale_pending(self, factor: torch.Tensor) -> None:
+        """Multiplies the pending gradient by ``factor`` (a scalar tensor): each pooled
+        gradient, so each row's gradient, which is linear in them (gradient clipping)."""
+        self._pending = [e._replace(grad=e.grad * factor.to(e.grad.device, e.grad.dtype)) for e in self._pending]
+
+    def _clamp_pending(self, clip_value: float) -> None:
+        """Clamps each row's pending gradient to ``[-clip_value, clip_value]``: the pending
+        gradient becomes one batch of one bag per touched row, holding its clamped sum."""
+        slots, rows = self._pending_rows()
+        if not slots.numel():
+            return
+        table = self.table
+        ids = table.keys[slots]  # for step() to find the rows by id if the table changes first
+        offsets = torch.arange(slots.numel(), device=slots.device)
+        self._pending = [_Pending(ids, slots, offsets, None, rows.clamp(-clip_value, clip_value), _MODES["sum"], False,
+                                  table.version)]  # fmt: skip
 
     def _resolved(self, entry: "_Pending") -> torch.Tensor:
         """The entry's slots under the current table: re-resolved by id if the table grew,

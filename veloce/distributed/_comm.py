@@ -159,11 +159,12 @@ def agree_sum(group: Group, count: int) -> int:
     return int(agree_sum_tensor(group, host_tensor([count], _device(group))).item())
 
 
-def agree_sum_tensor(group: Group, counts: torch.Tensor) -> torch.Tensor:
-    """The element-wise sum of ``counts`` over the group's ranks, on the group's device;
-    no host read-back (a collective: every rank calls it)."""
+def agree_sum_tensor(group: Group, counts: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """The element-wise sum (``op="max"``: the largest) of ``counts`` over the group's
+    ranks, on the group's device; no host read-back (a collective: every rank calls it).
+    Reduces in place when ``counts`` is on that device already."""
     t = counts.to(_device(group))
-    dist.all_reduce(t, group=group.group)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group.group)
     return t
 
 

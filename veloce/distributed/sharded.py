@@ -122,10 +122,10 @@ class Shard:
         """The sum of ``count`` over the ranks (a collective: every rank calls it)."""
         return agree_sum(self.group, count)
 
-    def agree_all(self, counts: torch.Tensor) -> torch.Tensor:
-        """The sums of ``counts`` (int64) over the ranks, on the group's device, without
-        reading them back (a collective: every rank calls it)."""
-        return agree_sum_tensor(self.group, counts)
+    def agree_all(self, counts: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The sums (``op="max"``: the largest) of ``counts`` over the ranks, on the group's
+        device, without reading them back (a collective: every rank calls it)."""
+        return agree_sum_tensor(self.group, counts, op)
 
     @contextlib.contextmanager
     def abandon_on_error(self, group: Optional[Group] = None):
