@@ -1301,9 +1301,6 @@ def dispatch_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], d
         check_prefetchable(group_tables)  # before the input's checks, which abandon the exchange on an error
         with deferring_errors(shard, group_tables, depth) as failed:
             with shard.abandon_on_error(shard.dispatch_group or shard.group):  # bad input fails every rank
-                for m in group_tables:
-                    if training_lookup(m):
-                        m._check_unapplied()
                 layouts: list = []
                 bags = [tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in idx]
         if not failed:
