@@ -271,12 +271,14 @@ def rank_slice(batch, lo: int, hi: int):
 STEPS = 20
 
 
-def train(model, opt, world: int, rank: int, steps: int = STEPS, device="cpu", prefetch=False):
+def train(model, opt, world: int, rank: int, steps: int = STEPS, device="cpu", prefetch=False, clip=None):
     """Trains with the global batch split over ranks; each rank's loss is its share of the
     global mean (sum * world / global size), so DDP's average equals the global mean.
     ``prefetch``: each step's sparse exchange starts after the previous step (True), or
     after the previous forward ("forward", for prefetch_depth="header")
-    (HybridParallel.prefetch, given the batch on the CPU as a loader yields it)."""
+    (HybridParallel.prefetch, given the batch on the CPU as a loader yields it).
+    ``clip``: a list; each step's gradients are clipped to norm 0.1 (veloce.clip_grad_norm_)
+    and the total norm it returns appended."""
 
     def rank_batch(step):
         batch = global_batch(step)
@@ -296,6 +298,8 @@ def train(model, opt, world: int, rank: int, steps: int = STEPS, device="cpu", p
             model.prefetch(*rank_batch(step + 1)[0])
         loss = nn.functional.binary_cross_entropy_with_logits(out, label.to(device), reduction="sum")
         (loss * world / size).backward()
+        if clip is not None:
+            clip.append(float(veloce.clip_grad_norm_(model, 0.1)))
         opt.step()
         opt.zero_grad()
         if prefetch is True and step + 1 < steps:
@@ -699,6 +703,93 @@ def test_ranks_in_train_and_eval_mode_raise_instead_of_hanging(dedup):
     different collectives (the gradient exchange, the step's agreement) for ever."""
     for rank, msg in enumerate(run_ranks(_modes_disagree, 2, dedup, timeout=60)):
         assert msg is not None and f"rank {1 - rank} sent signature" in msg and "train or eval mode" in msg
+
+
+def _validate_under_no_grad(rank, world, dedup):
+    """A training step, then lookups under no_grad with the model still in training mode:
+    through the module and through lookup_many; then rank 0 under no_grad, rank 1 not."""
+    model = _WithLocal()
+    hp = HybridParallel(model, dedup=dedup)
+    opt = make_opt(hp)
+    ids, offsets = torch.tensor([1, 2, 3]) + 10 * rank, torch.tensor([0, 2])
+    hp(ids, offsets).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    before = {k: v.clone() for k, v in model.emb.export().items()}
+    new = torch.tensor([1, 500, 501, 502]) + 10 * rank  # mostly ids no rank has seen
+    with torch.no_grad():
+        got = hp(new, offsets)
+        (many,) = veloce.lookup_many([model.emb], [(new, offsets)])
+    after = model.emb.export()
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    hp.eval()
+    with torch.no_grad():
+        want = hp(new, offsets)
+    (looked_up,) = veloce.lookup_many([model.emb], [(new, offsets)])
+    hp.train()
+    try:  # the table itself: DDP's own forward would wait in a collective on the rank with gradients
+        with torch.no_grad() if rank == 0 else torch.enable_grad():
+            model.emb(ids, offsets)
+    except ExchangeError as e:
+        mixed = str(e)
+    else:
+        mixed = None
+    return unchanged, torch.equal(got, want), torch.equal(many, looked_up), mixed
+
+
+@pytest.mark.parametrize("dedup", [False, True], ids=["parts", "dedup"])
+def test_validation_under_no_grad_in_train_mode_inserts_nothing_on_any_rank(dedup):
+    for rank, (unchanged, same, same_many, mixed) in enumerate(run_ranks(_validate_under_no_grad, 2, dedup,
+                                                                          timeout=60)):  # fmt: skip
+        assert unchanged and same and same_many, rank
+        assert mixed is not None and "torch.no_grad()" in mixed, (rank, mixed)
+
+
+def _plain_torch_optimizer(rank, world, sparse):
+    model = _WithLocal()
+    hp = HybridParallel(model, sparse=sparse)
+    opt = torch.optim.Adam(hp.parameters(), lr=0.01)  # no table among them
+    ids, offsets = torch.tensor([1, 2, 3]) + 10 * rank, torch.tensor([0, 2])
+    hp(ids, offsets).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    try:
+        hp(ids, offsets)
+    except (RuntimeError, ExchangeError) as e:
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+@pytest.mark.parametrize("sparse", ["sync", "async"])
+def test_plain_torch_optimizer_loop_over_hybrid_parallel_raises_on_every_rank(sparse):
+    for rank, (kind, msg) in enumerate(run_ranks(_plain_torch_optimizer, 2, sparse, timeout=60)):
+        assert kind == "RuntimeError" and "CombinedOptimizer" in msg, (rank, kind, msg)
+
+
+def _clipped_body(rank, world):
+    model = Small()
+    hp = HybridParallel(model, sparse="sync")
+    norms: list = []
+    preds = train(hp, make_opt(hp), world, rank, steps=6, clip=norms)
+    return {"preds": preds, "tables": tables_of(model), "norms": norms}
+
+
+def test_clip_grad_norm_of_sharded_tables_equals_one_process():
+    model = Small()
+    ref_norms: list = []
+    ref_preds = train(model, make_opt(model), 1, 0, steps=6, clip=ref_norms)
+    assert min(ref_norms) > 0.1  # the clipping scales every step's gradients
+    results = run_ranks(_clipped_body, 2, timeout=90)
+    for r in results:  # every rank's total norm is the one process's
+        assert r["norms"] == pytest.approx(ref_norms, rel=1e-5)
+    for step in range(6):
+        got = torch.cat([r["preds"][step] for r in results])
+        torch.testing.assert_close(got, ref_preds[step], rtol=1e-5, atol=1e-5)
+    got = merged([r["tables"] for r in results])
+    for name, want in tables_of(model).items():
+        order = want["keys"].argsort()
+        assert torch.equal(got[name]["keys"], want["keys"][order])
+        torch.testing.assert_close(got[name]["weights"], want["weights"][order], rtol=1e-5, atol=1e-5)
 
 
 def _bad_input_in_a_later_exchange(rank, world):

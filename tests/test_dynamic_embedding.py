@@ -1924,3 +1924,97 @@ def test_torchscript_says_it_is_not_supported():
     model = nn.Sequential(veloce.DynamicEmbedding(4), nn.Linear(4, 1))
     with pytest.raises(RuntimeError, match=r"DynamicEmbedding does not support TorchScript \(torch.jit.script\)"):
         torch.jit.script(model)
+
+
+# ---- a PyTorch user's habits: a plain torch optimizer loop, validation under no_grad ------------
+class _Net(nn.Module):
+    """A table and a dense layer, trained as a PyTorch user trains an nn.EmbeddingBag model."""
+
+    def __init__(self, device="cpu", **kw):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = veloce.DynamicEmbedding(4, mode="sum", device=device, **kw)
+        self.lin = nn.Linear(4, 1).to(device)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids)).squeeze(1)
+
+
+_IDS = torch.tensor([[1, 2, 3], [3, 2**40, -7]])
+
+
+def test_plain_torch_adam_loop_raises_naming_combined_optimizer():
+    model = _Net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)  # the tables are not among these parameters
+    model(_IDS).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    before = snapshot(model.emb)
+    with pytest.raises(RuntimeError, match=r"veloce\.optim\.CombinedOptimizer\(") as err:
+        model(_IDS + 100)  # the loop goes round: the table was never stepped
+    assert "emb.step()" in str(err.value) and "emb.zero_grad()" in str(err.value)
+    assert_same_snapshot(before, snapshot(model.emb))  # the refused forward changed nothing
+    model.emb.zero_grad()  # the waiting gradient dropped: the loop may go on
+    model(_IDS).sum().backward()
+
+
+def test_combined_optimizer_loop_trains_the_tables():
+    model = _Net()
+    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
+    rows = [model.emb.find(torch.tensor([1]))[0]]
+    for _ in range(3):
+        model(_IDS).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        rows.append(model.emb.find(torch.tensor([1]))[0])
+    assert model.emb.step_count == 3
+    assert all(not torch.equal(a, b) for a, b in zip(rows, rows[1:]))
+
+
+def test_dense_step_then_table_step_accumulation_and_validation_stay_allowed():
+    model = _Net()
+    dense = torch.optim.SGD(model.lin.parameters(), lr=0.1)
+    for _ in range(3):
+        for _ in range(4):  # gradient accumulation over several backward passes
+            model(_IDS).sum().backward()
+        with torch.no_grad():  # a validation lookup between the backward and the step
+            model(_IDS + 100)
+        dense.step()
+        model.emb.step()  # after the dense step: allowed
+        dense.zero_grad()
+        model.emb.zero_grad()
+    assert model.emb.step_count == 3
+
+
+def test_backward_passes_waiting_for_a_step_are_bounded():
+    assert veloce.DynamicEmbedding.max_pending_backwards == 1024  # the documented default
+    model = _Net()
+    model.emb.max_pending_backwards = 3
+    for _ in range(3):  # a loop with no optimizer at all: nothing else would stop it
+        model(_IDS).sum().backward()
+    with pytest.raises(RuntimeError, match=r"3 backward passes .*\(max_pending_backwards = 3\)"):
+        model(_IDS)
+    model.emb.step()
+    model(_IDS).sum().backward()  # the step emptied it
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_validation_under_no_grad_in_train_mode_changes_no_table(device, no_grad):
+    emb = veloce.DynamicEmbedding(4, mode="mean", max_capacity=32, device=device)
+    trained = torch.arange(24, device=device).view(6, 4)
+    emb(trained).sum().backward()
+    emb.step()
+    emb.zero_grad()
+    before, clock = snapshot(emb), emb.table.clock
+    val = torch.cat([trained[:2], torch.arange(1000, 1064, device=device).view(8, 8)[:, :4]])  # known and new ids
+    with no_grad():  # no model.eval(): the table stays in training mode
+        got = emb(val)
+        (got_many,) = veloce.lookup_many([emb], [val])
+    assert emb.training
+    assert_same_snapshot(before, snapshot(emb))  # nothing inserted, evicted or scored
+    assert emb.table.clock == clock
+    emb.eval()
+    want = emb(val)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_many, want)

@@ -716,3 +716,128 @@ def test_nonfinite_flags_opcheck_and_bad_arguments(device):
     for args, exc, msg in cases:
         with pytest.raises(exc, match=msg):
             nonfinite_flags(*args)
+
+
+# ---- veloce.clip_grad_norm_ / clip_grad_value_: dense gradients and tables together -------------
+import copy  # noqa: E402
+import inspect  # noqa: E402
+
+from torch import nn  # noqa: E402
+
+import veloce  # noqa: E402
+
+_CLIP_BATCHES = [  # raw int64 ids, repeated within and across bags and backward passes
+    (torch.tensor([7, 2**40, 7, -3, 5, 2**40]), torch.tensor([0, 3, 3])),
+    (torch.tensor([-3, 7, 11, 11]), torch.tensor([0, 1])),
+]
+
+
+class _ClipNet(nn.Module):
+    """A table and a dense layer; with ``reference=True`` an nn.EmbeddingBag over the same
+    rows, its ids remapped by a dict (the reference for the table)."""
+
+    def __init__(self, mode: str, reference: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        ids = sorted({int(i) for x, _ in _CLIP_BATCHES for i in x})
+        self.index = {i: k for k, i in enumerate(ids)}
+        rows = torch.randn(len(ids), 3) * 5
+        self.lin = nn.Linear(3, 1)  # before the nn.EmbeddingBag, whose own init draws from the RNG
+        if reference:
+            self.emb = nn.EmbeddingBag(len(ids), 3, mode=mode)
+            self.emb.weight.data.copy_(rows)
+        else:
+            self.emb = veloce.DynamicEmbedding(3, mode=mode, optimizer=veloce.optim.SGD(lr=1.0))
+            self.emb.insert(torch.tensor(ids), rows)
+        self.reference = reference
+
+    def forward(self, ids, offsets):
+        if self.reference:
+            ids = torch.tensor([self.index[int(i)] for i in ids])
+        return self.lin(self.emb(ids, offsets)).squeeze(1)
+
+
+def _clip_step(model, opt, clip) -> torch.Tensor:
+    for k, (ids, offsets) in enumerate(_CLIP_BATCHES):  # two backward passes, one step
+        (model(ids, offsets) * (3.0 + k)).pow(2).sum().backward()
+    total = clip(model)
+    opt.step()
+    opt.zero_grad()
+    return total
+
+
+def _clip_both(mode, torch_clip, veloce_clip):
+    ref = _ClipNet(mode, reference=True)
+    ref_total = _clip_step(ref, torch.optim.SGD(ref.parameters(), lr=1.0), torch_clip)
+    ours = _ClipNet(mode)
+    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(ours.lin.parameters(), lr=1.0), ours)
+    total = _clip_step(ours, opt, veloce_clip)
+    ids = torch.tensor(sorted(ours.index))
+    rows, found = ours.emb.find(ids)
+    assert bool(found.all())
+    torch.testing.assert_close(rows, ref.emb.weight.detach(), rtol=1e-5, atol=1e-5)
+    for a, b in zip(ours.lin.parameters(), ref.lin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    return total, ref_total
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_clip_grad_norm_of_the_model_equals_embedding_bag_with_torch_clipping(mode, norm_type):
+    total, ref_total = _clip_both(
+        mode, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, norm_type),
+        lambda m: veloce.clip_grad_norm_(m, 1.0, norm_type),
+    )  # fmt: skip
+    assert float(ref_total) > 10  # the clipping did scale the gradients
+    torch.testing.assert_close(total, ref_total, rtol=1e-5, atol=1e-5)
+
+
+def test_clip_grad_norm_to_one_bounds_the_joint_norm():
+    model = _ClipNet("sum")
+    for ids, offsets in _CLIP_BATCHES:
+        model(ids, offsets).pow(2).sum().mul(100).backward()
+    before = veloce.clip_grad_norm_(model, 1.0)
+    after = veloce.clip_grad_norm_(model, math.inf)  # measures without scaling
+    assert float(before) > 100
+    assert float(after) == pytest.approx(1.0, rel=1e-5)
+    dense = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.lin.parameters()]))
+    assert float(dense) < 1.0  # the tables hold the rest of the joint norm
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_clip_grad_value_of_the_model_equals_embedding_bag_with_torch_clipping(mode):
+    _clip_both(mode, lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 0.5),
+               lambda m: veloce.clip_grad_value_(m, 0.5))  # fmt: skip
+
+
+def test_torch_clip_grad_norm_raises_while_a_table_holds_a_gradient_and_is_transparent_after():
+    from torch.nn.utils import clip_grad
+
+    model = _ClipNet("sum")
+    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(model.lin.parameters(), lr=0.1), model)
+    model(*_CLIP_BATCHES[0]).sum().backward()
+    for clip in (torch.nn.utils.clip_grad_norm_, clip_grad.clip_grad_norm_, torch.nn.utils.clip_grad_value_):
+        name = clip.__name__
+        with pytest.raises(RuntimeError, match=rf"torch\.nn\.utils\.{name} cannot clip .* veloce\.{name}\(model"):
+            clip(model.parameters(), 1.0)
+    opt.step()  # the tables stepped: torch's own clipping is torch's again
+    original = torch.nn.utils.clip_grad_norm_.__wrapped__
+    assert inspect.signature(torch.nn.utils.clip_grad_norm_) == inspect.signature(original)
+    grads = [p.grad.clone() for p in model.lin.parameters()]
+    want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    got = torch.nn.utils.clip_grad_norm_(model.lin.parameters(), 1e-3)
+    torch.testing.assert_close(got, want)
+    for p, g in zip(model.lin.parameters(), grads):
+        torch.testing.assert_close(p.grad, g * 1e-3 / (want + 1e-6))
+
+
+def test_veloce_clip_of_parameters_alone_names_the_model():
+    model = _ClipNet("sum")
+    model(*_CLIP_BATCHES[0]).sum().backward()
+    with pytest.raises(ValueError, match=r"Pass the model itself"):
+        veloce.clip_grad_norm_(model.parameters(), 1.0)
+    dense = copy.deepcopy([p.grad for p in model.lin.parameters()])
+    total = veloce.clip_grad_norm_(model.lin.parameters(), 1e9, tables=())  # the dense gradients alone
+    torch.testing.assert_close(total, torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense])))
+    both = veloce.clip_grad_norm_([*model.lin.parameters(), model.emb], 1e9)  # tables listed with the parameters
+    assert float(both) > float(total)

@@ -137,6 +137,24 @@ def test_accumulate_steps_equals_one_big_batch():
     assert state(small)["top.0.weight"].ne(state(model())["top.0.weight"]).any()  # it did train
 
 
+def test_clip_grad_norm_clips_dense_and_table_gradients_as_veloce_clip_grad_norm_does():
+    """Trainer(clip_grad_norm=c) == the loop that calls veloce.clip_grad_norm_(model, c) before each step."""
+    clipped = model(sparse_opt=veloce.optim.SGD(lr=0.5))
+    trainer(clipped, optimizer=torch.optim.SGD(clipped.parameters(), lr=0.5), clip_grad_norm=0.05).fit(data(512, 128))
+    ref = model(sparse_opt=veloce.optim.SGD(lr=0.5))
+    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.5), ref)
+    norms = []
+    for (dense, sparse), label in data(512, 128):
+        nn.BCEWithLogitsLoss()(ref(dense, sparse), label).backward()
+        norms.append(float(veloce.clip_grad_norm_(ref, 0.05)))
+        opt.step()
+        opt.zero_grad()
+    assert min(norms) > 0.05  # every step was clipped
+    assert_states_close(state(clipped), state(ref), atol=1e-6)
+    with pytest.raises(ValueError, match=r"clip_grad_norm must be None or a positive number, got -1"):
+        trainer(model(), clip_grad_norm=-1)
+
+
 def test_accumulate_steps_steps_a_last_partial_group():
     h = trainer(model(), accumulate_steps=3).fit(data(1024, 128))  # 8 micro-batches: 3 + 3 + 2
     assert h[0]["step"] == 3

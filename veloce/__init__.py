@@ -14,6 +14,7 @@ from veloce import _ext, callbacks, checkpoint, data, distributed, graphs, init,
 from veloce.callbacks import Callback, EarlyStopping
 from veloce.embedding import DynamicEmbedding, lookup_many, step_tables
 from veloce.graphs import CUDAGraphStep
+from veloce.optim import clip_grad_norm_, clip_grad_value_
 from veloce.table import HashTable, TableFullError
 from veloce.trainer import Trainer
 
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CUDAGraphStep", "Callback", "DynamicEmbedding", "EarlyStopping", "HashTable", "TableFullError", "Trainer",
-    "lookup_many", "step_tables",
+    "clip_grad_norm_", "clip_grad_value_", "lookup_many", "step_tables",
     "callbacks", "checkpoint", "data", "distributed", "graphs", "init", "metrics", "models", "ops", "optim",
     "__version__",
 ]

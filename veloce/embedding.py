@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import weakref
 from typing import Any, Callable, NamedTuple, NoReturn, Optional, Sequence, TypeVar
 
 import torch
@@ -20,7 +21,7 @@ from veloce._update_stream import run_update
 from veloce import init as _init
 from veloce import optim as _optim
 from veloce.ops import optimizer as _ops
-from veloce.ops.embedding import bag_layouts_bad, max_pool, max_pool_position_grad, pooled_lookup_kernels
+from veloce.ops.embedding import accumulate_grad, bag_layouts_bad, max_pool, max_pool_position_grad, pooled_lookup_kernels
 from veloce.table import HashTable, PlainAttrs, find_or_insert_many, insert_beside_updates, is_int64
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
@@ -43,24 +44,57 @@ _NOT_EMBEDDING_BAG = {
 }
 
 
+# Every DynamicEmbedding alive in the process: torch's gradient clipping asks which hold a
+# gradient it cannot see (veloce.optim).
+_LIVE: "weakref.WeakSet[DynamicEmbedding]" = weakref.WeakSet()
+
+
+def waiting_tables() -> list["DynamicEmbedding"]:
+    """The live tables holding a gradient that arrived since the last step of any torch
+    optimizer and waits for their step() (pending, or in flight in async mode): what a
+    gradient clipping of the dense parameters alone would leave unclipped."""
+    steps = _optim.torch_step_count()
+    return [t for t in list(_LIVE) if t._unapplied_since == steps]
+
+
+def training_lookup(module: "DynamicEmbedding") -> bool:
+    """Whether a lookup of ``module`` made now is a training lookup (it inserts new ids,
+    scores rows for eviction and gives the table a gradient): the module is in training
+    mode and gradients are enabled. Under ``torch.no_grad()`` or ``torch.inference_mode()``
+    a lookup is an evaluation lookup whatever the mode, as validation is: nothing changes
+    in the table, as nothing changes in an ``nn.EmbeddingBag`` there. Read it before
+    entering an autograd Function, whose forward runs with gradients disabled."""
+    return module.training and torch.is_grad_enabled()
+
+
 class DynamicEmbedding(PlainAttrs, nn.Module):
     """A pooled embedding over raw int64 ids with no vocabulary: ``nn.EmbeddingBag`` without
     ``num_embeddings``.
 
-    Rows are created on first sight in training mode (initialised from ``(seed, id)``),
-    trained by a fused sparse optimizer on :meth:`step` (or through
-    :class:`veloce.optim.CombinedOptimizer`), and the table grows as needed up to
-    ``max_capacity``, where it evicts by ``eviction`` policy. In eval mode
-    (``module.eval()``) lookups never insert: unknown ids read the initializer's value
-    (``unknown="init"``) or zeros (``unknown="zeros"``); nor do they train the table
-    (per-sample weights still get their gradient).
+    Rows are created on first sight by a training lookup (training mode, gradients
+    enabled; initialised from ``(seed, id)``), trained by a fused sparse optimizer on
+    :meth:`step` (or through :class:`veloce.optim.CombinedOptimizer`), and the table grows
+    as needed up to ``max_capacity``, where it evicts by ``eviction`` policy. In eval mode
+    (``module.eval()``), and under ``torch.no_grad()`` or ``torch.inference_mode()`` in
+    either mode (validation without ``model.eval()``), lookups change nothing in the table:
+    no insert, no eviction, no LRU/LFU score; unknown ids read the initializer's value
+    (``unknown="init"``) or zeros (``unknown="zeros"``). Eval-mode lookups do not train the
+    table either (per-sample weights still get their gradient).
 
     The rows are not parameters: the sparse gradient a backward pass leaves waits in the
-    table until :meth:`step`. :meth:`zero_grad` (and
+    table until :meth:`step`, which a torch optimizer over ``model.parameters()`` never
+    calls. A training lookup raises ``RuntimeError`` when a torch optimizer stepped while
+    the table's gradient waited (the loop went round without stepping the table: use
+    :class:`veloce.optim.CombinedOptimizer`, or call :meth:`step` after the dense step),
+    or when ``max_pending_backwards`` (1024) backward passes wait already (each keeps its
+    lookup's ids and output gradient in memory); accumulating over several backward passes
+    before one step is fine. :meth:`zero_grad` (and
     :class:`veloce.optim.CombinedOptimizer`'s) drops it; ``model.zero_grad()`` and a dense
     optimizer's ``zero_grad()`` do not, and ``requires_grad_(False)`` does not freeze the
-    table (look it up in eval mode instead, or do not step it). A backward pass that
-    accumulates only into what it is asked for (``torch.autograd.grad``,
+    table (look it up in eval mode instead, or do not step it). ``torch.nn.utils.
+    clip_grad_norm_`` cannot see the gradient: it raises while one waits, and
+    :func:`veloce.clip_grad_norm_` clips the dense gradients and the tables' together. A
+    backward pass that accumulates only into what it is asked for (``torch.autograd.grad``,
     ``backward(inputs=...)``) gives the table nothing, as it leaves an
     ``nn.EmbeddingBag``'s ``weight.grad`` alone (tables sharded by
     :class:`veloce.distributed.HybridParallel` take every pass's gradient).
@@ -207,11 +241,22 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         self._pending: list[_Pending] = []
         self._last_lr: Optional[float] = None  # the learning rate of the last step()
         self._had_backward = False  # a backward pass reached the table since the last step()
+        # Backward passes whose gradient waits for step(), and the torch optimizer steps made
+        # when the first arrived (None: none waits); see _check_unapplied.
+        self._unapplied_passes = 0
+        self._unapplied_since: Optional[int] = None
         # Row-wise sharding across ranks (set by veloce.distributed.HybridParallel).
         self._shard: Optional[Any] = None
+        _LIVE.add(self)
 
     # Bookkeeping set on every training step (see PlainAttrs).
-    _PLAIN_ATTRS = frozenset({"_steps", "_verdict", "_nonfinite_error", "_pending", "_last_lr", "_had_backward"})
+    _PLAIN_ATTRS = frozenset({"_steps", "_verdict", "_nonfinite_error", "_pending", "_last_lr", "_had_backward",
+                              "_unapplied_passes", "_unapplied_since"})  # fmt: skip
+
+    #: Backward passes whose gradient may wait for :meth:`step` (gradient accumulation):
+    #: a training lookup past it raises. Each waiting pass keeps its lookup's ids and
+    #: output gradient in memory. Settable per table or on the class.
+    max_pending_backwards: int = 1024
 
     @property
     def table(self) -> HashTable:
@@ -356,7 +401,10 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         state.setdefault("_nonfinite_error", None)
         state.setdefault("per_rank", False)
         state.setdefault("_frozen", False)
+        state.setdefault("_unapplied_passes", 0)
+        state.setdefault("_unapplied_since", None)
         super().__setstate__(state)
+        _LIVE.add(self)
 
     def _settle_check(self) -> None:
         """Reads the last step's unread "raise_next" check, if any (see _DeferredCheck)."""
@@ -378,14 +426,17 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
     ) -> torch.Tensor:
         """Pooled embeddings of ``input`` bags; see the class docstring for shapes."""
         _ext.require()
+        training = training_lookup(self)
         if self._shard is not None:
             # The offsets' values are checked with the exchange's header (sharded_lookup).
             deferred: list = []
             with self._shard.abandon_on_error():  # bad input here fails every rank, not just this one
+                if training:
+                    self._check_unapplied()
                 ids, offsets, psw = self._bags(input, offsets, per_sample_weights, deferred=deferred)
             return self._shard.lookup(self, ids, offsets, psw, deferred)
         layouts: list = []
-        if not self.training:
+        if not training:
             return self._lookup(*self._bags(input, offsets, per_sample_weights, deferred=layouts), unchecked=layouts)
         if not self.per_rank and _world_size() > 1:
             _refuse_replicated_training(self)
@@ -398,6 +449,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             )
             return (ids, check.guard(offs, ids.numel(), self.include_last_offset), psw), slots
 
+        self._check_unapplied()
         bags, slots = insert_beside_updates([table], checked_insert)
         (out,) = _train_lookups([self], [bags], [slots])
         return out
@@ -419,7 +471,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         check that an earlier insert of the same call carried (lookup_many's table listed
         twice), carried again by this one (its layouts are guarded already)."""
         table = self.table
-        if self.training:
+        if training_lookup(self):
             if check is not None:
                 slots = table.find_or_insert(ids, self.padding_idx, check.flag, check.refused)
             else:
@@ -529,11 +581,86 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         return ids, offsets, psw
 
     # ---- the sparse optimizer ---------------------------------------------------------
-    def _accumulate(self, entry: "_Pending") -> None:
-        """Keeps one backward pass's inputs until step() (gradient accumulation)."""
+    def _accumulate(self, entry: "_Pending", noted: bool = False) -> None:
+        """Keeps one backward pass's inputs until step() (gradient accumulation).
+        ``noted``: the pass was counted when it was sent (async gradients in flight)."""
         self._had_backward = True
+        if not noted:
+            self._note_backward()
         if entry.slots.numel():
             self._pending.append(entry)
+
+    def _note_backward(self) -> None:
+        """Counts a backward pass whose gradient waits for step() (pending here, or in
+        flight to this shard's rows in async mode), and notes the torch optimizer steps
+        made when the first of them arrived (see :meth:`_check_unapplied`)."""
+        if self._unapplied_since is None:
+            self._unapplied_since = _optim.torch_step_count()
+        self._unapplied_passes += 1
+
+    def _forget_gradient(self) -> None:
+        """Drops the pending gradient and its bookkeeping (zero_grad, a load, a failed step)."""
+        self._pending.clear()
+        if self._had_backward:  # each set is a call of PlainAttrs.__setattr__: only when it changes
+            self._had_backward = False
+        if self._unapplied_since is not None:
+            self._unapplied_since = None
+            self._unapplied_passes = 0
+
+    def _check_unapplied(self) -> None:
+        """Before a training lookup: raises when the gradient waiting for step() shows a
+        loop that does not step this table: a torch optimizer stepped since the gradient
+        arrived (the table is no parameter of it), or ``max_pending_backwards`` backward
+        passes wait already (their inputs are kept until step(): memory grows with each)."""
+        since = self._unapplied_since
+        if since is None:
+            return
+        passes = self._unapplied_passes
+        if since < _optim.torch_step_count():
+            raise RuntimeError(
+                f"DynamicEmbedding: a torch optimizer stepped since this table's last backward pass, but the table "
+                f"was not stepped: the gradient of {passes} backward pass(es) waits unapplied. Its rows are not "
+                f"parameters, so torch.optim optimizers never train them. Step the tables with the dense optimizer: "
+                f"opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters()), model) (then "
+                f"opt.step() and opt.zero_grad() as usual), or call emb.step() (veloce.step_tables(tables)) after "
+                f"opt.step(). emb.zero_grad() drops the waiting gradient."
+            )  # fmt: skip
+        if passes >= self.max_pending_backwards:
+            raise RuntimeError(
+                f"DynamicEmbedding: {passes} backward passes reached this table since its last step() "
+                f"(max_pending_backwards = {self.max_pending_backwards}): each one's inputs are kept until step(). "
+                f"Call emb.step() (or veloce.optim.CombinedOptimizer(opt, model).step()) to apply them, or "
+                f"emb.zero_grad() to drop them; to accumulate more passes, raise emb.max_pending_backwards."
+            )  # fmt: skip
+
+    def _pending_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending gradient per row, what step() applies (weight decay aside): the
+        touched slots ``(U,)`` in ascending order and their summed gradients ``(U, D)``
+        (an ``nn.EmbeddingBag``'s ``weight.grad`` on those rows)."""
+        if not self._pending:
+            dev = self.table.device
+            return (torch.empty(0, dtype=torch.long, device=dev),
+                    torch.empty(0, self.embedding_dim, dtype=self.table.dtype, device=dev))  # fmt: skip
+        e = self._merged()
+        slots = self._resolved(e) if e.ids is not None else e.slots
+        return accumulate_grad(e.grad, slots, e.offsets, e.psw, e.mode, e.include_last_offset, self.table.capacity)
+
+    def _scale_pending(self, factor: torch.Tensor) -> None:
+        """Multiplies the pending gradient by ``factor`` (a scalar tensor): each pooled
+        gradient, so each row's gradient, which is linear in them (gradient clipping)."""
+        self._pending = [e._replace(grad=e.grad * factor.to(e.grad.device, e.grad.dtype)) for e in self._pending]
+
+    def _clamp_pending(self, clip_value: float) -> None:
+        """Clamps each row's pending gradient to ``[-clip_value, clip_value]``: the pending
+        gradient becomes one batch of one bag per touched row, holding its clamped sum."""
+        slots, rows = self._pending_rows()
+        if not slots.numel():
+            return
+        table = self.table
+        ids = table.keys[slots]  # for step() to find the rows by id if the table changes first
+        offsets = torch.arange(slots.numel(), device=slots.device)
+        self._pending = [_Pending(ids, slots, offsets, None, rows.clamp(-clip_value, clip_value), _MODES["sum"], False,
+                                  table.version)]  # fmt: skip
 
     def _resolved(self, entry: "_Pending") -> torch.Tensor:
         """The entry's slots under the current table: re-resolved by id if the table grew,
@@ -638,6 +765,9 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         """Counts a step once its update is applied (``update``), or when there was nothing
         to apply (None), and forgets the applied gradient. Sets only the attributes that
         change: each set is a call of PlainAttrs.__setattr__, for every table in every step."""
+        if self._unapplied_since is not None:  # (async gradients in flight are the next steps' to apply)
+            self._unapplied_since = None
+            self._unapplied_passes = 0
         if update is None:
             # A gradient over no rows (a lookup of no ids, or a shard that received none)
             # still counts as a step, as for torch's SparseAdam: every shard of a table
@@ -686,9 +816,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the pending sparse gradient (and dense grads of submodules, if any)."""
-        self._pending.clear()
-        if self._had_backward:  # set only when it changes: zero_grad follows step(), which cleared it
-            self._had_backward = False
+        self._forget_gradient()
         # nn.Module.zero_grad walks every parameter of every submodule: only where there may
         # be some (a subclass's own, or submodules beside the table), once per table per step.
         table = self.table
@@ -815,9 +943,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             return
         self.step_count = counters["step"]  # drops the last step's unread check
         self.table.clock = counters["clock"]
-        self._pending.clear()
-        if self._had_backward:  # a backward before the load books no step after it
-            self._had_backward = False
+        self._forget_gradient()  # a backward before the load books no step after it
 
     def _owned_entries(self, entries: dict[str, Any]) -> dict[str, Any]:
         """The entries of the ids this rank owns, on a table sharded by HybridParallel: a
@@ -1209,6 +1335,9 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
     if groups:
         with tables[next(iter(groups.values()))[0]]._shard.abandon_on_error():
             for idx in groups.values():
+                for i in idx:
+                    if training_lookup(tables[i]):
+                        tables[i]._check_unapplied()
                 layouts_k: list = []
                 sharded.append((idx, [tables[i]._bags(*args[i], deferred=layouts_k, aranges=aranges) for i in idx],
                                 layouts_k))  # fmt: skip
@@ -1226,7 +1355,9 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
             # time, after its first lookup (its layout is already checked).
             layouts: list = []
             first: dict[int, int] = {}
-            train = [i for i in local if tables[i].training and first.setdefault(id(tables[i].table), i) == i]
+            train = [i for i in local if training_lookup(tables[i]) and first.setdefault(id(tables[i].table), i) == i]
+            for i in train:
+                tables[i]._check_unapplied()
             train_tables = [tables[i].table for i in train]
             if train and _world_size() > 1:
                 for i in train:
@@ -1255,7 +1386,7 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
             # first insert deferred (its check unread), a refused call then changes no table.
             for i in local:
                 if out[i] is None:
-                    out[i] = tables[i]._lookup(*bags[i], check=check if tables[i].training else None)
+                    out[i] = tables[i]._lookup(*bags[i], check=check if training_lookup(tables[i]) else None)
     from veloce.distributed.sharded import sharded_lookup
 
     for idx, bags_k, layouts_k in sharded:
@@ -1298,7 +1429,8 @@ def _refuse_replicated_training(table: "DynamicEmbedding") -> NoReturn:
 def _lookup_groups(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], what: str):
     """``lookup_many``'s inputs as ``(input, offsets, per_sample_weights)`` per table (the
     missing ones None), the sharded tables grouped by exchange (same process group, dim,
-    dtype, training mode and sparse mode: one exchange each), and the local tables."""
+    dtype, training lookup or not (:func:`training_lookup`) and sparse mode: one exchange
+    each), and the local tables."""
     if len(tables) != len(inputs):
         raise ValueError(f"{what}: {len(tables)} tables but {len(inputs)} inputs")
     _ext.require()
@@ -1311,7 +1443,7 @@ def _lookup_groups(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any], 
         if t._shard is None:
             local.append(i)
             continue
-        key = (id(t._shard.group), t.embedding_dim, t.table.dtype, t.training, t._shard.mode)
+        key = (id(t._shard.group), t.embedding_dim, t.table.dtype, training_lookup(t), t._shard.mode)
         groups.setdefault(key, []).append(i)
     return args, groups, local
 

@@ -32,7 +32,7 @@ from veloce._training import rng_state, set_rng_state, split_batch, world
 from veloce.callbacks import Callback, JSONLinesLogger, ProgressBar, TensorBoardLogger
 from veloce.graphs import CUDAGraphStep
 from veloce.metrics import MetricError
-from veloce.optim import CombinedOptimizer
+from veloce.optim import CombinedOptimizer, clip_grad_norm_
 
 __all__ = ["Trainer", "TrainingInterrupted"]
 
@@ -169,6 +169,9 @@ class Trainer:
             eagerly alike, and each step counts the next batch's ids while it runs (the
             next batch is drawn from the loader before the step: a loader that draws from
             torch's global RNG per batch does not resume exactly).
+        clip_grad_norm: clip each step's gradients, dense and the tables' together, to
+            this total 2-norm (:func:`veloce.clip_grad_norm_`) before the optimizer steps;
+            None (default) does not clip. Not with ``cuda_graph``.
 
     Example::
 
@@ -199,11 +202,23 @@ class Trainer:
         seed: int = 0,
         device: Optional[torch.device | str] = None,
         cuda_graph: bool = False,
+        clip_grad_norm: Optional[float] = None,
     ) -> None:
         _check_args(model, loss_fn, metrics, strategy, precision, accumulate_steps, max_epochs, max_steps,
                     checkpoint_dir, checkpoint_every, keep_last, log_every, callbacks, seed)  # fmt: skip
         if not isinstance(cuda_graph, bool):
             raise TypeError(f"Trainer: cuda_graph must be a bool, got {cuda_graph!r}")
+        if clip_grad_norm is not None and not (
+            isinstance(clip_grad_norm, (int, float)) and not isinstance(clip_grad_norm, bool)
+            and math.isfinite(clip_grad_norm) and clip_grad_norm > 0
+        ):  # fmt: skip
+            raise ValueError(f"Trainer: clip_grad_norm must be None or a positive number, got {clip_grad_norm!r}")
+        if clip_grad_norm is not None and cuda_graph:
+            raise ValueError(
+                "Trainer: clip_grad_norm is not available with cuda_graph=True (summing the tables' row gradients "
+                "for the norm reads their number back to the host, which a captured step cannot hold)"
+            )  # fmt: skip
+        self.clip_grad_norm = clip_grad_norm
         if device is not None:
             model = model.to(device)
         self.module = model
@@ -602,6 +617,8 @@ class Trainer:
 
     def _optimizer_step(self, stepped: bool = False) -> None:
         if not stepped:
+            if self.clip_grad_norm is not None:
+                clip_grad_norm_(self.model, self.clip_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad()
         self._count_step()

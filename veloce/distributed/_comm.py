@@ -128,7 +128,8 @@ def finish_headers(
                 f"{what}: rank {peer} sent signature {sig} to rank {group.rank}, which expected {mine}. Every rank "
                 f"must call its sharded tables in the same order, grouped the same way, with the same "
                 f"configuration (embedding dim, per_sample_weights given or not and requiring grad or not, "
-                f"train or eval mode, HybridParallel's dedup and exchange_dtype)."
+                f"train or eval mode (a lookup under torch.no_grad() is an evaluation lookup), HybridParallel's "
+                f"dedup and exchange_dtype)."
             )
     if inline:
         return _columns(sent_rows, SIGNATURE_WIDTH, k), _columns(recv_rows, SIGNATURE_WIDTH, k)
@@ -158,11 +159,12 @@ def agree_sum(group: Group, count: int) -> int:
     return int(agree_sum_tensor(group, host_tensor([count], _device(group))).item())
 
 
-def agree_sum_tensor(group: Group, counts: torch.Tensor) -> torch.Tensor:
-    """The element-wise sum of ``counts`` over the group's ranks, on the group's device;
-    no host read-back (a collective: every rank calls it)."""
+def agree_sum_tensor(group: Group, counts: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """The element-wise sum (``op="max"``: the largest) of ``counts`` over the group's
+    ranks, on the group's device; no host read-back (a collective: every rank calls it).
+    Reduces in place when ``counts`` is on that device already."""
     t = counts.to(_device(group))
-    dist.all_reduce(t, group=group.group)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group.group)
     return t
 
 
@@ -262,11 +264,12 @@ def wire_dtype(wanted: Optional[torch.dtype], table_dtype: torch.dtype) -> Optio
     return wanted
 
 
-def modes_code(modules: Sequence[Any]) -> int:
-    """The train/eval modes of an exchange's tables, for its signature (bits 16 and up):
-    ranks whose tables are in different modes fail the header instead of waiting in
-    different collectives (training ranks exchange gradients, eval ranks do not)."""
-    return sum(1 << (16 + k) for k, m in enumerate(modules[:32]) if m.training) if modules else 0
+def modes_code(training: Sequence[bool]) -> int:
+    """Whether each of an exchange's lookups is a training lookup (the table in training
+    mode, gradients enabled), for its signature (bits 16 and up): ranks whose lookups
+    differ fail the header instead of waiting in different collectives (training ranks
+    exchange gradients, evaluating ranks do not)."""
+    return sum(1 << (16 + k) for k, t in enumerate(training[:32]) if t)
 
 
 def wire_code(wire: Optional[torch.dtype]) -> int:

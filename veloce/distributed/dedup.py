@@ -77,8 +77,8 @@ def _distinct(ids: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, tor
     return order[new], inverse
 
 
-def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False,
-                 layouts: Sequence[tuple] = ()):  # fmt: skip
+def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool, layouts: Sequence[tuple],
+                 training: tuple[bool, ...]):  # fmt: skip
     """The forward of a deduplicated sharded lookup of ``modules`` (one exchange group of
     ``HybridParallel(dedup=True)``), called by the lookup's autograd function.
 
@@ -90,6 +90,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
         psw_grad: whether some table's per-sample weights need a gradient.
         layouts: the bag layouts whose check was deferred; checked first, and a bad one fails
             every rank (this rank abandons the exchange) before any table changes.
+        training: per table, whether its lookup is a training lookup (the owner inserts).
 
     Returns:
         ``(outputs, exchange)``: the pooled ``(B_k, D)`` output of every table, and what the
@@ -115,7 +116,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     ids_nk = torch.zeros(W * K, dtype=torch.long, device=dev).index_add_(0, cell, torch.ones_like(cell)).view(W, K)
     wire = wire_dtype(shard.exchange_dtype, dtype)
     signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(batch.psw is not None), int(psw_grad),
-                 1 | wire_code(wire) << 1 | modes_code(modules))  # fmt: skip
+                 1 | wire_code(wire) << 1 | modes_code(training))  # fmt: skip
     what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
     sent, recv = exchange_headers(g, torch.cat([ids_nk.sum(1, keepdim=True), ids_nk], 1), signature, what)
     id_splits, recv_ids_n, recv_ids_nk = sent[0], recv[0], recv[1:]  # recv_ids_nk[k][peer]
@@ -125,7 +126,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     ids_per_table = [sum(c) for c in recv_ids_nk]
     t_ids = _table_major(recv_ids, recv_ids_nk).split(ids_per_table)
     every = torch.arange(max(ids_per_table, default=0), device=dev)  # parts of one id each: part i starts at i
-    served, rows = _serve_tables(modules, t_ids, [every[:n] for n in ids_per_table], [None] * K)
+    served, rows = _serve_tables(modules, t_ids, [every[:n] for n in ids_per_table], [None] * K, training)
     back = _received_order(rows, recv_ids_nk, wire)  # narrowed for the wire in the regrouping
 
     got = all_to_all_rows(g, back, recv_ids_n, id_splits, wire).to(dtype)  # rows in the order sent

@@ -116,16 +116,16 @@ class Shard:
         self.steps += 1
         while self.in_flight and self.in_flight[0].step <= self.steps - 1 - self.staleness:
             f = self.in_flight.popleft()
-            _record([module], [f.owner], [f.grad()])
+            _record([module], [f.owner], [f.grad()], noted=True)
 
     def agree(self, count: int) -> int:
         """The sum of ``count`` over the ranks (a collective: every rank calls it)."""
         return agree_sum(self.group, count)
 
-    def agree_all(self, counts: torch.Tensor) -> torch.Tensor:
-        """The sums of ``counts`` (int64) over the ranks, on the group's device, without
-        reading them back (a collective: every rank calls it)."""
-        return agree_sum_tensor(self.group, counts)
+    def agree_all(self, counts: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The sums (``op="max"``: the largest) of ``counts`` over the ranks, on the group's
+        device, without reading them back (a collective: every rank calls it)."""
+        return agree_sum_tensor(self.group, counts, op)
 
     @contextlib.contextmanager
     def abandon_on_error(self, group: Optional[Group] = None):
@@ -152,7 +152,7 @@ class Shard:
         """Waits for every gradient in flight and adds it to the pending gradient."""
         while self.in_flight:
             f = self.in_flight.popleft()
-            _record([module], [f.owner], [f.grad()])
+            _record([module], [f.owner], [f.grad()], noted=True)
 
 
 # ---- one exchange for K tables --------------------------------------------------------------
@@ -206,24 +206,33 @@ def sharded_lookup(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
         return static.lookup(modules, bags, plan)
     shard = modules[0]._shard
     raise_deferred_failures(shard.group)  # an earlier forward's failure first, before anything moves
-    anchor_needed = any(m.training for m in modules) and torch.is_grad_enabled()
+    training = _training(modules)  # read here: the autograd Function's forward runs without gradients
+    anchor_needed = any(training)
     psws = [b[2] for b in bags]
     psw_grad = anchor_needed and any(p is not None and p.requires_grad for p in psws)
-    dispatched = _take_dispatched(shard.group, modules, bags, psw_grad)
+    dispatched = _take_dispatched(shard.group, modules, bags, psw_grad, training)
     if not anchor_needed:
         with torch.no_grad():
-            outs, _ = _run_forward(shard, modules, bags, False, layouts, dispatched)
+            outs, _ = _run_forward(shard, modules, bags, False, layouts, dispatched, training)
         return list(outs)
     from veloce.embedding import autograd_anchor  # embedding imports this module
 
     return list(_GroupedLookup.apply(autograd_anchor(bags[0][0].device), shard, modules, bags, psw_grad, layouts,
-                                     dispatched, *psws))  # fmt: skip
+                                     dispatched, training, *psws))  # fmt: skip
+
+
+def _training(modules: Sequence) -> tuple[bool, ...]:
+    """Per table, whether its lookup now is a training lookup (it inserts, and its gradient
+    is exchanged): training mode with gradients enabled, as
+    :func:`veloce.embedding.training_lookup` says."""
+    grad = torch.is_grad_enabled()
+    return tuple(grad and m.training for m in modules)
 
 
 def _run_forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool, layouts: Sequence[tuple],
-                 dispatched: Optional[tuple]):  # fmt: skip
+                 dispatched: Optional[tuple], training: tuple[bool, ...]):  # fmt: skip
     if dispatched is None:
-        return _forward_for(shard)(shard, modules, bags, psw_grad, layouts)
+        return _forward_for(shard)(shard, modules, bags, psw_grad, layouts, training)
     d, refusal = dispatched
     outs, ex = _finish(shard, d, refusal)  # raises here with lookup_errors="raise"
     if refusal is None:
@@ -247,14 +256,17 @@ def dispatch_group(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
     shard = modules[0]._shard
     check_prefetchable(modules)
     psw_grad = any(b[2] is not None and b[2].requires_grad for b in bags)
+    training = _training(modules)
     if depth == "header":  # nothing moves in the tables: an earlier failure is raised by the lookup
         with deferring_errors(shard, modules, depth) as failed:  # _begin abandons its header on an error
-            begun = _begin(shard, list(modules), bags, psw_grad, layouts, shard.dispatch_group, note_read=True)
+            begun = _begin(shard, list(modules), bags, psw_grad, layouts, training, shard.dispatch_group,
+                           note_read=True)  # fmt: skip
         if not failed:
             shard.group.prefetched.append(begun)
         return
     raise_deferred_failures(shard.group)
-    shard.group.prefetched.append(_dispatch(shard, list(modules), bags, psw_grad, layouts, shard.dispatch_group))
+    shard.group.prefetched.append(_dispatch(shard, list(modules), bags, psw_grad, layouts, training,
+                                            shard.dispatch_group))  # fmt: skip
 
 
 def check_prefetchable(modules: Sequence) -> None:
@@ -286,14 +298,14 @@ def drop_failed_gradients(modules: Sequence) -> None:
     the failed step's backward sent (earlier steps' stay in flight), so no part of that
     forward's gradient is applied later."""
     for m in modules:
-        m._pending.clear()
-        m._had_backward = False
+        m._forget_gradient()
         shard = m._shard
         if shard is not None and shard.in_flight:
             shard.in_flight = deque(f for f in shard.in_flight if f.step < shard.steps)
 
 
-def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple], psw_grad: bool) -> Optional[tuple]:
+def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple], psw_grad: bool,
+                     training: tuple[bool, ...]) -> Optional[tuple]:  # fmt: skip
     """The prefetched first half of this lookup, if one is queued: ``(dispatched,
     refusal)``. It must be this lookup's: the same tables in the same mode (the same on
     every rank: else every rank raises here, and the queue is dropped), inputs of the same
@@ -303,12 +315,13 @@ def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple], psw
         return None
     d = group.prefetched.popleft()
     tags = [m._shard.tag for m in modules]
-    if [id(m) for m in d.modules] != [id(m) for m in modules] or d.training != tuple(m.training for m in modules):
+    if [id(m) for m in d.modules] != [id(m) for m in modules] or d.training != training:
         group.prefetched.clear()
         raise ValueError(
-            f"HybridParallel.prefetch: this lookup of tables {tags} (training={[m.training for m in modules]}) is "
-            f"not the one prefetched next (tables {[m._shard.tag for m in d.modules]}, training={list(d.training)}); "
-            f"call forward with the inputs given to prefetch, in the order prefetched, in the same train/eval mode"
+            f"HybridParallel.prefetch: this lookup of tables {tags} (training={list(training)}) is not the one "
+            f"prefetched next (tables {[m._shard.tag for m in d.modules]}, training={list(d.training)}); call "
+            f"forward with the inputs given to prefetch, in the order prefetched, in the same train/eval mode "
+            f"(a lookup under torch.no_grad() is an evaluation lookup)"
         )  # fmt: skip
     d = _complete(group, d)  # every rank, whatever its inputs: the rest of the first half is collective
     if d.shapes != _bag_shapes(bags) or d.psw_grad != psw_grad:
@@ -350,7 +363,7 @@ def deferring_errors(shard: Shard, modules: Sequence, depth: str):
         if depth != "header" or not getattr(e, "_veloce_abandoned", False):
             raise  # (an error after the header was queued: nothing tells the other ranks)
         failed.append(e)
-        shard.group.prefetched.append(_Abandoned(list(modules), tuple(m.training for m in modules), e))
+        shard.group.prefetched.append(_Abandoned(list(modules), _training(modules), e))
 
 
 def complete_prefetched(group: Group) -> None:
@@ -522,18 +535,19 @@ def _bag_shapes(bags: Sequence[tuple]) -> tuple:
     return tuple((i.shape, o.shape, None if p is None else p.shape) for i, o, p in bags)
 
 
-def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False,
-             layouts: Sequence[tuple] = ()):  # fmt: skip
-    return _finish(shard, _dispatch(shard, modules, bags, psw_grad, layouts))
+def _forward(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool, layouts: Sequence[tuple],
+             training: tuple[bool, ...]):  # fmt: skip
+    return _finish(shard, _dispatch(shard, modules, bags, psw_grad, layouts, training))
 
 
-def _dispatch(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False,
-              layouts: Sequence[tuple] = (), group: Optional[Group] = None) -> _Dispatched:  # fmt: skip
+def _dispatch(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool, layouts: Sequence[tuple],
+              training: tuple[bool, ...], group: Optional[Group] = None) -> _Dispatched:  # fmt: skip
     """The forward's first half: bucketing, the header (a host sync), the ids' all-to-all
-    and the owners' inserts (their host syncs); nothing of it waits for the tables' rows.
+    and the owners' inserts (their host syncs; ``training``: per table, whether it is a
+    training lookup, which inserts); nothing of it waits for the tables' rows.
     Its exchanges run on ``group`` (by default the lookups' group; a prefetch has its own,
     so that they do not queue behind the previous step's exchanges)."""
-    return _end(_begin(shard, modules, bags, psw_grad, layouts, group))
+    return _end(_begin(shard, modules, bags, psw_grad, layouts, training, group))
 
 
 @dataclass
@@ -558,8 +572,8 @@ class _Begun:
         return [b.ids, b.starts, b.psw, *b.kept, k.perm, k.bag_of_part, k.part_lengths, k.id_splits, k.part_splits]
 
 
-def _begin(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = False, layouts: Sequence[tuple] = (),
-           group: Optional[Group] = None, note_read: bool = False) -> _Begun:  # fmt: skip
+def _begin(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool, layouts: Sequence[tuple],
+           training: tuple[bool, ...], group: Optional[Group] = None, note_read: bool = False) -> _Begun:  # fmt: skip
     """The first half's start, without a host sync: the bags concatenated and bucketed by
     owner, the header swap queued (on ``group``, by default the lookups' group).
     ``note_read``: also an event after the last read of the inputs (``_Begun.read``), for a
@@ -587,7 +601,7 @@ def _begin(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = 
     # train/eval modes (a rank in eval and one in training would otherwise meet in
     # different collectives: the trainer's gradient exchange, the other's step).
     signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(any_psw), int(psw_grad),
-                 wire_code(wire) << 1 | modes_code(modules))  # fmt: skip
+                 wire_code(wire) << 1 | modes_code(training))  # fmt: skip
     # One column per field: the ids and parts per owner, then per (owner, table) the parts and ids.
     fields = torch.cat([b.id_splits.view(-1, 1), b.part_splits.view(-1, 1), parts_nk.view(g.size, K),
                         ids_nk.view(g.size, K)], 1)  # fmt: skip
@@ -596,8 +610,8 @@ def _begin(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool = 
         read = torch.cuda.Event()
         read.record(current_stream(dev))
     header = begin_headers(g, fields, signature, bad_layout)
-    return _Begun(g, list(modules), cb, b, header, layouts, _bag_shapes(bags), tuple(m.training for m in modules),
-                  bool(psw_grad), read)  # fmt: skip
+    return _Begun(g, list(modules), cb, b, header, layouts, _bag_shapes(bags), tuple(training), bool(psw_grad),
+                  read)  # fmt: skip
 
 
 def _end(begun: _Begun) -> _Dispatched:
@@ -630,7 +644,7 @@ def _end(begun: _Begun) -> _Dispatched:
     starts = _shift_segments(torch.cumsum(t_len, 0) - t_len, parts_per_table, [-n for n in ids_per_table])
     t_starts = starts.split(parts_per_table)
     t_psw = _table_major(recv_psw, recv_ids_nk).split(ids_per_table) if any_psw else [None] * K
-    slots, error = _insert_tables(modules, t_ids)
+    slots, error = _insert_tables(modules, t_ids, begun.training)
     return _Dispatched(modules, cb, b.perm, bag_of_part, id_splits, part_splits, recv_ids_n, recv_parts_n,
                        recv_parts_nk, recv_ids_nk, list(t_ids), list(t_starts), list(t_psw), slots, error,
                        begun.shapes, begun.training, tuple(m.table.version for m in modules),
@@ -652,7 +666,7 @@ def _finish(shard: Shard, d: _Dispatched, refusal: Optional[Exception] = None):
             f"erase or load grew the table or moved its rows); call prefetch after step() and before the forward, "
             f"with nothing in between that inserts into the tables"
         )  # fmt: skip
-    served, pooled = _serve_inserted(modules, d.ids, d.starts, d.psw, d.slots, error)
+    served, pooled = _serve_inserted(modules, d.ids, d.starts, d.psw, d.slots, error, d.training)
     # The partial sums narrowed to the wire dtype in their regrouping, and summed from it
     # into the table's dtype: no pass of its own for either conversion.
     wire = wire_dtype(shard.exchange_dtype, dtype)
@@ -772,16 +786,18 @@ def _mean_scale(modules: list, batch: _Batch, dtype: torch.dtype, dev: torch.dev
 
 
 def _serve_tables(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[torch.Tensor],
-                  psw: Sequence[Optional[torch.Tensor]]) -> tuple[list, list]:  # fmt: skip
+                  psw: Sequence[Optional[torch.Tensor]], training: tuple[bool, ...]) -> tuple[list, list]:  # fmt: skip
     """The owner's half of a grouped lookup: each table serves its block (parts starting
     at ``starts[k]`` in ``ids[k]``). Returns per table its :class:`_Served` and its pooled
     parts (:func:`_insert_tables`, then :func:`_serve_inserted`)."""
-    slots, error = _insert_tables(modules, ids)
-    return _serve_inserted(modules, ids, starts, psw, slots, error)
+    slots, error = _insert_tables(modules, ids, training)
+    return _serve_inserted(modules, ids, starts, psw, slots, error, training)
 
 
-def _insert_tables(modules: list, ids: Sequence[torch.Tensor]) -> tuple[list, Optional[Exception]]:
-    """The owner inserts the received ids of its training tables: one op for all of them.
+def _insert_tables(modules: list, ids: Sequence[torch.Tensor],
+                   training: tuple[bool, ...]) -> tuple[list, Optional[Exception]]:  # fmt: skip
+    """The owner inserts the received ids of the tables whose lookup is a training lookup
+    (``training[k]``): one op for all of them.
     Returns per table the slots (None for evaluation tables, and for a table listed twice,
     or shared by two modules, after its first: it inserts on its own when served, after
     its first part is, since an insert may move its rows), and the error that stopped the
@@ -789,7 +805,7 @@ def _insert_tables(modules: list, ids: Sequence[torch.Tensor]) -> tuple[list, Op
     slots: list = [None] * len(modules)
     try:
         first: dict[int, int] = {}
-        train = [k for k, m in enumerate(modules) if m.training and first.setdefault(id(m.table), k) == k]
+        train = [k for k, m in enumerate(modules) if training[k] and first.setdefault(id(m.table), k) == k]
         # Never deferred (DynamicEmbedding(defer_inserts=)): a full owner must fail this step on every rank.
         tables = [modules[k].table for k in train]
         for k, s in zip(train, find_or_insert_many(tables, [ids[k] for k in train], allow_defer=False)):
@@ -800,8 +816,8 @@ def _insert_tables(modules: list, ids: Sequence[torch.Tensor]) -> tuple[list, Op
 
 
 def _serve_inserted(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[torch.Tensor],
-                    psw: Sequence[Optional[torch.Tensor]], slots: list,
-                    error: Optional[Exception]) -> tuple[list, list]:  # fmt: skip
+                    psw: Sequence[Optional[torch.Tensor]], slots: list, error: Optional[Exception],
+                    training: tuple[bool, ...]) -> tuple[list, list]:  # fmt: skip
     """The owner's lookups after :func:`_insert_tables` (its ``slots`` and ``error``), and
     the owners' agreement on whether any failed.
 
@@ -816,13 +832,13 @@ def _serve_inserted(modules: list, ids: Sequence[torch.Tensor], starts: Sequence
     if error is None:
         try:
             # _insert_tables left None for a training table only where it repeats an earlier one
-            repeated = any(m.training and s is None for m, s in zip(modules, slots))
+            repeated = any(t and s is None for t, s in zip(training, slots))
             if not repeated:  # one lookup op
                 served, pooled = _serve_all(modules, ids, starts, psw, slots)
             else:
                 slots = list(slots)
                 for k, (m, ids_k, starts_k, psw_k) in enumerate(zip(modules, ids, starts, psw)):
-                    if m.training and slots[k] is None:
+                    if training[k] and slots[k] is None:
                         slots[k] = m.table.find_or_insert(ids_k, allow_defer=False)
                     s, p = _serve_all([m], [ids_k], [starts_k], [psw_k], [slots[k]])
                     served += s
@@ -945,6 +961,7 @@ def _deliver(shard: Shard, modules: list, served: list, rows: torch.Tensor, send
 
         for k, m in enumerate(modules):
             m._shard.in_flight.append(_InFlight(m._shard.steps, lambda k=k: table_grads()[k], served[k]))
+            m._note_backward()  # waits for step() too (DynamicEmbedding._check_unapplied)
         return None
     recv = all_to_all_rows(shard.group, rows, send_splits, recv_splits, wire)
     shares = _table_major(recv, recv_nk, dtype).split(per_table)
@@ -975,14 +992,16 @@ def _current_slots(module, served: _Served) -> torch.Tensor:
     return _reresolve(module.table, served.ids, served.slots)
 
 
-def _record(modules: Sequence, served: Sequence[Optional[_Served]], grads: Sequence[torch.Tensor]) -> None:
+def _record(modules: Sequence, served: Sequence[Optional[_Served]], grads: Sequence[torch.Tensor],
+            noted: bool = False) -> None:  # fmt: skip
     """The owner keeps each table's received part gradients until its step(), like a local
-    backward (none where it failed to serve them: that step raises)."""
+    backward (none where it failed to serve them: that step raises). ``noted``: async
+    gradients, counted as waiting when they were sent (:func:`_deliver`)."""
     from veloce.embedding import _Pending
 
     for module, s, grad in zip(modules, served, grads):
         if s is not None:
-            module._accumulate(_Pending(s.ids, s.slots, s.offsets, s.psw, grad, _SUM, False, s.version))
+            module._accumulate(_Pending(s.ids, s.slots, s.offsets, s.psw, grad, _SUM, False, s.version), noted)
 
 
 class _GroupedLookup(torch.autograd.Function):
@@ -991,13 +1010,14 @@ class _GroupedLookup(torch.autograd.Function):
     require one."""
 
     @staticmethod
-    def forward(ctx, anchor, shard, modules, bags, psw_grad, layouts, dispatched, *psws):  # type: ignore[override]
-        outs, ex = _run_forward(shard, modules, bags, psw_grad, layouts, dispatched)
+    def forward(ctx, anchor, shard, modules, bags, psw_grad, layouts, dispatched, training,
+                *psws):  # type: ignore[override]
+        outs, ex = _run_forward(shard, modules, bags, psw_grad, layouts, dispatched, training)
         ctx.ex = ex
         return outs
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        psw_needed = list(ctx.needs_input_grad[7:])
+        psw_needed = list(ctx.needs_input_grad[8:])
         psw_grads = ctx.ex.backward(grads, psw_needed)
-        return (None, None, None, None, None, None, None, *psw_grads)
+        return (None, None, None, None, None, None, None, None, *psw_grads)

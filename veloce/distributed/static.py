@@ -376,7 +376,7 @@ class _StaticExchange:
     scale: Optional[torch.Tensor]
 
 
-def _forward(modules: list, plan: Plan) -> tuple[tuple, _StaticExchange]:
+def _forward(modules: list, plan: Plan, training: tuple[bool, ...]) -> tuple[tuple, _StaticExchange]:
     from veloce.distributed.sharded import _Batch, _mean_scale, _per_table, _serve_all
     from veloce.table import find_or_insert_many
 
@@ -427,7 +427,7 @@ def _forward(modules: list, plan: Plan) -> tuple[tuple, _StaticExchange]:
     ids_k = list(t_ids[:-1].split(list(caps.table_ids)))
     starts_k = list(starts.split(list(caps.table_parts)))
     slots: list = [None] * K
-    train = [k for k, m in enumerate(modules) if m.training]
+    train = [k for k in range(K) if training[k]]
     if train:
         got = find_or_insert_many([modules[k].table for k in train], [ids_k[k] for k in train],
                                   [SENTINEL] * len(train))  # fmt: skip
@@ -479,15 +479,15 @@ def _backward(ex: _StaticExchange, grads: Sequence[Optional[torch.Tensor]]) -> N
 
 class _StaticLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor, modules, plan):  # type: ignore[override]
-        outs, ex = _forward(modules, plan)
+    def forward(ctx, anchor, modules, plan, training):  # type: ignore[override]
+        outs, ex = _forward(modules, plan, training)
         ctx.ex = ex
         return outs
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         _backward(ctx.ex, grads)
-        return None, None, None
+        return None, None, None, None
 
 
 def lookup(modules: Sequence, bags: Sequence[tuple], plan: Plan) -> list[torch.Tensor]:
@@ -502,12 +502,14 @@ def lookup(modules: Sequence, bags: Sequence[tuple], plan: Plan) -> list[torch.T
             f"the forward's own inputs"
         )  # fmt: skip
     check_static(modules, bags)
-    if not (any(m.training for m in modules) and torch.is_grad_enabled()):
+    grad = torch.is_grad_enabled()  # read here: the autograd Function's forward runs without gradients
+    training = tuple(grad and m.training for m in modules)  # (veloce.embedding.training_lookup)
+    if not any(training):
         with torch.no_grad():
-            return list(_forward(list(modules), plan)[0])
+            return list(_forward(list(modules), plan, training)[0])
     from veloce.embedding import autograd_anchor
 
-    return list(_StaticLookup.apply(autograd_anchor(c.ids.device), list(modules), plan))
+    return list(_StaticLookup.apply(autograd_anchor(c.ids.device), list(modules), plan, training))
 
 
 class Planner:

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from veloce.embedding import DynamicEmbedding, lookup_many
+from veloce.embedding import DynamicEmbedding, lookup_many, training_lookup
 from veloce.table import insert_beside_updates
 
 EmbeddingFactory = Callable[[int], nn.Module]
@@ -94,7 +94,7 @@ def _columns(embeddings: nn.ModuleDict, sparse: torch.Tensor, model: str) -> tup
     if sparse.dtype != torch.int64:
         raise ValueError(f"{model}: sparse must be int64, got {sparse.dtype}")
     modules = list(embeddings.values())
-    tables = [m.table for m in modules if isinstance(m, DynamicEmbedding) and m.training]
+    tables = [m.table for m in modules if isinstance(m, DynamicEmbedding) and training_lookup(m)]
     # (F, B): each feature's ids contiguous. Beside a sparse update still in flight, like the
     # inserts that read it (a copy queued on the current stream would wait for the update).
     cols = insert_beside_updates(tables, lambda: sparse.t().contiguous())
