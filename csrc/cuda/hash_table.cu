@@ -779,7 +779,7 @@ class Inserter {
       call.stages = 0;
       t.inserted = c[counter::kNew];
       if (t.inserted == 0) continue;
-      // More new ids than the room: without eviction the call fails now (nothing written
+      // More new ids than the room: without eviction the call fails at this sync (nothing written
       // yet), with the CPU kernel's count; with it, a room of 0 makes every new id evict
       // (claim_kernel queues them all), and a larger one places every new id in order
       // (classify_kernel made them all conflicted): the first `room` take empty slots.
