@@ -134,8 +134,9 @@ class HashTable(PlainAttrs, nn.Module):
         capacity: initial number of slots (rounded up by :func:`round_capacity`; at most
             :func:`final_capacity` of ``max_capacity``).
         max_capacity: the most rows the table holds: ``len(table)`` never exceeds it.
-            The slots grow to :func:`final_capacity` of it at most (a bucket that
-            overflows before the rows reach it adds a few). None = unbounded.
+            The slots grow to :func:`final_capacity` of it at most (with
+            ``eviction="none"``, a bucket pair that overflows before the rows reach it adds
+            a few; lru / lfu evict there). None = unbounded.
         eviction: "lru", "lfu" or "none": what a new id does at ``len == max_capacity``
             (evict the least recently / frequently used row of its buckets, or raise
             :class:`TableFullError`).
