@@ -93,10 +93,8 @@ void check_table_keys(const char* op, const at::Tensor& keys, const at::Tensor& 
               "), got ", digests.numel());
   TORCH_CHECK(capacity >= kBucketSize && capacity % kBucketSize == 0, op,
               ": the table capacity must be a positive multiple of ", kBucketSize, ", got ", capacity);
-  const int64_t num_buckets = capacity / kBucketSize;
-  TORCH_CHECK((num_buckets & (num_buckets - 1)) == 0, op,
-              ": the table capacity must be a power-of-two number of buckets of ", kBucketSize,
-              " slots, got capacity ", capacity);
+  TORCH_CHECK(capacity / kBucketSize <= kMaxBuckets, op, ": the table capacity must be at most ", kMaxBuckets,
+              " buckets of ", kBucketSize, " slots, got capacity ", capacity);
   TORCH_CHECK(keys.is_contiguous() && digests.is_contiguous(), op, ": keys and digests must be contiguous");
 }
 

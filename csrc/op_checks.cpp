@@ -104,6 +104,22 @@ void check_defer(const char* op, bool defer, bool allow_evict, int64_t table) {
                     "for a table that may evict");
 }
 
+void check_room(const char* op, int64_t room, bool defer, int64_t table) {
+  const std::string which = table >= 0 ? " (table " + std::to_string(table) + ")" : std::string();
+  TORCH_CHECK_VALUE(room >= kNoRoomLimit, op, ": room must be >= 0 (new ids that may take an empty slot) or ",
+                    kNoRoomLimit, " (no limit)", which, ", got ", room);
+  TORCH_CHECK_VALUE(!(defer && room != kNoRoomLimit), op, ": defer=True with room=", room, which,
+                    ": a deferred insert reads no count back, so it cannot keep to a room; pass room=",
+                    kNoRoomLimit, " and bound the call's new ids by the room yourself");
+}
+
+void check_room_many(const char* op, at::OptionalIntArrayRef room, int64_t K, bool defer) {
+  if (!room) return;
+  TORCH_CHECK_VALUE(static_cast<int64_t>(room->size()) == K, op, ": room must hold one value per table (", K,
+                    "), got ", room->size());
+  for (int64_t k = 0; k < K; ++k) check_room(op, (*room)[k], defer, k);
+}
+
 int64_t check_find_or_insert_many_args(const char* op, at::TensorList keys, at::TensorList digests, at::TensorList scores, at::TensorList weights,
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,

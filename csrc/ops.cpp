@@ -5,7 +5,8 @@
 // (veloce/ops/<family>.py). docs/ops.md documents shapes and semantics.
 //
 // Conventions:
-//   * Table state is a set of tensors of C = num_buckets * 32 slots (see veloce/hash.h):
+//   * Table state is a set of tensors of C = num_buckets * 32 slots, any num_buckets in
+//     [1, 2^32] (see veloce/hash.h):
 //       keys (C,) int64, digests (C,) uint8 (0 = empty), scores (C,) int64,
 //       weights (C, D) float, opt_state (C, S) float (S = 0 for SGD).
 //   * A "slot" indexes those tensors; ops that take slots also accept the codes
@@ -57,7 +58,13 @@ TORCH_LIBRARY(veloce, m) {
       "find_or_insert(Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, Tensor(d!) weights, "
       "Tensor(e!) opt_state, Tensor ids, int score_policy, int score_value, bool allow_evict, "
       "int seed, int init_kind, float init_a, float init_b, int? padding_id=None, Tensor? bad_input=None, "
-      "bool defer=False, Tensor? clock=None) -> (Tensor slots, Tensor counts, Tensor evicted_keys)");
+      "bool defer=False, Tensor? clock=None, int room=-1) -> (Tensor slots, Tensor counts, Tensor evicted_keys)");
+  // room: how many new ids may take an empty slot (the rows a table bounded by max_capacity
+  // has left), or -1 for no limit. New ids in order of first occurrence: the first `room`
+  // take an empty slot of their buckets (with allow_evict, one whose buckets are both full
+  // evicts), the later ones evict the lowest-scored occupied key of their buckets that this
+  // call did not touch (allow_evict) or the call fails, changing nothing, with failed =
+  // new ids - room. -1 with defer.
   // clock: a (1,) int64 tensor on the table's device, or None. When given, it replaces
   // score_value and is read on the device (on CUDA by the kernels, no host read): a call
   // captured in a CUDA graph then stamps the value the clock holds when the graph is
@@ -74,16 +81,19 @@ TORCH_LIBRARY(veloce, m) {
       "find_or_insert_many(Tensor(a!)[] keys, Tensor(b!)[] digests, Tensor(c!)[] scores, Tensor(d!)[] weights, "
       "Tensor(e!)[] opt_state, Tensor[] ids, int[] score_policy, int[] score_value, bool[] allow_evict, "
       "int[] seed, int[] init_kind, float[] init_a, float[] init_b, int?[] padding_id, Tensor? bad_input=None, "
-      "bool defer=False, Tensor? clock=None) -> (Tensor slots, Tensor counts, Tensor evicted_keys)");
-  // clock: as for find_or_insert, (K,) int64: clock[k] replaces score_value[k].
+      "bool defer=False, Tensor? clock=None, int[]? room=None) -> (Tensor slots, Tensor counts, "
+      "Tensor evicted_keys)");
+  // clock: as for find_or_insert, (K,) int64: clock[k] replaces score_value[k]. room: as for
+  // find_or_insert, one value per table (None: no limit for any).
   // Writes values (N, D) to the rows of ids, inserting missing ids. opt_values (N, S)
   // and score_values (N,) are written when given; otherwise new rows get zero state and
   // scores follow score_policy. With duplicate ids the last occurrence wins.
   m.def(
       "insert_or_assign(Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, Tensor(d!) weights, "
       "Tensor(e!) opt_state, Tensor ids, Tensor values, Tensor? opt_values, Tensor? score_values, "
-      "int score_policy, int score_value, bool allow_evict) "
+      "int score_policy, int score_value, bool allow_evict, int room=-1) "
       "-> (Tensor slots, Tensor counts, Tensor evicted_keys)");
+  // room: as for find_or_insert.
   // Removes ids; returns a (N,) bool mask, true at the first position of each erased id.
   m.def("erase(Tensor keys, Tensor(a!) digests, Tensor ids) -> Tensor");
   // The entries of the occupied slots in [start, end), in slot order:

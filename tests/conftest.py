@@ -56,6 +56,27 @@ def fmix64(k: int) -> int:
     return k
 
 
+def probe(key: int, num_buckets: int) -> tuple[int, int, int]:
+    """(bucket_a, bucket_b, digest) of ``key`` in a table of ``num_buckets`` buckets
+    (csrc/include/veloce/hash.h): each bucket is a hash's low 32 bits times the bucket
+    count, over 2^32."""
+    h = fmix64(key & MASK)
+    h2 = fmix64(((h >> 32) | (h << 32)) & MASK)
+    return ((h & 0xFFFFFFFF) * num_buckets) >> 32, ((h2 & 0xFFFFFFFF) * num_buckets) >> 32, (h >> 56) or 1
+
+
+def keys_in_buckets_0_and_1(num_buckets: int, n: int) -> list[int]:
+    """``n`` keys whose two bucket choices both fall in buckets 0 and 1 of a table of
+    ``num_buckets`` buckets: more than 64 of them overflow that bucket pair."""
+    out, key = [], 0
+    while len(out) < n:
+        key += 1
+        a, b, _ = probe(key, num_buckets)
+        if a < 2 and b < 2:
+            out.append(key)
+    return out
+
+
 def splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & MASK
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import veloce
-from conftest import DEVICES, counting_syncs, deterministic_algorithms, ref_init_rows
+from conftest import DEVICES, counting_syncs, deterministic_algorithms, keys_in_buckets_0_and_1, ref_init_rows
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 EXTREME = [I64_MIN, I64_MAX, -1, 0, 1, 2**31, -(2**31), 2**62]
@@ -387,6 +387,130 @@ def test_eviction_none_raises_and_leaves_table_unchanged(device):
     assert_same_snapshot(before, snapshot(emb))
     assert emb.table.clock == clock
     assert len(other) == 5 and other.table.clock == 1
+
+
+# ---- max_capacity, reserve and memory per row --------------------------------------------
+
+
+def _new_ids(start: int, n: int, device) -> torch.Tensor:
+    return (torch.arange(start, start + n, device=device) * 7919 + 11).view(-1, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_max_capacity_1000_holds_at_most_1000_rows(device, policy):
+    """A table asked for at most 1,000 rows holds 1,000, not the 1,024 of a power of two:
+    it fills to exactly 1,000 without evicting, then each new id evicts one row and the
+    table stays at 1,000."""
+    emb = veloce.DynamicEmbedding(4, mode="sum", max_capacity=1000, eviction=policy, device=device)
+    assert emb.max_capacity == 1000
+    for k in range(10):
+        emb(_new_ids(100 * k, 100, device))
+        assert len(emb) == 100 * (k + 1) and emb.table.num_evicted == 0
+    assert emb.capacity <= veloce.table.final_capacity(1000) == 1280
+    for k in range(10, 15):
+        emb(_new_ids(100 * k, 100, device))
+        assert len(emb) == 1000 and emb.table.num_evicted == 100 * (k - 9)
+    assert len(emb.export()["keys"]) == 1000
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eviction_none_fills_to_max_capacity_before_raising(device):
+    """eviction='none' raises only when the new ids would pass max_capacity: a table of
+    max_capacity 1000 takes 1000 rows; a batch that does not fit changes nothing, one that
+    fits exactly is taken, and any new id after that raises."""
+    emb = veloce.DynamicEmbedding(4, mode="sum", max_capacity=1000, eviction="none", device=device)
+    emb(_new_ids(0, 950, device))
+    before, clock = sorted_table(emb), emb.table.clock  # (the call may grow the slots first: past grow_at)
+    with pytest.raises(veloce.TableFullError, match="holds 950 rows of max_capacity 1000 and 51 new id"):
+        emb(torch.cat([_new_ids(900, 100, device), _new_ids(2000, 1, device)]))  # 50 present, 51 new
+    after = sorted_table(emb)
+    assert all(torch.equal(before[k], after[k]) for k in before) and emb.table.clock == clock
+    emb(_new_ids(900, 100, device))  # 50 present, 50 new
+    assert len(emb) == 1000
+    emb(_new_ids(0, 1000, device))  # every id present: no new row
+    with pytest.raises(veloce.TableFullError, match="max_capacity 1000"):
+        emb(_new_ids(1000, 1, device))
+    assert len(emb) == 1000
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eviction_none_table_whose_bucket_overflows_adds_slots_instead_of_raising(device):
+    """Below max_capacity rows, a full bucket pair at the final size adds slots: the rows,
+    not the slots, are bounded. (70 ids that all hash into 2 of the 4 buckets of the final
+    size of max_capacity 100.)"""
+    emb = veloce.DynamicEmbedding(4, mode="sum", max_capacity=100, eviction="none", device=device)
+    assert emb.capacity == veloce.table.final_capacity(100) == 128
+    emb(torch.tensor(keys_in_buckets_0_and_1(4, 70), device=device).view(-1, 1))
+    assert len(emb) == 70 and emb.capacity > 128
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reserve_presizes_in_one_rehash(device):
+    """reserve(n) rehashes once; inserting up to n rows after it never grows the table."""
+    emb = veloce.DynamicEmbedding(4, mode="sum", device=device)
+    emb(_new_ids(0, 10, device))
+    version = emb.table.version
+    emb.reserve(20_000)
+    assert emb.table.version == version + 1 and emb.capacity >= 20_000 / 0.8
+    capacity = emb.capacity
+    for k in range(10):
+        emb(_new_ids(10 + 1999 * k, 1999, device))
+    assert len(emb) == 20_000 and emb.capacity == capacity and emb.table.version == version + 1
+    emb.reserve(100)  # never shrinks
+    assert emb.capacity == capacity and emb.table.version == version + 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reserve_up_to_max_capacity_takes_the_final_size_and_more_raises(device):
+    emb = veloce.DynamicEmbedding(4, mode="sum", max_capacity=5000, device=device)
+    emb.reserve(5000)
+    assert emb.capacity == veloce.table.final_capacity(5000)
+    emb(_new_ids(0, 5000, device))
+    assert len(emb) == 5000 and emb.capacity == veloce.table.final_capacity(5000)
+    with pytest.raises(ValueError, match=r"reserve: n \(5001\) is more than max_capacity \(5000\)"):
+        emb.reserve(5001)
+    with pytest.raises(ValueError, match="reserve: n must be an int >= 0, got -1"):
+        emb.reserve(-1)
+
+
+def _state_bytes(emb: veloce.DynamicEmbedding) -> int:
+    return sum(b.numel() * b.element_size() for b in emb.table._buffers.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim", [8, 16, 64])
+@pytest.mark.parametrize("optimizer", ["SGD", "Adagrad", "Adam"])
+def test_memory_per_row_at_max_capacity_is_within_1_5x_of_the_payload(device, dim, optimizer):
+    """A table grown from its default capacity to max_capacity rows takes at most 1.5 times
+    the bytes of its rows, optimizer state, keys, scores and digests."""
+    opt = {"SGD": veloce.optim.SGD(lr=0.1), "Adagrad": veloce.optim.Adagrad(lr=0.1),
+           "Adam": veloce.optim.Adam(lr=0.1)}[optimizer]  # fmt: skip
+    emb = veloce.DynamicEmbedding(dim, mode="sum", max_capacity=2100, optimizer=opt, device=device)
+    emb(_new_ids(0, 2100, device))
+    assert len(emb) == 2100
+    state = emb.table.state_dim
+    payload = 2100 * (dim * 4 + state * 4 + 8 + 8 + 1)
+    assert _state_bytes(emb) <= 1.5 * payload
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_full_table_checkpoint_loads_into_a_table_of_the_same_max_capacity(device):
+    """A table full at max_capacity 1000 (1000 rows exactly) saves and loads into a new table
+    of max_capacity 1000, whatever its capacity."""
+    emb = veloce.DynamicEmbedding(4, mode="sum", max_capacity=1000, eviction="lru", device=device)
+    for k in range(12):
+        emb(_new_ids(100 * k, 100, device))
+    assert len(emb) == 1000
+    for capacity in (32, 1024):
+        other = veloce.DynamicEmbedding(4, mode="sum", capacity=capacity, max_capacity=1000, eviction="lru",
+                                        device=device)
+        other.load_state_dict(emb.state_dict())
+        assert len(other) == 1000
+        assert torch.equal(sorted_table(other)["weights"], sorted_table(emb)["weights"])
+    small = veloce.DynamicEmbedding(4, mode="sum", max_capacity=999, device=device)
+    with pytest.raises(Exception, match="1000 entries do not fit max_capacity 999"):
+        small.load_state_dict(emb.state_dict())
 
 
 def test_gradient_of_evicted_row_is_dropped():
@@ -1683,6 +1807,8 @@ def test_when_an_insert_defers(device, case):
     emb = veloce.DynamicEmbedding(4, mode="sum", device=device, defer_inserts=case != "off", **kw)
     if case == "near grow_at":  # 55 of 64 slots: 55 + 6 ids > 0.9 * 64
         emb(torch.arange(55, device=device).view(1, 55))
+    if case == "at max_capacity":  # 64 of 64 rows: a new id evicts
+        emb(torch.arange(64, device=device).view(1, 64))
     bad = (torch.arange(6, device=device) + 1000, torch.tensor([0, 4, 2], device=device))
     with deterministic_algorithms(case == "deterministic"):
         if case == "deferred":
@@ -1692,7 +1818,7 @@ def test_when_an_insert_defers(device, case):
         else:
             with pytest.raises(ValueError, match="non-decreasing"):
                 emb(*bad)
-    assert len(emb) == (55 if case == "near grow_at" else 0)
+    assert len(emb) == {"near grow_at": 55, "at max_capacity": 64}.get(case, 0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")

@@ -19,7 +19,7 @@ I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 EXTREME_IDS = [I64_MIN, I64_MAX, -1, 0, 1, I64_MIN + 1, I64_MAX - 1]
 M64 = (1 << 64) - 1
 
-from conftest import DEVICES, counting_syncs, deterministic_algorithms, fmix64  # noqa: E402  (cpu, and cuda where it exists)
+from conftest import DEVICES, counting_syncs, deterministic_algorithms, keys_in_buckets_0_and_1, probe  # noqa: E402
 from conftest import ref_init_value as init_value  # noqa: E402  (the pure-Python initializer)
 HYP = settings(deadline=None, max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -64,12 +64,6 @@ def ids_tensor(ids, device="cpu") -> torch.Tensor:
 # ---- the reference: hashing, init and table semantics in plain Python ----------------
 
 
-def probe(key: int, num_buckets: int) -> tuple[int, int, int]:
-    h = fmix64(key & M64)
-    b = fmix64(((h >> 32) | (h << 32)) & M64) & (num_buckets - 1)
-    return h & (num_buckets - 1), b, (h >> 56) or 1
-
-
 class Ref:
     """A slot-exact model of the table: lists for keys/digests/scores, a dict key -> slot."""
 
@@ -84,11 +78,12 @@ class Ref:
         return Table(ids_tensor(self.keys, device), digests, ids_tensor(self.scores, device),
                      self.weights.to(device), self.opt_state.to(device))
 
-    def _insert_all(self, ids, allow_evict, pad=None):
-        """Phase 2; returns (slots, changes) or (None, num_failed) after undoing."""
+    def _insert_all(self, ids, allow_evict, pad=None, room=-1):
+        """Phase 2; returns (slots, changes) or (None, num_failed) after undoing. ``room``:
+        how many new ids may take an empty slot (-1: any); the later ones must evict."""
         slots = [None if i == pad else self.where.get(i, -3) for i in ids]
         touched = {s for s in slots if s is not None and s >= 0}
-        changes, failed = [], set()
+        changes, failed, claimed = [], set(), 0
         for i, id_ in enumerate(ids):
             if slots[i] != -3:
                 continue
@@ -98,11 +93,12 @@ class Ref:
                 ea, eb = ([s for s in range(k * 32, k * 32 + 32) if not self.digests[s]] for k in (a, b))
                 if a == b:
                     eb = []
-                if ea or eb:
+                if (room < 0 or claimed < room) and (ea or eb):
                     s = (ea if len(ea) >= len(eb) else eb)[0]
-                elif allow_evict:
+                    claimed += 1
+                elif allow_evict:  # the occupied candidates the call did not touch
                     cands = [s for k in ((a,) if a == b else (a, b)) for s in range(k * 32, k * 32 + 32)
-                             if s not in touched]
+                             if s not in touched and self.digests[s]]
                     s = min(cands, key=lambda s: self.scores[s]) if cands else None  # min keeps the first
                 if s is None:
                     failed.add(id_)
@@ -120,7 +116,8 @@ class Ref:
                 self.keys[s], self.digests[s] = k, d
                 if d:
                     self.where[k] = s
-            return None, len(failed)
+            fresh = len(changes) + len(failed)  # the call's distinct new ids
+            return None, fresh - room if not allow_evict and 0 <= room < fresh else len(failed)
         return slots, changes
 
     def _scores(self, slots, changes, policy, value):
@@ -134,8 +131,8 @@ class Ref:
         return [self.where.get(i, -1) for i in ids]
 
     def find_or_insert(self, ids, policy=0, value=0, allow_evict=False, seed=0, kind=0, a=0.0, b=0.0,
-                       pad=None):
-        slots, changes = self._insert_all(ids, allow_evict, pad)
+                       pad=None, room=-1):
+        slots, changes = self._insert_all(ids, allow_evict, pad, room)
         if slots is None:
             return None, [0, changes], []
         for s, _, _ in changes:
@@ -149,8 +146,8 @@ class Ref:
         return [-1 if s is None else s for s in slots], [len(changes), 0], [k for _, k, d in changes if d]
 
     def insert_or_assign(self, ids, values, opt_values=None, score_values=None, policy=0, value=0,
-                         allow_evict=False):
-        slots, changes = self._insert_all(ids, allow_evict)
+                         allow_evict=False, room=-1):
+        slots, changes = self._insert_all(ids, allow_evict, room=room)
         if slots is None:
             return None, [0, changes], []
         if opt_values is None:
@@ -195,12 +192,13 @@ op_strategy = st.tuples(
     st.integers(0, 2),  # score policy
     st.booleans(),  # allow_evict
     st.integers(0, 3),  # init kind / which optional inputs
+    st.one_of(st.just(-1), st.integers(0, 24)),  # room: new ids that may take an empty slot
 )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @HYP
-@given(capacity=st.sampled_from([32, 64, 128]), ops=st.lists(op_strategy, min_size=1, max_size=10),
+@given(capacity=st.sampled_from([32, 64, 96, 128, 160]), ops=st.lists(op_strategy, min_size=1, max_size=10),
        seed=st.integers(I64_MIN, I64_MAX), fill=st.integers(0, 160))
 def test_matches_reference(device, capacity, ops, seed, fill):
     t = make_table(capacity, dim=3, state=2, device=device)
@@ -213,7 +211,7 @@ def test_matches_reference(device, capacity, ops, seed, fill):
     if fill % 3 == 0:  # spread the LFU scores
         got = ht.find_or_insert(*t.tensors(), ids_tensor(fill_ids[::3], device), 2, 0, False)
         check_insert_result(got, ref.find_or_insert(fill_ids[::3], 2, 0, False))
-    for step, (op, ids, policy, evict, kind) in enumerate(ops):
+    for step, (op, ids, policy, evict, kind, room) in enumerate(ops):
         x = ids_tensor(ids, device)
         if op == "find":
             assert ht.find(t.keys, t.digests, x).tolist() == ref.find(ids)
@@ -221,8 +219,8 @@ def test_matches_reference(device, capacity, ops, seed, fill):
             assert ht.erase(t.keys, t.digests, x).tolist() == ref.erase(ids)
         elif op == "find_or_insert":
             pad = ids[0] if (ids and kind == 3) else None
-            got = ht.find_or_insert(*t.tensors(), x, policy, step + 7, evict, seed, kind, -0.5, 0.5, pad)
-            want = ref.find_or_insert(ids, policy, step + 7, evict, seed, kind, -0.5, 0.5, pad)
+            got = ht.find_or_insert(*t.tensors(), x, policy, step + 7, evict, seed, kind, -0.5, 0.5, pad, room=room)
+            want = ref.find_or_insert(ids, policy, step + 7, evict, seed, kind, -0.5, 0.5, pad, room)
             check_insert_result(got, want)
         else:
             gen = torch.Generator().manual_seed(step)
@@ -230,9 +228,9 @@ def test_matches_reference(device, capacity, ops, seed, fill):
             opt_values = torch.randn(len(ids), 2, generator=gen) if kind & 1 else None
             score_values = torch.randint(0, 100, (len(ids),), generator=gen) if kind & 2 else None
             dev = [None if v is None else v.to(device) for v in (values, opt_values, score_values)]
-            got = ht.insert_or_assign(*t.tensors(), x, *dev, policy, step + 7, evict)
+            got = ht.insert_or_assign(*t.tensors(), x, *dev, policy, step + 7, evict, room)
             check_insert_result(got, ref.insert_or_assign(ids, values, opt_values, score_values, policy,
-                                                          step + 7, evict))
+                                                          step + 7, evict, room))
         t.assert_equal(ref.table(device))
 
 
@@ -1218,42 +1216,125 @@ def test_bad_input(device, name, call, match):
 
 
 
-def _keys_in_buckets_0_and_1(num_buckets: int, n: int) -> list[int]:
-    """``n`` keys whose two bucket choices (csrc/include/veloce/hash.h) both fall in buckets
-    0 and 1 of a table of ``num_buckets`` buckets."""
-    mask, out, key = (1 << 64) - 1, [], 0
-    while len(out) < n:
-        key += 1
-        h = fmix64(key)
-        a = h & (num_buckets - 1)
-        b = fmix64(((h >> 32) | (h << 32)) & mask) & (num_buckets - 1)
-        if a < 2 and b < 2:
-            out.append(key)
-    return out
-
-
 @pytest.mark.parametrize("device", DEVICES)
-def test_resize_that_cannot_place_every_entry_leaves_the_table_unchanged(device):
-    """A rehash that overflows a bucket at max_capacity raises and loses nothing: 70 keys
-    whose choices all fall in 2 of the 4 buckets (64 slots) of a 128-slot table."""
-    keys = _keys_in_buckets_0_and_1(4, 70)
+def test_resize_whose_rehash_overflows_a_bucket_takes_more_slots_and_keeps_every_entry(device):
+    """A rehash that overflows a bucket pair (70 keys whose choices all fall in 2 of the 4
+    buckets of a 128-slot table) takes more slots, even at the final size of max_capacity
+    (it bounds rows, not slots), and every entry keeps its row."""
+    keys = keys_in_buckets_0_and_1(4, 70)
     t = veloce.table.HashTable(4, 2, capacity=1024, device=device)
     slots = t.find_or_insert(torch.tensor(keys, device=device))
     t.weights[slots] += torch.arange(70, dtype=t.weights.dtype, device=device).unsqueeze(1)  # rows of their own
-    before, size, version = t.export(), t.size, t.version
-    t.max_capacity = 128  # as if built with it: the rehash may not grow past it
-    with pytest.raises(RuntimeError, match="overflowed a bucket.*unchanged"):
-        t.resize(128)
-    assert (t.capacity, t.size, t.version) == (1024, size, version)
-    after = t.export()
-    for name in before:
-        assert torch.equal(after[name], before[name]), name
-    assert torch.equal(t.find(torch.tensor(keys, device=device)), slots)
-    t.max_capacity = None  # without the cap the rehash doubles until every entry fits
+    before, version = t.export(), t.version
+    t.max_capacity, t._final_capacity = 100, veloce.table.final_capacity(100)  # as if built with it
+    assert t._final_capacity == 128
     t.resize(128)
-    assert t.capacity >= 256 and t.size == 70
+    assert t.capacity > 128 and t.capacity % 32 == 0 and t.size == 70 and t.version == version + 1
     order = before["keys"].argsort()
     assert torch.equal(t.weights[t.find(before["keys"][order])], before["weights"][order])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_buckets", [1, 3, 5, 40, 1000])
+def test_any_number_of_buckets_holds_a_table(device, num_buckets):
+    """Tables of any whole number of buckets (a table sized for max_capacity rows is not a
+    power of two): ids spread over every bucket, and each is found where it went."""
+    cap = 32 * num_buckets
+    t = make_table(cap, device=device)
+    ids = ids_tensor(range(7, 7 + cap * 3 // 4), device)
+    slots, counts, _ = ht.find_or_insert(*t.tensors(), ids)
+    assert counts.tolist() == [ids.numel(), 0]
+    assert torch.equal(ht.find(t.keys, t.digests, ids), slots)
+    used = (slots // 32).unique().numel()
+    assert used == num_buckets
+    assert sorted(ht.export(*t.tensors(), 0, cap)[0].tolist()) == ids.tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_capacity_of_a_table_is_checked(device):
+    t = make_table(96, device=device)
+    with pytest.raises(RuntimeError, match="positive multiple of 32, got 95"):
+        ht.find(t.keys[:95], t.digests[:95], ids_tensor([1], device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["find_or_insert", "insert_or_assign"])
+def test_room_of_zero_makes_every_new_id_evict_though_slots_are_empty(device, op):
+    """room=0 (a table at max_capacity rows): each new id evicts the lowest-scored occupied
+    row of its buckets that the call did not touch, never an empty slot; a present id stays."""
+    t = make_table(64, device=device)
+    old = list(range(100, 140))
+    ht.insert_or_assign(*t.tensors(), ids_tensor(old, device), torch.zeros(40, 4, device=device), None,
+                        ids_tensor(range(40), device))  # scores 0..39
+    ref = Ref(t)
+    ids = [105, 900, 901, 902]
+    if op == "find_or_insert":
+        got = ht.find_or_insert(*t.tensors(), ids_tensor(ids, device), 1, 50, True, room=0)
+        want = ref.find_or_insert(ids, 1, 50, True, room=0)
+    else:
+        values = torch.ones(4, 4)
+        got = ht.insert_or_assign(*t.tensors(), ids_tensor(ids, device), values.to(device), None, None, 1, 50,
+                                  True, 0)
+        want = ref.insert_or_assign(ids, values, None, None, 1, 50, True, room=0)
+    check_insert_result(got, want)
+    assert got[1].tolist() == [3, 0] and got[2].numel() == 3 and 105 not in got[2].tolist()
+    assert int((t.digests != 0).sum()) == 40  # as many rows as before
+    t.assert_equal(ref.table(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("room", [0, 2, 5])
+def test_room_without_eviction_fails_with_the_new_ids_past_it(device, room):
+    """Without eviction, a call whose new ids pass its room changes nothing and reports
+    new ids - room as failed; one within its room inserts."""
+    t = make_table(64, device=device)
+    before = t.clone()
+    slots, counts, _ = ht.find_or_insert(*t.tensors(), ids_tensor([1, 2, 3, 2, 4, 1], device), room=room)
+    if room >= 4:
+        assert counts.tolist() == [4, 0]
+    else:
+        assert counts.tolist() == [0, 4 - room] and slots.tolist() == [-1] * 6
+        t.assert_equal(before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_room_between_zero_and_the_new_ids_fills_empty_slots_first_then_evicts(device):
+    """A room of 3 for 6 new ids: the first 3 (in order of first occurrence) take empty
+    slots, the last 3 evict, so the table ends as full as the room allows; the many-table
+    op keeps each table's room."""
+    def table():
+        t = make_table(96, device=device)
+        ht.insert_or_assign(*t.tensors(), ids_tensor(range(100, 150), device), torch.zeros(50, 4, device=device),
+                            None, ids_tensor(range(50), device))
+        return t
+
+    t, ref = table(), None
+    ref = Ref(t)
+    ids = [7, 8, 7, 9, 10, 101, 11, 12]
+    got = ht.find_or_insert(*t.tensors(), ids_tensor(ids, device), 1, 60, True, room=3)
+    check_insert_result(got, ref.find_or_insert(ids, 1, 60, True, room=3))
+    assert got[1].tolist() == [6, 0] and got[2].numel() == 3
+    assert int((t.digests != 0).sum()) == 53
+    t.assert_equal(ref.table(device))
+    a, b = table(), table()
+    slots, counts, evicted = ht.find_or_insert_many(
+        [a.tensors(), b.tensors()], [ids_tensor(ids, device), ids_tensor(ids, device)], [1, 1], [60, 60],
+        [True, True], [0, 0], [0, 0], [0.0, 0.0], [0.0, 0.0], [None, None], room=[3, -1])
+    assert counts.tolist() == [[6, 0, 3], [6, 0, 0]]
+    a.assert_equal(ref.table(device))
+    assert int((b.digests != 0).sum()) == 56
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_room_must_be_minus_one_or_more_and_is_refused_with_defer(device):
+    t = make_table(64, device=device)
+    with pytest.raises(ValueError, match="room must be >= 0"):
+        ht.find_or_insert(*t.tensors(), ids_tensor([1], device), room=-2)
+    with pytest.raises(ValueError, match="defer=True with room=3"):
+        ht.find_or_insert(*t.tensors(), ids_tensor([1], device), defer=True, room=3)
+    with pytest.raises(ValueError, match="one value per table"):
+        ht.find_or_insert_many([t.tensors()], [ids_tensor([1], device)], [0], [0], [False], [0], [0], [0.0], [0.0],
+                               [None], room=[1, 2])
 
 
 # ---- defer: find_or_insert(_many) with no device read-back ----------------------------------

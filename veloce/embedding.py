@@ -74,12 +74,14 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
     Rows are created on first sight by a training lookup (training mode, gradients
     enabled; initialised from ``(seed, id)``), trained by a fused sparse optimizer on
     :meth:`step` (or through :class:`veloce.optim.CombinedOptimizer`), and the table grows
-    as needed up to ``max_capacity``, where it evicts by ``eviction`` policy. In eval mode
-    (``module.eval()``), and under ``torch.no_grad()`` or ``torch.inference_mode()`` in
-    either mode (validation without ``model.eval()``), lookups change nothing in the table:
-    no insert, no eviction, no LRU/LFU score; unknown ids read the initializer's value
-    (``unknown="init"``) or zeros (``unknown="zeros"``). Eval-mode lookups do not train the
-    table either (per-sample weights still get their gradient).
+    as needed up to ``max_capacity`` rows, where it evicts by ``eviction`` policy.
+    :meth:`reserve` pre-sizes it for a known number of rows (memory per row and the cost of
+    growth: ``docs/memory.md``). In eval mode (``module.eval()``), and under
+    ``torch.no_grad()`` or ``torch.inference_mode()`` in either mode (validation without
+    ``model.eval()``), lookups change nothing in the table: no insert, no eviction, no
+    LRU/LFU score; unknown ids read the initializer's value (``unknown="init"``) or zeros
+    (``unknown="zeros"``). Eval-mode lookups do not train the table either (per-sample
+    weights still get their gradient).
 
     The rows are not parameters: the sparse gradient a backward pass leaves waits in the
     table until :meth:`step`, which a torch optimizer over ``model.parameters()`` never
@@ -106,9 +108,11 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             column's gradient to the row that held the max; it takes no
             per_sample_weights and is not sharded by HybridParallel.
         capacity: initial slots (rounded up to a power of two >= 32).
-        max_capacity: most slots the table may grow to; None = no bound.
-        eviction: "lru", "lfu" or "none" (a full table raises
-            :class:`veloce.table.TableFullError`).
+        max_capacity: the most rows the table holds: ``len(self)`` never exceeds it (its
+            slots grow to about 1.25 per row at most); None = no bound.
+        eviction: what a new id does at ``len(self) == max_capacity``: "lru" / "lfu"
+            evict the least recently / frequently used row of its two buckets, "none"
+            raises :class:`veloce.table.TableFullError`.
         initializer: a :mod:`veloce.init` spec; default ``normal(std=0.01)``.
         optimizer: a :mod:`veloce.optim` sparse optimizer; default ``Adagrad(lr=0.05)``.
         padding_idx: an id that is skipped (contributes nothing, not counted by mean,
@@ -138,8 +142,9 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             least half way to ``grow_at`` that a call would take past it grows first (one
             doubling early). A call waits as before when the bound does not hold otherwise
             (a batch with more ids than ``grow_at * capacity``, or than the room left in a
-            table less than half way there), when the table is at ``max_capacity`` (it
-            may evict), or under ``torch.use_deterministic_algorithms``; tables sharded by
+            table less than half way there), when the call could take the table past
+            ``max_capacity`` rows (it may evict), or under
+            ``torch.use_deterministic_algorithms``; tables sharded by
             :class:`veloce.distributed.HybridParallel` always wait (an owner's failure
             must stop every rank). A refusal is raised by whatever reads the counts first
             (``step()``, ``len()``, ``erase()``, saving a checkpoint). Default False: every
@@ -836,13 +841,26 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
 
     @property
     def max_capacity(self) -> Optional[int]:
-        """Upper bound on slots (rounded to a power of two >= 32), or None."""
+        """The most rows the table holds (``len(self)`` never exceeds it), or None."""
         return self.table.max_capacity
 
     @property
     def load_factor(self) -> float:
         """len(self) / capacity."""
         return self.table.load_factor
+
+    def reserve(self, n: int) -> None:
+        """Pre-sizes the table for ``n`` rows in one rehash, so that training up to ``n``
+        rows never grows it. Growing from the default capacity rehashes every row at each
+        doubling and holds the old and the new slots at once (``docs/memory.md`` measures
+        it); a table that will hold millions of rows is best reserved once. It never
+        shrinks the table. On a table sharded by
+        :class:`veloce.distributed.HybridParallel`, ``n`` is this rank's rows.
+
+        Raises:
+            ValueError: ``n`` is negative or more than ``max_capacity``.
+        """
+        self.table.reserve(n)
 
     @torch.no_grad()
     def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -76,7 +76,7 @@ class CUDAGraphStep:
     - the returned tensors are the graph's outputs, overwritten by the next call: clone what
       you keep;
     - the tables must be on one CUDA device and able to grow (a table at its
-      ``max_capacity`` would have to evict, which a graph cannot).
+      ``max_capacity`` rows would have to evict, which a graph cannot).
 
     **Sharded tables** (``HybridParallel`` over NCCL, ``sparse="sync"``, without ``dedup``,
     ``padding_idx`` or per-sample weights): every call first replays a small graph that
@@ -629,13 +629,14 @@ class CUDAGraphStep:
     def _grow(self, table: Any, n: int) -> None:
         """Grows ``table`` (outside any capture) until ``n`` more ids fit under grow_at."""
         while _short_of_room(table, n):
-            if table._at_max():
+            bound = table.max_capacity
+            if table._at_max() or (bound is not None and table._size + table._unread_ids() + n > bound):
                 raise TableFullError(
-                    f"CUDAGraphStep: a table at its max_capacity ({table.capacity} slots, {table._size} ids) has no "
-                    f"room for the {n} ids of a step; a captured step cannot evict: raise max_capacity, or train "
+                    f"CUDAGraphStep: a table of max_capacity {bound} ({table._size} rows) has no room for the {n} "
+                    f"ids of a step without evicting, which a captured step cannot: raise max_capacity, or train "
                     f"this model eagerly"
                 )
-            table.resize(min(table.capacity * 2, table.max_capacity or table.capacity * 2))
+            table._grow()
 
     def _host_state(self) -> dict[int, tuple]:
         state: dict[int, tuple] = {}
@@ -787,4 +788,4 @@ def _alike(xs: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> bool:
 def _short_of_room(table: Any, n: int) -> bool:
     """Whether ``n`` more ids could take ``table`` past its growth threshold, counting the
     inserts whose counts are not read yet (a replay's inserts defer; they cannot grow it)."""
-    return table._size + table._unread_ids() + n > table.grow_at * table.capacity
+    return table._size + table._unread_ids() + n > table._defer_limit()

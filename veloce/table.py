@@ -2,10 +2,13 @@
 
 A :class:`HashTable` owns five buffers (``keys``, ``digests``, ``scores``, ``weights``,
 ``opt_state``; layout in ``docs/ops.md``) and drives the ``torch.ops.veloce`` hash-table
-ops over them. The ops never allocate table state; growth happens here: when an insert
-finds no room, the table rehashes into twice the slots (up to ``max_capacity``) and the
-call is retried. At ``max_capacity`` it evicts by score (LRU or LFU) or, with
-``eviction="none"``, raises an error that says how full it is and what to change.
+ops over them. The ops never allocate table state; growth happens here: past ``grow_at``,
+or when an insert finds no room, the table rehashes into twice the slots and the call is
+retried. ``max_capacity`` bounds the rows (``len``), exactly: the slots stop growing at
+:func:`final_capacity` (``max_capacity`` rows at load :data:`FULL_LOAD`), and the inserts
+keep to the rows left (the ops' ``room``). A new id that arrives at ``len ==
+max_capacity`` evicts a row by score (LRU or LFU) or, with ``eviction="none"``, raises an
+error that says how full it is and what to change. (Memory per row: ``docs/memory.md``.)
 
 Every change of the id -> slot mapping of keys already present (growth, eviction,
 erase) bumps :attr:`HashTable.version`; holders of slots (pending gradients, saved
@@ -18,6 +21,7 @@ import contextlib
 import numbers
 import warnings
 from collections.abc import Iterator
+from fractions import Fraction
 from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
 
 import torch
@@ -29,9 +33,16 @@ from veloce._memory import empty_table
 from veloce._update_stream import UpdateFence, beside_updates, release_done, wait_prefetch_origin
 from veloce.init import Initializer
 
-__all__ = ["HashTable", "TableFullError", "BUCKET_SIZE", "find_or_insert_many", "round_capacity"]
+__all__ = [
+    "HashTable", "TableFullError", "BUCKET_SIZE", "FULL_LOAD", "find_or_insert_many", "final_capacity",
+    "round_capacity",
+]  # fmt: skip
 
 BUCKET_SIZE = 32  # slots per bucket; csrc/include/veloce/hash.h kBucketSize
+# The load of a table that holds max_capacity rows (its final size), and the most that
+# reserve() plans for. Two-choice placement into 32-slot buckets first overflows a bucket
+# near a load of 0.93 (0.96 in small tables): 0.8 leaves a wide margin, for 1.25 slots a row.
+FULL_LOAD = 0.8
 _SCORE_POLICY = {"lru": 1, "lfu": 2, "none": 1}  # "none" keeps LRU scores (informative only)
 _EXPORT_CHUNK = 1 << 20
 
@@ -47,7 +58,10 @@ _T = TypeVar("_T")
 
 
 class TableFullError(RuntimeError):
-    """Raised when a table at ``max_capacity`` with ``eviction="none"`` has no room."""
+    """Raised when an insert cannot keep a table within ``max_capacity`` rows: new ids arrive
+    at ``len == max_capacity`` with ``eviction="none"`` (or while loading, which never
+    evicts), or a batch's new ids find only rows the batch itself touched to evict. The
+    table is unchanged."""
 
 
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -64,13 +78,36 @@ def is_int64(value: Any) -> bool:
 
 
 def round_capacity(capacity: int) -> int:
-    """The smallest valid capacity >= ``capacity``: a power-of-two number of 32-slot buckets."""
+    """The smallest growth size >= ``capacity``: a power-of-two number of 32-slot buckets
+    (what a table starts at and doubles through; any whole number of buckets is valid)."""
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     buckets = 1
     while buckets * BUCKET_SIZE < capacity:
         buckets *= 2
     return buckets * BUCKET_SIZE
+
+
+def _whole_buckets(slots: int) -> int:
+    """``slots`` rounded up to whole 32-slot buckets (at least one)."""
+    return max(1, -(-int(slots) // BUCKET_SIZE)) * BUCKET_SIZE
+
+
+def _slots_for(rows: int, load: float) -> int:
+    """Whole buckets that hold ``rows`` rows at ``load`` at most."""
+    frac = Fraction(load).limit_denominator(1 << 20)  # 0.8 is 4/5: no float rounding at a bucket's edge
+    return _whole_buckets(-(-int(rows) * frac.denominator // frac.numerator))
+
+
+def final_capacity(max_capacity: int) -> int:
+    """The slots of a table bounded by ``max_capacity`` rows once it stops growing: whole
+    buckets for ``max_capacity`` rows at load :data:`FULL_LOAD` (1.25 slots a row). Up to
+    32 rows, one bucket: both choices of every key are that bucket, which fills to its last
+    slot, and a new id may evict any row (in more buckets, a batch of new ids that nearly
+    replaces a small table could find its candidates all touched)."""
+    if max_capacity <= BUCKET_SIZE:
+        return BUCKET_SIZE
+    return _slots_for(max_capacity, FULL_LOAD)
 
 
 class PlainAttrs:
@@ -94,9 +131,15 @@ class HashTable(PlainAttrs, nn.Module):
     Args:
         dim: embedding dimension D.
         state_dim: optimizer state width S per row.
-        capacity: initial number of slots (rounded up by :func:`round_capacity`).
-        max_capacity: upper bound on slots (rounded up likewise); None = unbounded.
-        eviction: "lru", "lfu" or "none" (what happens at ``max_capacity``).
+        capacity: initial number of slots (rounded up by :func:`round_capacity`; at most
+            :func:`final_capacity` of ``max_capacity``).
+        max_capacity: the most rows the table holds: ``len(table)`` never exceeds it.
+            The slots grow to :func:`final_capacity` of it at most (with
+            ``eviction="none"``, a bucket pair that overflows before the rows reach it adds
+            a few; lru / lfu evict there). None = unbounded.
+        eviction: "lru", "lfu" or "none": what a new id does at ``len == max_capacity``
+            (evict the least recently / frequently used row of its buckets, or raise
+            :class:`TableFullError`).
         initializer: the initial value of new rows, a function of (seed, id).
         seed: initializer seed.
         dtype: dtype of the rows.
@@ -112,7 +155,7 @@ class HashTable(PlainAttrs, nn.Module):
     :attr:`size` / ``len()``, growth, ``erase``, ``clear`` and loads, and by the sparse
     optimizer step (:meth:`settle`). A call defers only while the table's size plus the ids
     of the calls not read yet (an upper bound of what they insert) and its own stay at most
-    ``grow_at * capacity``, the table is below ``max_capacity`` (it may not evict) and
+    ``grow_at * capacity`` and ``max_capacity`` (it may neither grow nor evict) and
     ``torch.use_deterministic_algorithms`` is off; other calls wait as before. A table
     at least half way to ``grow_at`` that a call would take past it grows first, one
     doubling earlier than it would otherwise (a batch with more ids than ``grow_at *
@@ -155,9 +198,10 @@ class HashTable(PlainAttrs, nn.Module):
         self.seed = int(seed)
         self.grow_at = grow_at
         cap = round_capacity(int(capacity))
-        self.max_capacity = None if max_capacity is None else round_capacity(int(max_capacity))
-        if self.max_capacity is not None and cap > self.max_capacity:
-            cap = self.max_capacity
+        self.max_capacity = None if max_capacity is None else int(max_capacity)  # rows, exactly
+        self._final_capacity = None if max_capacity is None else final_capacity(self.max_capacity)
+        if self._final_capacity is not None and cap > self._final_capacity:
+            cap = self._final_capacity
         self._size = 0  # occupied slots, not counting the deferred inserts not read yet
         self.defer = False  # deferred inserts (see the class docstring)
         self._unread: list[tuple[_DeferredCounts, int, int]] = []  # (counts, row, ids) per unread call
@@ -281,6 +325,9 @@ class HashTable(PlainAttrs, nn.Module):
             state["_size"] = state.pop("size")
         state.setdefault("defer", False)
         state.setdefault("_unread", [])
+        if "_final_capacity" not in state:  # pickled when max_capacity counted slots
+            mc = state.get("max_capacity")
+            state["_final_capacity"] = None if mc is None else final_capacity(mc)
         super().__setstate__(state)
 
     @property
@@ -368,7 +415,8 @@ class HashTable(PlainAttrs, nn.Module):
             if allow_defer and self._deferrable([ids], bad_input):
                 (slots,) = _insert_deferred([self], [ids], [padding_id], bad_input, on_refused)
             else:
-                slots = self._insert(self._find_or_insert_call(ids, padding_id, bad_input), bad_input=bad_input)
+                slots = self._insert(self._find_or_insert_call(ids, padding_id, bad_input), bad_input=bad_input,
+                                     ids=ids, padding_id=padding_id)  # fmt: skip
             booked.add(id(self))
         return slots
 
@@ -385,10 +433,10 @@ class HashTable(PlainAttrs, nn.Module):
         first, and a set flag raises as the op would, before anything changes."""
         if _capture.ACTIVE is not None:  # a captured insert defers always; the step wrapper made room
             return self._room_in_capture(sum(i.numel() for i in ids))
-        if not self.defer or self._at_max() or torch.are_deterministic_algorithms_enabled():
+        if not self.defer or torch.are_deterministic_algorithms_enabled():
             return False
         n = sum(i.numel() for i in ids)
-        limit = self.grow_at * self.capacity
+        limit = self._defer_limit()
         if self._size + self._unread_ids() + n <= limit:
             return True
         if self._unread:
@@ -398,11 +446,21 @@ class HashTable(PlainAttrs, nn.Module):
         if self._size + self._unread_ids() < limit / 2 or n > limit:
             return False
         self.settle()
-        if self._size < limit / 2:
+        if self._size < limit / 2 or self._at_max():
             return self._size + n <= limit
         _refuse_if_set(bad_input)
-        self.resize(self.capacity * 2)
-        return not self._at_max() and self._size + n <= self.grow_at * self.capacity
+        self._grow()
+        return self._size + n <= self._defer_limit()
+
+    def _defer_limit(self) -> float:
+        """The most rows (the table's, the unread calls' ids and a call's) that a deferred
+        call may reach: ``grow_at * capacity`` while the table may grow, and never more than
+        ``max_capacity`` (a call past it would have to evict, or raise); at the final size
+        (:func:`final_capacity`), ``max_capacity`` alone."""
+        if self._at_max():
+            return self.max_capacity
+        limit = self.grow_at * self.capacity
+        return limit if self.max_capacity is None else min(limit, self.max_capacity)
 
     def _room_in_capture(self, n: int) -> bool:
         """While a CUDA graph is captured (veloce.graphs): True when ``n`` more ids fit under
@@ -416,7 +474,7 @@ class HashTable(PlainAttrs, nn.Module):
             )
         # with the ids of this step's earlier inserts into the table (a table looked up twice)
         n += sum(k for log in _capture.ACTIVE.inserts for t, k in zip(log.tables, log.num_ids) if t is self)
-        if self._size + self._unread_ids() + n > self.grow_at * self.capacity:
+        if self._size + self._unread_ids() + n > self._defer_limit():
             raise _capture.NeedsRoom(self, n)
         return True
 
@@ -445,18 +503,16 @@ class HashTable(PlainAttrs, nn.Module):
                 self._no_room_deferred(failed)
 
     def _no_room_deferred(self, failed: int) -> None:
-        grown = not self._at_max()
+        # A deferred call stays within max_capacity rows: it found a bucket pair full.
+        target = self._more_slots() if self._at_max() else self._next_capacity()
         warnings.warn(
             f"veloce: a deferred insert found no room for {failed} new id(s) (size {self._size}, capacity "
             f"{self.capacity}): it changed nothing, so that step's lookups of this table read no rows and its "
-            f"gradient here was dropped. "
-            + (f"The table grows to {min(self.capacity * 2, self.max_capacity or self.capacity * 2)} slots now. "
-               if grown else "")
-            + "Turn deferred inserts off (DynamicEmbedding(defer_inserts=False)) for exact semantics.",
+            f"gradient here was dropped. The table grows to {target} slots now. Turn deferred inserts off "
+            f"(DynamicEmbedding(defer_inserts=False)) for exact semantics.",
             RuntimeWarning, stacklevel=3,
         )  # fmt: skip
-        if grown:
-            self.resize(self.capacity * 2)
+        self._rehash(target)
 
     def _find_or_insert_call(self, ids: torch.Tensor, padding_id: int | None,
                              bad_input: torch.Tensor | None = None):  # fmt: skip
@@ -464,11 +520,17 @@ class HashTable(PlainAttrs, nn.Module):
         (a retry passes ``bad_input`` again: it was false, or the first call had raised)."""
         def call(evict: bool):
             state = self._state(join=evict)
+            room = self._room()
             return insert_beside_updates([self], lambda: torch.ops.veloce.find_or_insert(
-                *state, *self._find_or_insert_args(ids, padding_id, evict), bad_input
+                *state, *self._find_or_insert_args(ids, padding_id, evict), bad_input, room=room
             ))  # fmt: skip
 
         return call
+
+    def _room(self) -> int:
+        """The ops' ``room``: the rows ``max_capacity`` leaves (how many new ids may take an
+        empty slot; the later ones evict or fail), or -1 without a bound."""
+        return -1 if self.max_capacity is None else max(0, self.max_capacity - self.size)
 
     def _find_or_insert_args(self, ids: torch.Tensor, padding_id: Optional[int], allow_evict: bool) -> tuple:
         init = self.initializer
@@ -490,9 +552,10 @@ class HashTable(PlainAttrs, nn.Module):
         try:
             return self._insert(
                 lambda allow_evict: torch.ops.veloce.insert_or_assign(
-                    *self._state(), ids, values, opt_values, score_values, self.score_policy, self.clock, allow_evict
+                    *self._state(), ids, values, opt_values, score_values, self.score_policy, self.clock, allow_evict,
+                    self._room(),
                 ),
-                evict=evict,
+                evict=evict, ids=ids,
             )
         finally:  # a failed insert queues its rollback too
             self._note_changed()
@@ -519,9 +582,10 @@ class HashTable(PlainAttrs, nn.Module):
             event.record(stream)
             self._changed = (event, stream)
 
-    def _insert(self, call, evict: bool = True, bad_input: torch.Tensor | None = None) -> torch.Tensor:
-        """Runs an inserting op ``call(allow_evict) -> (slots, counts, evicted)``; while it
-        reports no room (and changed nothing), grows the table and calls again.
+    def _insert(self, call, evict: bool = True, bad_input: torch.Tensor | None = None,
+                ids: torch.Tensor | None = None, padding_id: int | None = None) -> torch.Tensor:  # fmt: skip
+        """Runs an inserting op ``call(allow_evict) -> (slots, counts, evicted)`` of ``ids``;
+        while it reports no room (and changed nothing), grows the table and calls again.
         ``bad_input``: the flag the call passes to the op (see :meth:`_maybe_grow`)."""
         _ext.require()
         self._maybe_grow(bad_input)
@@ -530,7 +594,7 @@ class HashTable(PlainAttrs, nn.Module):
             inserted, failed = counts.tolist()  # a CPU tensor: no device sync
             if failed == 0:
                 break
-            self._no_room(failed, evict)
+            self._no_room(failed, ids, padding_id, evict)
         self._note_inserted(inserted, evicted)
         return slots
 
@@ -580,7 +644,22 @@ class HashTable(PlainAttrs, nn.Module):
 
     # ---- growth -----------------------------------------------------------------------
     def _at_max(self) -> bool:
-        return self.max_capacity is not None and self.capacity >= self.max_capacity
+        """Whether the slots reached the final size (:func:`final_capacity`): no more growth."""
+        return self._final_capacity is not None and self.capacity >= self._final_capacity
+
+    def _next_capacity(self) -> int:
+        """The slots of the next growth step: twice the slots, at most the final size."""
+        cap = self.capacity * 2
+        return cap if self._final_capacity is None else min(cap, self._final_capacity)
+
+    def _more_slots(self) -> int:
+        """The slots for a table at its final size whose bucket pair overflowed before its rows
+        reached max_capacity (two-choice placement; rare at :data:`FULL_LOAD`): an eighth
+        more, at least a bucket. max_capacity bounds the rows, not the slots."""
+        return self.capacity + _whole_buckets(self.capacity // 8)
+
+    def _grow(self) -> None:
+        self._rehash(self._next_capacity())
 
     def _maybe_grow(self, bad_input: torch.Tensor | None = None) -> None:
         # Grow ahead of time when the table is already past grow_at; inserts that still
@@ -588,39 +667,87 @@ class HashTable(PlainAttrs, nn.Module):
         # must not grow either: read the flag first (growth reads the device back anyway).
         if self.size > self.grow_at * self.capacity and not self._at_max():
             _refuse_if_set(bad_input)
-            self.resize(self.capacity * 2)
+            self._grow()
 
-    def _no_room(self, failed: int, evict: bool = True) -> None:
+    def _new_ids(self, ids: torch.Tensor, padding_id: int | None) -> int:
+        """How many distinct ids of ``ids`` (but ``padding_id``) the table does not hold."""
+        missing = ids[self.find(ids) < 0]
+        if padding_id is not None:
+            missing = missing[missing != padding_id]
+        return int(missing.unique().numel())
+
+    def _no_room(self, failed: int, ids: torch.Tensor | None = None, padding_id: int | None = None,
+                 evict: bool = True) -> None:  # fmt: skip
+        """After an insert of ``ids`` that found no room (and changed nothing): grows the
+        table, or raises :class:`TableFullError`."""
+        may_evict = evict and self.eviction != "none"
+        room = self._room()
+        # Without eviction the call fails once its new ids pass the rows left (the ops'
+        # room); else a bucket pair overflowed. Only a call of more ids than rows left can
+        # be the former: count its new ids then.
+        if not may_evict and room >= 0 and ids is not None and ids.numel() > room:
+            new = self._new_ids(ids, padding_id)
+            if new > room:
+                if self.eviction == "none":
+                    raise TableFullError(
+                        f"DynamicEmbedding table is full: it holds {self.size} rows of max_capacity "
+                        f"{self.max_capacity} and {new} new id(s) arrived, with eviction='none'. Raise max_capacity, "
+                        f"or set eviction='lru' or 'lfu' to evict cold rows. The table is unchanged."
+                    )
+                raise TableFullError(
+                    f"DynamicEmbedding table is full: {new} new id(s) being loaded do not fit the {room} row(s) "
+                    f"left of max_capacity {self.max_capacity} (size {self.size}); loading never evicts. Raise "
+                    f"max_capacity. The table is unchanged."
+                )
         if not self._at_max():
-            self.resize(self.capacity * 2)
+            self._grow()
             return
-        if self.eviction == "none":
+        if may_evict:  # each id past the room evicts: these found only rows the call touched
             raise TableFullError(
-                f"DynamicEmbedding table is full: {failed} new id(s) found no free slot at size {self.size} of "
-                f"max_capacity {self.max_capacity} (load factor {self.load_factor:.3f}) with eviction='none'. "
-                f"Raise max_capacity, or set eviction='lru' or 'lfu' to evict cold rows. The table is unchanged."
+                f"DynamicEmbedding table cannot hold this batch: {failed} new id(s) found only rows touched by the "
+                f"same batch to evict (size {self.size}, max_capacity {self.max_capacity}). The batch holds too "
+                f"many distinct ids for max_capacity; raise max_capacity. The table is unchanged."
             )
-        if not evict:
-            raise TableFullError(
-                f"DynamicEmbedding table is full: {failed} id(s) being loaded found no free slot at size "
-                f"{self.size} of max_capacity {self.max_capacity}; loading never evicts. Raise max_capacity. "
-                f"The table is unchanged."
+        self._rehash(self._more_slots())
+
+    def reserve(self, n: int) -> None:
+        """Pre-sizes the table for ``n`` rows in one rehash, so that inserting up to ``n``
+        rows never grows it (growing there from a small table rehashes every row at each
+        doubling, at about twice the memory of the rows at the last one). The slots hold
+        ``n`` rows at a load of ``min(grow_at, FULL_LOAD)`` at most, and at most the final
+        size (:func:`final_capacity`); a table that has as many slots already is left as
+        it is (reserve never shrinks).
+
+        Raises:
+            ValueError: ``n`` is not an int >= 0, or it is more than ``max_capacity``.
+        """
+        if not _is_int(n) or n < 0:
+            raise ValueError(f"reserve: n must be an int >= 0, got {n!r}")
+        if self.max_capacity is not None and n > self.max_capacity:
+            raise ValueError(
+                f"reserve: n ({n}) is more than max_capacity ({self.max_capacity}), the most rows this table holds; "
+                f"raise max_capacity or reserve at most {self.max_capacity}"
             )
-        raise TableFullError(
-            f"DynamicEmbedding table cannot hold this batch: {failed} new id(s) found only rows touched by the "
-            f"same batch to evict (size {self.size}, max_capacity {self.max_capacity}). The batch holds too many "
-            f"distinct ids for max_capacity; raise max_capacity. The table is unchanged."
-        )
+        target = _slots_for(n, min(self.grow_at, FULL_LOAD))
+        if self._final_capacity is not None:
+            target = min(target, self._final_capacity)
+        if target > self.capacity:
+            self._rehash(target)
 
     def resize(self, capacity: int) -> None:
-        """Rehashes every entry into a table of ``capacity`` slots (rounded; capped at
-        ``max_capacity``). Bumps :attr:`version`. If the entries cannot be placed (a bucket
-        overflows at ``max_capacity``, or memory runs out), it raises and the table is
-        unchanged."""
+        """Rehashes every entry into a table of ``capacity`` slots (rounded up to whole
+        32-slot buckets; at most the final size :func:`final_capacity` of ``max_capacity``).
+        Bumps :attr:`version`. A rehash whose two-choice placement overflows a bucket pair
+        (rare) takes an eighth more slots and places them again. If memory runs out, it
+        raises and the table is unchanged."""
+        new_cap = _whole_buckets(max(int(capacity), 1))
+        if self._final_capacity is not None:
+            new_cap = min(new_cap, max(self._final_capacity, self.capacity))
+        self._rehash(new_cap)
+
+    def _rehash(self, new_cap: int) -> None:
+        """:meth:`resize` to ``new_cap`` slots (whole buckets), whatever max_capacity says."""
         _ext.require()
-        new_cap = round_capacity(max(int(capacity), 1))
-        if self.max_capacity is not None:
-            new_cap = min(new_cap, self.max_capacity)
         entries = self.export()
         if entries["keys"].numel() > new_cap:
             raise ValueError(f"cannot resize to {new_cap} slots: the table holds {entries['keys'].numel()} entries")
@@ -636,12 +763,7 @@ class HashTable(PlainAttrs, nn.Module):
                 if int(counts[1]) == 0:
                     break
                 # Two-choice placement overflowed a bucket pair: rare; use more slots.
-                if self.max_capacity is not None and new_cap >= self.max_capacity:
-                    raise RuntimeError(
-                        f"rehash into max_capacity {self.max_capacity} slots overflowed a bucket; raise "
-                        f"max_capacity. The table is unchanged."
-                    )  # fmt: skip
-                new_cap *= 2
+                new_cap += _whole_buckets(new_cap // 8)
         except BaseException:
             self._restore(saved)
             raise
@@ -684,18 +806,19 @@ class HashTable(PlainAttrs, nn.Module):
                 f"optimizer_state must be (N, {self.state_dim}) for this table's optimizer, got {tuple(opt.shape)}"
             )
         if self.max_capacity is not None and n > self.max_capacity:
-            raise ValueError(f"{n} entries do not fit max_capacity {self.max_capacity}")
+            raise ValueError(f"{n} entries do not fit max_capacity {self.max_capacity} (the most rows of this table)")
         distinct, counts = keys.unique(return_counts=True)
         if distinct.numel() != n:
             dup = int(distinct[counts > 1][0])
             raise ValueError(f"keys hold {n - distinct.numel()} repeated id(s) (id {dup} is one): each id must appear once")
         self.settle(refusals=False)  # the contents are replaced: a refused call (it changed nothing) is forgotten
-        cap = self.capacity
-        while n > self.grow_at * cap and (self.max_capacity is None or cap < self.max_capacity):
-            cap *= 2
+        cap = self.capacity  # the slots that hold n rows without growth (as reserve(n) makes them)
+        if n > self.grow_at * cap and not self._at_max():
+            need = _slots_for(n, min(self.grow_at, FULL_LOAD))
+            cap = max(cap, need if self._final_capacity is None else min(need, self._final_capacity))
         dev = self.device
         saved = ({name: self._buffers[name] for name in _STATE_NAMES}, self.size, self.version)
-        self._allocate(cap if self.max_capacity is None else min(cap, self.max_capacity), self.weights.dtype, dev)
+        self._allocate(cap, self.weights.dtype, dev)
         self.size = 0
         self.version += 1
         try:
@@ -786,8 +909,10 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
         args = [t._find_or_insert_args(i, p, e) for t, i, p, e in zip(tables, ids, padding_ids, evict)]
         states = list(zip(*(t._state(join=e) for t, e in zip(tables, evict))))
         per_arg = [list(a) for a in zip(*args)]
+        rooms = [t._room() for t in tables]
+        room = None if all(r < 0 for r in rooms) else rooms
         slots, counts, evicted = insert_beside_updates(
-            tables, lambda: torch.ops.veloce.find_or_insert_many(*states, *per_arg, bad_input)
+            tables, lambda: torch.ops.veloce.find_or_insert_many(*states, *per_arg, bad_input, room=room)
         )
         out = list(slots.split([i.numel() for i in ids]))
         counts = counts.tolist()  # a CPU tensor: no device sync
@@ -801,8 +926,8 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
         for k, (t, (_, failed, _)) in enumerate(zip(tables, counts)):  # after every success is booked
             if failed == 0:
                 continue
-            t._no_room(failed)  # grows, or raises TableFullError; the table is unchanged either way
-            out[k] = t._insert(t._find_or_insert_call(ids[k], padding_ids[k]))
+            t._no_room(failed, ids[k], padding_ids[k])  # grows, or raises TableFullError; the table is unchanged
+            out[k] = t._insert(t._find_or_insert_call(ids[k], padding_ids[k]), ids=ids[k], padding_id=padding_ids[k])
             booked.add(id(t))
     return out
 

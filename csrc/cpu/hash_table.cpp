@@ -131,14 +131,15 @@ void find_all(const TableRef& t, const int64_t* ids, int64_t n, int64_t* slots, 
   });
 }
 
-// The eviction victim for a key whose buckets are both full: the lowest score among the
-// candidates not touched by this call, ties to the lowest slot of bucket_a, then bucket_b.
-int64_t eviction_victim(const Probe& p, const int64_t* scores, const SlotMap& touched) {
+// The eviction victim for a key that must evict (its buckets are both full, or the call's
+// room is used up): the lowest score among the occupied candidates not touched by this
+// call, ties to the lowest slot of bucket_a, then bucket_b; -1 when there is none.
+int64_t eviction_victim(const TableRef& t, const Probe& p, const int64_t* scores, const SlotMap& touched) {
   int64_t best = -1;
   const int64_t buckets[2] = {p.bucket_a, p.bucket_b};
   for (int k = 0; k < (p.bucket_b == p.bucket_a ? 1 : 2); ++k) {
     for (int64_t s = buckets[k] * kBucketSize; s < (buckets[k] + 1) * kBucketSize; ++s) {
-      if (!touched.contains(s) && (best < 0 || scores[s] < scores[best])) best = s;
+      if (t.digests[s] != kEmptyDigest && !touched.contains(s) && (best < 0 || scores[s] < scores[best])) best = s;
     }
   }
   return best;
@@ -147,8 +148,14 @@ int64_t eviction_victim(const Probe& p, const int64_t* scores, const SlotMap& to
 // Phase 2: inserts the ids at positions marked kMissing, in order of first occurrence,
 // and fills in their slots. Writes only keys and digests; if any id finds no room, every
 // change is undone and the slots are all set to -1.
+//
+// room (>= 0, or kNoRoomLimit): how many new ids may take an empty slot (the rows a table
+// bounded by max_capacity has left). The first `room` new ids take an empty slot of their
+// buckets (or, with allow_evict, evict when both are full); the later ones must evict
+// (allow_evict) or fail. A call without allow_evict whose new ids pass the room fails with
+// num_failed = new ids - room (the count the CUDA kernels know before placing any).
 InsertOutcome insert_missing(const TableRef& t, const int64_t* scores, const int64_t* ids, int64_t n,
-                             int64_t* slots, bool allow_evict) {
+                             int64_t* slots, bool allow_evict, int64_t room) {
   InsertOutcome out;
   std::unique_ptr<SlotMap> touched;  // slots found or inserted by this call; built on the first eviction
   std::vector<int64_t> failed;
@@ -162,6 +169,7 @@ InsertOutcome insert_missing(const TableRef& t, const int64_t* scores, const int
   });
   const int64_t num_todo = static_cast<int64_t>(todo.size());
   out.changes.reserve(todo.size());
+  int64_t claimed = 0;  // new ids placed in an empty slot: the room they used
   for (int64_t j = 0; j < num_todo; ++j) {
     // Prefetch ahead: the digests 16 ids on, and the likely key slot 8 ids on.
     if (j + 16 < num_todo) {
@@ -176,7 +184,8 @@ InsertOutcome insert_missing(const TableRef& t, const int64_t* scores, const int
     const Probe& p = probes[j];
     int64_t s = find_slot(t, p, id);  // an earlier position may have inserted it
     if (s < 0) {
-      s = insert_slot(t, p);
+      const bool may_claim = room == kNoRoomLimit || claimed < room;
+      s = may_claim ? insert_slot(t, p) : -1;
       if (s < 0 && allow_evict) {
         if (!touched) {
           touched = std::make_unique<SlotMap>(n);
@@ -184,13 +193,14 @@ InsertOutcome insert_missing(const TableRef& t, const int64_t* scores, const int
             if (slots[j] >= 0) (*touched)[slots[j]];
           }
         }
-        s = eviction_victim(p, scores, *touched);
+        s = eviction_victim(t, p, scores, *touched);
       }
       if (s < 0) {
         failed.push_back(id);
         slots[i] = kPaddingSlot;
         continue;
       }
+      if (t.digests[s] == kEmptyDigest) ++claimed;
       out.changes.push_back({s, id, t.keys[s], t.digests[s]});
       t.keys[s] = id;
       t.digests[s] = p.digest;
@@ -201,6 +211,9 @@ InsertOutcome insert_missing(const TableRef& t, const int64_t* scores, const int
   if (!failed.empty()) {
     std::sort(failed.begin(), failed.end());
     out.num_failed = std::unique(failed.begin(), failed.end()) - failed.begin();
+    // Every distinct new id was placed once or failed: their number is the call's new ids.
+    const int64_t fresh = static_cast<int64_t>(out.changes.size()) + out.num_failed;
+    if (!allow_evict && room != kNoRoomLimit && fresh > room) out.num_failed = fresh - room;
     for (auto c = out.changes.rbegin(); c != out.changes.rend(); ++c) {
       t.keys[c->slot] = c->old_key;
       t.digests[c->slot] = c->old_digest;
@@ -280,7 +293,7 @@ at::Tensor find_cpu(const at::Tensor& keys, const at::Tensor& digests, const at:
 std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_checked(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids_in, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
-    int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id) {
+    int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id, int64_t room) {
   const at::Tensor ids = ids_in.contiguous();
   const int64_t n = ids.numel();
   const TableRef t = table_ref(keys, digests);
@@ -290,7 +303,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_checked(
   int64_t* score = scores.data_ptr<int64_t>();
 
   find_all(t, id, n, slot, kMissing, padding_id);
-  const InsertOutcome r = insert_missing(t, score, id, n, slot, allow_evict);
+  const InsertOutcome r = insert_missing(t, score, id, n, slot, allow_evict, room);
   if (r.num_failed > 0) return insert_result(slots, r, keys);
 
   const int64_t dim = weights.size(1);
@@ -331,18 +344,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cpu(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id,
-    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock) {
+    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock, int64_t room) {
   constexpr const char* op = "veloce::find_or_insert";
   check_insert_args(op, keys, digests, scores, weights, opt_state, ids, score_policy);
   check_init(op, init_kind, init_a, init_b);
   check_bad_input(op, bad_input, keys);
   check_defer(op, defer, allow_evict);
+  check_room(op, room, defer);
   check_clock(op, clock, 1, keys);
   // The CPU computes counts where it runs: defer changes only how a refusal is reported.
   if (refused_cpu(op, bad_input, defer)) return refused_result(ids, keys);
   return find_or_insert_checked(keys, digests, scores, weights, opt_state, ids, score_policy,
                                 clock ? clock->data_ptr<int64_t>()[0] : score_value, allow_evict, seed, init_kind,
-                                init_a, init_b, padding_id);
+                                init_a, init_b, padding_id, room);
 }
 
 // Each table in turn (the CPU has no syncs to share), every table's arguments (and
@@ -352,12 +366,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cpu(
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
     at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
-    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock) {
+    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock,
+    at::OptionalIntArrayRef room) {
   constexpr const char* op = "veloce::find_or_insert_many";
   const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
                                                    score_value, allow_evict, seed, init_kind, init_a, init_b,
                                                    padding_id, bad_input);
   for (int64_t k = 0; k < K; ++k) check_defer(op, defer, allow_evict.get(k), k);
+  check_room_many(op, room, K, defer);
   if (K > 0) check_clock(op, clock, K, keys[0]);
   const at::Tensor clock_values = clock && K > 0 ? clock->contiguous() : at::Tensor();
   const int64_t* clocks = clock_values.defined() ? clock_values.data_ptr<int64_t>() : nullptr;
@@ -370,7 +386,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cpu(
                                 : find_or_insert_checked(ks, ds, ss, ws, os, ids[k], score_policy[k],
                                                          clocks != nullptr ? clocks[k] : score_value[k],
                                                          allow_evict.get(k), seed[k], init_kind[k], init_a[k],
-                                                         init_b[k], padding_id.get(k)));
+                                                         init_b[k], padding_id.get(k),
+                                                         room ? (*room)[k] : kNoRoomLimit));
     slots.push_back(std::get<0>(per_table.back()));
   }
   return many_result(at::cat(slots), per_table);
@@ -384,9 +401,11 @@ inline void copy_row(char* dst, int64_t to, const char* src, int64_t from, int64
 std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cpu(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids_in, const at::Tensor& values_in, const std::optional<at::Tensor>& opt_values_in,
-    const std::optional<at::Tensor>& score_values_in, int64_t score_policy, int64_t score_value, bool allow_evict) {
+    const std::optional<at::Tensor>& score_values_in, int64_t score_policy, int64_t score_value, bool allow_evict,
+    int64_t room) {
   constexpr const char* op = "veloce::insert_or_assign";
   check_insert_args(op, keys, digests, scores, weights, opt_state, ids_in, score_policy);
+  check_room(op, room, false);
   const at::Tensor ids = ids_in.contiguous();
   const int64_t n = ids.numel();
   check_assign_values(op, keys, weights, opt_state, n, values_in, opt_values_in, score_values_in);
@@ -400,7 +419,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cpu(
   int64_t* slot = slots.data_ptr<int64_t>();
   int64_t* score = scores.data_ptr<int64_t>();
   find_all(t, id, n, slot, kMissing, std::nullopt);
-  const InsertOutcome r = insert_missing(t, score, id, n, slot, allow_evict);
+  const InsertOutcome r = insert_missing(t, score, id, n, slot, allow_evict, room);
   if (r.num_failed > 0) return insert_result(slots, r, keys);
 
   // The last position of each slot wins.

@@ -514,6 +514,7 @@ struct InsertTable {
   int64_t score_policy = kScoreNone, score_value = 0;
   const int64_t* clock = nullptr;  // find_or_insert's clock (device memory): replaces score_value
   bool allow_evict = false;
+  int64_t room = kNoRoomLimit;      // new ids that may take an empty slot
   int64_t seed = 0, init_kind = 0;  // find_or_insert's initializer
   double init_a = 0, init_b = 0;
   std::optional<int64_t> padding_id;
@@ -730,6 +731,7 @@ class Inserter {
       c.last_pos = with_last ? plain.ptr<int32_t>(o.last) : nullptr;
       c.occurrences = with_last ? plain.ptr<int32_t>(o.occ) : nullptr;
       c.allow_evict = t.allow_evict;
+      c.room = t.room;
       c.score_policy = t.score_policy;
       c.score_value = t.score_value;
       c.clock = t.score_policy == kScoreLRU ? t.clock : nullptr;
@@ -777,11 +779,22 @@ class Inserter {
       call.stages = 0;
       t.inserted = c[counter::kNew];
       if (t.inserted == 0) continue;
+      // More new ids than the room: without eviction the call fails at this sync (nothing written
+      // yet), with the CPU kernel's count; with it, a room of 0 makes every new id evict
+      // (claim_kernel queues them all), and a larger one places every new id in order
+      // (classify_kernel made them all conflicted): the first `room` take empty slots.
+      const bool over = t.room != kNoRoomLimit && t.inserted > t.room;
+      if (over && !t.allow_evict) {
+        t.failed = t.inserted - t.room;
+        t.inserted = 0;
+        continue;
+      }
+      const bool in_order = over && t.room > 0;
       t.conflicted = c[counter::kConflicted];
       t.full = c[counter::kFull];
       // Each new id alone in its buckets, or every conflicted one sure of an empty slot:
       // classify_kernel decided every id's fate, and only unconflicted ids can fail or evict.
-      const bool decided = t.conflicted == 0 || c[counter::kUnsafe] == 0;
+      const bool decided = !in_order && (t.conflicted == 0 || c[counter::kUnsafe] == 0);
       if (decided) {
         t.failed = t.allow_evict ? c[counter::kDoomed] : t.full;
         if (t.failed > 0) {  // nothing written yet: no rollback
@@ -791,7 +804,7 @@ class Inserter {
       }
       // Deterministic mode (torch.use_deterministic_algorithms) always places conflicting ids
       // in order, whatever their number, so placement (and hence eviction) repeats exactly.
-      const bool seq = t.conflicted > 0 && (t.conflicted <= kSequentialMax ||
+      const bool seq = t.conflicted > 0 && (in_order || t.conflicted <= kSequentialMax ||
                                             at::globalContext().deterministicAlgorithms());
       call.stages = kStageClaim;
       call.claim_skip = seq ? call.conflicted : nullptr;
@@ -1132,13 +1145,14 @@ InsertTable find_or_insert_table(const std::string& op, const at::Tensor& keys, 
                                  const at::Tensor& scores, const at::Tensor& weights, const at::Tensor& opt_state,
                                  const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict,
                                  int64_t seed, int64_t init_kind, double init_a, double init_b,
-                                 std::optional<int64_t> padding_id, at::Tensor slots) {
+                                 std::optional<int64_t> padding_id, int64_t room, at::Tensor slots) {
   InsertTable t(keys, digests, scores, weights, opt_state,
                 check_insert_args_cuda(op.c_str(), keys, digests, scores, weights, opt_state, ids, score_policy));
   check_init(op.c_str(), init_kind, init_a, init_b);
   t.score_policy = score_policy;
   t.score_value = score_value;
   t.allow_evict = allow_evict;
+  t.room = room;
   t.seed = seed;
   t.init_kind = init_kind;
   t.init_a = init_a;
@@ -1166,14 +1180,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id,
-    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock) {
+    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock, int64_t room) {
   constexpr const char* op = "veloce::find_or_insert";
   // First: a CUDA flag beside a CPU table lands here, and its error should name bad_input.
   check_bad_input(op, bad_input, keys);
   std::vector<InsertTable> tables;
   tables.push_back(find_or_insert_table(op, keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
-                                        allow_evict, seed, init_kind, init_a, init_b, padding_id, at::Tensor()));
+                                        allow_evict, seed, init_kind, init_a, init_b, padding_id, room,
+                                        at::Tensor()));
   check_defer(op, defer, allow_evict);
+  check_room(op, room, defer);
   check_clock(op, clock, 1, keys);
   check_defer_cuda(op, defer);
   const at::Tensor clock_values = clock ? clock->contiguous() : at::Tensor();
@@ -1195,12 +1211,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
     at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
-    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock) {
+    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock,
+    at::OptionalIntArrayRef room) {
   constexpr const char* op = "veloce::find_or_insert_many";
   const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
                                                    score_value, allow_evict, seed, init_kind, init_a, init_b,
                                                    padding_id, bad_input);
   for (int64_t k = 0; k < K; ++k) check_defer(op, defer, allow_evict.get(k), k);
+  check_room_many(op, room, K, defer);
   check_defer_cuda(op, defer);
   int64_t total = 0;
   for (const at::Tensor& i : ids) total += i.numel();
@@ -1214,7 +1232,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
     tables.push_back(find_or_insert_table(table_op_name(op, k), keys[k], digests[k], scores[k], weights[k],
                                           opt_state[k], ids[k], score_policy[k], score_value[k], allow_evict.get(k),
                                           seed[k], init_kind[k], init_a[k], init_b[k], padding_id.get(k),
-                                          slots.narrow(0, start, ids[k].numel())));
+                                          room ? (*room)[k] : kNoRoomLimit, slots.narrow(0, start, ids[k].numel())));
     if (clock_values.defined()) tables.back().clock = clock_values.data_ptr<int64_t>() + k;
   }
   const c10::cuda::CUDAGuard guard(keys[0].device());
@@ -1238,8 +1256,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids_in, const at::Tensor& values_in, const std::optional<at::Tensor>& opt_values_in,
-    const std::optional<at::Tensor>& score_values_in, int64_t score_policy, int64_t score_value, bool allow_evict) {
+    const std::optional<at::Tensor>& score_values_in, int64_t score_policy, int64_t score_value, bool allow_evict,
+    int64_t room) {
   constexpr const char* op = "veloce::insert_or_assign";
+  check_room(op, room, false);
   std::vector<InsertTable> tables;
   InsertTable& t = tables.emplace_back(
       keys, digests, scores, weights, opt_state,
@@ -1251,6 +1271,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
   t.score_policy = score_policy;
   t.score_value = score_value;
   t.allow_evict = allow_evict;
+  t.room = room;
   const c10::cuda::CUDAGuard guard(keys.device());
   t.slots = at::empty_like(t.ids);
   Inserter(op, Mode::kAssign, tables).run(std::nullopt);

@@ -165,6 +165,7 @@ struct TableCall {
   const int64_t* order;      // sequential placement order (distinct ids), order_count of them
   int64_t order_count;
   int32_t allow_evict;
+  int64_t room;              // new ids that may take an empty slot (the op's room), or kNoRoomLimit
   int32_t gate;              // phase 5 of a settling table: write nothing if it failed (placement_failed)
   int32_t deferred;          // a deferred call (no host read): its outcome is decided on the device alone
   const int32_t* refused;    // deferred: the caller's bad_input flag (as int32, 0 when none was given)
@@ -293,8 +294,10 @@ __device__ __forceinline__ uint32_t digest_word(const BucketDigests& d, int w) {
 }
 
 // Phase 3a: each distinct id not in the table claims an empty slot by CAS on the digest
-// word; both buckets full -> queued in `overflow` (counted in counter kQueued). Ids flagged
-// in `claim_skip` are left to sequential_insert_kernel.
+// word; both buckets full, or a room of 0 (every new id evicts) -> queued in `overflow`
+// (counted in counter kQueued). Ids flagged in `claim_skip` are left to
+// sequential_insert_kernel. (A room between 0 and the new ids places them all there, in
+// order: Inserter::place.)
 template <class Calls>
 __global__ void claim_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageClaim);
@@ -310,7 +313,7 @@ __global__ void claim_kernel(const __grid_constant__ Calls calls) {
     const BucketDigests db = p.b != p.a ? load_bucket<true>(t.digests, p.b) : da;
     const uint32_t ea = empty_mask(da);
     const uint32_t eb = p.b != p.a ? empty_mask(db) : 0u;
-    if ((ea | eb) == 0) {
+    if ((ea | eb) == 0 || c->room == 0) {
       const int32_t q = aggregated_inc(c->ctr + counter::kQueued);
       c->overflow[q] = static_cast<int32_t>(k);
       c->overflow_key[q] = key;  // evict_kernel loads it beside k instead of after it
@@ -337,15 +340,18 @@ __global__ void claim_kernel(const __grid_constant__ Calls calls) {
   }
 }
 
-// The eviction victim of a key whose buckets are full: the lowest score among the
-// candidates not touched by this call, ties to the lowest slot of bucket_a, then
-// bucket_b; -1 when every candidate was touched.
-__device__ __forceinline__ int64_t eviction_victim(const Table& t, const DeviceProbe& p, const uint32_t* touched) {
+// The eviction victim of a key that must evict (its buckets are full, or the room is used
+// up): the lowest score among the occupied candidates (bits of occupied_a, occupied_b) not
+// touched by this call, ties to the lowest slot of bucket_a, then bucket_b; -1 when there
+// is none.
+__device__ __forceinline__ int64_t eviction_victim(const Table& t, const DeviceProbe& p, const uint32_t* touched,
+                                                   uint32_t occupied_a, uint32_t occupied_b) {
   int64_t best = -1;
   int64_t best_score = 0;
   for (int side = 0; side < (p.b != p.a ? 2 : 1); ++side) {
     const int64_t bucket = side == 0 ? p.a : p.b;
-    uint32_t free = ~*reinterpret_cast<const volatile uint32_t*>(touched + bucket);
+    const uint32_t occupied = side == 0 ? occupied_a : occupied_b;
+    uint32_t free = ~*reinterpret_cast<const volatile uint32_t*>(touched + bucket) & occupied;
     while (free != 0) {
       const int64_t s = bucket * kBucketSize + (__ffs(free) - 1);
       const int64_t sc = t.scores[s];
@@ -403,7 +409,9 @@ __device__ __forceinline__ EvictCandidates<Span> load_candidates(const Table& t,
 constexpr int32_t kNoCandidate = 64;
 
 // eviction_victim by a group of Lanes lanes (`mask`; each gets the same result): the
-// candidate order (0-63) of the least (score, candidate order) untouched candidate, each
+// candidate order (0-63) of the least (score, candidate order) occupied untouched candidate
+// (a queued id's buckets may hold empty slots when the room is used up; no slot turns
+// empty or occupied during evict_kernel, so the loaded digests tell), each
 // lane's least first, then a butterfly over the group; kNoCandidate when every candidate
 // was touched. Each lane judges its own candidates by its own reading of the touched
 // words: a bit set since another lane's reading only makes the claim fail and the group
@@ -421,8 +429,9 @@ __device__ __forceinline__ int32_t group_eviction_victim(const EvictCandidates<S
 #pragma unroll
     for (int i = 0; i < Span; ++i) {
       const int slot = lane * Span + i;
+      const bool occupied = ((w.digests[side] >> (8 * i)) & 0xffu) != kEmptyDigest;
       // In increasing candidate order, so a tie keeps the earlier (bucket_a's, lower) slot.
-      if (!((word[side] >> slot) & 1u) && (order == kNoCandidate || w.score[side][i] < score)) {
+      if (occupied && !((word[side] >> slot) & 1u) && (order == kNoCandidate || w.score[side][i] < score)) {
         score = w.score[side][i];
         order = side * kBucketSize + slot;
       }
@@ -535,9 +544,9 @@ __global__ void bucket_use_kernel(const __grid_constant__ Calls calls) {
 // conflicted[k]: new id k shares a bucket with another new id. An unconflicted new id is
 // alone in its buckets for the whole call (claims, evictions and sequential inserts write
 // digests, keys and touched bits only in the writer's own buckets), so its fate is decided
-// now: both buckets full -> claim_kernel queues it (kFull), and with eviction (touched
-// given) every candidate already touched -> evict_kernel fails it (kDoomed); else it
-// is placed.
+// now: both buckets full, or a room of 0 -> claim_kernel queues it (kFull), and with
+// eviction (touched given) no occupied candidate left untouched -> evict_kernel fails it
+// (kDoomed); else it is placed.
 //
 // A conflicted id is counted kUnsafe when each of its buckets has fewer empty slots than
 // new ids that may write there (use). Where none is, every conflicted id finds an empty
@@ -545,6 +554,12 @@ __global__ void bucket_use_kernel(const __grid_constant__ Calls calls) {
 // replaces a key), so when this id looks, at most use - 1 of them took one, and its safe
 // bucket keeps an empty slot. Then no conflicted id is queued, evicts or fails, and the
 // call's outcome is known from these counters alone (no sync c).
+//
+// A room (TableCall::room) smaller than the new ids (kNew, counted by the launch before):
+// with a room of 0 every new id evicts, and a conflicted one is unsafe (which candidates
+// the others leave it is known after placement only); with a room in between, every new
+// id is made conflicted and unsafe, and one thread places them in order of first
+// occurrence (Inserter::place), the first `room` in empty slots, the later ones evicting.
 template <class Calls>
 __global__ void classify_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageClassify);
@@ -553,19 +568,27 @@ __global__ void classify_kernel(const __grid_constant__ Calls calls) {
   const Table t = c->t;
   bool conflict = false, unsafe = false;
   if (c->u.slot[k] < 0) {
+    const int64_t room = c->room;
+    const bool over = room != kNoRoomLimit && c->ctr[counter::kNew] > room;
     const DeviceProbe p = device_probe(c->u.id[k], t.num_buckets);
     const int32_t use_a = c->use[p.a], use_b = c->use[p.b];
-    conflict = use_a > 1 || use_b > 1;
+    conflict = use_a > 1 || use_b > 1 || (over && room > 0);
     // No digest changes during this kernel, so the read-only path is safe.
     // Bucket b is loaded only when bucket a does not settle the question.
-    const int free_a = __popc(empty_mask(load_bucket<false>(t.digests, p.a)));
-    auto free_b = [&] { return __popc(empty_mask(load_bucket<false>(t.digests, p.b))); };
+    const uint32_t empty_a = empty_mask(load_bucket<false>(t.digests, p.a));
+    const int free_a = __popc(empty_a);
+    auto empty_b = [&] { return empty_mask(load_bucket<false>(t.digests, p.b)); };
     if (conflict) {
-      unsafe = free_a < use_a && (p.b == p.a || free_b() < use_b);
-    } else if (free_a == 0 && (p.b == p.a || free_b() == 0)) {
+      unsafe = over || (free_a < use_a && (p.b == p.a || __popc(empty_b()) < use_b));
+    } else if (room == 0 || (free_a == 0 && (p.b == p.a || empty_b() == 0))) {
       aggregated_inc(c->ctr + counter::kFull);
       const uint32_t* touched = c->touched;
-      if (touched != nullptr && touched[p.a] == ~0u && touched[p.b] == ~0u) aggregated_inc(c->ctr + counter::kDoomed);
+      if (touched != nullptr) {
+        // Its candidates: the occupied slots of its buckets that this call did not touch.
+        const uint32_t open_a = ~touched[p.a] & ~empty_a;
+        const uint32_t open_b = p.b != p.a ? ~touched[p.b] & ~empty_b() : 0u;
+        if ((open_a | open_b) == 0) aggregated_inc(c->ctr + counter::kDoomed);
+      }
     }
   }
   c->conflicted[k] = conflict;
@@ -593,7 +616,10 @@ __global__ void order_flags_kernel(const __grid_constant__ Calls calls) {
 }
 
 // The conflicted new ids of each table, one thread per table, in order of first occurrence:
-// the CPU kernel's sequential logic step for step (they share buckets only among themselves).
+// the CPU kernel's sequential logic step for step (they share buckets only among themselves),
+// its room too: `claimed` counts the ids placed in an empty slot, which with a room smaller
+// than the new ids are all of them (every new id is conflicted then: classify_kernel), and
+// with a larger one never reaches it.
 template <class Calls>
 __global__ void sequential_insert_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageSequential);
@@ -602,6 +628,7 @@ __global__ void sequential_insert_kernel(const __grid_constant__ Calls calls) {
   const Uniques u = c->u;
   int32_t* const ctr = c->ctr;
   uint32_t* const touched = c->touched;
+  int64_t claimed = 0;
   for (int64_t j = 0; j < c->order_count; ++j) {
     const int64_t k = c->order[j];
     const int64_t key = u.id[k];
@@ -611,11 +638,13 @@ __global__ void sequential_insert_kernel(const __grid_constant__ Calls calls) {
     const uint32_t ea = empty_mask(da);
     const uint32_t eb = p.b != p.a ? empty_mask(db) : 0u;
     int64_t s = -1;
-    if ((ea | eb) != 0) {
+    const bool may_claim = c->room == kNoRoomLimit || claimed < c->room;
+    if (may_claim && (ea | eb) != 0) {
       const bool use_a = __popc(ea) >= __popc(eb);
       s = (use_a ? p.a : p.b) * kBucketSize + (__ffs(use_a ? ea : eb) - 1);
+      ++claimed;
     } else if (c->allow_evict) {
-      s = eviction_victim(t, p, touched);
+      s = eviction_victim(t, p, touched, ~ea, p.b != p.a ? ~empty_mask(db) : 0u);
     }
     if (s < 0) {
       u.state[k] = kFailed;

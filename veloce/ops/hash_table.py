@@ -1,6 +1,7 @@
 """Typed wrappers and fake kernels for the hash_table ops (``csrc/cpu/hash_table.cpp``).
 
-A table is a set of tensors of ``C = num_buckets * 32`` slots (docs/ops.md, "Table layout"):
+A table is a set of tensors of ``C = num_buckets * 32`` slots, any ``num_buckets`` from 1 to
+2^32 (docs/ops.md, "Table layout"):
 
 Shape:
     - keys: (C,) int64, the id stored in each slot.
@@ -84,6 +85,7 @@ def find_or_insert(
     bad_input: Tensor | None = None,
     defer: bool = False,
     clock: Tensor | None = None,
+    room: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Looks ids up, inserting the missing ones; mutates the table tensors in place.
 
@@ -119,6 +121,12 @@ def find_or_insert(
             ``score_value``, read on the device (on CUDA by the kernels, no host read): a
             call captured in a CUDA graph stamps the value the tensor holds when the graph
             is replayed. Its value is checked on no backend (any int64 is a score).
+        room: how many new ids may take an empty slot (the rows left to a table bounded
+            by ``max_capacity``), or -1 for no limit. In order of first occurrence, the
+            first ``room`` new ids take empty slots (an id whose two buckets are full
+            evicts, with ``allow_evict``); each later one evicts the lowest-scored occupied
+            key of its buckets that the call did not touch (``allow_evict``), else the call
+            fails and changes nothing, with ``num_failed = new ids - room``. -1 with ``defer``.
 
     Returns:
         ``(slots, counts, evicted_keys)``: slots (N,) int64; counts (2,) int64 on the CPU
@@ -139,7 +147,7 @@ def find_or_insert(
     _ext.require()
     return torch.ops.veloce.find_or_insert(
         keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict,
-        seed, init_kind, init_a, init_b, padding_id, bad_input, defer, clock,
+        seed, init_kind, init_a, init_b, padding_id, bad_input, defer, clock, room,
     )
 
 
@@ -157,6 +165,7 @@ def find_or_insert_many(
     bad_input: Tensor | None = None,
     defer: bool = False,
     clock: Tensor | None = None,
+    room: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`find_or_insert` on K tables in one op: entry k of every argument is table k's.
 
@@ -178,6 +187,7 @@ def find_or_insert_many(
             device (a set ``bad_input`` gives every table ``num_failed = -1``; evicted 0).
         clock: as for :func:`find_or_insert`, (K,) int64: ``clock[k]`` replaces
             ``score_value[k]``.
+        room: K values as for :func:`find_or_insert`, or None (no limit for any table).
 
     Returns:
         ``(slots, counts, evicted_keys)``, each table's results concatenated in table order
@@ -204,6 +214,7 @@ def find_or_insert_many(
     return torch.ops.veloce.find_or_insert_many(
         *cols, list(ids), list(score_policy), list(score_value), list(allow_evict), list(seed), list(init_kind),
         list(init_a), list(init_b), list(padding_id), bad_input, defer, clock,
+        None if room is None else list(room),
     )  # fmt: skip
 
 
@@ -220,6 +231,7 @@ def insert_or_assign(
     score_policy: int = SCORE_NONE,
     score_value: int = 0,
     allow_evict: bool = False,
+    room: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Writes rows for ids, inserting the missing ones; mutates the table tensors in place.
 
@@ -232,7 +244,7 @@ def insert_or_assign(
         values: (N, D) rows, same dtype as weights.
         opt_values: optional (N, S) optimizer state, same dtype as opt_state.
         score_values: optional (N,) int64 scores.
-        score_policy, score_value, allow_evict: as in :func:`find_or_insert`.
+        score_policy, score_value, allow_evict, room: as in :func:`find_or_insert`.
 
     Returns:
         ``(slots, counts, evicted_keys)`` as in :func:`find_or_insert`.
@@ -244,7 +256,7 @@ def insert_or_assign(
     _ext.require()
     return torch.ops.veloce.insert_or_assign(
         keys, digests, scores, weights, opt_state, ids, values, opt_values, score_values,
-        score_policy, score_value, allow_evict,
+        score_policy, score_value, allow_evict, room,
     )
 
 
@@ -353,14 +365,14 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("veloce::find_or_insert")
     def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
-          init_kind, init_a, init_b, padding_id=None, bad_input=None, defer=False, clock=None):
+          init_kind, init_a, init_b, padding_id=None, bad_input=None, defer=False, clock=None, room=-1):
         _check_bad_input_fake("find_or_insert", keys, bad_input)
         _check_clock_fake("find_or_insert", keys, clock, 1)
         return _insert_fake("find_or_insert", keys, ids, defer)
 
     @torch.library.register_fake("veloce::find_or_insert_many")
     def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
-          init_kind, init_a, init_b, padding_id, bad_input=None, defer=False, clock=None):
+          init_kind, init_a, init_b, padding_id, bad_input=None, defer=False, clock=None, room=None):
         for k, i in zip(keys, ids):
             _check_table_fake("find_or_insert_many", k, i)
         if len(keys):
@@ -380,7 +392,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("veloce::insert_or_assign")
     def _(keys, digests, scores, weights, opt_state, ids, values, opt_values, score_values, score_policy,
-          score_value, allow_evict):
+          score_value, allow_evict, room=-1):
         return _insert_fake("insert_or_assign", keys, ids)
 
     @torch.library.register_fake("veloce::erase")

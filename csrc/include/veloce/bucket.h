@@ -23,7 +23,7 @@ static_assert(kBucketSize % 8 == 0, "a bucket is a whole number of 64-bit digest
 struct TableRef {
   int64_t* keys;      // (C,)
   uint8_t* digests;   // (C,), 0 = empty
-  int64_t num_buckets;  // C / kBucketSize, a power of two
+  int64_t num_buckets;  // C / kBucketSize
 };
 
 // Where a key may live.

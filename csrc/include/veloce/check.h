@@ -42,7 +42,7 @@ void check_distinct_tables(const char* op, at::TensorList keys);
 void check_int_arg(const char* op, const char* name, int64_t value, int64_t lo, int64_t hi, const char* meaning);
 
 // The table tensors: keys (C,) int64, digests (C,) uint8, scores (C,) int64, with C a
-// positive multiple of kBucketSize whose bucket count is a power of two.
+// positive multiple of kBucketSize of at most kMaxBuckets buckets.
 void check_table(const char* op, const at::Tensor& keys, const at::Tensor& digests, const at::Tensor& scores);
 void check_table_keys(const char* op, const at::Tensor& keys, const at::Tensor& digests);
 

@@ -38,6 +38,11 @@ void check_bad_input_unset(const char* op, bool set);
 // find_or_insert(_many) with defer: no table may evict (`table`: the table's number in a
 // _many op's message, or -1).
 void check_defer(const char* op, bool defer, bool allow_evict, int64_t table = -1);
+// room of an inserting op: kNoRoomLimit or >= 0, and kNoRoomLimit with defer (a deferred
+// call reads no count back, so the caller bounds its rows itself).
+void check_room(const char* op, int64_t room, bool defer, int64_t table = -1);
+// room of find_or_insert_many: none, or one value per table (each as check_room).
+void check_room_many(const char* op, at::OptionalIntArrayRef room, int64_t K, bool defer);
 // clock of find_or_insert(_many): (K,) int64 on keys' device, when given.
 void check_clock(const char* op, const std::optional<at::Tensor>& clock, int64_t K, const at::Tensor& keys);
 // lr_step's values read on the host ([lr, step]): the step a whole number, both checked as
