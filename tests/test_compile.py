@@ -251,6 +251,24 @@ def test_bad_offsets_in_a_compiled_forward_raise_the_eager_error():
     assert len(emb) == 0  # refused before anything was inserted
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_lookup_op_passes_opcheck(training):
+    from veloce.embedding import autograd_anchor
+
+    emb = table()
+    emb.train(training)
+    x, offsets, w = torch.randint(0, 50, (6,)), torch.tensor([0, 2]), torch.rand(6, requires_grad=True)
+    args = (autograd_anchor(x.device), [x], [offsets], [w], [True], [True], [emb._handle], [8], [0], [training],
+            [False], True, False)  # fmt: skip
+    torch.library.opcheck(torch.ops.veloce.lookup.default, args)
+
+
+def test_compiled_forward_of_3d_input_raises_the_eager_error():
+    emb = table()
+    with pytest.raises(ValueError, match="must be 1-D"):
+        torch.compile(emb)(torch.zeros(2, 2, 2, dtype=torch.long))
+
+
 # ---- torch.export --------------------------------------------------------------------------
 @pytest.mark.parametrize("unknown", ["init", "zeros"])
 def test_torch_export_of_an_eval_model_matches_eager(unknown):

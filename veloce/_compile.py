@@ -144,8 +144,9 @@ def _args(x: Any) -> tuple:
 
 
 def _opaque(modules: Sequence[Any], args: Sequence[tuple]) -> bool:
-    """Whether the op serves these lookups: local tables, tensor arguments (anything else
-    runs eagerly, which raises the eager path's own error for bad arguments)."""
+    """Whether the op serves these lookups: local tables, tensor arguments of nn.EmbeddingBag's
+    shapes (anything else runs eagerly, which raises the eager path's own error for bad
+    arguments)."""
     from veloce.embedding import DynamicEmbedding  # embedding imports this module
 
     if not modules or len(modules) != len(args):
@@ -153,7 +154,11 @@ def _opaque(modules: Sequence[Any], args: Sequence[tuple]) -> bool:
     for m, a in zip(modules, args):
         if not isinstance(m, DynamicEmbedding) or m._shard is not None or len(a) != 3:
             return False
-        if not isinstance(a[0], torch.Tensor) or any(t is not None and not isinstance(t, torch.Tensor) for t in a[1:]):
+        x, offsets, psw = a
+        if not isinstance(x, torch.Tensor) or any(t is not None and not isinstance(t, torch.Tensor) for t in a[1:]):
+            return False
+        # The shapes the fake kernel reads: 2-D bags, or 1-D ids with 1-D offsets (the values are the op's to check).
+        if not (x.dim() == 2 and offsets is None or x.dim() == 1 and offsets is not None and offsets.dim() == 1):
             return False
     return True
 
@@ -170,8 +175,8 @@ def _make_eager() -> bool:
     time rather than tracing it (like :func:`_anchor`): the wrapper cannot be made in traced
     code, nor at import (``torch.compiler.disable`` imports dynamo)."""
     if "fn" not in _EAGER:
-        reason = ("veloce: lookups of tables sharded by HybridParallel (or of arguments that are not tensors) run "
-                  "eagerly; DynamicEmbedding lookups of local tables are one op in the graph")  # fmt: skip
+        reason = ("veloce: lookups of tables sharded by HybridParallel run eagerly (and lookups of arguments "
+                  "unlike nn.EmbeddingBag's, which raise there); lookups of local tables are one op in the graph")  # fmt: skip
         kw = {"reason": reason} if "reason" in inspect.signature(torch.compiler.disable).parameters else {}
         _EAGER["fn"] = torch.compiler.disable(_run_eagerly, **kw)
     return True
