@@ -15,7 +15,7 @@ from typing import Any, Callable, NamedTuple, NoReturn, Optional, Sequence, Type
 import torch
 from torch import nn
 
-from veloce import _capture, _ext
+from veloce import _capture, _compile, _ext
 from veloce._device import HostCopy, host_tensor
 from veloce._update_stream import run_update
 from veloce import init as _init
@@ -253,6 +253,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         # Row-wise sharding across ranks (set by veloce.distributed.HybridParallel).
         self._shard: Optional[Any] = None
         _LIVE.add(self)
+        self._handle = _compile.register(self)  # how a compiled graph's lookup op finds this module
 
     # Bookkeeping set on every training step (see PlainAttrs).
     _PLAIN_ATTRS = frozenset({"_steps", "_verdict", "_nonfinite_error", "_pending", "_last_lr", "_had_backward",
@@ -410,6 +411,8 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         state.setdefault("_unapplied_since", None)
         super().__setstate__(state)
         _LIVE.add(self)
+        # A copy is another module: a compiled graph of the original must not look it up.
+        self._handle = _compile.register(self)
 
     def _settle_check(self) -> None:
         """Reads the last step's unread "raise_next" check, if any (see _DeferredCheck)."""
@@ -430,6 +433,8 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         per_sample_weights: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Pooled embeddings of ``input`` bags; see the class docstring for shapes."""
+        if _compile.is_compiling():  # one opaque op in the graph (veloce._compile)
+            return _compile.lookup([self], [(input, offsets, per_sample_weights)], many=False)[0]
         _ext.require()
         training = training_lookup(self)
         if self._shard is not None:
@@ -1342,6 +1347,8 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
     Returns:
         One pooled ``(B, D)`` tensor per table.
     """
+    if _compile.is_compiling():  # one opaque op in the graph (veloce._compile)
+        return _compile.lookup(tables, inputs, many=True)
     args, groups, local = _lookup_groups(tables, inputs, "lookup_many")
     out: list[Optional[torch.Tensor]] = [None] * len(tables)
     aranges: dict = {}  # the offsets of 2-D inputs, shared by the tables (see _bags)
@@ -1720,13 +1727,7 @@ class _SparseLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, modules, ids, slots, offsets, *psws):  # type: ignore[override]
         ctx.set_materialize_grads(False)  # None stays None: an unused output sends no gradient
-        ctx.argmax = None
-        if any(m.mode == "max" for m in modules):
-            outs, ctx.argmax = _lookups_with_max(modules, slots, offsets, psws)
-        else:
-            outs = pooled_lookup_kernels([m.table.weights for m in modules], slots, offsets, psws,
-                                         [_MODES[m.mode] for m in modules], [m.include_last_offset for m in modules],
-                                         [None] * len(modules))  # fmt: skip
+        outs, ctx.argmax = _pooled(modules, slots, offsets, psws)
         ctx.modules = modules
         ctx.versions = [m.table.version for m in modules]
         ctx.save_for_backward(*ids, *slots, *offsets, *psws)
@@ -1744,31 +1745,17 @@ class _SparseLookup(torch.autograd.Function):
             if grad_out is None:
                 grad_psws.append(None)
                 continue
-            table = module.table
-            s = slots[j]
-            if ctx.versions[j] != table.version:  # the table grew or evicted since forward
-                s = _reresolve(table, ids[j], s)
-            ilo = module.include_last_offset
-            if trains and ctx.argmax is not None and ctx.argmax[j] is not None:
-                # max: each column's gradient goes to its bag's argmax position, one bag per position
-                grad_rows = max_pool_position_grad(grad_out, ctx.argmax[j], offsets[j], s.numel(), ilo)
-                positions = torch.arange(s.numel(), device=s.device)
-                module._accumulate(_Pending(ids[j], s, positions, None, grad_rows, _MODES["sum"], False, table.version))
-            elif trains:
-                module._accumulate(
-                    _Pending(ids[j], s, offsets[j], psws[j], grad_out, _MODES[module.mode], ilo, table.version)
-                )
-            grad_psw = None
-            if psws[j] is not None and ctx.needs_input_grad[5 + j]:
-                grad_psw = _psw_grad(table.weights, s, offsets[j], grad_out, ilo)
-            grad_psws.append(grad_psw)
+            grad_psws.append(_table_backward(module, ids[j], slots[j], offsets[j], psws[j], grad_out,
+                                             ctx.versions[j], trains, ctx.needs_input_grad[5 + j],
+                                             ctx.argmax[j]))  # fmt: skip
         return (None, None, None, None, None, *grad_psws)
 
 
-def _lookups_with_max(modules, slots, offsets, psws) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
-    """The training lookups of :class:`_SparseLookup` when some tables pool by max: those
-    by :func:`max_pool` (with each column's argmax position, for the backward), the others
-    by the kernels. Returns the outputs and, per table, its argmax (None for sum / mean)."""
+def _pooled(modules: Sequence["DynamicEmbedding"], slots: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor],
+            psws: Sequence[Optional[torch.Tensor]]) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:  # fmt: skip
+    """The pooled rows of the training lookups of ``modules`` at ``slots`` (no autograd),
+    and per table the argmax positions its backward needs (:func:`max_pool`; None for sum
+    and mean). Sum and mean tables pool in one kernel launch, max tables by torch ops."""
     outs: list = [None] * len(modules)
     argmax: list = [None] * len(modules)
     rest = [k for k, m in enumerate(modules) if m.mode != "max"]
@@ -1783,6 +1770,31 @@ def _lookups_with_max(modules, slots, offsets, psws) -> tuple[list[torch.Tensor]
         if m.mode == "max":
             outs[k], argmax[k] = max_pool(m.table.weights, slots[k], offsets[k], m.include_last_offset)
     return outs, argmax
+
+
+def _table_backward(module: "DynamicEmbedding", ids: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
+                    psw: Optional[torch.Tensor], grad_out: torch.Tensor, version: int, trains: bool,
+                    psw_grad: bool, argmax: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:  # fmt: skip
+    """One table's part of a training lookup's backward: the pending gradient of its rows
+    (when the pass ``trains`` the tables), and the gradient of its per-sample weights (when
+    ``psw_grad``). ``slots`` were taken at table ``version``; ``grad_out`` is contiguous, in
+    the table's dtype. ``argmax``: a max table's argmax positions (:func:`_pooled`): each
+    column's gradient goes to its bag's argmax position, kept as a sum-mode gradient of one
+    bag per position. Shared by :class:`_SparseLookup` and the compiled lookup's backward op
+    (:mod:`veloce._compile`)."""
+    table = module.table
+    if version != table.version:  # the table grew or evicted since forward
+        slots = _reresolve(table, ids, slots)
+    ilo = module.include_last_offset
+    if trains and argmax is not None:
+        grad_rows = max_pool_position_grad(grad_out, argmax, offsets, slots.numel(), ilo)
+        positions = torch.arange(slots.numel(), device=slots.device)
+        module._accumulate(_Pending(ids, slots, positions, None, grad_rows, _MODES["sum"], False, table.version))
+    elif trains:
+        module._accumulate(_Pending(ids, slots, offsets, psw, grad_out, _MODES[module.mode], ilo, table.version))
+    if psw is None or not psw_grad:
+        return None
+    return _psw_grad(table.weights, slots, offsets, grad_out, ilo)
 
 
 _WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
@@ -1836,6 +1848,9 @@ def _train_lookups(modules: Sequence["DynamicEmbedding"], bags: Sequence[tuple],
     """The training lookups of distinct tables' validated ``bags`` (ids, offsets, psw), their
     ids inserted at ``slots``: one autograd node for all of them (:class:`_SparseLookup`)."""
     ids, offsets, psws = zip(*bags)
+    recorder = _compile.RECORDER
+    if recorder is not None:  # inside the compiled lookup's op, which is the autograd node itself
+        return recorder.record(modules, ids, slots, offsets, psws)
     return _SparseLookup.apply(autograd_anchor(ids[0].device), list(modules), ids, list(slots), offsets, *psws)
 
 

@@ -226,6 +226,11 @@ class HashTable(PlainAttrs, nn.Module):
     # waiting for the current stream; it must still come after such a change.
     _changed: Any = None
 
+    # The rows' dtype, kept beside the buffers as a plain attribute: a compiled graph reads this
+    # (veloce._compile), where reading the buffer's dtype would tie the graph to the buffer and
+    # recompile it whenever the table grows.
+    row_dtype: torch.dtype
+
     # ---- state ------------------------------------------------------------------------
     def _allocate(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         release_done()  # rows of deleted tables whose last update has run
@@ -245,6 +250,7 @@ class HashTable(PlainAttrs, nn.Module):
         }
         for name, (shape, dt) in shapes.items():
             self.register_buffer(name, empty_table(shape, dt, device), persistent=False)
+        self.row_dtype = dtype
         self._note_changed()  # the new buffers' fill, queued on the current stream
 
     # The state is read straight from the buffer dict: several times per table per step,
@@ -304,6 +310,7 @@ class HashTable(PlainAttrs, nn.Module):
         want = state_dtype(b["weights"].dtype)
         if b["opt_state"].dtype != want:
             b["opt_state"] = opt.to(device=b["weights"].device, dtype=want)
+        self.row_dtype = b["weights"].dtype
         return out
 
     def __getstate__(self) -> dict[str, Any]:
@@ -328,6 +335,7 @@ class HashTable(PlainAttrs, nn.Module):
         if "_final_capacity" not in state:  # pickled when max_capacity counted slots
             mc = state.get("max_capacity")
             state["_final_capacity"] = None if mc is None else final_capacity(mc)
+        state.setdefault("row_dtype", state["_buffers"]["weights"].dtype)
         super().__setstate__(state)
 
     @property
@@ -774,6 +782,7 @@ class HashTable(PlainAttrs, nn.Module):
         """Puts back the state buffers an allocation replaced (after a failed rehash or load)."""
         for name, t in buffers.items():
             self.register_buffer(name, t, persistent=False)
+        self.row_dtype = self._buffers["weights"].dtype
         self._note_changed()  # work on them may be queued on the current stream since
 
     # ---- serialization ----------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from veloce._compile import is_compiling
 from veloce.embedding import DynamicEmbedding, lookup_many, training_lookup
 from veloce.table import insert_beside_updates
 
@@ -94,10 +95,15 @@ def _columns(embeddings: nn.ModuleDict, sparse: torch.Tensor, model: str) -> tup
     if sparse.dtype != torch.int64:
         raise ValueError(f"{model}: sparse must be int64, got {sparse.dtype}")
     modules = list(embeddings.values())
-    tables = [m.table for m in modules if isinstance(m, DynamicEmbedding) and training_lookup(m)]
-    # (F, B): each feature's ids contiguous. Beside a sparse update still in flight, like the
-    # inserts that read it (a copy queued on the current stream would wait for the update).
-    cols = insert_beside_updates(tables, lambda: sparse.t().contiguous())
+    if is_compiling():
+        # (F, B) as a graph op: a graph must not read the tables' update state, which changes
+        # every step (a guard on it would recompile the graph).
+        cols = sparse.t().contiguous()
+    else:
+        tables = [m.table for m in modules if isinstance(m, DynamicEmbedding) and training_lookup(m)]
+        # (F, B): each feature's ids contiguous. Beside a sparse update still in flight, like the
+        # inserts that read it (a copy queued on the current stream would wait for the update).
+        cols = insert_beside_updates(tables, lambda: sparse.t().contiguous())
     return modules, list(cols.unsqueeze(2).unbind(0))  # one op for every column's (B, 1) view
 
 
