@@ -99,6 +99,7 @@ def test_train_resumes_and_set_overrides(tmp_path, capsys):
         ("strategy.sparse=eventually", "config error: strategy.sparse must be one of sync, async"),
         ("strategy.exchange_dtype=int8", "config error: strategy.exchange_dtype must be one of table, bfloat16, float16"),
         ("trainer.progress=1", "config error: trainer.progress must be true or false, got 1"),
+        ("trainer.clip_grad_norm=-1", "config error: trainer.clip_grad_norm must be a positive number, got -1"),
         ("trainer", "config error: --set needs key.sub=value, got 'trainer'"),
         ("colour=red", "config error: unknown field colour; known fields: model, data,"),
     ],
@@ -110,6 +111,12 @@ def test_config_errors_name_the_field(tmp_path, capsys, override, message):
     assert str(info.value).startswith(message)
     assert cli.main(["train", config, "--set", override]) == 2  # the command prints it and exits 2
     assert message in capsys.readouterr().err
+
+
+def test_config_clip_grad_norm_reaches_the_trainer(tmp_path):
+    cfg = load_config(write_config(tmp_path, TINY), ["trainer.clip_grad_norm=0.5"])
+    model = cli.build_model(cfg, torch.device("cpu"))
+    assert cli.build_trainer(cfg, model, checkpoints=False).clip_grad_norm == 0.5
 
 
 def test_config_file_errors(tmp_path):

@@ -143,7 +143,7 @@ def build_trainer(
         max_steps=tr.max_steps, checkpoint_dir=tr.checkpoints() if checkpoints else None,
         checkpoint_every=tr.checkpoint_every if checkpoints else None, keep_last=tr.keep_last,
         log_every=tr.log_every, log_dir=tr.run_dir, progress=tr.progress, seed=tr.seed, callbacks=callbacks,
-        cuda_graph=tr.cuda_graph,
+        cuda_graph=tr.cuda_graph, clip_grad_norm=tr.clip_grad_norm,
     )  # fmt: skip
 
 

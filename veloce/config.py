@@ -181,6 +181,7 @@ class TrainerConfig:
     max_steps: Optional[int] = None
     precision: Literal["fp32", "bf16"] = "fp32"
     accumulate_steps: int = 1
+    clip_grad_norm: Optional[float] = None
     log_every: int = 50
     run_dir: str = "runs/veloce"
     checkpoint_dir: Optional[str] = None
@@ -192,7 +193,11 @@ class TrainerConfig:
     cuda_graph: bool = False
 
     def __post_init__(self) -> None:
-        _positive(self, "max_epochs", "max_steps", "accumulate_steps", "log_every", "checkpoint_every")
+        _positive(self, "max_epochs", "max_steps", "accumulate_steps", "log_every", "checkpoint_every",
+                  "clip_grad_norm")
+        _require(not self.cuda_graph or self.clip_grad_norm is None, "clip_grad_norm",
+                 "null with trainer.cuda_graph (the norm is read on the host, which a captured step cannot do)",
+                 self.clip_grad_norm)  # fmt: skip
         _require(not self.cuda_graph or self.accumulate_steps == 1, "accumulate_steps",
                  "1 with trainer.cuda_graph (a captured step is a whole optimizer step)", self.accumulate_steps)  # fmt: skip
         _positive(self, "keep_last")

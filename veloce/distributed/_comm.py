@@ -9,7 +9,7 @@ with an error on every rank instead of hanging or reading garbage.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist

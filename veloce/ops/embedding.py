@@ -317,7 +317,7 @@ def max_pool_position_grad(
         - output: ``(N, D)``, dtype of ``grad_output``
     """
     offs = offsets[:-1] if include_last_offset else offsets
-    n, d = num_positions, grad_output.shape[1]
+    n = num_positions
     bag = torch.bucketize(torch.arange(n, device=offs.device), offs, right=True) - 1
     position = torch.arange(n, device=offs.device).unsqueeze(1)
     mine = argmax.index_select(0, bag) == position
