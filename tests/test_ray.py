@@ -188,16 +188,16 @@ def test_report_callback_reports_every_checkpoint_and_every_epoch(tmp_path, monk
         reports.append((metrics["event"], metrics["step"], checkpoint and Path(checkpoint.path).name))
 
     monkeypatch.setattr(ray_train, "report", report)
-    # one process: 8 steps an epoch; checkpoints every 4 steps: the one of an epoch's last step
-    # is the epoch's own (saved once, at its end, with its record)
-    cfg = load_config(write_config(tmp_path), ["data.samples=1024", "trainer.checkpoint_every=4"])
+    # one process: 8 global batches of 256 an epoch; checkpoints every 4 steps: the one of an
+    # epoch's last step is the epoch's own (saved once, at its end, with its record)
+    cfg = load_config(write_config(tmp_path), ["data.samples=2048", "trainer.checkpoint_every=4"])
     cli.train(cfg, callbacks=[veloce.ray.ReportCallback()])
     assert reports == [
         ("checkpoint", 4, "step_000000004"), ("epoch", 8, "step_000000008"),
         ("checkpoint", 12, "step_000000012"), ("epoch", 16, "step_000000016"),
     ]  # fmt: skip
     reports.clear()
-    cfg = load_config(write_config(tmp_path / "b"), ["data.samples=1024", "trainer.checkpoint_every=6"])
+    cfg = load_config(write_config(tmp_path / "b"), ["data.samples=2048", "trainer.checkpoint_every=6"])
     cli.train(cfg, callbacks=[veloce.ray.ReportCallback()])
     assert reports == [
         ("checkpoint", 6, "step_000000006"), ("epoch", 8, "step_000000008"),
