@@ -418,16 +418,10 @@ def _flat_offsets(x: torch.Tensor, offsets: Optional[torch.Tensor], include_last
 def _eval_psw_grad(module: Any, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The per-sample weights' gradient of an eval-mode lookup: ``<row(i), grad[bag(i)]>``,
     the rows as the lookup read them (unknown ids: the initializer's row, or zeros)."""
-    from veloce.embedding import _bag_of  # embedding imports this module
+    from veloce.embedding import _psw_grad  # embedding imports this module
 
     slots, extra = module._eval_slots(ids)
-    weights = module.table.weights
-    c = weights.shape[0]
-    rows = weights[slots.clamp(0, c - 1)]
-    if extra is not None:
-        rows = torch.where((slots >= c).unsqueeze(1), extra[(slots - c).clamp(0, extra.shape[0] - 1)], rows)
-    bag = _bag_of(offsets[:-1] if module.include_last_offset else offsets, ids.numel())
-    return ((rows * grad[bag]).sum(1) * (slots >= 0)).to(grad.dtype)
+    return _psw_grad(module.table.weights, slots, offsets, grad, module.include_last_offset, extra)
 
 
 # ---- torch.export --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from veloce._update_stream import run_update
 from veloce import init as _init
 from veloce import optim as _optim
 from veloce.ops import optimizer as _ops
-from veloce.ops.embedding import accumulate_grad, bag_layouts_bad, max_pool, max_pool_position_grad, pooled_lookup_kernels
+from veloce.ops.embedding import accumulate_grad, bag_layouts_bad, bag_of, max_pool, max_pool_position_grad, pooled_lookup_kernels
 from veloce.table import HashTable, PlainAttrs, find_or_insert_many, insert_beside_updates, is_int64
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
@@ -691,7 +691,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             o = e.offsets[:-1] if e.include_last_offset else e.offsets
             w = e.psw if e.psw is not None else torch.ones(s.numel(), dtype=e.grad.dtype, device=s.device)
             if e.mode == _MODES["mean"]:
-                bag = _bag_of(o, s.numel())
+                bag = bag_of(o, s.numel())
                 counts = torch.zeros(o.numel(), dtype=e.grad.dtype, device=s.device)
                 counts.index_add_(0, bag, (s != -1).to(e.grad.dtype))
                 w = w / counts.clamp(min=1)[bag]
@@ -1895,17 +1895,16 @@ def _drop_bags(e: _Pending, bad: torch.Tensor) -> _Pending:
 
 def _position_bags(e: _Pending) -> torch.Tensor:
     """(N,) the bag of each position of a pending entry."""
-    return _bag_of(e.offsets[:-1] if e.include_last_offset else e.offsets, e.slots.numel())
+    return bag_of(e.offsets[:-1] if e.include_last_offset else e.offsets, e.slots.numel())
 
 
-def _bag_of(offsets: torch.Tensor, n: int) -> torch.Tensor:
-    """(n,) bag index of each position, for bag starts ``offsets`` (B,)."""
-    return torch.bucketize(torch.arange(n, device=offsets.device), offsets, right=True) - 1
-
-
-def _psw_grad(weights, slots, offsets, grad_out, include_last_offset) -> torch.Tensor:
-    """d out[bag(i)] / d psw[i] = <row(i), grad_out[bag(i)]>; zero for codes -1 / -2."""
-    bag = _bag_of(offsets[:-1] if include_last_offset else offsets, slots.numel())
-    valid = slots >= 0
-    rows = weights[slots.clamp(min=0)]
-    return ((rows * grad_out[bag]).sum(1) * valid).to(grad_out.dtype)
+def _psw_grad(weights, slots, offsets, grad_out, include_last_offset, extra_rows=None) -> torch.Tensor:
+    """d out[bag(i)] / d psw[i] = <row(i), grad_out[bag(i)]>; zero for codes -1 / -2. Slots
+    ``>= C`` read ``extra_rows`` (an eval lookup's unknown ids, ``_eval_slots``)."""
+    bag = bag_of(offsets[:-1] if include_last_offset else offsets, slots.numel())
+    c = weights.shape[0]
+    rows = weights[slots.clamp(0, c - 1)]
+    if extra_rows is not None:
+        picked = extra_rows[(slots - c).clamp(0, extra_rows.shape[0] - 1)]
+        rows = torch.where((slots >= c).unsqueeze(1), picked, rows)
+    return ((rows * grad_out[bag]).sum(1) * (slots >= 0)).to(grad_out.dtype)

@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from veloce import _ext
 
-__all__ = ["MODES", "accumulate_grad", "bag_layouts_bad", "max_pool", "max_pool_position_grad", "pooled_lookup",
+__all__ = ["MODES", "accumulate_grad", "bag_layouts_bad", "bag_of", "max_pool", "max_pool_position_grad", "pooled_lookup",
            "pooled_lookup_many"]
 
 #: Pooling modes by name, as in ``nn.EmbeddingBag``.
@@ -249,6 +249,11 @@ def pooled_lookup_kernels(weights: Sequence[torch.Tensor], slots: Sequence[torch
     return out
 
 
+def bag_of(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """(n,) the bag index of each of ``n`` positions, for bag starts ``offsets`` (B,)."""
+    return torch.bucketize(torch.arange(n, device=offsets.device), offsets, right=True) - 1
+
+
 def max_pool(
     weights: torch.Tensor,
     slots: torch.Tensor,
@@ -282,7 +287,7 @@ def max_pool(
     offs = offsets[:-1] if include_last_offset else offsets
     b, n, d = offs.shape[0], slots.shape[0], weights.shape[1]
     c = weights.shape[0]
-    bag = torch.bucketize(torch.arange(n, device=slots.device), offs, right=True) - 1
+    bag = bag_of(offs, n)
     rows = weights.index_select(0, slots.clamp(0, max(c - 1, 0))) if c else weights.new_zeros((n, d))
     if extra_rows is not None and extra_rows.shape[0]:
         extra = slots >= c
@@ -318,7 +323,7 @@ def max_pool_position_grad(
     """
     offs = offsets[:-1] if include_last_offset else offsets
     n = num_positions
-    bag = torch.bucketize(torch.arange(n, device=offs.device), offs, right=True) - 1
+    bag = bag_of(offs, n)
     position = torch.arange(n, device=offs.device).unsqueeze(1)
     mine = argmax.index_select(0, bag) == position
     return torch.where(mine, grad_output.index_select(0, bag), grad_output.new_zeros(()))
