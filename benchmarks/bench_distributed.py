@@ -152,9 +152,8 @@ def a2a_baseline(total_bytes: int, world: int, device, reps: int = 10) -> float:
 def pin_to_cores(per_rank: int, local_rank: int, local_world: int) -> list[int]:
     """Restricts this process (its threads now and the ones it starts later: NCCL's, the
     autograd engine's) to ``per_rank`` cores of its own: local rank r takes the r-th run of
-    them, after core 0 when there is room (it often serves interrupts). On the GPU machine a
-    one-process step pinned to one core had a shorter, steadier host path (benchmarks/README.md,
-    eighteenth session). Returns the cores."""
+    them, after core 0 when there is room (it often serves interrupts). On a GPU machine a
+    one-process step pinned to one core has a shorter, steadier host path. Returns the cores."""
     count = os.cpu_count() or 1
     if per_rank * local_world > count:
         raise SystemExit(f"--pin-cores {per_rank}: {local_world} ranks need {per_rank * local_world} cores, "

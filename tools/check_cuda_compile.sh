@@ -49,10 +49,10 @@ FLAGS=(-c -std="$STD" -O3 --expt-relaxed-constexpr --extended-lambda
 # Kernels whose __launch_bounds__ minimum of resident blocks caps their registers below
 # what they would take unbounded, with the most spill-store bytes each may have: the
 # occupancy was measured to gain more than the few spilled words (in L1) cost. A spill
-# above the limit, or in any other kernel, fails the check. (With the head loaded one run
-# ahead: fp32 56 / 48 bytes and fp64 84 / 80 at 80 registers, int64 / int32 keys, and half
-# rows of 4 packs per lane 8 / 4 bytes at the 255-register cap: measured faster on an H200
-# all the same, benchmarks/README.md, thirty-second session.)
+# above the limit, or in any other kernel, fails the check. (The fused update loads each
+# run's head one work item ahead: fp32 spills 56 / 48 bytes and fp64 84 / 80 at 80
+# registers, int64 / int32 keys, and half rows of 4 packs per lane 8 / 4 bytes at the
+# 255-register cap; with those spills it is faster than without the head ahead.)
 ALLOWED_SPILLS="accumulate_update_kernel:96"
 allowed_spills_removed() {  # stdin: warning lines; prints those not allowed
   local line name limit bytes ok

@@ -33,14 +33,14 @@
 #   c3ncu      ncu's duration, DRAM throughput and registers of the fused update kernel
 #              (tools/profile_step.py's table, SGD and Adam, unchecked) of both trees, interleaved
 #   c3diag     ncu's warp states, scheduler and memory sections of the fused update kernel (SGD,
-#              unchecked) of both trees: where its warps wait (benchmarks/README.md, thirty-first session)
+#              unchecked) of both trees: where its warps wait
 #   c3phases   configuration 3's host path (tools/profile_step.py --phases, checked and
 #              unchecked) of both trees, interleaved 2x, per optimizer in C3P_OPTS (default adam)
 #   hostab     the host path of both trees: configuration 3's step on a small table and batch
 #              (profile_step --phases, SGD unchecked and Adam checked), interleaved 3x; then
 #              configuration 5's DLRM on one GPU at 256 samples a step, interleaved 2x
 #   waves      the fused update's grid by VELOCE_UPDATE_WAVES of the working tree (WAVES, default
-#              "0 4 16 64"; 0 is the grid before the twentieth session), ncu of the kernel and whole
+#              "0 4 16 64"; 0 is one group per position, capped at 32768 blocks), ncu of the kernel and whole
 #              configuration-3 steps, one build
 #   c5         configuration 5 on W GPUs (default: all), sync, raise_next, interleaved 3x
 #   w1         configuration 5 on one GPU, interleaved 2x
@@ -63,11 +63,11 @@
 # Environment: OUT (default /tmp/ab-out), PREFIX (a command before torchrun in c5_run, e.g. taskset), TORCHRUN_ARGS (more torchrun arguments for every
 # configuration-5 run, e.g. "--numa-binding node"), WINDOWS (configuration 5's timed windows per run, default 1:
 # the pace of a 4-GPU run changes each time the ranks meet, so several windows per run give
-# an A/B more samples for little time; benchmarks/README.md, twenty-fifth session), OLD_TAR (default .gpu/old.tar), C3_ARGS (more bench_embedding
+# an A/B more samples for little time), OLD_TAR (default .gpu/old.tar), C3_ARGS (more bench_embedding
 # arguments for `c3`, e.g. --back-to-back), W, STEPS (configuration 5's
 # timed steps, default 30), LOADS, C3P_OPTS, PIN (a prefix for the one-process runs of c1, c3,
 # c3phases and hostab, e.g. PIN="taskset -c 8": pinned to one core, the GPU machine's host
-# path of a configuration-3 step was 0.2-0.45 ms shorter, results/h200_s18), PHASES_ARGS
+# path of a configuration-3 step is shorter and steadier), PHASES_ARGS
 # (more bench_distributed arguments for `phases`, e.g. --prefetch), VARIANTS, REPS, CPROFILE_ARGS.
 # At most 8 files come back from $OUT: summary.txt gathers the stages' short results.
 set -uo pipefail
@@ -267,8 +267,8 @@ for stage in "$@"; do
       done
       t ;;
     waves)
-      # The update grid of the working tree by VELOCE_UPDATE_WAVES (0: the grid before the
-      # twentieth session), one build: the kernel alone under ncu, then whole configuration-3 steps.
+      # The update grid of the working tree by VELOCE_UPDATE_WAVES (0: one group per position,
+      # capped at 32768 blocks), one build: the kernel alone under ncu, then whole configuration-3 steps.
       for w in ${WAVES:-0 4 16 64}; do
         (PYTHONPATH="$NEW" VELOCE_UPDATE_WAVES=$w timeout 60 ncu --clock-control none --kernel-name regex:accumulate_update_kernel \
            --launch-skip 3 --launch-count 1 --section SpeedOfLight python3 tools/profile_step.py --device cuda \
@@ -313,8 +313,7 @@ for stage in "$@"; do
       # machine's sharing alone slows a one-GPU step (against the same run alone, after).
       gpus=${W:-$(nvidia-smi -L | wc -l)}
       # OMP_NUM_THREADS=1 as torchrun sets it for several ranks: a one-rank torchrun does not,
-      # and four processes with a thread per core each made one of them 30% slower
-      # (benchmarks/README.md, twenty-fifth session).
+      # and four processes with a thread per core each slow one another down.
       for g in $(seq 0 $((gpus - 1))); do OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=$g c5_run "new+solo$g" 1 & done
       wait
       OMP_NUM_THREADS=1 c5_run new+alone 1

@@ -1,7 +1,7 @@
 """Host CPU time of a training step, on the CPU, without a GPU: the cost of veloce's Python.
 
-On two GPUs the sharded DLRM step of configuration 5 is bound by its host path (the
-ninth session's phases in benchmarks/README.md): the time the main thread spends in
+On two GPUs the sharded DLRM step of configuration 5 is bound by its host path
+(``bench_distributed.py --phases`` shows it): the time the main thread spends in
 Python and in launching work. On a CPU with a tiny batch, the main thread's CPU time per
 step (``time.thread_time``, which a wait does not count) measures that path closely and
 repeatably. Compare changes with interleaved runs.
