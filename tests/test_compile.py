@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import veloce
-from veloce import _ext
+from veloce.ops import extension as _ext
 from veloce.models import DLRM, DeepFM
 
 pytestmark = pytest.mark.skipif(not _ext.loaded, reason="veloce._C is not built")

@@ -1265,7 +1265,7 @@ def test_cuda_step_tables_never_waits_for_the_device():
 def test_cuda_host_values_reach_the_device_without_a_sync():
     """The small index tensors of a step (bag bounds, split counts, flags' owners) are
     queued like kernels, not copied with a blocking host-to-device copy."""
-    from veloce._device import host_tensor
+    from veloce.runtime.device import host_tensor
 
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -1821,7 +1821,7 @@ def test_when_an_insert_defers(device, case):
     assert len(emb) == {"near grow_at": 55, "at max_capacity": 64}.get(case, 0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce.ops.extension.has_cuda_kernels(), reason="needs a GPU")
 @pytest.mark.parametrize("offsets", [False, True], ids=["2-D", "offsets"])
 def test_deferred_training_forward_makes_no_host_sync(offsets, capfd):
     """On CUDA a training forward with deferred inserts (its bag layout check included) never

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import veloce
-from veloce import _ext
+from veloce.ops import extension as _ext
 
 pytestmark = pytest.mark.skipif(not _ext.loaded, reason="veloce._C is not built")
 CUDA = pytest.mark.skipif(not torch.cuda.is_available() or not _ext.has_cuda_kernels(),
@@ -506,7 +506,7 @@ def test_a_captured_insert_needs_room_for_every_insert_of_the_step():
     """The capture hook of HashTable._deferrable (any device): a captured insert defers
     (whatever ``defer`` says) while the table has room for it and for the step's earlier
     inserts into the same table; otherwise it asks the wrapper to grow the table."""
-    from veloce import _capture
+    from veloce.runtime import capture as _capture
     from veloce.table import HashTable
 
     t = HashTable(4, 0, capacity=64, grow_at=0.5)  # room for 32 ids

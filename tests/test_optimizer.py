@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from veloce import _ext
+from veloce.ops import extension as _ext
 from veloce.ops.optimizer import sparse_update, state_width
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -40,7 +40,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from veloce import _ext
+from veloce.ops import extension as _ext
 from veloce.ops.embedding import max_pool
 
 __all__ = ["RECORDER", "is_compiling", "is_exporting", "lookup", "register"]

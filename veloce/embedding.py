@@ -15,9 +15,11 @@ from typing import Any, Callable, NamedTuple, NoReturn, Optional, Sequence, Type
 import torch
 from torch import nn
 
-from veloce import _capture, _compile, _ext
-from veloce._device import HostCopy, host_tensor
-from veloce._update_stream import run_update
+from veloce import _compile
+from veloce.ops import extension as _ext
+from veloce.runtime import capture as _capture
+from veloce.runtime.device import HostCopy, host_tensor
+from veloce.runtime.update_stream import run_update
 from veloce import init as _init
 from veloce import optim as _optim
 from veloce.ops import optimizer as _ops
@@ -452,7 +454,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             _refuse_replicated_training(self)
         table = self.table
 
-        def checked_insert():  # on the insert stream while an update is in flight (veloce._update_stream)
+        def checked_insert():  # on the insert stream while an update is in flight (veloce.runtime.update_stream)
             ids, offs, psw = self._bags(input, offsets, per_sample_weights, deferred=layouts)
             slots, check = _insert_checked(
                 layouts, [table], lambda bad, refused: table.find_or_insert(ids, self.padding_idx, bad, refused)
@@ -715,7 +717,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         (``torch.ops.veloce.accumulate_and_update``); rows evicted since their forward
         pass get nothing, and a row that moved (growth) is found by its id.
 
-        On CUDA the update is queued on an update stream (:mod:`veloce._update_stream`):
+        On CUDA the update is queued on an update stream (:mod:`veloce.runtime.update_stream`):
         the next forward's insert runs beside it, and every read of the rows waits for it
         on the device.
 
@@ -1214,7 +1216,7 @@ def _apply_updates(
     for idx in calls:
         group = [updates[i] for i in idx]
         # On CUDA the update runs on the update stream: the next step's insert does not wait
-        # for it (veloce._update_stream). The fence keeps the inputs alive until the stream they
+        # for it (veloce.runtime.update_stream). The fence keeps the inputs alive until the stream they
         # came from waited for it, or it has run.
         # A captured step reads learning rate and step count from the device (veloce.graphs).
         lr_step = None if _capture.ACTIVE is None else _capture.ACTIVE.lr_step_of([tables[i] for i in idx])
@@ -1250,7 +1252,7 @@ class _FiniteCheck:
     ``torch.ops.veloce.nonfinite_flags`` over the gradients of each device's tables (every
     element read once; no host sync), one all-reduce per process group of sharded tables,
     and at most one read-back per device, queued at construction and waited for by
-    :meth:`result` (:class:`veloce._device.HostCopy`)."""
+    :meth:`result` (:class:`veloce.runtime.device.HostCopy`)."""
 
     def __init__(self, tables: Sequence["DynamicEmbedding"]) -> None:
         self.tables = list(tables)
@@ -1389,7 +1391,7 @@ def lookup_many(tables: Sequence["DynamicEmbedding"], inputs: Sequence[Any]) -> 
                     if not tables[i].per_rank:
                         _refuse_replicated_training(tables[i])
 
-            def checked_insert():  # on the insert stream while an update is in flight (veloce._update_stream)
+            def checked_insert():  # on the insert stream while an update is in flight (veloce.runtime.update_stream)
                 bags = {i: tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in local}
                 if not train:
                     return bags, None, None

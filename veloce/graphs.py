@@ -6,7 +6,7 @@ Python and the launches of a few hundred kernels take longer than the kernels th
 ``benchmarks/README.md``, twenty-eighth session). A CUDA graph captures the step's kernels
 once and replays them with one launch.
 
-What makes a veloce step capturable (see :mod:`veloce._capture`): while capturing, every
+What makes a veloce step capturable (see :mod:`veloce.runtime.capture`): while capturing, every
 training insert defers its read-back and stamps its LRU clocks from device tensors; every
 fused update reads its learning rate and step count from device tensors; the graph advances
 both itself. The wrapper carries the host's bookkeeping across replays: it reads each
@@ -24,8 +24,9 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from veloce import _capture, _update_stream
-from veloce._device import current_stream
+from veloce.runtime import capture as _capture
+from veloce.runtime import update_stream as _update_stream
+from veloce.runtime.device import current_stream
 from veloce.distributed import static
 from veloce.embedding import DynamicEmbedding, _DeferredCheck, _raise_deferred
 from veloce.optim import CombinedOptimizer

@@ -27,10 +27,11 @@ from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
 import torch
 from torch import nn
 
-from veloce import _capture, _ext
-from veloce._device import current_stream
-from veloce._memory import empty_table
-from veloce._update_stream import UpdateFence, beside_updates, release_done, wait_prefetch_origin
+from veloce.ops import extension as _ext
+from veloce.runtime import capture as _capture
+from veloce.runtime.device import current_stream
+from veloce.runtime.memory import empty_table
+from veloce.runtime.update_stream import UpdateFence, beside_updates, release_done, wait_prefetch_origin
 from veloce.init import Initializer
 
 __all__ = [
@@ -216,7 +217,7 @@ class HashTable(PlainAttrs, nn.Module):
     # Bookkeeping set on every training lookup (see PlainAttrs).
     _PLAIN_ATTRS = frozenset({"_size", "version", "clock", "num_evicted", "last_evicted", "_update_fence", "_changed"})
 
-    # The sparse update last queued on a side stream (veloce._update_stream), until a use of
+    # The sparse update last queued on a side stream (veloce.runtime.update_stream), until a use of
     # the rows waited for it.
     _update_fence: UpdateFence | None = None
     # After a change of the state outside the training inserts, queued on CUDA and not
@@ -269,7 +270,7 @@ class HashTable(PlainAttrs, nn.Module):
         """Makes the current stream wait (on the device, no host sync) for the sparse update
         of this table queued on the update stream, if one may still run. Every use of the rows
         or the optimizer state, and every change of the slots, comes after this; only an insert
-        that may not evict skips it (:mod:`veloce._update_stream` says why that is safe)."""
+        that may not evict skips it (:mod:`veloce.runtime.update_stream` says why that is safe)."""
         fence = self._update_fence
         if fence is not None and fence.join():  # a join on a stream of the user's own keeps it
             self._update_fence = None
@@ -1032,7 +1033,7 @@ def insert_beside_updates(tables: Sequence[HashTable], call: Callable[[], _T]) -
     """``call()``, an inserting op over ``tables`` whose states were taken (joined where the
     insert may evict), or a training forward's input checks and insert. While one of them
     still has an update in flight, it runs on the high-priority insert stream, beside that
-    update (:func:`veloce._update_stream.beside_updates`)."""
+    update (:func:`veloce.runtime.update_stream.beside_updates`)."""
     for t in tables:
         if t._update_fence is not None and t.device.type == "cuda":
             return beside_updates(t.device, call)

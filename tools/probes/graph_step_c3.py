@@ -43,7 +43,7 @@ def step(emb, ids, offs):
 
 
 for opt in ("sgd", "adam"):
-    print(f"== {opt}, update stream {veloce._update_stream.ENABLED}", flush=True)
+    print(f"== {opt}, update stream {veloce.runtime.update_stream.ENABLED}", flush=True)
     emb = make(opt)
     for ids, offs in batches: step(emb, ids, offs)   # warm: every id inserted
     len(emb)

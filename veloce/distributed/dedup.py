@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from veloce._device import host_tensor
+from veloce.runtime.device import host_tensor
 from veloce.distributed._comm import all_to_all, all_to_all_rows, exchange_headers, modes_code, wire_code, wire_dtype
 from veloce.distributed.sharded import (
     _SUM, Shard, _cat_grads, _concat_bags, _deliver, _mean_scale, _per_table, _received_order,

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from veloce._device import current_stream
+from veloce.runtime.device import current_stream
 from veloce.distributed._comm import Group
 from veloce.distributed.sharded import Shard
 
@@ -30,7 +30,7 @@ def _tensors(obj: Any) -> list:
 
 def _to_device(obj: Any, dev: torch.device) -> Any:
     """``obj`` with its CPU tensors copied to ``dev`` without a host sync (pinned staging)."""
-    from veloce._device import to_device
+    from veloce.runtime.device import to_device
 
     if isinstance(obj, torch.Tensor):
         return to_device(obj, dev) if obj.device.type == "cpu" else obj
@@ -257,7 +257,7 @@ class HybridParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the wrapped model (through DDP when dense parameters are data-parallel)."""
-        from veloce import _capture
+        from veloce.runtime import capture as _capture
 
         if _capture.ACTIVE is not None and _capture.ACTIVE.averaging is self:
             return self.module(*args, **kwargs)  # a captured step (CUDAGraphStep) averages the dense gradients itself
@@ -338,7 +338,7 @@ class HybridParallel(nn.Module):
             )  # fmt: skip
         if self.world_size == 1 or not self.tables:
             return
-        from veloce._update_stream import on_prefetch_stream, record_streams
+        from veloce.runtime.update_stream import on_prefetch_stream, record_streams
         from veloce.embedding import dispatch_many
 
         dev = self.tables[0][1].table.device

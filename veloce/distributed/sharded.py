@@ -41,8 +41,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from veloce._device import current_stream, host_tensor
-from veloce._update_stream import on_prefetch_stream, record_streams
+from veloce.runtime.device import current_stream, host_tensor
+from veloce.runtime.update_stream import on_prefetch_stream, record_streams
 from veloce.distributed._comm import (
     DeferredFailure, ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all,
     all_to_all_rows, Header, begin_headers, finish_headers, raise_deferred_failures, modes_code, wire_code, wire_dtype,

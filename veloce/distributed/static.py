@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from veloce._device import host_tensor
+from veloce.runtime.device import host_tensor
 from veloce.distributed._comm import ExchangeError, Group, wire_code, wire_dtype
 from veloce.ops.exchange import bucketize_bags, combine_parts
 
