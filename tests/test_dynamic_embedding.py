@@ -1840,8 +1840,8 @@ def test_deferred_training_forward_makes_no_host_sync(offsets, capfd):
 
 def _counts_in_flight(monkeypatch):
     """Deferred counts that have not reached the host until waited for (as on a busy GPU)."""
-    arrived = veloce.table._DeferredCounts.arrived
-    monkeypatch.setattr(veloce.table._DeferredCounts, "arrived", lambda self, wait: wait and arrived(self, wait))
+    arrived = veloce.table.batch.DeferredCounts.arrived
+    monkeypatch.setattr(veloce.table.batch.DeferredCounts, "arrived", lambda self, wait: wait and arrived(self, wait))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -24,7 +24,8 @@ from veloce import init as _init
 from veloce import optim as _optim
 from veloce.ops import optimizer as _ops
 from veloce.ops.embedding import accumulate_grad, bag_layouts_bad, bag_of, max_pool, max_pool_position_grad, pooled_lookup_kernels
-from veloce.table import HashTable, PlainAttrs, find_or_insert_many, insert_beside_updates, is_int64
+from veloce.runtime.attrs import PlainAttrs
+from veloce.table import HashTable, find_or_insert_many, insert_beside_updates, is_int64
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
 

@@ -30,7 +30,8 @@ from veloce.runtime.device import current_stream
 from veloce.distributed import static
 from veloce.embedding import DynamicEmbedding, _DeferredCheck, _raise_deferred
 from veloce.optim import CombinedOptimizer
-from veloce.table import TableFullError, _DeferredCounts
+from veloce.table import TableFullError
+from veloce.table.batch import DeferredCounts
 
 __all__ = ["CUDAGraphStep"]
 
@@ -751,7 +752,7 @@ class CUDAGraphStep:
                 if check is None:
                     check = fresh[id(refusal.__self__)] = refusal.__self__.renewed()
                 refusal = check.refused
-            counts = _DeferredCounts(ins.counts, refusal)
+            counts = DeferredCounts(ins.counts, refusal)
             for k, (t, n) in enumerate(zip(ins.tables, ins.num_ids)):
                 t._unread.append((counts, k, n))
         for chk in log.checks:  # before the host's steps move on: the verdict keeps them to roll back
