@@ -28,7 +28,8 @@ from veloce import _checkpoint_io
 from veloce import checkpoint as ckpt
 from veloce.checkpoint import CheckpointError
 from veloce.distributed import HybridParallel, owner_of, table_shard
-from veloce.optim import SGD, Adagrad, Adam, CombinedOptimizer, RowWiseAdagrad
+from veloce.optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from veloce.sparse import CombinedOptimizer
 
 from _dist import run_ranks
 

@@ -246,7 +246,7 @@ def _train_dlrm(device, enabled: bool, monkeypatch, steps: int = 4) -> list:
         return veloce.DynamicEmbedding(dim, mode="sum", capacity=1 << 12, optimizer=veloce.optim.Adam(), device=device)
 
     model = DLRM(4, 5, embedding_dim=16, bottom_mlp=(32, 16), embedding_factory=table).to(device)
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model)
     gen = torch.Generator().manual_seed(1)
     seen = []
     for _ in range(steps):
@@ -340,7 +340,7 @@ def test_cuda_a_table_stepped_twice_in_one_call_keeps_both_updates_inputs(device
         fences.append(update_stream.run_update(*args))
         return fences[-1]
 
-    monkeypatch.setattr(veloce.embedding, "run_update", spy)
+    monkeypatch.setattr(veloce.sparse.step, "run_update", spy)
     a = veloce.DynamicEmbedding(128, mode="sum", capacity=1 << 22, optimizer=veloce.optim.Adam(), device=device)
     b = veloce.DynamicEmbedding(128, mode="sum", optimizer=veloce.optim.Adam(), device=device)
     b.table = a.table

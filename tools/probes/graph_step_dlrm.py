@@ -36,7 +36,7 @@ for tf32 in (False, True):
                                        device=dev, nonfinite_grad="apply", defer_inserts=True)
     model = DLRM(13, FEAT, embedding_dim=DIM, bottom_mlp=(512, 256, DIM), top_mlp=(1024, 1024, 512, 256, 1),
                  embedding_factory=table).to(dev)
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True), model)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True), model)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     def step(d, s, l):
         loss = loss_fn(model(d, s), l)
