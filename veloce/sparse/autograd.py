@@ -114,7 +114,7 @@ def _table_backward(module: TableModule, ids: torch.Tensor, slots: torch.Tensor,
     the table's dtype. ``argmax``: a max table's argmax positions (:func:`_pooled`): each
     column's gradient goes to its bag's argmax position, kept as a sum-mode gradient of one
     bag per position. Shared by :class:`_SparseLookup` and the compiled lookup's backward op
-    (:mod:`veloce._compile`)."""
+    (:mod:`veloce.sparse.compile`)."""
     table = module.table
     if version != table.version:  # the table grew or evicted since forward
         slots = reresolve(table, ids, slots)

@@ -141,7 +141,7 @@ class HashTable(DeferredInserts, Growth, PlainAttrs, nn.Module):
     _changed: Any = None
 
     # The rows' dtype, kept beside the buffers as a plain attribute: a compiled graph reads this
-    # (veloce._compile), where reading the buffer's dtype would tie the graph to the buffer and
+    # (veloce.sparse.compile), where reading the buffer's dtype would tie the graph to the buffer and
     # recompile it whenever the table grows.
     row_dtype: torch.dtype
 
