@@ -21,7 +21,7 @@ setup() {
     echo "[veloce] no torch found: installing torch==2.13.0 (CPU build)"
     python -m pip install -q "torch==2.13.0"
   fi
-  python -m pip install -q numpy safetensors pyyaml tqdm ninja "pytest>=7" "hypothesis>=6" setuptools wheel
+  python -m pip install -q numpy safetensors pyyaml tqdm ninja "pytest>=7" "hypothesis>=6" import-linter setuptools wheel
   echo "[veloce] building against torch $(python -c 'import torch; print(torch.__version__)')"
   MAX_JOBS="${MAX_JOBS:-$(nproc)}" python -m pip install -q --no-build-isolation -e . \
     || { echo "[veloce] build failed"; exit 1; }

@@ -107,9 +107,9 @@ def measure(name: str, args, device: torch.device) -> dict:
     torch._dynamo.utils.counters.clear()  # from here: the graphs the compiled copy compiles
     compiled_model = copy.deepcopy(eager_model)
     loss_fn = nn.BCEWithLogitsLoss()
-    eager = whole_step(eager_model, loss_fn, veloce.optim.CombinedOptimizer(
+    eager = whole_step(eager_model, loss_fn, veloce.CombinedOptimizer(
         torch.optim.Adam(eager_model.parameters(), lr=1e-3), eager_model))  # fmt: skip
-    compiled = whole_step(torch.compile(compiled_model), loss_fn, veloce.optim.CombinedOptimizer(
+    compiled = whole_step(torch.compile(compiled_model), loss_fn, veloce.CombinedOptimizer(
         torch.optim.Adam(compiled_model.parameters(), lr=1e-3), compiled_model))  # fmt: skip
     tables = [m for m in compiled_model.modules() if isinstance(m, veloce.DynamicEmbedding)]
     capacity_before = sum(t.capacity for t in tables)

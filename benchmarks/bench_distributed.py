@@ -192,7 +192,7 @@ def run(args) -> None:
         hp = veloce.distributed.HybridParallel(model, sparse=args.sparse, staleness=args.staleness, dedup=args.dedup,
                                                lookup_errors=lookup_errors, prefetch_depth=args.prefetch_depth,
                                                exchange_dtype=args.exchange_dtype)  # fmt: skip
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3, capturable=args.graph), hp)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3, capturable=args.graph), hp)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     data = batches(args, rank, device)
     meter = ExchangeMeter(device)
@@ -393,12 +393,12 @@ def _find_only(on: bool):
     def find_only(tables, ids, *_, **__):  # padding_ids, bad_input, on_refused, allow_defer: unused
         return [t.find(i) for t, i in zip(tables, ids)]
 
-    saved = veloce.embedding.find_or_insert_many, _sharded.find_or_insert_many
-    veloce.embedding.find_or_insert_many = _sharded.find_or_insert_many = find_only
+    saved = veloce.sparse.lookup.find_or_insert_many, _sharded.find_or_insert_many
+    veloce.sparse.lookup.find_or_insert_many = _sharded.find_or_insert_many = find_only
     try:
         yield
     finally:
-        veloce.embedding.find_or_insert_many, _sharded.find_or_insert_many = saved
+        veloce.sparse.lookup.find_or_insert_many, _sharded.find_or_insert_many = saved
 
 
 def _cprofile(step, data, prefetch, hp, args, device, rank: int) -> None:

@@ -41,7 +41,7 @@ def make_step(args, device):
 
     model = DLRM(13, args.features, embedding_dim=args.dim, bottom_mlp=(512, 256, args.dim),
                  top_mlp=(1024, 1024, 512, 256, 1), embedding_factory=table).to(device)  # fmt: skip
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True), model)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True), model)
     return model, opt, whole_step(model, nn.BCEWithLogitsLoss(), opt)
 
 

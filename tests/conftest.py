@@ -20,7 +20,7 @@ def devices() -> list:
     reason = None
     if not torch.cuda.is_available():
         reason = "no CUDA device on this machine"
-    elif not veloce._ext.has_cuda_kernels():
+    elif not veloce.ops.extension.has_cuda_kernels():
         reason = "veloce was built without CUDA kernels"
     return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(reason is not None, reason=reason or ""))]
 

@@ -28,7 +28,8 @@ from veloce import _checkpoint_io
 from veloce import checkpoint as ckpt
 from veloce.checkpoint import CheckpointError
 from veloce.distributed import HybridParallel, owner_of, table_shard
-from veloce.optim import SGD, Adagrad, Adam, CombinedOptimizer, RowWiseAdagrad
+from veloce.optim import SGD, Adagrad, Adam, RowWiseAdagrad
+from veloce.sparse import CombinedOptimizer
 
 from _dist import run_ranks
 
@@ -705,7 +706,7 @@ def test_sharded_training_resumed_on_three_ranks_equals_the_uninterrupted_run(tm
 def _die_holding_the_bar_lock() -> None:
     """Child: killed while it holds the progress bars' write lock (as a checkpoint writer
     can be, mid-bar)."""
-    from veloce._progress import Bar
+    from veloce.runtime.progress import Bar
 
     Bar.get_lock().acquire()
     os.kill(os.getpid(), signal.SIGKILL)
@@ -717,7 +718,7 @@ def test_a_forked_process_killed_mid_bar_leaves_the_parents_bars_working():
     test_sigkill_at_random_times_leaves_a_loadable_checkpoint once in CI. veloce's bars
     (checkpoint progress, the Trainer's) lock within their process only."""
     from veloce._checkpoint_io import progress
-    from veloce._progress import Bar
+    from veloce.runtime.progress import Bar
 
     list(Bar(range(3), disable=True))  # the lock exists before the fork, as in a training process
     p = _fork(_die_holding_the_bar_lock)

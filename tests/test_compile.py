@@ -1,4 +1,4 @@
-"""torch.compile and torch.export of models with DynamicEmbedding tables (veloce/_compile.py).
+"""torch.compile and torch.export of models with DynamicEmbedding tables (veloce/sparse/compile.py).
 
 A lookup is one opaque op in the graph: no graph break in the forward, no recompile when a
 table grows, ``fullgraph=True`` works, and a compiled training step trains the same rows as
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import veloce
-from veloce import _ext
+from veloce.ops import extension as _ext
 from veloce.models import DLRM, DeepFM
 
 pytestmark = pytest.mark.skipif(not _ext.loaded, reason="veloce._C is not built")
@@ -69,7 +69,7 @@ def assert_same_tables(a: torch.nn.Module, b: torch.nn.Module, atol: float = 1e-
 
 
 def train(model: torch.nn.Module, forward, steps: range, device: str = "cpu") -> list[float]:
-    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    opt = veloce.CombinedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
     losses = []
     for i in steps:
         dense, sparse = batch(i, device)
@@ -254,7 +254,7 @@ def test_bad_offsets_in_a_compiled_forward_raise_the_eager_error():
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_lookup_op_passes_opcheck(training):
-    from veloce.embedding import autograd_anchor
+    from veloce.sparse import autograd_anchor
 
     emb = table()
     emb.train(training)

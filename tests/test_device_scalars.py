@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from veloce import _ext
+from veloce.ops import extension as _ext
 from veloce.ops import hash_table as ht
 from veloce.ops.optimizer import accumulate_and_update, accumulate_and_update_many, state_width
 

@@ -322,7 +322,7 @@ def tables_of(model, names="ab") -> dict:
 
 
 def make_opt(model):
-    return veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
+    return veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
 
 
 def _sharded_body(rank, world, device_kind, dedup=False, lookup_errors="raise", prefetch=False):
@@ -934,7 +934,7 @@ def _exchange_dtype_body(rank, world, device_kind, wire, dedup, sparse, tables=1
     embs = [table(k) for k in range(tables)]
     refs = [table(k).eval() for k in range(tables)]  # unsharded: unseen ids give the initial rows
     hp = HybridParallel(nn.ModuleList(embs), dense="none", sparse=sparse, dedup=dedup, exchange_dtype=wire)
-    opt = veloce.optim.CombinedOptimizer(None, hp)
+    opt = veloce.CombinedOptimizer(None, hp)
     every = (torch.arange(world * n) * 1_000_003 + 11) * (-1) ** torch.arange(world * n)  # distinct ids, both signs
     g = torch.Generator().manual_seed(5)
     grads = [(torch.randn(world * n, dim, generator=g) * 3).to(table_dtype) for _ in range(tables)]
@@ -1024,7 +1024,7 @@ def test_narrow_exchange_trains_close_to_one_process(name, wire, dedup, prefetch
 def _float16_overflow(rank, world, nonfinite):
     emb = veloce.DynamicEmbedding(4, mode="sum", nonfinite_grad=nonfinite)
     hp = HybridParallel(nn.ModuleList([emb]), dense="none", exchange_dtype=torch.float16)
-    opt = veloce.optim.CombinedOptimizer(None, hp)
+    opt = veloce.CombinedOptimizer(None, hp)
     (emb(torch.tensor([[1], [2], [3]])).sum() * 1e6).backward()  # 5e5 per rank's share: past float16
     try:
         opt.step()
@@ -1329,7 +1329,7 @@ def _owner_fails_deferred(rank, world, case, where, device_kind="cpu"):
     b = veloce.DynamicEmbedding(4, mode="sum", device=device)
     lin = nn.Linear(4, 1).to(device)
     hp = HybridParallel(nn.ModuleList([a, b, lin]), dense="none", lookup_errors="raise_next")
-    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), hp)
+    opt = veloce.CombinedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), hp)
     x = torch.tensor([[1], [2]], device=device)
     ok = x
     if case == "full table":  # rank 0 asks for more new ids than rank 1's shard of `a` may hold
@@ -1419,7 +1419,7 @@ def _model_prefetched(rank, world, name, prefetch, device_kind, sparse="sync", a
                 embedding_factory=table).to(device)  # fmt: skip
     hp = HybridParallel(model, sparse=sparse, lookup_errors="raise_next",
                         prefetch_depth="header" if at == "forward" else "inserts")  # fmt: skip
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), hp)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), hp)
     g = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(8, 2, generator=g), torch.randint(0, 200, (8, 3), generator=g)) for _ in range(6)]
     preds = []

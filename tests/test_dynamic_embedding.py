@@ -225,7 +225,7 @@ def test_combined_optimizer_and_lr_scheduler(device):
                                          initializer=veloce.init.zeros()),
          "lin": torch.nn.Linear(4, 1).to(device)}
     )
-    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(model["lin"].parameters(), lr=0.1), model)
+    opt = veloce.CombinedOptimizer(torch.optim.SGD(model["lin"].parameters(), lr=0.1), model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     ids = torch.tensor([[11, 12]], device=device)
     lrs = []
@@ -795,7 +795,7 @@ def test_nonfinite_gradient_in_one_table_applies_no_table():
     the second table raises before the first (finite) one is applied."""
     a, b = (veloce.DynamicEmbedding(4, mode="sum", optimizer=veloce.optim.SGD(lr=1.0)) for _ in range(2))
     model = torch.nn.ModuleDict({"a": a, "b": b})
-    opt = veloce.optim.CombinedOptimizer(None, model)
+    opt = veloce.CombinedOptimizer(None, model)
     ids = torch.tensor([[1, 2]])
     (a(ids).sum() + (b(ids) * float("nan")).sum()).backward()
     before = (snapshot(a), snapshot(b))
@@ -930,7 +930,7 @@ def test_raise_next_error_comes_before_the_dense_step_of_combined_optimizer():
     emb = veloce.DynamicEmbedding(4, mode="sum", nonfinite_grad="raise_next", seed=3)
     lin = torch.nn.Linear(4, 1)
     model = torch.nn.ModuleDict({"emb": emb, "lin": lin})
-    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), model)
+    opt = veloce.CombinedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), model)
     ids = torch.tensor([[1, 2]])
     (lin(emb(ids)).sum() + (emb(ids) * float("nan")).sum()).backward()  # NaN reaches the table only
     opt.step()
@@ -1265,7 +1265,7 @@ def test_cuda_step_tables_never_waits_for_the_device():
 def test_cuda_host_values_reach_the_device_without_a_sync():
     """The small index tensors of a step (bag bounds, split counts, flags' owners) are
     queued like kernels, not copied with a blocking host-to-device copy."""
-    from veloce._device import host_tensor
+    from veloce.runtime.device import host_tensor
 
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -1388,7 +1388,8 @@ def test_training_forward_checks_offsets_with_the_insert(device, growth_due, mon
     # 30 of 32 slots when capacity is 32 (past grow_at: the next insert grows first), and a pending gradient
     emb(torch.arange(30, device=device).view(1, 30)).sum().backward()
     assert emb.capacity == (32 if growth_due else 1024)
-    monkeypatch.setattr(veloce.embedding, "_check_offsets_many", _no_explicit_offsets_read)
+    for module in (veloce.sparse.lookup, veloce.sparse.inputs):
+        monkeypatch.setattr(module, "check_offsets_many", _no_explicit_offsets_read)
     flags = _spy_flags(monkeypatch, veloce.table.HashTable, "find_or_insert")
     before, clock, capacity = snapshot(emb), emb.table.clock, emb.capacity
     ids = torch.arange(100, 106, device=device)
@@ -1418,8 +1419,9 @@ def test_lookup_many_checks_every_layout_with_the_insert(device, monkeypatch):
     ids = torch.arange(6, device=device)
     good, bad = torch.tensor([0, 2, 4], device=device), torch.tensor([0, 4, 2], device=device)
     veloce.lookup_many([a, b], [(ids[:2], good[:1])] * 2)
-    monkeypatch.setattr(veloce.embedding, "_check_offsets_many", _no_explicit_offsets_read)
-    flags = _spy_flags(monkeypatch, veloce.embedding, "find_or_insert_many")
+    for module in (veloce.sparse.lookup, veloce.sparse.inputs):
+        monkeypatch.setattr(module, "check_offsets_many", _no_explicit_offsets_read)
+    flags = _spy_flags(monkeypatch, veloce.sparse.lookup, "find_or_insert_many")
     before = [(snapshot(t), t.table.clock) for t in (a, b, ev)]
     cases = [
         ([a, b], [(ids, good), (ids, bad)]),  # the second table's
@@ -1575,7 +1577,7 @@ def test_lookups_share_one_autograd_anchor_whose_grad_stays_none():
     """Every training lookup's backward hangs off one anchor leaf per device: one
     AccumulateGrad node for a step over many tables, and the anchor never gets a gradient
     (also when first made under inference mode)."""
-    from veloce.embedding import _ANCHORS, autograd_anchor
+    from veloce.sparse.autograd import _ANCHORS, autograd_anchor
 
     _ANCHORS.clear()
     with torch.inference_mode():
@@ -1754,7 +1756,7 @@ def test_deferred_insert_raises_bad_offsets_at_the_next_step(device):
     emb = veloce.DynamicEmbedding(4, mode="sum", device=device, defer_inserts=True)
     lin = nn.Linear(4, 1).to(device)
     model = nn.ModuleDict({"emb": emb, "lin": lin})
-    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), model)
+    opt = veloce.CombinedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), model)
     ids = torch.arange(6, device=device)
     lin(emb(ids, torch.tensor([0, 3], device=device))).sum().backward()
     opt.step()
@@ -1821,7 +1823,7 @@ def test_when_an_insert_defers(device, case):
     assert len(emb) == {"near grow_at": 55, "at max_capacity": 64}.get(case, 0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce.ops.extension.has_cuda_kernels(), reason="needs a GPU")
 @pytest.mark.parametrize("offsets", [False, True], ids=["2-D", "offsets"])
 def test_deferred_training_forward_makes_no_host_sync(offsets, capfd):
     """On CUDA a training forward with deferred inserts (its bag layout check included) never
@@ -1840,8 +1842,8 @@ def test_deferred_training_forward_makes_no_host_sync(offsets, capfd):
 
 def _counts_in_flight(monkeypatch):
     """Deferred counts that have not reached the host until waited for (as on a busy GPU)."""
-    arrived = veloce.table._DeferredCounts.arrived
-    monkeypatch.setattr(veloce.table._DeferredCounts, "arrived", lambda self, wait: wait and arrived(self, wait))
+    arrived = veloce.table.batch.DeferredCounts.arrived
+    monkeypatch.setattr(veloce.table.batch.DeferredCounts, "arrived", lambda self, wait: wait and arrived(self, wait))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -2076,7 +2078,7 @@ def test_plain_torch_adam_loop_raises_naming_combined_optimizer():
     opt.step()
     opt.zero_grad()
     before = snapshot(model.emb)
-    with pytest.raises(RuntimeError, match=r"veloce\.optim\.CombinedOptimizer\(") as err:
+    with pytest.raises(RuntimeError, match=r"veloce\.CombinedOptimizer\(") as err:
         model(_IDS + 100)  # the loop goes round: the table was never stepped
     assert "emb.step()" in str(err.value) and "emb.zero_grad()" in str(err.value)
     assert_same_snapshot(before, snapshot(model.emb))  # the refused forward changed nothing
@@ -2086,7 +2088,7 @@ def test_plain_torch_adam_loop_raises_naming_combined_optimizer():
 
 def test_combined_optimizer_loop_trains_the_tables():
     model = _Net()
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
     rows = [model.emb.find(torch.tensor([1]))[0]]
     for _ in range(3):
         model(_IDS).sum().backward()

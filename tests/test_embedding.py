@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import veloce
-from veloce import _ext
+from veloce.ops import extension as _ext
 from veloce.ops.embedding import accumulate_grad, pooled_lookup
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import veloce
-from veloce import _ext
+from veloce.ops import extension as _ext
 
 pytestmark = pytest.mark.skipif(not _ext.loaded, reason="veloce._C is not built")
 CUDA = pytest.mark.skipif(not torch.cuda.is_available() or not _ext.has_cuda_kernels(),
@@ -60,7 +60,7 @@ def trainer(model, dense_lr=1e-2, detach=True):
     """The model's optimizer and training step; ``detach=False``: the step returns the loss
     itself, whose graph lives as long as the caller keeps it."""
     dense = torch.optim.Adam(model.mlp.parameters(), lr=dense_lr, capturable=True)
-    opt = veloce.optim.CombinedOptimizer(dense, model)
+    opt = veloce.CombinedOptimizer(dense, model)
     loss_fn = nn.BCEWithLogitsLoss()
 
     def step(dense, ids_ab, ids_c, offsets_c, label):
@@ -166,7 +166,7 @@ table = veloce.DynamicEmbedding(8, mode="sum", capacity=1024, device="cuda", def
 mlp = nn.Linear(8, 1).cuda()
 dense = torch.optim.Adam(mlp.parameters(), lr=1e-2, capturable=True)
 model = nn.ModuleDict({"table": table, "mlp": mlp})
-opt = veloce.optim.CombinedOptimizer(dense, model)
+opt = veloce.CombinedOptimizer(dense, model)
 
 def fn(ids, offsets, label):
     loss = nn.functional.binary_cross_entropy_with_logits(mlp(table(ids, offsets)).squeeze(1), label)
@@ -276,7 +276,7 @@ def test_a_table_looked_up_twice_has_room_for_both_lookups():
     runs = []
     for graph in (False, True):
         model = Twice(64)  # grows several times
-        opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(model.mlp.parameters(), lr=0.1), model)
+        opt = veloce.CombinedOptimizer(torch.optim.SGD(model.mlp.parameters(), lr=0.1), model)
 
         def fn(a, b, model=model, opt=opt):
             loss = model(a, b).pow(2).mean()
@@ -381,7 +381,7 @@ def test_refusals_on_any_machine():
         veloce.CUDAGraphStep(None, plain)
     with pytest.raises(ValueError, match="warmup must be an int >= 1"):
         veloce.CUDAGraphStep(lambda: None, plain, warmup=0)
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(plain.parameters()), plain)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(plain.parameters()), plain)
     with pytest.raises(ValueError, match="capturable=True"):
         veloce.CUDAGraphStep(lambda: None, plain, opt)
     cpu = veloce.DynamicEmbedding(4)
@@ -506,7 +506,7 @@ def test_a_captured_insert_needs_room_for_every_insert_of_the_step():
     """The capture hook of HashTable._deferrable (any device): a captured insert defers
     (whatever ``defer`` says) while the table has room for it and for the step's earlier
     inserts into the same table; otherwise it asks the wrapper to grow the table."""
-    from veloce import _capture
+    from veloce.runtime import capture as _capture
     from veloce.table import HashTable
 
     t = HashTable(4, 0, capacity=64, grow_at=0.5)  # room for 32 ids
@@ -529,7 +529,8 @@ def test_a_captured_insert_needs_room_for_every_insert_of_the_step():
 def test_a_requeued_check_and_a_renewed_layout_check_read_again():
     """What the wrapper makes per replay (any device): a NaN/Inf check that reads the flags
     as they are now (a replay rewrote them), and a bag-layout check that raises again."""
-    from veloce.embedding import _FiniteCheck, _LayoutCheck
+    from veloce.sparse import FiniteCheck as _FiniteCheck
+    from veloce.sparse import LayoutCheck as _LayoutCheck
 
     emb = veloce.DynamicEmbedding(4, mode="sum")
     emb(torch.tensor([[1, 2], [3, 4]])).sum().backward()

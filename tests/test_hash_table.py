@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import veloce
 from veloce.ops import hash_table as ht
 
-pytestmark = pytest.mark.skipif(not veloce._ext.loaded, reason="veloce._C is not built")
+pytestmark = pytest.mark.skipif(not veloce.ops.extension.loaded, reason="veloce._C is not built")
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 EXTREME_IDS = [I64_MIN, I64_MAX, -1, 0, 1, I64_MIN + 1, I64_MAX - 1]
@@ -321,7 +321,7 @@ def test_many_repeats_of_few_ids_group_per_id(device):
     assert erased.nonzero().squeeze(1).tolist() == sorted(first.values())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce.ops.extension.has_cuda_kernels(), reason="needs a GPU")
 @pytest.mark.parametrize("kind", [0, 1, 2, 3])
 @pytest.mark.parametrize("dim", [1, 5, 37, 128])
 def test_cuda_initial_rows_equal_the_cpu_ones(kind, dim):
@@ -888,7 +888,7 @@ def test_bad_input_of_the_wrong_kind_is_refused(device):
         x.assert_equal(b)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce.ops.extension.has_cuda_kernels(), reason="needs a GPU")
 def test_bad_input_on_cuda_beside_a_cpu_table_is_refused():
     """A CUDA flag dispatches to the CUDA kernel: its error names bad_input, not the table."""
     t, ids, args = fi_case("cpu")
@@ -932,7 +932,7 @@ def nearly_full_table(capacity: int) -> Table:
     raise AssertionError("the table never filled up")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce.ops.extension.has_cuda_kernels(), reason="needs a GPU")
 @pytest.mark.parametrize("case", ["known", "alone", "shared", "nearly full"])
 @pytest.mark.parametrize("with_flag", [False, True], ids=["no bad_input", "bad_input False"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["racing", "in order"])
@@ -1042,7 +1042,7 @@ def decided_case(nb: int = 1024) -> tuple[Table, list[int], list[int], list[int]
     return t, alone, shared, touched
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce.ops.extension.has_cuda_kernels(), reason="needs a GPU")
 @pytest.mark.parametrize("op", ["find_or_insert", "insert_or_assign"])
 @pytest.mark.parametrize("case", ["evict", "no room", "doomed"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["racing", "in order"])
@@ -1091,7 +1091,7 @@ def test_cuda_insert_settled_at_the_first_sync_equals_cpu(op, case, deterministi
     assert torch.equal(keys[slots.cpu()], ids_tensor(ids))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce.ops.extension.has_cuda_kernels(), reason="needs a GPU")
 @pytest.mark.parametrize("empty", [False, True], ids=["ids", "no ids"])
 def test_cuda_bad_input_is_read_in_one_sync(empty, capfd):
     """A set flag is read with the miss counts (sync a), or alone when no table has ids:
@@ -1442,7 +1442,7 @@ def test_deferred_insert_refuses_eviction(device):
     t.assert_equal(before)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce.ops.extension.has_cuda_kernels(), reason="needs a GPU")
 def test_deferred_cuda_insert_refuses_deterministic_mode():
     t, ids, args = fi_case("cuda")
     before = t.clone()
@@ -1451,7 +1451,7 @@ def test_deferred_cuda_insert_refuses_deterministic_mode():
     t.assert_equal(before)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not veloce._ext.has_cuda_kernels(), reason="needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or not veloce.ops.extension.has_cuda_kernels(), reason="needs a GPU")
 @pytest.mark.parametrize("with_flag", [False, True], ids=["no bad_input", "bad_input False"])
 def test_deferred_cuda_insert_makes_no_host_sync(with_flag, capfd):
     tables, ids, args = many_case("cuda")

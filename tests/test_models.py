@@ -206,7 +206,7 @@ def test_training_with_dynamic_embedding_learns(one_thread, cls):
         model = DLRM(13, 26, embedding_dim=8, bottom_mlp=(32, 8), top_mlp=(32, 1), embedding_factory=table)
     else:
         model = DeepFM(13, 26, embedding_dim=8, deep_mlp=(32,), embedding_factory=table)
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=3e-3), model)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=3e-3), model)
     losses = []
     for (dense, sparse), label in SyntheticClicks(200 * 256, batch_size=256, seed=0):
         loss = F.binary_cross_entropy_with_logits(model(dense, sparse), label)

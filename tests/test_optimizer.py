@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from veloce import _ext
+from veloce.ops import extension as _ext
 from veloce.ops.optimizer import sparse_update, state_width
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -770,7 +770,7 @@ def _clip_both(mode, torch_clip, veloce_clip):
     ref = _ClipNet(mode, reference=True)
     ref_total = _clip_step(ref, torch.optim.SGD(ref.parameters(), lr=1.0), torch_clip)
     ours = _ClipNet(mode)
-    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(ours.lin.parameters(), lr=1.0), ours)
+    opt = veloce.CombinedOptimizer(torch.optim.SGD(ours.lin.parameters(), lr=1.0), ours)
     total = _clip_step(ours, opt, veloce_clip)
     ids = torch.tensor(sorted(ours.index))
     rows, found = ours.emb.find(ids)
@@ -814,7 +814,7 @@ def test_torch_clip_grad_norm_raises_while_a_table_holds_a_gradient_and_is_trans
     from torch.nn.utils import clip_grad
 
     model = _ClipNet("sum")
-    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(model.lin.parameters(), lr=0.1), model)
+    opt = veloce.CombinedOptimizer(torch.optim.SGD(model.lin.parameters(), lr=0.1), model)
     model(*_CLIP_BATCHES[0]).sum().backward()
     for clip in (torch.nn.utils.clip_grad_norm_, clip_grad.clip_grad_norm_, torch.nn.utils.clip_grad_value_):
         name = clip.__name__

@@ -85,7 +85,7 @@ def rank_inputs(step: int, world: int, rank: int):
 
 
 def train(model, world, rank, device, planner=None):
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
     preds, eager_steps, caps = [], [], []
     for step in range(STEPS):
         inputs, label, size = rank_inputs(step, world, rank)
@@ -267,7 +267,7 @@ def _graph_body(rank, world, graphed, ahead=False):
     device = torch.device("cuda", rank)
     model = Fixed(device)
     hp = HybridParallel(model, sparse="sync")
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01, capturable=True), hp)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01, capturable=True), hp)
     for m in (model.inner.a, model.inner.b, model.inner.c, model.inner.d):
         m.defer_inserts = True  # what a captured step does (the eager reference alike)
 
@@ -335,7 +335,7 @@ def _nan_body(rank, world):
     device = torch.device("cuda", rank)
     model = Fixed(device)
     hp = HybridParallel(model, sparse="sync")
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01, capturable=True), hp)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01, capturable=True), hp)
 
     def train_step(dense, ids_a, offsets_a, ids_b, label):
         loss = nn.functional.binary_cross_entropy_with_logits(hp(dense, ids_a, offsets_a, ids_b), label)

@@ -142,7 +142,7 @@ def test_clip_grad_norm_clips_dense_and_table_gradients_as_veloce_clip_grad_norm
     clipped = model(sparse_opt=veloce.optim.SGD(lr=0.5))
     trainer(clipped, optimizer=torch.optim.SGD(clipped.parameters(), lr=0.5), clip_grad_norm=0.05).fit(data(512, 128))
     ref = model(sparse_opt=veloce.optim.SGD(lr=0.5))
-    opt = veloce.optim.CombinedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.5), ref)
+    opt = veloce.CombinedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.5), ref)
     norms = []
     for (dense, sparse), label in data(512, 128):
         nn.BCEWithLogitsLoss()(ref(dense, sparse), label).backward()
@@ -423,7 +423,7 @@ def test_model_must_be_a_module():
 def test_a_plain_torch_optimizer_is_combined_with_the_tables():
     m = model()
     t = trainer(m)
-    assert isinstance(t.optimizer, veloce.optim.CombinedOptimizer) and len(t.optimizer.tables) == NUM_SPARSE
+    assert isinstance(t.optimizer, veloce.CombinedOptimizer) and len(t.optimizer.tables) == NUM_SPARSE
     t.fit(data(256, 128))
     table = m.embeddings["sparse_0"]
     keys = table.export()["keys"]

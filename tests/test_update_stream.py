@@ -1,4 +1,4 @@
-"""Sparse updates on the update stream (veloce._update_stream): the next step's insert runs
+"""Sparse updates on the update stream (veloce.runtime.update_stream): the next step's insert runs
 beside the update, and every other use of a table's rows waits for it.
 
 The protocol (which accesses wait for the fence) is tested on any device with a spy fence;
@@ -13,7 +13,7 @@ import torch
 from conftest import DEVICES, deterministic_algorithms
 
 import veloce
-import veloce._update_stream as update_stream
+import veloce.runtime.update_stream as update_stream
 
 CUDA = [d for d in DEVICES if d != "cpu"]
 
@@ -122,7 +122,7 @@ class FakeStream:
 def test_update_fence_join_covers_the_origin_stream_once_other_streams_every_time(monkeypatch):
     main, other = FakeStream(), FakeStream()
     current = [other]
-    # The seam join() asks (veloce._device.current_stream, whose cache never sees the fakes).
+    # The seam join() asks (veloce.runtime.device.current_stream, whose cache never sees the fakes).
     monkeypatch.setattr(update_stream, "current_stream", lambda device: current[0])
     fence = update_stream.UpdateFence(object(), (), origin=main)
     monkeypatch.setattr(update_stream, "_IN_FLIGHT", [fence])
@@ -246,7 +246,7 @@ def _train_dlrm(device, enabled: bool, monkeypatch, steps: int = 4) -> list:
         return veloce.DynamicEmbedding(dim, mode="sum", capacity=1 << 12, optimizer=veloce.optim.Adam(), device=device)
 
     model = DLRM(4, 5, embedding_dim=16, bottom_mlp=(32, 16), embedding_factory=table).to(device)
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model)
     gen = torch.Generator().manual_seed(1)
     seen = []
     for _ in range(steps):
@@ -268,13 +268,13 @@ def test_cuda_update_stream_dlrm_trains_bit_for_bit_as_the_current_stream(device
 
 @pytest.mark.parametrize("device", CUDA)
 def test_cuda_current_stream_follows_torch_under_contexts_threads_and_devices(device):
-    """veloce._device.current_stream (cached by the stream's raw handle) answers what
+    """veloce.runtime.device.current_stream (cached by the stream's raw handle) answers what
     torch.cuda.current_stream answers: on the default stream, inside stream contexts (nested,
     and after them), in another thread (whose current stream is its own), for a device given
     without an index, and for a stream of another device when there is one."""
     import threading
 
-    from veloce._device import current_stream
+    from veloce.runtime.device import current_stream
 
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -340,7 +340,7 @@ def test_cuda_a_table_stepped_twice_in_one_call_keeps_both_updates_inputs(device
         fences.append(update_stream.run_update(*args))
         return fences[-1]
 
-    monkeypatch.setattr(veloce.embedding, "run_update", spy)
+    monkeypatch.setattr(veloce.sparse.step, "run_update", spy)
     a = veloce.DynamicEmbedding(128, mode="sum", capacity=1 << 22, optimizer=veloce.optim.Adam(), device=device)
     b = veloce.DynamicEmbedding(128, mode="sum", optimizer=veloce.optim.Adam(), device=device)
     b.table = a.table
@@ -489,12 +489,12 @@ def test_cuda_a_copy_waits_for_a_change_queued_on_another_stream(device):
     assert torch.equal(twin.export()["keys"].sort().values, ids)
 
 
-# ---- the side streams' host helpers (veloce._device.use_stream, wait_for) ------------------
+# ---- the side streams' host helpers (veloce.runtime.device.use_stream, wait_for) ------------------
 @pytest.mark.parametrize("device", CUDA)
 def test_cuda_use_stream_sets_and_restores_the_current_stream(device):
     """use_stream is torch.cuda.stream at less host cost: inside, the given stream is
     current; after (also after an error, and nested), the one before it is."""
-    from veloce._device import current_stream, use_stream
+    from veloce.runtime.device import current_stream, use_stream
 
     dev = torch.device(device)
     before = torch.cuda.current_stream(dev)
@@ -523,7 +523,7 @@ def test_cuda_wait_for_orders_work_across_streams_with_a_reused_event(device):
     """wait_for(waiter, waited): work queued on the waiter afterwards runs after the work
     queued on the waited stream before. Its event is kept per pair and recorded again
     by the next call: that must not loosen an earlier wait."""
-    from veloce._device import use_stream, wait_for
+    from veloce.runtime.device import use_stream, wait_for
 
     dev = torch.device(device)
     waited, waiter = torch.cuda.Stream(dev), torch.cuda.Stream(dev)

@@ -98,7 +98,7 @@ build_in() {  # build_in DIR JOBS LOG
 }
 check_kernels() {
   for d in "$OLD" "$NEW"; do
-    (cd "$d" && PYTHONPATH="$d" python3 -c "import veloce; assert veloce._ext.has_cuda_kernels(); print('$d: CUDA kernels')")
+    (cd "$d" && PYTHONPATH="$d" python3 -c "import veloce; assert veloce.ops.extension.has_cuda_kernels(); print('$d: CUDA kernels')")
   done | say
 }
 save_build() {  # save_build TAG DIR: the extension, stripped and gzipped, to $OUT/b/TAG.so.gz
@@ -148,7 +148,7 @@ for stage in "$@"; do
       check_kernels; save_build new "$NEW"; t ;;
     buildone)
       build_in "$NEW" 16 /tmp/ab_build_new.log
-      PYTHONPATH=$NEW python3 -c "import veloce; assert veloce._ext.has_cuda_kernels(); print('new: CUDA kernels')" | say
+      PYTHONPATH=$NEW python3 -c "import veloce; assert veloce.ops.extension.has_cuda_kernels(); print('new: CUDA kernels')" | say
       save_build new "$NEW"; t ;;
     prebuilt)
       unpack_old

@@ -44,7 +44,7 @@ for stage in "$@"; do
           ls -la "$OUT/_C.abi3.so.gz"
         fi
       fi
-      python3 -c "import veloce; assert veloce._ext.has_cuda_kernels(), 'no CUDA kernels'; print('CUDA kernels: yes')"
+      python3 -c "import veloce; assert veloce.ops.extension.has_cuda_kernels(), 'no CUDA kernels'; print('CUDA kernels: yes')"
       ;;
     test)
       timeout 900 python3 -m pytest tests -q -p no:cacheprovider -k "cuda" 2>&1 | tee "$OUT/pytest_cuda.log" | tail -25

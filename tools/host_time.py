@@ -69,7 +69,7 @@ def main() -> None:
         raise SystemExit("--local: one process only (without torchrun)")
     if not args.local and world == 1:
         hp._shard_tables(None)  # sharded over the one rank: the sharded path's host work
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), hp)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), hp)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     data = batches(args, rank, torch.device("cpu"))
     times: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}

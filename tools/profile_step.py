@@ -86,7 +86,7 @@ def dlrm_step(args, dev):
 
     model = DLRM(13, 26, embedding_dim=args.dim, bottom_mlp=(512, 256, args.dim),
                  top_mlp=(1024, 1024, 512, 256, 1), embedding_factory=table).to(dev)  # fmt: skip
-    opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model)
+    opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), model)
     gen = torch.Generator(device=dev).manual_seed(0)
     b = args.dlrm_batch
     dense = torch.randn(b, 13, generator=gen, device=dev)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from veloce._progress import Bar
+from veloce.runtime.progress import Bar
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

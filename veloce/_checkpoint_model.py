@@ -18,8 +18,8 @@ from torch import nn
 from veloce import _checkpoint_io as _io
 from veloce._checkpoint_io import DENSE_FILE, ENTRIES, MANIFEST, CheckpointError
 from veloce.embedding import DynamicEmbedding
-from veloce.optim import CombinedOptimizer
-from veloce.table import _STATE_NAMES
+from veloce.sparse import CombinedOptimizer
+from veloce.table import STATE_NAMES as _STATE_NAMES
 
 
 # ---- the model's pieces ---------------------------------------------------------------------

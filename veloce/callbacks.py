@@ -190,7 +190,7 @@ class ProgressBar(Callback):
 
     def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
         try:
-            from veloce._progress import Bar
+            from veloce.runtime.progress import Bar
         except ImportError:  # no tqdm: a printed line per log
             return
         total = trainer.steps_per_epoch()

@@ -74,7 +74,7 @@ def save(
     Args:
         path: the checkpoint directory (same on every rank; a shared file system).
         model: the model (a DDP-style wrapper whose ``.module`` is the model also works).
-        optimizer: a :class:`veloce.optim.CombinedOptimizer` or a torch optimizer, or None.
+        optimizer: a :class:`veloce.CombinedOptimizer` or a torch optimizer, or None.
         step: the training step, returned by :func:`load`.
         extra: a JSON-serialisable dict (data position, RNG state as lists of ints, ...).
         overwrite: replace a committed checkpoint at ``path`` instead of refusing.

@@ -6,13 +6,13 @@ Python and the launches of a few hundred kernels take longer than the kernels th
 ``benchmarks/README.md``, twenty-eighth session). A CUDA graph captures the step's kernels
 once and replays them with one launch.
 
-What makes a veloce step capturable (see :mod:`veloce._capture`): while capturing, every
+What makes a veloce step capturable (see :mod:`veloce.runtime.capture`): while capturing, every
 training insert defers its read-back and stamps its LRU clocks from device tensors; every
 fused update reads its learning rate and step count from device tensors; the graph advances
 both itself. The wrapper carries the host's bookkeeping across replays: it reads each
 replay's insert counts (the table sizes) and NaN/Inf check before the next replay, raising
 their errors as ``step()`` would; it grows a table that a replay could fill and captures
-again; it moves the learning rates of a :class:`veloce.optim.CombinedOptimizer` (an LR
+again; it moves the learning rates of a :class:`veloce.CombinedOptimizer` (an LR
 scheduler's) to the device before each replay.
 """
 
@@ -24,12 +24,14 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from veloce import _capture, _update_stream
-from veloce._device import current_stream
+from veloce.runtime import capture as _capture
+from veloce.runtime import update_stream as _update_stream
+from veloce.runtime.device import current_stream
 from veloce.distributed import static
-from veloce.embedding import DynamicEmbedding, _DeferredCheck, _raise_deferred
-from veloce.optim import CombinedOptimizer
-from veloce.table import TableFullError, _DeferredCounts
+from veloce.embedding import DynamicEmbedding
+from veloce.sparse import CombinedOptimizer, DeferredCheck, raise_deferred
+from veloce.table import TableFullError
+from veloce.table.batch import DeferredCounts
 
 __all__ = ["CUDAGraphStep"]
 
@@ -107,7 +109,7 @@ class CUDAGraphStep:
 
     Example::
 
-        opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters(), capturable=True), model)
+        opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters(), capturable=True), model)
 
         def train_step(dense, sparse, label):
             loss = loss_fn(model(dense, sparse), label)
@@ -129,7 +131,7 @@ class CUDAGraphStep:
             raise TypeError(f"CUDAGraphStep: model must be an nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, CombinedOptimizer):
             raise TypeError(
-                f"CUDAGraphStep: optimizer must be a veloce.optim.CombinedOptimizer (or None), got {type(optimizer).__name__}"
+                f"CUDAGraphStep: optimizer must be a veloce.CombinedOptimizer (or None), got {type(optimizer).__name__}"
             )
         if not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"CUDAGraphStep: warmup must be an int >= 1, got {warmup!r}")
@@ -294,7 +296,7 @@ class CUDAGraphStep:
         # that every rank queues the same replays.
         unread = ahead is not None
         if not unread:
-            _raise_deferred(self.modules)
+            raise_deferred(self.modules)
         late: Optional[BaseException] = None
         plans = None
         if self._sharded:
@@ -353,12 +355,12 @@ class CUDAGraphStep:
         return self._out
 
     def _read_last(self) -> Optional[BaseException]:
-        """Reads what the last replay left for the host (see ``_raise_deferred``: insert
+        """Reads what the last replay left for the host (see ``raise_deferred``: insert
         counts, NaN/Inf checks) and returns its error, if any, for the caller to raise once
         this call's replay is booked. Everything is read even then (a refused insert's
         error does not leave the checks unread)."""
         try:
-            _raise_deferred(self.modules)
+            raise_deferred(self.modules)
             return None
         except Exception as e:  # noqa: BLE001 - the caller raises it
             for t in self._tables:
@@ -750,13 +752,13 @@ class CUDAGraphStep:
                 if check is None:
                     check = fresh[id(refusal.__self__)] = refusal.__self__.renewed()
                 refusal = check.refused
-            counts = _DeferredCounts(ins.counts, refusal)
+            counts = DeferredCounts(ins.counts, refusal)
             for k, (t, n) in enumerate(zip(ins.tables, ins.num_ids)):
                 t._unread.append((counts, k, n))
         for chk in log.checks:  # before the host's steps move on: the verdict keeps them to roll back
             for m in chk.tables:  # an older verdict left unread (an error cut its read short): settled first
                 m._settle_check()
-            verdict = _DeferredCheck(chk.check.requeued(), chk.tables)
+            verdict = DeferredCheck(chk.check.requeued(), chk.tables)
             for m in chk.tables:
                 m._verdict = verdict
         for m in self.modules:

@@ -2,7 +2,7 @@
 
 Where data enters and leaves: a loader yields ``(inputs, target)``; the trainer moves both
 to the model's device, calls the model (``veloce/_training.py`` holds the conventions),
-applies ``loss_fn(preds, target)``, steps a :class:`veloce.optim.CombinedOptimizer` (dense
+applies ``loss_fn(preds, target)``, steps a :class:`veloce.CombinedOptimizer` (dense
 parameters and every ``DynamicEmbedding`` table) and feeds ``preds`` to stateful metrics.
 Checkpoints go through :mod:`veloce.checkpoint`; records go to the callbacks
 (:mod:`veloce.callbacks`: progress bar, JSON lines, TensorBoard, early stopping).
@@ -32,7 +32,7 @@ from veloce._training import rng_state, set_rng_state, split_batch, world
 from veloce.callbacks import Callback, JSONLinesLogger, ProgressBar, TensorBoardLogger
 from veloce.graphs import CUDAGraphStep
 from veloce.metrics import MetricError
-from veloce.optim import CombinedOptimizer, clip_grad_norm_
+from veloce.sparse import CombinedOptimizer, clip_grad_norm_
 
 __all__ = ["Trainer", "TrainingInterrupted"]
 
@@ -124,7 +124,7 @@ class Trainer:
         model: the model; its ``DynamicEmbedding`` tables are stepped with their own sparse
             optimizer.
         loss_fn: ``loss_fn(preds, target) -> scalar``; default ``nn.BCEWithLogitsLoss()``.
-        optimizer: a :class:`~veloce.optim.CombinedOptimizer`, or a torch optimizer over the
+        optimizer: a :class:`~veloce.CombinedOptimizer`, or a torch optimizer over the
             dense parameters (wrapped in a ``CombinedOptimizer`` so the tables are stepped
             too), or None for ``torch.optim.Adam(lr=1e-3)`` on the dense parameters.
         metrics: name -> metric with ``update(preds, target)``, ``compute()``, ``reset()``

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from veloce._device import HostCopy, host_tensor
+from veloce.runtime.device import HostCopy, host_tensor
 
 __all__ = ["ExchangeError", "exchange_headers", "begin_headers", "finish_headers", "Header", "all_to_all",
            "all_to_all_rows", "wire_dtype", "wire_code",

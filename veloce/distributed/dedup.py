@@ -19,12 +19,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from veloce._device import host_tensor
+from veloce.runtime.device import host_tensor
 from veloce.distributed._comm import all_to_all, all_to_all_rows, exchange_headers, modes_code, wire_code, wire_dtype
 from veloce.distributed.sharded import (
     _SUM, Shard, _cat_grads, _concat_bags, _deliver, _mean_scale, _per_table, _received_order,
     _serve_tables, _table_major, _split_psw_grads, _tags_hash,
 )  # fmt: skip
+from veloce.sparse import check_offsets_many, psw_gradient
 from veloce.ops.exchange import owner_of
 
 __all__ = ["forward_rows"]
@@ -58,9 +59,8 @@ class _RowExchange:
                  self.recv_ids_n, self.recv_ids_nk, sync=False)  # fmt: skip
         if not any(psw_grad):
             return [None] * len(self.modules)
-        from veloce.embedding import _psw_grad
 
-        flat = _psw_grad(self.rows, self.inverse, batch.starts, pooled_grad, False)
+        flat = psw_gradient(self.rows, self.inverse, batch.starts, pooled_grad, False)
         return _split_psw_grads(flat, batch.kept, batch.num_ids, psw_grad)
 
 
@@ -98,10 +98,9 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
         ``backward(grads, psw_grad)`` sends one gradient row per distinct id to its owner.
     """
     if layouts:  # the deferred bag layouts, checked before anything else (sharded_lookup)
-        from veloce.embedding import _check_offsets_many
 
         with shard.abandon_on_error():
-            _check_offsets_many(layouts)
+            check_offsets_many(layouts)
     g = shard.group
     K, W = len(modules), g.size
     dev = bags[0][0].device

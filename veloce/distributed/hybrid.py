@@ -10,7 +10,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from veloce._device import current_stream
+from veloce.distributed.sharded import complete_prefetched, dispatch_many, drop_failed_gradients
+from veloce.embedding import DynamicEmbedding
+from veloce.runtime import capture as _capture
+from veloce.runtime.device import current_stream, to_device
+from veloce.runtime.update_stream import on_prefetch_stream, record_streams
+from veloce.sparse import raise_deferred
 from veloce.distributed._comm import Group
 from veloce.distributed.sharded import Shard
 
@@ -30,8 +35,6 @@ def _tensors(obj: Any) -> list:
 
 def _to_device(obj: Any, dev: torch.device) -> Any:
     """``obj`` with its CPU tensors copied to ``dev`` without a host sync (pinned staging)."""
-    from veloce._device import to_device
-
     if isinstance(obj, torch.Tensor):
         return to_device(obj, dev) if obj.device.type == "cpu" else obj
     if isinstance(obj, tuple):
@@ -146,7 +149,7 @@ class HybridParallel(nn.Module):
 
         torch.distributed.init_process_group()          # torchrun sets the environment
         model = veloce.distributed.HybridParallel(model, sparse="sync")
-        opt = veloce.optim.CombinedOptimizer(torch.optim.Adam(model.parameters()), model)
+        opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters()), model)
         for inputs, target in loader:                   # this rank's batches
             loss_fn(model(*inputs), target).backward(); opt.step(); opt.zero_grad()
     """
@@ -165,7 +168,6 @@ class HybridParallel(nn.Module):
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__()
-        from veloce.embedding import DynamicEmbedding
 
         if sparse not in _SPARSE:
             raise ValueError(f"HybridParallel: sparse must be 'sync' or 'async', got {sparse!r}")
@@ -250,20 +252,15 @@ class HybridParallel(nn.Module):
         for tag, (name, m) in enumerate(self.tables):
             m._shard = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group, self.dedup,
                              self.lookup_errors, dispatch_group, self.exchange_dtype, weakref.ref(self))  # fmt: skip
-        from veloce.distributed.sharded import drop_failed_gradients
-
         modules = [m for _, m in self.tables]
         lookup_group.on_failure = lambda: drop_failed_gradients(modules)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the wrapped model (through DDP when dense parameters are data-parallel)."""
-        from veloce import _capture
 
         if _capture.ACTIVE is not None and _capture.ACTIVE.averaging is self:
             return self.module(*args, **kwargs)  # a captured step (CUDAGraphStep) averages the dense gradients itself
         if self.prefetch_depth == "header" and self.tables and self.world_size > 1:
-            from veloce.distributed.sharded import complete_prefetched
-
             complete_prefetched(self.tables[0][1]._shard.group)
         return (self._ddp or self.module)(*args, **kwargs)
 
@@ -338,8 +335,6 @@ class HybridParallel(nn.Module):
             )  # fmt: skip
         if self.world_size == 1 or not self.tables:
             return
-        from veloce._update_stream import on_prefetch_stream, record_streams
-        from veloce.embedding import dispatch_many
 
         dev = self.tables[0][1].table.device
         if dev.type != "cuda":
@@ -386,9 +381,7 @@ class HybridParallel(nn.Module):
         the tables hold every update (call before evaluating, exporting or checkpointing
         at the end of training). Collective: every rank calls it, in sync mode too (where
         it applies nothing and only meets the other ranks: a barrier)."""
-        from veloce.embedding import _raise_deferred
-
-        _raise_deferred([m for _, m in self.tables])  # a failed step's error first: nothing moved yet
+        raise_deferred([m for _, m in self.tables])  # a failed step's error first: nothing moved yet
         for _, m in self.tables:
             if m._shard is not None and m._shard.in_flight:
                 m._shard.flush(m)
@@ -406,9 +399,7 @@ class HybridParallel(nn.Module):
         rank, with the model still wrapped and that step's gradients dropped. While several
         ranks run, a training lookup of an unwrapped table then raises (each rank would
         train its shard alone) unless the table is ``per_rank``."""
-        from veloce.embedding import _raise_deferred
-
-        _raise_deferred([m for _, m in self.tables])
+        raise_deferred([m for _, m in self.tables])
         for _, m in self.tables:  # every table's, before any is unwrapped
             if m._shard is not None and m._shard.in_flight:
                 m._shard.flush(m)

@@ -41,14 +41,15 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from veloce._device import current_stream, host_tensor
-from veloce._update_stream import on_prefetch_stream, record_streams
+from veloce.runtime.device import current_stream, host_tensor
+from veloce.runtime.update_stream import on_prefetch_stream, record_streams
 from veloce.distributed._comm import (
     DeferredFailure, ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all,
     all_to_all_rows, Header, begin_headers, finish_headers, raise_deferred_failures, modes_code, wire_code, wire_dtype,
 )  # fmt: skip
 from veloce.ops.embedding import pooled_lookup_kernels
 from veloce.ops.exchange import bucketize_bags, combine_parts, regroup_blocks
+from veloce.sparse import Pending, autograd_anchor, lookup_groups, check_offsets_many, offsets_flags, psw_gradient, reresolve
 from veloce.table import find_or_insert_many
 
 __all__ = ["Shard", "table_shard", "sharded_lookup"]
@@ -109,6 +110,16 @@ class Shard:
         """The sharded equivalent of ``module``'s local pooled lookup (``layouts``: see
         :func:`sharded_lookup`)."""
         return sharded_lookup([module], [(ids, offsets, psw)], layouts)[0]
+
+    def lookup_many(self, modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple] = ()) -> list[torch.Tensor]:
+        """The pooled lookups of ``modules`` (sharded on this shard's group, one exchange;
+        see :func:`sharded_lookup`)."""
+        return sharded_lookup(modules, bags, layouts)
+
+    def raise_deferred_failures(self) -> None:
+        """Raises an owner's failure of an earlier lookup on this shard's group that
+        ``HybridParallel(lookup_errors="raise_next")`` deferred."""
+        raise_deferred_failures(self.group)
 
     def collect(self, module) -> None:
         """Before the owner's step(): async gradients that are due (sent ``staleness``
@@ -215,8 +226,6 @@ def sharded_lookup(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
         with torch.no_grad():
             outs, _ = _run_forward(shard, modules, bags, False, layouts, dispatched, training)
         return list(outs)
-    from veloce.embedding import autograd_anchor  # embedding imports this module
-
     return list(_GroupedLookup.apply(autograd_anchor(bags[0][0].device), shard, modules, bags, psw_grad, layouts,
                                      dispatched, training, *psws))  # fmt: skip
 
@@ -479,22 +488,20 @@ def _layout_flag(layouts: Sequence[tuple], dev: torch.device) -> Optional[torch.
     None when there is nothing to check there (layouts on other devices are checked now)."""
     if not layouts:
         return None
-    from veloce.embedding import _check_offsets_many, _offsets_flags
 
-    flags = _offsets_flags(layouts)
+    flags = offsets_flags(layouts)
     if not flags:
         return None
     if set(flags) != {dev}:
-        _check_offsets_many(layouts, flags)
+        check_offsets_many(layouts, flags)
         return None
     return flags[dev]
 
 
 def _raise_bad_layout(layouts: Sequence[tuple]) -> None:
     """Raises the detailed error of the first bad layout, if one is bad."""
-    from veloce.embedding import _check_offsets_many
 
-    _check_offsets_many(layouts)
+    check_offsets_many(layouts)
 
 
 @dataclass
@@ -971,11 +978,10 @@ def _deliver(shard: Shard, modules: list, served: list, rows: torch.Tensor, send
 
 def _psw_grads(ex: _Exchange, per_table: Sequence[torch.Tensor], psw_grad: list[bool]) -> list:
     """d out[bag] / d psw[i] = <row(i), grad of i's part>: computed by the owner, sent back."""
-    from veloce.embedding import _psw_grad
 
     g = ex.shard.group
     mine = [
-        _psw_grad(m.table.weights, _current_slots(m, s), s.offsets, gk, False) if s is not None
+        psw_gradient(m.table.weights, _current_slots(m, s), s.offsets, gk, False) if s is not None
         else gk.new_zeros(sum(n))  # a failed owner (lookup_errors="raise_next"): the step raises anyway
         for m, s, gk, n in zip(ex.modules, ex.served, per_table, ex.recv_ids_nk)
     ]  # fmt: skip
@@ -987,9 +993,8 @@ def _psw_grads(ex: _Exchange, per_table: Sequence[torch.Tensor], psw_grad: list[
 def _current_slots(module, served: _Served) -> torch.Tensor:
     if served.version == module.table.version:
         return served.slots
-    from veloce.embedding import _reresolve
 
-    return _reresolve(module.table, served.ids, served.slots)
+    return reresolve(module.table, served.ids, served.slots)
 
 
 def _record(modules: Sequence, served: Sequence[Optional[_Served]], grads: Sequence[torch.Tensor],
@@ -997,11 +1002,10 @@ def _record(modules: Sequence, served: Sequence[Optional[_Served]], grads: Seque
     """The owner keeps each table's received part gradients until its step(), like a local
     backward (none where it failed to serve them: that step raises). ``noted``: async
     gradients, counted as waiting when they were sent (:func:`_deliver`)."""
-    from veloce.embedding import _Pending
 
     for module, s, grad in zip(modules, served, grads):
         if s is not None:
-            module._accumulate(_Pending(s.ids, s.slots, s.offsets, s.psw, grad, _SUM, False, s.version), noted)
+            module._accumulate(Pending(s.ids, s.slots, s.offsets, s.psw, grad, _SUM, False, s.version), noted)
 
 
 class _GroupedLookup(torch.autograd.Function):
@@ -1021,3 +1025,23 @@ class _GroupedLookup(torch.autograd.Function):
         psw_needed = list(ctx.needs_input_grad[8:])
         psw_grads = ctx.ex.backward(grads, psw_needed)
         return (None, None, None, None, None, None, None, None, *psw_grads)
+
+
+def dispatch_many(tables: Sequence, inputs: Sequence[Any], depth: str = "inserts") -> None:
+    """The first half of a later ``lookup_many(tables, inputs)`` of sharded tables, run now:
+    each exchange's ids go to their owners, which insert them
+    (:meth:`veloce.distributed.HybridParallel.prefetch` calls it; local tables are looked
+    up in full later). The later call finds it and runs only the second half.
+    ``depth="header"``: only the first half's start (no host sync); the later call runs the rest."""
+    args, groups, _ = lookup_groups(tables, inputs, "prefetch")
+    aranges: dict = {}
+    for idx in groups.values():
+        shard = tables[idx[0]]._shard
+        group_tables = [tables[i] for i in idx]
+        check_prefetchable(group_tables)  # before the input's checks, which abandon the exchange on an error
+        with deferring_errors(shard, group_tables, depth) as failed:
+            with shard.abandon_on_error(shard.dispatch_group or shard.group):  # bad input fails every rank
+                layouts: list = []
+                bags = [tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in idx]
+        if not failed:
+            dispatch_group(group_tables, bags, layouts, depth)

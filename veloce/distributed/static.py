@@ -44,8 +44,10 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from veloce._device import host_tensor
+from veloce.runtime.device import host_tensor
 from veloce.distributed._comm import ExchangeError, Group, wire_code, wire_dtype
+from veloce.sparse import autograd_anchor, lookup_groups
+from veloce.table import find_or_insert_many
 from veloce.ops.exchange import bucketize_bags, combine_parts
 
 __all__ = ["SENTINEL", "Caps", "Counted", "Plan", "check_static", "count", "agree", "prepare", "lookup", "PLANNED",
@@ -378,7 +380,6 @@ class _StaticExchange:
 
 def _forward(modules: list, plan: Plan, training: tuple[bool, ...]) -> tuple[tuple, _StaticExchange]:
     from veloce.distributed.sharded import _Batch, _mean_scale, _per_table, _serve_all
-    from veloce.table import find_or_insert_many
 
     c, caps = plan.counted, plan.caps
     g, K = c.group, len(modules)
@@ -507,7 +508,6 @@ def lookup(modules: Sequence, bags: Sequence[tuple], plan: Plan) -> list[torch.T
     if not any(training):
         with torch.no_grad():
             return list(_forward(list(modules), plan, training)[0])
-    from veloce.embedding import autograd_anchor
 
     return list(_StaticLookup.apply(autograd_anchor(c.ids.device), list(modules), plan, training))
 
@@ -528,11 +528,10 @@ class Planner:
     def count(self, lookups: Sequence[tuple]) -> list[Counted]:
         """:func:`count` of each exchange of ``lookups`` (``[(tables, inputs), ...]`` as a
         model's ``sparse_lookups`` returns them), in the order the forward runs them."""
-        from veloce.embedding import _lookup_groups
 
         counted = []
         for tables, inputs in lookups:
-            args, groups, _ = _lookup_groups(tables, inputs, "CUDAGraphStep")
+            args, groups, _ = lookup_groups(tables, inputs, "CUDAGraphStep")
             aranges: dict = {}
             for idx in groups.values():
                 layouts: list = []

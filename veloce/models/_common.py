@@ -8,8 +8,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from veloce._compile import is_compiling
-from veloce.embedding import DynamicEmbedding, lookup_many, training_lookup
+from veloce.embedding import DynamicEmbedding
+from veloce.sparse import is_compiling, lookup_many, training_lookup
 from veloce.table import insert_beside_updates
 
 EmbeddingFactory = Callable[[int], nn.Module]
@@ -26,15 +26,7 @@ def default_embedding_factory(dim: int) -> nn.Module:
 
     With one id per bag, ``"sum"`` and ``"mean"`` agree and ``"sum"`` skips a division.
     """
-    import veloce  # lazily: veloce.models must import without the embedding module
-
-    cls = getattr(veloce, "DynamicEmbedding", None)
-    if cls is None:
-        raise ImportError(
-            "veloce.DynamicEmbedding is not available in this build; pass embedding_factory=, "
-            "e.g. lambda dim: torch.nn.EmbeddingBag(num_buckets, dim, mode='sum') over hashed ids"
-        )
-    return cls(dim, mode="sum")
+    return DynamicEmbedding(dim, mode="sum")
 
 
 def feature_names(num_sparse: int | Sequence[str]) -> list[str]:

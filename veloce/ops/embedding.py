@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from veloce import _ext
+from veloce.ops import extension as _ext
 
 __all__ = ["MODES", "accumulate_grad", "bag_layouts_bad", "bag_of", "max_pool", "max_pool_position_grad", "pooled_lookup",
            "pooled_lookup_many"]

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from veloce import _ext
+from veloce.ops import extension as _ext
 
 __all__ = ["Buckets", "owner_of", "bucketize_bags", "combine_parts", "regroup_blocks"]
 

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from veloce import _ext
+from veloce.ops import extension as _ext
 
 __all__ = [
     "SCORE_NONE",

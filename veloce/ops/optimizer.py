@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from veloce import _ext
+from veloce.ops import extension as _ext
 
 __all__ = [
     "OPTIMIZERS", "accumulate_and_update", "accumulate_and_update_many", "nonfinite_flags", "sparse_update",

@@ -51,8 +51,8 @@ from typing import Any, Callable
 
 import torch
 
-from veloce import _capture
-from veloce._device import current_stream, use_stream, wait_for
+from veloce.runtime import capture as _capture
+from veloce.runtime.device import current_stream, use_stream, wait_for
 
 __all__ = ["ENABLED", "UpdateFence", "beside_updates", "prefetch_stream", "prefetching", "release_done",
            "run_update", "wait_prefetch_origin", "on_prefetch_stream", "record_streams"]  # fmt: skip

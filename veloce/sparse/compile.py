@@ -40,10 +40,15 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from veloce import _ext
-from veloce.ops.embedding import max_pool
+from veloce.ops import extension as _ext
+from veloce.ops.embedding import max_pool, pooled_lookup
+from veloce.ops.hash_table import find, initialize
+from veloce.sparse import autograd as _autograd
+from veloce.sparse.autograd import autograd_anchor, psw_gradient
+from veloce.sparse.base import MODES, TableModule
+from veloce.sparse.lookup import install_compiled_path, lookup_many
 
-__all__ = ["RECORDER", "is_compiling", "is_exporting", "lookup", "register"]
+__all__ = ["is_compiling", "is_exporting", "lookup", "register"]
 
 is_compiling = getattr(torch.compiler, "is_compiling", None)
 if is_compiling is None:  # torch < 2.3
@@ -60,11 +65,6 @@ is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 _MODULES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # a row dtype as an op argument
-
-#: While ``veloce::lookup`` runs the eager path: the recorder that stands in for the eager
-#: autograd node of its training lookups (``embedding._train_lookups``), else None.
-RECORDER: Optional["_Recorder"] = None
-
 
 def register(module: Any) -> int:
     """A new handle of ``module`` (a ``DynamicEmbedding``) for the lookup op. The registry
@@ -98,9 +98,7 @@ class _Recorder:
                offsets: Sequence[torch.Tensor],
                psws: Sequence[Optional[torch.Tensor]]) -> tuple[torch.Tensor, ...]:  # fmt: skip
         """``embedding._train_lookups`` without its autograd node: the pooled outputs."""
-        from veloce import embedding  # embedding imports this module
-
-        outs, argmax = embedding._pooled(modules, slots, offsets, psws)
+        outs, argmax = _autograd._pooled(modules, slots, offsets, psws)
         for m, out, s, o, a in zip(modules, outs, slots, offsets, argmax):
             self.lookups[id(out)] = (out, s, o, m.table.version, a)
         return tuple(outs)
@@ -148,12 +146,10 @@ def _opaque(modules: Sequence[Any], args: Sequence[tuple]) -> bool:
     """Whether the op serves these lookups: local tables, tensor arguments of nn.EmbeddingBag's
     shapes (anything else runs eagerly, which raises the eager path's own error for bad
     arguments)."""
-    from veloce.embedding import DynamicEmbedding  # embedding imports this module
-
     if not modules or len(modules) != len(args):
         return False
     for m, a in zip(modules, args):
-        if not isinstance(m, DynamicEmbedding) or m._shard is not None or len(a) != 3:
+        if not isinstance(m, TableModule) or m._shard is not None or len(a) != 3:
             return False
         x, offsets, psw = a
         if not isinstance(x, torch.Tensor) or any(t is not None and not isinstance(t, torch.Tensor) for t in a[1:]):
@@ -188,8 +184,6 @@ _EAGER: dict[str, Any] = {}
 
 
 def _run_eagerly(modules: Sequence[Any], inputs: Sequence[Any], many: bool) -> list[torch.Tensor]:
-    from veloce.embedding import lookup_many  # embedding imports this module
-
     if many:
         return lookup_many(modules, inputs)
     return [modules[0].forward(*_args(inputs[0]))]
@@ -202,8 +196,6 @@ def _anchor(device: torch.device) -> torch.Tensor:
     process. (What ``torch._dynamo.assume_constant_result`` marks, without importing dynamo.)
     Its gradient accumulator is kept (:func:`_trains` asks whether a pass runs it): the op's
     backward runs below autograd, where it cannot be looked up."""
-    from veloce.embedding import autograd_anchor  # embedding imports this module
-
     anchor = autograd_anchor(device)
     edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
     if edge is not None and device not in _ANCHOR_NODES:
@@ -239,23 +231,20 @@ def _lookup_impl(anchor, inputs, offsets, per_sample_weights, has_offsets, has_p
     must read those), then, for a ``mode="max"`` table, its (B, D) argmax positions.
     ``versions``: (K,) int64 on the CPU, each table's version at its lookup, -1 for a table
     not trained."""
-    global RECORDER
     modules = _modules(handles, "lookup")
     _check_unchanged(modules, dims, dtypes, training, include_last_offset, max_mode)
     offsets, per_sample_weights = _unpacked(offsets, has_offsets), _unpacked(per_sample_weights, has_psw)
     args = [(x, o, None if p is None else p.detach()) for x, o, p in zip(inputs, offsets, per_sample_weights)]
-    recorder, outer = _Recorder(), RECORDER
-    RECORDER = recorder
+    recorder, outer = _Recorder(), _autograd.RECORDER
+    _autograd.RECORDER = recorder
     try:
         with torch.set_grad_enabled(grad_enabled):
             if many:
-                from veloce.embedding import lookup_many  # embedding imports this module
-
-                outs = lookup_many(modules, args)
+                            outs = lookup_many(modules, args)
             else:
                 outs = [modules[0].forward(*args[0])]
     finally:
-        RECORDER = outer
+        _autograd.RECORDER = outer
     parts: list[torch.Tensor] = []
     versions: list[int] = []
     for k, out in enumerate(outs):
@@ -350,12 +339,11 @@ def _lookup_backward_impl(grads, inputs, offsets, per_sample_weights, index, ver
     """``veloce::lookup``'s backward: each trained table's pooled gradient left pending (as
     the eager backward leaves it, ``embedding._table_backward``), and the per-sample weights'
     gradients (empty where none is asked for). Returns an empty gradient of the anchor too."""
-    from veloce import embedding  # embedding imports this module
 
     modules = _modules(handles, "lookup_backward")
     device = inputs[0].device
     vers = versions.tolist()
-    grads = embedding._contiguous_grads(grads, [m.table.dtype for m in modules])
+    grads = _autograd._contiguous_grads(grads, [m.table.dtype for m in modules])
     trains = _trains(device)
     psw_grads: list[torch.Tensor] = []  # an empty tensor where there is none (each its own: no aliases)
     pos = 0
@@ -377,7 +365,7 @@ def _lookup_backward_impl(grads, inputs, offsets, per_sample_weights, index, ver
         ids = x.long().reshape(-1)
         flat_psw = None if psw is None else psw.reshape(-1).to(m.table.dtype)
         if vers[k] >= 0:
-            g = embedding._table_backward(m, ids, slots, offs, flat_psw, grads[k], vers[k], trains, psw_grad[k],
+            g = _autograd._table_backward(m, ids, slots, offs, flat_psw, grads[k], vers[k], trains, psw_grad[k],
                                           argmax)
         elif psw is not None and psw_grad[k]:
             g = _eval_psw_grad(m, ids, _flat_offsets(x, offsets[k], m.include_last_offset), grads[k])
@@ -398,10 +386,9 @@ def _trains(device: torch.device) -> bool:
     """Whether the backward pass running now accumulates into the lookups' anchor (a
     ``loss.backward()``), so that the tables take its gradient; ``torch.autograd.grad`` and
     ``backward(inputs=...)`` give them none, as in eager (``embedding._accumulates_into``)."""
-    from veloce.embedding import _accumulates_into  # embedding imports this module
 
     node = _ANCHOR_NODES.get(device)
-    return True if node is None else _accumulates_into(node)
+    return True if node is None else _autograd._accumulates_into(node)
 
 
 def _flat_offsets(x: torch.Tensor, offsets: Optional[torch.Tensor], include_last_offset: bool) -> torch.Tensor:
@@ -418,17 +405,15 @@ def _flat_offsets(x: torch.Tensor, offsets: Optional[torch.Tensor], include_last
 def _eval_psw_grad(module: Any, ids: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The per-sample weights' gradient of an eval-mode lookup: ``<row(i), grad[bag(i)]>``,
     the rows as the lookup read them (unknown ids: the initializer's row, or zeros)."""
-    from veloce.embedding import _psw_grad  # embedding imports this module
 
     slots, extra = module._eval_slots(ids)
-    return _psw_grad(module.table.weights, slots, offsets, grad, module.include_last_offset, extra)
+    return psw_gradient(module.table.weights, slots, offsets, grad, module.include_last_offset, extra)
 
 
 # ---- torch.export --------------------------------------------------------------------------
 def _exported_lookup(module: Any, input: Any, offsets: Any = None, per_sample_weights: Any = None) -> torch.Tensor:
     """An eval-mode lookup traced over the table's buffers (what ``torch.export`` holds):
     ``find``, unknown ids as the eval forward reads them, and a checked ``pooled_lookup``."""
-    from veloce.embedding import _MODES  # embedding imports this module
 
     if module.training:
         raise RuntimeError(
@@ -445,7 +430,7 @@ def _exported_lookup(module: Any, input: Any, offsets: Any = None, per_sample_we
     # The offsets' values are checked by pooled_lookup (check_inputs=True) when the program runs.
     ids, offsets, psw = module._bags(input, offsets, per_sample_weights, deferred=[])
     table = module.table
-    slots = torch.ops.veloce.find(table.keys, table.digests, ids)
+    slots = find(table.keys, table.digests, ids)
     missing = slots < 0
     if module.padding_idx is not None:
         pad = ids == module.padding_idx
@@ -456,13 +441,12 @@ def _exported_lookup(module: Any, input: Any, offsets: Any = None, per_sample_we
         slots = slots.masked_fill(missing, -2)
     else:  # the initializer's row of every id, read where the id is unknown (no data-dependent size)
         init = table.initializer
-        extra = torch.ops.veloce.initialize(ids, module.embedding_dim, table.seed, init.kind, init.a, init.b,
-                                            table.dtype)  # fmt: skip
+        extra = initialize(ids, module.embedding_dim, table.seed, init.kind, init.a, init.b, table.dtype)
         slots = torch.where(missing, torch.arange(ids.numel(), device=ids.device) + table.capacity, slots)
     if module.mode == "max":
         return max_pool(table.weights, slots, offsets, module.include_last_offset, extra)[0]
-    return torch.ops.veloce.pooled_lookup(table.weights, slots, offsets, psw, _MODES[module.mode],
-                                          module.include_last_offset, extra, True)  # fmt: skip
+    return pooled_lookup(table.weights, slots, offsets, psw, MODES[module.mode], module.include_last_offset, extra,
+                         check_inputs=True)  # fmt: skip
 
 
 def _register() -> None:
@@ -479,3 +463,4 @@ def _register() -> None:
 
 if _ext.loaded:
     _register()
+install_compiled_path(lookup, is_compiling)

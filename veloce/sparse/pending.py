@@ -1,0 +1,168 @@
+"""Pending gradients: what a backward pass leaves in a table until its ``step()`` (the
+inputs of each pass, summed per row only by the fused update), and the bookkeeping that
+notices a loop that never steps the tables."""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple, Optional
+
+import torch
+
+from veloce.ops.embedding import accumulate_grad, bag_of
+from veloce.sparse.base import MODES, TableModule
+from veloce.sparse.torch_steps import torch_step_count
+from veloce.table import HashTable
+
+__all__ = ["LIVE", "Pending", "PendingGradient", "reresolve", "waiting_tables"]
+
+# Every DynamicEmbedding alive in the process: torch's gradient clipping asks which hold a
+# gradient it cannot see (veloce.sparse.clip).
+LIVE: "weakref.WeakSet[TableModule]" = weakref.WeakSet()
+
+
+def waiting_tables() -> list[TableModule]:
+    """The live tables holding a gradient that arrived since the last step of any torch
+    optimizer and waits for their step() (pending, or in flight in async mode): what a
+    gradient clipping of the dense parameters alone would leave unclipped."""
+    steps = torch_step_count()
+    return [t for t in list(LIVE) if t._unapplied_since == steps]
+
+
+class Pending(NamedTuple):
+    """The inputs of one backward pass, kept until step(): the gradient is summed per row
+    and applied by one fused kernel then (never materialised per row)."""
+
+    ids: Optional[torch.Tensor]  # (N,) for re-resolving slots if the table changes
+    slots: torch.Tensor  # (N,) slots at forward time (codes -1 / -2 allowed)
+    offsets: torch.Tensor  # (B,) or (B + 1,)
+    psw: Optional[torch.Tensor]  # (N,) or None
+    grad: torch.Tensor  # (B, D) gradient of the pooled output
+    mode: int
+    include_last_offset: bool
+    version: int  # table version the slots belong to
+
+
+def reresolve(table: HashTable, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Slots of ``ids`` under the table's current mapping: evicted ids become -2 (still
+    counted by mean, no gradient), padding (-1 in ``slots``) stays -1."""
+    fresh = table.find(ids)
+    return fresh.masked_fill(fresh < 0, -2).masked_fill(slots == -1, -1)
+
+
+class PendingGradient:
+    """A table module's pending gradient (:class:`veloce.DynamicEmbedding`'s)."""
+
+    def _accumulate(self, entry: "Pending", noted: bool = False) -> None:
+        """Keeps one backward pass's inputs until step() (gradient accumulation).
+        ``noted``: the pass was counted when it was sent (async gradients in flight)."""
+        self._had_backward = True
+        if not noted:
+            self._note_backward()
+        if entry.slots.numel():
+            self._pending.append(entry)
+
+    def _note_backward(self) -> None:
+        """Counts a backward pass whose gradient waits for step() (pending here, or in
+        flight to this shard's rows in async mode), and notes the torch optimizer steps
+        made when the first of them arrived (see :meth:`_check_unapplied`)."""
+        if self._unapplied_since is None:
+            self._unapplied_since = torch_step_count()
+        self._unapplied_passes += 1
+
+    def _forget_gradient(self) -> None:
+        """Drops the pending gradient and its bookkeeping (zero_grad, a load, a failed step)."""
+        self._pending.clear()
+        if self._had_backward:  # each set is a call of PlainAttrs.__setattr__: only when it changes
+            self._had_backward = False
+        if self._unapplied_since is not None:
+            self._unapplied_since = None
+            self._unapplied_passes = 0
+
+    def _check_unapplied(self) -> None:
+        """Before a training lookup: raises when the gradient waiting for step() shows a
+        loop that does not step this table: a torch optimizer stepped since the gradient
+        arrived (the table is no parameter of it), or ``max_pending_backwards`` backward
+        passes wait already (their inputs are kept until step(): memory grows with each)."""
+        since = self._unapplied_since
+        if since is None:
+            return
+        passes = self._unapplied_passes
+        if since < torch_step_count():
+            raise RuntimeError(
+                f"DynamicEmbedding: a torch optimizer stepped since this table's last backward pass, but the table "
+                f"was not stepped: the gradient of {passes} backward pass(es) waits unapplied. Its rows are not "
+                f"parameters, so torch.optim optimizers never train them. Step the tables with the dense optimizer: "
+                f"opt = veloce.CombinedOptimizer(torch.optim.Adam(model.parameters()), model) (then "
+                f"opt.step() and opt.zero_grad() as usual), or call emb.step() (veloce.step_tables(tables)) after "
+                f"opt.step(). emb.zero_grad() drops the waiting gradient."
+            )  # fmt: skip
+        if passes >= self.max_pending_backwards:
+            raise RuntimeError(
+                f"DynamicEmbedding: {passes} backward passes reached this table since its last step() "
+                f"(max_pending_backwards = {self.max_pending_backwards}): each one's inputs are kept until step(). "
+                f"Call emb.step() (or veloce.CombinedOptimizer(opt, model).step()) to apply them, or "
+                f"emb.zero_grad() to drop them; to accumulate more passes, raise emb.max_pending_backwards."
+            )  # fmt: skip
+
+    def _pending_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending gradient per row, what step() applies (weight decay aside): the
+        touched slots ``(U,)`` in ascending order and their summed gradients ``(U, D)``
+        (an ``nn.EmbeddingBag``'s ``weight.grad`` on those rows)."""
+        if not self._pending:
+            dev = self.table.device
+            return (torch.empty(0, dtype=torch.long, device=dev),
+                    torch.empty(0, self.embedding_dim, dtype=self.table.dtype, device=dev))  # fmt: skip
+        e = self._merged()
+        slots = self._resolved(e) if e.ids is not None else e.slots
+        return accumulate_grad(e.grad, slots, e.offsets, e.psw, e.mode, e.include_last_offset, self.table.capacity)
+
+    def _scale_pending(self, factor: torch.Tensor) -> None:
+        """Multiplies the pending gradient by ``factor`` (a scalar tensor): each pooled
+        gradient, so each row's gradient, which is linear in them (gradient clipping)."""
+        self._pending = [e._replace(grad=e.grad * factor.to(e.grad.device, e.grad.dtype)) for e in self._pending]
+
+    def _clamp_pending(self, clip_value: float) -> None:
+        """Clamps each row's pending gradient to ``[-clip_value, clip_value]``: the pending
+        gradient becomes one batch of one bag per touched row, holding its clamped sum."""
+        slots, rows = self._pending_rows()
+        if not slots.numel():
+            return
+        table = self.table
+        ids = table.keys[slots]  # for step() to find the rows by id if the table changes first
+        offsets = torch.arange(slots.numel(), device=slots.device)
+        self._pending = [Pending(ids, slots, offsets, None, rows.clamp(-clip_value, clip_value), MODES["sum"], False,
+                                  table.version)]  # fmt: skip
+
+    def _resolved(self, entry: "Pending") -> torch.Tensor:
+        """The entry's slots under the current table: re-resolved by id if the table grew,
+        evicted or erased since; evicted ids become -2 (no gradient), padding stays -1."""
+        if entry.version == self.table.version:
+            return entry.slots
+        return reresolve(self.table, entry.ids, entry.slots)
+
+    def _merged(self) -> "Pending":
+        """One batch equivalent to all pending ones: mean bags become sum bags with
+        per-position weights 1 / len(bag), offsets are shifted and concatenated."""
+        if len(self._pending) == 1:
+            return self._pending[0]
+        slots, offsets, psw, grads = [], [], [], []
+        base = 0
+        for e in self._pending:
+            s = self._resolved(e)
+            o = e.offsets[:-1] if e.include_last_offset else e.offsets
+            w = e.psw if e.psw is not None else torch.ones(s.numel(), dtype=e.grad.dtype, device=s.device)
+            if e.mode == MODES["mean"]:
+                bag = bag_of(o, s.numel())
+                counts = torch.zeros(o.numel(), dtype=e.grad.dtype, device=s.device)
+                counts.index_add_(0, bag, (s != -1).to(e.grad.dtype))
+                w = w / counts.clamp(min=1)[bag]
+            slots.append(s)
+            offsets.append(o + base)
+            psw.append(w)
+            grads.append(e.grad)
+            base += s.numel()
+        return Pending(
+            ids=None, slots=torch.cat(slots), offsets=torch.cat(offsets), psw=torch.cat(psw),
+            grad=torch.cat(grads), mode=MODES["sum"], include_last_offset=False, version=self.table.version,
+        )  # fmt: skip

@@ -1,0 +1,291 @@
+"""The sparse optimizer step: every pending gradient of a step applied by fused updates,
+the tables that share their arguments grouped into one op call (:func:`step_tables`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from veloce.ops import extension as _ext
+from veloce.ops.optimizer import accumulate_and_update, accumulate_and_update_many
+from veloce.optim import Adam
+from veloce.runtime import capture as _capture
+from veloce.runtime.update_stream import run_update
+from veloce.sparse.base import TableModule
+from veloce.sparse.nonfinite import (
+    CHECKED, DeferredCheck, FiniteCheck, drop_bags, raise_deferred, raise_nonfinite,
+)  # fmt: skip
+
+__all__ = ["Stepping", "step_tables"]
+
+
+class Stepping:
+    """A table module's step (:class:`veloce.DynamicEmbedding`'s)."""
+
+    @torch.no_grad()
+    def step(self, lr: Optional[float] = None) -> None:
+        """Applies the sparse optimizer to every row with a pending gradient, then
+        forgets the gradient. ``lr`` overrides the configured learning rate (an LR
+        scheduler sets it through :class:`veloce.CombinedOptimizer`).
+
+        The gradient of each touched row is summed and applied in one fused pass
+        (``torch.ops.veloce.accumulate_and_update``); rows evicted since their forward
+        pass get nothing, and a row that moved (growth) is found by its id.
+
+        On CUDA the update is queued on an update stream (:mod:`veloce.runtime.update_stream`):
+        the next forward's insert runs beside it, and every read of the rows waits for it
+        on the device.
+
+        NaN/Inf gradients (``nonfinite_grad``): with "raise", step() waits for the
+        device's check of the gradient and raises ``FloatingPointError`` before anything
+        is applied (the gradient stays pending). With "raise_next" it does not wait: the
+        update is queued behind the check and skips itself on the device when the check
+        fails, and the *next* step() raises ``FloatingPointError`` before applying
+        anything of its own. The failed step is then not counted (``step_count``) and its
+        gradient is gone; the gradient pending at the raise is kept (``zero_grad()`` drops
+        it, ``step()`` applies it). On a GPU this saves a wait for the whole backward pass
+        in every step. Reading ``step_count``, ``export()`` or ``state_dict()`` reads the
+        check first, so they never count a step that was not applied. When one call steps
+        tables on several devices, or with a "raise" table, the check is read at once, as
+        with "raise". A failed check skips every update of its call, those of "skip" and
+        "apply" tables in it too; each of its tables then raises at its next step()."""
+        step_tables([self], [lr])
+
+    def _apply_pending(self, lr: Optional[float]) -> None:
+        """Applies the pending gradient (its nonfinite_grad check included) and books the step."""
+        raise_deferred([self])
+        update = self._prepare_update(lr)
+        if update is not None:
+            _apply_updates([self], [update])
+        self._book(update)
+
+    def _prepare_update(self, lr: Optional[float], known_finite: bool = False) -> Optional["_Update"]:
+        """The arguments of the accumulate_and_update that applies the pending gradient
+        (learning rate, step count, nonfinite_grad="skip" masking, merged and re-resolved
+        pending batches), or None when no row has a pending gradient. ``known_finite``: the
+        "raise" check is done by the caller (step_tables). Books nothing: :func:`_apply_updates`
+        runs the update, with those of other tables that share its arguments, and
+        :meth:`_book` counts the step once it is applied."""
+        bad = None if known_finite else self._check_finite()
+        if not self._pending:
+            return None
+        _ext.require()
+        if bad is not None:
+            self._pending = [drop_bags(e, b) for e, b in zip(self._pending, bad)]
+        e = self._merged()
+        slots = self._resolved(e) if e.ids is not None else e.slots
+        opt = self.optimizer
+        kind, eps, beta1, beta2 = opt.kernel_args()
+        # include_last_offset=True becomes False with the last offset dropped (a view; the
+        # offsets passed _bags' checks, so the last one is N): the same bags, and one value
+        # of the flag for every table of a grouped call.
+        offsets = e.offsets[:-1] if e.include_last_offset else e.offsets
+        weights, opt_state = self.table._rows()
+        # The step count as step_count reads it: both callers read the last step's check
+        # first (raise_deferred), so there is none left to read.
+        return _Update(
+            weights, opt_state, e.grad, slots, offsets, e.psw, e.mode, kind, float(opt.lr if lr is None else lr),
+            eps, beta1, beta2, float(opt.weight_decay), self._steps + 1, lr,
+        )  # fmt: skip
+
+    def _book(self, update: Optional["_Update"]) -> None:
+        """Counts a step once its update is applied (``update``), or when there was nothing
+        to apply (None), and forgets the applied gradient. Sets only the attributes that
+        change: each set is a call of PlainAttrs.__setattr__, for every table in every step."""
+        if self._unapplied_since is not None:  # (async gradients in flight are the next steps' to apply)
+            self._unapplied_since = None
+            self._unapplied_passes = 0
+        if update is None:
+            # A gradient over no rows (a lookup of no ids, or a shard that received none)
+            # still counts as a step, as for torch's SparseAdam: every shard of a table
+            # keeps the step count of one process.
+            if self._had_backward:
+                self._steps += 1
+                self._had_backward = False
+            return
+        self._pending.clear()
+        self._steps = update.step
+        if self._last_lr is not update.requested_lr:
+            self._last_lr = update.requested_lr
+        if self._had_backward:
+            self._had_backward = False
+
+
+def step_tables(tables: Sequence[TableModule], lrs: Optional[Sequence[Optional[float]]] = None) -> None:
+    """``t.step(lr)`` for every table, with one device read-back for all of them and one
+    fused update per group of alike tables.
+
+    The ``nonfinite_grad="raise"`` check of every table reduces on the device into one
+    flag per table (for sharded tables summed over their ranks in one all-reduce per
+    process group), read back in one copy: a step over K tables waits for the device once
+    instead of K times. When the tables share one device, the updates do not wait for that
+    read: they are queued behind the check, each op carrying "some flag is set" as its
+    ``skip`` argument, and the host reads the flags while the GPU runs them. A table whose
+    flag is set takes the per-table path, which counts its bad bags and raises; nothing is
+    applied to any table (the queued updates skipped themselves on the device). Every rank
+    must step its sharded tables in the same calls and order.
+
+    The updates themselves are grouped: tables on one device with the same dtype, embedding
+    dim, pooling of their pending gradient, optimizer kind and hyperparameters, learning
+    rate, weight decay and (Adam) step count are applied by one
+    ``torch.ops.veloce.accumulate_and_update_many`` call (on CUDA one sort and one fused
+    kernel for all of them, instead of about a dozen launches per table). The result is
+    that of stepping each table alone, bit for bit. A table listed twice is stepped once.
+    :class:`veloce.CombinedOptimizer` steps its tables this way.
+    """
+    lrs = [None] * len(tables) if lrs is None else list(lrs)
+    if len(lrs) != len(tables):
+        raise ValueError(f"step_tables: {len(tables)} tables but {len(lrs)} learning rates")
+    # The last step's "raise_next" check first, before anything of this step (async
+    # gradients stay in flight: zero_grad() after the error does not drop them; an owner's
+    # deferred lookup failure drops the failed step's, see HybridParallel(lookup_errors=)).
+    raise_deferred(tables)
+    for t in tables:
+        if t._shard is not None:
+            t._shard.collect(t)  # gradients other ranks sent for this shard's rows
+    once: dict[int, tuple[TableModule, Optional[float]]] = {}  # stepping a table again finds nothing
+    for t, lr in zip(tables, lrs):
+        once.setdefault(id(t), (t, lr))
+    tables, lrs = [t for t, _ in once.values()], [lr for _, lr in once.values()]
+    checked = [t for t in tables if t.nonfinite_grad in CHECKED]
+    check = FiniteCheck(checked)
+    # On one device the updates are queued behind the check with its result as their skip
+    # flag, and the host reads that result afterwards: it waits for the check, not for the
+    # updates, and the GPU never idles between them. Otherwise the result is read first.
+    skip = check.skip_flag({t.table.device for t in tables})
+    capture = _capture.ACTIVE
+    if skip is None and checked and capture is not None:
+        raise RuntimeError(
+            "veloce: a step over tables on several devices cannot be captured in a CUDA graph: its NaN/Inf check "
+            "is read before the updates; capture each device's tables in a step of their own"
+        )
+    if skip is None:
+        raise_nonfinite(tables, check.result())
+    updates = [t._prepare_update(lr, known_finite=t.nonfinite_grad in CHECKED) for t, lr in zip(tables, lrs)]
+    ready = [i for i, u in enumerate(updates) if u is not None]
+    applied: list[int] = []  # indices into ready, of the updates whose op call returned
+    try:
+        _apply_updates([tables[i] for i in ready], [updates[i] for i in ready], skip, applied)
+    except BaseException:
+        # (a captured step reads no check: its capture fails, and nothing was booked)
+        if capture is None and (skip is None or all(check.result().values())):  # the calls that ran did apply
+            for j in applied:
+                tables[ready[j]]._book(updates[ready[j]])
+        raise
+    # "raise_next" alone: the host does not read the check now. Every update carried its
+    # flag, so if it failed nothing was applied: reading it later rolls the booking back.
+    # A captured step reads every check so (veloce.graphs reads each replay's).
+    deferred = skip is not None and (capture is not None or all(t.nonfinite_grad == "raise_next" for t in checked))
+    if skip is not None and not deferred and not all(check.result().values()):
+        # Nothing was applied (every call carried the set flag): raise, before any booking.
+        raise_nonfinite(tables, check.result())
+    if capture is not None:
+        if checked:
+            capture.checks.append(_capture.CheckLog(check, list(tables)))
+        for t, u in zip(tables, updates):
+            capture.requested_lr[id(t)] = None if u is None else u.requested_lr
+    verdict = DeferredCheck(check, tables) if deferred and checked and capture is None else None
+    for t, u in zip(tables, updates):
+        t._book(u)
+    if verdict is not None:
+        for t in tables:
+            t._verdict = verdict
+
+
+class _Update(NamedTuple):
+    """A table's accumulate_and_update arguments for one step (DynamicEmbedding._prepare_update)."""
+
+    weights: torch.Tensor
+    opt_state: torch.Tensor
+    grad: torch.Tensor
+    slots: torch.Tensor
+    offsets: torch.Tensor  # include_last_offset=False
+    psw: Optional[torch.Tensor]
+    mode: int
+    kind: int
+    lr: float
+    eps: float
+    beta1: float
+    beta2: float
+    weight_decay: float
+    step: int  # the table's step count once this update is applied
+    requested_lr: Optional[float]  # step()'s lr argument (None: the optimizer's own)
+
+    def group_key(self) -> tuple:
+        """Updates with equal keys share every scalar argument of one
+        accumulate_and_update_many call (and its device, dtype and dim). Only Adam reads
+        the step count (its bias correction), so other optimizers group across step counts.
+
+        The pooling mode is part of the key rather than converted: turning a mean pooled
+        gradient into sum with per-sample weights 1 / len(bag) would cost several launches
+        per table (what grouping saves) and round those weights to the row dtype (not bit
+        for bit the mean update for float16 / bfloat16). Tables of a model usually share
+        one mode."""
+        w = self.weights
+        step = self.step if self.kind == Adam.kind else 0
+        return (w.device, w.dtype, w.shape[1], self.mode, self.kind, self.lr, self.eps, self.beta1, self.beta2,
+                self.weight_decay, step)  # fmt: skip
+
+
+def _apply_updates(
+    tables: Sequence[TableModule], updates: Sequence[_Update], skip: Optional[torch.Tensor] = None,
+    applied: Optional[list[int]] = None,
+) -> None:
+    """Runs the prepared updates of ``tables`` (one each): those with equal group keys in
+    one accumulate_and_update_many, a lone one in accumulate_and_update, every call with
+    the ``skip`` flag. Appends to ``applied`` the index of each update whose call
+    returned (the caller books them: :meth:`DynamicEmbedding._book`). The offsets passed
+    _bags' checks and the slots come from the tables: no input checks (on CUDA, no host
+    sync)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, u in enumerate(updates):
+        groups.setdefault(u.group_key(), []).append(i)
+    calls: list[list[int]] = []
+    for idx in groups.values():
+        # Modules sharing one table's rows take separate calls, in order: the k-th update of
+        # a table goes to the k-th call.
+        batches: list[list[int]] = []
+        seen: dict[int, int] = {}  # weights' data_ptr -> updates of that table so far
+        for i in idx:
+            ptr = updates[i].weights.data_ptr()
+            k = seen.get(ptr, 0)
+            seen[ptr] = k + 1
+            if k == len(batches):
+                batches.append([])
+            batches[k].append(i)
+        calls.extend(batches)
+    for idx in calls:
+        group = [updates[i] for i in idx]
+        # On CUDA the update runs on the update stream: the next step's insert does not wait
+        # for it (veloce.runtime.update_stream). The fence keeps the inputs alive until the stream they
+        # came from waited for it, or it has run.
+        # A captured step reads learning rate and step count from the device (veloce.graphs).
+        lr_step = None if _capture.ACTIVE is None else _capture.ACTIVE.lr_step_of([tables[i] for i in idx])
+        fence = run_update(group[0].weights.device, functools.partial(_launch_update, group, skip, lr_step),
+                           (group, skip))  # fmt: skip
+        if fence is not None:
+            for i in idx:
+                tables[i].table._update_fence = fence
+        if applied is not None:  # a failed call leaves its tables' steps pending
+            applied.extend(idx)
+
+
+def _launch_update(group: Sequence[_Update], skip: torch.Tensor | None, lr_step: torch.Tensor | None = None) -> None:
+    """One accumulate_and_update(_many) call for updates that share their group key
+    (``lr_step``: their learning rate and step count on the device, in a captured step)."""
+    u = group[0]
+    if len(group) == 1:
+        accumulate_and_update(
+            u.weights, u.opt_state, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, u.lr, eps=u.eps,
+            beta1=u.beta1, beta2=u.beta2, weight_decay=u.weight_decay, step=u.step, check_inputs=False, skip=skip,
+            lr_step=lr_step,
+        )  # fmt: skip
+    else:
+        accumulate_and_update_many(
+            [v.weights for v in group], [v.opt_state for v in group], [v.grad for v in group],
+            [v.slots for v in group], [v.offsets for v in group], [v.psw for v in group], u.mode, False, u.kind,
+            u.lr, eps=u.eps, beta1=u.beta1, beta2=u.beta2, weight_decay=u.weight_decay, step=u.step,
+            check_inputs=False, skip=skip, lr_step=lr_step,
+        )  # fmt: skip
