@@ -22,7 +22,7 @@ import numbers
 import warnings
 from collections.abc import Iterator
 from fractions import Fraction
-from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
+from typing import Any, Callable, NamedTuple, NoReturn, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -123,6 +123,15 @@ class PlainAttrs:
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
+
+
+class TableSnapshot(NamedTuple):
+    """A table's contents as :meth:`HashTable.snapshot` keeps them."""
+
+    buffers: dict[str, torch.Tensor]
+    size: int
+    version: int
+    clock: int
 
 
 class HashTable(PlainAttrs, nn.Module):
@@ -355,6 +364,11 @@ class HashTable(PlainAttrs, nn.Module):
     def dtype(self) -> torch.dtype:
         """The rows' dtype (read without waiting for an update in flight)."""
         return self._buffers["weights"].dtype
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The optimizer state's dtype (read without waiting for an update in flight)."""
+        return self._buffers["opt_state"].dtype
 
     @property
     def capacity(self) -> int:
@@ -786,6 +800,18 @@ class HashTable(PlainAttrs, nn.Module):
         self._note_changed()  # work on them may be queued on the current stream since
 
     # ---- serialization ----------------------------------------------------------------
+    def snapshot(self) -> TableSnapshot:
+        """What :meth:`restore` puts back after a failed :meth:`load_entries` elsewhere (a
+        checkpoint load rolled back on every rank): the state buffers, kept rather than
+        copied (a load replaces them, it does not write into them), size, version and clock."""
+        buffers = {name: self._buffers[name] for name in _STATE_NAMES}
+        return TableSnapshot(buffers, self.size, self.version, self.clock)
+
+    def restore(self, snapshot: TableSnapshot) -> None:
+        """Puts back the contents :meth:`snapshot` kept."""
+        self._restore(snapshot.buffers)
+        self.size, self.version, self.clock = snapshot.size, snapshot.version, snapshot.clock
+
     def load_entries(self, entries: dict[str, torch.Tensor]) -> None:
         """Replaces the contents with exported ``entries`` (keys, weights,
         optimizer_state, scores), growing as needed. Checks shapes first."""
