@@ -160,7 +160,7 @@ def _main() -> None:
     if args.kill_rank is not None:
         callbacks.append(KillOnce(args.kill_rank, args.kill_step, Path(args.progress) / "killed"))
     from veloce import cli
-    from veloce.config import load_config
+    from veloce.train.config import load_config
 
     cli.train(load_config(args.config), callbacks=callbacks, config_name=args.config)
 

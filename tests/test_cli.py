@@ -18,7 +18,7 @@ import yaml
 
 from veloce import checkpoint, cli, launch
 from veloce.data import DataError
-from veloce.config import Config, ConfigError, load_config, parse_config
+from veloce.train.config import Config, ConfigError, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

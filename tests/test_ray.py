@@ -22,7 +22,7 @@ import torch
 import veloce
 from _jobs import ROOT, KillOnce, StepLog, last_steps, run_command, starts, write_config
 from veloce import checkpoint, cli, launch
-from veloce.config import load_config
+from veloce.train.config import load_config
 
 TIMEOUT = 120.0  # seconds per job (a Ray job with a restart starts two worker groups)
 FINAL_STEP = 16

@@ -10,19 +10,18 @@ Example::
     out = emb(torch.tensor([[42, -7], [2**62, 42]]))         # any int64 id; (2, 16)
 """
 
-from veloce import _ext, callbacks, checkpoint, data, distributed, graphs, init, metrics, models, ops, optim
-from veloce.callbacks import Callback, EarlyStopping
+from veloce import _ext, checkpoint, data, distributed, graphs, init, metrics, models, ops, optim, train
 from veloce.embedding import DynamicEmbedding, lookup_many, step_tables
 from veloce.graphs import CUDAGraphStep
 from veloce.optim import clip_grad_norm_, clip_grad_value_
 from veloce.table import HashTable, TableFullError
-from veloce.trainer import Trainer
+from veloce.train import Callback, EarlyStopping, Trainer, callbacks
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CUDAGraphStep", "Callback", "DynamicEmbedding", "EarlyStopping", "HashTable", "TableFullError", "Trainer",
     "clip_grad_norm_", "clip_grad_value_", "lookup_many", "step_tables",
-    "callbacks", "checkpoint", "data", "distributed", "graphs", "init", "metrics", "models", "ops", "optim",
+    "callbacks", "checkpoint", "data", "distributed", "graphs", "init", "metrics", "models", "ops", "optim", "train",
     "__version__",
 ]

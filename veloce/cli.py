@@ -6,7 +6,7 @@
     veloce train configs/dlrm_criteo.yaml --launcher torchrun --workers 2      # several ranks
     veloce train configs/dlrm_criteo.yaml --launcher ray --workers 4           # on Ray Train
 
-The config's fields are documented in ``docs/config.md`` (schema: :mod:`veloce.config`);
+The config's fields are documented in ``docs/config.md`` (schema: :mod:`veloce.train.config`);
 the launchers in ``docs/scaling.md`` (code: :mod:`veloce.launch`).
 
 Errors the user can act on (config, options, a run directory holding a finished run, a
@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 from veloce import checkpoint, launch, metrics
-from veloce.callbacks import Callback
-from veloce.config import Config, ConfigError, load_config
+from veloce.train.callbacks import Callback
+from veloce.train.config import Config, ConfigError, load_config
 from veloce.data import DataError
-from veloce.trainer import Trainer, TrainingInterrupted
+from veloce.train.trainer import Trainer, TrainingInterrupted
 
 __all__ = ["main", "build_model", "build_loaders", "build_trainer", "train"]
 
@@ -254,7 +254,7 @@ def train(
         fit = functools.partial(Trainer.fit, resume_from=resume_from)
     with _process_group(device, timeout) as (rank, world_size):
         if overwrite or refuse_finished:  # rank 0 looks (and clears), every rank learns the answer
-            from veloce._training import broadcast
+            from veloce.train.lockstep import broadcast
 
             problem = broadcast(prepare_run_dir(cfg, overwrite, resume_from) if rank == 0 else None)
             if problem is not None:

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 
-from veloce.config import Config
+from veloce.train.config import Config
 
 __all__ = [
     "LAUNCHERS",

@@ -46,9 +46,9 @@ try:
 except ImportError as _exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"veloce.ray needs Ray Train ({_exc}): pip install 'veloce[ray]'") from _exc
 
-from veloce.callbacks import Callback
-from veloce.config import Config, load_config
-from veloce.trainer import Trainer
+from veloce.train.callbacks import Callback
+from veloce.train.config import Config, load_config
+from veloce.train.trainer import Trainer
 
 __all__ = ["ReportCallback", "fit", "run", "run_config"]
 
@@ -190,7 +190,7 @@ def run_config(
     Ray workers run in their own directories; they must be visible to every worker.
 
     Args:
-        config: a :class:`veloce.config.Config` or a YAML file.
+        config: a :class:`veloce.train.Config` or a YAML file.
         num_workers: workers (ranks) in all.
         overrides: ``key.sub=value`` overrides of a YAML file.
         use_gpu: one GPU per worker; default: when ``trainer.device`` is ``cuda``, or
