@@ -1,5 +1,6 @@
 """Training a model with :class:`veloce.DynamicEmbedding` tables: the :class:`Trainer` and
-its callbacks, and the config of ``veloce train``.
+its callbacks, the config of ``veloce train`` and building a model, its data and its
+Trainer from one.
 
 Modules:
     - :mod:`~veloce.train.trainer`: the :class:`Trainer` (its loop, evaluation and
@@ -11,9 +12,11 @@ Modules:
     - :mod:`~veloce.train.lockstep`: the batch conventions, RNG state, and keeping ranks with
       different numbers of batches in step.
     - :mod:`~veloce.train.config`: the YAML config's schema and loading.
+    - :mod:`~veloce.train.build`: the model, loaders and Trainer of a config.
 """
 
-from veloce.train import callbacks, config, lockstep
+from veloce.train import build, callbacks, config, lockstep
+from veloce.train.build import build_loaders, build_model, build_trainer
 from veloce.train.callbacks import Callback, EarlyStopping
 from veloce.train.config import Config, ConfigError, load_config
 from veloce.train.interrupt import TrainingInterrupted
@@ -21,5 +24,6 @@ from veloce.train.trainer import Trainer
 
 __all__ = [
     "Callback", "Config", "ConfigError", "EarlyStopping", "Trainer", "TrainingInterrupted",
-    "load_config", "callbacks", "config", "lockstep",
+    "build_loaders", "build_model", "build_trainer", "load_config",
+    "build", "callbacks", "config", "lockstep",
 ]  # fmt: skip
