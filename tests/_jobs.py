@@ -1,4 +1,4 @@
-"""Multi-process training jobs for the launcher tests (tests/test_ray.py): a small config,
+"""Multi-process training jobs for the launcher tests (tests/cli/test_ray.py): a small config,
 callbacks that record progress and kill a rank once, and a subprocess runner with a
 timeout that names the ranks still running.
 

@@ -23,7 +23,7 @@ from veloce.data import DataError
 from veloce.train import build
 from veloce.train.config import Config, ConfigError, load_config, parse_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = {
     "model": {"embedding_dim": 4, "bottom_mlp": [8, 4], "top_mlp": [8, 1]},
