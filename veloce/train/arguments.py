@@ -16,10 +16,18 @@ __all__ = ["PRECISIONS", "check_args"]
 PRECISIONS = ("fp32", "bf16")
 
 
-def check_args(model, loss_fn, metrics, strategy, precision, accumulate_steps, max_epochs, max_steps,
-               checkpoint_dir, checkpoint_every, keep_last, log_every, callbacks, seed, cuda_graph,
-               clip_grad_norm) -> None:  # fmt: skip
-    """Every constructor argument's check, each error naming the argument and the value."""
+def check_args(
+    model: Any, loss_fn: Any, metrics: Any, strategy: Any, precision: Any, accumulate_steps: Any, max_epochs: Any,
+    max_steps: Any, checkpoint_dir: Any, checkpoint_every: Any, keep_last: Any, log_every: Any, callbacks: Any,
+    seed: Any, cuda_graph: Any, clip_grad_norm: Any,
+) -> None:
+    """Checks every argument of :class:`veloce.Trainer`'s constructor (of any type: that is
+    what is checked).
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``cuda_graph`` not a bool.
+        ValueError: any other argument out of its range; the message names it and its value.
+    """
     def need(ok: bool, name: str, value: Any, what: str) -> None:
         if not ok:
             raise ValueError(f"Trainer: {name} must be {what}, got {value!r}")
