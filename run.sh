@@ -35,7 +35,7 @@ case "${1:-}" in
     ;;
   test)
     setup
-    # the launcher tests (tests/test_ray.py) also run Ray Train; without it they skip
+    # the launcher tests (tests/cli/test_ray.py) also run Ray Train; without it they skip
     python -m pip install -q "ray[train]>=2.9" \
       || echo "[veloce] could not install ray[train]: the Ray tests will be skipped"
     shift

@@ -1,4 +1,4 @@
-"""Multi-process training jobs for the launcher tests (tests/test_ray.py): a small config,
+"""Multi-process training jobs for the launcher tests (tests/cli/test_ray.py): a small config,
 callbacks that record progress and kill a rank once, and a subprocess runner with a
 timeout that names the ranks still running.
 
@@ -160,7 +160,7 @@ def _main() -> None:
     if args.kill_rank is not None:
         callbacks.append(KillOnce(args.kill_rank, args.kill_step, Path(args.progress) / "killed"))
     from veloce import cli
-    from veloce.config import load_config
+    from veloce.train.config import load_config
 
     cli.train(load_config(args.config), callbacks=callbacks, config_name=args.config)
 

@@ -35,7 +35,7 @@ def _overrides(run_dir: Path) -> list[str]:
 
 def _train(rank: int, world_size: int, run_dir: str) -> list[dict]:
     from veloce import cli
-    from veloce.config import load_config
+    from veloce.train.config import load_config
 
     return cli.train(load_config(ROOT / "configs" / "dlrm_criteo.yaml", _overrides(Path(run_dir))))
 

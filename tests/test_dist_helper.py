@@ -55,7 +55,7 @@ def _lockstep_kinds(rank, world):
     it takes another rank's batch's form). Nothing is dropped, nothing warns."""
     import warnings
 
-    from veloce._training import lockstep
+    from veloce.train.lockstep import lockstep
 
     kinds = {0: [2, 1, 2, 2], 1: [2, 2, 1, 2, 2], 2: []}[rank]
     batches = [((torch.full((k + rank, 3), k),), torch.ones(k + rank)) for k in kinds]
@@ -81,7 +81,7 @@ def test_lockstep_runs_every_rank_batch_and_pads_the_shorter_loaders():
 
 
 def _lockstep_kinds_agreed(rank, world):
-    from veloce._training import lockstep
+    from veloce.train.lockstep import lockstep
 
     kinds = {0: [2, 1, 2, 2], 1: [2, 2, 1, 2, 2]}[rank]
     steps = lockstep(iter([((torch.zeros(4, 1),), torch.ones(4))] * len(kinds)), torch.device("cpu"), "test",

@@ -486,7 +486,7 @@ def test_trainer_resumed_at_a_short_batch_captures_a_full_one(tmp_path):
 def test_a_resumed_trainer_takes_the_graph_shape_from_the_batches_it_skips():
     """(Any device.) The shape a resumed Trainer(cuda_graph=True) captures is the first
     skipped batch's, not that of the batch the resumed epoch starts at."""
-    from veloce._training import rng_state
+    from veloce.train.lockstep import rng_state
 
     trainer = veloce.Trainer(nn.Linear(4, 1), progress=False, log_dir=None)
     trainer._graph = object()  # as cuda_graph=True sets it (only its presence is read here)

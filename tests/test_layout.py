@@ -86,17 +86,32 @@ def test_no_private_name_across_packages(path: Path) -> None:
     assert not bad, f"{path.name} imports private names of another package: {bad}"
 
 
+def _catches_import_error(node: ast.AST) -> bool:
+    """A ``try`` with an ``except ImportError`` (or ModuleNotFoundError): the guard of an
+    optional dependency."""
+    if not isinstance(node, ast.Try):
+        return False
+    names = set()
+    for h in node.handlers:
+        for t in (h.type.elts if isinstance(h.type, ast.Tuple) else [h.type]):
+            if isinstance(t, ast.Name):
+                names.add(t.id)
+    return bool(names & {"ImportError", "ModuleNotFoundError"})
+
+
 def _function_imports(tree: ast.AST) -> list[ast.AST]:
-    """Imports inside a function (or a method) body."""
+    """Imports inside a function (or a method) body, except those under a ``try`` that
+    catches ImportError (a module that needs an optional dependency, imported where used)."""
     found = []
 
-    def visit(node: ast.AST, in_function: bool) -> None:
+    def visit(node: ast.AST, in_function: bool, guarded: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.Import, ast.ImportFrom)) and in_function:
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and in_function and not guarded:
                 found.append(child)
-            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)),
+                  guarded or (_catches_import_error(child) and in_function))
 
-    visit(tree, False)
+    visit(tree, False, False)
     return found
 
 

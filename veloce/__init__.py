@@ -10,19 +10,19 @@ Example::
     out = emb(torch.tensor([[42, -7], [2**62, 42]]))         # any int64 id; (2, 16)
 """
 
-from veloce import callbacks, checkpoint, data, distributed, graphs, init, metrics, models, ops, optim, runtime, sparse, table
-from veloce.callbacks import Callback, EarlyStopping
+from veloce import checkpoint, data, distributed, graphs, init, metrics, models, ops, optim, runtime, sparse, table, train
 from veloce.embedding import DynamicEmbedding
 from veloce.graphs import CUDAGraphStep
 from veloce.sparse import CombinedOptimizer, clip_grad_norm_, clip_grad_value_, lookup_many, step_tables
 from veloce.table import HashTable, TableFullError
-from veloce.trainer import Trainer
+from veloce.train import Callback, EarlyStopping, Trainer, callbacks
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CUDAGraphStep", "Callback", "CombinedOptimizer", "DynamicEmbedding", "EarlyStopping", "HashTable", "TableFullError", "Trainer",
     "clip_grad_norm_", "clip_grad_value_", "lookup_many", "step_tables",
-    "callbacks", "checkpoint", "data", "distributed", "graphs", "init", "metrics", "models", "ops", "optim", "runtime", "sparse", "table",
+    "callbacks", "checkpoint", "data", "distributed", "graphs", "init", "metrics", "models", "ops", "optim", "runtime",
+    "sparse", "table", "train",
     "__version__",
 ]

@@ -17,7 +17,7 @@ autograd contexts) compare versions and re-resolve their slots by key.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -38,6 +38,15 @@ from veloce.table.growth import Growth
 __all__ = ["HashTable"]
 
 _EXPORT_CHUNK = 1 << 20
+
+
+class TableSnapshot(NamedTuple):
+    """A table's contents as :meth:`HashTable.snapshot` keeps them."""
+
+    buffers: dict[str, torch.Tensor]
+    size: int
+    version: int
+    clock: int
 
 
 class HashTable(DeferredInserts, Growth, PlainAttrs, nn.Module):
@@ -271,6 +280,11 @@ class HashTable(DeferredInserts, Growth, PlainAttrs, nn.Module):
         return self._buffers["weights"].dtype
 
     @property
+    def state_dtype(self) -> torch.dtype:
+        """The optimizer state's dtype (read without waiting for an update in flight)."""
+        return self._buffers["opt_state"].dtype
+
+    @property
     def capacity(self) -> int:
         """Number of slots currently allocated."""
         return self._buffers["keys"].numel()
@@ -472,6 +486,18 @@ class HashTable(DeferredInserts, Growth, PlainAttrs, nn.Module):
         self._note_changed()
 
     # ---- serialization ----------------------------------------------------------------
+    def snapshot(self) -> TableSnapshot:
+        """What :meth:`restore` puts back after a failed :meth:`load_entries` elsewhere (a
+        checkpoint load rolled back on every rank): the state buffers, kept rather than
+        copied (a load replaces them, it does not write into them), size, version and clock."""
+        buffers = {name: self._buffers[name] for name in STATE_NAMES}
+        return TableSnapshot(buffers, self.size, self.version, self.clock)
+
+    def restore(self, snapshot: TableSnapshot) -> None:
+        """Puts back the contents :meth:`snapshot` kept."""
+        self._restore(snapshot.buffers)
+        self.size, self.version, self.clock = snapshot.size, snapshot.version, snapshot.clock
+
     def load_entries(self, entries: dict[str, torch.Tensor]) -> None:
         """Replaces the contents with exported ``entries`` (keys, weights,
         optimizer_state, scores), growing as needed. Checks shapes first."""

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import veloce
-from veloce._training import move_to
+from veloce.train.lockstep import move_to
 from veloce.data import SyntheticClicks
 from veloce.models import DLRM
 
@@ -435,11 +435,11 @@ def test_a_plain_torch_optimizer_is_combined_with_the_tables():
 # ---- metrics over several ranks ----------------------------------------------------------
 def test_metrics_over_ranks_see_every_rank_predictions(monkeypatch):
     """With 2 ranks, veloce's metrics are computed on the predictions of both ranks."""
-    from veloce import trainer as trainer_mod
+    from veloce.train import evaluation as evaluation_mod
 
     other = (torch.tensor([3.0, -3.0]), torch.tensor([1.0, 0.0]))
-    monkeypatch.setattr(trainer_mod, "gather", lambda mine: [mine, other])
-    sink = trainer_mod._MetricSink({"auc": veloce.metrics.AUC()}, world_size=2)
+    monkeypatch.setattr(evaluation_mod, "gather", lambda mine: [mine, other])
+    sink = evaluation_mod.MetricSink({"auc": veloce.metrics.AUC()}, world_size=2)
     sink.update(torch.tensor([0.2, 0.1]), torch.tensor([0.0, 1.0]))  # alone: AUC 0
     assert sink.compute() == {"auc": pytest.approx(0.75)}  # 4 samples: 3 of 4 pairs ordered
 
@@ -598,7 +598,7 @@ def test_a_resumed_epoch_counts_the_time_before_the_interruption(tmp_path, monke
     clock used to restart at the resume, which made the throughput of a resumed epoch
     absurd."""
     clock = iter(range(0, 10**6, 10))  # every read of the clock is 10 s after the one before
-    monkeypatch.setattr(veloce.trainer.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(veloce.train.totals.time, "perf_counter", lambda: float(next(clock)))
     t = trainer(model(), max_steps=4, checkpoint_dir=tmp_path)
     t.fit(data(1024, 128))
     saved = veloce.checkpoint.describe(veloce.checkpoint.latest(tmp_path))["extra"]["ranks"][0]["totals"]["seconds"]
@@ -622,7 +622,7 @@ class _SigintAt(veloce.Callback):
 
 def test_ctrl_c_checkpoints_the_step_reached_and_the_resume_equals_the_uninterrupted_run(tmp_path):
     ref_model, ref_trainer, ref_history = _resumable_run(tmp_path, "ref", seed=0)
-    with pytest.raises(veloce.trainer.TrainingInterrupted, match=r"interrupted at step 7 \(epoch 1\)") as info:
+    with pytest.raises(veloce.train.TrainingInterrupted, match=r"interrupted at step 7 \(epoch 1\)") as info:
         _resumable_run(tmp_path, "run", seed=0, callbacks=[_SigintAt(7)])
     assert info.value.step == 7 and info.value.checkpoint == tmp_path / "run" / "step_000000007"
     assert veloce.checkpoint.describe(veloce.checkpoint.latest(tmp_path / "run"))["step"] == 7  # not 6
@@ -655,7 +655,7 @@ def test_ctrl_c_during_validation_checkpoints_the_trained_epoch_and_the_resume_v
         t = trainer(m, metrics={"auc": metric}, max_epochs=1, checkpoint_dir=tmp_path / "run")
         return t, t.fit(data(512, 128), val_loader=data(512, 128, start=10**6))
 
-    with pytest.raises(veloce.trainer.TrainingInterrupted, match="interrupted at step 4 \\(epoch 0\\)"):
+    with pytest.raises(veloce.train.TrainingInterrupted, match="interrupted at step 4 \\(epoch 0\\)"):
         run(_SigintInValidation())
     t, history = run(veloce.metrics.AUC())
     assert t.global_step == 4 and [r["epoch"] for r in history] == [0] and 0 <= history[0]["val_auc"] <= 1
@@ -676,7 +676,7 @@ def _ctrl_c_on_one_rank_body(rank: int, world_size: int, root: str) -> dict:
     try:
         run("run", [_SigintAt(step=3, rank=1)])  # only rank 1 is interrupted
         interrupted = None
-    except veloce.trainer.TrainingInterrupted as exc:
+    except veloce.train.TrainingInterrupted as exc:
         interrupted = exc.step
     history = run("run")
     return {"interrupted": interrupted, "same": [{k: v for k, v in r.items() if k not in drop} for r in history]

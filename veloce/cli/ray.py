@@ -24,9 +24,9 @@ Example::
         model = DLRM(13, 26, embedding_dim=16)
         train = SyntheticClicks(10**6, 2048, rank=ctx.get_world_rank(), world_size=ctx.get_world_size())
         trainer = veloce.Trainer(model, checkpoint_dir=config["ckpt"], checkpoint_every=500)
-        veloce.ray.fit(trainer, train)
+        veloce.cli.ray.fit(trainer, train)
 
-    veloce.ray.run(train_loop, {"ckpt": "/shared/run/ckpt"}, num_workers=4, max_failures=2,
+    veloce.cli.ray.run(train_loop, {"ckpt": "/shared/run/ckpt"}, num_workers=4, max_failures=2,
                    storage_path="/shared/run/ray")
 """
 
@@ -46,9 +46,10 @@ try:
 except ImportError as _exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"veloce.ray needs Ray Train ({_exc}): pip install 'veloce[ray]'") from _exc
 
-from veloce.callbacks import Callback
-from veloce.config import Config, load_config
-from veloce.trainer import Trainer
+from veloce.cli.run import train
+from veloce.train.callbacks import Callback
+from veloce.train.config import Config, load_config
+from veloce.train.trainer import Trainer
 
 __all__ = ["ReportCallback", "fit", "run", "run_config"]
 
@@ -157,9 +158,9 @@ def run(
         ray.train.TrainingFailedError: the job failed more than ``max_failures`` times.
     """
     if not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"veloce.ray.run: num_workers must be an int >= 1, got {num_workers!r}")
+        raise ValueError(f"veloce.cli.ray.run: num_workers must be an int >= 1, got {num_workers!r}")
     if not isinstance(max_failures, int) or max_failures < 0:
-        raise ValueError(f"veloce.ray.run: max_failures must be an int >= 0, got {max_failures!r}")
+        raise ValueError(f"veloce.cli.ray.run: max_failures must be an int >= 0, got {max_failures!r}")
     run_config = ray.train.RunConfig(
         name=name, storage_path=None if storage_path is None else str(storage_path),
         failure_config=ray.train.FailureConfig(max_failures=max_failures),
@@ -190,7 +191,7 @@ def run_config(
     Ray workers run in their own directories; they must be visible to every worker.
 
     Args:
-        config: a :class:`veloce.config.Config` or a YAML file.
+        config: a :class:`veloce.train.Config` or a YAML file.
         num_workers: workers (ranks) in all.
         overrides: ``key.sub=value`` overrides of a YAML file.
         use_gpu: one GPU per worker; default: when ``trainer.device`` is ``cuda``, or
@@ -219,10 +220,8 @@ def run_config(
 
 def _config_loop(loop_config: dict[str, Any]) -> None:
     """One worker of :func:`run_config`."""
-    from veloce import cli
-
-    cli.train(loop_config["config"], device=get_device(), callbacks=loop_config["callbacks"], fit=fit,
-              config_name=loop_config["config_name"])  # fmt: skip
+    train(loop_config["config"], device=get_device(), callbacks=loop_config["callbacks"], fit=fit,
+          config_name=loop_config["config_name"])  # fmt: skip
 
 
 def _absolute_paths(cfg: Config) -> Config:

@@ -12,7 +12,7 @@
 
 ``torchrun`` runs ``python -m torch.distributed.run ... -m veloce.cli train CONFIG`` (the
 command is printed first), so each rank runs the local path with ``torch.distributed``
-initialised from torchrun's environment. ``ray`` runs :func:`veloce.ray.run_config`.
+initialised from torchrun's environment. ``ray`` runs :func:`veloce.cli.ray.run_config`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 
-from veloce.config import Config
+from veloce.train.config import Config
 
 __all__ = [
     "LAUNCHERS",
@@ -176,8 +176,8 @@ def launch(args: argparse.Namespace, cfg: Config) -> int:
         print(f"veloce: running {shown + ' ' if shown else ''}{shlex.join(cmd)}", flush=True)
         proc = subprocess.Popen(cmd, env={**os.environ, **env})
         return _wait_leaving_ctrl_c(proc)
-    try:
-        from veloce import ray as veloce_ray
+    try:  # (Ray is an optional dependency: veloce.cli.ray imports it)
+        from veloce.cli import ray as veloce_ray
     except ImportError as exc:
         raise LauncherError(f"--launcher ray: {exc}") from None
     result = veloce_ray.run_config(cfg, num_workers=args.workers, max_failures=args.max_restarts,

@@ -1,4 +1,4 @@
-"""Launchers (veloce/launch.py, veloce/ray.py): ``veloce train --launcher torchrun`` on 2
+"""Launchers (veloce/cli/launch.py, veloce/cli/ray.py): ``veloce train --launcher torchrun`` on 2
 CPU ranks, the same job on 2 Ray Train workers of a local Ray cluster, kill-and-resume
 under torchrun (``--max-restarts=1``) and Ray (``max_failures=1``), and the option errors.
 
@@ -21,8 +21,10 @@ import torch
 
 import veloce
 from _jobs import ROOT, KillOnce, StepLog, last_steps, run_command, starts, write_config
-from veloce import checkpoint, cli, launch
-from veloce.config import load_config
+from veloce import checkpoint, cli
+from veloce.cli import commands, launch
+from veloce.train import build
+from veloce.train.config import load_config
 
 TIMEOUT = 120.0  # seconds per job (a Ray job with a restart starts two worker groups)
 FINAL_STEP = 16
@@ -48,7 +50,7 @@ def final_state(run_dir: Path) -> dict:
     cfg = load_config(run_dir / "config.yaml")
     path = checkpoint.latest(cfg.trainer.checkpoints())
     assert path is not None, f"no checkpoint in {cfg.trainer.checkpoints()}"
-    model = cli.build_model(cfg, torch.device("cpu"))
+    model = build.build_model(cfg, torch.device("cpu"))
     step = checkpoint.load(path, model)["step"]
     tables = {}
     for name, m in model.named_modules():
@@ -57,7 +59,7 @@ def final_state(run_dir: Path) -> dict:
             order = e["keys"].argsort()
             tables[name] = {k: e[k][order] for k in ("keys", "weights", "optimizer_state")}
     model.eval()
-    _, val = cli.build_loaders(cfg)
+    _, val = build.build_loaders(cfg)
     with torch.no_grad():
         preds = torch.cat([model(*inputs).reshape(-1) for inputs, _ in val])
     history = json.loads((run_dir / "metrics.json").read_text())["history"]
@@ -122,15 +124,15 @@ def ray_cluster():
 
 
 def run_on_ray(run_dir: Path, progress: Path, callbacks=(), timeout: float = TIMEOUT, **kwargs):
-    """``veloce.ray.run_config`` of the SMALL config on 2 workers (StepLog on), with a timeout
+    """``veloce.cli.ray.run_config`` of the SMALL config on 2 workers (StepLog on), with a timeout
     that names each rank's last step."""
-    import veloce.ray
+    import veloce.cli.ray
 
     out: dict = {}
 
     def target() -> None:
         try:
-            out["result"] = veloce.ray.run_config(write_config(run_dir), num_workers=2,
+            out["result"] = veloce.cli.ray.run_config(write_config(run_dir), num_workers=2,
                                                   callbacks=[StepLog(progress), *callbacks],
                                                   **kwargs)  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 - raised in the test's thread below
@@ -180,7 +182,7 @@ def test_report_callback_reports_every_checkpoint_and_every_epoch(tmp_path, monk
     with the epoch record it ends, else alone; an epoch record without its own checkpoint
     alone, before the next epoch or at the end."""
     ray_train = pytest.importorskip("ray.train", reason="Ray Train is not installed: pip install 'veloce[ray]'")
-    import veloce.ray
+    import veloce.cli.ray
 
     reports = []
 
@@ -191,14 +193,14 @@ def test_report_callback_reports_every_checkpoint_and_every_epoch(tmp_path, monk
     # one process: 8 global batches of 256 an epoch; checkpoints every 4 steps: the one of an
     # epoch's last step is the epoch's own (saved once, at its end, with its record)
     cfg = load_config(write_config(tmp_path), ["data.samples=2048", "trainer.checkpoint_every=4"])
-    cli.train(cfg, callbacks=[veloce.ray.ReportCallback()])
+    cli.train(cfg, callbacks=[veloce.cli.ray.ReportCallback()])
     assert reports == [
         ("checkpoint", 4, "step_000000004"), ("epoch", 8, "step_000000008"),
         ("checkpoint", 12, "step_000000012"), ("epoch", 16, "step_000000016"),
     ]  # fmt: skip
     reports.clear()
     cfg = load_config(write_config(tmp_path / "b"), ["data.samples=2048", "trainer.checkpoint_every=6"])
-    cli.train(cfg, callbacks=[veloce.ray.ReportCallback()])
+    cli.train(cfg, callbacks=[veloce.cli.ray.ReportCallback()])
     assert reports == [
         ("checkpoint", 6, "step_000000006"), ("epoch", 8, "step_000000008"),
         ("checkpoint", 12, "step_000000012"), ("epoch", 16, "step_000000016"),
@@ -253,13 +255,13 @@ def test_config_errors_come_before_launching(tmp_path, capsys):
 
 
 def test_torchrun_command_one_host_and_several_hosts():
-    args = cli._parser().parse_args(["train", "c.yaml", "--launcher", "torchrun", "--workers", "8",
+    args = commands.parser().parse_args(["train", "c.yaml", "--launcher", "torchrun", "--workers", "8",
                                      "--set", "trainer.max_epochs=2"])  # fmt: skip
     assert launch.torchrun_command(args)[1:] == [
         "-m", "torch.distributed.run", "--nproc-per-node=8", "--standalone",
         "-m", "veloce.cli", "train", "c.yaml", "--set=trainer.max_epochs=2"]  # fmt: skip
     assert launch.torchrun_environment(args) == {}
-    args = cli._parser().parse_args(["train", "c.yaml", "--launcher", "torchrun", "--workers", "8",
+    args = commands.parser().parse_args(["train", "c.yaml", "--launcher", "torchrun", "--workers", "8",
                                      "--nnodes", "2", "--rdzv-endpoint", "host0:29500",
                                      "--max-restarts", "3"])  # fmt: skip
     assert launch.torchrun_command(args)[1:] == [
@@ -269,17 +271,17 @@ def test_torchrun_command_one_host_and_several_hosts():
 
 
 def test_launcher_ray_passes_the_options_to_veloce_ray(tmp_path, capsys, monkeypatch):
-    """``--launcher ray --workers N --max-restarts K`` -> ``veloce.ray.run_config`` (the job
+    """``--launcher ray --workers N --max-restarts K`` -> ``veloce.cli.ray.run_config`` (the job
     itself is tested above through the same function)."""
     pytest.importorskip("ray.train.torch", reason="Ray Train is not installed: pip install 'veloce[ray]'")
-    import veloce.ray
+    import veloce.cli.ray
 
     calls = []
 
     class _Result:
         path, checkpoint = "storage/run", None
 
-    monkeypatch.setattr(veloce.ray, "run_config", lambda cfg, **kw: calls.append((cfg, kw)) or _Result())
+    monkeypatch.setattr(veloce.cli.ray, "run_config", lambda cfg, **kw: calls.append((cfg, kw)) or _Result())
     config = write_config(tmp_path)
     assert cli.main(["train", config, "--launcher", "ray", "--workers", "3", "--max-restarts", "2",
                      "--set", "trainer.max_epochs=5"]) == 0  # fmt: skip

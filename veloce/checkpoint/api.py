@@ -1,37 +1,5 @@
-"""Checkpoints of models with :class:`veloce.DynamicEmbedding` tables: atomic, verified,
-world-size agnostic, and loaded without executing code.
-
-A checkpoint is a directory (the full reference is ``docs/checkpoint.md``)::
-
-    step_000001000/
-        manifest.json                  format_version, world_size, step, extra, tables,
-                                       dense tensors, optimizer JSON, files (size + sha256)
-        dense.safetensors              dense parameters / persistent buffers ("model/<name>")
-                                       and the dense optimizer's tensors ("optimizer/...")
-        tables.rank00000.safetensors   rank 0's table entries: "<table>/keys" (M,),
-        tables.rank00001.safetensors   "<table>/weights" (M, D), "<table>/optimizer_state"
-        ...                            (M, S), "<table>/scores" (M,)
-        COMMITTED                      written last: {"manifest_sha256": ...}
-
-Writing (:func:`save`, collective under ``torch.distributed``): every rank writes its
-files into a temporary sibling directory and fsyncs them; rank 0 writes the manifest,
-renames the directory into place and writes ``COMMITTED`` last. A directory without a
-valid marker is not a checkpoint: :func:`latest` skips it and :func:`load` refuses it.
-
-Loading (:func:`load`): the marker, manifest, format version, the size and sha256 of
-every file read, table dims, optimizer state widths and dense shapes are all checked
-before the model changes; every refusal raises :class:`CheckpointError` and leaves the
-model and optimizer as they were. Each rank keeps the keys it owns under its table's
-current sharding (``veloce.distributed.owner_of``), so W ranks' checkpoints load on W'.
-Only JSON and safetensors are read: no pickle, no ``torch.load``.
-
-Example::
-
-    ckpt = veloce.checkpoint.save_in("runs/x/ckpt", model, opt, step=step, extra={"epoch": 3})
-    last = veloce.checkpoint.latest("runs/x/ckpt")
-    if last is not None:
-        info = veloce.checkpoint.load(last, model, opt)   # {"step": ..., "extra": {...}, ...}
-"""
+"""The public checkpoint functions (:mod:`veloce.checkpoint` exports them): saving a
+committed directory, loading it back, finding and describing checkpoints."""
 
 from __future__ import annotations
 
@@ -47,11 +15,11 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from veloce import _checkpoint_io as _io
-from veloce import _checkpoint_model as _model
-from veloce._checkpoint_io import DENSE_FILE, ENTRIES, FORMAT_VERSION, MANIFEST, MARKER, CheckpointError
+from veloce.checkpoint import files as _io
+from veloce.checkpoint import model as _model
+from veloce.checkpoint.files import DENSE_FILE, ENTRIES, FORMAT_VERSION, MANIFEST, MARKER, CheckpointError
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "save", "load", "latest", "save_in", "describe"]
+__all__ = ["save", "load", "latest", "save_in", "describe"]
 
 _STEP_DIR = re.compile(r"step_\d{9}")
 _DEBRIS = re.compile(r"\.step_\d{9}\.(tmp|old)-[0-9a-f]+")
@@ -59,7 +27,7 @@ _DEBRIS = re.compile(r"\.step_\d{9}\.(tmp|old)-[0-9a-f]+")
 PathLike = Union[str, os.PathLike]
 
 
-# ---- public API ---------------------------------------------------------------------------
+# ---- the API -----------------------------------------------------------------------------
 def save(
     path: PathLike,
     model: nn.Module,
@@ -263,7 +231,7 @@ def _manifest(model: nn.Module, optimizer, step: int, extra: Optional[dict], wri
     for name, m in _model.tables_of(model).items():
         tables[name] = {
             "dim": m.embedding_dim, "state_width": m.table.state_dim, "optimizer": type(m.optimizer).__name__,
-            "dtype": _model.dtype_name(m.table.weights.dtype), "state_dtype": _model.dtype_name(m.table.opt_state.dtype),
+            "dtype": _model.dtype_name(m.table.dtype), "state_dtype": _model.dtype_name(m.table.state_dtype),
             "shard_world": _model.shard_of(m)[1],
             "shards": [w["shards"][name] for w in written if name in w["shards"]],
         }  # fmt: skip

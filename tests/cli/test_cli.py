@@ -16,11 +16,14 @@ import pytest
 import torch
 import yaml
 
-from veloce import checkpoint, cli, launch
+from veloce import checkpoint, cli
+from veloce.cli import commands, launch
+from veloce.cli import run as cli_run
 from veloce.data import DataError
-from veloce.config import Config, ConfigError, load_config, parse_config
+from veloce.train import build
+from veloce.train.config import Config, ConfigError, load_config, parse_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = {
     "model": {"embedding_dim": 4, "bottom_mlp": [8, 4], "top_mlp": [8, 1]},
@@ -115,8 +118,8 @@ def test_config_errors_name_the_field(tmp_path, capsys, override, message):
 
 def test_config_clip_grad_norm_reaches_the_trainer(tmp_path):
     cfg = load_config(write_config(tmp_path, TINY), ["trainer.clip_grad_norm=0.5"])
-    model = cli.build_model(cfg, torch.device("cpu"))
-    assert cli.build_trainer(cfg, model, checkpoints=False).clip_grad_norm == 0.5
+    model = build.build_model(cfg, torch.device("cpu"))
+    assert build.build_trainer(cfg, model, checkpoints=False).clip_grad_norm == 0.5
 
 
 def test_config_file_errors(tmp_path):
@@ -194,9 +197,9 @@ def test_strategy_reaches_hybrid_parallel(tmp_path, monkeypatch):
     import torch
 
     seen = {}
-    monkeypatch.setattr(cli, "Trainer", lambda model, **kw: seen.update(kw["strategy"]))
+    monkeypatch.setattr(build, "Trainer", lambda model, **kw: seen.update(kw["strategy"]))
     cfg = load_config(write_config(tmp_path, TINY), ["strategy.exchange_dtype=bfloat16", "strategy.sparse=async"])
-    cli.build_trainer(cfg, cli.build_model(cfg, torch.device("cpu")), checkpoints=False)
+    build.build_trainer(cfg, build.build_model(cfg, torch.device("cpu")), checkpoints=False)
     assert seen == {"sparse": "async", "staleness": 1, "dense": "ddp", "lookup_errors": "raise",
                     "exchange_dtype": "bfloat16"}  # fmt: skip
 
@@ -210,7 +213,7 @@ def test_tables_defer_inserts_reaches_every_table_and_trains_alike(tmp_path, cap
     from veloce import DynamicEmbedding
 
     cfg = load_config(write_config(tmp_path, TINY), ["tables.defer_inserts=true"])
-    tables = [m for m in cli.build_model(cfg, torch.device("cpu")).modules() if isinstance(m, DynamicEmbedding)]
+    tables = [m for m in build.build_model(cfg, torch.device("cpu")).modules() if isinstance(m, DynamicEmbedding)]
     assert len(tables) == 4 and all(t.defer_inserts for t in tables)
     history = []
     for defer in ("false", "true"):
@@ -305,9 +308,9 @@ def test_config_data_path_is_relative_to_the_config_file_and_set_paths_to_the_cw
 
 def test_criteo_progress_bar_has_a_total(tmp_path):
     config = _criteo_config(tmp_path, "\n".join(_criteo_lines(300)) + "\n", val_fraction=0.2)
-    train_loader, val_loader = cli.build_loaders(load_config(config))
+    train_loader, val_loader = build.build_loaders(load_config(config))
     assert len(train_loader) == 4 == len(list(train_loader)) and len(val_loader) == 1  # 240 and 60 rows
-    t = cli.build_trainer(load_config(config), cli.build_model(load_config(config), torch.device("cpu")),
+    t = build.build_trainer(load_config(config), build.build_model(load_config(config), torch.device("cpu")),
                           checkpoints=False)  # fmt: skip
     t.fit(train_loader)
     assert t.steps_per_epoch() == 4
@@ -325,11 +328,11 @@ def test_process_group_timeout_is_passed_to_init_process_group(monkeypatch):
 
     monkeypatch.setattr(torch.distributed, "init_process_group", init)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for timeout, want in ((None, cli.DEFAULT_TIMEOUT), (45.0, 45.0)):
-        with pytest.raises(Stop), cli._process_group(torch.device("cpu"), timeout):
+    for timeout, want in ((None, cli_run.DEFAULT_TIMEOUT), (45.0, 45.0)):
+        with pytest.raises(Stop), cli_run.process_group(torch.device("cpu"), timeout):
             pass
         assert seen[-1].total_seconds() == want
-    args = cli._parser().parse_args(["train", "c.yaml", "--launcher", "torchrun", "--workers", "2", "--timeout", "45",
+    args = commands.parser().parse_args(["train", "c.yaml", "--launcher", "torchrun", "--workers", "2", "--timeout", "45",
                                      "--resume-from", "ck", "--overwrite"])  # fmt: skip
     with pytest.raises(launch.LauncherError, match="--overwrite starts the run from scratch"):
         launch.check_arguments(args)

@@ -7,7 +7,8 @@
 - :func:`world`, :func:`gather`, :func:`broadcast` and :func:`lockstep`:
   ``torch.distributed`` when it is initialised, else the one-process answers, so the
   Trainer has one code path for 1 and N ranks; :func:`lockstep` keeps ranks with
-  different numbers of batches in step without dropping any (:func:`zero_rows`).
+  different numbers of batches in step without dropping any (:func:`zero_rows`,
+  :func:`zero_loss`).
 """
 
 from __future__ import annotations
@@ -141,6 +142,18 @@ def zero_rows(batch: Any) -> Any:
     """``batch`` with every tensor of at least one dimension cut to zero rows (``x[:0]``):
     the batch a rank whose loader is done runs while other ranks still have batches."""
     return pytree.tree_map(lambda x: x[:0] if isinstance(x, torch.Tensor) and x.dim() > 0 else x, batch)
+
+
+def zero_loss(preds: Any) -> torch.Tensor:
+    """The loss of a zero-row batch: zero, but computed from the predictions, so that the
+    backward reaches every parameter the forward used (DDP's all-reduces and the sharded
+    tables' gradient exchange wait for every rank's backward)."""
+    leaves = [x for x in pytree.tree_leaves(preds) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not leaves:
+        raise TypeError(
+            f"Trainer: the model's output has no floating-point tensor, got {type(preds).__name__}"
+        )
+    return sum(x.sum() for x in leaves) * 0.0
 
 
 def _rows(batch: Any) -> int:

@@ -15,11 +15,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from veloce import _checkpoint_io as _io
-from veloce._checkpoint_io import DENSE_FILE, ENTRIES, MANIFEST, CheckpointError
+from veloce.checkpoint import files as _io
+from veloce.checkpoint.files import DENSE_FILE, ENTRIES, MANIFEST, CheckpointError
+from veloce.distributed import owner_of, table_shard
 from veloce.embedding import DynamicEmbedding
 from veloce.sparse import CombinedOptimizer
-from veloce.table import STATE_NAMES as _STATE_NAMES
 
 
 # ---- the model's pieces ---------------------------------------------------------------------
@@ -58,8 +58,6 @@ def dense_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def shard_of(module: DynamicEmbedding) -> tuple[int, int]:
     """(rank, world size) of the table's sharding; (0, 1) when it is not sharded."""
-    from veloce.distributed import table_shard
-
     return tuple(table_shard(module))
 
 
@@ -190,8 +188,6 @@ def _owned(entries: dict[str, torch.Tensor], shard: tuple[int, int]) -> dict[str
     rank, world = shard
     if world == 1:
         return entries
-    from veloce.distributed import owner_of
-
     keep = owner_of(entries["keys"], world) == rank
     return {k: v[keep] for k, v in entries.items()}
 
@@ -295,10 +291,8 @@ class Undo:
         for m, *_ in plan.tables.values():  # exact sizes; a refused deferred insert is forgotten (the load replaces)
             m.table.settle(refusals=False)
         self.tables = [
-            (m, {b: getattr(m.table, b) for b in _STATE_NAMES}, m.table.size, m.table.version, m.table.clock,
-             m.step_count, list(m._pending), m._nonfinite_error)
-            for m, *_ in plan.tables.values()
-        ]  # fmt: skip
+            (m, m.table.snapshot(), m.step_count, list(m._pending), m._nonfinite_error) for m, *_ in plan.tables.values()
+        ]
         self.dense = [(target, target.detach().clone()) for target, _ in plan.dense.values()]
         self.optimizer = optimizer
         self.opt_state = copy.deepcopy(optimizer.state_dict()) if plan.optimizer is not None else None
@@ -306,9 +300,9 @@ class Undo:
     @torch.no_grad()
     def restore(self) -> None:
         """Puts back what was kept (idempotent)."""
-        for m, buffers, size, version, clock, step, pending, error in self.tables:
-            m.table._restore(buffers)
-            m.table.size, m.table.version, m.table.clock, m.step_count = size, version, clock, step
+        for m, table, step, pending, error in self.tables:
+            m.table.restore(table)
+            m.step_count = step
             m._pending[:] = pending
             m._nonfinite_error = error  # a "raise_next" error the failed load had dropped
         for target, value in self.dense:

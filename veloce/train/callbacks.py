@@ -32,37 +32,40 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:
-    from veloce.trainer import Trainer
+from veloce.runtime.progress import Bar
 
 __all__ = ["Callback", "EarlyStopping", "JSONLinesLogger", "ProgressBar", "TensorBoardLogger"]
+
+# The trainer each hook receives: the veloce.Trainer calling it. The trainer module imports
+# this one (the built-in loggers), so the hooks name its type only in words.
+AnyTrainer = Any
 
 
 class Callback:
     """Base class of trainer callbacks: every hook does nothing by default."""
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: AnyTrainer) -> None:
         """Called once when ``fit`` starts (after a resume has been loaded)."""
 
-    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
+    def on_epoch_start(self, trainer: AnyTrainer, epoch: int) -> None:
         """Called before the first batch of an epoch (also of a resumed, partly done one)."""
 
-    def on_step_end(self, trainer: Trainer, step: int) -> None:
+    def on_step_end(self, trainer: AnyTrainer, step: int) -> None:
         """Called after every optimizer step; ``step`` counts from 1 over the whole run."""
 
-    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_log(self, trainer: AnyTrainer, record: dict[str, Any]) -> None:
         """Called with a step record every ``log_every`` optimizer steps."""
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: AnyTrainer, record: dict[str, Any]) -> None:
         """Called with the epoch record (train loss, throughput, validation metrics)."""
 
-    def on_checkpoint(self, trainer: Trainer, path: Path) -> None:
+    def on_checkpoint(self, trainer: AnyTrainer, path: Path) -> None:
         """Called on every rank after a checkpoint is committed at ``path`` (every
         ``checkpoint_every`` steps, at the end of an epoch, when ``fit`` ends)."""
 
-    def on_fit_end(self, trainer: Trainer, history: list[dict[str, Any]]) -> None:
+    def on_fit_end(self, trainer: AnyTrainer, history: list[dict[str, Any]]) -> None:
         """Called once when ``fit`` returns normally."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -98,7 +101,7 @@ class EarlyStopping(Callback):
         self.best: Optional[float] = None
         self.wait = 0
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: AnyTrainer, record: dict[str, Any]) -> None:
         if self.monitor not in record:
             raise KeyError(
                 f"EarlyStopping: monitor {self.monitor!r} is not in the epoch record; it has "
@@ -133,17 +136,17 @@ class JSONLinesLogger(Callback):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: AnyTrainer) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def _write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_log(self, trainer: AnyTrainer, record: dict[str, Any]) -> None:
         self._write(record)
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: AnyTrainer, record: dict[str, Any]) -> None:
         self._write(record)
 
 
@@ -156,7 +159,7 @@ class TensorBoardLogger(Callback):
         self.log_dir = str(log_dir)
         self.writer: Any = None
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: AnyTrainer) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # tensorboard is optional
@@ -171,44 +174,40 @@ class TensorBoardLogger(Callback):
                 self.writer.add_scalar(f"{prefix}/{key}", value, record["step"])
         self.writer.flush()
 
-    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_log(self, trainer: AnyTrainer, record: dict[str, Any]) -> None:
         self._write("train", record)
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: AnyTrainer, record: dict[str, Any]) -> None:
         self._write("epoch", record)
 
-    def on_fit_end(self, trainer: Trainer, history: list[dict[str, Any]]) -> None:
+    def on_fit_end(self, trainer: AnyTrainer, history: list[dict[str, Any]]) -> None:
         if self.writer is not None:
             self.writer.close()
 
 
 class ProgressBar(Callback):
-    """A tqdm bar per epoch with loss, samples/s and ETA (a printed line per log without tqdm)."""
+    """A tqdm bar per epoch with loss, samples/s and ETA."""
 
     def __init__(self) -> None:
         self.bar: Any = None
 
-    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
-        try:
-            from veloce.runtime.progress import Bar
-        except ImportError:  # no tqdm: a printed line per log
-            return
+    def on_epoch_start(self, trainer: AnyTrainer, epoch: int) -> None:
         total = trainer.steps_per_epoch()
         self.bar = Bar(total=total, initial=trainer.steps_in_epoch, unit="step", desc=f"epoch {epoch}",
                         dynamic_ncols=True, file=sys.stderr)  # fmt: skip
 
-    def on_step_end(self, trainer: Trainer, step: int) -> None:
+    def on_step_end(self, trainer: AnyTrainer, step: int) -> None:
         if self.bar is not None:
             self.bar.update(1)
 
-    def on_log(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_log(self, trainer: AnyTrainer, record: dict[str, Any]) -> None:
         if self.bar is None:
             loss, speed = record["loss"], record["samples_per_s"]
             print(f"step {record['step']}: loss {loss:.4f}, {speed:,.0f} samples/s", file=sys.stderr)
             return
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:,.0f}")
 
-    def on_epoch_end(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: AnyTrainer, record: dict[str, Any]) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None

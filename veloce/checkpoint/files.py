@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 import os
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch

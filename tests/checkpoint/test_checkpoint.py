@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import veloce
-from veloce import _checkpoint_io
+from veloce.checkpoint import files as checkpoint_files
 from veloce import checkpoint as ckpt
 from veloce.checkpoint import CheckpointError
 from veloce.distributed import HybridParallel, owner_of, table_shard
@@ -465,7 +465,7 @@ def _save_and_die_at(k: int, directory: Path, model, opt) -> None:
     """Child: save_in(step 2), exiting abruptly at the k-th durability point (fsync)."""
     torch.set_num_threads(1)
     calls = [0]
-    fsync = _checkpoint_io.fsync
+    fsync = checkpoint_files.fsync
 
     def dying_fsync(path):
         calls[0] += 1
@@ -473,7 +473,7 @@ def _save_and_die_at(k: int, directory: Path, model, opt) -> None:
             os._exit(17)
         fsync(path)
 
-    _checkpoint_io.fsync = dying_fsync
+    checkpoint_files.fsync = dying_fsync
     ckpt.save_in(directory, model, opt, step=2)
     os._exit(0)
 
@@ -496,8 +496,8 @@ def _check_after_crash(directory: Path, states: dict) -> Path:
 def test_a_writer_dying_at_any_durability_point_leaves_the_previous_checkpoint(trained, tmp_path, monkeypatch):
     model, opt = trained
     synced = []
-    fsync = _checkpoint_io.fsync
-    monkeypatch.setattr(_checkpoint_io, "fsync", lambda p: (synced.append(Path(p)), fsync(p)))
+    fsync = checkpoint_files.fsync
+    monkeypatch.setattr(checkpoint_files, "fsync", lambda p: (synced.append(Path(p)), fsync(p)))
     ckpt.save(tmp_path / "probe", model, opt)
     monkeypatch.undo()
     names = ["<parent>" if p == tmp_path else "<tmp>" if p.name.startswith(".probe.tmp-") else p.name for p in synced]
@@ -717,7 +717,7 @@ def test_a_forked_process_killed_mid_bar_leaves_the_parents_bars_working():
     it left every later bar of the parent (even a disabled one) waiting forever, which hung
     test_sigkill_at_random_times_leaves_a_loadable_checkpoint once in CI. veloce's bars
     (checkpoint progress, the Trainer's) lock within their process only."""
-    from veloce._checkpoint_io import progress
+    from veloce.checkpoint.files import progress
     from veloce.runtime.progress import Bar
 
     list(Bar(range(3), disable=True))  # the lock exists before the fork, as in a training process

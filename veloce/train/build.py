@@ -1,0 +1,153 @@
+"""The pieces of a ``veloce train`` run, built from its :class:`~veloce.train.config.Config`:
+the model (:func:`build_model`), this rank's data loaders (:func:`build_loaders`), the
+Trainer (:func:`build_trainer`) and the device (:func:`config_device`).
+
+Example::
+
+    cfg = load_config("configs/dlrm_synthetic.yaml")
+    model = build_model(cfg, torch.device("cpu"))
+    train_loader, val_loader = build_loaders(cfg)
+    build_trainer(cfg, model).fit(train_loader, val_loader)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from veloce import init as veloce_init
+from veloce import metrics, optim
+from veloce.data import CriteoTSV, SyntheticClicks
+from veloce.data.criteo import NUM_DENSE, NUM_SPARSE
+from veloce.embedding import DynamicEmbedding
+from veloce.models import DLRM, DeepFM
+from veloce.train.callbacks import Callback
+from veloce.train.config import Config, ConfigError
+from veloce.train.trainer import Trainer
+
+__all__ = ["build_loaders", "build_model", "build_trainer", "config_device"]
+
+_SPARSE_OPTIMIZERS = {"sgd": "SGD", "adagrad": "Adagrad", "rowwise_adagrad": "RowWiseAdagrad", "adam": "Adam"}
+_DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
+_VAL_START = 10**9  # synthetic validation samples are drawn from here on: disjoint from training
+
+
+def build_model(cfg: Config, device: torch.device) -> nn.Module:
+    """The config's DLRM or DeepFM, with one ``DynamicEmbedding`` per sparse feature on ``device``."""
+    t, s = cfg.tables, cfg.optimizer.sparse
+    initializers = {
+        "normal": lambda: veloce_init.normal(std=t.init_scale),
+        "uniform": lambda: veloce_init.uniform(-t.init_scale, t.init_scale),
+        "zeros": veloce_init.zeros,
+    }
+    init = initializers[t.initializer]()
+    eps = {"eps": s.eps} if s.eps is not None else {}
+    sparse_cls = getattr(optim, _SPARSE_OPTIMIZERS[s.name])
+    sparse_opt = sparse_cls(lr=s.lr, weight_decay=s.weight_decay, **eps)
+
+    seeds = itertools.count(cfg.trainer.seed * 1000)  # one seed per table: features start apart
+
+    def table(dim: int) -> DynamicEmbedding:
+        return DynamicEmbedding(
+            dim, mode=t.mode, capacity=t.capacity, max_capacity=t.max_capacity, eviction=t.eviction,
+            initializer=init, optimizer=sparse_opt, seed=next(seeds), device=device, defer_inserts=t.defer_inserts,
+        )  # fmt: skip
+
+    num_dense, num_sparse = _feature_counts(cfg)
+    m = cfg.model
+    if m.name == "dlrm":
+        model = DLRM(num_dense, num_sparse, m.embedding_dim, m.bottom_mlp, m.top_mlp, embedding_factory=table)
+    else:
+        model = DeepFM(num_dense, num_sparse, m.embedding_dim, m.deep_mlp, embedding_factory=table)
+    return model.to(device)
+
+
+def build_loaders(cfg: Config, rank: int = 0, world_size: int = 1) -> tuple[Any, Any]:
+    """(train loader, validation loader) of this rank; a Criteo file is split by time (last rows validate)."""
+    d = cfg.data
+    if d.kind == "synthetic":
+        common = dict(num_dense=d.num_dense, num_sparse=d.num_sparse, id_space=d.id_space,
+                      zipf_alpha=d.zipf_alpha, seed=d.seed, rank=rank, world_size=world_size)  # fmt: skip
+        train = SyntheticClicks(d.samples, d.batch_size, **common)
+        val = SyntheticClicks(d.val_samples, d.val_batch_size, start=_VAL_START, **common)
+    else:
+        path = os.path.expanduser(os.path.expandvars(d.path))
+        if not Path(path).is_file():
+            raise ConfigError(
+                f"config error: data.path is not a file: {path} (in a config file, a relative data.path is relative "
+                f"to the file's directory; with --set, to the current directory)"
+            )  # fmt: skip
+        rows = d.rows or CriteoTSV(path).num_rows()  # (the count is the one pass over the file before training)
+        split = int(rows * (1 - d.val_fraction))
+        common = dict(rank=rank, world_size=world_size, strict=d.strict, total_rows=rows)
+        train = CriteoTSV(path, d.batch_size, stop=split, **common)
+        val = CriteoTSV(path, d.val_batch_size, start=split, stop=rows, **common)
+
+    def loader(ds: Any) -> DataLoader:
+        init = _worker_ignores_sigint if d.num_workers else None
+        return DataLoader(ds, batch_size=None, num_workers=d.num_workers, worker_init_fn=init)
+
+    return loader(train), loader(val)
+
+
+def build_trainer(
+    cfg: Config, model: nn.Module, checkpoints: bool = True, callbacks: Sequence[Callback] = ()
+) -> Trainer:
+    """A Trainer with the config's optimizers and settings, AUC / log loss / accuracy metrics,
+    checkpoints in ``trainer.checkpoints()`` (if ``checkpoints``), logs in ``run_dir``, and
+    ``callbacks``."""
+    o, tr, st = cfg.optimizer.dense, cfg.trainer, cfg.strategy
+    params = [p for p in model.parameters() if p.requires_grad]
+    # A captured step (trainer.cuda_graph) needs Adam's state, its step count too, on the device.
+    extra = {"capturable": True} if tr.cuda_graph and o.name == "adam" else {}
+    dense = _DENSE_OPTIMIZERS[o.name](params, lr=o.lr, weight_decay=o.weight_decay, **extra) if params else None
+    return Trainer(
+        model, optimizer=dense,
+        metrics={"auc": metrics.AUC(), "logloss": metrics.LogLoss(), "accuracy": metrics.Accuracy()},
+        strategy={"sparse": st.sparse, "staleness": st.staleness, "dense": st.dense, "lookup_errors": st.lookup_errors,
+                  "exchange_dtype": st.exchange_dtype},
+        precision=tr.precision, accumulate_steps=tr.accumulate_steps, max_epochs=tr.max_epochs,
+        max_steps=tr.max_steps, checkpoint_dir=tr.checkpoints() if checkpoints else None,
+        checkpoint_every=tr.checkpoint_every if checkpoints else None, keep_last=tr.keep_last,
+        log_every=tr.log_every, log_dir=tr.run_dir, progress=tr.progress, seed=tr.seed, callbacks=callbacks,
+        cuda_graph=tr.cuda_graph, clip_grad_norm=tr.clip_grad_norm,
+    )  # fmt: skip
+
+
+def _worker_ignores_sigint(worker_id: int) -> None:
+    """A DataLoader worker leaves Ctrl-C to the training process, which checkpoints and
+    stops at the end of its step: a worker ended by it would fail that step's next batch."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _feature_counts(cfg: Config) -> tuple[int, int]:
+    if cfg.data.kind == "criteo":
+        return NUM_DENSE, NUM_SPARSE
+    return cfg.data.num_dense, cfg.data.num_sparse
+
+
+def config_device(cfg: Config) -> torch.device:
+    """The config's ``trainer.device`` (``auto``: CUDA when torch sees a GPU; ``cuda``: this
+    rank's GPU under torchrun), or ConfigError when torch does not see it."""
+    name = cfg.trainer.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and "LOCAL_RANK" in os.environ:
+        name = f"cuda:{os.environ['LOCAL_RANK']}"
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"config error: trainer.device is {cfg.trainer.device!r} but torch sees no CUDA device "
+                              f"(torch {torch.__version__}); use trainer.device=cpu or auto")  # fmt: skip
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"config error: trainer.device is {name!r} but torch sees {count} CUDA device(s)")
+    return device
