@@ -337,7 +337,7 @@ def _sharded_body(rank, world, device_kind, dedup=False, lookup_errors="raise", 
     preds = train(hp, make_opt(hp), world, rank, device=device, prefetch=prefetch)
     sharded._begin = begin
     if not dedup:  # each lookup's first half ran once: prefetched, or in its forward
-        assert len(calls) == 2 * STEPS and not model.a._shard.group.prefetched, (len(calls), prefetch)
+        assert len(calls) == 2 * STEPS and not model.a.backend.group.prefetched, (len(calls), prefetch)
     tables = tables_of(model)
     for name, t in tables.items():  # every key lives on its owner
         assert (owner_of(t["keys"], world) == rank).all(), f"table {name} holds keys it does not own"
@@ -472,9 +472,9 @@ def _click_body(rank, world, modes, steps, batch):
             opt.step()
             opt.zero_grad()
             if mode == "async":  # this step's gradients are still in flight, last step's applied
-                assert all(len(m._shard.in_flight) == 1 for _, m in hp.tables)
+                assert all(m.backend.in_flight == 1 for _, m in hp.tables)
         hp.flush()
-        assert all(not m._shard.in_flight and not m._pending for _, m in hp.tables)
+        assert all(not m.backend.in_flight and not m._pending for _, m in hp.tables)
         val = SyntheticClicks(20_000, batch_size=5000, num_dense=4, num_sparse=6, id_space=20_000, seed=3,
                               start=10**8)  # fmt: skip
         auc = veloce.metrics.AUC()
@@ -543,7 +543,7 @@ def _unwrap_with_async_gradients_in_flight(rank, world):
     loss = nn.functional.binary_cross_entropy_with_logits(hp(*inputs), label, reduction="sum")
     (loss * world / 12).backward()
     opt.step()  # staleness 1: this step's sparse gradients stay in flight
-    in_flight = [len(m._shard.in_flight) for m in (model.a, model.b)]
+    in_flight = [m.backend.in_flight for m in (model.a, model.b)]
     before = tables_of(model)
     hp.unwrap()  # they become the tables' pending gradients
     model.a.step()  # applies them (SGD: the same as one step of one process)
@@ -620,7 +620,7 @@ def _wrap_twice_and_own_ignores(rank, world):
         pass
     else:
         raise AssertionError("the mistyped DDP argument was accepted")
-    assert model.emb._shard is None  # the failed call left no sharding behind
+    assert not model.emb.backend.sharded  # the failed call left no sharding behind
     hp = HybridParallel(model, find_unused_parameters=False)
     assert "local.weight" in model._ddp_params_and_buffers_to_ignore
     ids = torch.tensor([rank * 10 + 1, rank * 10 + 2])
@@ -667,8 +667,8 @@ def _wrap_a_max_table(rank, world):
     try:
         HybridParallel(tables, dense="none")
     except ValueError as e:
-        return str(e), [t._shard is None for t in tables]
-    return None, [t._shard is None for t in tables]
+        return str(e), [not t.backend.sharded for t in tables]
+    return None, [not t.backend.sharded for t in tables]
 
 
 def test_hybrid_parallel_around_a_max_table_says_max_is_not_sharded():
@@ -815,7 +815,7 @@ def test_bad_input_of_a_later_exchange_changes_no_table():
 def _world_one_body(rank, world):
     model = Small()
     hp = HybridParallel(model)
-    assert model.a._shard is None and hp._ddp is None  # nothing extra at world size 1
+    assert not model.a.backend.sharded and hp._ddp is None  # nothing extra at world size 1
     return train(hp, make_opt(hp), 1, 0, steps=3)
 
 
@@ -1132,7 +1132,7 @@ def _async_flush_after_a_failed_step(rank, world):
     except FloatingPointError as e:
         out.append("previous step()" in str(e))
     hp.flush()
-    out += [len(emb._shard.in_flight), len(emb._pending), emb.step_count]
+    out += [emb.backend.in_flight, len(emb._pending), emb.step_count]
     return out
 
 
@@ -1219,7 +1219,7 @@ def _uneven_batch_counts(rank, world, device_kind, sparse):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         history = trainer.fit(train[rank], val_loader=val[rank])
-    in_flight = sum(len(m._shard.in_flight) for m in model.modules() if isinstance(m, veloce.DynamicEmbedding))
+    in_flight = sum(m.backend.in_flight for m in model.modules() if isinstance(m, veloce.DynamicEmbedding))
     return history, trainer.global_step, in_flight, [str(w.message) for w in caught]
 
 

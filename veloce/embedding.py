@@ -13,10 +13,9 @@ import torch
 
 from veloce import init
 from veloce.ops import extension as _ext
-from veloce.ops.exchange import owner_of
 from veloce.optim import Adagrad, SparseOptimizer
 from veloce.sparse import (
-    LIVE, NONFINITE, POOLINGS, DeferredCheck, InputChecks, LocalLookup, NonfinitePolicy, Pending, PendingGradient,
+    LIVE, NONFINITE, POOLINGS, DeferredCheck, InputChecks, LocalBackend, LocalLookup, LookupBackend, NonfinitePolicy, Pending, PendingGradient,
     Stepping, TableModule, compiled_lookup, is_compiling, register, training_lookup,
 )  # fmt: skip
 from veloce.table import HashTable, is_int64
@@ -133,6 +132,10 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
     ``max_norm``, ``norm_type``, ``scale_grad_by_freq`` or ``sparse`` arguments, and no
     TorchScript.
 
+    ``backend`` (a :class:`veloce.sparse.LookupBackend`) says where lookups go: this
+    process's rows (:class:`veloce.sparse.LocalBackend`, the default), or the ranks that
+    own the ids (:class:`veloce.distributed.HybridParallel` installs a sharded one).
+
     Shape:
         - input: (N,) with ``offsets`` (B,) (or (B+1,) with ``include_last_offset``),
           or (B, L) with ``offsets=None``.
@@ -220,8 +223,9 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         # when the first arrived (None: none waits); see _check_unapplied.
         self._unapplied_passes = 0
         self._unapplied_since: Optional[int] = None
-        # Row-wise sharding across ranks (set by veloce.distributed.HybridParallel).
-        self._shard: Optional[Any] = None
+        # Where lookups go: this process's rows, or the owners' (HybridParallel installs a
+        # sharded backend).
+        self.backend: LookupBackend = LocalBackend()
         LIVE.add(self)
         self._handle = register(self)  # how a compiled graph's lookup op finds this module
 
@@ -379,6 +383,9 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         state.setdefault("_frozen", False)
         state.setdefault("_unapplied_passes", 0)
         state.setdefault("_unapplied_since", None)
+        if "backend" not in state:  # pickled with the sharding as a private attribute
+            shard = state.pop("_shard", None)
+            state["backend"] = LocalBackend() if shard is None else shard
         super().__setstate__(state)
         LIVE.add(self)
         # A copy is another module: a compiled graph of the original must not look it up.
@@ -394,16 +401,7 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         if is_compiling():  # one opaque op in the graph (veloce.sparse.compile)
             return compiled_lookup([self], [(input, offsets, per_sample_weights)], many=False)[0]
         _ext.require()
-        training = training_lookup(self)
-        if self._shard is not None:
-            # The offsets' values are checked with the exchange's header (sharded_lookup).
-            deferred: list = []
-            with self._shard.abandon_on_error():  # bad input here fails every rank, not just this one
-                if training:
-                    self._check_unapplied()
-                ids, offsets, psw = self._bags(input, offsets, per_sample_weights, deferred=deferred)
-            return self._shard.lookup(self, ids, offsets, psw, deferred)
-        return self._local_forward(input, offsets, per_sample_weights, training)
+        return self.backend.forward(self, input, offsets, per_sample_weights, training_lookup(self))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the pending sparse gradient (and dense grads of submodules, if any)."""
@@ -463,8 +461,7 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         ``HybridParallel`` this writes this rank's shard, so every id must be one this
         rank owns (``veloce.distributed.owner_of(ids, world_size) == rank``)."""
         ids = self._check_ids(ids, "ids")
-        if self._shard is not None:
-            self._check_owned(ids)
+        self.backend.check_owned(ids)
         if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
             got = weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__
             raise TypeError(f"weights must be a floating-point tensor, got {got}")
@@ -484,17 +481,6 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         out = self.table.export()
         out["step"] = torch.tensor(self.step_count, dtype=torch.long)
         return out
-
-    def _check_owned(self, ids: torch.Tensor) -> None:
-        rank, world = self._shard.group.rank, self._shard.group.size
-        foreign = (owner_of(ids, world) != rank).nonzero()
-        if foreign.numel():
-            i = int(foreign[0, 0])
-            raise ValueError(
-                f"ids[{i}] = {int(ids[i])} belongs to rank {int(owner_of(ids[i : i + 1], world))}, not to this "
-                f"rank ({rank}) of this sharded table; insert each id on its owner "
-                f"(veloce.distributed.owner_of(ids, {world}) == rank). {foreign.numel()} id(s) are not this rank's."
-            )
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -526,8 +512,11 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
                 return
             counters[n] = v
         entries = {n: state_dict[prefix + n] for n in names[:4]}
-        if self._shard is not None and isinstance(entries["keys"], torch.Tensor) and entries["keys"].dim() == 1:
-            entries = self._owned_entries(entries)
+        if isinstance(entries["keys"], torch.Tensor) and entries["keys"].dim() == 1:
+            # A state dict of the whole table (one process's, or every shard's gathered) loads
+            # on every rank of a sharded table, each keeping its own rows, as
+            # veloce.checkpoint.load does; otherwise the next checkpoint's shards overlap.
+            entries = self.backend.owned_entries(self, entries)
         try:
             self.table.load_entries(entries)
         except ValueError as exc:
@@ -536,17 +525,6 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         self.step_count = counters["step"]  # drops the last step's unread check
         self.table.clock = counters["clock"]
         self._forget_gradient()  # a backward before the load books no step after it
-
-    def _owned_entries(self, entries: dict[str, Any]) -> dict[str, Any]:
-        """The entries of the ids this rank owns, on a table sharded by HybridParallel: a
-        state dict of the whole table (one process's, or every shard's gathered) loads on
-        every rank, each keeping its own rows, as ``veloce.checkpoint.load`` does. Without
-        it each shard kept every row, and the next checkpoint's shards overlapped."""
-        keys = entries["keys"]
-        mine = owner_of(keys.to(self.table.device, torch.long), self._shard.group.size).to(keys.device)
-        mine = mine == self._shard.group.rank
-        return {n: (v[mine] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == keys.shape[0] else v)
-                for n, v in entries.items()}  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, {self.table._size_text()}"

@@ -140,7 +140,7 @@ class CUDAGraphStep:
         if not self.modules:
             warnings.warn("CUDAGraphStep: the model has no DynamicEmbedding", RuntimeWarning, stacklevel=2)
         self._check_modules()
-        self._sharded = any(m._shard is not None for m in self.modules)
+        self._sharded = any(m.backend.sharded for m in self.modules)
         self._hp: Any = None  # the HybridParallel whose dense gradients the graph averages
         dev = self.modules[0].table.device if self.modules else torch.device("cuda", torch.cuda.current_device())
         self._stream = torch.cuda.Stream(dev)  # every capture's (see HybridParallel._remake_ddp)
@@ -198,19 +198,19 @@ class CUDAGraphStep:
         from veloce.distributed.hybrid import HybridParallel
 
         for m in self.modules:
-            if m._shard is None:
+            if not m.backend.sharded:
                 continue
             static.check_static([m])
-            if m._shard.group.backend != "nccl":
-                raise ValueError(f"CUDAGraphStep: sharded tables need the NCCL backend, got {m._shard.group.backend!r}")
+            if m.backend.group.backend != "nccl":
+                raise ValueError(f"CUDAGraphStep: sharded tables need the NCCL backend, got {m.backend.group.backend!r}")
         if not callable(self.lookups):
             raise ValueError(
                 "CUDAGraphStep: the model's tables are sharded (HybridParallel): pass lookups=, a function of the "
                 "step's inputs that returns the model's lookups, e.g. lambda dense, sparse, label: "
                 "model.module.sparse_lookups(dense, sparse)"
             )  # fmt: skip
-        wrappers = {id(w): w for w in (m._shard.wrapper() if m._shard.wrapper is not None else None
-                                       for m in self.modules if m._shard is not None) if w is not None}  # fmt: skip
+        wrappers = {id(w): w for w in (m.backend.wrapper() if m.backend.wrapper is not None else None
+                                       for m in self.modules if m.backend.sharded) if w is not None}  # fmt: skip
         if len(wrappers) != 1:
             raise ValueError(
                 f"CUDAGraphStep: the sharded tables must belong to one live HybridParallel, found {len(wrappers)}"
@@ -283,7 +283,7 @@ class CUDAGraphStep:
             from veloce.distributed._comm import raise_deferred_failures
 
             try:
-                for g in {id(m._shard.group): m._shard.group for m in self.modules if m._shard is not None}.values():
+                for g in {id(m.backend.group): m.backend.group for m in self.modules if m.backend.sharded}.values():
                     raise_deferred_failures(g)  # an eager step's (lookup_errors="raise_next"; agreed: all raise)
             except BaseException:
                 self.discard_ahead()

@@ -409,7 +409,7 @@ def test_save_refuses_to_overwrite_unless_asked(trained, tmp_path):
 
 def test_save_refuses_tables_with_gradients_in_flight(trained, tmp_path):
     model, opt = trained
-    model.emb["item"]._shard = SimpleNamespace(in_flight=[object()], group=SimpleNamespace(rank=0, size=1))
+    model.emb["item"].backend = SimpleNamespace(in_flight=1, rank=0, world_size=1)
     with pytest.raises(CheckpointError, match=r"\['emb.item'\] have sparse gradients in flight .* call model.flush\(\)"):
         ckpt.save(tmp_path / "c", model, opt)
     assert list(tmp_path.iterdir()) == []
@@ -580,7 +580,7 @@ def _sharded_model(rank: int, world: int, fill: bool) -> tuple[nn.Module, Net]:
     torch.manual_seed(0)
     net = Net()
     model = HybridParallel(net, dense="none") if world > 1 else net
-    net.emb["item"]._shard = None  # a replica on every rank, as after HybridParallel.unwrap()
+    net.emb["item"].backend = veloce.sparse.LocalBackend()  # a replica on every rank, as after HybridParallel.unwrap()
     assert table_shard(net.emb["user"]) == (rank, world)
     if fill:
         user = _random_entries(N_USER, 8, 16, seed=1)

@@ -65,7 +65,7 @@ def check_flushed(model: nn.Module, action: str = "saving") -> None:
     """Refuses to save (or load into) tables whose sparse gradients are still in flight
     (HybridParallel with sparse="async"): a checkpoint would silently miss those updates,
     and a load would have them applied to the restored rows later."""
-    late = [n for n, m in tables_of(model).items() if getattr(getattr(m, "_shard", None), "in_flight", None)]
+    late = [n for n, m in tables_of(model).items() if m.backend.in_flight]
     if late:
         raise CheckpointError(
             f"table(s) {late} have sparse gradients in flight (HybridParallel sparse='async'); call "

@@ -116,7 +116,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     wire = wire_dtype(shard.exchange_dtype, dtype)
     signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(batch.psw is not None), int(psw_grad),
                  1 | wire_code(wire) << 1 | modes_code(training))  # fmt: skip
-    what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
+    what = f"DynamicEmbedding tables {[m.backend.tag for m in modules]}"
     sent, recv = exchange_headers(g, torch.cat([ids_nk.sum(1, keepdim=True), ids_nk], 1), signature, what)
     id_splits, recv_ids_n, recv_ids_nk = sent[0], recv[0], recv[1:]  # recv_ids_nk[k][peer]
 

@@ -15,7 +15,7 @@ from veloce.embedding import DynamicEmbedding
 from veloce.runtime import capture as _capture
 from veloce.runtime.device import current_stream, to_device
 from veloce.runtime.update_stream import on_prefetch_stream, record_streams
-from veloce.sparse import raise_deferred
+from veloce.sparse import LocalBackend, raise_deferred
 from veloce.distributed._comm import Group
 from veloce.distributed.sharded import Shard
 
@@ -197,7 +197,7 @@ class HybridParallel(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.tables = [(n, m) for n, m in model.named_modules() if isinstance(m, DynamicEmbedding)]
-        taken = [n for n, m in self.tables if m._shard is not None]
+        taken = [n for n, m in self.tables if m.backend.sharded]
         if taken:
             raise ValueError(f"HybridParallel: table(s) {taken} are already sharded by another wrapper")
         maxed = [n for n, m in self.tables if m.mode == "max"]
@@ -227,7 +227,7 @@ class HybridParallel(nn.Module):
                 # (a mistyped DDP argument, say) the tables as they were, so that a corrected
                 # call can wrap them
                 for _, m in self.tables:
-                    m._shard = None
+                    m.backend = LocalBackend()
                 model._ddp_params_and_buffers_to_ignore = own
                 raise
         object.__setattr__(self, "_ddp", ddp)  # not a submodule: model's state appears once
@@ -250,7 +250,7 @@ class HybridParallel(nn.Module):
         urgent = _high_priority(backend)
         dispatch_group = Group(dist.new_group(ranks=ranks, backend=backend, pg_options=urgent, **local))
         for tag, (name, m) in enumerate(self.tables):
-            m._shard = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group, self.dedup,
+            m.backend = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group, self.dedup,
                              self.lookup_errors, dispatch_group, self.exchange_dtype, weakref.ref(self))  # fmt: skip
         modules = [m for _, m in self.tables]
         lookup_group.on_failure = lambda: drop_failed_gradients(modules)
@@ -261,7 +261,7 @@ class HybridParallel(nn.Module):
         if _capture.ACTIVE is not None and _capture.ACTIVE.averaging is self:
             return self.module(*args, **kwargs)  # a captured step (CUDAGraphStep) averages the dense gradients itself
         if self.prefetch_depth == "header" and self.tables and self.world_size > 1:
-            complete_prefetched(self.tables[0][1]._shard.group)
+            complete_prefetched(self.tables[0][1].backend.group)
         return (self._ddp or self.module)(*args, **kwargs)
 
     def _remake_ddp(self, stream: Any) -> None:
@@ -341,7 +341,7 @@ class HybridParallel(nn.Module):
             for tables, inputs in lookups(*args, **kwargs):
                 dispatch_many(tables, inputs, self.prefetch_depth)
             return
-        groups = {id(m._shard.group): m._shard.group for _, m in self.tables}.values()
+        groups = {id(m.backend.group): m.backend.group for _, m in self.tables}.values()
         queued = [len(g.prefetched) for g in groups]
         on_gpu = [t for t in _tensors((args, kwargs)) if t.is_cuda]
         # Inputs on the GPU may come from work queued on the current stream: wait for it.
@@ -383,11 +383,11 @@ class HybridParallel(nn.Module):
         it applies nothing and only meets the other ranks: a barrier)."""
         raise_deferred([m for _, m in self.tables])  # a failed step's error first: nothing moved yet
         for _, m in self.tables:
-            if m._shard is not None and m._shard.in_flight:
-                m._shard.flush(m)
+            if m.backend.in_flight:
+                m.backend.flush(m)
                 m._apply_pending(m._last_lr)
         if self.world_size > 1:
-            dist.barrier(group=self.tables[0][1]._shard.group.group if self.tables else None)
+            dist.barrier(group=self.tables[0][1].backend.group.group if self.tables else None)
 
     @torch.no_grad()
     def unwrap(self) -> nn.Module:
@@ -401,10 +401,10 @@ class HybridParallel(nn.Module):
         train its shard alone) unless the table is ``per_rank``."""
         raise_deferred([m for _, m in self.tables])
         for _, m in self.tables:  # every table's, before any is unwrapped
-            if m._shard is not None and m._shard.in_flight:
-                m._shard.flush(m)
+            if m.backend.in_flight:
+                m.backend.flush(m)
         for _, m in self.tables:
-            m._shard = None
+            m.backend = LocalBackend()
         return self.module
 
     def extra_repr(self) -> str:

@@ -48,8 +48,8 @@ from veloce.distributed._comm import (
     all_to_all_rows, Header, begin_headers, finish_headers, raise_deferred_failures, modes_code, wire_code, wire_dtype,
 )  # fmt: skip
 from veloce.ops.embedding import pooled_lookup_kernels
-from veloce.ops.exchange import bucketize_bags, combine_parts, regroup_blocks
-from veloce.sparse import Pending, autograd_anchor, lookup_groups, check_offsets_many, offsets_flags, psw_gradient, reresolve
+from veloce.ops.exchange import bucketize_bags, combine_parts, owner_of, regroup_blocks
+from veloce.sparse import LookupBackend, Pending, autograd_anchor, lookup_groups, check_offsets_many, offsets_flags, psw_gradient, reresolve
 from veloce.table import find_or_insert_many
 
 __all__ = ["Shard", "table_shard", "sharded_lookup"]
@@ -60,8 +60,8 @@ _SUM = 0
 def table_shard(module: Any) -> tuple[int, int]:
     """``(rank, world_size)`` of a ``DynamicEmbedding``'s sharding; ``(0, 1)`` when it is
     not sharded (a single process, or a replica)."""
-    shard = getattr(module, "_shard", None)
-    return (0, 1) if shard is None else (shard.group.rank, shard.group.size)
+    backend = getattr(module, "backend", None)
+    return (0, 1) if backend is None else (backend.rank, backend.world_size)
 
 
 @dataclass
@@ -75,8 +75,10 @@ class _InFlight:
 
 
 @dataclass
-class Shard:
-    """How one ``DynamicEmbedding`` is sharded (set by ``HybridParallel``).
+class Shard(LookupBackend):
+    """The sharded lookup backend of one ``DynamicEmbedding`` (``HybridParallel`` installs
+    it as the table's ``backend``): its lookups go to the ranks that own the ids, and its
+    counts agree over them.
 
     Attributes:
         group: the process group of the lookup exchanges.
@@ -104,12 +106,57 @@ class Shard:
     exchange_dtype: Optional[torch.dtype] = None
     wrapper: Any = None  # a weak reference to the HybridParallel that sharded the table
     steps: int = 0  # optimizer steps taken (async bookkeeping)
-    in_flight: deque = field(default_factory=deque)
+    flights: deque = field(default_factory=deque)  # _InFlight exchanges, oldest first
 
-    def lookup(self, module, ids, offsets, psw, layouts: Sequence[tuple] = ()) -> torch.Tensor:
-        """The sharded equivalent of ``module``'s local pooled lookup (``layouts``: see
-        :func:`sharded_lookup`)."""
-        return sharded_lookup([module], [(ids, offsets, psw)], layouts)[0]
+    sharded = True
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return self.group.rank
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        return self.group.size
+
+    @property
+    def group_id(self) -> int:
+        return id(self.group)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.flights)
+
+    def exchange_key(self) -> tuple:
+        return id(self.group), self.mode
+
+    def forward(self, module: Any, input: torch.Tensor, offsets: Optional[torch.Tensor],
+                per_sample_weights: Optional[torch.Tensor], training: bool) -> torch.Tensor:  # fmt: skip
+        """The sharded equivalent of ``module``'s local pooled lookup. The offsets' values
+        are checked with the exchange's header (:func:`sharded_lookup`)."""
+        deferred: list = []
+        with self.abandon_on_error():  # bad input here fails every rank, not just this one
+            if training:
+                module._check_unapplied()
+            ids, offsets, psw = module._bags(input, offsets, per_sample_weights, deferred=deferred)
+        return sharded_lookup([module], [(ids, offsets, psw)], deferred)[0]
+
+    def check_owned(self, ids: torch.Tensor) -> None:
+        rank, world = self.group.rank, self.group.size
+        foreign = (owner_of(ids, world) != rank).nonzero()
+        if foreign.numel():
+            i = int(foreign[0, 0])
+            raise ValueError(
+                f"ids[{i}] = {int(ids[i])} belongs to rank {int(owner_of(ids[i : i + 1], world))}, not to this "
+                f"rank ({rank}) of this sharded table; insert each id on its owner "
+                f"(veloce.distributed.owner_of(ids, {world}) == rank). {foreign.numel()} id(s) are not this rank's."
+            )
+
+    def owned_entries(self, module: Any, entries: dict[str, Any]) -> dict[str, Any]:
+        """The entries of the ids this rank owns."""
+        keys = entries["keys"]
+        mine = owner_of(keys.to(module.table.device, torch.long), self.group.size).to(keys.device) == self.group.rank
+        return {n: (v[mine] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == keys.shape[0] else v)
+                for n, v in entries.items()}  # fmt: skip
 
     def lookup_many(self, modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple] = ()) -> list[torch.Tensor]:
         """The pooled lookups of ``modules`` (sharded on this shard's group, one exchange;
@@ -125,8 +172,8 @@ class Shard:
         """Before the owner's step(): async gradients that are due (sent ``staleness``
         steps ago or more) join the pending gradient."""
         self.steps += 1
-        while self.in_flight and self.in_flight[0].step <= self.steps - 1 - self.staleness:
-            f = self.in_flight.popleft()
+        while self.flights and self.flights[0].step <= self.steps - 1 - self.staleness:
+            f = self.flights.popleft()
             _record([module], [f.owner], [f.grad()], noted=True)
 
     def agree(self, count: int) -> int:
@@ -161,8 +208,8 @@ class Shard:
 
     def flush(self, module) -> None:
         """Waits for every gradient in flight and adds it to the pending gradient."""
-        while self.in_flight:
-            f = self.in_flight.popleft()
+        while self.flights:
+            f = self.flights.popleft()
             _record([module], [f.owner], [f.grad()], noted=True)
 
 
@@ -215,7 +262,7 @@ def sharded_lookup(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
     plan = static.take_plan(modules)
     if plan is not None:  # a step of static exchanges (veloce.graphs.CUDAGraphStep)
         return static.lookup(modules, bags, plan)
-    shard = modules[0]._shard
+    shard = modules[0].backend
     raise_deferred_failures(shard.group)  # an earlier forward's failure first, before anything moves
     training = _training(modules)  # read here: the autograd Function's forward runs without gradients
     anchor_needed = any(training)
@@ -262,7 +309,7 @@ def dispatch_group(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
     now and queues it on the group, where that lookup takes it (see
     :meth:`veloce.distributed.HybridParallel.prefetch`). ``depth="header"``: only its start
     (bucketing, the header swap queued; no host sync): the lookup runs the rest."""
-    shard = modules[0]._shard
+    shard = modules[0].backend
     check_prefetchable(modules)
     psw_grad = any(b[2] is not None and b[2].requires_grad for b in bags)
     training = _training(modules)
@@ -283,7 +330,7 @@ def check_prefetchable(modules: Sequence) -> None:
     dedup, or a table with a prefetched lookup no forward has taken yet. The same on every
     rank (so all raise, none waits): checked before the input, whose errors abandon the
     exchange."""
-    shard = modules[0]._shard
+    shard = modules[0].backend
     if shard.dedup:
         raise ValueError(
             "HybridParallel.prefetch: not available with dedup=True (the exchange of distinct ids is not split "
@@ -292,7 +339,7 @@ def check_prefetchable(modules: Sequence) -> None:
     # An insert into a table whose prefetched slots no forward has taken yet could grow it
     # or evict under them. (The queue is the same on every rank: all raise here, none waits.)
     pending = {id(m.table) for d in shard.group.prefetched for m in d.modules}
-    clash = [m._shard.tag for m in modules if id(m.table) in pending]
+    clash = [m.backend.tag for m in modules if id(m.table) in pending]
     if clash:
         raise ValueError(
             f"HybridParallel.prefetch: table(s) {clash} already have a prefetched lookup that no forward has taken "
@@ -308,9 +355,9 @@ def drop_failed_gradients(modules: Sequence) -> None:
     forward's gradient is applied later."""
     for m in modules:
         m._forget_gradient()
-        shard = m._shard
-        if shard is not None and shard.in_flight:
-            shard.in_flight = deque(f for f in shard.in_flight if f.step < shard.steps)
+        shard = m.backend
+        if shard.in_flight:
+            shard.flights = deque(f for f in shard.flights if f.step < shard.steps)
 
 
 def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple], psw_grad: bool,
@@ -323,12 +370,12 @@ def _take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple], psw
     if not group.prefetched:
         return None
     d = group.prefetched.popleft()
-    tags = [m._shard.tag for m in modules]
+    tags = [m.backend.tag for m in modules]
     if [id(m) for m in d.modules] != [id(m) for m in modules] or d.training != training:
         group.prefetched.clear()
         raise ValueError(
             f"HybridParallel.prefetch: this lookup of tables {tags} (training={list(training)}) is not the one "
-            f"prefetched next (tables {[m._shard.tag for m in d.modules]}, training={list(d.training)}); call "
+            f"prefetched next (tables {[m.backend.tag for m in d.modules]}, training={list(d.training)}); call "
             f"forward with the inputs given to prefetch, in the order prefetched, in the same train/eval mode "
             f"(a lookup under torch.no_grad() is an evaluation lookup)"
         )  # fmt: skip
@@ -627,7 +674,7 @@ def _end(begun: _Begun) -> _Dispatched:
     g, modules, cb, b, layouts = begun.group, begun.modules, begun.batch, begun.buckets, begun.layouts
     K = len(modules)
     any_psw = cb.psw is not None
-    what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
+    what = f"DynamicEmbedding tables {[m.backend.tag for m in modules]}"
     sent, recv = finish_headers(g, begun.header, what, lambda: _raise_bad_layout(layouts))
     id_splits, part_splits = sent[0], sent[1]
     recv_ids_n, recv_parts_n = recv[0], recv[1]
@@ -666,7 +713,7 @@ def _finish(shard: Shard, d: _Dispatched, refusal: Optional[Exception] = None):
     g, modules, cb = shard.group, d.modules, d.batch
     dtype, dev = modules[0].table.dtype, cb.ids.device
     error = d.error or refusal
-    changed = [m._shard.tag for m, v in zip(modules, d.versions) if m.table.version != v]
+    changed = [m.backend.tag for m, v in zip(modules, d.versions) if m.table.version != v]
     if error is None and changed:  # prefetched slots of a table grown, evicted or erased since
         error = ValueError(
             f"HybridParallel.prefetch: table(s) {changed} changed between prefetch and this forward (an insert, "
@@ -753,7 +800,7 @@ def _tags_hash(modules) -> int:
     """A fingerprint of which tables an exchange serves, the same on every rank."""
     h = 0
     for m in modules:
-        h = (h * 1_000_003 + m._shard.tag + 1) % (1 << 61)
+        h = (h * 1_000_003 + m.backend.tag + 1) % (1 << 61)
     return h
 
 
@@ -854,11 +901,11 @@ def _serve_inserted(modules: list, ids: Sequence[torch.Tensor], starts: Sequence
             error = e
     # After serving, not right after the inserts: a lookup can fail too (out of memory for
     # its output), and a rank raising past the agreement would leave the others waiting.
-    shard = modules[0]._shard
+    shard = modules[0].backend
     if shard.lookup_errors == "raise":
         _agree_no_failure(shard.group, error)
         return served, pooled
-    what = f"DynamicEmbedding tables {[m._shard.tag for m in modules]}"
+    what = f"DynamicEmbedding tables {[m.backend.tag for m in modules]}"
     shard.group.unread.append(DeferredFailure(shard.group, error, what))
     if error is None:
         return served, pooled
@@ -967,7 +1014,7 @@ def _deliver(shard: Shard, modules: list, served: list, rows: torch.Tensor, send
             return landed["grads"]
 
         for k, m in enumerate(modules):
-            m._shard.in_flight.append(_InFlight(m._shard.steps, lambda k=k: table_grads()[k], served[k]))
+            m.backend.flights.append(_InFlight(m.backend.steps, lambda k=k: table_grads()[k], served[k]))
             m._note_backward()  # waits for step() too (DynamicEmbedding._check_unapplied)
         return None
     recv = all_to_all_rows(shard.group, rows, send_splits, recv_splits, wire)
@@ -1036,7 +1083,7 @@ def dispatch_many(tables: Sequence, inputs: Sequence[Any], depth: str = "inserts
     args, groups, _ = lookup_groups(tables, inputs, "prefetch")
     aranges: dict = {}
     for idx in groups.values():
-        shard = tables[idx[0]]._shard
+        shard = tables[idx[0]].backend
         group_tables = [tables[i] for i in idx]
         check_prefetchable(group_tables)  # before the input's checks, which abandon the exchange on an error
         with deferring_errors(shard, group_tables, depth) as failed:

@@ -67,8 +67,8 @@ EXPECTING = False  # a captured step is planned: every sharded lookup must find 
 
 def check_static(modules: Sequence, bags: Sequence[tuple] = ()) -> None:
     """Raises ``ValueError`` when ``modules`` (one exchange) cannot run a static exchange."""
-    shard = modules[0]._shard
-    tags = [m._shard.tag for m in modules]
+    shard = modules[0].backend
+    tags = [m.backend.tag for m in modules]
     why = None
     if shard.mode != "sync":
         why = f"sparse={shard.mode!r} (a graph needs sparse='sync')"
@@ -165,11 +165,11 @@ def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], co
     check_static(modules, bags)
     if not all(m.training for m in modules):
         raise ValueError(
-            f"CUDAGraphStep: sharded tables {[m._shard.tag for m in modules]} are in eval mode: a captured sharded "
+            f"CUDAGraphStep: sharded tables {[m.backend.tag for m in modules]} are in eval mode: a captured sharded "
             f"step trains every sharded table it looks up (an evaluation lookup's initialised rows need host work)"
         )  # fmt: skip
     modules = list(modules)
-    shard = modules[0]._shard
+    shard = modules[0].backend
     g, K = shard.group, len(modules)
     cg = shard.dispatch_group or g
     W = g.size
@@ -193,7 +193,7 @@ def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], co
     bounds = consts.get(("bounds", W, tuple(num_bags)), _run_bounds(num_bags, W), dev)
     parts_nk, ids_nk = _counts_per_owner_and_table(b, num_bags, W, dev, bounds)
     wire = wire_dtype(shard.exchange_dtype, modules[0].table.dtype)
-    sig = consts.get(("sig", tuple(m._shard.tag for m in modules)),
+    sig = consts.get(("sig", tuple(m.backend.tag for m in modules)),
                      [K, _tags_hash(modules), modules[0].embedding_dim, modules[0].table.dtype.itemsize,
                       wire_code(wire), _STATIC_BIT], dev)  # fmt: skip
     row = torch.cat([sig.expand(W, _SIG), parts_nk.view(W, K), ids_nk.view(W, K)], 1)
@@ -269,7 +269,7 @@ def needs_from(counted: Sequence[Counted], values: Sequence[int]) -> tuple[Optio
         v, own = top[at : at + 2 + 2 * K + _FLAGS], mine[at : at + 2 + 2 * K + _FLAGS]
         at += 2 + 2 * K + _FLAGS
         bad_sig, hit, bad_layout, grow = v[-_FLAGS:]
-        tags = [m._shard.tag for m in c.modules]
+        tags = [m.backend.tag for m in c.modules]
         if own[-2]:
             _raise_bad_layout(c.layouts)
             raise ExchangeError(f"DynamicEmbedding tables {tags}: this rank's bag layout was flagged bad, but its "
@@ -320,7 +320,7 @@ def take_plan(modules: Sequence) -> Optional[Plan]:
     if not PLANNED:
         if EXPECTING:
             raise ValueError(
-                f"CUDAGraphStep: the step looks up sharded tables {[m._shard.tag for m in modules]} after the "
+                f"CUDAGraphStep: the step looks up sharded tables {[m.backend.tag for m in modules]} after the "
                 f"lookups its lookups() said: lookups(*inputs) must return every group the model's forward looks "
                 f"up, in order (veloce.models' sparse_lookups do)"
             )  # fmt: skip
@@ -329,8 +329,8 @@ def take_plan(modules: Sequence) -> Optional[Plan]:
     if [id(m) for m in plan.counted.modules] != [id(m) for m in modules]:
         PLANNED.clear()
         raise ValueError(
-            f"CUDAGraphStep: the step looks up tables {[m._shard.tag for m in modules]} where its lookups() said "
-            f"{[m._shard.tag for m in plan.counted.modules]}: lookups(*inputs) must return the groups the "
+            f"CUDAGraphStep: the step looks up tables {[m.backend.tag for m in modules]} where its lookups() said "
+            f"{[m.backend.tag for m in plan.counted.modules]}: lookups(*inputs) must return the groups the "
             f"model's forward looks up, in order (veloce.models' sparse_lookups do)"
         )  # fmt: skip
     return plan
@@ -436,7 +436,7 @@ def _forward(modules: list, plan: Plan, training: tuple[bool, ...]) -> tuple[tup
             slots[k] = s
     served, pooled = _serve_all(modules, ids_k, starts_k, [None] * K, slots)
     # The partial sums back, padded per peer as the parts came (the padding: zero rows).
-    wire = wire_dtype(modules[0]._shard.exchange_dtype, dtype) or dtype
+    wire = wire_dtype(modules[0].backend.exchange_dtype, dtype) or dtype
     pooled_all = torch.cat([*pooled, torch.zeros(1, dim, dtype=dtype, device=dev)])
     rows = _a2a(pooled_all.index_select(0, dest_parts).to(wire), g, zero_row=True)  # (W * Cp + 1, dim)
     j = torch.arange(Cp, device=dev)
@@ -466,7 +466,7 @@ def _backward(ex: _StaticExchange, grads: Sequence[Optional[torch.Tensor]]) -> N
     grad = _cat_grads(modules, grads, c.num_bags, dev)
     if ex.scale is not None:
         grad = grad * ex.scale.unsqueeze(1)
-    wire = wire_dtype(modules[0]._shard.exchange_dtype, dtype) or dtype
+    wire = wire_dtype(modules[0].backend.exchange_dtype, dtype) or dtype
     # Averaged over ranks, as DDP, in the wire's dtype (one pass, as the eager exchange),
     # then gathered to each part's owner (padding parts: the zero row after the bags).
     sent = torch.empty(grad.shape[0] + 1, dim, dtype=wire, device=dev)
@@ -498,7 +498,7 @@ def lookup(modules: Sequence, bags: Sequence[tuple], plan: Plan) -> list[torch.T
     if tuple(tuple(b[0].shape) for b in bags) != c.shapes:
         PLANNED.clear()
         raise ValueError(
-            f"CUDAGraphStep: the lookup of tables {[m._shard.tag for m in modules]} got ids of shapes "
+            f"CUDAGraphStep: the lookup of tables {[m.backend.tag for m in modules]} got ids of shapes "
             f"{[tuple(b[0].shape) for b in bags]}, but lookups() gave {list(c.shapes)} for it: it must return "
             f"the forward's own inputs"
         )  # fmt: skip

@@ -1,5 +1,7 @@
 """The one-process engine of table modules, one module per job in the order a step runs:
 
+- :mod:`~veloce.sparse.backend`: where a table's lookups go (:class:`LocalBackend`, or a
+  sharded one that :class:`veloce.distributed.HybridParallel` installs);
 - :mod:`~veloce.sparse.inputs`: input checks (before any table changes);
 - :mod:`~veloce.sparse.lookup`: the local lookup, and :func:`lookup_many`;
 - :mod:`~veloce.sparse.autograd`: the lookups' autograd node;
@@ -12,6 +14,7 @@
 """
 
 from veloce.sparse.autograd import autograd_anchor, psw_gradient, train_lookups
+from veloce.sparse.backend import LocalBackend, LookupBackend
 from veloce.sparse.base import MODES, POOLINGS, TableModule, training_lookup
 from veloce.sparse.clip import clip_grad_norm_, clip_grad_value_
 from veloce.sparse.combined import CombinedOptimizer
@@ -26,7 +29,7 @@ from veloce.sparse.torch_steps import torch_step_count
 
 __all__ = [
     "CHECKED", "LIVE", "MODES", "NONFINITE", "POOLINGS", "CombinedOptimizer", "DeferredCheck", "FiniteCheck",
-    "InputChecks", "LayoutCheck", "LocalLookup", "NonfinitePolicy", "Pending", "PendingGradient", "Stepping",
+    "InputChecks", "LayoutCheck", "LocalBackend", "LocalLookup", "LookupBackend", "NonfinitePolicy", "Pending", "PendingGradient", "Stepping",
     "TableModule", "autograd_anchor", "check_offsets_many", "clip_grad_norm_", "clip_grad_value_",
     "compiled_lookup", "insert_checked", "is_compiling", "lookup_groups", "lookup_many", "offsets_flags",
     "psw_gradient", "raise_deferred", "register", "reresolve", "step_tables", "torch_step_count",

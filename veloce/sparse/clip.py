@@ -54,10 +54,10 @@ def _clip_targets(
             )  # fmt: skip
     unique = list({id(t): t for t in found}.values())  # a table listed twice is clipped once
     for t in unique:
-        if t._shard is not None and t._shard.in_flight:
+        if t.backend.in_flight:
             raise ValueError(
                 f"{what}: a table sharded with HybridParallel(sparse='async') has gradients in flight to their "
-                f"owners (applied {t._shard.staleness} step(s) later): they cannot be clipped with this step's. "
+                f"owners (applied {t.backend.staleness} step(s) later): they cannot be clipped with this step's. "
                 f"Clip with sparse='sync'"
             )  # fmt: skip
     return [p.grad for p in params if p.grad is not None], unique
@@ -70,10 +70,10 @@ def _table_norms(tables: Sequence[Any], norm_type: float) -> list[torch.Tensor]:
     norms = [torch.linalg.vector_norm(t._pending_rows()[1], norm_type) for t in tables]
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(tables):
-        if t._shard is not None and t._shard.group.size > 1:
-            groups.setdefault(id(t._shard.group), []).append(i)
+        if t.backend.world_size > 1:
+            groups.setdefault(t.backend.group_id, []).append(i)
     for idx in groups.values():
-        shard = tables[idx[0]]._shard
+        shard = tables[idx[0]].backend
         local = torch.stack([norms[i] for i in idx]).to(torch.float64)
         if math.isinf(norm_type):
             total = shard.agree_all(local, op="max")

@@ -149,7 +149,7 @@ def _opaque(modules: Sequence[Any], args: Sequence[tuple]) -> bool:
     if not modules or len(modules) != len(args):
         return False
     for m, a in zip(modules, args):
-        if not isinstance(m, TableModule) or m._shard is not None or len(a) != 3:
+        if not isinstance(m, TableModule) or m.backend.sharded or len(a) != 3:
             return False
         x, offsets, psw = a
         if not isinstance(x, torch.Tensor) or any(t is not None and not isinstance(t, torch.Tensor) for t in a[1:]):
@@ -269,10 +269,10 @@ def _check_unchanged(modules: Sequence[Any], dims, dtypes, training, include_las
     for k, m in enumerate(modules):
         then = (dims[k], _DTYPES[dtypes[k]], bool(training[k]), bool(include_last_offset[k]), bool(max_mode[k]))
         now = (m.embedding_dim, m.table.row_dtype, bool(m.training), bool(m.include_last_offset), m.mode == "max")
-        if now != then or m._shard is not None:
+        if now != then or m.backend.sharded:
             raise RuntimeError(
                 f"veloce::lookup: table {k} changed since its graph was compiled: (embedding_dim, dtype, training, "
-                f"include_last_offset, max mode) was {then}, is {now}{', and it is sharded' if m._shard is not None else ''}; "
+                f"include_last_offset, max mode) was {then}, is {now}{', and it is sharded' if m.backend.sharded else ''}; "
                 f"call torch._dynamo.reset() and compile again"
             )
 
@@ -422,7 +422,7 @@ def _exported_lookup(module: Any, input: Any, offsets: Any = None, per_sample_we
             "(model.eval()): its lookups read the rows as they are at export time (unknown ids read the "
             "initializer's value, or zeros with unknown='zeros'). To train with a compiled graph, use torch.compile."
         )
-    if module._shard is not None:
+    if module.backend.sharded:
         raise RuntimeError(
             "torch.export of a DynamicEmbedding sharded by HybridParallel is not supported: each rank holds part "
             "of its rows. Export a one-process copy of the model in eval mode (load a checkpoint into it)."

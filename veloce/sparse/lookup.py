@@ -143,7 +143,7 @@ def lookup_many(tables: Sequence[TableModule], inputs: Sequence[Any]) -> list[to
     # are checked with each exchange's header.
     sharded: list[tuple[list[int], list, list]] = []
     if groups:
-        with tables[next(iter(groups.values()))[0]]._shard.abandon_on_error():
+        with tables[next(iter(groups.values()))[0]].backend.abandon_on_error():
             for idx in groups.values():
                 for i in idx:
                     if training_lookup(tables[i]):
@@ -155,7 +155,7 @@ def lookup_many(tables: Sequence[TableModule], inputs: Sequence[Any]) -> list[to
         # A local table's error (bad input, a full table) must not leave the other ranks
         # waiting in this call's first sharded exchange: this rank abandons it, so they
         # raise too (the exchanges after the first are never reached by any rank).
-        first_group = tables[next(iter(groups.values()))[0]]._shard if groups else None
+        first_group = tables[next(iter(groups.values()))[0]].backend if groups else None
         with first_group.abandon_on_error() if first_group is not None else contextlib.nullcontext():
             # Every local input (eval tables' and repeated ones' too) is checked before any
             # table changes; then the training tables insert in one op, so the host waits for
@@ -199,8 +199,8 @@ def lookup_many(tables: Sequence[TableModule], inputs: Sequence[Any]) -> list[to
                     out[i] = tables[i]._lookup(*bags[i], check=check if training_lookup(tables[i]) else None)
     for idx, bags_k, layouts_k in sharded:
         # The layouts' offsets are checked with the exchange's header (one host sync for both).
-        shard = tables[idx[0]]._shard
-        for i, o in zip(idx, shard.lookup_many([tables[i] for i in idx], bags_k, layouts_k)):
+        backend = tables[idx[0]].backend
+        for i, o in zip(idx, backend.lookup_many([tables[i] for i in idx], bags_k, layouts_k)):
             out[i] = o
     return out  # type: ignore[return-value]
 
@@ -237,9 +237,10 @@ def refuse_replicated_training(table: TableModule) -> NoReturn:
 
 def lookup_groups(tables: Sequence[TableModule], inputs: Sequence[Any], what: str):
     """``lookup_many``'s inputs as ``(input, offsets, per_sample_weights)`` per table (the
-    missing ones None), the sharded tables grouped by exchange (same process group, dim,
-    dtype, training lookup or not (:func:`training_lookup`) and sparse mode: one exchange
-    each), and the local tables."""
+    missing ones None), the sharded tables grouped by exchange (same backend exchange key
+    (:meth:`LookupBackend.exchange_key`: process group and sparse mode), dim, dtype and
+    training lookup or not (:func:`training_lookup`): one exchange each), and the local
+    tables."""
     if len(tables) != len(inputs):
         raise ValueError(f"{what}: {len(tables)} tables but {len(inputs)} inputs")
     _ext.require()
@@ -249,9 +250,9 @@ def lookup_groups(tables: Sequence[TableModule], inputs: Sequence[Any], what: st
     for i, t in enumerate(tables):
         if not isinstance(t, TableModule):
             raise TypeError(f"{what}: tables[{i}] is a {type(t).__name__}, not a DynamicEmbedding")
-        if t._shard is None:
+        exchange = t.backend.exchange_key()
+        if exchange is None:
             local.append(i)
             continue
-        key = (id(t._shard.group), t.embedding_dim, t.table.dtype, training_lookup(t), t._shard.mode)
-        groups.setdefault(key, []).append(i)
+        groups.setdefault((*exchange, t.embedding_dim, t.table.dtype, training_lookup(t)), []).append(i)
     return args, groups, local

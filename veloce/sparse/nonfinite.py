@@ -58,9 +58,8 @@ class NonfinitePolicy:
                 num_bad += int(b.sum())
             bad.append(b)
         if self.nonfinite_grad in CHECKED:
-            where = "its"
-            if self._shard is not None:
-                num_bad, where = self._shard.agree(num_bad), "this table's (over all ranks)"
+            where = "this table's (over all ranks)" if self.backend.sharded else "its"
+            num_bad = self.backend.agree(num_bad)
             if num_bad:
                 raise FloatingPointError(
                     f"DynamicEmbedding.step: {where} gradient of {num_bad} bag(s) holds NaN or Inf; nothing was "
@@ -74,7 +73,7 @@ class NonfinitePolicy:
 def _float16_exchange_hint(tables: Sequence[TableModule]) -> str:
     """A sentence for a NaN/Inf gradient error when some of ``tables`` receive their
     gradients in float16 (``HybridParallel(exchange_dtype=torch.float16)``), else ''."""
-    if not any(t._shard is not None and t._shard.exchange_dtype == torch.float16 for t in tables):
+    if not any(t.backend.exchange_dtype == torch.float16 for t in tables):
         return ""
     return (" The gradients travel between ranks in float16 (HybridParallel(exchange_dtype=torch.float16)), "
             "which overflows above 65504: torch.bfloat16 keeps float32's range.")  # fmt: skip
@@ -120,9 +119,9 @@ def raise_deferred(tables: Sequence[TableModule]) -> None:
     (each table's error is raised once), or an owner's failure of a sharded lookup that
     ``HybridParallel(lookup_errors="raise_next")`` deferred. Reads the counts of the
     tables' deferred inserts first (``defer_inserts``): bad offsets they refused raise."""
-    groups = {id(t._shard.group): t._shard for t in tables if t._shard is not None}
-    for shard in groups.values():
-        shard.raise_deferred_failures()
+    groups = {t.backend.group_id: t.backend for t in tables if t.backend.group_id is not None}
+    for backend in groups.values():
+        backend.raise_deferred_failures()
     for t in tables:  # deferred inserts: a refused one (bad offsets) raises here, before anything is applied
         if t.table._unread:
             t.table.settle()
@@ -171,8 +170,8 @@ class FiniteCheck:
             idx = by_device.setdefault(dev, [])
             where[i] = (dev, len(idx))
             idx.append(i)
-            if t._shard is not None:
-                groups.setdefault(id(t._shard.group), []).append(i)
+            if t.backend.group_id is not None:
+                groups.setdefault(t.backend.group_id, []).append(i)
         flags: dict[torch.device, list[torch.Tensor]] = {}  # per device: bool flag rows
         self._any: dict[torch.device, torch.Tensor] = {}  # per device: (1,) "some row is set", where ready
         for dev, idx in by_device.items():
@@ -197,7 +196,7 @@ class FiniteCheck:
             else:
                 mine = torch.stack([flags[where[i][0]][0][where[i][1]].to(dev) for i in idx])
             mine = mine.to(torch.long, copy=True)  # agree_all reduces in place: never the local rows
-            summed = self.tables[idx[0]]._shard.agree_all(mine).to(dev) != 0
+            summed = self.tables[idx[0]].backend.agree_all(mine).to(dev) != 0
             base = sum(f.numel() for f in flags[dev])
             flags[dev].append(summed)
             self._any.pop(dev, None)  # the agreed rows count too

@@ -143,8 +143,7 @@ def step_tables(tables: Sequence[TableModule], lrs: Optional[Sequence[Optional[f
     # deferred lookup failure drops the failed step's, see HybridParallel(lookup_errors=)).
     raise_deferred(tables)
     for t in tables:
-        if t._shard is not None:
-            t._shard.collect(t)  # gradients other ranks sent for this shard's rows
+        t.backend.collect(t)  # gradients other ranks sent for this shard's rows
     once: dict[int, tuple[TableModule, Optional[float]]] = {}  # stepping a table again finds nothing
     for t, lr in zip(tables, lrs):
         once.setdefault(id(t), (t, lr))

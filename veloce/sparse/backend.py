@@ -1,0 +1,116 @@
+"""The lookup backend of a table module: where its lookups go and which ranks its counts
+agree over.
+
+Every table module holds one (``module.backend``). :class:`LocalBackend`, the default,
+serves lookups from the module's own rows in this process.
+:class:`veloce.distributed.HybridParallel` installs a sharded backend
+(:class:`veloce.distributed.Shard`) on the tables it shards, which sends each id to the
+rank that owns it; the engine (lookups, the step, the NaN/Inf policy, clipping,
+checkpoints) asks the backend and never needs to know which one it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+__all__ = ["LookupBackend", "LocalBackend"]
+
+
+class LookupBackend:
+    """What the engine asks of a table module's backend. The defaults are those of a
+    table held whole by this process (:class:`LocalBackend`); a sharded backend
+    overrides them.
+
+    Attributes:
+        sharded: whether the table's rows are spread over several ranks (each rank holds
+            those it owns; lookups and counts are collectives over them).
+        rank: this process's rank among the table's shards (0 when not sharded).
+        world_size: the number of shards (1 when not sharded).
+        staleness: steps between a backward pass and the update of its gradient (async
+            sharding; 0 otherwise).
+        exchange_dtype: the dtype rows and gradients travel in between ranks (None: the
+            table's own, or no travel at all).
+    """
+
+    sharded: bool = False
+    rank: int = 0
+    world_size: int = 1
+    staleness: int = 0
+    exchange_dtype: Optional[torch.dtype] = None
+
+    @property
+    def group_id(self) -> Optional[int]:
+        """Identifies the ranks this backend agrees with: tables whose backends share it
+        agree in one collective (None: no other rank to agree with)."""
+        return None
+
+    @property
+    def in_flight(self) -> int:
+        """Gradient exchanges sent by backward passes and not yet joined to the table's
+        pending gradient (async sharding); a checkpoint or a clip must wait for them."""
+        return 0
+
+    def exchange_key(self) -> Optional[tuple]:
+        """What lookups of several tables must share to travel in one exchange
+        (:func:`veloce.sparse.lookup_groups` adds the dim, dtype and training mode); None
+        for a table looked up in this process."""
+        return None
+
+    def forward(self, module: Any, input: torch.Tensor, offsets: Optional[torch.Tensor],
+                per_sample_weights: Optional[torch.Tensor], training: bool) -> torch.Tensor:  # fmt: skip
+        """``module``'s pooled lookup of ``input`` (its forward; ``training``: a training
+        lookup, see :func:`veloce.sparse.training_lookup`)."""
+        return module._local_forward(input, offsets, per_sample_weights, training)
+
+    def lookup_many(self, modules: Sequence[Any], bags: Sequence[tuple],
+                    layouts: Sequence[tuple] = ()) -> list[torch.Tensor]:  # fmt: skip
+        """The pooled lookups of ``modules``, which share this backend's exchange key, from
+        their validated ``bags`` (``layouts``: the bag layouts whose offsets' values are
+        still to check). Only sharded backends group lookups so."""
+        raise NotImplementedError(f"{type(self).__name__} serves lookups one module at a time")
+
+    @contextlib.contextmanager
+    def abandon_on_error(self) -> Iterator[None]:
+        """Around the input checks of a lookup: if they raise, the other ranks that wait for
+        this one in the lookup's exchange raise too. Nothing to do in one process."""
+        yield
+
+    def check_owned(self, ids: torch.Tensor) -> None:
+        """Raises ``ValueError`` when ``ids`` (for :meth:`DynamicEmbedding.insert`) hold an id
+        this process does not own. A local table owns every id."""
+
+    def owned_entries(self, module: Any, entries: dict[str, Any]) -> dict[str, Any]:
+        """The entries of a state dict of the whole table (keys (M,) and per-row tensors)
+        that this process keeps: all of them for a local table."""
+        return entries
+
+    def collect(self, module: Any) -> None:
+        """Before ``module``'s step: gradients that other ranks sent and that are due join its
+        pending gradient. Nothing to collect in one process."""
+
+    def flush(self, module: Any) -> None:
+        """Waits for every gradient in flight to ``module`` and adds it to its pending gradient."""
+
+    def agree(self, count: int) -> int:
+        """The sum of ``count`` over the ranks (a collective where sharded)."""
+        return count
+
+    def agree_all(self, counts: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The sums (``op="max"``: the largest) of ``counts`` over the ranks, without reading
+        them back (a collective where sharded)."""
+        return counts
+
+    def raise_deferred_failures(self) -> None:
+        """Raises a failure of an earlier lookup that was deferred (sharded lookups with
+        ``lookup_errors="raise_next"``); nothing in one process."""
+
+
+class LocalBackend(LookupBackend):
+    """The backend of a table held whole by this process: lookups read its own rows, and
+    every count is this process's own."""
+
+    def __repr__(self) -> str:
+        return "LocalBackend()"
