@@ -5,7 +5,7 @@
 
 A sharded lookup of K tables over W ranks receives one block of rows per (peer, table),
 peer-major, and serves each table from one run (table-major); the partial sums and the
-gradients go back the other way (:mod:`veloce.distributed.sharded`). Configuration 5's
+gradients go back the other way (:mod:`veloce.distributed.layout`). Configuration 5's
 shapes: K = 26 tables, ``--batch`` samples per rank, bags of one id, so an owner gets
 ``batch * K`` rows a step from its W peers: the ids (int64) and the partial sums
 (``--dim`` floats) each step, both directions.

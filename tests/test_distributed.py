@@ -330,12 +330,12 @@ def _sharded_body(rank, world, device_kind, dedup=False, lookup_errors="raise", 
     model = Small(device)
     depth = "header" if prefetch == "forward" else "inserts"
     hp = HybridParallel(model, sparse="sync", dedup=dedup, lookup_errors=lookup_errors, prefetch_depth=depth)
-    from veloce.distributed import sharded
+    from veloce.distributed import input_dist
 
-    begin, calls = sharded._begin, []  # every first half starts there (prefetched or in its forward)
-    sharded._begin = lambda *a, **k: calls.append(1) or begin(*a, **k)
+    begin, calls = input_dist.begin_dispatch, []  # every first half starts there (prefetched or in its forward)
+    input_dist.begin_dispatch = lambda *a, **k: calls.append(1) or begin(*a, **k)
     preds = train(hp, make_opt(hp), world, rank, device=device, prefetch=prefetch)
-    sharded._begin = begin
+    input_dist.begin_dispatch = begin
     if not dedup:  # each lookup's first half ran once: prefetched, or in its forward
         assert len(calls) == 2 * STEPS and not model.a.backend.group.prefetched, (len(calls), prefetch)
     tables = tables_of(model)
@@ -1285,12 +1285,12 @@ def _one_rank_fails(rank, world, case, grouped):
     if case == "offsets not from 0":
         xa, xb = (flat, torch.tensor([0, 2])), (flat, torch.tensor([1, 2] if rank == 0 else [0, 2]))
     if case == "lookup fails" and rank == 0:  # an owner's lookup fails after its inserts (e.g. out of memory)
-        from veloce.distributed import sharded
+        from veloce.distributed import owner
 
         def failing_serve(*args):
             raise RuntimeError("simulated: out of memory in the owner's lookup")
 
-        sharded._serve_all = failing_serve
+        owner.serve_all = failing_serve
     try:
         veloce.lookup_many([a, b], [xa, xb]) if grouped else (a(*xb) if isinstance(xb, tuple) else a(xb))
     except Exception as e:  # noqa: BLE001 - the test reports what each rank raised
@@ -1336,15 +1336,15 @@ def _owner_fails_deferred(rank, world, case, where, device_kind="cpu"):
         x = torch.tensor(ids_owned_by(1, world, 40), device=device).view(-1, 1) if rank == 0 else x
     veloce.lookup_many([a, b], [ok, ok])[0].sum().backward()  # a step that works, pending
     if case == "lookup fails" and rank == 0:
-        from veloce.distributed import sharded
+        from veloce.distributed import owner
 
-        real = sharded._serve_all
+        real = owner.serve_all
 
         def failing_serve(*args):
-            sharded._serve_all = real  # fails once
+            owner.serve_all = real  # fails once
             raise RuntimeError("simulated: out of memory in the owner's lookup")
 
-        sharded._serve_all = failing_serve
+        owner.serve_all = failing_serve
     before = ([t.export() for t in (a, b)], [p.detach().clone() for p in lin.parameters()], a.step_count)
     pa, pb = veloce.lookup_many([a, b], [x, x])  # returns on every rank
     (lin(pa + pb).sum()).backward()
@@ -1423,10 +1423,10 @@ def _model_prefetched(rank, world, name, prefetch, device_kind, sparse="sync", a
     g = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(8, 2, generator=g), torch.randint(0, 200, (8, 3), generator=g)) for _ in range(6)]
     preds = []
-    from veloce.distributed import sharded
+    from veloce.distributed import input_dist
 
-    begin, calls = sharded._begin, []  # every first half starts there (prefetched or in its forward)
-    sharded._begin = lambda *a, **k: calls.append(1) or begin(*a, **k)
+    begin, calls = input_dist.begin_dispatch, []  # every first half starts there (prefetched or in its forward)
+    input_dist.begin_dispatch = lambda *a, **k: calls.append(1) or begin(*a, **k)
     if prefetch:
         hp.prefetch(*batches[0])  # on the CPU, as a loader yields them
     for i, (dense, sparse) in enumerate(batches):
@@ -1444,7 +1444,7 @@ def _model_prefetched(rank, world, name, prefetch, device_kind, sparse="sync", a
             hp.prefetch(*batches[i + 1])
         preds.append(out.detach().cpu())
     hp.flush()
-    sharded._begin = begin
+    input_dist.begin_dispatch = begin
     groups = 1 if name == "DLRM" else 2  # DeepFM looks its embeddings and first-order weights up apart
     assert len(calls) == groups * len(batches), len(calls)  # each first half once: prefetched ones were taken
     tables = {n: {k: v.cpu() for k, v in m.export().items()} for n, m in model.named_modules()
@@ -1758,9 +1758,9 @@ def test_a_local_table_error_stops_every_rank_of_the_sharded_lookup():
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(-7, 9)), min_size=0, max_size=6), st.integers(0, 10**6))
 @settings(max_examples=60, deadline=None)
 def test_shift_segments_adds_the_sizes_of_the_segments_before(segments, seed):
-    """sharded._shift_segments: segment k of ``values`` (``lengths[k]`` entries) plus the sum
+    """layout.shift_segments: segment k of ``values`` (``lengths[k]`` entries) plus the sum
     of ``sizes`` of the segments before it, as a per-segment loop computes it."""
-    from veloce.distributed.sharded import _shift_segments
+    from veloce.distributed.layout import shift_segments
 
     lengths = [n for n, _ in segments]
     sizes = [s for _, s in segments]
@@ -1771,7 +1771,7 @@ def test_shift_segments_adds_the_sizes_of_the_segments_before(segments, seed):
         start += n
         base += s
     want = torch.cat(want) if want else values
-    assert torch.equal(_shift_segments(values, lengths, sizes), want)
+    assert torch.equal(shift_segments(values, lengths, sizes), want)
 
 
 def _blocks(tables, world, row_shape, dtype, seed):
@@ -1794,14 +1794,14 @@ def test_regrouping_received_blocks_table_major_and_back(device, tables, world):
     """An owner's received rows (one block per (peer, table), peer-major, some empty) come out
     table-major, each table's blocks in peer order, and go back in received order (40 x 8
     blocks, 230 of them not empty: two launches on CUDA)."""
-    from veloce.distributed import sharded
+    from veloce.distributed import layout
 
     counts, received, per_table = _blocks(tables, world, (3,), torch.float32, tables * 31 + world)
     received = received.to(device)
-    got = sharded._table_major(received, counts)
+    got = layout.table_major(received, counts)
     assert torch.equal(got.cpu(), torch.cat(per_table))
     pieces = list(got.split([sum(r) for r in counts]))
-    assert torch.equal(sharded._received_order(pieces, counts), received)
+    assert torch.equal(layout.received_order(pieces, counts), received)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -2013,7 +2013,7 @@ def test_converting_exchange_ops_refuse_what_they_cannot_convert(device):
 def test_counts_per_owner_and_table_equal_a_scatter_add(device, world):
     """The sharded lookup's per-(owner, table) part and id counts (a search over sorted
     keys) equal the plain scatter-add over every part, with empty tables and empty bags."""
-    from veloce.distributed.sharded import _counts_per_owner_and_table
+    from veloce.distributed.input_dist import counts_per_owner_and_table
 
     g = torch.Generator().manual_seed(world)
     num_bags = [5, 0, 7, 1, 0, 9]
@@ -2022,11 +2022,11 @@ def test_counts_per_owner_and_table_equal_a_scatter_add(device, world):
     ids = torch.randint(-(2**62), 2**62, (int(lengths.sum()),), generator=g)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)[:-1]])
     b = bucketize_bags(ids.to(device), offsets.to(device), world)
-    parts_nk, ids_nk = _counts_per_owner_and_table(b, num_bags, world, torch.device(device))
+    parts_nk, ids_nk = counts_per_owner_and_table(b, num_bags, world, torch.device(device))
     # the sharded lookup's call: padding parts after the real ones change nothing
     loose = bucketize_bags(ids.to(device), offsets.to(device), world, exact_sizes=False)
     assert loose.bag_of_part.numel() > b.bag_of_part.numel()  # some bags are empty or repeat an owner
-    for got, want in zip(_counts_per_owner_and_table(loose, num_bags, world, torch.device(device)), (parts_nk, ids_nk)):
+    for got, want in zip(counts_per_owner_and_table(loose, num_bags, world, torch.device(device)), (parts_nk, ids_nk)):
         assert torch.equal(got, want)
     bounds = torch.tensor([0, *torch.tensor(num_bags).cumsum(0).tolist()][:-1], device=device)
     table = torch.searchsorted(bounds, b.bag_of_part, right=True) - 1
@@ -2043,7 +2043,7 @@ def test_cuda_requester_ops_never_wait_for_the_device():
     """What a sharded lookup runs before its header's read-back (bucketize_bags with
     exact_sizes=False, the per-(owner, table) counts) and combine_parts(check_bags=False)
     queue without a host synchronization, so the header's read is the forward's first."""
-    from veloce.distributed.sharded import _counts_per_owner_and_table
+    from veloce.distributed.input_dist import counts_per_owner_and_table
 
     ids = torch.randint(-(2**62), 2**62, (5000,), device="cuda")
     offsets = torch.arange(0, 5000, 5, device="cuda")
@@ -2053,7 +2053,7 @@ def test_cuda_requester_ops_never_wait_for_the_device():
     torch.cuda.set_sync_debug_mode("error")
     try:
         b = bucketize_bags(ids, offsets, 3, exact_sizes=False)
-        counts = _counts_per_owner_and_table(b, [400, 600], 3, torch.device("cuda"))
+        counts = counts_per_owner_and_table(b, [400, 600], 3, torch.device("cuda"))
         out = torch.ops.veloce.combine_parts(parts, bag_of_part, 1000, False)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -107,14 +107,14 @@ def dlrm_step(args, dev):
 @contextlib.contextmanager
 def _hooks(markers: Markers):
     """Marks the return of every table insert and sparse-update op call."""
-    import veloce.distributed.sharded
+    import veloce.distributed.owner
     import veloce.embedding
     import veloce.table
 
     inserted = "forward: insert returned (after its host sync)"
     targets = [(veloce.table.HashTable, "find_or_insert", inserted)]
     # modules that call find_or_insert_many by name
-    targets += [(m, "find_or_insert_many", inserted) for m in (veloce.table, veloce.embedding, veloce.distributed.sharded)]
+    targets += [(m, "find_or_insert_many", inserted) for m in (veloce.table, veloce.embedding, veloce.distributed.owner)]
     targets += [(torch.ops.veloce, n, "step: update launched") for n in ("accumulate_and_update", "accumulate_and_update_many")]
     with marked_calls(markers, targets):
         yield

@@ -5,6 +5,8 @@
 - :func:`owner_of` is the sharding: the rank that owns each id for a world size.
 - :func:`table_shard` tells a table's ``(rank, world_size)``; checkpoints use it to
   re-route keys when the world size changes.
+- :class:`Shard` is the sharded lookup backend that ``HybridParallel`` installs on each
+  table (``table.backend``); :mod:`~veloce.distributed.sharded` describes the exchange.
 - :func:`all_to_all` is the exchange primitive (split sizes checked before sending);
   :func:`bucketize_bags`, :func:`combine_parts` and :func:`regroup_blocks` are the ops
   around it.

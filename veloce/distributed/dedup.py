@@ -15,18 +15,35 @@ are computed locally (the requester holds the rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
-from veloce.runtime.device import host_tensor
-from veloce.distributed._comm import all_to_all, all_to_all_rows, exchange_headers, modes_code, wire_code, wire_dtype
-from veloce.distributed.sharded import (
-    _SUM, Shard, _cat_grads, _concat_bags, _deliver, _mean_scale, _per_table, _received_order,
-    _serve_tables, _table_major, _split_psw_grads, _tags_hash,
+from veloce.distributed._comm import (
+    all_to_all,
+    all_to_all_rows,
+    exchange_headers,
+    modes_code,
+    wire_code,
+    wire_dtype,
+)
+from veloce.distributed.backward import deliver
+from veloce.distributed.layout import (
+    SUM,
+    Batch,
+    cat_grads,
+    concat_bags,
+    mean_scale,
+    received_order,
+    split_outputs,
+    split_psw_grads,
+    table_major,
+    tags_hash,
 )  # fmt: skip
-from veloce.sparse import check_offsets_many, psw_gradient
+from veloce.distributed.owner import serve_tables
 from veloce.ops.exchange import owner_of
+from veloce.runtime.device import host_tensor
+from veloce.sparse import check_offsets_many, psw_gradient
 
 __all__ = ["forward_rows"]
 
@@ -36,8 +53,8 @@ class _RowExchange:
     """Everything backward needs about one deduplicated lookup."""
 
     modules: list
-    shard: Shard
-    batch: object  # sharded._Batch
+    shard: Any  # the group's Shard (veloce.distributed.sharded)
+    batch: Batch
     inverse: torch.Tensor  # (M,) distinct-id index of every kept position
     rows: torch.Tensor  # (U, D) the rows the owners sent
     scale: Optional[torch.Tensor]  # (sum B,) 1 / bag length for mean tables, 1 for sum tables
@@ -49,19 +66,19 @@ class _RowExchange:
 
     def backward(self, grads, psw_grad: list[bool]) -> list:
         batch, g = self.batch, self.shard.group
-        grad = _cat_grads(self.modules, grads, batch.num_bags, self.rows.device)
+        grad = cat_grads(self.modules, grads, batch.num_bags, self.rows.device)
         pooled_grad = grad if self.scale is None else grad * self.scale.unsqueeze(1)
         U = self.rows.shape[0]
-        slots, per_row = torch.ops.veloce.accumulate_grad(pooled_grad, self.inverse, batch.starts, batch.psw, _SUM,
+        slots, per_row = torch.ops.veloce.accumulate_grad(pooled_grad, self.inverse, batch.starts, batch.psw, SUM,
                                                           False, U)  # fmt: skip
         row_grads = torch.zeros_like(self.rows).index_copy_(0, slots, per_row) / g.size  # averaged, as DDP
-        _deliver(self.shard, self.modules, self.served, row_grads[self.send_order], self.id_splits,
+        deliver(self.shard, self.modules, self.served, row_grads[self.send_order], self.id_splits,
                  self.recv_ids_n, self.recv_ids_nk, sync=False)  # fmt: skip
         if not any(psw_grad):
             return [None] * len(self.modules)
 
         flat = psw_gradient(self.rows, self.inverse, batch.starts, pooled_grad, False)
-        return _split_psw_grads(flat, batch.kept, batch.num_ids, psw_grad)
+        return split_psw_grads(flat, batch.kept, batch.num_ids, psw_grad)
 
 
 def _distinct(ids: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +94,7 @@ def _distinct(ids: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, tor
     return order[new], inverse
 
 
-def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: bool, layouts: Sequence[tuple],
+def forward_rows(shard: Any, modules: list, bags: Sequence[tuple], psw_grad: bool, layouts: Sequence[tuple],
                  training: tuple[bool, ...]):  # fmt: skip
     """The forward of a deduplicated sharded lookup of ``modules`` (one exchange group of
     ``HybridParallel(dedup=True)``), called by the lookup's autograd function.
@@ -105,7 +122,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     K, W = len(modules), g.size
     dev = bags[0][0].device
     dtype = modules[0].table.dtype
-    batch = _concat_bags(modules, bags, dtype, dev)
+    batch = concat_bags(modules, bags, dtype, dev)
     table = torch.repeat_interleave(torch.arange(K, device=dev), host_tensor(batch.num_kept, dev),
                                     output_size=batch.ids.numel())  # fmt: skip
     first, inverse = _distinct(batch.ids, table)
@@ -114,7 +131,7 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     send_order = torch.argsort(cell, stable=True)  # by owner, then table
     ids_nk = torch.zeros(W * K, dtype=torch.long, device=dev).index_add_(0, cell, torch.ones_like(cell)).view(W, K)
     wire = wire_dtype(shard.exchange_dtype, dtype)
-    signature = (K, _tags_hash(modules), modules[0].embedding_dim, int(batch.psw is not None), int(psw_grad),
+    signature = (K, tags_hash(modules), modules[0].embedding_dim, int(batch.psw is not None), int(psw_grad),
                  1 | wire_code(wire) << 1 | modes_code(training))  # fmt: skip
     what = f"DynamicEmbedding tables {[m.backend.tag for m in modules]}"
     sent, recv = exchange_headers(g, torch.cat([ids_nk.sum(1, keepdim=True), ids_nk], 1), signature, what)
@@ -123,17 +140,17 @@ def forward_rows(shard: Shard, modules: list, bags: Sequence[tuple], psw_grad: b
     # The owner: per peer, ids come table after table; serve each table's block.
     recv_ids = all_to_all(g, u_ids[send_order], id_splits, recv_ids_n)
     ids_per_table = [sum(c) for c in recv_ids_nk]
-    t_ids = _table_major(recv_ids, recv_ids_nk).split(ids_per_table)
+    t_ids = table_major(recv_ids, recv_ids_nk).split(ids_per_table)
     every = torch.arange(max(ids_per_table, default=0), device=dev)  # parts of one id each: part i starts at i
-    served, rows = _serve_tables(modules, t_ids, [every[:n] for n in ids_per_table], [None] * K, training)
-    back = _received_order(rows, recv_ids_nk, wire)  # narrowed for the wire in the regrouping
+    served, rows = serve_tables(modules, t_ids, [every[:n] for n in ids_per_table], [None] * K, training)
+    back = received_order(rows, recv_ids_nk, wire)  # narrowed for the wire in the regrouping
 
     got = all_to_all_rows(g, back, recv_ids_n, id_splits, wire).to(dtype)  # rows in the order sent
     u_rows = torch.empty_like(got).index_copy_(0, send_order, got)
-    out = torch.ops.veloce.pooled_lookup(u_rows, inverse, batch.starts, batch.psw, _SUM, False, None, False)
-    scale = _mean_scale(modules, batch, dtype, dev)
+    out = torch.ops.veloce.pooled_lookup(u_rows, inverse, batch.starts, batch.psw, SUM, False, None, False)
+    scale = mean_scale(modules, batch, dtype, dev)
     if scale is not None:
         out = out * scale.unsqueeze(1)
     ex = _RowExchange(modules, shard, batch, inverse, u_rows, scale, send_order, id_splits, recv_ids_n,
                       recv_ids_nk, served)  # fmt: skip
-    return _per_table(out, batch.num_bags), ex
+    return split_outputs(out, batch.num_bags), ex

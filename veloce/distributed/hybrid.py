@@ -10,14 +10,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from veloce.distributed.sharded import complete_prefetched, dispatch_many, drop_failed_gradients
+from veloce.distributed._comm import Group
+from veloce.distributed.backward import drop_failed_gradients
+from veloce.distributed.prefetch import complete_prefetched, dispatch_many
+from veloce.distributed.sharded import Shard
 from veloce.embedding import DynamicEmbedding
 from veloce.runtime import capture as _capture
 from veloce.runtime.device import current_stream, to_device
 from veloce.runtime.update_stream import on_prefetch_stream, record_streams
 from veloce.sparse import LocalBackend, raise_deferred
-from veloce.distributed._comm import Group
-from veloce.distributed.sharded import Shard
 
 __all__ = ["HybridParallel"]
 

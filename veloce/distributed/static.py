@@ -44,11 +44,19 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from veloce.runtime.device import host_tensor
 from veloce.distributed._comm import ExchangeError, Group, wire_code, wire_dtype
+from veloce.distributed.input_dist import (
+    counts_per_owner_and_table,
+    layout_flag,
+    raise_bad_layout,
+    run_bounds,
+)
+from veloce.distributed.layout import Batch, cat_grads, mean_scale, split_outputs, tags_hash, training_modes
+from veloce.distributed.owner import record, serve_all
+from veloce.ops.exchange import bucketize_bags, combine_parts
+from veloce.runtime.device import host_tensor
 from veloce.sparse import autograd_anchor, lookup_groups
 from veloce.table import find_or_insert_many
-from veloce.ops.exchange import bucketize_bags, combine_parts
 
 __all__ = ["SENTINEL", "Caps", "Counted", "Plan", "check_static", "count", "agree", "prepare", "lookup", "PLANNED",
            "staged", "stage"]
@@ -158,10 +166,6 @@ def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], co
     ``layouts``): bucketing, the header's all-to-all; no host sync (capturable once
     ``consts`` holds its constants). ``bound``: (2, K) int64 on the device, this owner's
     per-table capacities of ids and parts now (flags a need past them)."""
-    from veloce.distributed.sharded import (
-        _counts_per_owner_and_table, _layout_flag, _raise_bad_layout, _run_bounds, _tags_hash,
-    )  # fmt: skip
-
     check_static(modules, bags)
     if not all(m.training for m in modules):
         raise ValueError(
@@ -184,17 +188,17 @@ def count(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple], co
         shift = consts.get(("shift", tuple(num_bags), tuple(num_ids)),
                            [b for b, n in zip(bases, num_bags) for _ in range(n)], dev)  # fmt: skip
         starts = starts + shift
-    bad_layout = _layout_flag(layouts, dev)
+    bad_layout = layout_flag(layouts, dev)
     try:
         b = bucketize_bags(ids, starts, W, exact_sizes=False)
     except RuntimeError:  # (CPU) the concatenated layout is bad: say which table's is
-        _raise_bad_layout(layouts)
+        raise_bad_layout(layouts)
         raise
-    bounds = consts.get(("bounds", W, tuple(num_bags)), _run_bounds(num_bags, W), dev)
-    parts_nk, ids_nk = _counts_per_owner_and_table(b, num_bags, W, dev, bounds)
+    bounds = consts.get(("bounds", W, tuple(num_bags)), run_bounds(num_bags, W), dev)
+    parts_nk, ids_nk = counts_per_owner_and_table(b, num_bags, W, dev, bounds)
     wire = wire_dtype(shard.exchange_dtype, modules[0].table.dtype)
     sig = consts.get(("sig", tuple(m.backend.tag for m in modules)),
-                     [K, _tags_hash(modules), modules[0].embedding_dim, modules[0].table.dtype.itemsize,
+                     [K, tags_hash(modules), modules[0].embedding_dim, modules[0].table.dtype.itemsize,
                       wire_code(wire), _STATIC_BIT], dev)  # fmt: skip
     row = torch.cat([sig.expand(W, _SIG), parts_nk.view(W, K), ids_nk.view(W, K)], 1)
     theirs = torch.empty_like(row)
@@ -254,8 +258,6 @@ def needs_from(counted: Sequence[Counted], values: Sequence[int]) -> tuple[Optio
     capacities must grow. Raises on every rank when an exchange's ranks disagree or a bag
     layout is bad (this rank's own error where its layout is bad); the needs are None when
     some rank's batch holds :data:`SENTINEL` (the step then runs eagerly)."""
-    from veloce.distributed.sharded import _raise_bad_layout
-
     n = len(values) // 2
     mine, top = values[:n], values[n:]
     if top[n - 1]:  # some rank cannot run the step (its own error is raised there)
@@ -271,7 +273,7 @@ def needs_from(counted: Sequence[Counted], values: Sequence[int]) -> tuple[Optio
         bad_sig, hit, bad_layout, grow = v[-_FLAGS:]
         tags = [m.backend.tag for m in c.modules]
         if own[-2]:
-            _raise_bad_layout(c.layouts)
+            raise_bad_layout(c.layouts)
             raise ExchangeError(f"DynamicEmbedding tables {tags}: this rank's bag layout was flagged bad, but its "
                                 f"check found nothing")  # fmt: skip
         if bad_layout:
@@ -379,8 +381,6 @@ class _StaticExchange:
 
 
 def _forward(modules: list, plan: Plan, training: tuple[bool, ...]) -> tuple[tuple, _StaticExchange]:
-    from veloce.distributed.sharded import _Batch, _mean_scale, _per_table, _serve_all
-
     c, caps = plan.counted, plan.caps
     g, K = c.group, len(modules)
     W, Ci, Cp = g.size, caps.ids, caps.parts
@@ -434,7 +434,7 @@ def _forward(modules: list, plan: Plan, training: tuple[bool, ...]) -> tuple[tup
                                   [SENTINEL] * len(train))  # fmt: skip
         for k, s in zip(train, got):
             slots[k] = s
-    served, pooled = _serve_all(modules, ids_k, starts_k, [None] * K, slots)
+    served, pooled = serve_all(modules, ids_k, starts_k, [None] * K, slots)
     # The partial sums back, padded per peer as the parts came (the padding: zero rows).
     wire = wire_dtype(modules[0].backend.exchange_dtype, dtype) or dtype
     pooled_all = torch.cat([*pooled, torch.zeros(1, dim, dtype=dtype, device=dev)])
@@ -451,19 +451,17 @@ def _forward(modules: list, plan: Plan, training: tuple[bool, ...]) -> tuple[tup
     rows = rows.index_select(0, src)
     bags = torch.where(real, c.bag_of_part, pos % max(B, 1))
     out = combine_parts(rows, bags, B, check_bags=False, dtype=dtype)
-    scale = _mean_scale(modules, _Batch(c.ids, c.starts, None, [None] * K, [], [], c.num_bags), dtype, dev)
+    scale = mean_scale(modules, Batch(c.ids, c.starts, None, [None] * K, [], [], c.num_bags), dtype, dev)
     if scale is not None:
         out = out * scale.unsqueeze(1)
-    return _per_table(out, c.num_bags), _StaticExchange(modules, plan, served, bag_idx, dest_parts, scale)
+    return split_outputs(out, c.num_bags), _StaticExchange(modules, plan, served, bag_idx, dest_parts, scale)
 
 
 def _backward(ex: _StaticExchange, grads: Sequence[Optional[torch.Tensor]]) -> None:
-    from veloce.distributed.sharded import _cat_grads, _record
-
     c, caps, modules = ex.plan.counted, ex.plan.caps, ex.modules
     g = c.group
     dev, dtype, dim = c.ids.device, modules[0].table.dtype, modules[0].embedding_dim
-    grad = _cat_grads(modules, grads, c.num_bags, dev)
+    grad = cat_grads(modules, grads, c.num_bags, dev)
     if ex.scale is not None:
         grad = grad * ex.scale.unsqueeze(1)
     wire = wire_dtype(modules[0].backend.exchange_dtype, dtype) or dtype
@@ -475,7 +473,7 @@ def _backward(ex: _StaticExchange, grads: Sequence[Optional[torch.Tensor]]) -> N
     recv = _a2a(sent.index_select(0, ex.bag_idx), g)
     t_grad = torch.zeros(sum(caps.table_parts) + 1, dim, dtype=dtype, device=dev)
     t_grad.index_copy_(0, ex.dest_parts, recv.to(dtype))
-    _record(modules, ex.served, list(t_grad[:-1].split(list(caps.table_parts))))
+    record(modules, ex.served, list(t_grad[:-1].split(list(caps.table_parts))))
 
 
 class _StaticLookup(torch.autograd.Function):
@@ -503,8 +501,7 @@ def lookup(modules: Sequence, bags: Sequence[tuple], plan: Plan) -> list[torch.T
             f"the forward's own inputs"
         )  # fmt: skip
     check_static(modules, bags)
-    grad = torch.is_grad_enabled()  # read here: the autograd Function's forward runs without gradients
-    training = tuple(grad and m.training for m in modules)  # (veloce.embedding.training_lookup)
+    training = training_modes(modules)  # read here: the autograd Function's forward runs without gradients
     if not any(training):
         with torch.no_grad():
             return list(_forward(list(modules), plan, training)[0])
