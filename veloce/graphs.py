@@ -143,11 +143,11 @@ class CUDAGraphStep:
         self._sharded = any(m.backend.sharded for m in self.modules)
         self._hp: Any = None  # the HybridParallel whose dense gradients the graph averages
         dev = self.modules[0].table.device if self.modules else torch.device("cuda", torch.cuda.current_device())
-        self._stream = torch.cuda.Stream(dev)  # every capture's (see HybridParallel._remake_ddp)
+        self._stream = torch.cuda.Stream(dev)  # every capture's (see HybridParallel.remake_ddp)
         if self._sharded:
             self._check_sharded()
             if self._hp is not None:
-                self._hp._remake_ddp(self._stream)
+                self._hp.remake_ddp(self._stream)
         self._planner = static.Planner()
         self._count_graph: Optional[torch.cuda.CUDAGraph] = None  # sharded: the counting phase
         self._count_host: Optional[torch.Tensor] = None
@@ -173,6 +173,12 @@ class CUDAGraphStep:
         self._mirror: dict[int, tuple] = {}  # what the device scalars hold: id -> value
         self._hyper: list = []  # the dense optimizer's settings baked into the graph
         self._warned_hyper = False
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model's tables are sharded (HybridParallel): the step then runs static
+        exchanges, counted before each replay."""
+        return self._sharded
 
     # ---- checks -----------------------------------------------------------------------
     def _check_modules(self) -> None:
@@ -218,7 +224,7 @@ class CUDAGraphStep:
         self._hp = next(iter(wrappers.values()))
         if not isinstance(self._hp, HybridParallel):
             raise TypeError(f"CUDAGraphStep: the tables' wrapper is a {type(self._hp).__name__}")
-        if self._hp._ddp is not None:
+        if self._hp.ddp is not None:
             if self.optimizer is None or self.optimizer.dense is None:
                 raise ValueError(
                     "CUDAGraphStep: a HybridParallel model's dense gradients are averaged inside the graph before "
@@ -557,9 +563,9 @@ class CUDAGraphStep:
                 static.PLANNED.clear()
                 static.PLANNED.extend(plans)
                 static.EXPECTING = True
-                if self._hp is not None and self._hp._ddp is not None:
+                if self._hp is not None and self._hp.ddp is not None:
                     log.averaging = self._hp
-                    hook = self.optimizer.dense.register_step_pre_hook(lambda *_: self._hp._average_dense_grads())
+                    hook = self.optimizer.dense.register_step_pre_hook(lambda *_: self._hp.average_dense_grads())
             try:
                 with torch.cuda.graph(graph, stream=self._stream):
                     out = self.fn(*inputs_at)

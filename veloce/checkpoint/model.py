@@ -271,7 +271,7 @@ def apply(plan: Plan, optimizer) -> None:
         except (ValueError, RuntimeError) as exc:
             raise CheckpointError(f"table {name!r}: cannot hold the checkpoint's {entries['keys'].numel()} rows: {exc}")
         m.step_count, m.table.clock = step, clock  # drops the last step's unread check
-        m._pending.clear()
+        m.restore_pending_state(None)
     for target, value in plan.dense.values():
         target.copy_(value)
     if plan.optimizer is not None:
@@ -291,7 +291,7 @@ class Undo:
         for m, *_ in plan.tables.values():  # exact sizes; a refused deferred insert is forgotten (the load replaces)
             m.table.settle(refusals=False)
         self.tables = [
-            (m, m.table.snapshot(), m.step_count, list(m._pending), m._nonfinite_error) for m, *_ in plan.tables.values()
+            (m, m.table.snapshot(), m.step_count, m.pending_state()) for m, *_ in plan.tables.values()
         ]
         self.dense = [(target, target.detach().clone()) for target, _ in plan.dense.values()]
         self.optimizer = optimizer
@@ -300,11 +300,10 @@ class Undo:
     @torch.no_grad()
     def restore(self) -> None:
         """Puts back what was kept (idempotent)."""
-        for m, table, step, pending, error in self.tables:
+        for m, table, step, pending in self.tables:
             m.table.restore(table)
             m.step_count = step
-            m._pending[:] = pending
-            m._nonfinite_error = error  # a "raise_next" error the failed load had dropped
+            m.restore_pending_state(pending)  # with a "raise_next" error the failed load had dropped
         for target, value in self.dense:
             target.copy_(value)
         if self.opt_state is not None:

@@ -14,7 +14,7 @@ import torch
 from veloce.distributed._comm import all_to_all, all_to_all_rows, wire_dtype
 from veloce.distributed.layout import cat_grads, received_order, split_psw_grads, table_major
 from veloce.distributed.owner import Served, current_slots, record
-from veloce.sparse import psw_gradient
+from veloce.sparse import forget_gradient, note_backward, psw_gradient
 
 __all__ = ["InFlight", "send_gradients", "deliver", "drop_failed_gradients"]
 
@@ -74,7 +74,7 @@ def deliver(shard: Any, modules: list, served: list, rows: torch.Tensor, send_sp
 
         for k, m in enumerate(modules):
             m.backend.flights.append(InFlight(m.backend.steps, lambda k=k: table_grads()[k], served[k]))
-            m._note_backward()  # waits for step() too (DynamicEmbedding._check_unapplied)
+            note_backward(m)  # waits for step() too (veloce.sparse.check_unapplied)
         return None
     recv = all_to_all_rows(shard.group, rows, send_splits, recv_splits, wire)
     shares = table_major(recv, recv_nk, dtype).split(per_table)
@@ -102,7 +102,7 @@ def drop_failed_gradients(modules: Sequence) -> None:
     the failed step's backward sent (earlier steps' stay in flight), so no part of that
     forward's gradient is applied later."""
     for m in modules:
-        m._forget_gradient()
+        forget_gradient(m)
         shard = m.backend
         if shard.in_flight:
             shard.flights = deque(f for f in shard.flights if f.step < shard.steps)

@@ -102,7 +102,7 @@ def forward_rows(shard: Any, modules: list, bags: Sequence[tuple], psw_grad: boo
     Args:
         shard: the group's :class:`~veloce.distributed.sharded.Shard` (process group, mode).
         modules: the group's ``DynamicEmbedding`` tables, in the same order on every rank.
-        bags: per table, ``(ids, offsets, per_sample_weights)`` as ``DynamicEmbedding._bags``
+        bags: per table, ``(ids, offsets, per_sample_weights)`` as ``veloce.sparse.validated_bags``
             returns them (1-D ids, ``include_last_offset=False`` offsets, weights or None).
         psw_grad: whether some table's per-sample weights need a gradient.
         layouts: the bag layouts whose check was deferred; checked first, and a bad one fails

@@ -18,7 +18,7 @@ from veloce.embedding import DynamicEmbedding
 from veloce.runtime import capture as _capture
 from veloce.runtime.device import current_stream, to_device
 from veloce.runtime.update_stream import on_prefetch_stream, record_streams
-from veloce.sparse import LocalBackend, raise_deferred
+from veloce.sparse import LocalBackend, apply_pending, raise_deferred
 
 __all__ = ["HybridParallel"]
 
@@ -265,7 +265,13 @@ class HybridParallel(nn.Module):
             complete_prefetched(self.tables[0][1].backend.group)
         return (self._ddp or self.module)(*args, **kwargs)
 
-    def _remake_ddp(self, stream: Any) -> None:
+    @property
+    def ddp(self) -> Optional[DistributedDataParallel]:
+        """The ``DistributedDataParallel`` over the dense parameters, or None (``dense="none"``,
+        no dense parameters, or one rank)."""
+        return self._ddp
+
+    def remake_ddp(self, stream: Any) -> None:
         """Makes DDP again with ``stream`` current (a collective: every rank calls it), for a
         step captured on that stream (CUDAGraphStep): DDP keeps the dense parameters'
         gradient-accumulation nodes alive, and a node made on another stream ties the
@@ -278,7 +284,7 @@ class HybridParallel(nn.Module):
         object.__setattr__(self, "_ddp", ddp)
 
     @torch.no_grad()
-    def _average_dense_grads(self) -> None:
+    def average_dense_grads(self) -> None:
         """What DDP does to the dense gradients, as one all-reduce per dtype with no host
         work per bucket: for a step captured in a CUDA graph (CUDAGraphStep), which runs
         the model without DDP and calls this before the dense optimizer's step."""
@@ -386,7 +392,7 @@ class HybridParallel(nn.Module):
         for _, m in self.tables:
             if m.backend.in_flight:
                 m.backend.flush(m)
-                m._apply_pending(m._last_lr)
+                apply_pending(m)
         if self.world_size > 1:
             dist.barrier(group=self.tables[0][1].backend.group.group if self.tables else None)
 

@@ -13,7 +13,7 @@ import torch
 from veloce.distributed._comm import DeferredFailure, ExchangeError, Group, agree_sum
 from veloce.distributed.layout import SUM
 from veloce.ops.embedding import pooled_lookup_kernels
-from veloce.sparse import Pending, reresolve
+from veloce.sparse import Pending, eval_slots, keep_gradient, reresolve
 from veloce.table import find_or_insert_many
 
 __all__ = [
@@ -130,7 +130,7 @@ def serve_all(modules: list, ids: Sequence[torch.Tensor], offsets: Sequence[torc
     slots = list(slots)
     for k, m in enumerate(modules):
         if slots[k] is None:
-            slots[k], extra[k] = m._eval_slots(ids[k])
+            slots[k], extra[k] = eval_slots(m, ids[k])
     tables = [m.table for m in modules]
     partial = pooled_lookup_kernels([t.weights for t in tables], slots, offsets, psw, [SUM] * len(modules),
                                     [False] * len(modules), extra)  # fmt: skip
@@ -153,4 +153,4 @@ def record(modules: Sequence, served: Sequence[Optional[Served]], grads: Sequenc
 
     for module, s, grad in zip(modules, served, grads):
         if s is not None:
-            module._accumulate(Pending(s.ids, s.slots, s.offsets, s.psw, grad, SUM, False, s.version), noted)
+            keep_gradient(module, Pending(s.ids, s.slots, s.offsets, s.psw, grad, SUM, False, s.version), noted)

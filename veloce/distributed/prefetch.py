@@ -14,7 +14,7 @@ from veloce.distributed._comm import Group, raise_deferred_failures
 from veloce.distributed.input_dist import Begun, Dispatched
 from veloce.distributed.layout import bag_shapes, training_modes
 from veloce.runtime.update_stream import on_prefetch_stream, record_streams
-from veloce.sparse import lookup_groups
+from veloce.sparse import lookup_groups, validated_bags
 
 __all__ = [
     "dispatch_group", "check_prefetchable", "take_dispatched", "deferring_errors", "complete_prefetched",
@@ -179,6 +179,6 @@ def dispatch_many(tables: Sequence, inputs: Sequence[Any], depth: str = "inserts
         with deferring_errors(shard, group_tables, depth) as failed:
             with shard.abandon_on_error(shard.dispatch_group or shard.group):  # bad input fails every rank
                 layouts: list = []
-                bags = [tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in idx]
+                bags = [validated_bags(tables[i], *args[i], deferred=layouts, aranges=aranges) for i in idx]
         if not failed:
             dispatch_group(group_tables, bags, layouts, depth)

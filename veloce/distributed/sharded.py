@@ -65,7 +65,7 @@ from veloce.distributed.output_dist import finish_lookup
 from veloce.distributed.owner import record
 from veloce.distributed.prefetch import complete, take_dispatched
 from veloce.ops.exchange import owner_of
-from veloce.sparse import LookupBackend, autograd_anchor
+from veloce.sparse import LookupBackend, autograd_anchor, check_unapplied, validated_bags
 
 __all__ = ["Shard", "table_shard", "sharded_lookup"]
 
@@ -139,8 +139,8 @@ class Shard(LookupBackend):
         deferred: list = []
         with self.abandon_on_error():  # bad input here fails every rank, not just this one
             if training:
-                module._check_unapplied()
-            ids, offsets, psw = module._bags(input, offsets, per_sample_weights, deferred=deferred)
+                check_unapplied(module)
+            ids, offsets, psw = validated_bags(module, input, offsets, per_sample_weights, deferred=deferred)
         return sharded_lookup([module], [(ids, offsets, psw)], deferred)[0]
 
     def check_owned(self, ids: torch.Tensor) -> None:
@@ -219,10 +219,11 @@ class Shard(LookupBackend):
 def sharded_lookup(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple] = ()) -> list[torch.Tensor]:
     """Pooled lookups of K sharded tables (same group, dim and dtype) in one exchange.
 
-    ``bags[k]`` is ``(ids, offsets, per_sample_weights)`` as validated by the module, but
-    for the offsets' values of the bag ``layouts`` its ``_bags`` deferred: those are checked
-    on the device and read back with the exchange's header (one host sync for both). A bad
-    layout raises its error on this rank, and the other ranks raise ExchangeError."""
+    ``bags[k]`` is ``(ids, offsets, per_sample_weights)`` as validated by the module
+    (:func:`veloce.sparse.validated_bags`), but for the offsets' values of the bag
+    ``layouts`` it deferred: those are checked on the device and read back with the
+    exchange's header (one host sync for both). A bad layout raises its error on this
+    rank, and the other ranks raise ExchangeError."""
     plan = static.take_plan(modules)
     if plan is not None:  # a step of static exchanges (veloce.graphs.CUDAGraphStep)
         return static.lookup(modules, bags, plan)

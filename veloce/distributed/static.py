@@ -55,7 +55,7 @@ from veloce.distributed.layout import Batch, cat_grads, mean_scale, split_output
 from veloce.distributed.owner import record, serve_all
 from veloce.ops.exchange import bucketize_bags, combine_parts
 from veloce.runtime.device import host_tensor
-from veloce.sparse import autograd_anchor, lookup_groups
+from veloce.sparse import autograd_anchor, lookup_groups, validated_bags
 from veloce.table import find_or_insert_many
 
 __all__ = ["SENTINEL", "Caps", "Counted", "Plan", "check_static", "count", "agree", "prepare", "lookup", "PLANNED",
@@ -532,7 +532,7 @@ class Planner:
             aranges: dict = {}
             for idx in groups.values():
                 layouts: list = []
-                bags = [tables[i]._bags(*args[i], deferred=layouts, aranges=aranges) for i in idx]
+                bags = [validated_bags(tables[i], *args[i], deferred=layouts, aranges=aranges) for i in idx]
                 bound = self._bounds.get(len(counted))
                 if bound is None:  # (made at the first, eager count: a capture reads it in place)
                     bound = self._bounds[len(counted)] = torch.zeros(2, len(idx), dtype=torch.long,

@@ -14,7 +14,10 @@
 """
 
 from veloce.sparse.autograd import autograd_anchor, psw_gradient, train_lookups
-from veloce.sparse.backend import LocalBackend, LookupBackend
+from veloce.sparse.backend import (
+    LocalBackend, LookupBackend, apply_pending, check_unapplied, eval_slots, forget_gradient, keep_gradient,
+    note_backward, validated_bags,
+)  # fmt: skip
 from veloce.sparse.base import MODES, POOLINGS, TableModule, training_lookup
 from veloce.sparse.clip import clip_grad_norm_, clip_grad_value_
 from veloce.sparse.combined import CombinedOptimizer
@@ -23,15 +26,17 @@ from veloce.sparse.compile import lookup as compiled_lookup
 from veloce.sparse.inputs import InputChecks, LayoutCheck, check_offsets_many, insert_checked, offsets_flags
 from veloce.sparse.lookup import LocalLookup, lookup_groups, lookup_many, world_size
 from veloce.sparse.nonfinite import CHECKED, NONFINITE, DeferredCheck, FiniteCheck, NonfinitePolicy, raise_deferred
-from veloce.sparse.pending import LIVE, Pending, PendingGradient, reresolve, waiting_tables
+from veloce.sparse.pending import LIVE, Pending, PendingGradient, PendingState, reresolve, waiting_tables
 from veloce.sparse.step import Stepping, step_tables
 from veloce.sparse.torch_steps import torch_step_count
 
 __all__ = [
-    "CHECKED", "LIVE", "MODES", "NONFINITE", "POOLINGS", "CombinedOptimizer", "DeferredCheck", "FiniteCheck",
-    "InputChecks", "LayoutCheck", "LocalBackend", "LocalLookup", "LookupBackend", "NonfinitePolicy", "Pending", "PendingGradient", "Stepping",
-    "TableModule", "autograd_anchor", "check_offsets_many", "clip_grad_norm_", "clip_grad_value_",
-    "compiled_lookup", "insert_checked", "is_compiling", "lookup_groups", "lookup_many", "offsets_flags",
+    "CHECKED", "LIVE", "MODES", "NONFINITE", "POOLINGS", "CombinedOptimizer", "DeferredCheck",
+    "FiniteCheck", "InputChecks", "LayoutCheck", "LocalBackend", "LocalLookup", "LookupBackend",
+    "NonfinitePolicy", "Pending", "PendingGradient", "PendingState", "Stepping", "TableModule",
+    "apply_pending", "autograd_anchor", "check_offsets_many", "check_unapplied", "clip_grad_norm_",
+    "clip_grad_value_", "compiled_lookup", "eval_slots", "forget_gradient", "insert_checked",
+    "is_compiling", "keep_gradient", "lookup_groups", "lookup_many", "note_backward", "offsets_flags",
     "psw_gradient", "raise_deferred", "register", "reresolve", "step_tables", "torch_step_count",
-    "train_lookups", "training_lookup", "waiting_tables", "world_size",
+    "train_lookups", "training_lookup", "validated_bags", "waiting_tables", "world_size",
 ]  # fmt: skip

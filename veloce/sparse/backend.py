@@ -6,7 +6,9 @@ serves lookups from the module's own rows in this process.
 :class:`veloce.distributed.HybridParallel` installs a sharded backend
 (:class:`veloce.distributed.Shard`) on the tables it shards, which sends each id to the
 rank that owns it; the engine (lookups, the step, the NaN/Inf policy, clipping,
-checkpoints) asks the backend and never needs to know which one it holds.
+checkpoints) asks the backend and never needs to know which one it holds. A backend
+drives its tables' engine through this module's functions (:func:`validated_bags`,
+:func:`keep_gradient`, ...).
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["LookupBackend", "LocalBackend"]
+from veloce.sparse.pending import Pending
+
+__all__ = [
+    "LookupBackend", "LocalBackend", "apply_pending", "check_unapplied", "eval_slots", "forget_gradient",
+    "keep_gradient", "note_backward", "validated_bags",
+]  # fmt: skip
 
 
 class LookupBackend:
@@ -114,3 +121,48 @@ class LocalBackend(LookupBackend):
 
     def __repr__(self) -> str:
         return "LocalBackend()"
+
+
+# ---- the engine's steps a backend runs on its table modules ---------------------------------
+def validated_bags(module: Any, input: torch.Tensor, offsets: Optional[torch.Tensor], psw: Optional[torch.Tensor],
+                   deferred: Optional[list] = None,
+                   aranges: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:  # fmt: skip
+    """``module``'s forward input checked and normalised, before anything changes:
+    ``(ids (N,), offsets, per_sample_weights or None)``. ``deferred``: a list that takes
+    the bag layouts whose offsets' values are checked later (on the device); ``aranges``:
+    the offsets of 2-D inputs, shared by the tables of one call."""
+    return module._bags(input, offsets, psw, deferred=deferred, aranges=aranges)
+
+
+def check_unapplied(module: Any) -> None:
+    """Before a training lookup of ``module``: raises when its waiting gradient shows a loop
+    that does not step it (see :class:`veloce.DynamicEmbedding`)."""
+    module._check_unapplied()
+
+
+def eval_slots(module: Any, ids: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The slots an evaluation lookup of ``ids`` reads in ``module``'s table, and the rows of
+    the ids it does not hold (``unknown="init"``), to read past the table's capacity."""
+    return module._eval_slots(ids)
+
+
+def keep_gradient(module: Any, entry: Pending, noted: bool = False) -> None:
+    """Keeps one backward pass's gradient of ``module``'s rows until its step().
+    ``noted``: the pass was counted by :func:`note_backward` when its gradient was sent."""
+    module._accumulate(entry, noted)
+
+
+def note_backward(module: Any) -> None:
+    """Counts a backward pass whose gradient is on its way to ``module`` (async sharding)."""
+    module._note_backward()
+
+
+def forget_gradient(module: Any) -> None:
+    """Drops ``module``'s pending gradient and its bookkeeping."""
+    module._forget_gradient()
+
+
+def apply_pending(module: Any) -> None:
+    """Applies ``module``'s pending gradient now, at the learning rate of its last step()
+    (a flush of gradients that arrived after it)."""
+    module._apply_pending(module._last_lr)

@@ -14,7 +14,7 @@ from veloce.sparse.base import MODES, TableModule
 from veloce.sparse.torch_steps import torch_step_count
 from veloce.table import HashTable
 
-__all__ = ["LIVE", "Pending", "PendingGradient", "reresolve", "waiting_tables"]
+__all__ = ["LIVE", "Pending", "PendingGradient", "PendingState", "reresolve", "waiting_tables"]
 
 # Every DynamicEmbedding alive in the process: torch's gradient clipping asks which hold a
 # gradient it cannot see (veloce.sparse.clip).
@@ -43,6 +43,15 @@ class Pending(NamedTuple):
     version: int  # table version the slots belong to
 
 
+class PendingState(NamedTuple):
+    """What :meth:`PendingGradient.pending_state` keeps of a table module: the inputs of the
+    backward passes waiting for step(), and the NaN/Inf error that a "raise_next" check
+    left for the next step() (None: none)."""
+
+    entries: tuple
+    error: Optional[FloatingPointError]
+
+
 def reresolve(table: HashTable, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Slots of ``ids`` under the table's current mapping: evicted ids become -2 (still
     counted by mean, no gradient), padding (-1 in ``slots``) stays -1."""
@@ -69,6 +78,17 @@ class PendingGradient:
         if self._unapplied_since is None:
             self._unapplied_since = torch_step_count()
         self._unapplied_passes += 1
+
+    def pending_state(self) -> PendingState:
+        """The gradient waiting for step() and the NaN/Inf error left for the next step(), as
+        :meth:`restore_pending_state` puts them back (a checkpoint load that fails does)."""
+        return PendingState(tuple(self._pending), self._nonfinite_error)
+
+    def restore_pending_state(self, state: Optional[PendingState]) -> None:
+        """Puts back a :meth:`pending_state`; None drops the waiting gradient's inputs and the
+        error (the count of backward passes since the last step() stays)."""
+        self._pending[:] = () if state is None else state.entries
+        self._nonfinite_error = None if state is None else state.error
 
     def _forget_gradient(self) -> None:
         """Drops the pending gradient and its bookkeeping (zero_grad, a load, a failed step)."""
