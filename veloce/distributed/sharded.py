@@ -38,7 +38,8 @@ before it): :mod:`~veloce.distributed.layout` (the exchange's shapes),
 :mod:`~veloce.distributed.backward` (gradients to their owners),
 :mod:`~veloce.distributed.output_dist` (partial sums back, combined),
 :mod:`~veloce.distributed.prefetch` (a first half run ahead), then the two other exchanges
-(:mod:`~veloce.distributed.dedup`, :mod:`~veloce.distributed.static`) and this module.
+(:mod:`~veloce.distributed.dedup`; :mod:`~veloce.distributed.static` and
+:mod:`~veloce.distributed.static_lookup` for a step captured in a CUDA graph) and this module.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from veloce.distributed import static
+from veloce.distributed import static, static_lookup
 from veloce.distributed._comm import (
     Group,
     abandon_exchange,
@@ -226,7 +227,7 @@ def sharded_lookup(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[t
     rank, and the other ranks raise ExchangeError."""
     plan = static.take_plan(modules)
     if plan is not None:  # a step of static exchanges (veloce.graphs.CUDAGraphStep)
-        return static.lookup(modules, bags, plan)
+        return static_lookup.lookup(modules, bags, plan)
     shard = modules[0].backend
     raise_deferred_failures(shard.group)  # an earlier forward's failure first, before anything moves
     training = training_modes(modules)  # read here: the autograd Function's forward runs without gradients
