@@ -27,7 +27,7 @@ from torch import nn
 from veloce.runtime import capture as _capture
 from veloce.runtime import update_stream as _update_stream
 from veloce.runtime.device import current_stream
-from veloce.distributed import static
+from veloce.distributed import HybridParallel, static
 from veloce.embedding import DynamicEmbedding
 from veloce.sparse import CombinedOptimizer, DeferredCheck, raise_deferred
 from veloce.table import TableFullError
@@ -201,8 +201,6 @@ class CUDAGraphStep:
             )
 
     def _check_sharded(self) -> None:
-        from veloce.distributed.hybrid import HybridParallel
-
         for m in self.modules:
             if not m.backend.sharded:
                 continue
@@ -286,11 +284,9 @@ class CUDAGraphStep:
             self.stepped = True
             return out
         if self._sharded:
-            from veloce.distributed._comm import raise_deferred_failures
-
             try:
-                for g in {id(m.backend.group): m.backend.group for m in self.modules if m.backend.sharded}.values():
-                    raise_deferred_failures(g)  # an eager step's (lookup_errors="raise_next"; agreed: all raise)
+                for b in {m.backend.group_id: m.backend for m in self.modules if m.backend.sharded}.values():
+                    b.raise_deferred_failures()  # an eager step's (lookup_errors="raise_next"; agreed: all raise)
             except BaseException:
                 self.discard_ahead()
                 raise
@@ -480,9 +476,7 @@ class CUDAGraphStep:
                 self._plans = [static.prepare(c, k) for c, k in zip(self._step_counted, caps)]
             # Room for the new capacities: a rank that cannot make it makes every rank raise.
             failed = self._room_error(self._plans)
-            from veloce.distributed._comm import agree_sum
-
-            if agree_sum(self._counted[0].group, int(failed is not None)):
+            if static.agree_sum(self._counted[0].group, int(failed is not None)):
                 if failed is not None:
                     raise failed
                 raise static.ExchangeError(

@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from veloce.distributed._comm import ExchangeError, Group, wire_code, wire_dtype
+from veloce.distributed._comm import ExchangeError, Group, agree_sum, wire_code, wire_dtype
 from veloce.distributed.input_dist import (
     counts_per_owner_and_table,
     layout_flag,
@@ -57,7 +57,7 @@ from veloce.runtime.device import host_tensor
 from veloce.sparse import lookup_groups, validated_bags
 
 __all__ = ["SENTINEL", "Caps", "Counted", "Plan", "check_static", "count", "agree", "prepare", "take_plan", "PLANNED",
-           "staged", "stage", "ExchangeError"]
+           "staged", "stage", "ExchangeError", "agree_sum"]
 
 SENTINEL = -(1 << 63)  # the padding id of a static exchange (int64's lowest value)
 _STATIC_BIT = 1 << 8  # in the header's signature: a static exchange never pairs with an eager one
