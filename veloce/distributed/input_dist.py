@@ -60,7 +60,8 @@ def raise_bad_layout(layouts: Sequence[tuple]) -> None:
 class Dispatched:
     """A sharded forward's first half (:func:`dispatch`): the ids at their owners and
     inserted there. Everything up to the forward's last host sync but the owners'
-    agreement; :func:`finish_lookup` does the rest (no host sync with lookup_errors="raise_next").
+    agreement; :func:`veloce.distributed.output_dist.finish_lookup` does the rest (no host
+    sync with lookup_errors="raise_next").
     :meth:`HybridParallel.prefetch` dispatches a later forward's lookups ahead of time."""
 
     modules: list

@@ -149,7 +149,8 @@ def record(modules: Sequence, served: Sequence[Optional[Served]], grads: Sequenc
             noted: bool = False) -> None:  # fmt: skip
     """The owner keeps each table's received part gradients until its step(), like a local
     backward (none where it failed to serve them: that step raises). ``noted``: async
-    gradients, counted as waiting when they were sent (:func:`deliver`)."""
+    gradients, counted as waiting when they were sent
+    (:func:`veloce.distributed.backward.deliver`)."""
 
     for module, s, grad in zip(modules, served, grads):
         if s is not None:

@@ -24,8 +24,8 @@ __all__ = [
 
 def dispatch_group(modules: Sequence, bags: Sequence[tuple], layouts: Sequence[tuple] = (),
                    depth: str = "inserts") -> None:  # fmt: skip
-    """Runs the first half of a later :func:`sharded_lookup` of ``modules`` (one exchange)
-    now and queues it on the group, where that lookup takes it (see
+    """Runs the first half of a later :func:`veloce.distributed.sharded.sharded_lookup` of
+    ``modules`` (one exchange) now and queues it on the group, where that lookup takes it (see
     :meth:`veloce.distributed.HybridParallel.prefetch`). ``depth="header"``: only its start
     (bucketing, the header swap queued; no host sync): the lookup runs the rest."""
     shard = modules[0].backend
@@ -72,8 +72,8 @@ def take_dispatched(group: Group, modules: Sequence, bags: Sequence[tuple], psw_
     """The prefetched first half of this lookup, if one is queued: ``(dispatched,
     refusal)``. It must be this lookup's: the same tables in the same mode (the same on
     every rank: else every rank raises here, and the queue is dropped), inputs of the same
-    shapes (this rank's own: else ``refusal``, which :func:`finish_lookup` turns into an error on
-    every rank)."""
+    shapes (this rank's own: else ``refusal``, which
+    :func:`veloce.distributed.output_dist.finish_lookup` turns into an error on every rank)."""
     if not group.prefetched:
         return None
     d = group.prefetched.popleft()

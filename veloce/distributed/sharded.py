@@ -195,7 +195,8 @@ class Shard(LookupBackend):
         part in the exchange's first step (on ``group``, by default the lookups' group) so
         that the other ranks raise too. A lookup whose first half was prefetched starts at
         its second half: this rank takes the prefetched exchange and fails through the
-        owners' agreement there instead (see :func:`finish_lookup`)."""
+        owners' agreement there instead (see
+        :func:`veloce.distributed.output_dist.finish_lookup`)."""
         try:
             yield
         except Exception as e:
