@@ -15,8 +15,8 @@ from veloce import init
 from veloce.ops import extension as _ext
 from veloce.optim import Adagrad, SparseOptimizer
 from veloce.sparse import (
-    LIVE, NONFINITE, POOLINGS, DeferredCheck, InputChecks, LocalBackend, LocalLookup, LookupBackend, NonfinitePolicy, Pending, PendingGradient,
-    Stepping, TableModule, compiled_lookup, is_compiling, register, training_lookup,
+    LIVE, NONFINITE, POOLINGS, DeferredCheck, InputChecks, LocalBackend, LocalLookup, LookupBackend, NonfinitePolicy,
+    Pending, PendingGradient, Stepping, TableModule, compiled_lookup, is_compiling, register, training_lookup,
 )  # fmt: skip
 from veloce.table import HashTable, is_int64
 
