@@ -47,10 +47,9 @@ from veloce.distributed._comm import (
     DeferredFailure, ExchangeError, Group, abandon_exchange, agree_sum, agree_sum_tensor, all_to_all,
     all_to_all_rows, Header, begin_headers, finish_headers, raise_deferred_failures, modes_code, wire_code, wire_dtype,
 )  # fmt: skip
-from veloce.ops.embedding import pooled_lookup_kernels
 from veloce.ops.exchange import bucketize_bags, combine_parts, regroup_blocks
-from veloce.sparse import Pending, autograd_anchor, lookup_groups, check_offsets_many, offsets_flags, psw_gradient, reresolve
-from veloce.table import find_or_insert_many
+from veloce.sparse import Pending, autograd_anchor, check_offsets_many, lookup_groups, offsets_flags, reresolve
+from veloce.table import find_or_insert_many, pooled_many
 
 __all__ = ["Shard", "table_shard", "sharded_lookup"]
 
@@ -884,15 +883,14 @@ def _serve_all(modules: list, ids: Sequence[torch.Tensor], offsets: Sequence[tor
     """The owner's half of a lookup for tables ``modules``: per table its :class:`_Served`
     and the sum of each received part (parts start at ``offsets[k]``), from the received
     ids' ``slots[k]`` (training: inserted already) or, for None, the slots of an evaluation
-    lookup. One lookup op for all tables (:func:`pooled_lookup_kernels`)."""
+    lookup. One lookup op for all tables (:func:`veloce.table.pooled_many`)."""
     extra: list = [None] * len(modules)
     slots = list(slots)
     for k, m in enumerate(modules):
         if slots[k] is None:
             slots[k], extra[k] = m._eval_slots(ids[k])
     tables = [m.table for m in modules]
-    partial = pooled_lookup_kernels([t.weights for t in tables], slots, offsets, psw, [_SUM] * len(modules),
-                                    [False] * len(modules), extra)  # fmt: skip
+    partial = pooled_many(tables, slots, offsets, psw, [_SUM] * len(modules), [False] * len(modules), extra)
     served = [_Served(i, s, o, p, t.version) for t, i, s, o, p in zip(tables, ids, slots, offsets, psw)]
     return served, partial
 
@@ -981,7 +979,7 @@ def _psw_grads(ex: _Exchange, per_table: Sequence[torch.Tensor], psw_grad: list[
 
     g = ex.shard.group
     mine = [
-        psw_gradient(m.table.weights, _current_slots(m, s), s.offsets, gk, False) if s is not None
+        m.table.psw_grad(_current_slots(m, s), s.offsets, gk, False) if s is not None
         else gk.new_zeros(sum(n))  # a failed owner (lookup_errors="raise_next"): the step raises anyway
         for m, s, gk, n in zip(ex.modules, ex.served, per_table, ex.recv_ids_nk)
     ]  # fmt: skip

@@ -11,7 +11,8 @@
 - :mod:`~veloce.sparse.clip`: :func:`clip_grad_norm_` and :func:`clip_grad_value_`.
 """
 
-from veloce.sparse.autograd import autograd_anchor, psw_gradient, train_lookups
+from veloce.ops.embedding import psw_gradient
+from veloce.sparse.autograd import autograd_anchor, train_lookups
 from veloce.sparse.base import MODES, POOLINGS, TableModule, training_lookup
 from veloce.sparse.clip import clip_grad_norm_, clip_grad_value_
 from veloce.sparse.combined import CombinedOptimizer
