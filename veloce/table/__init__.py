@@ -22,22 +22,26 @@ behind the same calls. What a table provides, by job:
   through to the fused update op, then ``track_update(fence)`` once the op is queued on
   the update stream; ``join_update()``;
 - checkpoints: ``export()``, ``load_entries(entries)``, ``snapshot()`` / ``restore(s)``;
-- a captured CUDA graph: ``state_addresses()`` (what the graph baked in).
+- a captured CUDA graph (:mod:`veloce.graphs`): ``state_addresses()`` (what the graph
+  baked in), ``has_deferred_room(n)`` / ``make_deferred_room(n)``,
+  ``add_deferred_counts(...)`` (a replay's inserts), ``bookkeeping()`` /
+  ``restore_bookkeeping(b)``, ``forget_in_flight()``, ``hand_over_update(stream, origin)``.
 
 Every read waits (on the device, no host sync) for the update in flight, and each call
 hands the op the table's own tensors: no copy, and at most one Python call per table per
 lookup or update.
 """
 
-from veloce.table.batch import find_or_insert_many, insert_beside_updates
+from veloce.table.batch import DeferredCounts, find_or_insert_many, insert_beside_updates
 from veloce.table.capacity import (
     BUCKET_SIZE, FULL_LOAD, STATE_NAMES, TableFullError, final_capacity, is_int64, round_capacity, state_dtype,
 )  # fmt: skip
+from veloce.table.deferred import TableBookkeeping
 from veloce.table.hash_table import HashTable
 from veloce.table.rows import RowStore, UpdateTarget, pooled_many
 
 __all__ = [
-    "HashTable", "RowStore", "TableFullError", "UpdateTarget", "BUCKET_SIZE", "FULL_LOAD", "STATE_NAMES",
+    "DeferredCounts", "HashTable", "RowStore", "TableBookkeeping", "TableFullError", "UpdateTarget", "BUCKET_SIZE", "FULL_LOAD", "STATE_NAMES",
     "find_or_insert_many", "final_capacity", "insert_beside_updates", "is_int64", "pooled_many",
     "round_capacity", "state_dtype",
 ]  # fmt: skip

@@ -3,9 +3,9 @@
 A :class:`HashTable` owns five buffers (``keys``, ``digests``, ``scores``, ``weights``,
 ``opt_state``; layout in ``docs/ops.md``) and drives the ``torch.ops.veloce`` hash-table
 ops over them; the layers above read and update its rows through the row-store calls
-(:class:`~veloce.table.rows.RowStore`). The ops never allocate table state; growth happens here: past ``grow_at``,
-or when an insert finds no room, the table rehashes into twice the slots and the call is
-retried. ``max_capacity`` bounds the rows (``len``), exactly: the slots stop growing at
+(:class:`~veloce.table.rows.RowStore`). The ops never allocate table state; growth
+happens here: past ``grow_at``, or when an insert finds no room, the table rehashes into
+twice the slots and the call is retried. ``max_capacity`` bounds the rows (``len``), exactly: the slots stop growing at
 :func:`final_capacity` (``max_capacity`` rows at load :data:`FULL_LOAD`), and the inserts
 keep to the rows left (the ops' ``room``). A new id that arrives at ``len ==
 max_capacity`` evicts a row by score (LRU or LFU) or, with ``eviction="none"``, raises an

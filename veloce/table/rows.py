@@ -94,8 +94,8 @@ class RowStore:
     ) -> torch.Tensor:
         """The sum or mean pooled rows of the bags ``slots`` / ``offsets``: the table's
         :func:`veloce.ops.embedding.pooled_lookup` (its arguments and autograd)."""
-        return pooled_lookup(self._row_tensor(), slots, offsets, per_sample_weights, mode, include_last_offset,
-                             extra_rows, check_inputs=check_inputs)  # fmt: skip
+        return pooled_lookup(self._row_tensor(), slots, offsets, per_sample_weights, mode,
+                             include_last_offset, extra_rows, check_inputs=check_inputs)  # fmt: skip
 
     def max_pooled(
         self,

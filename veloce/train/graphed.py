@@ -36,7 +36,7 @@ class GraphedSteps:
             lookups = self._graph_lookups if self.world_size > 1 else None
             self._graph = CUDAGraphStep(self._graph_fn, self.module, self.optimizer, lookups=lookups)
             if self.world_size > 1:
-                if not self._graph._sharded:
+                if not self._graph.sharded:
                     raise ValueError(
                         "Trainer: cuda_graph=True over several ranks captures sharded steps (HybridParallel with "
                         "sparse='sync'); this model has no sharded DynamicEmbedding"
@@ -107,7 +107,7 @@ class GraphedSteps:
         (``CUDAGraphStep(next_inputs=)``)."""
         graph = self._graph
         assert graph is not None
-        ahead_ok = graph._sharded
+        ahead_ok = graph.sharded
         cur = next(batches, None)
         try:
             while cur is not None:
