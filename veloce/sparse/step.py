@@ -261,7 +261,7 @@ def _apply_updates(
         # came from waited for it, or it has run.
         # A captured step reads learning rate and step count from the device (veloce.graphs).
         lr_step = None if _capture.ACTIVE is None else _capture.ACTIVE.lr_step_of([tables[i] for i in idx])
-        fence = run_update(group[0].target.device, functools.partial(_launch_update, group, skip, lr_step),
+        fence = run_update(group[0].target.layout[0], functools.partial(_launch_update, group, skip, lr_step),
                            (group, skip))  # fmt: skip
         if fence is not None:
             for i in idx:
@@ -276,21 +276,14 @@ def _launch_update(group: Sequence[_Update], skip: torch.Tensor | None, lr_step:
     u = group[0]
     if len(group) == 1:
         accumulate_and_update(
-            *u.target, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, u.lr, eps=u.eps,
+            *u.target.tensors, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, u.lr, eps=u.eps,
             beta1=u.beta1, beta2=u.beta2, weight_decay=u.weight_decay, step=u.step, check_inputs=False, skip=skip,
             lr_step=lr_step,
         )  # fmt: skip
     else:
         accumulate_and_update_many(
-            *_targets(group), [v.grad for v in group],
+            *map(list, zip(*[v.target.tensors for v in group])), [v.grad for v in group],
             [v.slots for v in group], [v.offsets for v in group], [v.psw for v in group], u.mode, False, u.kind,
             u.lr, eps=u.eps, beta1=u.beta1, beta2=u.beta2, weight_decay=u.weight_decay, step=u.step,
             check_inputs=False, skip=skip, lr_step=lr_step,
         )  # fmt: skip
-
-
-def _targets(group: Sequence[_Update]) -> tuple[list, list]:
-    """The ``weights`` and ``opt_state`` lists of an accumulate_and_update_many call: each
-    update's target, passed through."""
-    weights, states = zip(*(v.target for v in group))
-    return list(weights), list(states)

@@ -41,7 +41,7 @@ from veloce.table.hash_table import HashTable
 from veloce.table.rows import RowStore, UpdateTarget, pooled_many
 
 __all__ = [
-    "DeferredCounts", "HashTable", "RowStore", "TableBookkeeping", "TableFullError", "UpdateTarget", "BUCKET_SIZE", "FULL_LOAD", "STATE_NAMES",
-    "find_or_insert_many", "final_capacity", "insert_beside_updates", "is_int64", "pooled_many",
-    "round_capacity", "state_dtype",
+    "DeferredCounts", "HashTable", "RowStore", "TableBookkeeping", "TableFullError", "UpdateTarget", "BUCKET_SIZE",
+    "FULL_LOAD", "STATE_NAMES", "find_or_insert_many", "final_capacity", "insert_beside_updates", "is_int64",
+    "pooled_many", "round_capacity", "state_dtype",
 ]  # fmt: skip

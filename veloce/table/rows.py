@@ -29,34 +29,18 @@ __all__ = ["RowStore", "UpdateTarget", "pooled_many"]
 
 
 class UpdateTarget(NamedTuple):
-    """The rows a fused sparse update writes: the ``weights`` and ``opt_state`` arguments of
-    :func:`veloce.ops.optimizer.accumulate_and_update` (``op(*target, grad, ...)``) and of
-    its ``_many`` form (one target per table).
+    """The rows a fused sparse update writes, as the step engine passes them through to the
+    op without reading them: the handle a store gives for the rows of one step's update
+    (this table's own tensors, no copy).
 
-    The step engine passes it through to the op without reading the tensors: it is the
-    handle a store gives for the rows of one step's update (this table's own tensors, no
-    copy)."""
+    ``tensors`` are the ``weights`` and ``opt_state`` arguments of
+    :func:`veloce.ops.optimizer.accumulate_and_update` (``op(*target.tensors, grad, ...)``)
+    and one table's entries of its ``_many`` form. ``layout`` and ``key`` are read when the
+    target is made, so that grouping the updates of a step costs no Python call per table."""
 
-    weights: torch.Tensor
-    opt_state: torch.Tensor
-
-    @property
-    def layout(self) -> tuple[torch.device, torch.dtype, int]:
-        """``(device, dtype, dim)`` of the rows: updates of several tables in one op call
-        share it."""
-        w = self.weights
-        return w.device, w.dtype, w.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        """Where the rows are (where the op runs)."""
-        return self.weights.device
-
-    @property
-    def key(self) -> int:
-        """Equal for the targets of one table's rows (modules sharing a table), distinct
-        across tables."""
-        return self.weights.data_ptr()
+    tensors: tuple[torch.Tensor, torch.Tensor]  # (weights, opt_state)
+    layout: tuple[torch.device, torch.dtype, int]  # (device, dtype, dim): updates in one op call share it
+    key: int  # equal for the targets of one table's rows (modules sharing a table), distinct across tables
 
 
 class RowStore:
@@ -94,7 +78,9 @@ class RowStore:
     ) -> torch.Tensor:
         """The sum or mean pooled rows of the bags ``slots`` / ``offsets``: the table's
         :func:`veloce.ops.embedding.pooled_lookup` (its arguments and autograd)."""
-        return pooled_lookup(self._row_tensor(), slots, offsets, per_sample_weights, mode,
+        if self._update_fence is not None:  # (the read of _row_tensor, inline: once per lookup)
+            self._join_update()  # type: ignore[attr-defined]
+        return pooled_lookup(self._buffers["weights"], slots, offsets, per_sample_weights, mode,
                              include_last_offset, extra_rows, check_inputs=check_inputs)  # fmt: skip
 
     def max_pooled(
@@ -106,7 +92,9 @@ class RowStore:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The max pooled rows of the bags and their argmax positions:
         :func:`veloce.ops.embedding.max_pool` over the table's rows."""
-        return max_pool(self._row_tensor(), slots, offsets, include_last_offset, extra_rows)
+        if self._update_fence is not None:
+            self._join_update()  # type: ignore[attr-defined]
+        return max_pool(self._buffers["weights"], slots, offsets, include_last_offset, extra_rows)
 
     def psw_grad(
         self,
@@ -126,7 +114,8 @@ class RowStore:
         if self._update_fence is not None:
             self._join_update()  # type: ignore[attr-defined]
         b = self._buffers
-        return UpdateTarget(b["weights"], b["opt_state"])
+        w = b["weights"]
+        return UpdateTarget((w, b["opt_state"]), (w.device, w.dtype, w.shape[1]), w.data_ptr())
 
     def track_update(self, fence: "UpdateFence") -> None:
         """Books an update of the rows queued on the update stream
