@@ -211,7 +211,7 @@ def test_the_default_stream_refusal_is_found_behind_the_capture_end_error():
     """(Any device.) torch's capture end raises 'invalidated' while handling CUDA's refusal
     to make the default stream depend on the capture: the wrapper finds the refusal in the
     chain (and only it) to say what to do."""
-    from veloce.graphs import _needed_default_stream
+    from veloce.graphs.capture import _needed_default_stream
 
     refusal = RuntimeError("CUDA error: operation would make the legacy stream depend on a capturing blocking stream")
     try:

@@ -451,7 +451,7 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         ids = self._check_ids(ids, "ids")
         slots = self.table.find(ids)
         found = slots >= 0
-        rows = self.table.weights[slots.clamp(min=0)]
+        rows = self.table.rows(slots.clamp(min=0))
         return rows.masked_fill(~found.unsqueeze(1), 0), found
 
     @torch.no_grad()

@@ -10,14 +10,18 @@
 - :func:`all_to_all` is the exchange primitive (split sizes checked before sending);
   :func:`bucketize_bags`, :func:`combine_parts` and :func:`regroup_blocks` are the ops
   around it.
+- :func:`agree_sum` and :func:`raise_deferred_failures` are the ranks' agreements that a
+  captured step (:mod:`veloce.graphs`) makes between replays.
 """
 
-from veloce.distributed._comm import ExchangeError, Group, all_to_all, exchange_headers
+from veloce.distributed._comm import (
+    ExchangeError, Group, agree_sum, all_to_all, exchange_headers, raise_deferred_failures,
+)  # fmt: skip
 from veloce.distributed.hybrid import HybridParallel
 from veloce.distributed.sharded import Shard, table_shard
 from veloce.ops.exchange import bucketize_bags, combine_parts, owner_of, regroup_blocks
 
 __all__ = [
     "HybridParallel", "owner_of", "table_shard", "all_to_all", "exchange_headers", "ExchangeError", "Group",
-    "Shard", "bucketize_bags", "combine_parts", "regroup_blocks",
+    "Shard", "agree_sum", "bucketize_bags", "combine_parts", "raise_deferred_failures", "regroup_blocks",
 ]

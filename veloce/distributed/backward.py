@@ -14,7 +14,7 @@ import torch
 from veloce.distributed._comm import all_to_all, all_to_all_rows, wire_dtype
 from veloce.distributed.layout import cat_grads, received_order, split_psw_grads, table_major
 from veloce.distributed.owner import Served, current_slots, record
-from veloce.sparse import forget_gradient, note_backward, psw_gradient
+from veloce.sparse import forget_gradient, note_backward
 
 __all__ = ["InFlight", "send_gradients", "deliver", "drop_failed_gradients"]
 
@@ -87,7 +87,7 @@ def _psw_grads(ex: Any, per_table: Sequence[torch.Tensor], psw_grad: list[bool])
 
     g = ex.shard.group
     mine = [
-        psw_gradient(m.table.weights, current_slots(m, s), s.offsets, gk, False) if s is not None
+        m.table.psw_grad(current_slots(m, s), s.offsets, gk, False) if s is not None
         else gk.new_zeros(sum(n))  # a failed owner (lookup_errors="raise_next"): the step raises anyway
         for m, s, gk, n in zip(ex.modules, ex.served, per_table, ex.recv_ids_nk)
     ]  # fmt: skip

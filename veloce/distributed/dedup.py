@@ -43,7 +43,8 @@ from veloce.distributed.layout import (
 from veloce.distributed.owner import serve_tables
 from veloce.ops.exchange import owner_of
 from veloce.runtime.device import host_tensor
-from veloce.sparse import check_offsets_many, psw_gradient
+from veloce.ops.embedding import psw_gradient
+from veloce.sparse import check_offsets_many
 
 __all__ = ["forward_rows"]
 

@@ -12,9 +12,8 @@ import torch
 
 from veloce.distributed._comm import DeferredFailure, ExchangeError, Group, agree_sum
 from veloce.distributed.layout import SUM
-from veloce.ops.embedding import pooled_lookup_kernels
 from veloce.sparse import Pending, eval_slots, keep_gradient, reresolve
-from veloce.table import find_or_insert_many
+from veloce.table import find_or_insert_many, pooled_many
 
 __all__ = [
     "Served", "insert_tables", "serve_tables", "serve_inserted", "serve_all", "current_slots", "record",
@@ -125,15 +124,14 @@ def serve_all(modules: list, ids: Sequence[torch.Tensor], offsets: Sequence[torc
     """The owner's half of a lookup for tables ``modules``: per table its :class:`Served`
     and the sum of each received part (parts start at ``offsets[k]``), from the received
     ids' ``slots[k]`` (training: inserted already) or, for None, the slots of an evaluation
-    lookup. One lookup op for all tables (:func:`pooled_lookup_kernels`)."""
+    lookup. One lookup op for all tables (:func:`veloce.table.pooled_many`)."""
     extra: list = [None] * len(modules)
     slots = list(slots)
     for k, m in enumerate(modules):
         if slots[k] is None:
             slots[k], extra[k] = eval_slots(m, ids[k])
     tables = [m.table for m in modules]
-    partial = pooled_lookup_kernels([t.weights for t in tables], slots, offsets, psw, [SUM] * len(modules),
-                                    [False] * len(modules), extra)  # fmt: skip
+    partial = pooled_many(tables, slots, offsets, psw, [SUM] * len(modules), [False] * len(modules), extra)
     served = [Served(i, s, o, p, t.version) for t, i, s, o, p in zip(tables, ids, slots, offsets, psw)]
     return served, partial
 

@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 from veloce.ops import extension as _ext
 
 __all__ = ["MODES", "accumulate_grad", "bag_layouts_bad", "bag_of", "max_pool", "max_pool_position_grad", "pooled_lookup",
-           "pooled_lookup_many"]
+           "pooled_lookup_many", "psw_gradient"]
 
 #: Pooling modes by name, as in ``nn.EmbeddingBag``.
 MODES = {"sum": 0, "mean": 1}
@@ -327,6 +327,28 @@ def max_pool_position_grad(
     position = torch.arange(n, device=offs.device).unsqueeze(1)
     mine = argmax.index_select(0, bag) == position
     return torch.where(mine, grad_output.index_select(0, bag), grad_output.new_zeros(()))
+
+
+def psw_gradient(
+    weights: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor, grad_output: torch.Tensor,
+    include_last_offset: bool = False, extra_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gradient of a sum or mean lookup's per-sample weights:
+    ``d out[bag(i)] / d psw[i] = <row(i), grad_output[bag(i)]>``, zero for codes -1 and -2;
+    slots ``>= C`` read ``extra_rows`` (an eval lookup's unknown ids). Composed of torch ops.
+
+    Shape:
+        - weights: ``(C, D)``; slots: ``(N,)``; offsets: ``(B,)`` or ``(B + 1,)``;
+          grad_output: ``(B, D)``; extra_rows: ``(M, D)``
+        - output: ``(N,)``, dtype of ``grad_output``
+    """
+    bag = bag_of(offsets[:-1] if include_last_offset else offsets, slots.numel())
+    c = weights.shape[0]
+    rows = weights[slots.clamp(0, c - 1)]
+    if extra_rows is not None:
+        picked = extra_rows[(slots - c).clamp(0, extra_rows.shape[0] - 1)]
+        rows = torch.where((slots >= c).unsqueeze(1), picked, rows)
+    return ((rows * grad_output[bag]).sum(1) * (slots >= 0)).to(grad_output.dtype)
 
 
 def _num_bags(offsets: torch.Tensor, include_last_offset: bool) -> int:

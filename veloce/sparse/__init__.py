@@ -13,7 +13,7 @@
 - :mod:`~veloce.sparse.clip`: :func:`clip_grad_norm_` and :func:`clip_grad_value_`.
 """
 
-from veloce.sparse.autograd import autograd_anchor, psw_gradient, train_lookups
+from veloce.sparse.autograd import autograd_anchor, train_lookups
 from veloce.sparse.backend import (
     LocalBackend, LookupBackend, apply_pending, check_unapplied, eval_slots, forget_gradient, keep_gradient,
     note_backward, validated_bags,
@@ -37,6 +37,6 @@ __all__ = [
     "apply_pending", "autograd_anchor", "check_offsets_many", "check_unapplied", "clip_grad_norm_",
     "clip_grad_value_", "compiled_lookup", "eval_slots", "forget_gradient", "insert_checked",
     "is_compiling", "keep_gradient", "lookup_groups", "lookup_many", "note_backward", "offsets_flags",
-    "psw_gradient", "raise_deferred", "register", "reresolve", "step_tables", "torch_step_count",
+    "raise_deferred", "register", "reresolve", "step_tables", "torch_step_count",
     "train_lookups", "training_lookup", "validated_bags", "waiting_tables", "world_size",
 ]  # fmt: skip

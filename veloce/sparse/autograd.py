@@ -8,12 +8,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from veloce.ops.embedding import bag_of, max_pool, max_pool_position_grad, pooled_lookup_kernels
+from veloce.ops.embedding import max_pool_position_grad
 from veloce.runtime import capture as _capture
 from veloce.sparse.base import MODES, TableModule
 from veloce.sparse.pending import Pending, reresolve
+from veloce.table import pooled_many
 
-__all__ = ["RECORDER", "autograd_anchor", "psw_gradient", "train_lookups"]
+__all__ = ["RECORDER", "autograd_anchor", "train_lookups"]
 
 #: While ``veloce::lookup`` runs the eager path: the recorder that stands in for the eager
 #: autograd node of its training lookups (:func:`train_lookups`), else None
@@ -87,21 +88,20 @@ class _SparseLookup(torch.autograd.Function):
 def _pooled(modules: Sequence[TableModule], slots: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor],
             psws: Sequence[Optional[torch.Tensor]]) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:  # fmt: skip
     """The pooled rows of the training lookups of ``modules`` at ``slots`` (no autograd),
-    and per table the argmax positions its backward needs (:func:`max_pool`; None for sum
+    and per table the argmax positions its backward needs (``max_pooled``; None for sum
     and mean). Sum and mean tables pool in one kernel launch, max tables by torch ops."""
     outs: list = [None] * len(modules)
     argmax: list = [None] * len(modules)
     rest = [k for k, m in enumerate(modules) if m.mode != "max"]
     if rest:
-        res = pooled_lookup_kernels([modules[k].table.weights for k in rest], [slots[k] for k in rest],
-                                    [offsets[k] for k in rest], [psws[k] for k in rest],
-                                    [MODES[modules[k].mode] for k in rest],
-                                    [modules[k].include_last_offset for k in rest], [None] * len(rest))  # fmt: skip
+        res = pooled_many([modules[k].table for k in rest], [slots[k] for k in rest],
+                          [offsets[k] for k in rest], [psws[k] for k in rest], [MODES[modules[k].mode] for k in rest],
+                          [modules[k].include_last_offset for k in rest], [None] * len(rest))  # fmt: skip
         for k, o in zip(rest, res):
             outs[k] = o
     for k, m in enumerate(modules):
         if m.mode == "max":
-            outs[k], argmax[k] = max_pool(m.table.weights, slots[k], offsets[k], m.include_last_offset)
+            outs[k], argmax[k] = m.table.max_pooled(slots[k], offsets[k], m.include_last_offset)
     return outs, argmax
 
 
@@ -127,7 +127,7 @@ def _table_backward(module: TableModule, ids: torch.Tensor, slots: torch.Tensor,
         module._accumulate(Pending(ids, slots, offsets, psw, grad_out, MODES[module.mode], ilo, table.version))
     if psw is None or not psw_grad:
         return None
-    return psw_gradient(table.weights, slots, offsets, grad_out, ilo)
+    return table.psw_grad(slots, offsets, grad_out, ilo)
 
 
 _WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
@@ -186,14 +186,3 @@ def train_lookups(modules: Sequence[TableModule], bags: Sequence[tuple],
         return recorder.record(modules, ids, slots, offsets, psws)
     return _SparseLookup.apply(autograd_anchor(ids[0].device), list(modules), ids, list(slots), offsets, *psws)
 
-
-def psw_gradient(weights, slots, offsets, grad_out, include_last_offset, extra_rows=None) -> torch.Tensor:
-    """d out[bag(i)] / d psw[i] = <row(i), grad_out[bag(i)]>; zero for codes -1 / -2. Slots
-    ``>= C`` read ``extra_rows`` (an eval lookup's unknown ids, ``_eval_slots``)."""
-    bag = bag_of(offsets[:-1] if include_last_offset else offsets, slots.numel())
-    c = weights.shape[0]
-    rows = weights[slots.clamp(0, c - 1)]
-    if extra_rows is not None:
-        picked = extra_rows[(slots - c).clamp(0, extra_rows.shape[0] - 1)]
-        rows = torch.where((slots >= c).unsqueeze(1), picked, rows)
-    return ((rows * grad_out[bag]).sum(1) * (slots >= 0)).to(grad_out.dtype)

@@ -41,10 +41,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from veloce.ops import extension as _ext
-from veloce.ops.embedding import max_pool, pooled_lookup
-from veloce.ops.hash_table import find, initialize
+from veloce.ops.hash_table import initialize
 from veloce.sparse import autograd as _autograd
-from veloce.sparse.autograd import autograd_anchor, psw_gradient
+from veloce.sparse.autograd import autograd_anchor
 from veloce.sparse.base import MODES, TableModule
 from veloce.sparse.lookup import install_compiled_path, lookup_many
 
@@ -407,7 +406,7 @@ def _eval_psw_grad(module: Any, ids: torch.Tensor, offsets: torch.Tensor, grad: 
     the rows as the lookup read them (unknown ids: the initializer's row, or zeros)."""
 
     slots, extra = module._eval_slots(ids)
-    return psw_gradient(module.table.weights, slots, offsets, grad, module.include_last_offset, extra)
+    return module.table.psw_grad(slots, offsets, grad, module.include_last_offset, extra)
 
 
 # ---- torch.export --------------------------------------------------------------------------
@@ -430,7 +429,7 @@ def _exported_lookup(module: Any, input: Any, offsets: Any = None, per_sample_we
     # The offsets' values are checked by pooled_lookup (check_inputs=True) when the program runs.
     ids, offsets, psw = module._bags(input, offsets, per_sample_weights, deferred=[])
     table = module.table
-    slots = find(table.keys, table.digests, ids)
+    slots = table.find(ids)
     missing = slots < 0
     if module.padding_idx is not None:
         pad = ids == module.padding_idx
@@ -444,9 +443,9 @@ def _exported_lookup(module: Any, input: Any, offsets: Any = None, per_sample_we
         extra = initialize(ids, module.embedding_dim, table.seed, init.kind, init.a, init.b, table.dtype)
         slots = torch.where(missing, torch.arange(ids.numel(), device=ids.device) + table.capacity, slots)
     if module.mode == "max":
-        return max_pool(table.weights, slots, offsets, module.include_last_offset, extra)[0]
-    return pooled_lookup(table.weights, slots, offsets, psw, MODES[module.mode], module.include_last_offset, extra,
-                         check_inputs=True)  # fmt: skip
+        return table.max_pooled(slots, offsets, module.include_last_offset, extra)[0]
+    return table.pooled(slots, offsets, psw, MODES[module.mode], module.include_last_offset, extra,
+                        check_inputs=True)  # fmt: skip
 
 
 def _register() -> None:

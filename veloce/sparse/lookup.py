@@ -9,7 +9,6 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 import torch
 
 from veloce.ops import extension as _ext
-from veloce.ops.embedding import max_pool, pooled_lookup
 from veloce.ops.hash_table import initialize
 from veloce.sparse.autograd import train_lookups
 from veloce.sparse.base import MODES, TableModule, training_lookup
@@ -88,11 +87,10 @@ class LocalLookup:
         check_offsets_many(unchecked)
         slots, extra = self._eval_slots(ids)
         if self.mode == "max":
-            return max_pool(table.weights, slots, offsets, self.include_last_offset, extra)[0]
+            return table.max_pooled(slots, offsets, self.include_last_offset, extra)[0]
         # The offsets passed _bags' checks and the slots come from the table: no re-check.
-        return pooled_lookup(
-            table.weights, slots, offsets, psw, MODES[self.mode], self.include_last_offset, extra, check_inputs=False
-        )
+        return table.pooled(slots, offsets, psw, MODES[self.mode], self.include_last_offset, extra,
+                            check_inputs=False)  # fmt: skip
 
     def _eval_slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         table = self.table

@@ -149,7 +149,7 @@ class PendingGradient:
         if not slots.numel():
             return
         table = self.table
-        ids = table.keys[slots]  # for step() to find the rows by id if the table changes first
+        ids = table.ids_at(slots)  # for step() to find the rows by id if the table changes first
         offsets = torch.arange(slots.numel(), device=slots.device)
         self._pending = [Pending(ids, slots, offsets, None, rows.clamp(-clip_value, clip_value), MODES["sum"], False,
                                   table.version)]  # fmt: skip

@@ -14,6 +14,7 @@ from veloce.optim import Adam
 from veloce.runtime import capture as _capture
 from veloce.runtime.update_stream import run_update
 from veloce.sparse.base import TableModule
+from veloce.table import UpdateTarget
 from veloce.sparse.nonfinite import (
     CHECKED, DeferredCheck, FiniteCheck, drop_bags, raise_deferred, raise_nonfinite,
 )  # fmt: skip
@@ -82,12 +83,11 @@ class Stepping:
         # offsets passed _bags' checks, so the last one is N): the same bags, and one value
         # of the flag for every table of a grouped call.
         offsets = e.offsets[:-1] if e.include_last_offset else e.offsets
-        weights, opt_state = self.table._rows()
         # The step count as step_count reads it: both callers read the last step's check
         # first (raise_deferred), so there is none left to read.
         return _Update(
-            weights, opt_state, e.grad, slots, offsets, e.psw, e.mode, kind, float(opt.lr if lr is None else lr),
-            eps, beta1, beta2, float(opt.weight_decay), self._steps + 1, lr,
+            self.table.update_target(), e.grad, slots, offsets, e.psw, e.mode, kind,
+            float(opt.lr if lr is None else lr), eps, beta1, beta2, float(opt.weight_decay), self._steps + 1, lr,
         )  # fmt: skip
 
     def _book(self, update: Optional["_Update"]) -> None:
@@ -196,8 +196,7 @@ def step_tables(tables: Sequence[TableModule], lrs: Optional[Sequence[Optional[f
 class _Update(NamedTuple):
     """A table's accumulate_and_update arguments for one step (DynamicEmbedding._prepare_update)."""
 
-    weights: torch.Tensor
-    opt_state: torch.Tensor
+    target: UpdateTarget  # the table's rows and state, passed through to the op
     grad: torch.Tensor
     slots: torch.Tensor
     offsets: torch.Tensor  # include_last_offset=False
@@ -222,9 +221,8 @@ class _Update(NamedTuple):
         per table (what grouping saves) and round those weights to the row dtype (not bit
         for bit the mean update for float16 / bfloat16). Tables of a model usually share
         one mode."""
-        w = self.weights
         step = self.step if self.kind == Adam.kind else 0
-        return (w.device, w.dtype, w.shape[1], self.mode, self.kind, self.lr, self.eps, self.beta1, self.beta2,
+        return (*self.target.layout, self.mode, self.kind, self.lr, self.eps, self.beta1, self.beta2,
                 self.weight_decay, step)  # fmt: skip
 
 
@@ -246,11 +244,11 @@ def _apply_updates(
         # Modules sharing one table's rows take separate calls, in order: the k-th update of
         # a table goes to the k-th call.
         batches: list[list[int]] = []
-        seen: dict[int, int] = {}  # weights' data_ptr -> updates of that table so far
+        seen: dict[int, int] = {}  # the rows' key -> updates of that table so far
         for i in idx:
-            ptr = updates[i].weights.data_ptr()
-            k = seen.get(ptr, 0)
-            seen[ptr] = k + 1
+            key = updates[i].target.key
+            k = seen.get(key, 0)
+            seen[key] = k + 1
             if k == len(batches):
                 batches.append([])
             batches[k].append(i)
@@ -262,11 +260,11 @@ def _apply_updates(
         # came from waited for it, or it has run.
         # A captured step reads learning rate and step count from the device (veloce.graphs).
         lr_step = None if _capture.ACTIVE is None else _capture.ACTIVE.lr_step_of([tables[i] for i in idx])
-        fence = run_update(group[0].weights.device, functools.partial(_launch_update, group, skip, lr_step),
+        fence = run_update(group[0].target.layout[0], functools.partial(_launch_update, group, skip, lr_step),
                            (group, skip))  # fmt: skip
         if fence is not None:
             for i in idx:
-                tables[i].table._update_fence = fence
+                tables[i].table.track_update(fence)
         if applied is not None:  # a failed call leaves its tables' steps pending
             applied.extend(idx)
 
@@ -277,13 +275,13 @@ def _launch_update(group: Sequence[_Update], skip: torch.Tensor | None, lr_step:
     u = group[0]
     if len(group) == 1:
         accumulate_and_update(
-            u.weights, u.opt_state, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, u.lr, eps=u.eps,
+            *u.target.tensors, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, u.lr, eps=u.eps,
             beta1=u.beta1, beta2=u.beta2, weight_decay=u.weight_decay, step=u.step, check_inputs=False, skip=skip,
             lr_step=lr_step,
         )  # fmt: skip
     else:
         accumulate_and_update_many(
-            [v.weights for v in group], [v.opt_state for v in group], [v.grad for v in group],
+            *map(list, zip(*[v.target.tensors for v in group])), [v.grad for v in group],
             [v.slots for v in group], [v.offsets for v in group], [v.psw for v in group], u.mode, False, u.kind,
             u.lr, eps=u.eps, beta1=u.beta1, beta2=u.beta2, weight_decay=u.weight_decay, step=u.step,
             check_inputs=False, skip=skip, lr_step=lr_step,

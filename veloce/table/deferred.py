@@ -5,14 +5,24 @@ insert may skip reading back its counts, and reading them later (the class docst
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from veloce.runtime import capture as _capture
-from veloce.table.batch import _refuse_if_set
+from veloce.table.batch import DeferredCounts, _refuse_if_set
+from veloce.table.capacity import TableFullError
 
-__all__ = ["DeferredInserts"]
+__all__ = ["DeferredInserts", "TableBookkeeping"]
+
+
+class TableBookkeeping(NamedTuple):
+    """What :meth:`DeferredInserts.bookkeeping` keeps of a table."""
+
+    clock: int
+    num_evicted: int
+    last_evicted: torch.Tensor
+    unread: list[Any]  # the deferred calls not read yet: (counts, row, ids)
 
 
 class DeferredInserts:
@@ -74,6 +84,43 @@ class DeferredInserts:
         if self._size + self._unread_ids() + n > self._defer_limit():
             raise _capture.NeedsRoom(self, n)
         return True
+
+    def has_deferred_room(self, n: int) -> bool:
+        """Whether ``n`` more ids fit a deferred insert (under the growth threshold, counting
+        the deferred calls not read yet at their bounds) without the table growing."""
+        return self._size + self._unread_ids() + n <= self._defer_limit()
+
+    def make_deferred_room(self, n: int) -> None:
+        """Grows the table until ``n`` more ids fit a deferred insert (:meth:`has_deferred_room`).
+
+        Raises:
+            TableFullError: it cannot without evicting (it is at its final size, or ``n``
+                would take it past ``max_capacity``); the table keeps the growth done.
+        """
+        bound = self.max_capacity
+        while not self.has_deferred_room(n):
+            if self._at_max() or (bound is not None and self._size + self._unread_ids() + n > bound):
+                raise TableFullError(
+                    f"a table of max_capacity {bound} ({self._size} rows) has no room for the {n} ids of a step "
+                    f"without evicting"
+                )
+            self._grow()
+
+    def add_deferred_counts(self, counts: DeferredCounts, row: int, num_ids: int) -> None:
+        """Books a deferred insert of ``num_ids`` ids whose counts are row ``row`` of
+        ``counts`` (read by :meth:`settle`): what a replayed CUDA graph's insert left."""
+        self._unread.append((counts, row, num_ids))
+
+    def bookkeeping(self) -> TableBookkeeping:
+        """The host's bookkeeping of the table that a training step changes without touching
+        the device: clock, evictions, the deferred calls not read yet."""
+        return TableBookkeeping(self.clock, self.num_evicted, self.last_evicted, list(self._unread))
+
+    def restore_bookkeeping(self, saved: TableBookkeeping) -> None:
+        """Puts back what :meth:`bookkeeping` kept (after a step's Python ran without its
+        kernels: a CUDA graph's capture)."""
+        self.clock, self.num_evicted, self.last_evicted = saved.clock, saved.num_evicted, saved.last_evicted
+        self._unread = list(saved.unread)
 
     def _unread_ids(self) -> int:
         """The ids of the deferred calls not read yet: an upper bound of what they inserted."""

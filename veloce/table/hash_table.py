@@ -2,9 +2,10 @@
 
 A :class:`HashTable` owns five buffers (``keys``, ``digests``, ``scores``, ``weights``,
 ``opt_state``; layout in ``docs/ops.md``) and drives the ``torch.ops.veloce`` hash-table
-ops over them. The ops never allocate table state; growth happens here: past ``grow_at``,
-or when an insert finds no room, the table rehashes into twice the slots and the call is
-retried. ``max_capacity`` bounds the rows (``len``), exactly: the slots stop growing at
+ops over them; the layers above read and update its rows through the row-store calls
+(:class:`~veloce.table.rows.RowStore`). The ops never allocate table state; growth
+happens here: past ``grow_at``, or when an insert finds no room, the table rehashes into
+twice the slots and the call is retried. ``max_capacity`` bounds the rows (``len``), exactly: the slots stop growing at
 :func:`final_capacity` (``max_capacity`` rows at load :data:`FULL_LOAD`), and the inserts
 keep to the rows left (the ops' ``room``). A new id that arrives at ``len ==
 max_capacity`` evicts a row by score (LRU or LFU) or, with ``eviction="none"``, raises an
@@ -34,6 +35,7 @@ from veloce.table.capacity import FULL_LOAD, STATE_NAMES, final_capacity, is_int
 from veloce.table.deferred import DeferredInserts
 from veloce.table.eviction import score_policy
 from veloce.table.growth import Growth
+from veloce.table.rows import RowStore
 
 __all__ = ["HashTable"]
 
@@ -49,7 +51,7 @@ class TableSnapshot(NamedTuple):
     clock: int
 
 
-class HashTable(DeferredInserts, Growth, PlainAttrs, nn.Module):
+class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
     """A growable hash table from int64 ids to embedding rows and optimizer state.
 
     Args:
@@ -209,15 +211,6 @@ class HashTable(DeferredInserts, Growth, PlainAttrs, nn.Module):
         if buffers is not None and name in buffers:
             return buffers[name]
         return super().__getattr__(name)
-
-    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights, opt_state)``, as reading the two attributes gives them (after the
-        update in flight), in one call: the sparse update reads both for every table in
-        every step."""
-        if self._update_fence is not None:
-            self._join_update()
-        b = self._buffers
-        return b["weights"], b["opt_state"]
 
     def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), ...: after the update
         self._join_update()
