@@ -235,6 +235,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         self.table = HashTable(
             embedding_dim, optimizer.state_dim(embedding_dim), capacity=capacity, max_capacity=max_capacity,
             eviction=eviction, initializer=initializer, seed=seed, dtype=dtype, device=device,
+            init_state=optimizer.initial_state(embedding_dim),
         )  # fmt: skip
         self.table.defer = bool(defer_inserts)
         self._steps = 0  # sparse optimizer steps applied (Adam's t): step_count
@@ -758,7 +759,6 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         e = self._merged()
         slots = self._resolved(e) if e.ids is not None else e.slots
         opt = self.optimizer
-        kind, eps, beta1, beta2 = opt.kernel_args()
         # include_last_offset=True becomes False with the last offset dropped (a view; the
         # offsets passed _bags' checks, so the last one is N): the same bags, and one value
         # of the flag for every table of a grouped call.
@@ -767,8 +767,8 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         # The step count as step_count reads it: both callers read the last step's check
         # first (_raise_deferred), so there is none left to read.
         return _Update(
-            weights, opt_state, e.grad, slots, offsets, e.psw, e.mode, kind, float(opt.lr if lr is None else lr),
-            eps, beta1, beta2, float(opt.weight_decay), self._steps + 1, lr,
+            weights, opt_state, e.grad, slots, offsets, e.psw, e.mode, opt.kind, float(opt.lr if lr is None else lr),
+            tuple(opt.hyperparameters()), float(opt.weight_decay), self._steps + 1, lr,
         )  # fmt: skip
 
     def _book(self, update: Optional["_Update"]) -> None:
@@ -1161,9 +1161,7 @@ class _Update(NamedTuple):
     mode: int
     kind: int
     lr: float
-    eps: float
-    beta1: float
-    beta2: float
+    hyper: tuple[float, ...]  # the optimizer's own hyperparameters (SparseOptimizer.hyperparameters)
     weight_decay: float
     step: int  # the table's step count once this update is applied
     requested_lr: Optional[float]  # step()'s lr argument (None: the optimizer's own)
@@ -1180,8 +1178,11 @@ class _Update(NamedTuple):
         one mode."""
         w = self.weights
         step = self.step if self.kind == _optim.Adam.kind else 0
-        return (w.device, w.dtype, w.shape[1], self.mode, self.kind, self.lr, self.eps, self.beta1, self.beta2,
-                self.weight_decay, step)  # fmt: skip
+        return (w.device, w.dtype, w.shape[1], self.mode, self.kind, self.lr, self.hyper, self.weight_decay, step)
+
+    def hparams(self) -> list[float]:
+        """The ops' hyperparameter vector: ``[lr, step, weight_decay, *hyper]``."""
+        return [self.lr, float(self.step), self.weight_decay, *self.hyper]
 
 
 def _apply_updates(
@@ -1216,9 +1217,9 @@ def _apply_updates(
         # On CUDA the update runs on the update stream: the next step's insert does not wait
         # for it (veloce._update_stream). The fence keeps the inputs alive until the stream they
         # came from waited for it, or it has run.
-        # A captured step reads learning rate and step count from the device (veloce.graphs).
-        lr_step = None if _capture.ACTIVE is None else _capture.ACTIVE.lr_step_of([tables[i] for i in idx])
-        fence = run_update(group[0].weights.device, functools.partial(_launch_update, group, skip, lr_step),
+        # A captured step reads its hyperparameters from the device tensor it advances (veloce.graphs).
+        hparams = None if _capture.ACTIVE is None else _capture.ACTIVE.hparams_of([tables[i] for i in idx])
+        fence = run_update(group[0].weights.device, functools.partial(_launch_update, group, skip, hparams),
                            (group, skip))  # fmt: skip
         if fence is not None:
             for i in idx:
@@ -1227,20 +1228,26 @@ def _apply_updates(
             applied.extend(idx)
 
 
-def _launch_update(group: Sequence[_Update], skip: torch.Tensor | None, lr_step: torch.Tensor | None = None) -> None:
+# The hyperparameter tensors of the eager updates: one per (device, optimizer), refreshed in
+# place by each call on the stream that runs it.
+_HPARAMS = _ops.HyperparameterBuffer()
+
+
+def _launch_update(group: Sequence[_Update], skip: torch.Tensor | None, hparams: torch.Tensor | None = None) -> None:
     """One accumulate_and_update(_many) call for updates that share their group key
-    (``lr_step``: their learning rate and step count on the device, in a captured step)."""
+    (``hparams``: their hyperparameters on the device, in a captured step)."""
     u = group[0]
+    if hparams is None:
+        hparams = _HPARAMS.fill(u.weights.device, u.kind, u.hparams())
     if len(group) == 1:
         torch.ops.veloce.accumulate_and_update(
-            u.weights, u.opt_state, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, u.lr, u.eps,
-            u.beta1, u.beta2, u.weight_decay, u.step, False, skip, lr_step,
+            u.weights, u.opt_state, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, hparams, False, skip,
         )  # fmt: skip
     else:
         torch.ops.veloce.accumulate_and_update_many(
             [v.weights for v in group], [v.opt_state for v in group], [v.grad for v in group],
             [v.slots for v in group], [v.offsets for v in group], [v.psw for v in group], u.mode, False, u.kind,
-            u.lr, u.eps, u.beta1, u.beta2, u.weight_decay, u.step, False, skip, lr_step,
+            hparams, False, skip,
         )  # fmt: skip
 
 

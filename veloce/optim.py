@@ -13,6 +13,12 @@ config                        state/row    reference
 ``Adam(lr, betas, eps)``      2D           ``torch.optim.SparseAdam`` (lazy Adam)
 ============================  ===========  ==========================================
 
+Each config names its kernel rule (``kind``, an id of ``veloce.ops.optimizer.RULES``) and
+gives the kernels its own hyperparameters (:meth:`SparseOptimizer.hyperparameters`) and the
+state new rows start from (:meth:`SparseOptimizer.initial_state`). Adding an optimizer is a
+rule header in ``csrc/include/veloce/optim/``, a line in its registry (and in ``RULES``) and
+a config here (docs/ops.md, "Adding an optimizer").
+
 Example::
 
     model = MyModel()                         # holds veloce.DynamicEmbedding modules
@@ -65,9 +71,16 @@ class SparseOptimizer:
         """Width S of the per-row optimizer state for embedding dim ``dim``."""
         raise NotImplementedError
 
-    def kernel_args(self) -> tuple[int, float, float, float]:
-        """(optimizer id, eps, beta1, beta2) for ``torch.ops.veloce.sparse_update``."""
-        return (self.kind, 0.0, 0.0, 0.0)
+    def hyperparameters(self) -> list[float]:
+        """The rule's own hyperparameters, in kernel order: the ops' ``hparams`` is
+        ``[lr, step, weight_decay, *hyperparameters()]`` (``veloce.ops.optimizer.RULES``
+        names them)."""
+        return []
+
+    def initial_state(self, dim: int) -> Optional[torch.Tensor]:
+        """The ``(state_dim(dim),)`` optimizer state every new row starts from, or None for
+        zeros. The table casts it to its state dtype and device."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -99,8 +112,8 @@ class Adagrad(SparseOptimizer):
     def state_dim(self, dim: int) -> int:
         return dim
 
-    def kernel_args(self) -> tuple[int, float, float, float]:
-        return (self.kind, self.eps, 0.0, 0.0)
+    def hyperparameters(self) -> list[float]:
+        return [float(self.eps)]
 
 
 @dataclass(frozen=True)
@@ -123,8 +136,8 @@ class RowWiseAdagrad(SparseOptimizer):
     def state_dim(self, dim: int) -> int:
         return 1
 
-    def kernel_args(self) -> tuple[int, float, float, float]:
-        return (self.kind, self.eps, 0.0, 0.0)
+    def hyperparameters(self) -> list[float]:
+        return [float(self.eps)]
 
 
 @dataclass(frozen=True)
@@ -151,8 +164,8 @@ class Adam(SparseOptimizer):
     def state_dim(self, dim: int) -> int:
         return 2 * dim
 
-    def kernel_args(self) -> tuple[int, float, float, float]:
-        return (self.kind, self.eps, float(self.betas[0]), float(self.betas[1]))
+    def hyperparameters(self) -> list[float]:
+        return [float(self.eps), float(self.betas[0]), float(self.betas[1])]
 
 
 # Steps of every torch optimizer in the process (CombinedOptimizer's too), counted by

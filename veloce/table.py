@@ -145,6 +145,8 @@ class HashTable(PlainAttrs, nn.Module):
         dtype: dtype of the rows.
         device: where the state lives.
         grow_at: load factor beyond which the table grows before an insert.
+        init_state: the ``(state_dim,)`` optimizer state of a new row (the optimizer's
+            ``initial_state``), or None for zeros.
 
     Deferred inserts (``defer = True``; :class:`veloce.DynamicEmbedding`'s
     ``defer_inserts``): a training insert does not wait for the device to say how many ids
@@ -178,6 +180,7 @@ class HashTable(PlainAttrs, nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         grow_at: float = 0.9,
+        init_state: Optional[torch.Tensor] = None,
     ) -> None:
         super().__init__()
         if eviction not in _SCORE_POLICY:
@@ -192,6 +195,12 @@ class HashTable(PlainAttrs, nn.Module):
         initializer.check_fits(dtype)
         self.dim = int(dim)
         self.state_dim = int(state_dim)
+        if init_state is not None and tuple(init_state.shape) != (self.state_dim,):
+            raise ValueError(f"init_state must have shape ({self.state_dim},) (the optimizer state of a row), got "
+                             f"{tuple(init_state.shape)}")  # fmt: skip
+        self.init_state = None if init_state is None else init_state.detach().cpu()
+        # init_state on the device and in the dtype of opt_state, made on the first insert there
+        self._init_state_at: Optional[torch.Tensor] = None
         self.eviction = eviction
         self.score_policy = _SCORE_POLICY[eviction]
         self.initializer = initializer
@@ -529,8 +538,9 @@ class HashTable(PlainAttrs, nn.Module):
         def call(evict: bool):
             state = self._state(join=evict)
             room = self._room()
+            init_state = self._initial_state()
             return insert_beside_updates([self], lambda: torch.ops.veloce.find_or_insert(
-                *state, *self._find_or_insert_args(ids, padding_id, evict), bad_input, room=room
+                *state, *self._find_or_insert_args(ids, padding_id, evict), bad_input, room=room, init_state=init_state
             ))  # fmt: skip
 
         return call
@@ -539,6 +549,16 @@ class HashTable(PlainAttrs, nn.Module):
         """The ops' ``room``: the rows ``max_capacity`` leaves (how many new ids may take an
         empty slot; the later ones evict or fail), or -1 without a bound."""
         return -1 if self.max_capacity is None else max(0, self.max_capacity - self.size)
+
+    def _initial_state(self) -> Optional[torch.Tensor]:
+        """The ops' ``init_state``: :attr:`init_state` as opt_state's dtype and device (kept)."""
+        if self.init_state is None:
+            return None
+        opt = self._buffers["opt_state"]
+        at = self._init_state_at
+        if at is None or at.device != opt.device or at.dtype != opt.dtype:
+            at = self._init_state_at = self.init_state.to(device=opt.device, dtype=opt.dtype)
+        return at
 
     def _find_or_insert_args(self, ids: torch.Tensor, padding_id: Optional[int], allow_evict: bool) -> tuple:
         init = self.initializer
@@ -561,7 +581,7 @@ class HashTable(PlainAttrs, nn.Module):
             return self._insert(
                 lambda allow_evict: torch.ops.veloce.insert_or_assign(
                     *self._state(), ids, values, opt_values, score_values, self.score_policy, self.clock, allow_evict,
-                    self._room(),
+                    self._room(), self._initial_state(),
                 ),
                 evict=evict, ids=ids,
             )
@@ -920,8 +940,11 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
         per_arg = [list(a) for a in zip(*args)]
         rooms = [t._room() for t in tables]
         room = None if all(r < 0 for r in rooms) else rooms
+        inits = [t._initial_state() for t in tables]
+        init_state = None if all(i is None for i in inits) else inits
         slots, counts, evicted = insert_beside_updates(
-            tables, lambda: torch.ops.veloce.find_or_insert_many(*states, *per_arg, bad_input, room=room)
+            tables, lambda: torch.ops.veloce.find_or_insert_many(*states, *per_arg, bad_input, room=room,
+                                                                 init_state=init_state)  # fmt: skip
         )
         out = list(slots.split([i.numel() for i in ids]))
         counts = counts.tolist()  # a CPU tensor: no device sync
@@ -1001,18 +1024,22 @@ def _insert_deferred(tables: Sequence[HashTable], ids: Sequence[torch.Tensor], p
                 t.settle(wait=False)
     args = [t._find_or_insert_args(i, p, False) for t, i, p in zip(tables, ids, padding_ids)]
     states = [t._state(join=False) for t in tables]
+    inits = [t._initial_state() for t in tables]
     # Captured in a CUDA graph: the LRU stamps come from device clocks the graph ticks.
     clocks = None if capture is None else [capture.clock_of(t) for t in tables]
 
     def call() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         if len(tables) == 1:  # counts (2,): _DeferredCounts reads it as one row
             clock = None if clocks is None else clocks[0]
-            slots, counts, evicted = torch.ops.veloce.find_or_insert(*states[0], *args[0], bad_input, True, clock)
+            slots, counts, evicted = torch.ops.veloce.find_or_insert(*states[0], *args[0], bad_input, True, clock,
+                                                                     init_state=inits[0])  # fmt: skip
             out = [slots]
         else:
             cols, per_arg = [list(c) for c in zip(*states)], [list(a) for a in zip(*args)]
             clock = None if clocks is None else torch.cat(clocks)
-            slots, counts, evicted = torch.ops.veloce.find_or_insert_many(*cols, *per_arg, bad_input, True, clock)
+            init_state = None if all(i is None for i in inits) else inits
+            slots, counts, evicted = torch.ops.veloce.find_or_insert_many(*cols, *per_arg, bad_input, True, clock,
+                                                                          init_state=init_state)  # fmt: skip
             out = list(slots.split([i.numel() for i in ids]))
         return out, counts, evicted
 

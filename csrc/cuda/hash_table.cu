@@ -108,7 +108,8 @@ inline int rows_per_warp(int64_t rows) {
 // Blocks of kThreads for `rows` rows at r rows per warp.
 inline int64_t row_warp_threads(int64_t rows, int r) { return ceil_div(rows, r) * 32; }
 
-// find_or_insert success: initial rows, zero state, starting score of the new ids. Each warp
+// find_or_insert success: initial rows, initial state (init_state, or zeros), starting score
+// of the new ids. Each warp
 // takes r consecutive distinct ids (rows_per_warp): lane j < r loads id (base + j)'s state and
 // slot and hashes its id, then the warp fills the r rows in turn, columns over lanes. Runs
 // for the tables whose rows are scalar_t.
@@ -134,6 +135,7 @@ __global__ void init_rows_kernel(const __grid_constant__ Calls calls) {
   using acc_t = at::opmath_type<scalar_t>;
   scalar_t* const weights = static_cast<scalar_t*>(c->weights);
   acc_t* const state = static_cast<acc_t*>(c->state);
+  const acc_t* const init = static_cast<const acc_t*>(c->init_state);
   const int64_t D = c->D, S = c->S;
   const int64_t kind = c->init_kind;
   const double a = c->init_a, b = c->init_b;
@@ -143,7 +145,7 @@ __global__ void init_rows_kernel(const __grid_constant__ Calls calls) {
     scalar_t* const row = weights + s * D;
     init_columns(__shfl_sync(kFullWarp, bits, j), D, kind, a, b, lane, 32,
                  [&](int64_t col, double v) { row[col] = to_weight<scalar_t>(v); });
-    for (int64_t col = lane; col < S; col += 32) state[s * S + col] = 0;
+    for (int64_t col = lane; col < S; col += 32) state[s * S + col] = init != nullptr ? init[col] : acc_t(0);
     if (lane == 0) c->t.scores[s] = call_score(c);  // the call's starting score (LRU), else 0
   }
 }
@@ -188,6 +190,7 @@ __global__ void assign_rows_kernel(const __grid_constant__ Calls calls) {
   const scalar_t* const values = static_cast<const scalar_t*>(c->values);
   acc_t* const state = static_cast<acc_t*>(c->state);
   const acc_t* const opt_values = static_cast<const acc_t*>(c->opt_values);
+  const acc_t* const init = static_cast<const acc_t*>(c->init_state);
   const int64_t D = c->D, S = c->S;
   for (int j = 0; j < r; ++j) {
     if (!((rows >> j) & 1u)) continue;
@@ -197,7 +200,7 @@ __global__ void assign_rows_kernel(const __grid_constant__ Calls calls) {
     if (opt_values != nullptr) {
       for (int64_t col = lane; col < S; col += 32) state[s * S + col] = opt_values[src * S + col];
     } else if ((fresh_rows >> j) & 1u) {
-      for (int64_t col = lane; col < S; col += 32) state[s * S + col] = 0;
+      for (int64_t col = lane; col < S; col += 32) state[s * S + col] = init != nullptr ? init[col] : acc_t(0);
     }
   }
 }
@@ -519,6 +522,7 @@ struct InsertTable {
   double init_a = 0, init_b = 0;
   std::optional<int64_t> padding_id;
   at::Tensor values, opt_values, score_values;  // insert_or_assign
+  at::Tensor init_state;  // (S,) contiguous, the state of new rows; undefined: zeros
   at::Tensor slots, erased;
   // outcome
   int64_t inserted = 0, failed = 0;
@@ -757,6 +761,7 @@ class Inserter {
       c.init_kind = t.init_kind;
       c.init_a = t.init_a;
       c.init_b = t.init_b;
+      c.init_state = t.init_state.defined() ? t.init_state.data_ptr() : nullptr;
       if (mode_ == Mode::kAssign) {
         c.values = t.values.data_ptr();
         c.opt_values = t.opt_values.defined() ? t.opt_values.data_ptr() : nullptr;
@@ -1145,10 +1150,13 @@ InsertTable find_or_insert_table(const std::string& op, const at::Tensor& keys, 
                                  const at::Tensor& scores, const at::Tensor& weights, const at::Tensor& opt_state,
                                  const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict,
                                  int64_t seed, int64_t init_kind, double init_a, double init_b,
-                                 std::optional<int64_t> padding_id, int64_t room, at::Tensor slots) {
+                                 std::optional<int64_t> padding_id, int64_t room, at::Tensor slots,
+                                 const std::optional<at::Tensor>& init_state) {
   InsertTable t(keys, digests, scores, weights, opt_state,
                 check_insert_args_cuda(op.c_str(), keys, digests, scores, weights, opt_state, ids, score_policy));
   check_init(op.c_str(), init_kind, init_a, init_b);
+  check_init_state(op.c_str(), init_state, opt_state);
+  if (init_state) t.init_state = init_state->contiguous();
   t.score_policy = score_policy;
   t.score_value = score_value;
   t.allow_evict = allow_evict;
@@ -1180,14 +1188,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id,
-    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock, int64_t room) {
+    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock, int64_t room,
+    const std::optional<at::Tensor>& init_state) {
   constexpr const char* op = "veloce::find_or_insert";
   // First: a CUDA flag beside a CPU table lands here, and its error should name bad_input.
   check_bad_input(op, bad_input, keys);
   std::vector<InsertTable> tables;
   tables.push_back(find_or_insert_table(op, keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
                                         allow_evict, seed, init_kind, init_a, init_b, padding_id, room,
-                                        at::Tensor()));
+                                        at::Tensor(), init_state));
   check_defer(op, defer, allow_evict);
   check_room(op, room, defer);
   check_clock(op, clock, 1, keys);
@@ -1212,11 +1221,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
     at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
     const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock,
-    at::OptionalIntArrayRef room) {
+    at::OptionalIntArrayRef room, const std::optional<c10::List<std::optional<at::Tensor>>>& init_state) {
   constexpr const char* op = "veloce::find_or_insert_many";
   const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
                                                    score_value, allow_evict, seed, init_kind, init_a, init_b,
-                                                   padding_id, bad_input);
+                                                   padding_id, bad_input, init_state);
   for (int64_t k = 0; k < K; ++k) check_defer(op, defer, allow_evict.get(k), k);
   check_room_many(op, room, K, defer);
   check_defer_cuda(op, defer);
@@ -1232,7 +1241,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
     tables.push_back(find_or_insert_table(table_op_name(op, k), keys[k], digests[k], scores[k], weights[k],
                                           opt_state[k], ids[k], score_policy[k], score_value[k], allow_evict.get(k),
                                           seed[k], init_kind[k], init_a[k], init_b[k], padding_id.get(k),
-                                          room ? (*room)[k] : kNoRoomLimit, slots.narrow(0, start, ids[k].numel())));
+                                          room ? (*room)[k] : kNoRoomLimit, slots.narrow(0, start, ids[k].numel()),
+                                          init_state ? init_state->get(k) : std::nullopt));
     if (clock_values.defined()) tables.back().clock = clock_values.data_ptr<int64_t>() + k;
   }
   const c10::cuda::CUDAGuard guard(keys[0].device());
@@ -1257,7 +1267,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids_in, const at::Tensor& values_in, const std::optional<at::Tensor>& opt_values_in,
     const std::optional<at::Tensor>& score_values_in, int64_t score_policy, int64_t score_value, bool allow_evict,
-    int64_t room) {
+    int64_t room, const std::optional<at::Tensor>& init_state) {
   constexpr const char* op = "veloce::insert_or_assign";
   check_room(op, room, false);
   std::vector<InsertTable> tables;
@@ -1265,6 +1275,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
       keys, digests, scores, weights, opt_state,
       check_insert_args_cuda(op, keys, digests, scores, weights, opt_state, ids_in, score_policy));
   check_assign_values(op, keys, weights, opt_state, t.ids.numel(), values_in, opt_values_in, score_values_in);
+  check_init_state(op, init_state, opt_state);
+  if (init_state) t.init_state = init_state->contiguous();
   t.values = values_in.contiguous();
   t.opt_values = opt_values_in ? opt_values_in->contiguous() : at::Tensor();
   t.score_values = score_values_in ? score_values_in->contiguous() : at::Tensor();

@@ -178,6 +178,7 @@ struct TableCall {
   void* state;               // (C, S) opmath of scalar_t
   const void* values;        // (n, D) insert_or_assign's values
   const void* opt_values;    // (n, S), or null
+  const void* init_state;    // (S,) the state of new rows, or null for zeros
   const int64_t* score_values;  // (n,), or null
   int64_t D, S;
   int32_t dtype;             // the weights' at::ScalarType: a row kernel runs for one dtype
