@@ -194,7 +194,7 @@ def test_bad_inputs_name_the_argument_and_change_nothing():
     cases = [
         (
             {"optimizer": 7},
-            r"optimizer must be 0 \(SGD\), 1 \(Adagrad\), 2 \(RowWiseAdagrad\) or 3 \(Adam\), got 7",
+            r"optimizer must be 0 \(SGD\), 1 \(Adagrad\), 2 \(RowWiseAdagrad\), 3 \(Adam\) or 4 \(FTRL\), got 7",
         ),
         (
             {"opt_state": torch.rand(10, 1)},

@@ -12,7 +12,7 @@ tensor, ``hparams = [lr, step, weight_decay, <the optimizer's own values>]`` (bu
 captured CUDA graph applies the values the tensor holds when it is replayed.
 
 Shape glossary: ``C`` rows of the table, ``D`` embedding dim, ``S`` optimizer state
-width (0 SGD, D Adagrad, 1 RowWiseAdagrad, 2D Adam), ``U`` updated rows.
+width (0 SGD, D Adagrad, 1 RowWiseAdagrad, 2D Adam, 2D FTRL), ``U`` updated rows.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ RULES: dict[str, Rule] = {
     "adagrad": Rule(1, "Adagrad", (("eps", 1e-10),), 1, 0),
     "rowwise_adagrad": Rule(2, "RowWiseAdagrad", (("eps", 1e-10),), 0, 1),
     "adam": Rule(3, "Adam", (("eps", 1e-10), ("beta1", 0.9), ("beta2", 0.999)), 2, 0),
+    "ftrl": Rule(4, "FTRL", (("lr_power", -0.5), ("l1", 0.0), ("l2", 0.0), ("beta", 0.0)), 2, 0),
 }
 
 #: Optimizer ids by name.
@@ -266,6 +267,8 @@ def sparse_update(
     - ``"adagrad"`` (1): ``s += g^2; w -= lr * g / (sqrt(s) + eps)`` (``torch.optim.Adagrad``)
     - ``"rowwise_adagrad"`` (2): ``s += mean(g^2); w -= lr * g / (sqrt(s) + eps)`` (FBGEMM)
     - ``"adam"`` (3): ``torch.optim.SparseAdam``, state ``[m, v]``, ``step`` 1-based.
+    - ``"ftrl"`` (4): FTRL-Proximal (``tf.keras.optimizers.Ftrl``), state ``[n, z]``, own
+      hyperparameters ``lr_power`` (-0.5), ``l1``, ``l2``, ``beta`` (0) by keyword.
 
     Every argument is checked before anything is written: a bad call changes nothing. On
     the CPU the hyperparameter values are checked too; on CUDA only the tensor's shape,
@@ -285,7 +288,8 @@ def sparse_update(
         step: the 1-based step count (Adam's bias correction).
         hparams: the whole hyperparameter vector (:func:`hparams`), a float64 tensor on
             ``weights``' device, instead of the scalars.
-        **hyper: the optimizer's other own values by name.
+        **hyper: the optimizer's other own values by name (FTRL's ``lr_power``, ``l1``,
+            ``l2``, ``beta``).
 
     Shape:
         - weights: ``(C, D)``; opt_state: ``(C, S)``; slots: ``(U,)``; grads: ``(U, D)``

@@ -9,6 +9,7 @@
 
 #include "veloce/optim/adagrad.h"
 #include "veloce/optim/adam.h"
+#include "veloce/optim/ftrl.h"
 #include "veloce/optim/rowwise_adagrad.h"
 #include "veloce/optim/sgd.h"
 
@@ -16,7 +17,8 @@
   X(0, SGD)                  \
   X(1, Adagrad)              \
   X(2, RowWiseAdagrad)       \
-  X(3, Adam)
+  X(3, Adam)                 \
+  X(4, FTRL)
 
 namespace veloce {
 namespace optim {
@@ -52,7 +54,7 @@ decltype(auto) dispatch(int64_t opt, F&& f) {
   }
 }
 
-// "0 (SGD), 1 (Adagrad), ... or 3 (Adam)".
+// "0 (SGD), 1 (Adagrad), ... or 4 (FTRL)".
 inline std::string optimizer_choices() {
   std::string out;
   int64_t i = 0;
