@@ -187,7 +187,7 @@ TORCH_LIBRARY(veloce, m) {
   // ---- optimizer: fused sparse update ---------------------------------------------------
   // In place on rows slots (U,) (unique) of weights (C, D) and opt_state (C, S), with
   // gradients grads (U, D). optimizer: an id of csrc/include/veloce/optim/registry.h
-  // (0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam), S its state width.
+  // (veloce.ops.optimizer.OPTIMIZERS), S its state width.
   // hparams: the hyperparameters, a float64 tensor on weights' device laid out
   // [lr, step, weight_decay, <the optimizer's own values>] (veloce/optim/rule.h; step is the
   // 1-based step count). It is read on the device (on CUDA by the kernels: no host read),
