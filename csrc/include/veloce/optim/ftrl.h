@@ -48,17 +48,40 @@ struct FTRL {
   VELOCE_HD static float power_of(float x, float y) { return ::powf(x, y); }
   VELOCE_HD static double power_of(double x, double y) { return ::pow(x, y); }
 
+  // The update with n^(-p) taken by sqrt (kHalf) or pow.
+  template <bool kHalf>
+  struct Fixed {
+    template <typename acc_t>
+    VELOCE_HD static acc_t update(const Params<acc_t>& p, acc_t w, acc_t g, Elem<acc_t, kVectors>& s, acc_t) {
+      const acc_t n = s.v[0];
+      const acc_t n_new = n + g * g;
+      const acc_t root = kHalf ? std::sqrt(n) : power_of(n, p.power);
+      const acc_t root_new = kHalf ? std::sqrt(n_new) : power_of(n_new, p.power);
+      const acc_t z = s.v[1] + (g - (root_new - root) / p.lr * w);
+      s.v[0] = n_new;
+      s.v[1] = z;
+      // (clip(z, -l1, l1) - z) / quadratic, as Keras writes it: exactly 0 where |z| <= l1,
+      // (sign(z) l1 - z) / quadratic elsewhere; selects the CPU loop vectorizes.
+      const acc_t clipped = z < -p.l1 ? -p.l1 : (z > p.l1 ? p.l1 : z);
+      return (clipped - z) / ((p.beta + root_new) / p.lr + acc_t(2) * p.l2);
+    }
+  };
+
+  // The CPU row loop takes Fixed<true> or Fixed<false> once per row (rule.h, with_update).
+  static constexpr bool kSpecializes = true;
+  template <typename acc_t, class F>
+  static void specialize(const Params<acc_t>& p, F&& f) {
+    if (p.half) {
+      f(Fixed<true>{});
+    } else {
+      f(Fixed<false>{});
+    }
+  }
+
+  // The CUDA packs branch per element, the same way in every lane of a warp.
   template <typename acc_t>
-  VELOCE_HD static acc_t update(const Params<acc_t>& p, acc_t w, acc_t g, Elem<acc_t, kVectors>& s, acc_t) {
-    const acc_t n = s.v[0];
-    const acc_t n_new = n + g * g;
-    const acc_t root = p.half ? std::sqrt(n) : power_of(n, p.power);
-    const acc_t root_new = p.half ? std::sqrt(n_new) : power_of(n_new, p.power);
-    const acc_t z = s.v[1] + (g - (root_new - root) / p.lr * w);
-    s.v[0] = n_new;
-    s.v[1] = z;
-    if (std::abs(z) <= p.l1) return acc_t(0);
-    return ((z > acc_t(0) ? p.l1 : -p.l1) - z) / ((p.beta + root_new) / p.lr + acc_t(2) * p.l2);
+  VELOCE_HD static acc_t update(const Params<acc_t>& p, acc_t w, acc_t g, Elem<acc_t, kVectors>& s, acc_t row) {
+    return p.half ? Fixed<true>::update(p, w, g, s, row) : Fixed<false>::update(p, w, g, s, row);
   }
 };
 

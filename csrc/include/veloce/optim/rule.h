@@ -14,6 +14,10 @@
 //                       state s, returns the factor update() receives as `row`
 //   update(p, w, g, s, row)  one element: w and its kVectors state values s (updated in
 //                       place); returns the new w. g already holds grad + weight_decay * w.
+//   specialize(p, f)    (optional, with kSpecializes) calls f with a type whose static
+//                       update() is update() for these parameters with their runtime
+//                       choices fixed at compile time (FTRL: sqrt or pow), so that the CPU
+//                       row loop has no branch around a call and vectorizes
 //
 // The CPU loop (apply_row below) and the CUDA pack loop (optim/pack.cuh) call the same
 // functions, so both run the same arithmetic per element. The registry (optim/registry.h)
@@ -22,6 +26,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "veloce/macros.h"
 
@@ -44,6 +49,21 @@ struct Elem {
 // (hparams[<index>])". Defined in csrc/op_checks.cpp (no .cu file formats messages).
 void check_hparam(const char* op, bool ok, const char* name, int index, const char* want, double got);
 
+// f(U{}) with U the type whose update() serves parameters p: R::specialize's choice, or R.
+template <class R, class = void>
+struct Specializes : std::false_type {};
+template <class R>
+struct Specializes<R, std::void_t<decltype(R::kSpecializes)>> : std::bool_constant<R::kSpecializes> {};
+
+template <class R, typename acc_t, typename F>
+inline void with_update(const typename R::template Params<acc_t>& p, F&& f) {
+  if constexpr (Specializes<R>::value) {
+    R::specialize(p, f);
+  } else {
+    f(R{});
+  }
+}
+
 // The CPU update of one row: w (D,) and its state st (S,) with gradient g (D,) (overwritten
 // with g + weight_decay * w).
 template <class R, typename scalar_t, typename acc_t>
@@ -60,12 +80,15 @@ inline void apply_row(const typename R::template Params<acc_t>& p, scalar_t* __r
     row = R::row(p, sq, s, D);
     st[R::kVectors * D] = s;
   }
-  for (int64_t j = 0; j < D; ++j) {
-    Elem<acc_t, R::kVectors> e;
-    for (int k = 0; k < R::kVectors; ++k) e.v[k] = st[k * D + j];
-    w[j] = static_cast<scalar_t>(R::update(p, static_cast<acc_t>(w[j]), g[j], e, row));
-    for (int k = 0; k < R::kVectors; ++k) st[k * D + j] = e.v[k];
-  }
+  with_update<R, acc_t>(p, [&](auto u) {
+    using U = decltype(u);
+    for (int64_t j = 0; j < D; ++j) {
+      Elem<acc_t, R::kVectors> e;
+      for (int k = 0; k < R::kVectors; ++k) e.v[k] = st[k * D + j];
+      w[j] = static_cast<scalar_t>(U::update(p, static_cast<acc_t>(w[j]), g[j], e, row));
+      for (int k = 0; k < R::kVectors; ++k) st[k * D + j] = e.v[k];
+    }
+  });
 }
 
 }  // namespace optim
