@@ -146,9 +146,9 @@ def hparams(optimizer: int | str, lr: float, step: int = 1, weight_decay: float 
 class HyperparameterBuffer:
     """Persistent ``hparams`` tensors, one per (device, optimizer), refreshed in place.
 
-    :meth:`fill` writes new values into the tensor without allocating on the device: on
-    the CPU directly, on CUDA from a pinned host buffer with a non-blocking copy on the
-    current stream (no host sync). Kernels queued on that stream after the copy read the
+    :meth:`fill` writes new values into the tensor without allocating: on the CPU
+    directly, on CUDA from a pinned host buffer with a non-blocking copy on the current
+    stream (no host sync). Kernels queued on that stream after the copy read the
     new values; a copy queued later does not disturb them (stream order), so each CUDA
     stream has a tensor of its own. Pinned buffers rotate through a small ring; a buffer
     is rewritten only once its last copy has run (an event query, normally long done).
@@ -179,6 +179,9 @@ class HyperparameterBuffer:
         if t is None or t.numel() != len(values):
             t = self._tensors[key] = torch.empty(len(values), dtype=torch.float64, device=dev)
             self._ring.pop(key, None)
+        if t.device.type == "cpu":
+            t.numpy()[:] = values
+            return t
         if t.device.type != "cuda":
             t.copy_(torch.tensor(values, dtype=torch.float64))
             return t
@@ -190,9 +193,9 @@ class HyperparameterBuffer:
         i = self._next[key]
         self._next[key] = (i + 1) % len(ring)
         host, done = ring[i]
-        if done is not None:
-            done.synchronize()  # its last copy ran long ago: RING steps back
-        host.copy_(torch.tensor(values, dtype=torch.float64))
+        if done is not None and not done.query():
+            done.synchronize()  # its last copy was queued _RING calls ago: normally long done
+        host.numpy()[:] = values
         t.copy_(host, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
