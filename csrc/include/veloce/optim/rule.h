@@ -49,18 +49,27 @@ struct Elem {
 // (hparams[<index>])". Defined in csrc/op_checks.cpp (no .cu file formats messages).
 void check_hparam(const char* op, bool ok, const char* name, int index, const char* want, double got);
 
-// f(U{}) with U the type whose update() serves parameters p: R::specialize's choice, or R.
+// Whether R picks its update() per row (kSpecializes, specialize()).
 template <class R, class = void>
 struct Specializes : std::false_type {};
 template <class R>
 struct Specializes<R, std::void_t<decltype(R::kSpecializes)>> : std::bool_constant<R::kSpecializes> {};
 
-template <class R, typename acc_t, typename F>
-inline void with_update(const typename R::template Params<acc_t>& p, F&& f) {
-  if constexpr (Specializes<R>::value) {
-    R::specialize(p, f);
-  } else {
-    f(R{});
+// The element loop of apply_row with U's update() (R or what R::specialize picked). Its
+// pointers are restrict-qualified here, a state vector each (s0, s1: the row's first and
+// second D values), so that the loop vectorizes without an aliasing check.
+template <class R, class U, typename scalar_t, typename acc_t>
+inline void update_elements(const typename R::template Params<acc_t>& p, scalar_t* __restrict__ w,
+                            acc_t* __restrict__ s0, acc_t* __restrict__ s1, const acc_t* __restrict__ g,
+                            int64_t D, acc_t row) {
+  static_assert(R::kVectors <= 2, "apply_row loads at most two state vectors per row");
+  for (int64_t j = 0; j < D; ++j) {
+    Elem<acc_t, R::kVectors> e;
+    if constexpr (R::kVectors > 0) e.v[0] = s0[j];
+    if constexpr (R::kVectors > 1) e.v[R::kVectors > 1 ? 1 : 0] = s1[j];
+    w[j] = static_cast<scalar_t>(U::update(p, static_cast<acc_t>(w[j]), g[j], e, row));
+    if constexpr (R::kVectors > 0) s0[j] = e.v[0];
+    if constexpr (R::kVectors > 1) s1[j] = e.v[R::kVectors > 1 ? 1 : 0];
   }
 }
 
@@ -80,15 +89,12 @@ inline void apply_row(const typename R::template Params<acc_t>& p, scalar_t* __r
     row = R::row(p, sq, s, D);
     st[R::kVectors * D] = s;
   }
-  with_update<R, acc_t>(p, [&](auto u) {
-    using U = decltype(u);
-    for (int64_t j = 0; j < D; ++j) {
-      Elem<acc_t, R::kVectors> e;
-      for (int k = 0; k < R::kVectors; ++k) e.v[k] = st[k * D + j];
-      w[j] = static_cast<scalar_t>(U::update(p, static_cast<acc_t>(w[j]), g[j], e, row));
-      for (int k = 0; k < R::kVectors; ++k) st[k * D + j] = e.v[k];
-    }
-  });
+  acc_t* const s1 = R::kVectors > 1 ? st + D : nullptr;
+  if constexpr (Specializes<R>::value) {
+    R::specialize(p, [&](auto u) { update_elements<R, decltype(u)>(p, w, st, s1, g, D, row); });
+  } else {
+    update_elements<R, R>(p, w, st, s1, g, D, row);
+  }
 }
 
 }  // namespace optim
