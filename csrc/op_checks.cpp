@@ -15,6 +15,7 @@
 
 #include "veloce/hash.h"
 #include "veloce/optim/registry.h"
+#include "veloce/score.h"
 
 namespace veloce {
 namespace {
@@ -41,7 +42,8 @@ void check_insert_args(const char* op, const at::Tensor& keys, const at::Tensor&
   check_table(op, keys, digests, scores);
   check_table_rows(op, weights, opt_state, keys);
   check_ids(op, ids, keys);
-  check_int_arg(op, "score_policy", score_policy, 0, 2, "0 none, 1 LRU, 2 LFU");
+  TORCH_CHECK(score_policy >= 0 && score_policy < score::kNumPolicies, op, ": score_policy must be one of ",
+              score::policy_choices(), ", got ", score_policy);
 }
 
 void check_bad_input(const char* op, const std::optional<at::Tensor>& bad_input, const at::Tensor& keys) {
@@ -548,6 +550,14 @@ void check_optimizer_id(const char* op, int64_t opt) {
 }
 
 }  // namespace optim
+
+namespace score {
+
+void fail_unknown_policy(int64_t policy) {
+  TORCH_CHECK(false, "veloce: score_policy ", policy, " is not one of ", policy_choices());
+}
+
+}  // namespace score
 
 void check_hparams(const char* op, const at::Tensor& hparams, int64_t optimizer, const char* ref_name,
                    const at::Tensor& ref) {

@@ -25,6 +25,7 @@
 #include "veloce/init.h"
 #include "veloce/many.h"
 #include "veloce/op_checks.h"
+#include "veloce/score.h"
 
 namespace veloce {
 namespace {
@@ -224,28 +225,37 @@ InsertOutcome insert_missing(const TableRef& t, const int64_t* scores, const int
   return out;
 }
 
-// Scores by policy for the non-padding positions (phase 3). New keys start at
-// score_value under LRU and 0 otherwise; LFU then adds 1 per occurrence.
+// Scores of policy P for the non-padding positions (phase 3): each new key starts at
+// P::on_insert(clock), then every position is scored as veloce/score.h's kCombine says.
+template <class P>
 void update_scores(int64_t* scores, const int64_t* slots, int64_t n, const std::vector<Change>& changes,
-                   int64_t policy, int64_t score_value) {
-  const int64_t start = policy == kScoreLRU ? score_value : 0;
+                   int64_t clock) {
+  const int64_t start = P::on_insert(clock);
   at::parallel_for(0, static_cast<int64_t>(changes.size()), kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) scores[changes[k].slot] = start;
   });
-  if (policy == kScoreNone) return;
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    constexpr int64_t kAhead = 16;  // score stores are random: prefetch their lines
-    for (int64_t i = begin; i < end; ++i) {
-      if (i + kAhead < end && slots[i + kAhead] >= 0) __builtin_prefetch(scores + slots[i + kAhead], 1);
-      const int64_t s = slots[i];
-      if (s < 0) continue;
-      if (policy == kScoreLRU) {
-        __atomic_store_n(scores + s, score_value, __ATOMIC_RELAXED);
-      } else {
-        __atomic_fetch_add(scores + s, int64_t{1}, __ATOMIC_RELAXED);
+  if constexpr (P::kCombine != score::Combine::kKeep) {
+    const int64_t value = P::on_hit(0, clock, 1);  // kStamp: the value stored; kAdd: the step added
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      constexpr int64_t kAhead = 16;  // score stores are random: prefetch their lines
+      for (int64_t i = begin; i < end; ++i) {
+        if (i + kAhead < end && slots[i + kAhead] >= 0) __builtin_prefetch(scores + slots[i + kAhead], 1);
+        const int64_t s = slots[i];
+        if (s < 0) continue;
+        if constexpr (P::kCombine == score::Combine::kStamp) {
+          __atomic_store_n(scores + s, value, __ATOMIC_RELAXED);
+        } else {
+          __atomic_fetch_add(scores + s, value, __ATOMIC_RELAXED);
+        }
       }
-    }
-  });
+    });
+  }
+}
+
+// update_scores for the op's score_policy (checked), dispatched once per call.
+void update_scores(int64_t* scores, const int64_t* slots, int64_t n, const std::vector<Change>& changes,
+                   int64_t policy, int64_t clock) {
+  score::dispatch(policy, [&](auto p) { update_scores<decltype(p)>(scores, slots, n, changes, clock); });
 }
 
 // Initial values are computed in double and rounded to float, then to the weight dtype

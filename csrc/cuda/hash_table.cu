@@ -91,6 +91,7 @@
 #include "veloce/cuda_utils.cuh"
 #include "veloce/many.h"
 #include "veloce/op_checks.h"
+#include "veloce/score.h"
 
 namespace veloce {
 namespace cuda {
@@ -132,6 +133,7 @@ __global__ void init_rows_kernel(const __grid_constant__ Calls calls) {
     }
   }
   if (__ballot_sync(kFullWarp, slot >= 0) == 0) return;  // the whole warp
+  const int64_t start = score::dispatch(c->score_policy, [&](auto p) { return decltype(p)::on_insert(call_score(c)); });
   using acc_t = at::opmath_type<scalar_t>;
   scalar_t* const weights = static_cast<scalar_t*>(c->weights);
   acc_t* const state = static_cast<acc_t*>(c->state);
@@ -146,7 +148,7 @@ __global__ void init_rows_kernel(const __grid_constant__ Calls calls) {
     init_columns(__shfl_sync(kFullWarp, bits, j), D, kind, a, b, lane, 32,
                  [&](int64_t col, double v) { row[col] = to_weight<scalar_t>(v); });
     for (int64_t col = lane; col < S; col += 32) state[s * S + col] = init != nullptr ? init[col] : acc_t(0);
-    if (lane == 0) c->t.scores[s] = call_score(c);  // the call's starting score (LRU), else 0
+    if (lane == 0) c->t.scores[s] = start;  // the policy's on_insert
   }
 }
 
@@ -163,7 +165,6 @@ __global__ void assign_rows_kernel(const __grid_constant__ Calls calls) {
   const int r = c->rows_per_warp;
   const Uniques u = c->u;
   int64_t* const scores = c->t.scores;
-  const int64_t policy = c->score_policy;
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t k = thread_index() / 32 * r + lane;
   int64_t slot = -1, last = 0;
@@ -176,10 +177,11 @@ __global__ void assign_rows_kernel(const __grid_constant__ Calls calls) {
     int64_t sc;
     if (c->score_values != nullptr) {
       sc = c->score_values[last];
-    } else {
-      sc = fresh ? (policy == kScoreLRU ? c->score_value : 0) : scores[slot];
-      if (policy == kScoreLRU) sc = c->score_value;
-      if (policy == kScoreLFU) sc += c->occurrences[k];
+    } else {  // one thread per distinct id: its positions' count at once
+      sc = score::dispatch(c->score_policy, [&](auto p) {
+        using P = decltype(p);
+        return P::on_hit(fresh ? P::on_insert(c->score_value) : scores[slot], c->score_value, c->occurrences[k]);
+      });
     }
     scores[slot] = sc;
   }
@@ -237,8 +239,24 @@ __global__ void deferred_counts_kernel(const int32_t* counters, int64_t K, int w
   if (width == 3) o[2] = 0;
 }
 
-// Per non-padding position: LRU sets score_value, LFU adds 1. score_skip: positions to
-// leave out (null for none): LRU skips the new ids, whose rows started at score_value.
+// Scores position i's slot s under policy P (veloce/score.h's kCombine): a kStamp policy
+// stores its value, a kAdd policy adds its step atomically.
+template <class P>
+__device__ __forceinline__ void score_position(const TableCall* c, int64_t s) {
+  int64_t* const scores = c->t.scores;
+  const int64_t value = P::on_hit(0, call_score(c), 1);
+  if constexpr (P::kCombine == score::Combine::kStamp) {
+    // A hot id repeats thousands of times in a batch: its later positions find the score
+    // set (in L1 or L2) and skip the store instead of queueing on one address.
+    if (scores[s] != value) scores[s] = value;
+  } else if constexpr (P::kCombine == score::Combine::kAdd) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(scores + s), static_cast<unsigned long long>(value));
+  }
+}
+
+// Per non-padding position: its slot's score, by the table's policy. score_skip: positions
+// to leave out (null for none): a kStamp policy skips the new ids, whose rows started at
+// the value it stores.
 template <class Calls>
 __global__ void score_positions_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageScore);
@@ -246,15 +264,7 @@ __global__ void score_positions_kernel(const __grid_constant__ Calls calls) {
   if (c == nullptr || i >= c->n || (c->score_skip != nullptr && c->score_skip[i]) || placement_failed(c)) return;
   const int64_t s = c->slots[i];
   if (s < 0) return;
-  int64_t* const scores = c->t.scores;
-  if (c->score_policy == kScoreLRU) {
-    // A hot id repeats thousands of times in a batch: its later positions find the score
-    // set (in L1 or L2) and skip the store instead of queueing on one address.
-    const int64_t value = call_score(c);
-    if (scores[s] != value) scores[s] = value;
-  } else {
-    atomicAdd(reinterpret_cast<unsigned long long*>(scores + s), 1ull);
-  }
+  score::dispatch(c->score_policy, [&](auto p) { score_position<decltype(p)>(c, s); });
 }
 
 template <class Calls>
@@ -514,7 +524,7 @@ struct InsertTable {
         ids(std::move(ids)) {}
 
   at::Tensor keys, digests, scores, weights, opt_state, ids;  // ids contiguous; erase: no scores, rows or state
-  int64_t score_policy = kScoreNone, score_value = 0;
+  int64_t score_policy = 0, score_value = 0;  // score_policy: an id of veloce/score.h
   const int64_t* clock = nullptr;  // find_or_insert's clock (device memory): replaces score_value
   bool allow_evict = false;
   int64_t room = kNoRoomLimit;      // new ids that may take an empty slot
@@ -738,7 +748,7 @@ class Inserter {
       c.room = t.room;
       c.score_policy = t.score_policy;
       c.score_value = t.score_value;
-      c.clock = t.score_policy == kScoreLRU ? t.clock : nullptr;
+      c.clock = t.clock;
       c.erased = t.erased.defined() ? t.erased.data_ptr<bool>() : nullptr;
       if (mode_ == Mode::kFindOrInsert) {
         c.stages = kStageProbe | kStageGroup | kStageClassify;
@@ -943,13 +953,12 @@ class Inserter {
   }
 
   // find_or_insert's phase 5: the positions' scores (every missing position is a new row,
-  // or, with none inserted, none is missing; new rows start at the call's score under LRU,
-  // the positions' score too, else at 0).
+  // or, with none inserted, none is missing; new rows start at the policy's on_insert,
+  // which under a kStamp policy is the positions' score too).
   static void score_positions(const InsertTable& t, TableCall& call) {
-    if (t.score_policy != kScoreNone) call.stages |= kStageScore;
-    call.score_skip = t.score_policy == kScoreLRU ? call.active : nullptr;
-    call.score_value = t.score_policy == kScoreLRU ? t.score_value : 0;
-    call.clock = t.score_policy == kScoreLRU ? t.clock : nullptr;
+    const score::Combine combine = score::dispatch(t.score_policy, [](auto p) { return decltype(p)::kCombine; });
+    if (combine != score::Combine::kKeep) call.stages |= kStageScore;
+    call.score_skip = combine == score::Combine::kStamp ? call.active : nullptr;
   }
 
   // Phase 5's row kernels for table t: its rows per warp, and its dtype among `dtypes`.
