@@ -37,8 +37,8 @@ TORCH_LIBRARY(veloce, m) {
   // slots (N,) int64: the slot of each id, -1 where the id is absent. Never inserts.
   m.def("find(Tensor keys, Tensor digests, Tensor ids) -> Tensor");
   // Looks every id up, inserting the missing ones (rows initialised from (seed, id),
-  // optimizer state set to init_state, or zeroed when it is None) and updating scores (policy: 0 none, 1 LRU = set to
-  // score_value, 2 LFU = add 1 per occurrence). Positions whose id equals padding_id get slot -1 and
+  // optimizer state set to init_state, or zeroed when it is None) and updating scores (policy: a score functor of
+  // veloce/score.h: 0 none, 1 LRU = set to score_value, 2 LFU = add 1 per occurrence). Positions whose id equals padding_id get slot -1 and
   // are neither inserted nor scored. With allow_evict, a key whose two buckets are full
   // replaces the lowest-scored key there that this call did not touch (evicted_keys).
   // counts = [inserted, failed] is a CPU tensor on every backend (no device sync to read).
@@ -101,6 +101,10 @@ TORCH_LIBRARY(veloce, m) {
   // room: as for find_or_insert.
   // Removes ids; returns a (N,) bool mask, true at the first position of each erased id.
   m.def("erase(Tensor keys, Tensor(a!) digests, Tensor ids) -> Tensor");
+  // Removes every occupied slot whose score is < before (a time-to-live's expiry: with LRU
+  // scores, the keys last seen before the clock `before`); returns their number, a 0-dim
+  // int64 tensor on keys' device. One pass over the slots, no host sync.
+  m.def("expire(Tensor keys, Tensor(a!) digests, Tensor scores, int before) -> Tensor");
   // The entries of the occupied slots in [start, end), in slot order:
   // keys (M,), weights (M, D), opt_state (M, S), scores (M,).
   m.def(
@@ -275,8 +279,8 @@ void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ke
 }  // namespace veloce
 
 TORCH_LIBRARY_IMPL(veloce, ADInplaceOrView, m) {
-  for (const char* name : {"find_or_insert", "find_or_insert_many", "insert_or_assign", "erase", "sparse_update",
-                           "accumulate_and_update", "accumulate_and_update_many"}) {
+  for (const char* name : {"find_or_insert", "find_or_insert_many", "insert_or_assign", "erase", "expire",
+                           "sparse_update", "accumulate_and_update", "accumulate_and_update_many"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&veloce::bump_written_versions>());
   }
 }

@@ -37,6 +37,7 @@ __all__ = [
     "find_or_insert_many",
     "insert_or_assign",
     "erase",
+    "expire",
     "export",
     "initialize",
 ]
@@ -281,6 +282,27 @@ def erase(keys: Tensor, digests: Tensor, ids: Tensor) -> Tensor:
     return torch.ops.veloce.erase(keys, digests, ids)
 
 
+def expire(keys: Tensor, digests: Tensor, scores: Tensor, before: int) -> Tensor:
+    """Removes every occupied slot whose score is below ``before`` (clears its digest in
+    place): a time-to-live's expiry, where the scores are LRU's last-seen steps. One pass
+    over the slots; no host sync.
+
+    Args:
+        keys, digests: the table's key columns (digests mutated).
+        scores: (C,) int64, the table's scores.
+        before: slots scored below it are erased.
+
+    Returns:
+        erased: a 0-dim int64 tensor on the table's device, the number of slots erased.
+
+    Example::
+
+        n = expire(keys, digests, scores, clock - steps)  # rows not seen in the last `steps` ticks
+    """
+    _ext.require()
+    return torch.ops.veloce.expire(keys, digests, scores, before)
+
+
 def export(
     keys: Tensor, digests: Tensor, scores: Tensor, weights: Tensor, opt_state: Tensor, start: int, end: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -411,6 +433,10 @@ def _register_fakes() -> None:
     def _(keys, digests, ids):
         _check_table_fake("erase", keys, ids)
         return ids.new_empty(ids.shape, dtype=torch.bool)
+
+    @torch.library.register_fake("veloce::expire")
+    def _(keys, digests, scores, before):
+        return keys.new_empty(())
 
     @torch.library.register_fake("veloce::export")
     def _(keys, digests, scores, weights, opt_state, start, end):
