@@ -10,7 +10,7 @@ Example::
     out = emb(torch.tensor([[42, -7], [2**62, 42]]))         # any int64 id; (2, 16)
 """
 
-from veloce import _ext, callbacks, checkpoint, data, distributed, graphs, init, metrics, models, ops, optim
+from veloce import _ext, callbacks, checkpoint, data, distributed, eviction, graphs, init, metrics, models, ops, optim
 from veloce.callbacks import Callback, EarlyStopping
 from veloce.embedding import DynamicEmbedding, lookup_many, step_tables
 from veloce.graphs import CUDAGraphStep
@@ -23,6 +23,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CUDAGraphStep", "Callback", "DynamicEmbedding", "EarlyStopping", "HashTable", "TableFullError", "Trainer",
     "clip_grad_norm_", "clip_grad_value_", "lookup_many", "step_tables",
-    "callbacks", "checkpoint", "data", "distributed", "graphs", "init", "metrics", "models", "ops", "optim",
+    "callbacks", "checkpoint", "data", "distributed", "eviction", "graphs", "init", "metrics", "models", "ops", "optim",
     "__version__",
 ]

@@ -23,6 +23,7 @@ from veloce import optim as _optim
 from veloce.ops import optimizer as _ops
 from veloce.ops.embedding import accumulate_grad, bag_layouts_bad, bag_of, max_pool, max_pool_position_grad, pooled_lookup_kernels
 from veloce.table import HashTable, PlainAttrs, find_or_insert_many, insert_beside_updates, is_int64
+from veloce.eviction import EvictionPolicy
 
 __all__ = ["DynamicEmbedding", "lookup_many", "step_tables"]
 
@@ -112,7 +113,9 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
             slots grow to about 1.25 per row at most); None = no bound.
         eviction: what a new id does at ``len(self) == max_capacity``: "lru" / "lfu"
             evict the least recently / frequently used row of its two buckets, "none"
-            raises :class:`veloce.table.TableFullError`.
+            raises :class:`veloce.table.TableFullError`; or a :mod:`veloce.eviction`
+            policy object: ``veloce.eviction.TTL(steps=N)`` also erases the rows that
+            ``N`` training lookups went by without, full or not (``docs/eviction.md``).
         initializer: a :mod:`veloce.init` spec; default ``normal(std=0.01)``.
         optimizer: a :mod:`veloce.optim` sparse optimizer; default ``Adagrad(lr=0.05)``.
         padding_idx: an id that is skipped (contributes nothing, not counted by mean,
@@ -183,7 +186,7 @@ class DynamicEmbedding(PlainAttrs, nn.Module):
         mode: str = "mean",
         capacity: int = 1024,
         max_capacity: Optional[int] = None,
-        eviction: str = "lru",
+        eviction: str | EvictionPolicy = "lru",
         initializer: Optional[_init.Initializer] = None,
         optimizer: Optional[_optim.SparseOptimizer] = None,
         padding_idx: Optional[int] = None,

@@ -8,10 +8,11 @@ retried. ``max_capacity`` bounds the rows (``len``), exactly: the slots stop gro
 :func:`final_capacity` (``max_capacity`` rows at load :data:`FULL_LOAD`), and the inserts
 keep to the rows left (the ops' ``room``). A new id that arrives at ``len ==
 max_capacity`` evicts a row by score (LRU or LFU) or, with ``eviction="none"``, raises an
-error that says how full it is and what to change. (Memory per row: ``docs/memory.md``.)
+error that says how full it is and what to change; a time-to-live policy also expires
+rows (:mod:`veloce.eviction`). (Memory per row: ``docs/memory.md``.)
 
 Every change of the id -> slot mapping of keys already present (growth, eviction,
-erase) bumps :attr:`HashTable.version`; holders of slots (pending gradients, saved
+expiry, erase) bumps :attr:`HashTable.version`; holders of slots (pending gradients, saved
 autograd contexts) compare versions and re-resolve their slots by key.
 """
 
@@ -28,10 +29,12 @@ import torch
 from torch import nn
 
 from veloce import _capture, _ext
+from veloce import eviction as _eviction
 from veloce._device import current_stream
 from veloce._memory import empty_table
 from veloce._update_stream import UpdateFence, beside_updates, release_done, wait_prefetch_origin
 from veloce.init import Initializer
+from veloce.ops.hash_table import expire
 
 __all__ = [
     "HashTable", "TableFullError", "BUCKET_SIZE", "FULL_LOAD", "find_or_insert_many", "final_capacity",
@@ -43,7 +46,6 @@ BUCKET_SIZE = 32  # slots per bucket; csrc/include/veloce/hash.h kBucketSize
 # reserve() plans for. Two-choice placement into 32-slot buckets first overflows a bucket
 # near a load of 0.93 (0.96 in small tables): 0.8 leaves a wide margin, for 1.25 slots a row.
 FULL_LOAD = 0.8
-_SCORE_POLICY = {"lru": 1, "lfu": 2, "none": 1}  # "none" keeps LRU scores (informative only)
 _EXPORT_CHUNK = 1 << 20
 
 
@@ -137,9 +139,10 @@ class HashTable(PlainAttrs, nn.Module):
             The slots grow to :func:`final_capacity` of it at most (with
             ``eviction="none"``, a bucket pair that overflows before the rows reach it adds
             a few; lru / lfu evict there). None = unbounded.
-        eviction: "lru", "lfu" or "none": what a new id does at ``len == max_capacity``
-            (evict the least recently / frequently used row of its buckets, or raise
-            :class:`TableFullError`).
+        eviction: a :mod:`veloce.eviction` policy or its name, "lru", "lfu" or "none":
+            what a new id does at ``len == max_capacity`` (evict the least recently /
+            frequently used row of its buckets, or raise :class:`TableFullError`), and
+            whether rows expire (``veloce.eviction.TTL(steps=N)``).
         initializer: the initial value of new rows, a function of (seed, id).
         seed: initializer seed.
         dtype: dtype of the rows.
@@ -174,7 +177,7 @@ class HashTable(PlainAttrs, nn.Module):
         state_dim: int,
         capacity: int = 1024,
         max_capacity: Optional[int] = None,
-        eviction: str = "lru",
+        eviction: str | _eviction.EvictionPolicy = "lru",
         initializer: Initializer = Initializer(0),
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
@@ -183,8 +186,7 @@ class HashTable(PlainAttrs, nn.Module):
         init_state: Optional[torch.Tensor] = None,
     ) -> None:
         super().__init__()
-        if eviction not in _SCORE_POLICY:
-            raise ValueError(f"eviction must be 'lru', 'lfu' or 'none', got {eviction!r}")
+        policy = _eviction.resolve(eviction)
         if not 0.0 < grow_at <= 1.0:
             raise ValueError(f"grow_at must be in (0, 1], got {grow_at}")
         for name, value in (("capacity", capacity), ("max_capacity", max_capacity)):
@@ -201,8 +203,9 @@ class HashTable(PlainAttrs, nn.Module):
         self.init_state = None if init_state is None else init_state.detach().cpu()
         # init_state on the device and in the dtype of opt_state, made on the first insert there
         self._init_state_at: Optional[torch.Tensor] = None
-        self.eviction = eviction
-        self.score_policy = _SCORE_POLICY[eviction]
+        self.eviction_policy = policy
+        self.eviction = policy.name
+        self.score_policy = policy.score_policy
         self.initializer = initializer
         self.seed = int(seed)
         self.grow_at = grow_at
@@ -217,13 +220,15 @@ class HashTable(PlainAttrs, nn.Module):
         self.version = 0  # bumped whenever a present key may change slot
         self.clock = 0  # LRU time: one tick per training lookup
         self.num_evicted = 0
+        self.num_expired = 0  # rows a time-to-live policy erased
         self.last_evicted = torch.empty(0, dtype=torch.long)
         self._update_fence = None
         self._changed = None
         self._allocate(cap, dtype, torch.device(device) if device is not None else torch.device("cpu"))
 
     # Bookkeeping set on every training lookup (see PlainAttrs).
-    _PLAIN_ATTRS = frozenset({"_size", "version", "clock", "num_evicted", "last_evicted", "_update_fence", "_changed"})
+    _PLAIN_ATTRS = frozenset({"_size", "version", "clock", "num_evicted", "last_evicted", "_update_fence", "_changed",
+                              "num_expired"})
 
     # The sparse update last queued on a side stream (veloce._update_stream), until a use of
     # the rows waited for it.
@@ -345,6 +350,8 @@ class HashTable(PlainAttrs, nn.Module):
             mc = state.get("max_capacity")
             state["_final_capacity"] = None if mc is None else final_capacity(mc)
         state.setdefault("row_dtype", state["_buffers"]["weights"].dtype)
+        state.setdefault("eviction_policy", _eviction.resolve(state["eviction"]))
+        state.setdefault("num_expired", 0)
         super().__setstate__(state)
 
     @property
@@ -391,7 +398,7 @@ class HashTable(PlainAttrs, nn.Module):
         return (
             f"dim={self.dim}, {self._size_text()}, capacity={self.capacity}, "
             f"max_capacity={self.max_capacity}, "
-            f"eviction={self.eviction!r}, initializer={self.initializer!r}"
+            f"eviction={self.eviction_policy!r}, initializer={self.initializer!r}"
         )
 
     # ---- lookups ----------------------------------------------------------------------
@@ -565,7 +572,7 @@ class HashTable(PlainAttrs, nn.Module):
         return (ids, self.score_policy, self.clock, allow_evict, self.seed, init.kind, init.a, init.b, padding_id)
 
     def _allow_evict(self, evict: bool = True) -> bool:
-        return evict and self._at_max() and self.eviction != "none"
+        return evict and self._at_max() and self.eviction_policy.evicts
 
     def insert(
         self,
@@ -650,6 +657,65 @@ class HashTable(PlainAttrs, nn.Module):
             self.version += 1
         return erased
 
+    def expire(self, before: int) -> int:
+        """Erases every row whose score is below ``before`` (under the lru, ttl and none
+        policies, the rows last seen before clock ``before``: :meth:`last_seen`) in one pass
+        over the slots (``torch.ops.veloce.expire``; on CUDA its count is read back, a host
+        sync). Returns how many rows went. Bumps :attr:`version` when any did, so that
+        gradients pending for them find their rows by id and drop theirs."""
+        _ext.require()
+        if not is_int64(before):
+            raise ValueError(f"expire: before must be an int in the int64 range, got {before!r}")
+        self._join_update()  # a freed slot may be filled by the next insert, beside no update of its old row
+        keys, digests, scores, _, _ = self._state()
+        erased = int(expire(keys, digests, scores, int(before)))
+        self._note_changed()
+        if erased:
+            self._size -= erased  # relative: deferred inserts not read yet add theirs when read
+            self.num_expired += erased
+            self.version += 1
+        return erased
+
+    def _expire_due(self) -> None:
+        """After a training lookup of the table booked its insert: the policy's expiry pass
+        when it is due (:meth:`veloce.eviction.EvictionPolicy.expire_before`)."""
+        policy = self.eviction_policy
+        if not policy.expires:
+            return
+        if _capture.ACTIVE is not None:
+            raise RuntimeError(
+                f"veloce: a table with eviction={policy!r} cannot be captured in a CUDA graph: its expiry "
+                f"pass reads its count back to the host; train it eagerly"
+            )  # fmt: skip
+        before = policy.expire_before(self.clock)
+        if before is not None:
+            self.expire(before)
+
+    def last_seen(self, ids: torch.Tensor) -> torch.Tensor:
+        """The last-seen step of each id: the table's :attr:`clock` at the last training
+        lookup that held it (its score, under the lru, ttl and none policies; rows written
+        by :meth:`insert` or a load take the given scores, else the clock then), -1 where
+        the id is not in the table. Kept in the row's score, 8 bytes per slot (the score
+        every table keeps: ``docs/memory.md``); saved and restored with checkpoints.
+
+        Args:
+            ids: (N,) int64 ids.
+
+        Returns:
+            (N,) int64 on the table's device.
+
+        Raises:
+            ValueError: the policy's score is not a step (``eviction="lfu"`` counts uses).
+        """
+        if not self.eviction_policy.last_seen_scores:
+            raise ValueError(
+                f"last_seen: this table's eviction={self.eviction_policy!r} keeps use counts in its scores, not "
+                f"the last-seen step; use eviction='lru', 'none' or veloce.eviction.TTL(steps=N)"
+            )  # fmt: skip
+        slots = self.find(ids)
+        scores = self._state()[2]
+        return torch.where(slots >= 0, scores[slots.clamp(min=0)], torch.full_like(slots, -1))
+
     def export(self, start: int = 0, end: Optional[int] = None) -> dict[str, torch.Tensor]:
         """The occupied entries of slots [start, end): keys, weights, optimizer_state, scores."""
         _ext.require()
@@ -708,7 +774,7 @@ class HashTable(PlainAttrs, nn.Module):
                  evict: bool = True) -> None:  # fmt: skip
         """After an insert of ``ids`` that found no room (and changed nothing): grows the
         table, or raises :class:`TableFullError`."""
-        may_evict = evict and self.eviction != "none"
+        may_evict = evict and self.eviction_policy.evicts
         room = self._room()
         # Without eviction the call fails once its new ids pass the rows left (the ops'
         # room); else a bucket pair overflowed. Only a call of more ids than rows left can
@@ -716,7 +782,7 @@ class HashTable(PlainAttrs, nn.Module):
         if not may_evict and room >= 0 and ids is not None and ids.numel() > room:
             new = self._new_ids(ids, padding_id)
             if new > room:
-                if self.eviction == "none":
+                if not self.eviction_policy.evicts:
                     raise TableFullError(
                         f"DynamicEmbedding table is full: it holds {self.size} rows of max_capacity "
                         f"{self.max_capacity} and {new} new id(s) arrived, with eviction='none'. Raise max_capacity, "
@@ -1100,3 +1166,5 @@ def _ticked_clocks(tables: Sequence[HashTable]) -> Iterator[set[int]]:
             if id(t) not in booked:
                 t.clock -= 1
         raise
+    for t in tables:  # after the inserts stamped this lookup's rows: expiry never takes them
+        t._expire_due()
