@@ -59,7 +59,7 @@ class EvictionPolicy:
 
     def expire_before(self, clock: int) -> Optional[int]:
         """Whether the table expires rows after the training lookup that ticked its clock to
-        ``clock``: the score below which rows go, or None for no expiry now. A function of
+        ``clock``: the score below which rows go, or None for no expiry after it. A function of
         the clock alone, which checkpoints keep, so that a restored table expires as the
         saved one would have. Only time-to-live policies expire."""
         return None
