@@ -182,6 +182,15 @@ def test_failed_lookup_takes_back_its_tick_and_expires_nothing(device):
     assert table.clock == 1 and len(table) == 20 and table.num_expired == 0
 
 
+def test_ttl_table_refuses_cuda_graph_capture(monkeypatch):
+    """Inside a capture (veloce._capture.ACTIVE) a TTL table's lookup raises: its expiry
+    reads a count back, which a graph cannot; other policies are not asked."""
+    table = HashTable(4, 0, eviction=TTL(steps=2))
+    monkeypatch.setattr(veloce._capture, "ACTIVE", object())
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        table._expire_due()
+
+
 # ---- TTL on a module ----------------------------------------------------------------------
 
 

@@ -658,11 +658,22 @@ class HashTable(PlainAttrs, nn.Module):
         return erased
 
     def expire(self, before: int) -> int:
-        """Erases every row whose score is below ``before`` (under the lru, ttl and none
-        policies, the rows last seen before clock ``before``: :meth:`last_seen`) in one pass
+        """Erases every row whose score is below ``before``: under the lru, ttl and none
+        policies, the rows last seen before clock ``before`` (:meth:`last_seen`). One pass
         over the slots (``torch.ops.veloce.expire``; on CUDA its count is read back, a host
-        sync). Returns how many rows went. Bumps :attr:`version` when any did, so that
-        gradients pending for them find their rows by id and drop theirs."""
+        sync). Bumps :attr:`version` when a row went, so that a gradient pending for it
+        finds its row by id and is dropped. A :class:`veloce.eviction.TTL` table calls it
+        after its training lookups.
+
+        Args:
+            before: the lowest score kept, an int.
+
+        Returns:
+            The number of rows erased.
+
+        Raises:
+            ValueError: ``before`` is not an int in the int64 range.
+        """
         _ext.require()
         if not is_int64(before):
             raise ValueError(f"expire: before must be an int in the int64 range, got {before!r}")
@@ -677,11 +688,9 @@ class HashTable(PlainAttrs, nn.Module):
         return erased
 
     def _expire_due(self) -> None:
-        """After a training lookup of the table booked its insert: the policy's expiry pass
-        when it is due (:meth:`veloce.eviction.EvictionPolicy.expire_before`)."""
+        """After a training lookup of a table whose policy expires rows booked its insert:
+        the expiry pass when it is due (:meth:`veloce.eviction.EvictionPolicy.expire_before`)."""
         policy = self.eviction_policy
-        if not policy.expires:
-            return
         if _capture.ACTIVE is not None:
             raise RuntimeError(
                 f"veloce: a table with eviction={policy!r} cannot be captured in a CUDA graph: its expiry "
@@ -1167,4 +1176,5 @@ def _ticked_clocks(tables: Sequence[HashTable]) -> Iterator[set[int]]:
                 t.clock -= 1
         raise
     for t in tables:  # after the inserts stamped this lookup's rows: expiry never takes them
-        t._expire_due()
+        if t.eviction_policy.expires:
+            t._expire_due()
