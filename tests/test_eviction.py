@@ -184,7 +184,7 @@ def test_failed_lookup_takes_back_its_tick_and_expires_nothing(device):
 
 def test_ttl_table_refuses_cuda_graph_capture(monkeypatch):
     """Inside a capture (veloce._capture.ACTIVE) a TTL table's lookup raises: its expiry
-    reads a count back, which a graph cannot; other policies are not asked."""
+    reads a count back, which a graph cannot."""
     table = HashTable(4, 0, eviction=TTL(steps=2))
     monkeypatch.setattr(veloce._capture, "ACTIVE", object())
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
