@@ -14,7 +14,8 @@
 #include <vector>
 
 #include "veloce/hash.h"
-#include "veloce/optimizer.h"
+#include "veloce/optim/registry.h"
+#include "veloce/score.h"
 
 namespace veloce {
 namespace {
@@ -24,24 +25,6 @@ constexpr int64_t kMean = 1;
 
 bool is_row_dtype(at::ScalarType st) {
   return st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16;
-}
-
-const char* optimizer_name(int64_t opt) {
-  switch (opt) {
-    case kSGD: return "SGD";
-    case kAdagrad: return "Adagrad";
-    case kRowWiseAdagrad: return "RowWiseAdagrad";
-    default: return "Adam";
-  }
-}
-
-const char* state_formula(int64_t opt) {
-  switch (opt) {
-    case kSGD: return "0";
-    case kAdagrad: return "D";
-    case kRowWiseAdagrad: return "1";
-    default: return "2 * D";
-  }
 }
 
 }  // namespace
@@ -59,7 +42,8 @@ void check_insert_args(const char* op, const at::Tensor& keys, const at::Tensor&
   check_table(op, keys, digests, scores);
   check_table_rows(op, weights, opt_state, keys);
   check_ids(op, ids, keys);
-  check_int_arg(op, "score_policy", score_policy, 0, 2, "0 none, 1 LRU, 2 LFU");
+  TORCH_CHECK(score_policy >= 0 && score_policy < score::kNumPolicies, op, ": score_policy must be one of ",
+              score::policy_choices(), ", got ", score_policy);
 }
 
 void check_bad_input(const char* op, const std::optional<at::Tensor>& bad_input, const at::Tensor& keys) {
@@ -79,22 +63,14 @@ void check_clock(const char* op, const std::optional<at::Tensor>& clock, int64_t
   check_same_device(op, "clock", *clock, "keys", keys);
 }
 
-void check_lr_step(const char* op, const std::optional<at::Tensor>& lr_step, const char* ref_name,
-                   const at::Tensor& ref) {
-  if (!lr_step) return;
-  TORCH_CHECK_VALUE(lr_step->scalar_type() == at::kDouble && lr_step->dim() == 1 && lr_step->size(0) == 2, op,
-                    ": lr_step must be a float64 tensor of shape (2,) ([lr, step]), got ",
-                    dtype_name(lr_step->scalar_type()), " of shape ", shape_str(*lr_step));
-  check_same_device(op, "lr_step", *lr_step, ref_name, ref);
-}
-
-void read_lr_step_values(const char* op, const double* values, int64_t optimizer, double eps, double beta1,
-                         double beta2, double& lr, int64_t& step) {
-  TORCH_CHECK_VALUE(std::isfinite(values[1]) && values[1] == std::floor(values[1]) && std::abs(values[1]) < 9.0e15,
-                    op, ": lr_step[1] (the step count) must be a whole number, got ", values[1]);
-  lr = values[0];
-  step = static_cast<int64_t>(values[1]);
-  check_update_hyper(op, optimizer, lr, eps, beta1, beta2, step);
+void check_init_state(const char* op, const std::optional<at::Tensor>& init_state, const at::Tensor& opt_state) {
+  if (!init_state) return;
+  const int64_t S = opt_state.size(1);
+  TORCH_CHECK_VALUE(init_state->dim() == 1 && init_state->size(0) == S, op,
+                    ": init_state must be 1-D with one value per state column of opt_state (", S, ",), got shape ",
+                    shape_str(*init_state), "; pass None for zeros");
+  check_dtype(op, "init_state", *init_state, opt_state.scalar_type());
+  check_same_device(op, "init_state", *init_state, "opt_state", opt_state);
 }
 
 void check_defer(const char* op, bool defer, bool allow_evict, int64_t table) {
@@ -124,7 +100,8 @@ int64_t check_find_or_insert_many_args(const char* op, at::TensorList keys, at::
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
     at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
-    const std::optional<at::Tensor>& bad_input) {
+    const std::optional<at::Tensor>& bad_input,
+    const std::optional<c10::List<std::optional<at::Tensor>>>& init_state) {
   const int64_t K = check_list_lengths(
       op, "keys", keys.size(),
       {{"digests", digests.size()}, {"scores", scores.size()}, {"weights", weights.size()},
@@ -138,6 +115,14 @@ int64_t check_find_or_insert_many_args(const char* op, at::TensorList keys, at::
     check_insert_args(name.c_str(), keys[k], digests[k], scores[k], weights[k], opt_state[k], ids[k],
                       score_policy[k]);
     check_init(name.c_str(), init_kind[k], init_a[k], init_b[k]);
+  }
+  if (init_state) {
+    TORCH_CHECK_VALUE(static_cast<int64_t>(init_state->size()) == K, op,
+                      ": init_state must hold one entry per table (", K, "; None for zeros), got ",
+                      init_state->size());
+    for (int64_t k = 0; k < K; ++k) {
+      check_init_state(table_op_name(op, k).c_str(), init_state->get(k), opt_state[k]);
+    }
   }
   if (bad_input) {
     TORCH_CHECK_VALUE(K > 0, op, ": bad_input was given but there are no tables; it must be on the tables' device");
@@ -327,14 +312,14 @@ std::string table_op_name(const char* op, int64_t k) { return std::string(op) + 
 ManyTables check_update_many_args(const char* op, at::TensorList weights, at::TensorList opt_state,
                                   at::TensorList grad_output, at::TensorList slots, at::TensorList offsets,
                                   const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
-                                  bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
-                                  double beta2, int64_t step) {
+                                  bool include_last_offset, int64_t optimizer, const at::Tensor& hparams) {
   const int64_t K = check_list_lengths(op, "weights", weights.size(),
                                        {{"opt_state", opt_state.size()}, {"grad_output", grad_output.size()},
                                         {"slots", slots.size()}, {"offsets", offsets.size()},
                                         {"per_sample_weights (None for a table without them)",
                                          per_sample_weights.size()}});
-  check_update_hyper(op, optimizer, lr, eps, beta1, beta2, step);
+  optim::check_optimizer_id(op, optimizer);
+  if (K > 0) check_hparams(op, hparams, optimizer, "weights[0]", weights[0]);
   ManyTables out;
   out.names.reserve(K);
   out.num_bags.reserve(K);
@@ -529,8 +514,7 @@ void check_bag_indices(const char* op, const int64_t* bag, int64_t P, int64_t nu
 
 int64_t check_update_rows(const char* op, const at::Tensor& weights, const at::Tensor& opt_state,
                           int64_t optimizer) {
-  TORCH_CHECK(optimizer >= kSGD && optimizer <= kAdam, op,
-              ": optimizer must be 0 (SGD), 1 (Adagrad), 2 (RowWiseAdagrad) or 3 (Adam), got ", optimizer);
+  optim::check_optimizer_id(op, optimizer);
   const auto st = weights.scalar_type();
   TORCH_CHECK(is_row_dtype(st), op, ": weights must be float32, float64, float16 or bfloat16, got ",
               dtype_name(st));
@@ -544,28 +528,62 @@ int64_t check_update_rows(const char* op, const at::Tensor& weights, const at::T
   check_same_device(op, "opt_state", opt_state, "weights", weights);
   TORCH_CHECK(opt_state.is_contiguous(), op, ": opt_state must be contiguous (it is updated in place)");
   check_size(op, "opt_state", opt_state, 0, C, "weights.size(0)");
-  const int64_t S = state_width(optimizer, D);
+  const int64_t S = optim::state_width(optimizer, D);
   TORCH_CHECK(opt_state.size(1) == S, op, ": opt_state.size(1) must be the state width of ",
-              optimizer_name(optimizer), " (S = ", state_formula(optimizer), " = ", S, " for D = ", D, "), got ",
-              opt_state.size(1));
+              optim::optimizer_name(optimizer), " (S = ", optim::state_formula(optimizer), " = ", S, " for D = ", D,
+              "), got ", opt_state.size(1));
   return S;
 }
 
-void check_update_hyper(const char* op, int64_t optimizer, double lr, double eps, double beta1, double beta2,
-                        int64_t step) {
-  if (optimizer == kAdam) {
-    TORCH_CHECK(step >= 1, op, ": step must be >= 1 for Adam (it is the 1-based step count), got ", step);
-    TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, op, ": beta1 must be in [0, 1) for Adam, got ", beta1);
-    TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, op, ": beta2 must be in [0, 1) for Adam, got ", beta2);
-  }
-  TORCH_CHECK(std::isfinite(lr) && lr >= 0.0, op, ": lr must be a finite number >= 0, got ", lr);
-  TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, op, ": eps must be a finite number >= 0, got ", eps);
+namespace optim {
+
+void check_hparam(const char* op, bool ok, const char* name, int index, const char* want, double got) {
+  TORCH_CHECK(ok, op, ": ", name, " must be ", want, ", got ", got, " (hparams[", index, "])");
+}
+
+void fail_unknown_optimizer(int64_t opt) {
+  TORCH_CHECK(false, "veloce: optimizer ", opt, " is not one of ", optimizer_choices());
+}
+
+void check_optimizer_id(const char* op, int64_t opt) {
+  TORCH_CHECK(opt >= 0 && opt < kNumOptimizers, op, ": optimizer must be ", optimizer_choices(), ", got ", opt);
+}
+
+}  // namespace optim
+
+namespace score {
+
+void fail_unknown_policy(int64_t policy) {
+  TORCH_CHECK(false, "veloce: score_policy ", policy, " is not one of ", policy_choices());
+}
+
+}  // namespace score
+
+void check_hparams(const char* op, const at::Tensor& hparams, int64_t optimizer, const char* ref_name,
+                   const at::Tensor& ref) {
+  const int64_t n = optim::num_hparams(optimizer);
+  TORCH_CHECK_VALUE(hparams.scalar_type() == at::kDouble && hparams.dim() == 1 && hparams.size(0) == n, op,
+                    ": hparams must be a float64 tensor of shape (", n, ",) for ", optim::optimizer_name(optimizer),
+                    " ([lr, step, weight_decay] and its own values: veloce.ops.optimizer.hparams builds it), got ",
+                    dtype_name(hparams.scalar_type()), " of shape ", shape_str(hparams));
+  check_same_device(op, "hparams", hparams, ref_name, ref);
+}
+
+void check_hparam_values(const char* op, const at::Tensor& hparams, int64_t optimizer) {
+  const at::Tensor c = hparams.contiguous();
+  const double* h = c.data_ptr<double>();
+  const double lr = h[optim::kLr], step = h[optim::kStep], wd = h[optim::kWeightDecay];
+  optim::check_hparam(op, std::isfinite(lr) && lr >= 0.0, "lr", optim::kLr, "a finite number >= 0", lr);
+  optim::check_hparam(op, std::isfinite(step) && step == std::floor(step) && std::abs(step) < 9.0e15,
+                      "step (the step count)", optim::kStep, "a whole number", step);
+  optim::check_hparam(op, std::isfinite(wd), "weight_decay", optim::kWeightDecay, "a finite number", wd);
+  optim::dispatch(optimizer, [&](auto r) { decltype(r)::check(op, h); });
 }
 
 int64_t check_update_args(const char* op, const at::Tensor& weights, const at::Tensor& opt_state, int64_t optimizer,
-                          double lr, double eps, double beta1, double beta2, int64_t step) {
+                          const at::Tensor& hparams) {
   const int64_t S = check_update_rows(op, weights, opt_state, optimizer);
-  check_update_hyper(op, optimizer, lr, eps, beta1, beta2, step);
+  check_hparams(op, hparams, optimizer, "weights", weights);
   return S;
 }
 

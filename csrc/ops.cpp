@@ -8,7 +8,7 @@
 //   * Table state is a set of tensors of C = num_buckets * 32 slots, any num_buckets in
 //     [1, 2^32] (see veloce/hash.h):
 //       keys (C,) int64, digests (C,) uint8 (0 = empty), scores (C,) int64,
-//       weights (C, D) float, opt_state (C, S) float (S = 0 for SGD).
+//       weights (C, D) float, opt_state (C, S) float (S = 0 for SGD: the optimizer's width).
 //   * A "slot" indexes those tensors; ops that take slots also accept the codes
 //     -1 (padding: skipped, not counted by mean) and -2 (a zero row, counted by mean).
 //   * Mutated arguments are marked (a!) and never returned.
@@ -37,8 +37,8 @@ TORCH_LIBRARY(veloce, m) {
   // slots (N,) int64: the slot of each id, -1 where the id is absent. Never inserts.
   m.def("find(Tensor keys, Tensor digests, Tensor ids) -> Tensor");
   // Looks every id up, inserting the missing ones (rows initialised from (seed, id),
-  // optimizer state zeroed) and updating scores (policy: 0 none, 1 LRU = set to
-  // score_value, 2 LFU = add 1 per occurrence). Positions whose id equals padding_id get slot -1 and
+  // optimizer state set to init_state, or zeroed when it is None) and updating scores (policy: a score functor of
+  // veloce/score.h: 0 none, 1 LRU = set to score_value, 2 LFU = add 1 per occurrence). Positions whose id equals padding_id get slot -1 and
   // are neither inserted nor scored. With allow_evict, a key whose two buckets are full
   // replaces the lowest-scored key there that this call did not touch (evicted_keys).
   // counts = [inserted, failed] is a CPU tensor on every backend (no device sync to read).
@@ -58,7 +58,10 @@ TORCH_LIBRARY(veloce, m) {
       "find_or_insert(Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, Tensor(d!) weights, "
       "Tensor(e!) opt_state, Tensor ids, int score_policy, int score_value, bool allow_evict, "
       "int seed, int init_kind, float init_a, float init_b, int? padding_id=None, Tensor? bad_input=None, "
-      "bool defer=False, Tensor? clock=None, int room=-1) -> (Tensor slots, Tensor counts, Tensor evicted_keys)");
+      "bool defer=False, Tensor? clock=None, int room=-1, Tensor? init_state=None) -> (Tensor slots, Tensor counts, "
+      "Tensor evicted_keys)");
+  // init_state: (S,) of opt_state's dtype on its device, the state every new row starts
+  // from (the optimizer's initial_state), or None for zeros. A new optimizer's initial state needs no schema of its own.
   // room: how many new ids may take an empty slot (the rows a table bounded by max_capacity
   // has left), or -1 for no limit. New ids in order of first occurrence: the first `room`
   // take an empty slot of their buckets (with allow_evict, one whose buckets are both full
@@ -81,21 +84,27 @@ TORCH_LIBRARY(veloce, m) {
       "find_or_insert_many(Tensor(a!)[] keys, Tensor(b!)[] digests, Tensor(c!)[] scores, Tensor(d!)[] weights, "
       "Tensor(e!)[] opt_state, Tensor[] ids, int[] score_policy, int[] score_value, bool[] allow_evict, "
       "int[] seed, int[] init_kind, float[] init_a, float[] init_b, int?[] padding_id, Tensor? bad_input=None, "
-      "bool defer=False, Tensor? clock=None, int[]? room=None) -> (Tensor slots, Tensor counts, "
-      "Tensor evicted_keys)");
+      "bool defer=False, Tensor? clock=None, int[]? room=None, Tensor?[]? init_state=None) -> (Tensor slots, "
+      "Tensor counts, Tensor evicted_keys)");
   // clock: as for find_or_insert, (K,) int64: clock[k] replaces score_value[k]. room: as for
-  // find_or_insert, one value per table (None: no limit for any).
+  // find_or_insert, one value per table (None: no limit for any). init_state: None (zeros
+  // for every table) or one entry per table, each as find_or_insert's.
   // Writes values (N, D) to the rows of ids, inserting missing ids. opt_values (N, S)
-  // and score_values (N,) are written when given; otherwise new rows get zero state and
-  // scores follow score_policy. With duplicate ids the last occurrence wins.
+  // and score_values (N,) are written when given; otherwise new rows get init_state (as
+  // find_or_insert's: None is zeros) and scores follow score_policy. With duplicate ids the
+  // last occurrence wins.
   m.def(
       "insert_or_assign(Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, Tensor(d!) weights, "
       "Tensor(e!) opt_state, Tensor ids, Tensor values, Tensor? opt_values, Tensor? score_values, "
-      "int score_policy, int score_value, bool allow_evict, int room=-1) "
+      "int score_policy, int score_value, bool allow_evict, int room=-1, Tensor? init_state=None) "
       "-> (Tensor slots, Tensor counts, Tensor evicted_keys)");
   // room: as for find_or_insert.
   // Removes ids; returns a (N,) bool mask, true at the first position of each erased id.
   m.def("erase(Tensor keys, Tensor(a!) digests, Tensor ids) -> Tensor");
+  // Removes every occupied slot whose score is < before (a time-to-live's expiry: with LRU
+  // scores, the keys last seen before the clock `before`); returns their number, a 0-dim
+  // int64 tensor on keys' device. One pass over the slots, no host sync.
+  m.def("expire(Tensor keys, Tensor(a!) digests, Tensor scores, int before) -> Tensor");
   // The entries of the occupied slots in [start, end), in slot order:
   // keys (M,), weights (M, D), opt_state (M, S), scores (M,).
   m.def(
@@ -181,11 +190,17 @@ TORCH_LIBRARY(veloce, m) {
 
   // ---- optimizer: fused sparse update ---------------------------------------------------
   // In place on rows slots (U,) (unique) of weights (C, D) and opt_state (C, S), with
-  // gradients grads (U, D). optimizer: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam.
-  // step is the 1-based step count (Adam's bias correction).
-  m.def(
-      "sparse_update(Tensor(a!) weights, Tensor(b!) opt_state, Tensor slots, Tensor grads, int optimizer, "
-      "float lr, float eps, float beta1, float beta2, float weight_decay, int step) -> ()");
+  // gradients grads (U, D). optimizer: an id of csrc/include/veloce/optim/registry.h
+  // (veloce.ops.optimizer.OPTIMIZERS), S its state width.
+  // hparams: the hyperparameters, a float64 tensor on weights' device laid out
+  // [lr, step, weight_decay, <the optimizer's own values>] (veloce/optim/rule.h; step is the
+  // 1-based step count). It is read on the device (on CUDA by the kernels: no host read),
+  // so that a call captured in a CUDA graph applies the values the tensor holds when the
+  // graph is replayed. The CPU reads and checks the values (lr finite and >= 0, step a
+  // whole number, the optimizer's own ranges); CUDA checks the tensor's shape, dtype and
+  // device only.
+  m.def("sparse_update(Tensor(a!) weights, Tensor(b!) opt_state, Tensor slots, Tensor grads, int optimizer, "
+        "Tensor hparams) -> ()");
   // accumulate_grad then sparse_update on its output, fused: the gradient of each unique
   // row is summed and applied in one pass (what DynamicEmbedding.step() runs). Same
   // arguments as the two ops, same result as calling them in turn. (`pooling` is `mode`
@@ -196,15 +211,8 @@ TORCH_LIBRARY(veloce, m) {
   // the gradient (DynamicEmbedding's NaN/Inf check) and read that check's result later.
   m.def(
       "accumulate_and_update(Tensor(a!) weights, Tensor(b!) opt_state, Tensor grad_output, Tensor slots, "
-      "Tensor offsets, Tensor? per_sample_weights, int pooling, bool include_last_offset, int optimizer, float lr, "
-      "float eps, float beta1, float beta2, float weight_decay, int step, bool check_inputs=True, "
-      "Tensor? skip=None, Tensor? lr_step=None) -> ()");
-  // lr_step: a (2,) float64 tensor on weights' device, or None. When given, lr_step[0]
-  // replaces lr and lr_step[1] (a whole number) replaces step, read on the device (on
-  // CUDA by the kernels: no host read), so that a call captured in a CUDA graph applies
-  // the learning rate and (Adam) step count the tensor holds when the graph is replayed.
-  // The CPU checks the values as it checks lr and step; CUDA does not read them on the
-  // host (rows too wide for the fused kernel read them there, with a sync).
+      "Tensor offsets, Tensor? per_sample_weights, int pooling, bool include_last_offset, int optimizer, "
+      "Tensor hparams, bool check_inputs=True, Tensor? skip=None) -> ()");
   // accumulate_and_update of K tables in one call: the same as calling it for each k on
   // (weights[k], opt_state[k], grad_output[k], slots[k], offsets[k], per_sample_weights[k])
   // with the other arguments shared. The tables share device, dtype and embedding dim (and
@@ -214,8 +222,7 @@ TORCH_LIBRARY(veloce, m) {
   m.def(
       "accumulate_and_update_many(Tensor(a!)[] weights, Tensor(b!)[] opt_state, Tensor[] grad_output, "
       "Tensor[] slots, Tensor[] offsets, Tensor?[] per_sample_weights, int pooling, bool include_last_offset, "
-      "int optimizer, float lr, float eps, float beta1, float beta2, float weight_decay, int step, "
-      "bool check_inputs=True, Tensor? skip=None, Tensor? lr_step=None) -> ()");
+      "int optimizer, Tensor hparams, bool check_inputs=True, Tensor? skip=None) -> ()");
   // flags (num_owners + 1,) bool on the tensors' device: flags[k] is true when a tensor i
   // with owner[i] == k holds a NaN or an infinity (an exponent of all ones: the test
   // std::isfinite makes, on the bits), flags[num_owners] when any tensor does. One read of
@@ -272,8 +279,8 @@ void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ke
 }  // namespace veloce
 
 TORCH_LIBRARY_IMPL(veloce, ADInplaceOrView, m) {
-  for (const char* name : {"find_or_insert", "find_or_insert_many", "insert_or_assign", "erase", "sparse_update",
-                           "accumulate_and_update", "accumulate_and_update_many"}) {
+  for (const char* name : {"find_or_insert", "find_or_insert_many", "insert_or_assign", "erase", "expire",
+                           "sparse_update", "accumulate_and_update", "accumulate_and_update_many"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&veloce::bump_written_versions>());
   }
 }

@@ -205,7 +205,8 @@ def test_lr_step_makes_lr_and_step_placeholders(device):
 def test_lr_step_opcheck(device):
     tables = _update_case(device, 2, 8, "adagrad", seed=3)
     w, s, grad, slots, offsets = tables[0]
-    hyper = (0.1, 1e-8, 0.9, 0.99, 0.0, 1, True, None, _lr_step(0.2, 3, device))
+    # [lr, step, weight_decay, eps]: the op's hparams, Adagrad's
+    hyper = (torch.tensor([0.2, 3.0, 0.0, 1e-8], dtype=torch.float64, device=device), True, None)
     torch.library.opcheck(torch.ops.veloce.accumulate_and_update.default,
                           (w, s, grad, slots, offsets, None, 0, False, 1, *hyper))
     lists = [[t[i] for t in tables] for i in range(5)]

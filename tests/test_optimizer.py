@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from veloce.ops import extension as _ext
-from veloce.ops.optimizer import sparse_update, state_width
+from veloce.ops.optimizer import hparams, sparse_update, state_width
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings
@@ -158,6 +158,18 @@ def test_adam_bias_correction_uses_step():
     assert torch.equal(w[0], torch.zeros(2))
 
 
+# The scalar arguments of the tests below (eps, beta1, beta2) as each optimizer's own hparams.
+_OWN = {0: {}, 1: {"eps": 1e-8}, 2: {"eps": 1e-8}, 3: {"eps": 1e-8, "beta1": 0.9, "beta2": 0.999}}
+
+
+def _op_hparams(optimizer, lr, eps, beta1, beta2, weight_decay, step, device="cpu"):
+    """The ops' hparams of the scalar arguments (the optimizer's own among eps, beta1, beta2)."""
+    names = {0: (), 1: ("eps",), 2: ("eps",), 3: ("eps", "beta1", "beta2")}.get(optimizer, ())
+    given = {"eps": eps, "beta1": beta1, "beta2": beta2}
+    values = [lr, float(step), weight_decay] + [given[n] for n in names]
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("optimizer", [0, 1, 2, 3])
 def test_opcheck(device, optimizer):
@@ -169,12 +181,7 @@ def test_opcheck(device, optimizer):
         torch.tensor([7, 1, 4], device=device),
         torch.randn(3, 6, device=device),
         optimizer,
-        0.1,
-        1e-8,
-        0.9,
-        0.999,
-        0.01,
-        3,
+        hparams(optimizer, 0.1, 3, 0.01, device=device, **_OWN[optimizer]),
     )
     torch.library.opcheck(torch.ops.veloce.sparse_update.default, args)
 
@@ -187,7 +194,7 @@ def test_bad_inputs_name_the_argument_and_change_nothing():
     cases = [
         (
             {"optimizer": 7},
-            r"optimizer must be 0 \(SGD\), 1 \(Adagrad\), 2 \(RowWiseAdagrad\) or 3 \(Adam\), got 7",
+            r"optimizer must be 0 \(SGD\), 1 \(Adagrad\), 2 \(RowWiseAdagrad\), 3 \(Adam\) or 4 \(FTRL\), got 7",
         ),
         (
             {"opt_state": torch.rand(10, 1)},
@@ -228,7 +235,9 @@ def test_bad_inputs_name_the_argument_and_change_nothing():
         args.update(override)
         before = (args["weights"].clone(), args["opt_state"].clone())
         with pytest.raises(RuntimeError, match=pattern):
-            torch.ops.veloce.sparse_update(*args.values())
+            a = args
+            h = _op_hparams(a["optimizer"], a["lr"], a["eps"], a["beta1"], a["beta2"], a["weight_decay"], a["step"])
+            torch.ops.veloce.sparse_update(a["weights"], a["opt_state"], a["slots"], a["grads"], a["optimizer"], h)
         assert torch.equal(args["weights"], before[0]) and torch.equal(args["opt_state"], before[1])
     with pytest.raises(RuntimeError, match="weights must be contiguous"):
         sparse_update(w.t().contiguous().t(), s, slots, g, "adagrad", 0.1)
@@ -282,7 +291,7 @@ def test_accumulate_and_update_equals_the_two_ops(device, optimizer, mode, with_
 def test_accumulate_and_update_opcheck_and_bad_input(device):
     slots, offsets, psw, grad_out, w = _fused_case(device, 8, 0, True, seed=0)
     s = torch.zeros(w.size(0), 8, device=device)
-    args = (w, s, grad_out, slots, offsets, psw, 0, False, 1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1)
+    args = (w, s, grad_out, slots, offsets, psw, 0, False, 1, _op_hparams(1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1, device))
     torch.library.opcheck(torch.ops.veloce.accumulate_and_update.default, args)
     before = (w.clone(), s.clone())
     with pytest.raises(RuntimeError, match=r"grad_output must have one row per bag"):
@@ -489,7 +498,7 @@ def test_accumulate_and_update_many_no_table_is_a_no_op(device):
 def test_accumulate_and_update_many_opcheck(device):
     tables = _many_tables(device, 3, 8, torch.float32, "adagrad", 0, "mixed", seed=1)
     lists = [[t[i] for t in tables] for i in range(6)]
-    args = (*lists, 0, False, 1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1)
+    args = (*lists, 0, False, 1, _op_hparams(1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1, device))
     torch.library.opcheck(torch.ops.veloce.accumulate_and_update_many.default, args)
 
 
@@ -503,7 +512,7 @@ def test_accumulate_and_update_many_bad_input_changes_nothing(device):
     def call(tables, **changes):
         lists = {n: [t[i] for t in tables] for i, n in enumerate(["w", "s", "g", "slots", "o", "psw"])}
         lists.update(changes)
-        op(*lists.values(), 0, False, 1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1, True)
+        op(*lists.values(), 0, False, 1, _op_hparams(1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1, device), True)
 
     cases = []
     t = fresh()
@@ -578,9 +587,10 @@ def test_accumulate_and_update_skip_flag(device, optimizer, dim):
 def test_accumulate_and_update_skip_flag_checks(device):
     tables = _many_tables(device, 2, 8, torch.float32, "adagrad", 0, None, seed=3)
     w, s, *rest = tables[0]
-    args = (w, s, *rest, 0, False, 1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1, True)
+    h = _op_hparams(1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1, device)
+    args = (w, s, *rest, 0, False, 1, h, True)
     many = ([t[0] for t in tables], [t[1] for t in tables], *[[t[i] for t in tables] for i in range(2, 6)],
-            0, False, 1, 0.1, 1e-8, 0.9, 0.99, 0.0, 1, True)  # fmt: skip
+            0, False, 1, h, True)  # fmt: skip
     flag = torch.tensor([False], device=device)
     torch.library.opcheck(torch.ops.veloce.accumulate_and_update.default, (*args, flag))
     torch.library.opcheck(torch.ops.veloce.accumulate_and_update_many.default, (*many, flag))

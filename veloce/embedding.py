@@ -19,6 +19,7 @@ from veloce.sparse import (
     Pending, PendingGradient, Stepping, TableModule, compiled_lookup, is_compiling, register, training_lookup,
 )  # fmt: skip
 from veloce.table import HashTable, is_int64
+from veloce.eviction import EvictionPolicy
 
 __all__ = ["DynamicEmbedding"]
 
@@ -81,7 +82,9 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
             slots grow to about 1.25 per row at most); None = no bound.
         eviction: what a new id does at ``len(self) == max_capacity``: "lru" / "lfu"
             evict the least recently / frequently used row of its two buckets, "none"
-            raises :class:`veloce.table.TableFullError`.
+            raises :class:`veloce.table.TableFullError`; or a :mod:`veloce.eviction`
+            policy object: ``veloce.eviction.TTL(steps=N)`` also erases the rows that
+            ``N`` training lookups went by without, full or not (``docs/eviction.md``).
         initializer: a :mod:`veloce.init` spec; default ``normal(std=0.01)``.
         optimizer: a :mod:`veloce.optim` sparse optimizer; default ``Adagrad(lr=0.05)``.
         padding_idx: an id that is skipped (contributes nothing, not counted by mean,
@@ -156,7 +159,7 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         mode: str = "mean",
         capacity: int = 1024,
         max_capacity: Optional[int] = None,
-        eviction: str = "lru",
+        eviction: str | EvictionPolicy = "lru",
         initializer: Optional[init.Initializer] = None,
         optimizer: Optional[SparseOptimizer] = None,
         padding_idx: Optional[int] = None,
@@ -208,6 +211,7 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         self.table = HashTable(
             embedding_dim, optimizer.state_dim(embedding_dim), capacity=capacity, max_capacity=max_capacity,
             eviction=eviction, initializer=initializer, seed=seed, dtype=dtype, device=device,
+            init_state=optimizer.initial_state(embedding_dim),
         )  # fmt: skip
         self.table.defer = bool(defer_inserts)
         self._steps = 0  # sparse optimizer steps applied (Adam's t): step_count

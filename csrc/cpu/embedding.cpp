@@ -20,7 +20,7 @@
 
 #include "veloce/check.h"
 #include "veloce/op_checks.h"
-#include "veloce/optimizer.h"
+#include "veloce/optim/registry.h"
 #include "veloce/hash.h"
 
 namespace veloce {
@@ -494,7 +494,7 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cpu(const at::Tensor& grad_ou
 void fused_update(const char* op, const at::Tensor& weights, const at::Tensor& opt_state,
                   const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
                   const c10::optional<at::Tensor>& per_sample_weights, int64_t mode, int64_t B, int64_t optimizer,
-                  double lr, double eps, double beta1, double beta2, double weight_decay, int64_t step) {
+                  const double* hparams) {
   const int64_t D = weights.size(1);
   const int64_t S = opt_state.size(1);
   with_backward(op, grad_output, slots, offsets, per_sample_weights, mode, B, weights.size(0),
@@ -502,20 +502,23 @@ void fused_update(const char* op, const at::Tensor& weights, const at::Tensor& o
                   using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
                   using acc_t = at::opmath_type<scalar_t>;
                   if (seg.U == 0 || D == 0) return;
-                  const auto rule = UpdateRule<acc_t>::make(optimizer, lr, eps, beta1, beta2, weight_decay, step);
                   scalar_t* w = weights.data_ptr<scalar_t>();
                   acc_t* st = opt_state.data_ptr<acc_t>();
-                  reduce_segments<scalar_t>(
-                      seg, g, D, psw, scale,
-                      [&](int64_t u, acc_t* a) {
-                        const int64_t slot = seg.slot(u);
-                        rule.apply(w + slot * D, st + slot * S, a, D);
-                      },
-                      [&](int64_t v) {  // the rows the update of segment v reads and writes
-                        const int64_t slot = seg.slot(v);
-                        prefetch_row<1>(w + slot * D, D * sizeof(scalar_t));
-                        prefetch_row<1>(st + slot * S, S * sizeof(acc_t));
-                      });
+                  optim::dispatch(optimizer, [&](auto rule) {
+                    using R = decltype(rule);
+                    const auto p = R::template make<acc_t>(hparams);
+                    reduce_segments<scalar_t>(
+                        seg, g, D, psw, scale,
+                        [&](int64_t u, acc_t* a) {
+                          const int64_t slot = seg.slot(u);
+                          optim::apply_row<R>(p, w + slot * D, st + slot * S, a, D);
+                        },
+                        [&](int64_t v) {  // the rows the update of segment v reads and writes
+                          const int64_t slot = seg.slot(v);
+                          prefetch_row<1>(w + slot * D, D * sizeof(scalar_t));
+                          prefetch_row<1>(st + slot * S, S * sizeof(acc_t));
+                        });
+                  });
                 });
 }
 
@@ -527,33 +530,21 @@ bool skipped(const char* op, const std::optional<at::Tensor>& skip, const char* 
   return skip->item<bool>();
 }
 
-// The lr_step argument of accumulate_and_update(_many), checked, read into lr and step (a
-// host read on the CPU) and those checked as the scalar arguments are.
-void read_lr_step(const char* op, const std::optional<at::Tensor>& lr_step, const char* ref_name,
-                  const at::Tensor& weights, int64_t optimizer, double& lr, double eps, double beta1, double beta2,
-                  int64_t& step) {
-  if (!lr_step) return;
-  check_lr_step(op, lr_step, ref_name, weights);
-  const at::Tensor v = lr_step->contiguous();
-  read_lr_step_values(op, v.data_ptr<double>(), optimizer, eps, beta1, beta2, lr, step);
-}
-
 void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state,
                                const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
                                const c10::optional<at::Tensor>& per_sample_weights, int64_t mode,
-                               bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
-                               double beta2, double weight_decay, int64_t step,
+                               bool include_last_offset, int64_t optimizer, const at::Tensor& hparams,
                                bool /*check_inputs: the checks read host memory, no sync to save*/,
-                               const std::optional<at::Tensor>& skip, const std::optional<at::Tensor>& lr_step) {
+                               const std::optional<at::Tensor>& skip) {
   constexpr const char* op = "veloce::accumulate_and_update";
-  // With lr_step, the scalar lr and step are placeholders: its values are checked instead.
-  check_update_args(op, weights, opt_state, optimizer, lr_step ? 0.0 : lr, eps, beta1, beta2, lr_step ? 1 : step);
-  read_lr_step(op, lr_step, "weights", weights, optimizer, lr, eps, beta1, beta2, step);
+  check_update_args(op, weights, opt_state, optimizer, hparams);
+  check_hparam_values(op, hparams, optimizer);
   const int64_t B = check_backward_args(op, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset);
   check_grad_output_for_weights(op, grad_output, weights);
   if (skipped(op, skip, "weights", weights)) return;
-  fused_update(op, weights, opt_state, grad_output, slots, offsets, per_sample_weights, mode, B, optimizer, lr, eps,
-               beta1, beta2, weight_decay, step);
+  const at::Tensor h = hparams.contiguous();
+  fused_update(op, weights, opt_state, grad_output, slots, offsets, per_sample_weights, mode, B, optimizer,
+               h.data_ptr<double>());
 }
 
 // accumulate_and_update over K tables: the specification of the grouped op (the CUDA one
@@ -563,15 +554,13 @@ void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_
 void accumulate_and_update_many_cpu(at::TensorList weights, at::TensorList opt_state, at::TensorList grad_output,
                                     at::TensorList slots, at::TensorList offsets,
                                     const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
-                                    bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
-                                    double beta2, double weight_decay, int64_t step,
+                                    bool include_last_offset, int64_t optimizer, const at::Tensor& hparams,
                                     bool /*check_inputs: as accumulate_and_update_cpu*/,
-                                    const std::optional<at::Tensor>& skip, const std::optional<at::Tensor>& lr_step) {
+                                    const std::optional<at::Tensor>& skip) {
   constexpr const char* op = "veloce::accumulate_and_update_many";
   const ManyTables tables = check_update_many_args(op, weights, opt_state, grad_output, slots, offsets,
-                                                   per_sample_weights, mode, include_last_offset, optimizer,
-                                                   lr_step ? 0.0 : lr, eps, beta1, beta2, lr_step ? 1 : step);
-  if (!weights.empty()) read_lr_step(op, lr_step, "weights[0]", weights[0], optimizer, lr, eps, beta1, beta2, step);
+                                                   per_sample_weights, mode, include_last_offset, optimizer, hparams);
+  if (!weights.empty()) check_hparam_values(op, hparams, optimizer);
   const size_t K = weights.size();
   for (size_t k = 0; k < K; ++k) {
     const char* name = tables.names[k].c_str();
@@ -580,10 +569,10 @@ void accumulate_and_update_many_cpu(at::TensorList weights, at::TensorList opt_s
     check_slot_values(name, s.data_ptr<int64_t>(), s.numel(), -1, "");
   }
   if (K > 0 && skipped(op, skip, "weights[0]", weights[0])) return;
+  const at::Tensor h = K > 0 ? hparams.contiguous() : at::Tensor();
   for (size_t k = 0; k < K; ++k) {
     fused_update(tables.names[k].c_str(), weights[k], opt_state[k], grad_output[k], slots[k], offsets[k],
-                 per_sample_weights.get(k), mode, tables.num_bags[k], optimizer, lr, eps, beta1, beta2, weight_decay,
-                 step);
+                 per_sample_weights.get(k), mode, tables.num_bags[k], optimizer, h.data_ptr<double>());
   }
 }
 

@@ -25,6 +25,7 @@
 #include "veloce/init.h"
 #include "veloce/many.h"
 #include "veloce/op_checks.h"
+#include "veloce/score.h"
 
 namespace veloce {
 namespace {
@@ -224,28 +225,37 @@ InsertOutcome insert_missing(const TableRef& t, const int64_t* scores, const int
   return out;
 }
 
-// Scores by policy for the non-padding positions (phase 3). New keys start at
-// score_value under LRU and 0 otherwise; LFU then adds 1 per occurrence.
+// Scores of policy P for the non-padding positions (phase 3): each new key starts at
+// P::on_insert(clock), then every position is scored as veloce/score.h's kCombine says.
+template <class P>
 void update_scores(int64_t* scores, const int64_t* slots, int64_t n, const std::vector<Change>& changes,
-                   int64_t policy, int64_t score_value) {
-  const int64_t start = policy == kScoreLRU ? score_value : 0;
+                   int64_t clock) {
+  const int64_t start = P::on_insert(clock);
   at::parallel_for(0, static_cast<int64_t>(changes.size()), kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) scores[changes[k].slot] = start;
   });
-  if (policy == kScoreNone) return;
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    constexpr int64_t kAhead = 16;  // score stores are random: prefetch their lines
-    for (int64_t i = begin; i < end; ++i) {
-      if (i + kAhead < end && slots[i + kAhead] >= 0) __builtin_prefetch(scores + slots[i + kAhead], 1);
-      const int64_t s = slots[i];
-      if (s < 0) continue;
-      if (policy == kScoreLRU) {
-        __atomic_store_n(scores + s, score_value, __ATOMIC_RELAXED);
-      } else {
-        __atomic_fetch_add(scores + s, int64_t{1}, __ATOMIC_RELAXED);
+  if constexpr (P::kCombine != score::Combine::kKeep) {
+    const int64_t value = P::on_hit(0, clock, 1);  // kStamp: the value stored; kAdd: the step added
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      constexpr int64_t kAhead = 16;  // score stores are random: prefetch their lines
+      for (int64_t i = begin; i < end; ++i) {
+        if (i + kAhead < end && slots[i + kAhead] >= 0) __builtin_prefetch(scores + slots[i + kAhead], 1);
+        const int64_t s = slots[i];
+        if (s < 0) continue;
+        if constexpr (P::kCombine == score::Combine::kStamp) {
+          __atomic_store_n(scores + s, value, __ATOMIC_RELAXED);
+        } else {
+          __atomic_fetch_add(scores + s, value, __ATOMIC_RELAXED);
+        }
       }
-    }
-  });
+    });
+  }
+}
+
+// update_scores for the op's score_policy (checked), dispatched once per call.
+void update_scores(int64_t* scores, const int64_t* slots, int64_t n, const std::vector<Change>& changes,
+                   int64_t policy, int64_t clock) {
+  score::dispatch(policy, [&](auto p) { update_scores<decltype(p)>(scores, slots, n, changes, clock); });
 }
 
 // Initial values are computed in double and rounded to float, then to the weight dtype
@@ -289,11 +299,27 @@ at::Tensor find_cpu(const at::Tensor& keys, const at::Tensor& digests, const at:
   return slots;
 }
 
+// A new row's optimizer state: the op's init_state (contiguous), or zeros when it has none.
+inline void init_state_row(char* row, const char* init, int64_t bytes) {
+  if (bytes == 0) return;
+  if (init != nullptr) {
+    std::memcpy(row, init, bytes);
+  } else {
+    std::memset(row, 0, bytes);
+  }
+}
+
+// The contiguous init_state of an inserting op, or an undefined tensor (zeros).
+at::Tensor init_state_of(const std::optional<at::Tensor>& init_state) {
+  return init_state ? init_state->contiguous() : at::Tensor();
+}
+
 // find_or_insert of checked arguments (the op checks, then reads bad_input, then calls this).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_checked(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids_in, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
-    int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id, int64_t room) {
+    int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id, int64_t room,
+    const at::Tensor& init_state) {
   const at::Tensor ids = ids_in.contiguous();
   const int64_t n = ids.numel();
   const TableRef t = table_ref(keys, digests);
@@ -309,6 +335,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_checked(
   const int64_t dim = weights.size(1);
   const int64_t state_bytes = opt_state.size(1) * static_cast<int64_t>(opt_state.element_size());
   auto* state = static_cast<char*>(opt_state.data_ptr());
+  const char* init = init_state.defined() ? static_cast<const char*>(init_state.data_ptr()) : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weights.scalar_type(), "find_or_insert", [&] {
     scalar_t* w = weights.data_ptr<scalar_t>();
     const int64_t m = static_cast<int64_t>(r.changes.size());
@@ -317,7 +344,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_checked(
         if (k + 4 < e) __builtin_prefetch(w + r.changes[k + 4].slot * dim, 1);
         const int64_t s = r.changes[k].slot;
         init_row(w + s * dim, dim, seed, r.changes[k].new_key, init_kind, init_a, init_b);
-        if (state_bytes > 0) std::memset(state + s * state_bytes, 0, state_bytes);
+        init_state_row(state + s * state_bytes, init, state_bytes);
       }
     });
   });
@@ -344,9 +371,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cpu(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id,
-    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock, int64_t room) {
+    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock, int64_t room,
+    const std::optional<at::Tensor>& init_state) {
   constexpr const char* op = "veloce::find_or_insert";
   check_insert_args(op, keys, digests, scores, weights, opt_state, ids, score_policy);
+  check_init_state(op, init_state, opt_state);
   check_init(op, init_kind, init_a, init_b);
   check_bad_input(op, bad_input, keys);
   check_defer(op, defer, allow_evict);
@@ -356,7 +385,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cpu(
   if (refused_cpu(op, bad_input, defer)) return refused_result(ids, keys);
   return find_or_insert_checked(keys, digests, scores, weights, opt_state, ids, score_policy,
                                 clock ? clock->data_ptr<int64_t>()[0] : score_value, allow_evict, seed, init_kind,
-                                init_a, init_b, padding_id, room);
+                                init_a, init_b, padding_id, room, init_state_of(init_state));
 }
 
 // Each table in turn (the CPU has no syncs to share), every table's arguments (and
@@ -367,11 +396,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cpu(
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
     at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
     const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock,
-    at::OptionalIntArrayRef room) {
+    at::OptionalIntArrayRef room, const std::optional<c10::List<std::optional<at::Tensor>>>& init_state) {
   constexpr const char* op = "veloce::find_or_insert_many";
   const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
                                                    score_value, allow_evict, seed, init_kind, init_a, init_b,
-                                                   padding_id, bad_input);
+                                                   padding_id, bad_input, init_state);
   for (int64_t k = 0; k < K; ++k) check_defer(op, defer, allow_evict.get(k), k);
   check_room_many(op, room, K, defer);
   if (K > 0) check_clock(op, clock, K, keys[0]);
@@ -387,7 +416,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cpu(
                                                          clocks != nullptr ? clocks[k] : score_value[k],
                                                          allow_evict.get(k), seed[k], init_kind[k], init_a[k],
                                                          init_b[k], padding_id.get(k),
-                                                         room ? (*room)[k] : kNoRoomLimit));
+                                                         room ? (*room)[k] : kNoRoomLimit,
+                                                         init_state ? init_state_of(init_state->get(k)) : at::Tensor()));
     slots.push_back(std::get<0>(per_table.back()));
   }
   return many_result(at::cat(slots), per_table);
@@ -402,9 +432,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cpu(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids_in, const at::Tensor& values_in, const std::optional<at::Tensor>& opt_values_in,
     const std::optional<at::Tensor>& score_values_in, int64_t score_policy, int64_t score_value, bool allow_evict,
-    int64_t room) {
+    int64_t room, const std::optional<at::Tensor>& init_state_in) {
   constexpr const char* op = "veloce::insert_or_assign";
   check_insert_args(op, keys, digests, scores, weights, opt_state, ids_in, score_policy);
+  check_init_state(op, init_state_in, opt_state);
   check_room(op, room, false);
   const at::Tensor ids = ids_in.contiguous();
   const int64_t n = ids.numel();
@@ -430,7 +461,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cpu(
   auto* w = static_cast<char*>(weights.data_ptr());
   auto* state = static_cast<char*>(opt_state.data_ptr());
   if (!opt_values.defined() && state_bytes > 0) {
-    for (const Change& c : r.changes) std::memset(state + c.slot * state_bytes, 0, state_bytes);
+    const at::Tensor init_state = init_state_of(init_state_in);
+    const char* init = init_state.defined() ? static_cast<const char*>(init_state.data_ptr()) : nullptr;
+    for (const Change& c : r.changes) init_state_row(state + c.slot * state_bytes, init, state_bytes);
   }
   const auto* v = static_cast<const char*>(values.data_ptr());
   const auto* ov = opt_values.defined() ? static_cast<const char*>(opt_values.data_ptr()) : nullptr;

@@ -1,6 +1,7 @@
 // CPU kernel of the optimizer family: sparse_update, the fused sparse optimizer step.
 // Semantics (docs/ops.md, "optimizer"): for each unique slot, one pass reads the row and
-// its state, applies the rule with g = grad + weight_decay * w, and writes both back.
+// its state, applies the rule (veloce/optim/<name>.h) with g = grad + weight_decay * w, and
+// writes both back.
 // Every argument is validated before anything is written, so a bad call changes nothing.
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -14,19 +15,20 @@
 #include "veloce/check.h"
 #include "veloce/nonfinite.h"
 #include "veloce/op_checks.h"
-#include "veloce/optimizer.h"
+#include "veloce/optim/registry.h"
 
 namespace veloce {
 namespace {
 
 constexpr int64_t kPrefetch = 8;  // rows ahead to prefetch
 
-template <typename scalar_t>
+template <class R, typename scalar_t>
 void sparse_update_kernel(scalar_t* weights,                  // (C, D)
                           at::opmath_type<scalar_t>* state,   // (C, S)
                           const int64_t* slots,               // (U,)
                           const scalar_t* grads,              // (U, D)
-                          int64_t U, int64_t D, int64_t S, const UpdateRule<at::opmath_type<scalar_t>>& rule) {
+                          int64_t U, int64_t D, int64_t S,
+                          const typename R::template Params<at::opmath_type<scalar_t>>& p) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, 4 * D));
   at::parallel_for(0, U, grain, [&](int64_t begin, int64_t end) {
@@ -43,16 +45,16 @@ void sparse_update_kernel(scalar_t* weights,                  // (C, D)
       }
       const scalar_t* __restrict__ gin = grads + u * D;
       for (int64_t j = 0; j < D; ++j) g[j] = static_cast<acc_t>(gin[j]);
-      rule.apply(weights + slot * D, state + slot * S, g, D);
+      optim::apply_row<R>(p, weights + slot * D, state + slot * S, g, D);
     }
   });
 }
 
 void sparse_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state, const at::Tensor& slots,
-                       const at::Tensor& grads, int64_t optimizer, double lr, double eps, double beta1,
-                       double beta2, double weight_decay, int64_t step) {
+                       const at::Tensor& grads, int64_t optimizer, const at::Tensor& hparams) {
   constexpr const char* op = "veloce::sparse_update";
-  const int64_t S = check_update_args(op, weights, opt_state, optimizer, lr, eps, beta1, beta2, step);
+  const int64_t S = check_update_args(op, weights, opt_state, optimizer, hparams);
+  check_hparam_values(op, hparams, optimizer);
   check_update_grads(op, weights, slots, grads);
   const auto st = weights.scalar_type();
   const int64_t C = weights.size(0);
@@ -69,11 +71,15 @@ void sparse_update_cpu(const at::Tensor& weights, const at::Tensor& opt_state, c
   if (U == 0 || D == 0) return;
 
   const at::Tensor g = grads.contiguous();
+  const at::Tensor h = hparams.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "sparse_update_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const auto rule = UpdateRule<acc_t>::make(optimizer, lr, eps, beta1, beta2, weight_decay, step);
-    sparse_update_kernel<scalar_t>(weights.data_ptr<scalar_t>(), opt_state.data_ptr<acc_t>(), s,
-                                   g.data_ptr<scalar_t>(), U, D, S, rule);
+    optim::dispatch(optimizer, [&](auto rule) {
+      using R = decltype(rule);
+      sparse_update_kernel<R, scalar_t>(weights.data_ptr<scalar_t>(), opt_state.data_ptr<acc_t>(), s,
+                                        g.data_ptr<scalar_t>(), U, D, S,
+                                        R::template make<acc_t>(h.data_ptr<double>()));
+    });
   });
 }
 

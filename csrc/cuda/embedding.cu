@@ -33,7 +33,7 @@
 
 #include "veloce/cuda_utils.cuh"
 #include "veloce/op_checks.h"
-#include "veloce/update_rule.cuh"
+#include "veloce/optim/pack.cuh"
 
 namespace veloce {
 namespace cuda {
@@ -935,29 +935,19 @@ constexpr int update_min_blocks() {
 }
 
 // ITER column packs per lane cover the row: D <= ITER * lanes * V. The group's tables
-// share D and S (the optimizer's state width).
-// The update rule from accumulate_and_update's lr_step, on the device (one thread): the
-// learning rate and step count a graph replay finds there.
-template <typename acc_t>
-__global__ void rule_from_lr_step_kernel(const double* __restrict__ lr_step, int64_t optimizer, double eps,
-                                         double beta1, double beta2, double weight_decay,
-                                         UpdateRule<acc_t>* __restrict__ out) {
-  *out = UpdateRule<acc_t>::make(optimizer, lr_step[0], eps, beta1, beta2, weight_decay,
-                                 static_cast<int64_t>(lr_step[1]));
-}
-
-// rule_at: the rule made on the device (lr_step), or null for rule_arg.
-template <typename scalar_t, typename key_t, int V, int ITER, int MaxK>
+// share D and S (the optimizer's state width). R: the optimizer's rule (optim::dispatch);
+// every thread makes its parameters from hparams in device memory, so a graph replay
+// applies the values found there.
+template <class R, typename scalar_t, typename key_t, int V, int ITER, int MaxK>
 __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>()) accumulate_update_kernel(
-    const __grid_constant__ TableGroup<MaxK> tg, int64_t D, int64_t S,
-    const UpdateRule<at::opmath_type<scalar_t>> rule_arg,
-    const UpdateRule<at::opmath_type<scalar_t>>* __restrict__ rule_at, const key_t* __restrict__ uniq, const int64_t* __restrict__ num_runs, const RunPlan* __restrict__ plan,
+    const __grid_constant__ TableGroup<MaxK> tg, int64_t D, int64_t S, const double* __restrict__ hparams,
+    const key_t* __restrict__ uniq, const int64_t* __restrict__ num_runs, const RunPlan* __restrict__ plan,
     const RunPlan* __restrict__ first, int64_t N, const int32_t* __restrict__ sorted_pos,
     const int32_t* __restrict__ bag_of, const at::opmath_type<scalar_t>* __restrict__ bag_scale, int lanes,
     at::opmath_type<scalar_t>* partial, int32_t* __restrict__ arrived, const bool* __restrict__ skip) {
   using acc_t = at::opmath_type<scalar_t>;
   if (skip != nullptr && *skip) return;  // the op's skip flag: no table is written
-  const UpdateRule<acc_t> rule = rule_at != nullptr ? *rule_at : rule_arg;
+  const auto rule = R::template make<acc_t>(hparams);
   // Work items: the runs (those of one chunk are done at once), then the chunks of runs
   // longer than one chunk (located by a binary search; they are few).
   const int64_t runs = *num_runs;
@@ -1018,14 +1008,14 @@ __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>
     scalar_t* __restrict__ w_row = static_cast<scalar_t*>(tg.weights[tb]) + slot * D;
     acc_t* __restrict__ st = static_cast<acc_t*>(tg.state[tb]) + slot * S;
     Pack<scalar_t, V> w[ITER];
-    StatePack<acc_t, V> sp[ITER];
+    StatePack<R, acc_t, V> sp[ITER];
     auto load_row = [&]() {
 #pragma unroll
       for (int it = 0; it < ITER; ++it) {
         const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
         if (c >= D) continue;
         w[it] = load_pack<scalar_t, V>(w_row + c);
-        sp[it] = load_state<acc_t, V>(rule, st, c, D);
+        sp[it] = load_state<R, acc_t, V>(st, c, D);
       }
     };
     if (p.chunks == 1) load_row();
@@ -1095,17 +1085,20 @@ __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>
     for (int it = 0; it < ITER; ++it) {
       const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
       if (c >= D) continue;
-      add_weight_decay(rule, w[it], g[it]);
+      add_weight_decay<R>(rule, w[it], g[it]);
+      if constexpr (R::kRowPrologue) {
 #pragma unroll
-      for (int j = 0; j < V; ++j) sq += g[it][j] * g[it][j];
+        for (int j = 0; j < V; ++j) sq += g[it][j] * g[it][j];
+      }
     }
-    const acc_t mult = rule.opt == kRowWiseAdagrad ? rowwise_factor(rule, sq, st, D, lane, lanes, mask) : acc_t(0);
+    acc_t row = 0;
+    if constexpr (R::kRowPrologue) row = row_factor<R>(rule, sq, st, D, lane, lanes, mask);
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
       const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
       if (c >= D) continue;
-      apply_pack(rule, w[it], g[it], sp[it], mult);
-      store_state(rule, st, c, D, sp[it]);
+      apply_pack<R>(rule, w[it], g[it], sp[it], row);
+      store_state<R>(st, c, D, sp[it]);
       store_pack<scalar_t, V>(w_row + c, w[it]);
     }
   }
@@ -1145,8 +1138,7 @@ int64_t update_waves() {
 // 16-byte packs or not (vec: every table allows them).
 template <typename key_t, int MaxK>
 void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode, bool vec, int64_t optimizer,
-                                 double lr, double eps, double beta1, double beta2, double weight_decay,
-                                 int64_t step, const bool* skip, const double* lr_step) {
+                                 const double* hparams, const bool* skip) {
   const TableGroup<MaxK> tg = make_group<MaxK>(t, K);
   const int64_t N = tg.pos_base[K];
   const int64_t B = tg.bag_base[K];
@@ -1170,7 +1162,6 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
   const int64_t arrived_at = scratch.add<int32_t>(max_partials);  // zeroed by plan_kernel
   const int64_t partial_at = scratch.add_bytes(max_partials * D * acc_size);
   const int64_t scale_at = mode == kMean ? scratch.add_bytes(B * acc_size) : -1;
-  const int64_t rule_at = lr_step != nullptr ? scratch.add_bytes(sizeof(UpdateRule<double>)) : -1;
   size_t scan_bytes = 0;
   // The size query with the argument types of the call below (CUB sizes by them).
   C10_CUDA_CHECK(cub::DeviceScan::ExclusiveScan(nullptr, scan_bytes, static_cast<RunPlan*>(nullptr),
@@ -1200,16 +1191,10 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     acc_t* const partial = scratch.ptr<acc_t>(partial_at);
-    const auto rule = UpdateRule<acc_t>::make(optimizer, lr, eps, beta1, beta2, weight_decay, step);
-    UpdateRule<acc_t>* const rule_dev = rule_at >= 0 ? scratch.ptr<UpdateRule<acc_t>>(rule_at) : nullptr;
-    if (rule_dev != nullptr) {
-      rule_from_lr_step_kernel<acc_t><<<1, 1, 0, stream()>>>(lr_step, optimizer, eps, beta1, beta2, weight_decay,
-                                                              rule_dev);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    auto launch = [&](auto vec, auto iter) {
+    auto launch_rule = [&](auto vec, auto iter, auto rule) {
       constexpr int V = decltype(vec)::value;
       constexpr int ITER = decltype(iter)::value;
+      using R = decltype(rule);
       const int lanes = lanes_for(D, V);
       // A few waves of the blocks that fit at once, each group taking many runs through
       // the grid-stride loop (never more blocks than one group per position needs). Before,
@@ -1218,15 +1203,19 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
       // its first run), and a block's finished warps idled until its slowest one (long
       // runs' chunks take 64 rows) was done.
       const int64_t resident =
-          static_cast<int64_t>(resident_blocks_per_sm<accumulate_update_kernel<scalar_t, key_t, V, ITER, MaxK>>()) *
+          static_cast<int64_t>(resident_blocks_per_sm<accumulate_update_kernel<R, scalar_t, key_t, V, ITER, MaxK>>()) *
           num_sms();
       const int64_t waves = update_waves();
       const int64_t blocks = std::min<int64_t>(grid_for(N * lanes), waves > 0 ? waves * resident : 32 * 1024);
-      accumulate_update_kernel<scalar_t, key_t, V, ITER, MaxK>
+      accumulate_update_kernel<R, scalar_t, key_t, V, ITER, MaxK>
           <<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(
-              tg, D, S, rule, rule_dev, up, num_runs, pp, fp, N, runs.sorted_pos, runs.bag_of, scale, lanes, partial,
+              tg, D, S, hparams, up, num_runs, pp, fp, N, runs.sorted_pos, runs.bag_of, scale, lanes, partial,
               arrived, skip);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    // One kernel instance per rule: the optimizer is chosen here, once per launch.
+    auto launch = [&](auto vec, auto iter) {
+      optim::dispatch(optimizer, [&](auto rule) { launch_rule(vec, iter, rule); });
     };
     auto with_iter = [&](auto vec) {
       constexpr int V = decltype(vec)::value;
@@ -1249,14 +1238,13 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
 
 // Rows too wide for the fused kernel's registers: the gradient rows are written out
 // (accumulate_grad), then applied (sparse_update).
-void update_wide(const TableArgs& t, int64_t mode, int64_t optimizer, double lr, double eps, double beta1,
-                 double beta2, double weight_decay, int64_t step) {
+void update_wide(const TableArgs& t, int64_t mode, int64_t optimizer, const at::Tensor& hparams) {
   auto [unique_slots, grad_rows] = with_sort_key(t.rows, [&](auto key) { return accumulate<decltype(key)>(t, mode); });
   static auto update = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("veloce::sparse_update", "")
                            .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                       int64_t, double, double, double, double, double, int64_t)>();
-  update.call(t.weights, t.opt_state, unique_slots, grad_rows, optimizer, lr, eps, beta1, beta2, weight_decay, step);
+                                       int64_t, const at::Tensor&)>();
+  update.call(t.weights, t.opt_state, unique_slots, grad_rows, optimizer, hparams);
 }
 
 // Applies the gradients of checked tables that share device, dtype and D (the weights and
@@ -1267,11 +1255,9 @@ void update_wide(const TableArgs& t, int64_t mode, int64_t optimizer, double lr,
 // skip (checked, or undefined): the fused kernels read it on the device and write nothing
 // when it is set; the unfused path of wide rows reads it on the host first (a sync, on a
 // path that syncs anyway), so that either every table is updated or none is.
-// lr_step (or undefined): read on the device by the fused kernels; the unfused path reads it
-// on the host (a sync).
-void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t optimizer, double lr, double eps,
-                   double beta1, double beta2, double weight_decay, int64_t step, const at::Tensor& skip,
-                   const at::Tensor& lr_step) {
+// hparams (checked, contiguous): read on the device by every kernel, fused or not.
+void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t optimizer, const at::Tensor& hparams,
+                   const at::Tensor& skip) {
   if (tables.empty()) return;
   const at::Tensor& w0 = tables[0].weights;
   const int64_t D = w0.size(1);
@@ -1298,20 +1284,8 @@ void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t o
     if (skip.item<bool>()) return;
     skip_flag = nullptr;
   }
-  const at::Tensor lr_step_c = lr_step.defined() ? lr_step.contiguous() : at::Tensor();
-  if (!wide.empty() && lr_step_c.defined()) {
-    const at::Tensor v = lr_step_c.cpu();
-    double wide_lr = 0.0;
-    int64_t wide_step = 1;
-    read_lr_step_values("veloce::accumulate_and_update", v.data_ptr<double>(), optimizer, eps, beta1, beta2, wide_lr,
-                        wide_step);
-    for (const TableArgs* t : wide) {
-      update_wide(*t, mode, optimizer, wide_lr, eps, beta1, beta2, weight_decay, wide_step);
-    }
-  } else {
-    for (const TableArgs* t : wide) update_wide(*t, mode, optimizer, lr, eps, beta1, beta2, weight_decay, step);
-  }
-  const double* lr_step_at = lr_step_c.defined() ? lr_step_c.data_ptr<double>() : nullptr;
+  for (const TableArgs* t : wide) update_wide(*t, mode, optimizer, hparams);
+  const double* h = hparams.data_ptr<double>();
   constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
   for (int vec = 0; vec < 2; ++vec) {
     const std::vector<const TableArgs*>& list = fused[vec];
@@ -1331,11 +1305,9 @@ void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t o
       with_sort_key(r, [&](auto key) {
         using key_t = decltype(key);
         if (K == 1) {
-          accumulate_and_update_fused<key_t, 1>(list.data() + begin, 1, mode, vec, optimizer, lr, eps, beta1, beta2,
-                                                weight_decay, step, skip_flag, lr_step_at);
+          accumulate_and_update_fused<key_t, 1>(list.data() + begin, 1, mode, vec, optimizer, h, skip_flag);
         } else {
-          accumulate_and_update_fused<key_t, kMaxGroup>(list.data() + begin, K, mode, vec, optimizer, lr, eps, beta1,
-                                                        beta2, weight_decay, step, skip_flag, lr_step_at);
+          accumulate_and_update_fused<key_t, kMaxGroup>(list.data() + begin, K, mode, vec, optimizer, h, skip_flag);
         }
       });
       begin = end;
@@ -1346,13 +1318,10 @@ void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t o
 void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt_state,
                                 const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
                                 const std::optional<at::Tensor>& per_sample_weights, int64_t mode,
-                                bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
-                                double beta2, double weight_decay, int64_t step, bool check_inputs,
-                                const std::optional<at::Tensor>& skip, const std::optional<at::Tensor>& lr_step) {
+                                bool include_last_offset, int64_t optimizer, const at::Tensor& hparams,
+                                bool check_inputs, const std::optional<at::Tensor>& skip) {
   constexpr const char* op = "veloce::accumulate_and_update";
-  // With lr_step, the scalar lr and step are placeholders (its values are not read here).
-  check_update_args(op, weights, opt_state, optimizer, lr_step ? 0.0 : lr, eps, beta1, beta2, lr_step ? 1 : step);
-  check_lr_step(op, lr_step, "weights", weights);
+  check_update_args(op, weights, opt_state, optimizer, hparams);
   check_backward_inputs(op, grad_output, slots, offsets, per_sample_weights, mode);
   check_grad_output_for_weights(op, grad_output, weights);
   if (skip.has_value()) check_flag(op, "skip", *skip, "weights", weights);
@@ -1371,8 +1340,8 @@ void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt
   const at::Tensor g = grad_output.contiguous();
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
   // The group of one table: the same kernels as accumulate_and_update_many.
-  update_tables({TableArgs{weights, opt_state, g, s, o, p, weights.size(0), N, B}}, mode, optimizer, lr, eps, beta1,
-                beta2, weight_decay, step, skip.value_or(at::Tensor()), lr_step.value_or(at::Tensor()));
+  update_tables({TableArgs{weights, opt_state, g, s, o, p, weights.size(0), N, B}}, mode, optimizer,
+                hparams.contiguous(), skip.value_or(at::Tensor()));
 }
 
 // check_bags_and_slots_cuda (no upper slot limit: accumulate_and_update skips slots past
@@ -1418,18 +1387,14 @@ void check_tables_cuda(const std::vector<std::string>& names, const std::vector<
 void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_state, at::TensorList grad_output,
                                      at::TensorList slots, at::TensorList offsets,
                                      const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
-                                     bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
-                                     double beta2, double weight_decay, int64_t step, bool check_inputs,
-                                     const std::optional<at::Tensor>& skip,
-                                     const std::optional<at::Tensor>& lr_step) {
+                                     bool include_last_offset, int64_t optimizer, const at::Tensor& hparams,
+                                     bool check_inputs, const std::optional<at::Tensor>& skip) {
   constexpr const char* op = "veloce::accumulate_and_update_many";
   const ManyTables checked = check_update_many_args(op, weights, opt_state, grad_output, slots, offsets,
-                                                    per_sample_weights, mode, include_last_offset, optimizer,
-                                                    lr_step ? 0.0 : lr, eps, beta1, beta2, lr_step ? 1 : step);
+                                                    per_sample_weights, mode, include_last_offset, optimizer, hparams);
   const size_t K = weights.size();
   if (K == 0) return;
   if (skip.has_value()) check_flag(op, "skip", *skip, "weights[0]", weights[0]);
-  check_lr_step(op, lr_step, "weights[0]", weights[0]);
   const c10::cuda::CUDAGuard guard(weights[0].device());
   std::vector<TableArgs> tables(K);
   for (size_t k = 0; k < K; ++k) {
@@ -1454,8 +1419,7 @@ void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_
     const std::optional<at::Tensor> psw = per_sample_weights.get(k);
     t.p = psw.has_value() ? psw->contiguous() : at::Tensor();
   }
-  update_tables(tables, mode, optimizer, lr, eps, beta1, beta2, weight_decay, step, skip.value_or(at::Tensor()),
-                lr_step.value_or(at::Tensor()));
+  update_tables(tables, mode, optimizer, hparams.contiguous(), skip.value_or(at::Tensor()));
 }
 
 }  // namespace

@@ -55,7 +55,7 @@
 // outcome on the device (a call decided to fail claims nothing, one whose racing ids found
 // no room rolls back, and a failed call writes -1 to every slot); counts stay on the device.
 // No eviction (its keys are listed on the host), and conflicted ids always race. The
-// caller decides growth from a bound instead of the count (veloce/table.py).
+// caller decides growth from a bound instead of the count (veloce/table/).
 //
 // An op over K tables (find_or_insert_many; the single-table ops are K = 1) runs each kernel
 // once for all of them: table j is blockIdx.y, its arguments a TableCall (in
@@ -91,6 +91,7 @@
 #include "veloce/cuda_utils.cuh"
 #include "veloce/many.h"
 #include "veloce/op_checks.h"
+#include "veloce/score.h"
 
 namespace veloce {
 namespace cuda {
@@ -108,7 +109,8 @@ inline int rows_per_warp(int64_t rows) {
 // Blocks of kThreads for `rows` rows at r rows per warp.
 inline int64_t row_warp_threads(int64_t rows, int r) { return ceil_div(rows, r) * 32; }
 
-// find_or_insert success: initial rows, zero state, starting score of the new ids. Each warp
+// find_or_insert success: initial rows, initial state (init_state, or zeros), starting score
+// of the new ids. Each warp
 // takes r consecutive distinct ids (rows_per_warp): lane j < r loads id (base + j)'s state and
 // slot and hashes its id, then the warp fills the r rows in turn, columns over lanes. Runs
 // for the tables whose rows are scalar_t.
@@ -131,9 +133,11 @@ __global__ void init_rows_kernel(const __grid_constant__ Calls calls) {
     }
   }
   if (__ballot_sync(kFullWarp, slot >= 0) == 0) return;  // the whole warp
+  const int64_t start = score::dispatch(c->score_policy, [&](auto p) { return decltype(p)::on_insert(call_score(c)); });
   using acc_t = at::opmath_type<scalar_t>;
   scalar_t* const weights = static_cast<scalar_t*>(c->weights);
   acc_t* const state = static_cast<acc_t*>(c->state);
+  const acc_t* const init = static_cast<const acc_t*>(c->init_state);
   const int64_t D = c->D, S = c->S;
   const int64_t kind = c->init_kind;
   const double a = c->init_a, b = c->init_b;
@@ -143,8 +147,8 @@ __global__ void init_rows_kernel(const __grid_constant__ Calls calls) {
     scalar_t* const row = weights + s * D;
     init_columns(__shfl_sync(kFullWarp, bits, j), D, kind, a, b, lane, 32,
                  [&](int64_t col, double v) { row[col] = to_weight<scalar_t>(v); });
-    for (int64_t col = lane; col < S; col += 32) state[s * S + col] = 0;
-    if (lane == 0) c->t.scores[s] = call_score(c);  // the call's starting score (LRU), else 0
+    for (int64_t col = lane; col < S; col += 32) state[s * S + col] = init != nullptr ? init[col] : acc_t(0);
+    if (lane == 0) c->t.scores[s] = start;  // the policy's on_insert
   }
 }
 
@@ -161,7 +165,6 @@ __global__ void assign_rows_kernel(const __grid_constant__ Calls calls) {
   const int r = c->rows_per_warp;
   const Uniques u = c->u;
   int64_t* const scores = c->t.scores;
-  const int64_t policy = c->score_policy;
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t k = thread_index() / 32 * r + lane;
   int64_t slot = -1, last = 0;
@@ -174,10 +177,11 @@ __global__ void assign_rows_kernel(const __grid_constant__ Calls calls) {
     int64_t sc;
     if (c->score_values != nullptr) {
       sc = c->score_values[last];
-    } else {
-      sc = fresh ? (policy == kScoreLRU ? c->score_value : 0) : scores[slot];
-      if (policy == kScoreLRU) sc = c->score_value;
-      if (policy == kScoreLFU) sc += c->occurrences[k];
+    } else {  // one thread per distinct id: its positions' count at once
+      sc = score::dispatch(c->score_policy, [&](auto p) {
+        using P = decltype(p);
+        return P::on_hit(fresh ? P::on_insert(c->score_value) : scores[slot], c->score_value, c->occurrences[k]);
+      });
     }
     scores[slot] = sc;
   }
@@ -188,6 +192,7 @@ __global__ void assign_rows_kernel(const __grid_constant__ Calls calls) {
   const scalar_t* const values = static_cast<const scalar_t*>(c->values);
   acc_t* const state = static_cast<acc_t*>(c->state);
   const acc_t* const opt_values = static_cast<const acc_t*>(c->opt_values);
+  const acc_t* const init = static_cast<const acc_t*>(c->init_state);
   const int64_t D = c->D, S = c->S;
   for (int j = 0; j < r; ++j) {
     if (!((rows >> j) & 1u)) continue;
@@ -197,7 +202,7 @@ __global__ void assign_rows_kernel(const __grid_constant__ Calls calls) {
     if (opt_values != nullptr) {
       for (int64_t col = lane; col < S; col += 32) state[s * S + col] = opt_values[src * S + col];
     } else if ((fresh_rows >> j) & 1u) {
-      for (int64_t col = lane; col < S; col += 32) state[s * S + col] = 0;
+      for (int64_t col = lane; col < S; col += 32) state[s * S + col] = init != nullptr ? init[col] : acc_t(0);
     }
   }
 }
@@ -234,8 +239,24 @@ __global__ void deferred_counts_kernel(const int32_t* counters, int64_t K, int w
   if (width == 3) o[2] = 0;
 }
 
-// Per non-padding position: LRU sets score_value, LFU adds 1. score_skip: positions to
-// leave out (null for none): LRU skips the new ids, whose rows started at score_value.
+// Scores position i's slot s under policy P (veloce/score.h's kCombine): a kStamp policy
+// stores its value, a kAdd policy adds its step atomically.
+template <class P>
+__device__ __forceinline__ void score_position(const TableCall* c, int64_t s) {
+  int64_t* const scores = c->t.scores;
+  const int64_t value = P::on_hit(0, call_score(c), 1);
+  if constexpr (P::kCombine == score::Combine::kStamp) {
+    // A hot id repeats thousands of times in a batch: its later positions find the score
+    // set (in L1 or L2) and skip the store instead of queueing on one address.
+    if (scores[s] != value) scores[s] = value;
+  } else if constexpr (P::kCombine == score::Combine::kAdd) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(scores + s), static_cast<unsigned long long>(value));
+  }
+}
+
+// Per non-padding position: its slot's score, by the table's policy. score_skip: positions
+// to leave out (null for none): a kStamp policy skips the new ids, whose rows started at
+// the value it stores.
 template <class Calls>
 __global__ void score_positions_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageScore);
@@ -243,15 +264,7 @@ __global__ void score_positions_kernel(const __grid_constant__ Calls calls) {
   if (c == nullptr || i >= c->n || (c->score_skip != nullptr && c->score_skip[i]) || placement_failed(c)) return;
   const int64_t s = c->slots[i];
   if (s < 0) return;
-  int64_t* const scores = c->t.scores;
-  if (c->score_policy == kScoreLRU) {
-    // A hot id repeats thousands of times in a batch: its later positions find the score
-    // set (in L1 or L2) and skip the store instead of queueing on one address.
-    const int64_t value = call_score(c);
-    if (scores[s] != value) scores[s] = value;
-  } else {
-    atomicAdd(reinterpret_cast<unsigned long long*>(scores + s), 1ull);
-  }
+  score::dispatch(c->score_policy, [&](auto p) { score_position<decltype(p)>(c, s); });
 }
 
 template <class Calls>
@@ -511,7 +524,7 @@ struct InsertTable {
         ids(std::move(ids)) {}
 
   at::Tensor keys, digests, scores, weights, opt_state, ids;  // ids contiguous; erase: no scores, rows or state
-  int64_t score_policy = kScoreNone, score_value = 0;
+  int64_t score_policy = 0, score_value = 0;  // score_policy: an id of veloce/score.h
   const int64_t* clock = nullptr;  // find_or_insert's clock (device memory): replaces score_value
   bool allow_evict = false;
   int64_t room = kNoRoomLimit;      // new ids that may take an empty slot
@@ -519,6 +532,7 @@ struct InsertTable {
   double init_a = 0, init_b = 0;
   std::optional<int64_t> padding_id;
   at::Tensor values, opt_values, score_values;  // insert_or_assign
+  at::Tensor init_state;  // (S,) contiguous, the state of new rows; undefined: zeros
   at::Tensor slots, erased;
   // outcome
   int64_t inserted = 0, failed = 0;
@@ -734,7 +748,7 @@ class Inserter {
       c.room = t.room;
       c.score_policy = t.score_policy;
       c.score_value = t.score_value;
-      c.clock = t.score_policy == kScoreLRU ? t.clock : nullptr;
+      c.clock = t.clock;
       c.erased = t.erased.defined() ? t.erased.data_ptr<bool>() : nullptr;
       if (mode_ == Mode::kFindOrInsert) {
         c.stages = kStageProbe | kStageGroup | kStageClassify;
@@ -757,6 +771,7 @@ class Inserter {
       c.init_kind = t.init_kind;
       c.init_a = t.init_a;
       c.init_b = t.init_b;
+      c.init_state = t.init_state.defined() ? t.init_state.data_ptr() : nullptr;
       if (mode_ == Mode::kAssign) {
         c.values = t.values.data_ptr();
         c.opt_values = t.opt_values.defined() ? t.opt_values.data_ptr() : nullptr;
@@ -938,13 +953,12 @@ class Inserter {
   }
 
   // find_or_insert's phase 5: the positions' scores (every missing position is a new row,
-  // or, with none inserted, none is missing; new rows start at the call's score under LRU,
-  // the positions' score too, else at 0).
+  // or, with none inserted, none is missing; new rows start at the policy's on_insert,
+  // which under a kStamp policy is the positions' score too).
   static void score_positions(const InsertTable& t, TableCall& call) {
-    if (t.score_policy != kScoreNone) call.stages |= kStageScore;
-    call.score_skip = t.score_policy == kScoreLRU ? call.active : nullptr;
-    call.score_value = t.score_policy == kScoreLRU ? t.score_value : 0;
-    call.clock = t.score_policy == kScoreLRU ? t.clock : nullptr;
+    const score::Combine combine = score::dispatch(t.score_policy, [](auto p) { return decltype(p)::kCombine; });
+    if (combine != score::Combine::kKeep) call.stages |= kStageScore;
+    call.score_skip = combine == score::Combine::kStamp ? call.active : nullptr;
   }
 
   // Phase 5's row kernels for table t: its rows per warp, and its dtype among `dtypes`.
@@ -1145,10 +1159,13 @@ InsertTable find_or_insert_table(const std::string& op, const at::Tensor& keys, 
                                  const at::Tensor& scores, const at::Tensor& weights, const at::Tensor& opt_state,
                                  const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict,
                                  int64_t seed, int64_t init_kind, double init_a, double init_b,
-                                 std::optional<int64_t> padding_id, int64_t room, at::Tensor slots) {
+                                 std::optional<int64_t> padding_id, int64_t room, at::Tensor slots,
+                                 const std::optional<at::Tensor>& init_state) {
   InsertTable t(keys, digests, scores, weights, opt_state,
                 check_insert_args_cuda(op.c_str(), keys, digests, scores, weights, opt_state, ids, score_policy));
   check_init(op.c_str(), init_kind, init_a, init_b);
+  check_init_state(op.c_str(), init_state, opt_state);
+  if (init_state) t.init_state = init_state->contiguous();
   t.score_policy = score_policy;
   t.score_value = score_value;
   t.allow_evict = allow_evict;
@@ -1180,14 +1197,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id,
-    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock, int64_t room) {
+    const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock, int64_t room,
+    const std::optional<at::Tensor>& init_state) {
   constexpr const char* op = "veloce::find_or_insert";
   // First: a CUDA flag beside a CPU table lands here, and its error should name bad_input.
   check_bad_input(op, bad_input, keys);
   std::vector<InsertTable> tables;
   tables.push_back(find_or_insert_table(op, keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
                                         allow_evict, seed, init_kind, init_a, init_b, padding_id, room,
-                                        at::Tensor()));
+                                        at::Tensor(), init_state));
   check_defer(op, defer, allow_evict);
   check_room(op, room, defer);
   check_clock(op, clock, 1, keys);
@@ -1212,11 +1230,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
     at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
     const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock,
-    at::OptionalIntArrayRef room) {
+    at::OptionalIntArrayRef room, const std::optional<c10::List<std::optional<at::Tensor>>>& init_state) {
   constexpr const char* op = "veloce::find_or_insert_many";
   const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
                                                    score_value, allow_evict, seed, init_kind, init_a, init_b,
-                                                   padding_id, bad_input);
+                                                   padding_id, bad_input, init_state);
   for (int64_t k = 0; k < K; ++k) check_defer(op, defer, allow_evict.get(k), k);
   check_room_many(op, room, K, defer);
   check_defer_cuda(op, defer);
@@ -1232,7 +1250,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
     tables.push_back(find_or_insert_table(table_op_name(op, k), keys[k], digests[k], scores[k], weights[k],
                                           opt_state[k], ids[k], score_policy[k], score_value[k], allow_evict.get(k),
                                           seed[k], init_kind[k], init_a[k], init_b[k], padding_id.get(k),
-                                          room ? (*room)[k] : kNoRoomLimit, slots.narrow(0, start, ids[k].numel())));
+                                          room ? (*room)[k] : kNoRoomLimit, slots.narrow(0, start, ids[k].numel()),
+                                          init_state ? init_state->get(k) : std::nullopt));
     if (clock_values.defined()) tables.back().clock = clock_values.data_ptr<int64_t>() + k;
   }
   const c10::cuda::CUDAGuard guard(keys[0].device());
@@ -1257,7 +1276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids_in, const at::Tensor& values_in, const std::optional<at::Tensor>& opt_values_in,
     const std::optional<at::Tensor>& score_values_in, int64_t score_policy, int64_t score_value, bool allow_evict,
-    int64_t room) {
+    int64_t room, const std::optional<at::Tensor>& init_state) {
   constexpr const char* op = "veloce::insert_or_assign";
   check_room(op, room, false);
   std::vector<InsertTable> tables;
@@ -1265,6 +1284,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> insert_or_assign_cuda(
       keys, digests, scores, weights, opt_state,
       check_insert_args_cuda(op, keys, digests, scores, weights, opt_state, ids_in, score_policy));
   check_assign_values(op, keys, weights, opt_state, t.ids.numel(), values_in, opt_values_in, score_values_in);
+  check_init_state(op, init_state, opt_state);
+  if (init_state) t.init_state = init_state->contiguous();
   t.values = values_in.contiguous();
   t.opt_values = opt_values_in ? opt_values_in->contiguous() : at::Tensor();
   t.score_values = score_values_in ? score_values_in->contiguous() : at::Tensor();

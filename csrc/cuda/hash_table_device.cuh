@@ -178,12 +178,13 @@ struct TableCall {
   void* state;               // (C, S) opmath of scalar_t
   const void* values;        // (n, D) insert_or_assign's values
   const void* opt_values;    // (n, S), or null
+  const void* init_state;    // (S,) the state of new rows, or null for zeros
   const int64_t* score_values;  // (n,), or null
   int64_t D, S;
   int32_t dtype;             // the weights' at::ScalarType: a row kernel runs for one dtype
   int32_t rows_per_warp;
-  int64_t score_policy, score_value;
-  const int64_t* clock;      // find_or_insert's clock: the LRU score_value read on the device, or null
+  int64_t score_policy, score_value;  // an id of veloce/score.h, and the clock its functor reads
+  const int64_t* clock;      // find_or_insert's clock: score_value read on the device, or null
   int64_t seed, init_kind;
   double init_a, init_b;
   const uint8_t* score_skip; // positions score_positions_kernel leaves out, or null
@@ -224,7 +225,7 @@ __device__ __forceinline__ bool deferred_nothing_new(const TableCall* c) {
   return c->deferred && c->ctr[counter::kNew] == 0;
 }
 
-// The score a call stamps under LRU: its clock's value when it has one, else score_value.
+// The clock a call's score policy reads: its clock tensor's value when it has one, else score_value.
 __device__ __forceinline__ int64_t call_score(const TableCall* c) {
   return c->clock != nullptr ? *c->clock : c->score_value;
 }

@@ -6,7 +6,9 @@
 // A group of `lanes` threads (a power of two <= 32) per updated row; each lane owns V
 // consecutive columns and reads the row, its gradient and its state with 16-byte loads,
 // applies the rule in float (double for float64) and writes row and state back: one pass.
-// RowWiseAdagrad first reduces sum(g^2) over the group with shuffles.
+// A rule with a row prologue (RowWiseAdagrad) first reduces sum(g^2) over the group with
+// shuffles. One kernel instance per rule (optim::dispatch); each thread makes the rule's
+// parameters from hparams in device memory.
 
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -17,23 +19,24 @@
 #include "veloce/cuda_utils.cuh"
 #include "veloce/nonfinite.h"
 #include "veloce/op_checks.h"
-#include "veloce/update_rule.cuh"
+#include "veloce/optim/pack.cuh"
 
 namespace veloce {
 namespace cuda {
 namespace {
 
-template <typename scalar_t, int V>
+template <class R, typename scalar_t, int V>
 __global__ void sparse_update_kernel(scalar_t* __restrict__ weights,                 // (C, D)
                                      at::opmath_type<scalar_t>* __restrict__ state,  // (C, S)
                                      const int64_t* __restrict__ slots,              // (U,)
                                      const scalar_t* __restrict__ grads,             // (U, D)
-                                     int64_t U, int64_t D, int64_t S, UpdateRule<at::opmath_type<scalar_t>> rule,
+                                     int64_t U, int64_t D, int64_t S, const double* __restrict__ hparams,
                                      int lanes) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t u = t / lanes;
   if (u >= U) return;  // the whole group: its lanes share u
+  const auto p = R::template make<acc_t>(hparams);
   const int lane = static_cast<int>(t % lanes);
   const int64_t slot = slots[u];
   scalar_t* w_row = weights + slot * D;
@@ -45,11 +48,11 @@ __global__ void sparse_update_kernel(scalar_t* __restrict__ weights,            
   auto gradient = [&](const Pack<scalar_t, V>& w, const Pack<scalar_t, V>& gin, acc_t (&g)[V]) {
 #pragma unroll
     for (int j = 0; j < V; ++j) g[j] = static_cast<acc_t>(gin.v[j]);
-    add_weight_decay(rule, w, g);
+    add_weight_decay<R>(p, w, g);
   };
 
-  acc_t mult = 0;  // RowWiseAdagrad: lr / (sqrt(s) + eps) from the whole row
-  if (rule.opt == kRowWiseAdagrad) {
+  acc_t row = 0;  // the rule's factor from the whole row (RowWiseAdagrad: lr / (sqrt(s) + eps))
+  if constexpr (R::kRowPrologue) {
     acc_t sq = 0;
     for (int64_t c = first; c < D; c += step) {
       acc_t g[V];
@@ -57,13 +60,15 @@ __global__ void sparse_update_kernel(scalar_t* __restrict__ weights,            
 #pragma unroll
       for (int j = 0; j < V; ++j) sq += g[j] * g[j];
     }
-    mult = rowwise_factor(rule, sq, st, D, lane, lanes, group_mask(lanes));
+    row = row_factor<R>(p, sq, st, D, lane, lanes, group_mask(lanes));
   }
   for (int64_t c = first; c < D; c += step) {
     Pack<scalar_t, V> w = load_pack<scalar_t, V>(w_row + c);
     acc_t g[V];
     gradient(w, load_pack<scalar_t, V>(g_row + c), g);
-    update_pack(rule, w, g, st, c, D, mult);
+    StatePack<R, acc_t, V> s = load_state<R, acc_t, V>(st, c, D);
+    apply_pack<R>(p, w, g, s, row);
+    store_state<R>(st, c, D, s);
     store_pack<scalar_t, V>(w_row + c, w);
   }
 }
@@ -89,12 +94,10 @@ void check_update_slots(const char* op, const at::Tensor& s, int64_t C) {
 }
 
 void sparse_update_cuda(const at::Tensor& weights, const at::Tensor& opt_state, const at::Tensor& slots,
-                        const at::Tensor& grads, int64_t optimizer, double lr, double eps, double beta1,
-                        double beta2, double weight_decay, int64_t step) {
+                        const at::Tensor& grads, int64_t optimizer, const at::Tensor& hparams) {
   constexpr const char* op = "veloce::sparse_update";
-  const int64_t S = check_update_rows(op, weights, opt_state, optimizer);
+  const int64_t S = check_update_args(op, weights, opt_state, optimizer, hparams);
   check_update_grads(op, weights, slots, grads);
-  check_update_hyper(op, optimizer, lr, eps, beta1, beta2, step);
   const auto st = weights.scalar_type();
   const int64_t C = weights.size(0);
   const int64_t D = weights.size(1);
@@ -105,16 +108,19 @@ void sparse_update_cuda(const at::Tensor& weights, const at::Tensor& opt_state, 
   if (U == 0 || D == 0) return;
 
   const at::Tensor g = grads.contiguous();
+  const at::Tensor h = hparams.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "sparse_update_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const auto rule = UpdateRule<acc_t>::make(optimizer, lr, eps, beta1, beta2, weight_decay, step);
     acc_t* state = S > 0 ? opt_state.data_ptr<acc_t>() : nullptr;
     auto launch = [&](auto vec) {
       constexpr int V = decltype(vec)::value;
       const int lanes = lanes_for(D, V);
-      sparse_update_kernel<scalar_t, V><<<grid_for(U * lanes), kThreads, 0, stream()>>>(
-          weights.data_ptr<scalar_t>(), state, s.data_ptr<int64_t>(), g.data_ptr<scalar_t>(), U, D, S, rule, lanes);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      optim::dispatch(optimizer, [&](auto rule) {
+        sparse_update_kernel<decltype(rule), scalar_t, V><<<grid_for(U * lanes), kThreads, 0, stream()>>>(
+            weights.data_ptr<scalar_t>(), state, s.data_ptr<int64_t>(), g.data_ptr<scalar_t>(), U, D, S,
+            h.data_ptr<double>(), lanes);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     };
     constexpr int kVec = vec16<scalar_t>();
     const bool vec = D % kVec == 0 && aligned16(weights.data_ptr()) && aligned16(g.data_ptr()) &&

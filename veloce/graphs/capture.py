@@ -48,8 +48,11 @@ class Capturing:
             dev = self.modules[0].table.device if self.modules else torch.device("cuda")
             for m in self.modules:
                 log.clocks[id(m.table)] = torch.tensor([m.table.clock], dtype=torch.int64, device=dev)
-                log.lr_steps[id(m)] = torch.tensor([self._lr_of(m, None), float(m._steps)], dtype=torch.float64,
-                                                   device=dev)  # fmt: skip
+                opt = m.optimizer
+                log.hparams[id(m)] = torch.tensor(
+                    [self._lr_of(m, None), float(m._steps), float(opt.weight_decay), *opt.hyperparameters()],
+                    dtype=torch.float64, device=dev,
+                )  # fmt: skip
             inputs_at = self._static if plans is not None else [x.clone() for x in inputs]
             graph = torch.cuda.CUDAGraph()
             _capture.ACTIVE = log
@@ -224,7 +227,7 @@ class Capturing:
         return float(m.optimizer.lr if requested is None else requested)
 
     def _sync_scalars(self) -> None:
-        """Writes the device clocks and [lr, step] where the host's values moved on without
+        """Writes the device clocks and hparams[:2] ([lr, step]) where the host's values moved on without
         the graph (a load, an eager step, an LR scheduler); nothing when they agree."""
         log = self._log
         assert log is not None
@@ -235,7 +238,7 @@ class Capturing:
         for m in self.modules:
             want = (self._lr_of(m, log), float(m._steps))
             if self._mirror.get(id(m)) != want:
-                log.lr_steps[id(m)].copy_(torch.tensor(want, dtype=torch.float64))
+                log.hparams[id(m)][:2].copy_(torch.tensor(want, dtype=torch.float64))
                 self._mirror[id(m)] = want
 
     def _after_replay(self) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "find_or_insert_many",
     "insert_or_assign",
     "erase",
+    "expire",
     "export",
     "initialize",
 ]
@@ -86,10 +87,12 @@ def find_or_insert(
     defer: bool = False,
     clock: Tensor | None = None,
     room: int = -1,
+    init_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Looks ids up, inserting the missing ones; mutates the table tensors in place.
 
-    New rows get ``initialize(id, ...)`` values and zero optimizer state. Scores follow
+    New rows get ``initialize(id, ...)`` values and the optimizer state ``init_state``
+    (zeros when None). Scores follow
     ``score_policy`` (0 none, 1 LRU: set to ``score_value``, 2 LFU: +1 per occurrence).
     With ``allow_evict``, a key whose two buckets are full replaces the lowest-scored key
     there that this call did not touch.
@@ -127,6 +130,9 @@ def find_or_insert(
             evicts, with ``allow_evict``); each later one evicts the lowest-scored occupied
             key of its buckets that the call did not touch (``allow_evict``), else the call
             fails and changes nothing, with ``num_failed = new ids - room``. -1 with ``defer``.
+        init_state: optional (S,) tensor of ``opt_state``'s dtype and device: the optimizer
+            state every new row starts from (the optimizer's
+            :meth:`~veloce.optim.SparseOptimizer.initial_state`); None starts them at zeros.
 
     Returns:
         ``(slots, counts, evicted_keys)``: slots (N,) int64; counts (2,) int64 on the CPU
@@ -147,7 +153,7 @@ def find_or_insert(
     _ext.require()
     return torch.ops.veloce.find_or_insert(
         keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict,
-        seed, init_kind, init_a, init_b, padding_id, bad_input, defer, clock, room,
+        seed, init_kind, init_a, init_b, padding_id, bad_input, defer, clock, room, init_state,
     )
 
 
@@ -166,6 +172,7 @@ def find_or_insert_many(
     defer: bool = False,
     clock: Tensor | None = None,
     room: Sequence[int] | None = None,
+    init_state: Sequence[Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`find_or_insert` on K tables in one op: entry k of every argument is table k's.
 
@@ -188,6 +195,8 @@ def find_or_insert_many(
         clock: as for :func:`find_or_insert`, (K,) int64: ``clock[k]`` replaces
             ``score_value[k]``.
         room: K values as for :func:`find_or_insert`, or None (no limit for any table).
+        init_state: K entries as for :func:`find_or_insert` (None for zeros), or None
+            (zeros for every table).
 
     Returns:
         ``(slots, counts, evicted_keys)``, each table's results concatenated in table order
@@ -214,7 +223,7 @@ def find_or_insert_many(
     return torch.ops.veloce.find_or_insert_many(
         *cols, list(ids), list(score_policy), list(score_value), list(allow_evict), list(seed), list(init_kind),
         list(init_a), list(init_b), list(padding_id), bad_input, defer, clock,
-        None if room is None else list(room),
+        None if room is None else list(room), None if init_state is None else list(init_state),
     )  # fmt: skip
 
 
@@ -232,11 +241,13 @@ def insert_or_assign(
     score_value: int = 0,
     allow_evict: bool = False,
     room: int = -1,
+    init_state: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Writes rows for ids, inserting the missing ones; mutates the table tensors in place.
 
     With duplicate ids the last occurrence wins. ``opt_values`` and ``score_values`` are
-    written when given; otherwise new rows get zero state and scores follow the policy.
+    written when given; otherwise new rows get ``init_state`` (zeros when None) and scores
+    follow the policy.
 
     Args:
         keys, digests, scores, weights, opt_state: the table (mutated).
@@ -244,7 +255,7 @@ def insert_or_assign(
         values: (N, D) rows, same dtype as weights.
         opt_values: optional (N, S) optimizer state, same dtype as opt_state.
         score_values: optional (N,) int64 scores.
-        score_policy, score_value, allow_evict, room: as in :func:`find_or_insert`.
+        score_policy, score_value, allow_evict, room, init_state: as in :func:`find_or_insert`.
 
     Returns:
         ``(slots, counts, evicted_keys)`` as in :func:`find_or_insert`.
@@ -256,7 +267,7 @@ def insert_or_assign(
     _ext.require()
     return torch.ops.veloce.insert_or_assign(
         keys, digests, scores, weights, opt_state, ids, values, opt_values, score_values,
-        score_policy, score_value, allow_evict, room,
+        score_policy, score_value, allow_evict, room, init_state,
     )
 
 
@@ -269,6 +280,27 @@ def erase(keys: Tensor, digests: Tensor, ids: Tensor) -> Tensor:
     """
     _ext.require()
     return torch.ops.veloce.erase(keys, digests, ids)
+
+
+def expire(keys: Tensor, digests: Tensor, scores: Tensor, before: int) -> Tensor:
+    """Removes every occupied slot whose score is below ``before`` (clears its digest in
+    place): a time-to-live's expiry, where the scores are LRU's last-seen steps. One pass
+    over the slots; no host sync.
+
+    Args:
+        keys, digests: the table's key columns (digests mutated).
+        scores: (C,) int64, the table's scores.
+        before: slots scored below it are erased.
+
+    Returns:
+        erased: a 0-dim int64 tensor on the table's device, the number of slots erased.
+
+    Example::
+
+        n = expire(keys, digests, scores, clock - steps)  # rows not seen in the last `steps` ticks
+    """
+    _ext.require()
+    return torch.ops.veloce.expire(keys, digests, scores, before)
 
 
 def export(
@@ -365,14 +397,16 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("veloce::find_or_insert")
     def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
-          init_kind, init_a, init_b, padding_id=None, bad_input=None, defer=False, clock=None, room=-1):
+          init_kind, init_a, init_b, padding_id=None, bad_input=None, defer=False, clock=None, room=-1,
+          init_state=None):
         _check_bad_input_fake("find_or_insert", keys, bad_input)
         _check_clock_fake("find_or_insert", keys, clock, 1)
         return _insert_fake("find_or_insert", keys, ids, defer)
 
     @torch.library.register_fake("veloce::find_or_insert_many")
     def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
-          init_kind, init_a, init_b, padding_id, bad_input=None, defer=False, clock=None, room=None):
+          init_kind, init_a, init_b, padding_id, bad_input=None, defer=False, clock=None, room=None,
+          init_state=None):
         for k, i in zip(keys, ids):
             _check_table_fake("find_or_insert_many", k, i)
         if len(keys):
@@ -392,13 +426,17 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("veloce::insert_or_assign")
     def _(keys, digests, scores, weights, opt_state, ids, values, opt_values, score_values, score_policy,
-          score_value, allow_evict, room=-1):
+          score_value, allow_evict, room=-1, init_state=None):
         return _insert_fake("insert_or_assign", keys, ids)
 
     @torch.library.register_fake("veloce::erase")
     def _(keys, digests, ids):
         _check_table_fake("erase", keys, ids)
         return ids.new_empty(ids.shape, dtype=torch.bool)
+
+    @torch.library.register_fake("veloce::expire")
+    def _(keys, digests, scores, before):
+        return keys.new_empty(())
 
     @torch.library.register_fake("veloce::export")
     def _(keys, digests, scores, weights, opt_state, start, end):

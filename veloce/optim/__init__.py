@@ -12,7 +12,16 @@ config                        state/row    reference
 ``Adagrad(lr, eps)``          D            ``torch.optim.Adagrad``
 ``RowWiseAdagrad(lr, eps)``   1            FBGEMM row-wise Adagrad (mean of g**2)
 ``Adam(lr, betas, eps)``      2D           ``torch.optim.SparseAdam`` (lazy Adam)
+``FTRL(lr, lr_power, l1,      2D           ``tf.keras.optimizers.Ftrl`` (FTRL-Proximal)
+l2, initial_accumulator_value,
+beta)``
 ============================  ===========  ==========================================
+
+Each config names its kernel rule (``kind``, an id of ``veloce.ops.optimizer.RULES``) and
+gives the kernels its own hyperparameters (:meth:`SparseOptimizer.hyperparameters`) and the
+state new rows start from (:meth:`SparseOptimizer.initial_state`). Adding an optimizer is a
+rule header in ``csrc/include/veloce/optim/``, a line in its registry (and in ``RULES``), a
+config file here and its line in :data:`OPTIMIZERS` (docs/ops.md, "Adding an optimizer").
 
 Example::
 
@@ -27,11 +36,12 @@ from typing import Any
 from veloce.optim.adagrad import Adagrad
 from veloce.optim.adam import Adam
 from veloce.optim.base import SparseOptimizer
+from veloce.optim.ftrl import FTRL
 from veloce.optim.registry import OPTIMIZERS
 from veloce.optim.rowwise_adagrad import RowWiseAdagrad
 from veloce.optim.sgd import SGD
 
-__all__ = ["OPTIMIZERS", "SparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Adam"]
+__all__ = ["OPTIMIZERS", "SparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "FTRL"]
 
 # Names of the engine (veloce.sparse, a layer above this package) that users may look for here.
 _ELSEWHERE = {

@@ -30,5 +30,5 @@ class Adagrad(SparseOptimizer):
     def state_dim(self, dim: int) -> int:
         return dim
 
-    def kernel_args(self) -> tuple[int, float, float, float]:
-        return (self.kind, self.eps, 0.0, 0.0)
+    def hyperparameters(self) -> list[float]:
+        return [float(self.eps)]

@@ -35,5 +35,5 @@ class Adam(SparseOptimizer):
     def state_dim(self, dim: int) -> int:
         return 2 * dim
 
-    def kernel_args(self) -> tuple[int, float, float, float]:
-        return (self.kind, self.eps, float(self.betas[0]), float(self.betas[1]))
+    def hyperparameters(self) -> list[float]:
+        return [float(self.eps), float(self.betas[0]), float(self.betas[1])]

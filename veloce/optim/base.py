@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
+
+import torch
 
 __all__ = ["SparseOptimizer"]
 
@@ -35,6 +37,13 @@ class SparseOptimizer:
         """Width S of the per-row optimizer state for embedding dim ``dim``."""
         raise NotImplementedError
 
-    def kernel_args(self) -> tuple[int, float, float, float]:
-        """(optimizer id, eps, beta1, beta2) for ``torch.ops.veloce.sparse_update``."""
-        return (self.kind, 0.0, 0.0, 0.0)
+    def hyperparameters(self) -> list[float]:
+        """The rule's own hyperparameters, in kernel order: the ops' ``hparams`` is
+        ``[lr, step, weight_decay, *hyperparameters()]`` (``veloce.ops.optimizer.RULES``
+        names them)."""
+        return []
+
+    def initial_state(self, dim: int) -> Optional[torch.Tensor]:
+        """The ``(state_dim(dim),)`` optimizer state every new row starts from, or None for
+        zeros. The table casts it to its state dtype and device."""
+        return None

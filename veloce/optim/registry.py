@@ -5,6 +5,7 @@ from __future__ import annotations
 from veloce.optim.adagrad import Adagrad
 from veloce.optim.adam import Adam
 from veloce.optim.base import SparseOptimizer
+from veloce.optim.ftrl import FTRL
 from veloce.optim.rowwise_adagrad import RowWiseAdagrad
 from veloce.optim.sgd import SGD
 
@@ -16,6 +17,7 @@ OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
     "adagrad": Adagrad,
     "rowwise_adagrad": RowWiseAdagrad,
     "adam": Adam,
+    "ftrl": FTRL,
 }
 
 

@@ -31,5 +31,5 @@ class RowWiseAdagrad(SparseOptimizer):
     def state_dim(self, dim: int) -> int:
         return 1
 
-    def kernel_args(self) -> tuple[int, float, float, float]:
-        return (self.kind, self.eps, 0.0, 0.0)
+    def hyperparameters(self) -> list[float]:
+        return [float(self.eps)]

@@ -9,7 +9,7 @@ runs once, at capture. So while capturing:
   counts are not read by the host then, but logged, so that the step wrapper can read the
   counts of each replay (the same static tensor, rewritten by every replay);
 - every fused update reads its learning rate and step count from a device tensor that the
-  graph advances (``accumulate_and_update(..., lr_step=)``), and runs on the current stream
+  graph advances (``accumulate_and_update``'s ``hparams``), and runs on the current stream
   (the update stream's fences would tie the graph to work outside it);
 - the NaN/Inf check is read by the host later, as with ``nonfinite_grad="raise_next"``:
   each update skips itself on the device when its check fails, and the wrapper reads the
@@ -67,7 +67,8 @@ class Capture:
     """The device scalars of the tables (created on first use) and what the capture logged."""
 
     clocks: dict[int, torch.Tensor] = field(default_factory=dict)  # id(HashTable) -> (1,) int64
-    lr_steps: dict[int, torch.Tensor] = field(default_factory=dict)  # id(DynamicEmbedding) -> (2,) float64
+    # id(DynamicEmbedding) -> its float64 hparams [lr, step, weight_decay, *own] (veloce.ops.optimizer)
+    hparams: dict[int, torch.Tensor] = field(default_factory=dict)
     inserts: list[InsertLog] = field(default_factory=list)
     updates: list[UpdateLog] = field(default_factory=list)
     checks: list[CheckLog] = field(default_factory=list)
@@ -86,16 +87,16 @@ class Capture:
         self.ticks[id(table)] = self.ticks.get(id(table), 0) + 1
         return clk
 
-    def lr_step_of(self, modules: list) -> torch.Tensor:
-        """The device ``[lr, step]`` of an update call over ``modules`` (they share both):
-        the first one's, after every module's step advanced inside the graph."""
-        if any(id(m) not in self.lr_steps for m in modules):
+    def hparams_of(self, modules: list) -> torch.Tensor:
+        """The device hyperparameters of an update call over ``modules`` (they share them):
+        the first one's, after every module's step (``hparams[1]``) advanced inside the graph."""
+        if any(id(m) not in self.hparams for m in modules):
             raise ValueError(_OUTSIDE)
         for m in modules:
-            self.lr_steps[id(m)][1:].add_(1.0)
+            self.hparams[id(m)][1:2].add_(1.0)
             self.steps[id(m)] = self.steps.get(id(m), 0) + 1
         self.updates.append(UpdateLog(list(modules)))
-        return self.lr_steps[id(modules[0])]
+        return self.hparams[id(modules[0])]
 
 
 _OUTSIDE = ("CUDAGraphStep: the step trains a DynamicEmbedding that is not in the model it was given; pass the "

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from veloce.ops import extension as _ext
-from veloce.ops.optimizer import accumulate_and_update, accumulate_and_update_many
+from veloce.ops.optimizer import HyperparameterBuffer, accumulate_and_update, accumulate_and_update_many
 from veloce.optim import Adam
 from veloce.runtime import capture as _capture
 from veloce.runtime.update_stream import run_update
@@ -78,7 +78,6 @@ class Stepping:
         e = self._merged()
         slots = self._resolved(e) if e.ids is not None else e.slots
         opt = self.optimizer
-        kind, eps, beta1, beta2 = opt.kernel_args()
         # include_last_offset=True becomes False with the last offset dropped (a view; the
         # offsets passed _bags' checks, so the last one is N): the same bags, and one value
         # of the flag for every table of a grouped call.
@@ -86,8 +85,9 @@ class Stepping:
         # The step count as step_count reads it: both callers read the last step's check
         # first (raise_deferred), so there is none left to read.
         return _Update(
-            self.table.update_target(), e.grad, slots, offsets, e.psw, e.mode, kind,
-            float(opt.lr if lr is None else lr), eps, beta1, beta2, float(opt.weight_decay), self._steps + 1, lr,
+            self.table.update_target(), e.grad, slots, offsets, e.psw, e.mode, opt.kind,
+            float(opt.lr if lr is None else lr), tuple(opt.hyperparameters()), float(opt.weight_decay),
+            self._steps + 1, lr,
         )  # fmt: skip
 
     def _book(self, update: Optional["_Update"]) -> None:
@@ -204,9 +204,7 @@ class _Update(NamedTuple):
     mode: int
     kind: int
     lr: float
-    eps: float
-    beta1: float
-    beta2: float
+    hyper: tuple[float, ...]  # the optimizer's own hyperparameters (SparseOptimizer.hyperparameters)
     weight_decay: float
     step: int  # the table's step count once this update is applied
     requested_lr: Optional[float]  # step()'s lr argument (None: the optimizer's own)
@@ -222,8 +220,11 @@ class _Update(NamedTuple):
         for bit the mean update for float16 / bfloat16). Tables of a model usually share
         one mode."""
         step = self.step if self.kind == Adam.kind else 0
-        return (*self.target.layout, self.mode, self.kind, self.lr, self.eps, self.beta1, self.beta2,
-                self.weight_decay, step)  # fmt: skip
+        return (*self.target.layout, self.mode, self.kind, self.lr, self.hyper, self.weight_decay, step)
+
+    def hparams(self) -> list[float]:
+        """The ops' hyperparameter vector: ``[lr, step, weight_decay, *hyper]``."""
+        return [self.lr, float(self.step), self.weight_decay, *self.hyper]
 
 
 def _apply_updates(
@@ -258,9 +259,9 @@ def _apply_updates(
         # On CUDA the update runs on the update stream: the next step's insert does not wait
         # for it (veloce.runtime.update_stream). The fence keeps the inputs alive until the stream they
         # came from waited for it, or it has run.
-        # A captured step reads learning rate and step count from the device (veloce.graphs).
-        lr_step = None if _capture.ACTIVE is None else _capture.ACTIVE.lr_step_of([tables[i] for i in idx])
-        fence = run_update(group[0].target.layout[0], functools.partial(_launch_update, group, skip, lr_step),
+        # A captured step reads its hyperparameters from the device tensor it advances (veloce.graphs).
+        hparams = None if _capture.ACTIVE is None else _capture.ACTIVE.hparams_of([tables[i] for i in idx])
+        fence = run_update(group[0].target.layout[0], functools.partial(_launch_update, group, skip, hparams),
                            (group, skip))  # fmt: skip
         if fence is not None:
             for i in idx:
@@ -269,20 +270,25 @@ def _apply_updates(
             applied.extend(idx)
 
 
-def _launch_update(group: Sequence[_Update], skip: torch.Tensor | None, lr_step: torch.Tensor | None = None) -> None:
+# The hyperparameter tensors of the eager updates: one per (device, optimizer), refreshed in
+# place by each call on the stream that runs it.
+_HPARAMS = HyperparameterBuffer()
+
+
+def _launch_update(group: Sequence[_Update], skip: torch.Tensor | None, hparams: torch.Tensor | None = None) -> None:
     """One accumulate_and_update(_many) call for updates that share their group key
-    (``lr_step``: their learning rate and step count on the device, in a captured step)."""
+    (``hparams``: their hyperparameters on the device, in a captured step)."""
     u = group[0]
+    if hparams is None:
+        hparams = _HPARAMS.fill(u.target.layout[0], u.kind, u.hparams())
     if len(group) == 1:
         accumulate_and_update(
-            *u.target.tensors, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, u.lr, eps=u.eps,
-            beta1=u.beta1, beta2=u.beta2, weight_decay=u.weight_decay, step=u.step, check_inputs=False, skip=skip,
-            lr_step=lr_step,
+            *u.target.tensors, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, check_inputs=False,
+            skip=skip, hparams=hparams,
         )  # fmt: skip
     else:
         accumulate_and_update_many(
             *map(list, zip(*[v.target.tensors for v in group])), [v.grad for v in group],
             [v.slots for v in group], [v.offsets for v in group], [v.psw for v in group], u.mode, False, u.kind,
-            u.lr, eps=u.eps, beta1=u.beta1, beta2=u.beta2, weight_decay=u.weight_decay, step=u.step,
-            check_inputs=False, skip=skip, lr_step=lr_step,
+            check_inputs=False, skip=skip, hparams=hparams,
         )  # fmt: skip

@@ -5,7 +5,7 @@ and their optimizer state live, growth and eviction.
 - :func:`find_or_insert_many`: one insert into several tables.
 - :mod:`veloce.table.rows`: the row store (below).
 - :mod:`veloce.table.capacity`: growth sizes and the final size of a bounded table.
-- :mod:`veloce.table.eviction`: the eviction policies.
+- :mod:`veloce.eviction`: the eviction policies (a layer below the table).
 
 **The row store.** Nothing above this package reads a table's tensors (``keys``,
 ``digests``, ``scores``, ``weights``, ``opt_state``); it holds slots and asks the table,

@@ -103,8 +103,11 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
         per_arg = [list(a) for a in zip(*args)]
         rooms = [t._room() for t in tables]
         room = None if all(r < 0 for r in rooms) else rooms
+        inits = [t._initial_state() for t in tables]
+        init_state = None if all(i is None for i in inits) else inits
         slots, counts, evicted = insert_beside_updates(
-            tables, lambda: _ops.find_or_insert_many(states, *per_arg, bad_input=bad_input, room=room)
+            tables, lambda: _ops.find_or_insert_many(states, *per_arg, bad_input=bad_input, room=room,
+                                                     init_state=init_state)  # fmt: skip
         )
         out = list(slots.split([i.numel() for i in ids]))
         counts = counts.tolist()  # a CPU tensor: no device sync
@@ -184,19 +187,22 @@ def _insert_deferred(tables: Sequence[HashTable], ids: Sequence[torch.Tensor], p
                 t.settle(wait=False)
     args = [t._find_or_insert_args(i, p, False) for t, i, p in zip(tables, ids, padding_ids)]
     states = [t._state(join=False) for t in tables]
+    inits = [t._initial_state() for t in tables]
     # Captured in a CUDA graph: the LRU stamps come from device clocks the graph ticks.
     clocks = None if capture is None else [capture.clock_of(t) for t in tables]
 
     def call() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         if len(tables) == 1:  # counts (2,): DeferredCounts reads it as one row
             clock = None if clocks is None else clocks[0]
-            slots, counts, evicted = _ops.find_or_insert(*states[0], *args[0], bad_input=bad_input, defer=True, clock=clock)
+            slots, counts, evicted = _ops.find_or_insert(*states[0], *args[0], bad_input=bad_input, defer=True, clock=clock,
+                                                         init_state=inits[0])  # fmt: skip
             out = [slots]
         else:
             per_arg = [list(a) for a in zip(*args)]
             clock = None if clocks is None else torch.cat(clocks)
+            init_state = None if all(i is None for i in inits) else inits
             slots, counts, evicted = _ops.find_or_insert_many(states, *per_arg, bad_input=bad_input, defer=True,
-                                                              clock=clock)  # fmt: skip
+                                                              clock=clock, init_state=init_state)  # fmt: skip
             out = list(slots.split([i.numel() for i in ids]))
         return out, counts, evicted
 
@@ -257,3 +263,6 @@ def _ticked_clocks(tables: Sequence[HashTable]) -> Iterator[set[int]]:
             if id(t) not in booked:
                 t.clock -= 1
         raise
+    for t in tables:  # after the inserts stamped this lookup's rows: expiry never takes them
+        if t.eviction_policy.expires:
+            t._expire_due()

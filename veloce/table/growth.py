@@ -54,7 +54,7 @@ class Growth:
                  evict: bool = True) -> None:  # fmt: skip
         """After an insert of ``ids`` that found no room (and changed nothing): grows the
         table, or raises :class:`TableFullError`."""
-        may_evict = evict and self.eviction != "none"
+        may_evict = evict and self.eviction_policy.evicts
         room = self._room()
         # Without eviction the call fails once its new ids pass the rows left (the ops'
         # room); else a bucket pair overflowed. Only a call of more ids than rows left can
@@ -62,7 +62,7 @@ class Growth:
         if not may_evict and room >= 0 and ids is not None and ids.numel() > room:
             new = self._new_ids(ids, padding_id)
             if new > room:
-                if self.eviction == "none":
+                if not self.eviction_policy.evicts:
                     raise TableFullError(
                         f"DynamicEmbedding table is full: it holds {self.size} rows of max_capacity "
                         f"{self.max_capacity} and {new} new id(s) arrived, with eviction='none'. Raise max_capacity, "

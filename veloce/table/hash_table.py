@@ -26,6 +26,7 @@ from torch import nn
 from veloce.init import Initializer
 from veloce.ops import extension as _ext
 from veloce.ops import hash_table as _ops
+from veloce.runtime import capture as _capture
 from veloce.runtime.attrs import PlainAttrs
 from veloce.runtime.device import current_stream
 from veloce.runtime.memory import empty_table
@@ -33,7 +34,7 @@ from veloce.runtime.update_stream import UpdateFence, release_done, wait_prefetc
 from veloce.table.batch import DeferredCounts, _insert_deferred, _ticked_clocks, insert_beside_updates
 from veloce.table.capacity import FULL_LOAD, STATE_NAMES, final_capacity, is_int, is_int64, round_capacity, slots_for, state_dtype
 from veloce.table.deferred import DeferredInserts
-from veloce.table.eviction import score_policy
+from veloce.eviction import EvictionPolicy, resolve
 from veloce.table.growth import Growth
 from veloce.table.rows import RowStore
 
@@ -63,14 +64,17 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
             The slots grow to :func:`final_capacity` of it at most (with
             ``eviction="none"``, a bucket pair that overflows before the rows reach it adds
             a few; lru / lfu evict there). None = unbounded.
-        eviction: "lru", "lfu" or "none": what a new id does at ``len == max_capacity``
-            (evict the least recently / frequently used row of its buckets, or raise
-            :class:`TableFullError`).
+        eviction: a :mod:`veloce.eviction` policy or its name, "lru", "lfu" or "none":
+            what a new id does at ``len == max_capacity`` (evict the least recently /
+            frequently used row of its buckets, or raise :class:`TableFullError`), and
+            whether rows expire (``veloce.eviction.TTL(steps=N)``).
         initializer: the initial value of new rows, a function of (seed, id).
         seed: initializer seed.
         dtype: dtype of the rows.
         device: where the state lives.
         grow_at: load factor beyond which the table grows before an insert.
+        init_state: the ``(state_dim,)`` optimizer state of a new row (the optimizer's
+            ``initial_state``), or None for zeros.
 
     Deferred inserts (``defer = True``; :class:`veloce.DynamicEmbedding`'s
     ``defer_inserts``): a training insert does not wait for the device to say how many ids
@@ -98,15 +102,16 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
         state_dim: int,
         capacity: int = 1024,
         max_capacity: Optional[int] = None,
-        eviction: str = "lru",
+        eviction: str | EvictionPolicy = "lru",
         initializer: Initializer = Initializer(0),
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         grow_at: float = 0.9,
+        init_state: Optional[torch.Tensor] = None,
     ) -> None:
         super().__init__()
-        policy = score_policy(eviction)
+        policy = resolve(eviction)
         if not 0.0 < grow_at <= 1.0:
             raise ValueError(f"grow_at must be in (0, 1], got {grow_at}")
         for name, value in (("capacity", capacity), ("max_capacity", max_capacity)):
@@ -117,8 +122,15 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
         initializer.check_fits(dtype)
         self.dim = int(dim)
         self.state_dim = int(state_dim)
-        self.eviction = eviction
-        self.score_policy = policy
+        if init_state is not None and tuple(init_state.shape) != (self.state_dim,):
+            raise ValueError(f"init_state must have shape ({self.state_dim},) (the optimizer state of a row), got "
+                             f"{tuple(init_state.shape)}")  # fmt: skip
+        self.init_state = None if init_state is None else init_state.detach().cpu()
+        # init_state on the device and in the dtype of opt_state, made on the first insert there
+        self._init_state_at: Optional[torch.Tensor] = None
+        self.eviction_policy = policy
+        self.eviction = policy.name
+        self.score_policy = policy.score_policy
         self.initializer = initializer
         self.seed = int(seed)
         self.grow_at = grow_at
@@ -133,13 +145,15 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
         self.version = 0  # bumped whenever a present key may change slot
         self.clock = 0  # LRU time: one tick per training lookup
         self.num_evicted = 0
+        self.num_expired = 0  # rows a time-to-live policy erased
         self.last_evicted = torch.empty(0, dtype=torch.long)
         self._update_fence = None
         self._changed = None
         self._allocate(cap, dtype, torch.device(device) if device is not None else torch.device("cpu"))
 
     # Bookkeeping set on every training lookup (see PlainAttrs).
-    _PLAIN_ATTRS = frozenset({"_size", "version", "clock", "num_evicted", "last_evicted", "_update_fence", "_changed"})
+    _PLAIN_ATTRS = frozenset({"_size", "version", "clock", "num_evicted", "last_evicted", "_update_fence", "_changed",
+                              "num_expired"})
 
     # The sparse update last queued on a side stream (veloce.runtime.update_stream), until a use of
     # the rows waited for it.
@@ -252,6 +266,10 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
             mc = state.get("max_capacity")
             state["_final_capacity"] = None if mc is None else final_capacity(mc)
         state.setdefault("row_dtype", state["_buffers"]["weights"].dtype)
+        state.setdefault("eviction_policy", resolve(state["eviction"]))
+        state.setdefault("num_expired", 0)
+        state.setdefault("init_state", None)
+        state.setdefault("_init_state_at", None)
         super().__setstate__(state)
 
     @property
@@ -303,7 +321,7 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
         return (
             f"dim={self.dim}, {self._size_text()}, capacity={self.capacity}, "
             f"max_capacity={self.max_capacity}, "
-            f"eviction={self.eviction!r}, initializer={self.initializer!r}"
+            f"eviction={self.eviction_policy!r}, initializer={self.initializer!r}"
         )
 
     # ---- lookups ----------------------------------------------------------------------
@@ -357,8 +375,10 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
         def call(evict: bool):
             state = self._state(join=evict)
             room = self._room()
+            init_state = self._initial_state()
             return insert_beside_updates([self], lambda: _ops.find_or_insert(
-                *state, *self._find_or_insert_args(ids, padding_id, evict), bad_input=bad_input, room=room
+                *state, *self._find_or_insert_args(ids, padding_id, evict), bad_input=bad_input, room=room,
+                init_state=init_state,
             ))  # fmt: skip
 
         return call
@@ -368,12 +388,22 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
         empty slot; the later ones evict or fail), or -1 without a bound."""
         return -1 if self.max_capacity is None else max(0, self.max_capacity - self.size)
 
+    def _initial_state(self) -> Optional[torch.Tensor]:
+        """The ops' ``init_state``: :attr:`init_state` as opt_state's dtype and device (kept)."""
+        if self.init_state is None:
+            return None
+        opt = self._buffers["opt_state"]
+        at = self._init_state_at
+        if at is None or at.device != opt.device or at.dtype != opt.dtype:
+            at = self._init_state_at = self.init_state.to(device=opt.device, dtype=opt.dtype)
+        return at
+
     def _find_or_insert_args(self, ids: torch.Tensor, padding_id: Optional[int], allow_evict: bool) -> tuple:
         init = self.initializer
         return (ids, self.score_policy, self.clock, allow_evict, self.seed, init.kind, init.a, init.b, padding_id)
 
     def _allow_evict(self, evict: bool = True) -> bool:
-        return evict and self._at_max() and self.eviction != "none"
+        return evict and self._at_max() and self.eviction_policy.evicts
 
     def insert(
         self,
@@ -390,6 +420,7 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
                 lambda allow_evict: _ops.insert_or_assign(
                     *self._state(), ids, values, opt_values, score_values, score_policy=self.score_policy,
                     score_value=self.clock, allow_evict=allow_evict, room=self._room(),
+                    init_state=self._initial_state(),
                 ),
                 evict=evict, ids=ids,
             )
@@ -457,6 +488,74 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
             self.size -= erased
             self.version += 1
         return erased
+
+    def expire(self, before: int) -> int:
+        """Erases every row whose score is below ``before``: under the lru, ttl and none
+        policies, the rows last seen before clock ``before`` (:meth:`last_seen`). One pass
+        over the slots (``torch.ops.veloce.expire``; on CUDA its count is read back, a host
+        sync). Bumps :attr:`version` when a row went, so that a gradient pending for it
+        finds its row by id and is dropped. A :class:`veloce.eviction.TTL` table calls it
+        after its training lookups.
+
+        Args:
+            before: the lowest score kept, an int.
+
+        Returns:
+            The number of rows erased.
+
+        Raises:
+            ValueError: ``before`` is not an int in the int64 range.
+        """
+        _ext.require()
+        if not is_int64(before):
+            raise ValueError(f"expire: before must be an int in the int64 range, got {before!r}")
+        self._join_update()  # a freed slot may be filled by the next insert, beside no update of its old row
+        keys, digests, scores, _, _ = self._state()
+        erased = int(_ops.expire(keys, digests, scores, int(before)))
+        self._note_changed()
+        if erased:
+            self._size -= erased  # relative: deferred inserts not read yet add theirs when read
+            self.num_expired += erased
+            self.version += 1
+        return erased
+
+    def _expire_due(self) -> None:
+        """After a training lookup of a table whose policy expires rows booked its insert:
+        the expiry pass when it is due (:meth:`veloce.eviction.EvictionPolicy.expire_before`)."""
+        policy = self.eviction_policy
+        if _capture.ACTIVE is not None:
+            raise RuntimeError(
+                f"veloce: a table with eviction={policy!r} cannot be captured in a CUDA graph: its expiry "
+                f"pass reads its count back to the host; train it eagerly"
+            )  # fmt: skip
+        before = policy.expire_before(self.clock)
+        if before is not None:
+            self.expire(before)
+
+    def last_seen(self, ids: torch.Tensor) -> torch.Tensor:
+        """The last-seen step of each id: the table's :attr:`clock` at the last training
+        lookup that held it (its score, under the lru, ttl and none policies; rows written
+        by :meth:`insert` or a load take the given scores, else the clock then), -1 where
+        the id is not in the table. Kept in the row's score, 8 bytes per slot (the score
+        every table keeps: ``docs/memory.md``); saved and restored with checkpoints.
+
+        Args:
+            ids: (N,) int64 ids.
+
+        Returns:
+            (N,) int64 on the table's device.
+
+        Raises:
+            ValueError: the policy's score is not a step (``eviction="lfu"`` counts uses).
+        """
+        if not self.eviction_policy.last_seen_scores:
+            raise ValueError(
+                f"last_seen: this table's eviction={self.eviction_policy!r} keeps use counts in its scores, not "
+                f"the last-seen step; use eviction='lru', 'none' or veloce.eviction.TTL(steps=N)"
+            )  # fmt: skip
+        slots = self.find(ids)
+        scores = self._state()[2]
+        return torch.where(slots >= 0, scores[slots.clamp(min=0)], torch.full_like(slots, -1))
 
     def export(self, start: int = 0, end: Optional[int] = None) -> dict[str, torch.Tensor]:
         """The occupied entries of slots [start, end): keys, weights, optimizer_state, scores."""

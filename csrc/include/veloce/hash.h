@@ -30,9 +30,6 @@ constexpr int64_t kZeroSlot = -2;     // a zero vector; counted by mean pooling
 // The `room` of an inserting op that bounds nothing (see insert_missing in csrc/cpu/hash_table.cpp).
 constexpr int64_t kNoRoomLimit = -1;
 
-// Score policies for lookups.
-enum ScorePolicy : int64_t { kScoreNone = 0, kScoreLRU = 1, kScoreLFU = 2 };
-
 // murmur3's 64-bit finalizer: a bijection with full avalanche.
 VELOCE_HD uint64_t fmix64(uint64_t k) {
   k ^= k >> 33;

@@ -45,23 +45,21 @@ void check_room(const char* op, int64_t room, bool defer, int64_t table = -1);
 void check_room_many(const char* op, at::OptionalIntArrayRef room, int64_t K, bool defer);
 // clock of find_or_insert(_many): (K,) int64 on keys' device, when given.
 void check_clock(const char* op, const std::optional<at::Tensor>& clock, int64_t K, const at::Tensor& keys);
-// lr_step's values read on the host ([lr, step]): the step a whole number, both checked as
-// the scalar arguments are (check_update_hyper); sets lr and step.
-void read_lr_step_values(const char* op, const double* values, int64_t optimizer, double eps, double beta1,
-                         double beta2, double& lr, int64_t& step);
-// lr_step of accumulate_and_update(_many): (2,) float64 on ref's device, when given.
-void check_lr_step(const char* op, const std::optional<at::Tensor>& lr_step, const char* ref_name,
-                   const at::Tensor& ref);
+// init_state of an inserting op, when given: (S,) of opt_state's dtype and device (the
+// state new rows start from; None: zeros).
+void check_init_state(const char* op, const std::optional<at::Tensor>& init_state, const at::Tensor& opt_state);
 
 
 // find_or_insert_many: every per-table list as long as keys, distinct tables on one
 // device, each table's find_or_insert arguments (messages name the table), and bad_input
-// (at least one table, then as check_bad_input on keys[0]). Returns K.
+// (at least one table, then as check_bad_input on keys[0]) and init_state (none, or one
+// entry per table, each as check_init_state). Returns K.
 int64_t check_find_or_insert_many_args(const char* op, at::TensorList keys, at::TensorList digests, at::TensorList scores, at::TensorList weights,
     at::TensorList opt_state, at::TensorList ids, at::IntArrayRef score_policy, at::IntArrayRef score_value,
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
     at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
-    const std::optional<at::Tensor>& bad_input);
+    const std::optional<at::Tensor>& bad_input,
+    const std::optional<c10::List<std::optional<at::Tensor>>>& init_state);
 
 // insert_or_assign: values (n, D) of weights' dtype, optional opt_values (n, S) and
 // score_values (n,) int64, all on keys' device.
@@ -147,8 +145,7 @@ struct ManyTables {
 ManyTables check_update_many_args(const char* op, at::TensorList weights, at::TensorList opt_state,
                                   at::TensorList grad_output, at::TensorList slots, at::TensorList offsets,
                                   const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
-                                  bool include_last_offset, int64_t optimizer, double lr, double eps, double beta1,
-                                  double beta2, int64_t step);
+                                  bool include_last_offset, int64_t optimizer, const at::Tensor& hparams);
 
 // Every slot s[0..n) must be -1, -2 or in [0, limit) (limit < 0: no upper bound). Host
 // pointer; the CUDA kernels call it on a host copy once a device reduction found a bad slot.
@@ -208,13 +205,18 @@ void check_bag_indices(const char* op, const int64_t* bag, int64_t P, int64_t nu
 // The table rows of an update (optimizer, weights, opt_state); returns S.
 int64_t check_update_rows(const char* op, const at::Tensor& weights, const at::Tensor& opt_state,
                           int64_t optimizer);
-// The hyperparameters of an update (Adam's step and betas, lr, eps).
-void check_update_hyper(const char* op, int64_t optimizer, double lr, double eps, double beta1, double beta2,
-                        int64_t step);
-// check_update_rows, then check_update_hyper; returns S. Shared by every op that updates
-// rows (messages name `op`).
+// hparams of an update: a float64 1-D tensor of the optimizer's length ([lr, step,
+// weight_decay] and its own values, veloce/optim/rule.h) on ref's device. Its values are
+// not read (on CUDA they stay on the device).
+void check_hparams(const char* op, const at::Tensor& hparams, int64_t optimizer, const char* ref_name,
+                   const at::Tensor& ref);
+// The values of a checked hparams, read on the host (the CPU kernels): lr finite and >= 0,
+// step a whole number, weight_decay finite, then the optimizer's own checks.
+void check_hparam_values(const char* op, const at::Tensor& hparams, int64_t optimizer);
+// check_update_rows, then check_hparams on weights; returns S. Shared by every op that
+// updates rows (messages name `op`).
 int64_t check_update_args(const char* op, const at::Tensor& weights, const at::Tensor& opt_state, int64_t optimizer,
-                          double lr, double eps, double beta1, double beta2, int64_t step);
+                          const at::Tensor& hparams);
 
 // sparse_update: slots (U,) int64 and grads (U, D) of weights' dtype, on weights' device.
 void check_update_grads(const char* op, const at::Tensor& weights, const at::Tensor& slots,
