@@ -262,4 +262,6 @@ def test_ftrl_cuda_agrees_with_cpu(dtype, dim, lr_power):
                                   0.1, weight_decay=0.01, step=step, **own)  # fmt: skip
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(gpu[0].cpu().float(), cpu[0].float(), **tol)
-    torch.testing.assert_close(gpu[1].cpu(), cpu[1], rtol=1e-4, atol=1e-5)
+    # z reads the rows (z -= sigma * w): with 16-bit rows, a row that rounds one step apart on
+    # the two devices moves z of later steps by sigma times that step, so z takes the rows' tolerance.
+    torch.testing.assert_close(gpu[1].cpu(), cpu[1], **tol)
