@@ -219,7 +219,7 @@ def test_cuda_update_stream_trains_bit_for_bit_as_the_current_stream(device, mon
 def test_cuda_next_insert_runs_beside_the_update_and_the_lookup_waits(device, monkeypatch):
     monkeypatch.setattr(update_stream, "ENABLED", True)
     beside = []
-    monkeypatch.setattr(veloce.table, "beside_updates",
+    monkeypatch.setattr(veloce.table.batch, "beside_updates",
                         lambda d, fn: beside.append(d) or update_stream.beside_updates(d, fn))  # fmt: skip
     emb = veloce.DynamicEmbedding(64, mode="sum", capacity=1 << 22, optimizer=veloce.optim.Adam(), device=device)
     ids = torch.arange(1 << 19, device=device)

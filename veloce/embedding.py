@@ -302,7 +302,8 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
                 ids are inserted as in any table. Default True, as ``nn.EmbeddingBag``'s.
             **kwargs: the constructor's other arguments (``mode``, ``optimizer``,
                 ``unknown``, ``padding_idx``, ``device``, ...). ``capacity`` defaults to
-                room for the given rows; ``dtype`` to that of ``embeddings`` (if floating).
+                room for the given rows; ``dtype`` to that of ``embeddings`` (if floating),
+                ``device`` to its device.
 
         Returns:
             The table, in training mode unless frozen; the rows start with zero optimizer
@@ -331,6 +332,7 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
             raise ValueError("from_pretrained: ids must be distinct (one row per id)")
         if "dtype" not in kwargs and embeddings.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
             kwargs["dtype"] = embeddings.dtype
+        kwargs.setdefault("device", embeddings.device)  # as nn.EmbeddingBag.from_pretrained's weight
         kwargs.setdefault("capacity", max(1024, int(n / 0.85) + 1))  # below the growth threshold (grow_at 0.9)
         emb = cls(embeddings.shape[1], **kwargs)
         emb.insert(ids, embeddings.detach())

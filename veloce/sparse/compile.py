@@ -57,9 +57,18 @@ if is_compiling is None:  # torch < 2.3
         return torch._dynamo.is_compiling()
 
 
-# torch < 2.5 cannot tell an export from a compile: an export then holds the opaque op too,
-# which runs in the exporting process only (its handles name modules of that process).
-is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+_torch_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+def is_exporting() -> bool:
+    """Whether dynamo traces for torch.export (not torch.compile).
+
+    Reads the flag torch.export sets: dynamo reads it as a global (guarded), where torch 2.11
+    folds ``torch.compiler.is_exporting()`` to True under torch.compile too. torch < 2.5
+    cannot tell an export from a compile: an export then holds the opaque op too, which runs
+    in the exporting process only (its handles name modules of that process)."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return bool(flag) if flag is not None else _torch_is_exporting()
 
 _MODULES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
