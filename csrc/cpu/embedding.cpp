@@ -41,9 +41,8 @@ inline int64_t bag_end(const int64_t* offsets, int64_t num_offsets, int64_t b, i
 // rows. A first pass resolves positions to row pointers (and scales) until the chunk is
 // full, skipping padding and zero rows and prefetching rows ahead; the sum then runs kCols
 // columns at a time, the block's sums in registers (a local array of compile-time size),
-// adding each row with a few vector instructions and nothing else. Before, the sums lived in
-// a buffer of D in memory, so each add of a row waited for the previous row's store
-// (benchmarks/README.md, thirty-third session). Each column's additions are those of a plain
+// adding each row with a few vector instructions and nothing else (sums kept in a buffer of
+// D in memory would make each add of a row wait for the previous row's store). Each column's additions are those of a plain
 // loop over the positions, in position order: the results are the same, bit for bit.
 constexpr int kChunk = 32;
 // The rows of a chunk stay in L1 while its column blocks pass over them: wide rows take

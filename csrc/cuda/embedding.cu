@@ -925,9 +925,8 @@ constexpr int kPartialBatch = 8;
 // gradient row), so it needs many warps in flight. Unbounded, the instance of one 4-word
 // pack per lane (every fp32 row up to 128 wide) took 90 registers: two blocks, 25%
 // occupancy, 0.26 eligible warps per scheduler, 43% of DRAM bandwidth (ncu, SGD, H100).
-// Bounded to three blocks (80 registers) it took 17% less time with SGD, 13% with Adam
-// (benchmarks/README.md, seventeenth session). Four blocks (64 registers) spill and were
-// no faster. Wider packs per lane (half and bfloat16 rows in packs of 8) keep the bound of
+// Bounded to three blocks (80 registers) it takes 17% less time with SGD, 13% with Adam.
+// Four blocks (64 registers) spill and are no faster. Wider packs per lane (half and bfloat16 rows in packs of 8) keep the bound of
 // one block: under three they spill.
 template <typename scalar_t, int V, int ITER>
 constexpr int update_min_blocks() {
@@ -962,8 +961,8 @@ __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>
   // one dependent load less per run.
   // Only what a run of one chunk reads is carried ahead (its first sorted position, length,
   // chunks and key): the partial counts matter to the chunks of long runs alone.
-  // Configuration 3 on an H200 (ncu, interleaved): Adam 8% faster, SGD 2% (benchmarks/README.md,
-  // thirty-second session), despite fp32's spill stores growing from 16 to 48-56 bytes.
+  // Configuration 3 on an H200 (ncu): Adam 8% faster than without it, SGD 2%, although
+  // fp32's spill stores grow from 16 to 48-56 bytes.
   int64_t i = t / lanes;  // the lanes of a group share i
   int32_t start_ahead = 0, len_ahead = 0, chunks_ahead = 0;
   key_t key_ahead = 0;
@@ -1108,11 +1107,11 @@ __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>
 constexpr int kMaxIter = 4;
 
 // Waves of resident blocks the fused kernel is launched with (see its launch); 0: one group
-// per position, capped at 32768 blocks (the grid before the twentieth session). Read once
+// per position, capped at 32768 blocks. Read once
 // from VELOCE_UPDATE_WAVES (default 4), so that one build can sweep it (tools/gpu_ab_stages.sh
-// waves). 4 waves made the kernel alone 8-19% faster (H200, ncu) and configuration 3's step
-// 4-9% faster on an H100; on an H200 one of two runs of Adam without the check was slower,
-// the next step's insert beside it waiting for SMs (benchmarks/README.md, twentieth session).
+// waves). 4 waves make the kernel alone 8-19% faster than 0 (H200, ncu) and configuration 3's
+// step 4-9% faster on an H100; on an H200 one of two runs of Adam without the check was
+// slower, the next step's insert beside it waiting for SMs.
 // A value that is not a whole number in [0, kMaxUpdateWaves] is refused with a warning
 // (the default is used).
 constexpr int64_t kMaxUpdateWaves = 1024;

@@ -452,9 +452,8 @@ __device__ __forceinline__ int32_t group_eviction_victim(const EvictCandidates<S
 }
 
 // evict_kernel's lanes per queued id and its resident blocks per SM (registers capped at
-// 64). Swept on an H200 (ncu, 48k queued ids, 8M slots; benchmarks/README.md, nineteenth
-// session): 8 lanes 22.8-23.0 us (72 registers unbounded, 35% occupancy; 62 bounded,
-// 45%), 16 lanes 24.8 us bounded and 31.8 us unbounded.
+// 64). On an H200 (ncu, 48k queued ids, 8M slots): 8 lanes 22.8-23.0 us (72 registers
+// unbounded, 35% occupancy; 62 bounded, 45%), 16 lanes 24.8 us bounded and 31.8 us unbounded.
 constexpr int kEvictLanes = 8;
 constexpr int kEvictMinBlocks = 4;
 

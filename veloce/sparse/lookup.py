@@ -135,8 +135,8 @@ def lookup_many(tables: Sequence[TableModule], inputs: Sequence[Any]) -> list[to
     args, groups, local = lookup_groups(tables, inputs, "lookup_many")
     out: list[Optional[torch.Tensor]] = [None] * len(tables)
     aranges: dict = {}  # the offsets of 2-D inputs, shared by the tables (see _bags)
-    # Every sharded table's input is checked before any table changes (a bad input of a
-    # later exchange used to arrive after the earlier exchanges inserted): this rank then
+    # Every sharded table's input is checked before any table changes (else a bad input of a
+    # later exchange would arrive after the earlier exchanges inserted): this rank then
     # abandons the first exchange, where every other rank raises too. The offsets' values
     # are checked with each exchange's header.
     sharded: list[tuple[list[int], list, list]] = []
