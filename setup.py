@@ -61,7 +61,7 @@ def extensions():
     # facets were never registered, and formatting any error message crashed.
     # -ffp-contract=off: no a * b + c fused into one FMA (GCC does so by default where the
     # target has FMA, e.g. aarch64): the CPU kernels are the specification, and their sums
-    # must be the same, bit for bit, on every machine (tests/test_embedding.py checks them
+    # must be the same, bit for bit, on every machine (tests/sparse/test_embedding.py checks them
     # against a sequential sum with a rounding after each multiply and each add).
     cxx += ["-fno-math-errno", "-ffp-contract=off"]
     # py_limited_api=True (below) makes BuildExtension define Py_LIMITED_API itself.

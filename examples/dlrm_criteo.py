@@ -8,7 +8,7 @@ ones validate, as in production (train on the past, predict the future). Each of
 categorical features gets its own DynamicEmbedding keyed by the raw 32-bit hash
 (``int(hex, 16)``); rows appear as ids are first seen. On the 8,018-row sample the
 validation AUC is about 0.73, the same as a DLRM whose embeddings use an exact vocabulary
-of the training ids (tests/test_criteo_auc.py, benchmarks/results/criteo_auc.md).
+of the training ids (tests/models/test_criteo_auc.py, benchmarks/results/criteo_auc.md).
 The same run from a config file: `veloce train configs/dlrm_criteo.yaml`.
 """
 

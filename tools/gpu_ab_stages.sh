@@ -16,13 +16,13 @@
 #   buildone   build the working tree only, no baseline (for stages of the new tree alone)
 #   prebuilt   unpack .gpu/b/{old,new}.so.gz instead of building (same sources only!)
 #   tests      the hash-table CUDA tests, then the NCCL tests on 2 ranks
-#   xops       the exchange ops' CUDA tests (tests/test_distributed.py -k "cuda and not nccl")
+#   xops       the exchange ops' CUDA tests (tests/distributed/test_distributed.py -k "cuda and not nccl")
 #   xmemcheck  compute-sanitizer memcheck on the exchange ops' regroup and combine CUDA tests
 #   cudasuite  pytest -k "cuda or nonfinite or update_stream"
 #   memcheck   compute-sanitizer memcheck on the hash-table CUDA tests
 #   defer      the deferred-insert tests (find_or_insert(defer=True), DynamicEmbedding(defer_inserts=True))
 #   defmemcheck  compute-sanitizer memcheck on the deferred-insert CUDA tests
-#   graphs     the CUDA-graph tests (tests/test_graphs.py, tests/test_device_scalars.py), then
+#   graphs     the CUDA-graph tests (tests/graphs/test_graphs.py, tests/table/test_device_scalars.py), then
 #              memcheck over both
 #   graphbench configuration 5's DLRM on one GPU, eager against CUDAGraphStep (bench_graph_step.py),
 #              TF32 with and without the NaN/Inf check, then fp32
@@ -155,18 +155,18 @@ for stage in "$@"; do
       gunzip -c .gpu/b/old.so.gz > "$OLD/veloce/_C.abi3.so" && gunzip -c .gpu/b/new.so.gz > veloce/_C.abi3.so
       check_kernels; t ;;
     tests)
-      PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/test_hash_table.py -q -p no:cacheprovider -k cuda 2>&1 \
+      PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/table/test_hash_table.py -q -p no:cacheprovider -k cuda 2>&1 \
         | tee "$OUT/pytest_hash.txt" | tail -3 | say
-      VELOCE_TEST_NCCL=1 VELOCE_TEST_WORLD_SIZES=2 PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/test_distributed.py \
+      VELOCE_TEST_NCCL=1 VELOCE_TEST_WORLD_SIZES=2 PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/distributed/test_distributed.py \
         -q -p no:cacheprovider -k "nccl or cuda" 2>&1 | tee "$OUT/pytest_nccl.txt" | tail -3 | say
       t ;;
     xops)
-      PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/test_distributed.py -q -p no:cacheprovider -k "cuda and not nccl" \
+      PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/distributed/test_distributed.py -q -p no:cacheprovider -k "cuda and not nccl" \
         2>&1 | tee "$OUT/pytest_xops.txt" | tail -3 | say
       t ;;
     xmemcheck)
       PYTHONPATH=$NEW timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
-        tests/test_distributed.py -q -p no:cacheprovider \
+        tests/distributed/test_distributed.py -q -p no:cacheprovider \
         -k "cuda and not nccl and (converts_as or as_sums or converting_exchange or regroup or combine)" 2>&1 | tail -4 | say
       t ;;
     cudasuite)
@@ -174,14 +174,14 @@ for stage in "$@"; do
         2>&1 | tee "$OUT/pytest_cuda.txt" | tail -3 | say
       t ;;
     defer)
-      PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/test_hash_table.py tests/test_dynamic_embedding.py -q \
+      PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/table/test_hash_table.py tests/sparse/test_dynamic_embedding.py -q \
         -p no:cacheprovider -k "defer or no_host_sync" 2>&1 | tee "$OUT/pytest_defer.txt" | tail -3 | say
       t ;;
     graphs)
-      PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/test_graphs.py tests/test_device_scalars.py -q \
+      PYTHONPATH=$NEW timeout 300 python3 -m pytest tests/graphs/test_graphs.py tests/table/test_device_scalars.py -q \
         -p no:cacheprovider 2>&1 | tee "$OUT/pytest_graphs.txt" | tail -3 | say
       PYTHONPATH=$NEW timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
-        tests/test_graphs.py tests/test_device_scalars.py -q -p no:cacheprovider 2>&1 | tail -4 | say
+        tests/graphs/test_graphs.py tests/table/test_device_scalars.py -q -p no:cacheprovider 2>&1 | tail -4 | say
       t ;;
     graphbench)
       for a in "--tf32" "--tf32 --nonfinite apply" ""; do
@@ -191,7 +191,7 @@ for stage in "$@"; do
       t ;;
     defmemcheck)
       PYTHONPATH=$NEW timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
-        tests/test_hash_table.py tests/test_dynamic_embedding.py -q -p no:cacheprovider \
+        tests/table/test_hash_table.py tests/sparse/test_dynamic_embedding.py -q -p no:cacheprovider \
         -k "(deferred and cuda) or deferred_cuda" 2>&1 | tail -4 | say
       t ;;
     c3d)
@@ -203,7 +203,7 @@ for stage in "$@"; do
       t ;;
     memcheck)
       PYTHONPATH=$NEW timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
-        tests/test_hash_table.py -q -p no:cacheprovider -k "cuda and not hypothesis" 2>&1 | tail -4 | say
+        tests/table/test_hash_table.py -q -p no:cacheprovider -k "cuda and not hypothesis" 2>&1 | tail -4 | say
       t ;;
     c1)
       for tag in old new new old; do

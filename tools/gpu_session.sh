@@ -56,8 +56,8 @@ for stage in "$@"; do
       timeout 300 python3 tools/cuda_checks.py 2>&1 | tee "$OUT/cuda_checks.log" | tail -30
       ;;
     sanitize)
-      timeout 600 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_hash_table.py \
-        tests/test_embedding.py tests/test_optimizer.py -q -p no:cacheprovider -k "cuda and not hypothesis" -x 2>&1 \
+      timeout 600 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/table/test_hash_table.py \
+        tests/sparse/test_embedding.py tests/optim/test_optimizer.py -q -p no:cacheprovider -k "cuda and not hypothesis" -x 2>&1 \
         | tee "$OUT/sanitizer.log" | tail -15
       ;;
     bench)
@@ -79,7 +79,7 @@ for stage in "$@"; do
     nccl)
       # The multi-process tests on every GPU count this machine has (2, 3, 4), with NCCL and gloo.
       n=$(nvidia-smi -L | wc -l); sizes=$(seq -s, 2 "$n")
-      VELOCE_TEST_NCCL=1 VELOCE_TEST_WORLD_SIZES="$sizes" timeout 600 python3 -m pytest tests/test_distributed.py \
+      VELOCE_TEST_NCCL=1 VELOCE_TEST_WORLD_SIZES="$sizes" timeout 600 python3 -m pytest tests/distributed/test_distributed.py \
         -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_distributed.log" | tail -15
       ;;
     streams)

@@ -19,7 +19,7 @@ import pytest
 from _dist import run_ranks
 from conftest import data_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = data_dir() / "criteo" / "criteo_kaggle_train_sample.tsv"
 pytestmark = pytest.mark.skipif(
     not SAMPLE.is_file(), reason=f"Criteo sample not found: {SAMPLE} (set VELOCE_DATA_DIR)"

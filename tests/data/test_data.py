@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from veloce.data import MISSING_ID, CriteoTSV, DataError, SyntheticClicks, expected_auc, raw_ids
 from veloce.metrics import AUC
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 
 
 def _data_dir() -> Path | None:
