@@ -129,3 +129,37 @@ def test_no_function_level_import_of_veloce(path: Path) -> None:
 def test_file_size(path: Path) -> None:
     n = len(path.read_text().splitlines())
     assert n <= MAX_LINES, f"{path.relative_to(ROOT.parent)} has {n} lines (at most {MAX_LINES})"
+
+
+def _veloce_op_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """Every ``torch.ops.veloce.NAME`` in ``tree``: (line, NAME)."""
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "veloce"
+                and isinstance(node.value.value, ast.Attribute) and node.value.value.attr == "ops"
+                and isinstance(node.value.value.value, ast.Name) and node.value.value.value.id == "torch"):
+            found.append((node.lineno, node.attr))
+    return found
+
+
+def _defined_ops(tree: ast.AST) -> set[str]:
+    """The ``veloce::NAME`` ops a module defines itself (``torch.library.custom_op("veloce::NAME", ...)``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            value = node.args[0].value
+            if isinstance(value, str) and value.startswith("veloce::"):
+                names.add(value.split("::", 1)[1])
+    return names
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_only_the_op_layer_calls_torch_ops_veloce(path: Path) -> None:
+    """``torch.ops.veloce.*`` is called through veloce.ops' typed wrappers, except by a module
+    that defines the op itself in Python (the compiled lookup's ops)."""
+    if path.relative_to(ROOT).parts[0] == "ops":
+        return
+    tree = ast.parse(path.read_text(), str(path))
+    own = _defined_ops(tree)
+    bad = [f"line {line}: torch.ops.veloce.{name}" for line, name in _veloce_op_calls(tree) if name not in own]
+    assert not bad, f"{path.name} calls veloce's ops around veloce.ops: {bad}"

@@ -43,7 +43,7 @@ from veloce.distributed.layout import (
 from veloce.distributed.owner import serve_tables
 from veloce.ops.exchange import owner_of
 from veloce.runtime.device import host_tensor
-from veloce.ops.embedding import psw_gradient
+from veloce.ops.embedding import accumulate_grad, pooled_lookup, psw_gradient
 from veloce.sparse import check_offsets_many
 
 __all__ = ["forward_rows"]
@@ -70,8 +70,7 @@ class _RowExchange:
         grad = cat_grads(self.modules, grads, batch.num_bags, self.rows.device)
         pooled_grad = grad if self.scale is None else grad * self.scale.unsqueeze(1)
         U = self.rows.shape[0]
-        slots, per_row = torch.ops.veloce.accumulate_grad(pooled_grad, self.inverse, batch.starts, batch.psw, SUM,
-                                                          False, U)  # fmt: skip
+        slots, per_row = accumulate_grad(pooled_grad, self.inverse, batch.starts, batch.psw, SUM, False, num_rows=U)
         row_grads = torch.zeros_like(self.rows).index_copy_(0, slots, per_row) / g.size  # averaged, as DDP
         deliver(self.shard, self.modules, self.served, row_grads[self.send_order], self.id_splits,
                  self.recv_ids_n, self.recv_ids_nk, sync=False)  # fmt: skip
@@ -148,7 +147,7 @@ def forward_rows(shard: Any, modules: list, bags: Sequence[tuple], psw_grad: boo
 
     got = all_to_all_rows(g, back, recv_ids_n, id_splits, wire).to(dtype)  # rows in the order sent
     u_rows = torch.empty_like(got).index_copy_(0, send_order, got)
-    out = torch.ops.veloce.pooled_lookup(u_rows, inverse, batch.starts, batch.psw, SUM, False, None, False)
+    out = pooled_lookup(u_rows, inverse, batch.starts, batch.psw, SUM, False, None, check_inputs=False)
     scale = mean_scale(modules, batch, dtype, dev)
     if scale is not None:
         out = out * scale.unsqueeze(1)
