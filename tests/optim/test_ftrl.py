@@ -20,6 +20,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from conftest import DEVICES  # noqa: E402  (cpu, and cuda where it exists)
+from test_optimizer import batches  # noqa: E402  (the sparse_update tests' batches)
 
 pytestmark = pytest.mark.skipif(not _ext.loaded, reason="veloce._C is not built")
 
@@ -54,17 +55,6 @@ def run_reference(weights, batches_, init_acc, **hyper):
     return w, n, z
 
 
-def batches(seed, dim, device, dtype, steps=STEPS):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        k = int(torch.randint(1, NUM_ROWS + 1, (1,), generator=g))
-        slots = torch.randperm(NUM_ROWS, generator=g)[:k]
-        grads = torch.randn(k, dim, generator=g, dtype=torch.float64)
-        out.append((slots.to(device), grads.to(device, dtype)))
-    return out
-
-
 def initial_state(rows, dim, init_acc, device, dtype=torch.float32):
     state = torch.zeros(rows, 2 * dim, dtype=dtype, device=device)
     state[:, :dim] = init_acc
@@ -88,7 +78,7 @@ HYPER = st.fixed_dictionaries({
        init_acc=st.sampled_from([0.1, 1.0]))  # fmt: skip
 def test_ftrl_matches_reference(device, dtype, dim, seed, hyper, init_acc):
     weights = torch.randn(NUM_ROWS, dim, dtype=dtype, device=device)
-    data = batches(seed, dim, device, dtype)
+    data = batches(seed, dim, device, dtype, steps=STEPS)
     w = weights.clone()
     state = initial_state(NUM_ROWS, dim, init_acc, device, torch.float64 if dtype == torch.float64 else torch.float32)
     own = {k: hyper[k] for k in ("lr_power", "l1", "l2", "beta")}

@@ -22,11 +22,11 @@ STEPS = 10
 NUM_ROWS = 24
 
 
-def batches(seed, dim, device, dtype):
-    """STEPS batches of (unique unsorted slots, grads)."""
+def batches(seed, dim, device, dtype, steps=STEPS):
+    """``steps`` batches of (unique unsorted slots, grads); a batch may be empty."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         k = int(torch.randint(0, NUM_ROWS + 1, (1,), generator=g))
         slots = torch.randperm(NUM_ROWS, generator=g)[:k]
         grads = torch.randn(k, dim, generator=g, dtype=torch.float64)
