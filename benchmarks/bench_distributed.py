@@ -39,7 +39,11 @@ import torch.distributed as dist
 import veloce
 from veloce.distributed import _comm
 from veloce.distributed import dedup as _dedup
-from veloce.distributed import sharded as _sharded
+from veloce.distributed import backward as _backward
+from veloce.distributed import input_dist as _input_dist
+from veloce.distributed import output_dist as _output_dist
+from veloce.distributed import owner as _owner
+from veloce.distributed import static_lookup as _static_lookup
 from veloce.models import DLRM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -93,11 +97,13 @@ class ExchangeMeter:
     def __init__(self, device) -> None:
         self.device, self.seconds, self.bytes, self.on, self.aligned = device, 0.0, 0, False, False
         self.calls: dict[str, list] = {}  # call site -> [seconds, bytes, calls]
-        self._a2a, self._hdr = _sharded.all_to_all, _sharded.begin_headers
+        self._a2a, self._hdr = _comm.all_to_all, _comm.begin_headers
         timed = self._timed(self._a2a, count_bytes=True)
-        # The rows' exchanges call it from _comm.all_to_all_rows (in the exchange dtype).
-        _sharded.all_to_all = _comm.all_to_all = _dedup.all_to_all = timed
-        _sharded.begin_headers = self._timed(self._hdr, count_bytes=False)  # the header swap's all-to-all
+        # Every module that calls it, by the name it imported (the rows' exchanges call it from
+        # _comm.all_to_all_rows, in the exchange dtype).
+        for module in (_comm, _dedup, _input_dist, _backward):
+            module.all_to_all = timed
+        _input_dist.begin_headers = self._timed(self._hdr, count_bytes=False)  # the header swap's all-to-all
 
     def _timed(self, fn, count_bytes: bool):
         def wrapper(group, send, *rest, **kw):
@@ -388,17 +394,20 @@ def _find_only(on: bool):
     if not on:
         yield
         return
-    import veloce.embedding
+    import veloce.sparse.lookup
 
     def find_only(tables, ids, *_, **__):  # padding_ids, bad_input, on_refused, allow_defer: unused
         return [t.find(i) for t, i in zip(tables, ids)]
 
-    saved = veloce.sparse.lookup.find_or_insert_many, _sharded.find_or_insert_many
-    veloce.sparse.lookup.find_or_insert_many = _sharded.find_or_insert_many = find_only
+    modules = (veloce.sparse.lookup, _owner, _static_lookup)  # every caller, by the name it imported
+    saved = [m.find_or_insert_many for m in modules]
+    for m in modules:
+        m.find_or_insert_many = find_only
     try:
         yield
     finally:
-        veloce.sparse.lookup.find_or_insert_many, _sharded.find_or_insert_many = saved
+        for m, f in zip(modules, saved):
+            m.find_or_insert_many = f
 
 
 def _cprofile(step, data, prefetch, hp, args, device, rank: int) -> None:
@@ -430,20 +439,21 @@ def _cprofile(step, data, prefetch, hp, args, device, rank: int) -> None:
 def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
     """Markers at the host-side steps of the sharded lookup and the training step (every
     rank runs them; rank 0 prints): where the host waits and where the GPU waits."""
-    import veloce.embedding
+    import veloce.sparse.lookup
 
     markers = Markers(device)
-    s = _sharded
+    # each call where it is made (the module whose name for it is looked up at the call)
     targets = [
-        (veloce.embedding, "find_or_insert_many", "forward: local insert returned (host sync)"),
-        (s, "bucketize_bags", "forward: bucketized"),
-        (s, "begin_headers", "forward: header queued"),
-        (s, "finish_headers", "forward: header exchanged (host sync)"),
-        (s, "find_or_insert_many", "forward: owner insert returned (host sync)"),
-        (s, "agree_sum", "agree_sum returned (host sync)"),
-        (s, "all_to_all", "all_to_all queued"),
-        (s, "all_to_all_rows", "all_to_all queued"),  # the partial sums' and the gradients'
-        (torch.ops.veloce, "combine_parts", "forward: parts combined"),
+        (veloce.sparse.lookup, "find_or_insert_many", "forward: local insert returned (host sync)"),
+        (_input_dist, "bucketize_bags", "forward: bucketized"),
+        (_input_dist, "begin_headers", "forward: header queued"),
+        (_input_dist, "finish_headers", "forward: header exchanged (host sync)"),
+        (_owner, "find_or_insert_many", "forward: owner insert returned (host sync)"),
+        (_owner, "agree_sum", "agree_sum returned (host sync)"),
+        (_input_dist, "all_to_all", "all_to_all queued"),
+        (_output_dist, "all_to_all_rows", "all_to_all queued"),  # the partial sums'
+        (_backward, "all_to_all_rows", "all_to_all queued"),  # the gradients'
+        (_output_dist, "combine_parts", "forward: parts combined"),
         (torch.ops.veloce, "accumulate_and_update_many", "step: update launched"),
     ]
 
@@ -472,7 +482,7 @@ def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
 
     # The ids each owner inserts per step: Zipf-hot ids make some owners' share larger.
     received = []
-    insert = s.find_or_insert_many
+    insert = _owner.find_or_insert_many
 
     def counted(tables, ids, *a, **k):
         received.append(sum(i.numel() for i in ids))
@@ -480,7 +490,7 @@ def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
 
     n = args.warmup + args.steps
     gc.disable()
-    s.find_or_insert_many = counted
+    _owner.find_or_insert_many = counted
     try:
         for _ in range(2):  # a warm-up pass through the markers, then the measured one
             markers.clear()
@@ -493,7 +503,7 @@ def _phases(hp, loss_fn, opt, data, args, device, rank: int) -> None:
                     marked(b, ahead[i + 1] if ahead and i + 1 < len(ahead) else None)
                 sync_device(device)
     finally:
-        s.find_or_insert_many = insert
+        _owner.find_or_insert_many = insert
     gc.enable()
     if rank == 0:
         print(markers.report(f"rank 0 of {dist.get_world_size()}, {args.sparse}", args.steps), flush=True)

@@ -73,11 +73,15 @@ class DLRM(nn.Module):
         li, lj = torch.tril_indices(n, n, offset=-1)
         # Positions of the pairs in the flattened (n, n) products: one index_select (whose
         # backward is an index_add) instead of advanced indexing (a slow index_put backward).
-        # A constant, so a plain attribute (moved to the products' device on first use), not
-        # a buffer: DDP would broadcast a buffer from rank 0 before every forward.
+        # A constant, so a plain attribute that _apply moves with the model, not a buffer: DDP
+        # would broadcast a buffer from rank 0 before every forward.
         self._pairs = li * n + lj
         top_in = n * (n - 1) // 2 + (embedding_dim if num_dense else 0)
         self.top = mlp(top_in, top_mlp, last_activation=False, name="DLRM: top_mlp")
+
+    def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), ...: _pairs goes along
+        self._pairs = fn(self._pairs)
+        return super()._apply(fn, recurse)
 
     def sparse_lookups(self, dense: torch.Tensor | None, sparse: torch.Tensor) -> list[tuple[list, list]]:
         """The table lookups ``forward(dense, sparse)`` makes, in order, as ``[(tables,
@@ -101,8 +105,6 @@ class DLRM(nn.Module):
             vecs = [x] + vecs
         t = torch.stack(vecs, dim=1)  # (B, n, D)
         z = torch.bmm(t, t.transpose(1, 2))  # (B, n, n)
-        if self._pairs.device != z.device:
-            self._pairs = self._pairs.to(z.device)
         inter = z.flatten(1).index_select(1, self._pairs)  # (B, n(n-1)/2)
         top_in = torch.cat([x, inter], dim=1) if self.bottom is not None else inter
         return self.top(top_in).squeeze(-1)
