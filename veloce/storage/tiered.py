@@ -106,6 +106,8 @@ class TieredTable(HashTable):
         self.evict_fraction = float(evict_fraction)
         self._pinned: list[torch.Tensor] = []  # distinct ids per training lookup / prefetch since the last step
         self.counters = TierCounters()
+        self._no_ids = torch.empty(0, dtype=torch.long)
+        self._tier_evicted = self._no_ids  # the ids the last insert's preparation evicted
         self._staging = PinnedStaging()
 
     # ---- the cache: bounded to cache_rows, never evicting inside an op -------------------
@@ -118,6 +120,10 @@ class TieredTable(HashTable):
     def _no_room(self, failed: int, ids: torch.Tensor | None = None, padding_id: int | None = None,
                  evict: bool = True) -> None:  # fmt: skip
         super()._no_room(failed, ids, padding_id, evict=False)  # grows or takes more slots
+
+    def _note_inserted(self, inserted: int, evicted: torch.Tensor) -> None:
+        super()._note_inserted(inserted, evicted)  # (an op of this table evicts nothing)
+        self.last_evicted = self._tier_evicted  # what the insert's preparation evicted
 
     def _deferrable(self, ids, bad_input=None) -> bool:
         self._refuse_capture()
@@ -170,6 +176,7 @@ class TieredTable(HashTable):
         self._refuse_capture()
         if bad_input is not None and bool(bad_input):
             return
+        self._tier_evicted = self._no_ids
         distinct = torch.unique(ids)
         self._pinned.append(distinct)
         try:
@@ -271,9 +278,10 @@ class TieredTable(HashTable):
         """Evicts ``excess`` rows of the lowest scores, the store's first (then the cache's
         unpinned ones), or raises :class:`TableFullError` when the table may not evict."""
         if not (evict and self.eviction_policy.evicts):
-            how = "loading never evicts" if not evict else f"eviction={self.eviction}"
+            how = "loading never evicts" if not evict else f"eviction={self.eviction!r}"
+            held = self.max_capacity + excess - new  # (rows taken from the store for this call included)
             raise TableFullError(
-                f"DynamicEmbedding table is full: it holds {len(self)} rows of max_capacity {self.max_capacity} "
+                f"DynamicEmbedding table is full: it holds {held} rows of max_capacity {self.max_capacity} "
                 f"(in every tier) and {new} new id(s) arrived, with {how}. Raise max_capacity, or set "
                 f"eviction='lru' or 'lfu' to evict cold rows. The table is unchanged."
             )  # fmt: skip
@@ -296,7 +304,7 @@ class TieredTable(HashTable):
             gone.append(from_cache.cpu())
         if from_store.numel():
             self.store.erase(from_store)
-        self.last_evicted = torch.cat(gone)
+        self.last_evicted = self._tier_evicted = torch.cat(gone)
         self.num_evicted += excess
 
     # ---- reads -----------------------------------------------------------------------
