@@ -5,6 +5,8 @@ refusal of CUDA graph capture."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -162,8 +164,10 @@ def test_stats_count_hits_misses_fetches_and_write_backs(device):
 
 def test_a_tiered_table_refuses_cuda_graph_capture_and_deferral():
     emb = make(cached(16), defer_inserts=True)
-    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
-        emb.table.state_addresses()
+    for ask in (emb.table.state_addresses, lambda: emb.table.has_deferred_room(4),
+                lambda: emb.table.make_deferred_room(4)):  # what CUDAGraphStep asks of a table
+        with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+            ask()
     emb(torch.arange(10), torch.tensor([0]))  # never defers: its insert reads the counts at once
     assert not emb.table._unread and len(emb) == 10
 
@@ -174,6 +178,18 @@ def test_a_store_of_other_dims_is_refused():
         TieredTable(store, 16, DIM, STATE)
     with pytest.raises(ValueError, match="state_dtype must be torch.float32"):
         HostStore(DIM, STATE, torch.float16, torch.float16)
+
+
+def test_a_deep_copy_holds_its_own_store():
+    emb = make(cached(16))
+    for ids, offsets in batches(3, distinct=12):
+        emb(ids, offsets).sum().backward()
+        emb.step()
+        emb.zero_grad()
+    twin = copy.deepcopy(emb)
+    assert_same_entries(twin.export(), emb.export(), atol=0)
+    twin.erase(twin.export()["keys"])
+    assert len(twin) == 0 and len(emb) > 16
 
 
 def test_dtype_casts_follow_into_the_store():

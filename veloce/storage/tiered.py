@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, NoReturn, Optional
 
 import torch
 
@@ -131,18 +131,24 @@ class TieredTable(HashTable):
 
     def _refuse_capture(self) -> None:
         if _capture.ACTIVE is not None:
-            raise RuntimeError(
-                f"veloce: a tiered table ({self.store!r} below a cache of {self.cache_rows} rows) cannot be captured "
-                f"in a CUDA graph: its inserts move rows between tiers and read counts back to the host; train it "
-                f"eagerly, or use storage=veloce.storage.Device()"
-            )  # fmt: skip
+            self._no_capture()
 
-    def state_addresses(self) -> tuple[int, ...]:
-        self._refuse_capture()
+    def _no_capture(self) -> NoReturn:
         raise RuntimeError(
-            f"veloce: a tiered table ({self.store!r} below a cache of {self.cache_rows} rows) cannot be captured in a "
-            f"CUDA graph: its inserts move rows between tiers; train it eagerly"
+            f"veloce: a tiered table ({self.store!r} below a cache of {self.cache_rows} rows) cannot be captured "
+            f"in a CUDA graph: its inserts move rows between tiers and read counts back to the host; train it "
+            f"eagerly, or use storage=veloce.storage.Device()"
         )  # fmt: skip
+
+    # What CUDAGraphStep asks of a table before and while it captures: refused.
+    def state_addresses(self) -> tuple[int, ...]:
+        self._no_capture()
+
+    def has_deferred_room(self, n: int) -> bool:
+        self._no_capture()
+
+    def make_deferred_room(self, n: int) -> None:
+        self._no_capture()
 
     def __len__(self) -> int:
         return self.size + len(self.store)
@@ -239,14 +245,13 @@ class TieredTable(HashTable):
     def _coldest(self, k: int, protect: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` lowest scores of the cache and their slots, ascending, pinned rows,
         ``protect`` and empty slots ranked last (at the int64 maximum)."""
-        self._join_update()  # the victims are read after the update in flight
-        b = self._buffers
-        cap = b["keys"].numel()
+        keys, digests, scores, _, _ = self._state()  # after the update in flight and the last change
+        cap = keys.numel()
         pinned = torch.cat([*self._pinned, protect]) if self._pinned else protect
         at = self.find(pinned)
         mask = torch.zeros(cap + 1, dtype=torch.bool, device=at.device)
         mask[torch.where(at < 0, cap, at)] = True
-        ranked = b["scores"].masked_fill(mask[:cap] | (b["digests"] == 0), _INT64_MAX)
+        ranked = scores.masked_fill(mask[:cap] | (digests == 0), _INT64_MAX)
         return torch.topk(ranked, min(k, cap), largest=False, sorted=True)
 
     def _write_back(self, short: int, coming: int, protect: torch.Tensor) -> None:
