@@ -152,6 +152,10 @@ def test_lookup_many_over_tiered_and_device_tables(device):
             t.zero_grad()
     for a, b in zip(tables, refs):
         assert_same_entries(a.export(), b.export())
+        a.eval(), b.eval()
+    inputs = [next(batches(1, seed=50 + s, pool=2500, device=device)) for s in range(3)]
+    for a, b in zip(veloce.lookup_many(tables, inputs), veloce.lookup_many(refs, inputs)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -166,3 +170,15 @@ def test_padding_idx_is_neither_fetched_nor_counted(device):
     stats = tiered.stats()
     assert stats["hits"] + stats["misses"] == 2
     assert len(tiered) == len(ref) and before["rows"] <= len(tiered)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_offsets_raise_before_any_row_moves(device):
+    tiered = make(cached(64), device=device)
+    _train_pair(make(None, device=device), tiered, 3, device)
+    before, stats = tiered.export(), tiered.stats()
+    ids = torch.arange(5000, 5040, device=device)
+    with pytest.raises(ValueError, match="offsets"):
+        tiered(ids, torch.tensor([0, 30, 10], device=device))
+    assert_same_entries(tiered.export(), before, atol=0)
+    assert tiered.stats()["misses"] == stats["misses"]

@@ -180,13 +180,16 @@ class TieredTable(HashTable):
                 pass ``max_capacity`` with ``eviction="none"``; nothing changed.
         """
         self._refuse_capture()
-        if bad_input is not None and bool(bad_input):
+        distinct = torch.unique(ids)
+        slots = self.find(distinct)
+        parts = (distinct, slots) if bad_input is None else (distinct, slots, bad_input.reshape(1).to(torch.long))
+        host = torch.cat(parts).cpu()  # the batch and the flag read back at once
+        if bad_input is not None and bool(host[-1]):
             return
         self._tier_evicted = self._no_ids
-        distinct = torch.unique(ids)
         self._pinned.append(distinct)
         try:
-            self._bring_up(distinct, padding_id)
+            self._bring_up(host[:distinct.numel()], host[distinct.numel():2 * distinct.numel()], distinct, padding_id)
         except BaseException:
             self._pinned.pop()
             raise
@@ -202,12 +205,13 @@ class TieredTable(HashTable):
             self._pinned.clear()
         self.counters.close_step()
 
-    def _bring_up(self, distinct: torch.Tensor, padding_id: Optional[int]) -> None:
-        slots = self.find(distinct)
-        host = torch.stack((distinct, slots)).cpu()  # the batch read back once
-        counted = host[0] != padding_id if padding_id is not None else torch.ones_like(host[0], dtype=torch.bool)
-        missing = host[0][(host[1] < 0) & counted]
-        hits = int(((host[1] >= 0) & counted).sum())
+    def _bring_up(self, ids: torch.Tensor, slots: torch.Tensor, distinct: torch.Tensor,
+                  padding_id: Optional[int]) -> None:  # fmt: skip
+        """Fetches the missing ones of the distinct ``ids`` (their cache ``slots`` beside
+        them, both on the host; ``distinct``: the ids on the device) and makes room."""
+        counted = ids != padding_id if padding_id is not None else torch.ones_like(ids, dtype=torch.bool)
+        missing = ids[(slots < 0) & counted]
+        hits = int(((slots >= 0) & counted).sum())
         fetched = None
         if missing.numel() and len(self.store):
             taken = self.store.take(missing)
