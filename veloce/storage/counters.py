@@ -4,7 +4,14 @@ last step."""
 
 from __future__ import annotations
 
-__all__ = ["TierCounters"]
+import torch
+
+__all__ = ["TierCounters", "entry_bytes"]
+
+
+def entry_bytes(dim: int, state_dim: int, dtype: torch.dtype, state_dtype: torch.dtype) -> int:
+    """The bytes one entry moves between tiers: its row, optimizer state, key and score."""
+    return dim * dtype.itemsize + state_dim * state_dtype.itemsize + 8 + 8
 
 
 class TierCounters:

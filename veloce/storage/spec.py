@@ -36,9 +36,7 @@ def cache_row_bytes(dim: int, state_dim: int, dtype: torch.dtype) -> float:
     """The device bytes one cached row takes: its row, optimizer state, key (8), score (8)
     and digest (1) per slot, at 1.25 slots a row (a full cache's load,
     :data:`veloce.table.FULL_LOAD`)."""
-    row = dim * torch.empty(0, dtype=dtype).element_size()
-    state = state_dim * torch.empty(0, dtype=state_dtype(dtype)).element_size()
-    return (row + state + 8 + 8 + 1) / FULL_LOAD
+    return (dim * dtype.itemsize + state_dim * state_dtype(dtype).itemsize + 8 + 8 + 1) / FULL_LOAD
 
 
 class StorageSpec:

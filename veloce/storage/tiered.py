@@ -24,9 +24,11 @@ bumps ``version``). The ids are kept, not slots, and turned into a mask when vic
 chosen; the step engine releases them (:meth:`TieredTable.after_step`). If the pinned
 rows and the batch do not fit, the insert raises before anything changes.
 
-**Everything else** spans both tiers: ``len()``, ``insert``, ``erase``, ``clear``,
-``export`` / ``export_chunks`` (host tensors), ``load_entries``, ``snapshot`` /
-``restore``, ``last_seen``, ``expire``, ``reserve``, ``stats()``. ``find`` and the slots
+**Everything else** spans both tiers (:mod:`veloce.storage.both_tiers`): ``len()``,
+``insert``, ``erase``, ``clear``, ``export`` / ``export_chunks`` (host tensors),
+``load_entries``, ``snapshot`` / ``restore``, ``last_seen``, ``expire``, ``reserve``,
+``stats()``. Inside, the cache's own insert and erase are ``HashTable.insert`` /
+``HashTable.erase`` called by name (``super()`` is the part over both tiers). ``find`` and the slots
 it returns are the cache's; an evaluation lookup reads the store's rows of the other ids
 through :meth:`TieredTable.rows_below`, changing nothing. A tiered table never defers its
 inserts and cannot be captured in a CUDA graph (its inserts read the device back).
@@ -35,17 +37,16 @@ inserts and cannot be captured in a CUDA graph (its inserts read the device back
 from __future__ import annotations
 
 import math
-import warnings
-from typing import Any, Iterator, NamedTuple, NoReturn, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 
 from veloce.eviction import EvictionPolicy
 from veloce.init import Initializer
-from veloce.ops.hash_table import SCORE_LFU, SCORE_LRU
 from veloce.runtime import capture as _capture
 from veloce.storage.base import BackingStore
-from veloce.storage.counters import TierCounters
+from veloce.storage.both_tiers import BothTiers
+from veloce.storage.counters import TierCounters, entry_bytes
 from veloce.storage.transfer import PinnedStaging
 from veloce.table import HashTable, TableFullError, final_capacity
 from veloce.table.capacity import is_int
@@ -53,17 +54,9 @@ from veloce.table.capacity import is_int
 __all__ = ["TieredTable"]
 
 _INT64_MAX = (1 << 63) - 1
-_CHUNK = 1 << 20
 
 
-class TieredSnapshot(NamedTuple):
-    """What :meth:`TieredTable.snapshot` keeps: the cache's snapshot and the store's."""
-
-    cache: Any
-    store: Any
-
-
-class TieredTable(HashTable):
+class TieredTable(BothTiers, HashTable):
     """A hash table whose buffers cache the hot rows of a larger table kept in ``store``
     (see the module docstring). Made by :class:`veloce.storage.HostCached` (and the other
     storage specs); the arguments after ``cache_rows`` are :class:`~veloce.table.HashTable`'s.
@@ -89,9 +82,10 @@ class TieredTable(HashTable):
             raise ValueError(f"cache_rows must be an int >= 1 (rows the cache holds), got {cache_rows!r}")
         if isinstance(evict_fraction, bool) or not isinstance(evict_fraction, (int, float)) or not 0 < evict_fraction <= 1:
             raise ValueError(f"evict_fraction must be a number in (0, 1], got {evict_fraction!r}")
-        if max_capacity is not None and is_int(max_capacity) and max_capacity >= 1:
-            cache_rows = min(int(cache_rows), int(max_capacity))  # a cache larger than the table holds it all
-        cache_rows = int(cache_rows)
+        if max_capacity is not None and (not is_int(max_capacity) or max_capacity < 1):
+            raise ValueError(f"max_capacity must be an int >= 1 or None, got {max_capacity!r}")
+        # a cache larger than the table holds it all
+        cache_rows = int(cache_rows) if max_capacity is None else min(int(cache_rows), int(max_capacity))
         super().__init__(dim, state_dim, capacity=min(int(capacity), final_capacity(cache_rows)),
                          max_capacity=cache_rows, eviction=eviction, initializer=initializer, seed=seed, dtype=dtype,
                          device=device, grow_at=grow_at, init_state=init_state)  # fmt: skip
@@ -109,6 +103,8 @@ class TieredTable(HashTable):
         self._no_ids = torch.empty(0, dtype=torch.long)
         self._tier_evicted = self._no_ids  # the ids the last insert's preparation evicted
         self._staging = PinnedStaging()
+
+    _PLAIN_ATTRS = HashTable._PLAIN_ATTRS | {"_tier_evicted"}  # set on every training insert
 
     # ---- the cache: bounded to cache_rows, never evicting inside an op -------------------
     def _room(self) -> int:
@@ -228,7 +224,7 @@ class TieredTable(HashTable):
             raise
         if fetched is not None:
             ids_d, scores_d, state_d, rows_d = self._staging.to_device(fetched, self.device)  # one copy
-            super().insert(ids_d, rows_d, state_d.to(self.state_dtype), scores_d, evict=False)
+            HashTable.insert(self, ids_d, rows_d, state_d.to(self.state_dtype), scores_d, evict=False)  # the cache's
         self.counters.lookup(hits, missing.numel(), n_fetched)
 
     def _make_room(self, coming: int, new: int, evict: bool, protect: torch.Tensor, in_flight: int = 0,
@@ -279,7 +275,7 @@ class TieredTable(HashTable):
                 f"The table is unchanged."
             )  # fmt: skip
         self.store.put(ids_h[:n], rows_h[:n], state_h[:n], scores_h[:n], fresh=True)
-        super().erase(ids[:n])  # bumps version: pending gradients of other rows re-resolve by id
+        HashTable.erase(self, ids[:n])  # the cache's; bumps version: pending gradients re-resolve by id
         self.counters.wrote_back(n)
 
     def _evict(self, excess: int, new: int, evict: bool, protect: torch.Tensor,
@@ -309,181 +305,12 @@ class TieredTable(HashTable):
                     f"The table is unchanged."
                 )  # fmt: skip
             from_cache = self._buffers["keys"][slots]
-            super().erase(from_cache)
+            HashTable.erase(self, from_cache)  # the cache's
             gone.append(from_cache.cpu())
         if from_store.numel():
             self.store.erase(from_store)
         self.last_evicted = self._tier_evicted = torch.cat(gone)
         self.num_evicted += excess
-
-    # ---- reads -----------------------------------------------------------------------
-    def rows_below(self, ids: torch.Tensor, missing: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The store's rows of ``ids[missing]`` (ids the cache lacks): ``(found, rows)`` on
-        the table's device, read without moving them (an evaluation lookup changes
-        nothing); None while the store is empty."""
-        if not len(self.store):
-            return None
-        below = ids[missing]
-        distinct, inverse = torch.unique(below, return_inverse=True)
-        entries = self.store.get(distinct.cpu())
-        dev = ids.device
-        return entries.found.to(dev)[inverse], entries.weights.to(dev, self.dtype)[inverse]
-
-    def last_seen(self, ids: torch.Tensor) -> torch.Tensor:
-        out = super().last_seen(ids)
-        missing = out < 0
-        if len(self.store) and bool(missing.any()):
-            distinct, inverse = torch.unique(ids[missing], return_inverse=True)
-            e = self.store.get(distinct.cpu())
-            seen = torch.where(e.found, e.scores, torch.full_like(e.scores, -1))
-            out[missing] = seen.to(out.device)[inverse]
-        return out
-
-    # ---- writes over both tiers ---------------------------------------------------------
-    def insert(self, ids: torch.Tensor, values: torch.Tensor, opt_values: Optional[torch.Tensor] = None,
-               score_values: Optional[torch.Tensor] = None, evict: bool = True) -> torch.Tensor:  # fmt: skip
-        """insert_or_assign over both tiers: rows in the cache are written there, the others
-        in the store (new ones get the initial optimizer state and the policy's score, as
-        the op gives them). Returns the cache's slots of ``ids``, -1 for rows in the store."""
-        self._refuse_capture()
-        n = ids.numel()
-        bound = self.cache_rows if self.max_capacity is None else min(self.cache_rows, self.max_capacity)
-        if not len(self.store) and self.size + n <= bound:
-            return super().insert(ids, values, opt_values, score_values, evict)
-        slots = self.find(ids)
-        cached = slots >= 0
-        parts = [(cached, True), (~cached, False)]
-        for mask, in_cache in parts:
-            idx = mask.nonzero().squeeze(1)
-            if not idx.numel():
-                continue
-            opt = None if opt_values is None else opt_values[idx]
-            sc = None if score_values is None else score_values[idx]
-            if in_cache:  # present ids: assigned in place, nothing inserted
-                super().insert(ids[idx], values[idx], opt, sc, evict=False)
-            else:
-                self._insert_below(ids[idx], values[idx], opt, sc, evict, ids)
-        return self.find(ids)
-
-    def _insert_below(self, ids: torch.Tensor, values: torch.Tensor, opt_values: Optional[torch.Tensor],
-                      score_values: Optional[torch.Tensor], evict: bool, protect: torch.Tensor) -> None:  # fmt: skip
-        """:meth:`insert` of ids the cache lacks, into the store (``protect``: the call's ids,
-        which an eviction past ``max_capacity`` leaves in the cache)."""
-        ids = ids.cpu()
-        distinct, inverse = torch.unique(ids, return_inverse=True)
-        # the last occurrence of each id wins, as insert_or_assign's
-        last = torch.full((distinct.numel(),), -1, dtype=torch.long)
-        last.scatter_reduce_(0, inverse, torch.arange(ids.numel()), "amax")
-        uses = torch.bincount(inverse, minlength=distinct.numel())
-        held = self.store.get(distinct)
-        new = int((~held.found).sum())
-        if new:
-            self._make_room(0, new, evict, protect.to(self.device), keep=distinct[held.found])
-        rows = values.cpu()[last]
-        if opt_values is not None:
-            state = opt_values.cpu()[last]
-        else:
-            init = torch.zeros(self.state_dim, dtype=self.state_dtype) if self.init_state is None else self.init_state
-            state = torch.where(held.found.unsqueeze(1), held.optimizer_state, init.to(self.state_dtype))
-        if score_values is not None:
-            scores = score_values.cpu().long()[last]
-        else:
-            old = torch.where(held.found, held.scores, torch.zeros_like(held.scores))
-            if self.score_policy == SCORE_LRU:
-                scores = torch.full_like(old, self.clock)
-            elif self.score_policy == SCORE_LFU:
-                scores = old + uses
-            else:
-                scores = old
-        self.store.put(distinct, rows.to(self.dtype), state, scores)
-
-    def erase(self, ids: torch.Tensor) -> int:
-        """Removes ``ids`` from both tiers; returns how many were present."""
-        return super().erase(ids) + self.store.erase(ids.cpu())
-
-    def clear(self) -> None:
-        """Removes every entry of both tiers (keeps the capacity)."""
-        super().clear()
-        self.store.clear()
-        self._pinned.clear()
-
-    def expire(self, before: int) -> int:
-        erased = super().expire(before)
-        below = self.store.expire(int(before))
-        if below:
-            self.num_expired += below
-        return erased + below
-
-    def reserve(self, n: int) -> None:
-        """Pre-sizes the cache (up to ``cache_rows``) and the store, when it can, for ``n``
-        rows in all.
-
-        Raises:
-            ValueError: ``n`` is not an int >= 0, or it is more than ``max_capacity``.
-        """
-        super().reserve(n)  # (checks n; the cache's slots stop at its final size)
-        reserve = getattr(self.store, "reserve", None)
-        if reserve is not None and n > self.cache_rows:
-            reserve(n - self.cache_rows)
-
-    # ---- export, load, snapshots --------------------------------------------------------
-    def export(self, start: int = 0, end: Optional[int] = None) -> dict[str, torch.Tensor]:
-        """Every entry of both tiers (keys, weights, optimizer_state, scores) as host
-        tensors, the cache's first. :meth:`export_chunks` streams them instead.
-
-        Raises:
-            ValueError: ``start`` or ``end`` given (a tiered table exports whole).
-        """
-        if start != 0 or end is not None:
-            raise ValueError("a tiered table exports every entry: call export() without start / end, or export_chunks()")
-        parts = list(self.export_chunks(_CHUNK))
-        if not parts:
-            return {k: v.cpu() for k, v in self._export_slots().items()}
-        return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
-
-    def export_chunks(self, rows: int = _CHUNK) -> Iterator[dict[str, torch.Tensor]]:
-        """Every entry of both tiers in dicts of at most ``rows`` entries, as host tensors:
-        the cache's chunks, then the store's."""
-        for chunk in super().export_chunks(rows):
-            yield {k: v.cpu() for k, v in chunk.items()}
-        yield from self.store.chunks(rows)
-
-    def load_entries(self, entries: dict[str, torch.Tensor]) -> None:
-        """Replaces the contents of both tiers with exported ``entries``: the highest scores
-        fill the cache, the rest go to the store. Checks them first; a failure leaves the
-        table as it was (the store's part where the store keeps snapshots)."""
-        n = self._check_entries(entries)
-        self.settle(refusals=False)
-        keys, scores = entries["keys"], entries["scores"]
-        order = torch.argsort(scores.long(), descending=True, stable=True)
-        k = min(n, self.cache_rows)
-        top, rest = order[:k], order[k:]
-        saved = self.snapshot()
-        self.store.clear()
-        try:
-            self._load_checked({name: entries[name][top] for name in ("keys", "weights", "optimizer_state", "scores")}, k)
-            if rest.numel():
-                self.store.put(keys[rest].cpu().long(), entries["weights"][rest].cpu().to(self.dtype),
-                               entries["optimizer_state"][rest].cpu().to(self.state_dtype),
-                               scores[rest].cpu().long(), fresh=True)  # fmt: skip
-        except BaseException:
-            self.restore(saved)
-            raise
-        self._pinned.clear()
-
-    def snapshot(self) -> TieredSnapshot:
-        """The cache's snapshot and the store's (None where the store keeps none)."""
-        return TieredSnapshot(super().snapshot(), self.store.snapshot())
-
-    def restore(self, snapshot: TieredSnapshot) -> None:
-        """Puts back what :meth:`snapshot` kept; a store that kept none keeps its rows, with a warning."""
-        super().restore(snapshot.cache)
-        if snapshot.store is not None:
-            self.store.restore(snapshot.store)
-        else:
-            warnings.warn(f"veloce: {self.store!r} keeps no snapshots: its rows are not rolled back", RuntimeWarning,
-                          stacklevel=2)  # fmt: skip
-        self._pinned.clear()
 
     # ---- telemetry ------------------------------------------------------------------------
     def stats(self, reset: bool = False) -> dict[str, Any]:
@@ -492,10 +319,8 @@ class TieredTable(HashTable):
         bytes fetched and written back (since the last ``reset``, and in the last step),
         evictions, and the store's own counts. ``reset`` restarts the counts."""
         out = super().stats()
-        entry = self.dim * torch.empty(0, dtype=self.dtype).element_size() + 16 + \
-            self.state_dim * torch.empty(0, dtype=self.state_dtype).element_size()  # row, state, key, score
         out.update({"cache_rows": self.size, "cache_capacity": self.cache_rows, "store_rows": len(self.store)})
-        out.update(self.counters.as_dict(entry))
+        out.update(self.counters.as_dict(entry_bytes(self.dim, self.state_dim, self.dtype, self.state_dtype)))
         out.update(self.store.stats())
         if reset:
             self.counters.reset()

@@ -31,7 +31,7 @@ def _check_order(tensors: Sequence[torch.Tensor]) -> None:
 def _unpack(buf: torch.Tensor, likes: Sequence[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
     out, at = [], 0
     for shape, dtype in likes:
-        n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        n = torch.Size(shape).numel() * dtype.itemsize
         out.append(buf[at:at + n].view(dtype).view(shape))
         at += n
     return out
