@@ -182,3 +182,22 @@ def test_bad_offsets_raise_before_any_row_moves(device):
         tiered(ids, torch.tensor([0, 30, 10], device=device))
     assert_same_entries(tiered.export(), before, atol=0)
     assert tiered.stats()["misses"] == stats["misses"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_held_pins_keep_a_steps_rows_one_step_more(device):
+    tiered = make(cached(64), device=device)
+    tiered.table.hold_pins(1)
+    first, second = torch.arange(0, 40, device=device), torch.arange(100, 140, device=device)
+    bag = torch.tensor([0], device=device)
+    tiered(first, bag).sum().backward()
+    tiered.step()  # the first batch's rows stay one step more
+    with pytest.raises(TableFullError, match="40 cached row"):
+        tiered(second, bag)
+    tiered.table.hold_pins(0)  # (unwrapped from async HybridParallel)
+    tiered(second, bag).sum().backward()
+    tiered.step()
+    assert len(tiered) == 80
+    with pytest.raises(ValueError, match="steps must be an int >= 0"):
+        tiered.table.hold_pins(-1)
+    make(None).table.hold_pins(3)  # a Device table holds nothing

@@ -34,7 +34,6 @@ class BothTiers:
 
     store: "BackingStore"
     cache_rows: int
-    _pinned: list
 
     # ---- reads -----------------------------------------------------------------------
     def rows_below(self, ids: torch.Tensor, missing: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -125,7 +124,7 @@ class BothTiers:
         """Removes every entry of both tiers (keeps the capacity)."""
         super().clear()
         self.store.clear()
-        self._pinned.clear()
+        self._release_pins()
 
     def expire(self, before: int) -> int:
         erased = super().expire(before)
@@ -189,7 +188,7 @@ class BothTiers:
         except BaseException:
             self.restore(saved)
             raise
-        self._pinned.clear()
+        self._release_pins()
 
     def snapshot(self) -> TieredSnapshot:
         """The cache's snapshot and the store's (None where the store keeps none)."""
@@ -203,4 +202,4 @@ class BothTiers:
         else:
             warnings.warn(f"veloce: {self.store!r} keeps no snapshots: its rows are not rolled back", RuntimeWarning,
                           stacklevel=2)  # fmt: skip
-        self._pinned.clear()
+        self._release_pins()

@@ -36,6 +36,7 @@ inserts and cannot be captured in a CUDA graph (its inserts read the device back
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any, NoReturn, Optional
 
@@ -99,6 +100,8 @@ class TieredTable(BothTiers, HashTable):
         self.cache_rows = cache_rows
         self.evict_fraction = float(evict_fraction)
         self._pinned: list[torch.Tensor] = []  # distinct ids per training lookup / prefetch since the last step
+        self.pin_steps = 0  # steps the rows stay pinned after their own (hold_pins)
+        self._held: collections.deque[list[torch.Tensor]] = collections.deque()  # the last pin_steps steps' pins
         self.counters = TierCounters()
         self._no_ids = torch.empty(0, dtype=torch.long)
         self._tier_evicted = self._no_ids  # the ids the last insert's preparation evicted
@@ -196,10 +199,34 @@ class TieredTable(BothTiers, HashTable):
         self.prepare_insert(ids, padding_id)
 
     def after_step(self) -> None:
-        """Releases the pinned rows (the step queued their update) and closes the step's counts."""
-        if self._pinned:
+        """Releases the pinned rows (the step queued their update; with :meth:`hold_pins`,
+        those of the step ``pin_steps`` before) and closes the step's counts."""
+        if self.pin_steps:
+            self._held.append(self._pinned)
+            self._pinned = []
+            while len(self._held) > self.pin_steps:
+                self._held.popleft()
+        elif self._pinned:
             self._pinned.clear()
         self.counters.close_step()
+
+    def hold_pins(self, steps: int) -> None:
+        """Keeps each step's pinned rows ``steps`` steps more (``HybridParallel(sparse="async")``
+        applies a step's gradients ``staleness`` steps later: their rows must still be cached).
+
+        Raises:
+            ValueError: ``steps`` is not an int >= 0.
+        """
+        if not is_int(steps) or steps < 0:
+            raise ValueError(f"hold_pins: steps must be an int >= 0, got {steps!r}")
+        self.pin_steps = int(steps)
+        while len(self._held) > self.pin_steps:
+            self._held.popleft()
+
+    def _release_pins(self) -> None:
+        """Forgets every pinned row (the contents were replaced)."""
+        self._pinned = []
+        self._held.clear()
 
     def _bring_up(self, ids: torch.Tensor, slots: torch.Tensor, distinct: torch.Tensor,
                   padding_id: Optional[int]) -> None:  # fmt: skip
@@ -247,7 +274,8 @@ class TieredTable(BothTiers, HashTable):
         ``protect`` and empty slots ranked last (at the int64 maximum)."""
         keys, digests, scores, _, _ = self._state()  # after the update in flight and the last change
         cap = keys.numel()
-        pinned = torch.cat([*self._pinned, protect]) if self._pinned else protect
+        held = [ids for step in self._held for ids in step]
+        pinned = torch.cat([*self._pinned, *held, protect]) if self._pinned or held else protect
         at = self.find(pinned)
         mask = torch.zeros(cap + 1, dtype=torch.bool, device=at.device)
         mask[torch.where(at < 0, cap, at)] = True

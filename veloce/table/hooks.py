@@ -10,6 +10,8 @@ without asking which kind it is (one Python call each, no tensor work).
   row nor evicts.
 - ``after_step()``: once the sparse optimizer step queued the update of the table's
   pending gradient (:mod:`veloce.sparse.step`): the rows kept for it may leave the cache.
+- ``hold_pins(steps)``: the rows stay that many steps more (gradients that arrive late:
+  ``HybridParallel(sparse="async")``).
 - ``prefetch(ids, padding_id)``: the rows of a coming training batch, brought up ahead of it.
 - ``rows_below(ids, missing)``: an evaluation lookup's rows of ids the cache lacks.
 - ``stats(reset)``: the table's telemetry, one dict.
@@ -38,6 +40,10 @@ class StoreHooks:
     def after_step(self) -> None:
         """Called once a sparse optimizer step queued the update of the table's pending
         gradient; nothing is held for it here."""
+
+    def hold_pins(self, steps: int) -> None:
+        """Keeps the rows of a step's lookups close ``steps`` more steps (a sharded table
+        whose gradients arrive ``staleness`` steps late); nothing is held here."""
 
     def prefetch(self, ids: torch.Tensor, padding_id: Optional[int] = None) -> None:
         """Brings the rows of a coming training batch of ``ids`` close; here they are
