@@ -60,6 +60,11 @@ def test_the_cache_policy_must_rank_the_tables_scores():
         make(HostCached(cache_rows=10, policy="lfu"), eviction=veloce.eviction.TTL(steps=5))
 
 
+def test_a_tiered_tables_max_capacity_is_checked():
+    with pytest.raises(ValueError, match="max_capacity must be an int >= 1 or None, got 0"):
+        make(HostCached(cache_rows=10), max_capacity=0)
+
+
 def test_storage_must_be_a_spec():
     with pytest.raises(TypeError, match="storage must be a veloce.storage spec"):
         make("host")
