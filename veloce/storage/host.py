@@ -91,7 +91,7 @@ class HostStore(BackingStore):
         if k <= 0:
             return torch.empty(0, dtype=torch.long)
         ranked = t.scores.masked_fill(t.digests == 0, _INT64_MAX)  # empty slots last
-        _, slots = torch.topk(ranked, k, largest=False, sorted=False)
+        _, slots = torch.topk(ranked, k, largest=False, sorted=True)  # ascending: the coldest first
         return t.keys[slots]
 
     def chunks(self, rows: int) -> Iterator[dict[str, torch.Tensor]]:
