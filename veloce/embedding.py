@@ -20,6 +20,7 @@ from veloce.sparse import (
 )  # fmt: skip
 from veloce.table import HashTable, is_int64
 from veloce.eviction import EvictionPolicy
+from veloce.storage import Device, StorageSpec
 
 __all__ = ["DynamicEmbedding"]
 
@@ -128,6 +129,15 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
             are not parameters) each rank's copy would drift apart unnoticed. Use
             :class:`veloce.distributed.HybridParallel` to train one table over the ranks.
             A per-rank table is checkpointed from rank 0 (``veloce.checkpoint``).
+        storage: where the rows and optimizer state live, a :mod:`veloce.storage` spec:
+            ``veloce.storage.Device()`` (default: all on ``device``) or
+            ``veloce.storage.HostCached(cache_rows=...)`` (in host memory, the hot rows
+            cached on ``device``; a table larger than the device's memory). A tiered
+            table behaves as the all-in-memory one (same values, every optimizer, pooling,
+            checkpoints in and out of any storage); ``max_capacity`` counts the rows of
+            every tier; :meth:`stats` reports the cache's hit rate and the rows moved, and
+            :meth:`prefetch` brings a coming batch's rows up ahead of it
+            (``docs/storage.md``).
 
     Differences from ``nn.EmbeddingBag`` (README's "Differences from nn.EmbeddingBag"):
     no ``num_embeddings`` (the first argument is ``embedding_dim``), no ``.weight`` (see
@@ -171,6 +181,7 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         nonfinite_grad: str = "raise",
         defer_inserts: bool = False,
         per_rank: bool = False,
+        storage: Optional[StorageSpec] = None,
     ) -> None:
         super().__init__()
         if not isinstance(embedding_dim, int) or embedding_dim < 1:
@@ -199,6 +210,10 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
             raise TypeError(f"initializer must come from veloce.init, got {type(initializer).__name__}")
         if not isinstance(optimizer, SparseOptimizer):
             raise TypeError(f"optimizer must come from veloce.optim (SGD, Adagrad, ...), got {type(optimizer).__name__}")
+        storage = Device() if storage is None else storage
+        if not isinstance(storage, StorageSpec):
+            raise TypeError(f"storage must be a veloce.storage spec (Device(), HostCached(...)), got "
+                            f"{type(storage).__name__}")  # fmt: skip
         self.embedding_dim = embedding_dim
         self.mode = mode
         self.padding_idx = None if padding_idx is None else int(padding_idx)
@@ -208,10 +223,11 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         self.nonfinite_grad = nonfinite_grad
         self.per_rank = bool(per_rank)
         self._frozen = False
-        self.table = HashTable(
-            embedding_dim, optimizer.state_dim(embedding_dim), capacity=capacity, max_capacity=max_capacity,
-            eviction=eviction, initializer=initializer, seed=seed, dtype=dtype, device=device,
-            init_state=optimizer.initial_state(embedding_dim),
+        self.storage = storage
+        self.table = storage.make_table(
+            dim=embedding_dim, state_dim=optimizer.state_dim(embedding_dim), capacity=capacity,
+            max_capacity=max_capacity, eviction=eviction, initializer=initializer, seed=seed, dtype=dtype,
+            device=device, init_state=optimizer.initial_state(embedding_dim),
         )  # fmt: skip
         self.table.defer = bool(defer_inserts)
         self._steps = 0  # sparse optimizer steps applied (Adam's t): step_count
@@ -389,6 +405,7 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         state.setdefault("_frozen", False)
         state.setdefault("_unapplied_passes", 0)
         state.setdefault("_unapplied_since", None)
+        state.setdefault("storage", Device())
         if "backend" not in state:  # pickled with the sharding as a private attribute
             shard = state.pop("_shard", None)
             state["backend"] = LocalBackend() if shard is None else shard
@@ -457,8 +474,42 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         ids = self._check_ids(ids, "ids")
         slots = self.table.find(ids)
         found = slots >= 0
-        rows = self.table.rows(slots.clamp(min=0))
-        return rows.masked_fill(~found.unsqueeze(1), 0), found
+        rows = self.table.rows(slots.clamp(min=0)).masked_fill(~found.unsqueeze(1), 0)
+        below = self.table.rows_below(ids, ~found)  # a tiered table's stored rows (moved nowhere)
+        if below is not None:
+            idx = (~found).nonzero().squeeze(1)
+            held, stored = below
+            rows[idx] = torch.where(held.unsqueeze(1), stored.to(rows.dtype), rows[idx])
+            found = found.index_put((idx,), held)
+        return rows, found
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        """The table's telemetry, one dict (``docs/storage.md``): ``rows``, ``capacity``,
+        ``max_capacity``, ``evicted``; a tiered table adds its cache's (``cache_rows``,
+        ``cache_capacity``, ``store_rows``, ``hits``, ``misses``, ``hit_rate``, rows and
+        bytes fetched and written back). ``reset`` restarts the counts that run since the
+        last reset. On a table sharded by HybridParallel, this rank's shard."""
+        return self.table.stats(reset)
+
+    @torch.no_grad()
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Brings the rows of a coming training batch's ``ids`` into a tiered table's cache
+        now (fetching them while this batch trains), and keeps them there until the step
+        after that batch. A no-op for ``storage=Device()``, in eval mode and for a frozen
+        table (their lookups move no rows).
+
+        Raises:
+            RuntimeError: the table is sharded by HybridParallel (``HybridParallel.prefetch``
+                brings each owner's rows up with the exchange it prefetches).
+        """
+        if not self.training:
+            return
+        if self.backend.sharded:
+            raise RuntimeError(
+                "DynamicEmbedding.prefetch: this table is sharded by HybridParallel: its rows live on the ranks that "
+                "own the ids; HybridParallel.prefetch(batch) brings them up with the exchange it prefetches"
+            )  # fmt: skip
+        self.table.prefetch(self._check_ids(ids, "ids").reshape(-1), self.padding_idx)
 
     @torch.no_grad()
     def insert(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
@@ -533,4 +584,5 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         self._forget_gradient()  # a backward before the load books no step after it
 
     def extra_repr(self) -> str:
-        return f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, {self.table._size_text()}"
+        storage = "" if isinstance(self.storage, Device) else f", storage={self.storage!r}"
+        return f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, {self.table._size_text()}{storage}"

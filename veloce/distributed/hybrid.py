@@ -253,6 +253,7 @@ class HybridParallel(nn.Module):
         for tag, (name, m) in enumerate(self.tables):
             m.backend = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group, self.dedup,
                              self.lookup_errors, dispatch_group, self.exchange_dtype, weakref.ref(self))  # fmt: skip
+            m.table.hold_pins(self.staleness)  # a tiered shard keeps rows until their late gradients land
         modules = [m for _, m in self.tables]
         lookup_group.on_failure = lambda: drop_failed_gradients(modules)
 
@@ -412,6 +413,7 @@ class HybridParallel(nn.Module):
                 m.backend.flush(m)
         for _, m in self.tables:
             m.backend = LocalBackend()
+            m.table.hold_pins(0)
         return self.module
 
     def extra_repr(self) -> str:

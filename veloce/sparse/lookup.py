@@ -102,11 +102,18 @@ class LocalLookup:
             slots = slots.masked_fill(pad, -1)
         if not bool(missing.any()):
             return slots, None
-        if self.unknown == "zeros":
+        below = table.rows_below(ids, missing)  # a tiered table's stored rows of the ids its cache lacks
+        if self.unknown == "zeros" and below is None:
             return slots.masked_fill(missing, -2), None
         idx = missing.nonzero().squeeze(1)
         init = table.initializer
-        extra = initialize(ids[idx], self.embedding_dim, table.seed, init.kind, init.a, init.b, table.dtype)
+        if self.unknown == "zeros":
+            extra = torch.zeros(idx.numel(), self.embedding_dim, dtype=table.dtype, device=ids.device)
+        else:
+            extra = initialize(ids[idx], self.embedding_dim, table.seed, init.kind, init.a, init.b, table.dtype)
+        if below is not None:
+            found, rows = below
+            extra = torch.where(found.unsqueeze(1), rows.to(extra.dtype), extra)
         slots = slots.index_put((idx,), torch.arange(idx.numel(), device=ids.device) + table.capacity)
         return slots, extra
 

@@ -94,6 +94,7 @@ class Stepping:
         """Counts a step once its update is applied (``update``), or when there was nothing
         to apply (None), and forgets the applied gradient. Sets only the attributes that
         change: each set is a call of PlainAttrs.__setattr__, for every table in every step."""
+        self.table.after_step()  # the rows kept for the applied gradient may leave a tiered table's cache
         if self._unapplied_since is not None:  # (async gradients in flight are the next steps' to apply)
             self._unapplied_since = None
             self._unapplied_passes = 0

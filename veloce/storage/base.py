@@ -15,7 +15,7 @@ Every tensor crossing this interface is on the CPU: ids int64 (N,), rows (N, dim
 from __future__ import annotations
 
 import abc
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -86,6 +86,25 @@ class BackingStore(abc.ABC):
     @abc.abstractmethod
     def clear(self) -> None:
         """Removes every entry."""
+
+    def expire(self, before: int, rows: int = 1 << 20) -> int:
+        """Removes every entry scored below ``before`` (a time to live's expiry, under the
+        policies whose score is the last-seen step); returns how many went. This one scans
+        :meth:`chunks` of ``rows`` entries, then erases what it found; a store that can
+        do it in place overrides it."""
+        stale = [c["keys"][c["scores"] < before] for c in self.chunks(rows)]
+        stale = [k for k in stale if k.numel()]
+        return self.erase(torch.cat(stale)) if stale else 0
+
+    def snapshot(self) -> Any:
+        """What :meth:`restore` puts back after a failed load of the table above (a
+        checkpoint load rolled back), or None when this store cannot keep one (a load
+        into it is then not undone)."""
+        return None
+
+    def restore(self, snapshot: Any) -> None:
+        """Puts back the contents a :meth:`snapshot` kept."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no snapshots (its snapshot() returns None)")
 
     def flush(self) -> None:
         """Makes every write so far durable (a store in memory has nothing to do)."""

@@ -90,6 +90,8 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
     """find_or_insert_many over distinct tables: one op call, then per-table growth retries
     (or one deferred op call, when every table may defer)."""
     _ext.require()
+    for t, i, p in zip(tables, ids, padding_ids):
+        t.prepare_insert(i, p, bad_input)
     with _ticked_clocks(tables) as booked:
         if allow_defer and all(t._deferrable([i], bad_input) for t, i in zip(tables, ids)):
             out = _insert_deferred(tables, ids, padding_ids, bad_input, on_refused)

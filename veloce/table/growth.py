@@ -122,7 +122,7 @@ class Growth:
     def _rehash(self, new_cap: int) -> None:
         """:meth:`resize` to ``new_cap`` slots (whole buckets), whatever max_capacity says."""
         _ext.require()
-        entries = self.export()
+        entries = self._export_slots()  # the table's own slots (a tiered table's export adds its store)
         if entries["keys"].numel() > new_cap:
             raise ValueError(f"cannot resize to {new_cap} slots: the table holds {entries['keys'].numel()} entries")
         dtype, device = self.weights.dtype, self.device

@@ -36,6 +36,7 @@ from veloce.table.capacity import FULL_LOAD, STATE_NAMES, final_capacity, is_int
 from veloce.table.deferred import DeferredInserts
 from veloce.eviction import EvictionPolicy, resolve
 from veloce.table.growth import Growth
+from veloce.table.hooks import StoreHooks
 from veloce.table.rows import RowStore
 
 __all__ = ["HashTable"]
@@ -52,7 +53,7 @@ class TableSnapshot(NamedTuple):
     clock: int
 
 
-class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
+class HashTable(RowStore, StoreHooks, DeferredInserts, Growth, PlainAttrs, nn.Module):
     """A growable hash table from int64 ids to embedding rows and optimizer state.
 
     Args:
@@ -358,6 +359,7 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
         back whatever ``defer`` says (a sharded owner's insert: its failure must reach
         every rank in the same step).
         """
+        self.prepare_insert(ids, padding_id, bad_input)
         with _ticked_clocks([self]) as booked:
             if allow_defer and self._deferrable([ids], bad_input):
                 (slots,) = _insert_deferred([self], [ids], [padding_id], bad_input, on_refused)
@@ -559,6 +561,11 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
 
     def export(self, start: int = 0, end: Optional[int] = None) -> dict[str, torch.Tensor]:
         """The occupied entries of slots [start, end): keys, weights, optimizer_state, scores."""
+        return self._export_slots(start, end)
+
+    def _export_slots(self, start: int = 0, end: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """:meth:`export` of the table's own slots (what a rehash moves; a tiered table's
+        export adds the rows below its cache)."""
         _ext.require()
         end = self.capacity if end is None else end
         parts = [
@@ -593,6 +600,11 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
     def load_entries(self, entries: dict[str, torch.Tensor]) -> None:
         """Replaces the contents with exported ``entries`` (keys, weights,
         optimizer_state, scores), growing as needed. Checks shapes first."""
+        self._load_checked(entries, self._check_entries(entries))
+
+    def _check_entries(self, entries: dict[str, torch.Tensor]) -> int:
+        """Checks exported ``entries`` against the table (dtypes, shapes, ``max_capacity``,
+        distinct keys) before anything changes; returns their number."""
         for name, kinds in (("keys", "int"), ("weights", "float"), ("optimizer_state", "float"), ("scores", "int")):
             t = entries[name]
             ok = isinstance(t, torch.Tensor) and (
@@ -624,6 +636,12 @@ class HashTable(RowStore, DeferredInserts, Growth, PlainAttrs, nn.Module):
         if distinct.numel() != n:
             dup = int(distinct[counts > 1][0])
             raise ValueError(f"keys hold {n - distinct.numel()} repeated id(s) (id {dup} is one): each id must appear once")
+        return n
+
+    def _load_checked(self, entries: dict[str, torch.Tensor], n: int) -> None:
+        """:meth:`load_entries` of ``n`` entries that passed :meth:`_check_entries`."""
+        keys, weights = entries["keys"], entries["weights"]
+        opt, scores = entries["optimizer_state"], entries["scores"]
         self.settle(refusals=False)  # the contents are replaced: a refused call (it changed nothing) is forgotten
         cap = self.capacity  # the slots that hold n rows without growth (as reserve(n) makes them)
         if n > self.grow_at * cap and not self._at_max():
