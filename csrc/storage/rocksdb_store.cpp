@@ -345,6 +345,13 @@ class Store : public torch::CustomClassHolder {
     options.create_if_missing = true;
     options.create_missing_column_families = true;
     options.max_background_jobs = 2;
+    // Table files are read through mmap: an entry in the page cache is then read without a
+    // system call (about 1.5-2x the rows/s of pread for random batches of hits).
+    options.allow_mmap_reads = true;
+    // Every batch also writes the count in "veloce_meta", whose memtable never fills: a
+    // log file is kept until every family's memtable holding its records is flushed, so
+    // without this bound the logs would grow until 4x the write buffers.
+    options.max_total_wal_size = 2 * static_cast<uint64_t>(write_buffer_bytes);
     // A torn last record (a crash or a full disk mid-write) is dropped on recovery: the
     // database reopens with every write that completed before it.
     options.wal_recovery_mode = rocksdb::WALRecoveryMode::kPointInTimeRecovery;
@@ -359,7 +366,8 @@ class Store : public torch::CustomClassHolder {
     // Ids missing from the store (new ids, ids held by the cache above) are the common
     // lookup: a Bloom filter answers them without reading a block.
     table.filter_policy.reset(rocksdb::NewBloomFilterPolicy(10));
-    table.block_size = 16 * 1024;
+    // A read of one entry reads its whole block: small blocks keep that near the entry's size.
+    table.block_size = 4 * 1024;
     rows_options.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
     // Rows and optimizer state are float noise that compresses by a few percent at most:
     // compression would cost CPU on every read and write for nothing.
@@ -440,7 +448,7 @@ class Store : public torch::CustomClassHolder {
   }
 
   void compact_locked() {
-    check(db_->Flush(rocksdb::FlushOptions(), rows_), "compact");
+    check(db_->Flush(rocksdb::FlushOptions(), {rows_, meta_}), "compact");  // frees every log file
     rocksdb::CompactRangeOptions options;
     options.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
     check(db_->CompactRange(options, rows_, nullptr, nullptr), "compact");

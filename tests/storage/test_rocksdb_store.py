@@ -228,6 +228,21 @@ def test_chunks_of_100k_entries_are_bounded(tmp_path: Path) -> None:
         assert store.stats()["rocksdb_entries"] == n
 
 
+def test_log_files_stay_bounded(tmp_path: Path) -> None:
+    """Every batch also writes the count record, in a family whose memtable never fills: the
+    write-ahead logs must still be freed as the rows' memtables are flushed."""
+    path = tmp_path / "db"
+    with RocksDBStore(path, 64, 64, write_buffer_bytes=1 << 20) as store:
+        for b in range(40):  # 40 batches of 512 KiB: 20 write buffers
+            ids = torch.arange(b * 1024, (b + 1) * 1024)
+            store.put(ids, rows_of(ids, dim=64), state_of(ids, dim=64), ids, fresh=True)
+        logs = sum(f.stat().st_size for f in path.glob("*.log"))
+        assert logs <= 4 << 20, f"{logs} bytes of write-ahead log for 2 MiB of write buffers"
+        store.compact()
+        per_row = sum(f.stat().st_size for f in path.iterdir()) / len(store)
+        assert per_row < 1.1 * (8 + 64 * 4 + 64 * 4 + 8) + 100  # the payload, a few percent, the small files
+
+
 def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:
     with open_store(tmp_path / "db") as store:
         with pytest.raises(ValueError, match="ids must be distinct, got 4 more than once"):
