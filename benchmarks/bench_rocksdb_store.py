@@ -12,7 +12,8 @@ per batch as rows per second:
 - ``put fresh``: new ids (``fresh=True``: no existence check), what a cache's write-back is;
 - ``put replace``: held ids (``fresh=False``: one MultiGet to keep the count exact);
 - ``get hit`` / ``get miss``: held ids / ids never held (the Bloom filter answers);
-- ``take``: held ids, removed (each batch is put back, untimed, so the size stays).
+- ``take``: held ids, removed (each batch is put back, untimed, so the size stays);
+- ``lowest(batch)``: the ids of the lowest scores, a scan of every entry.
 
 ``disk bytes/row`` is the directory's size after a compaction, over the rows held: the
 payload (key 8 + row + state + score 8) and RocksDB's own overhead (index, filter, files).
@@ -92,6 +93,7 @@ def main() -> None:
             _, w, s, sc = taken[0]
             store.put(ids, w, s, sc, fresh=True)
         assert len(store) == args.rows
+        scan = statistics.median(timed(lambda: store.lowest(b)) for _ in range(3))
         results = {"put fresh": statistics.median(fill)}
         results.update({k: statistics.median(v) for k, v in times.items()})
         payload = 8 + args.dim * 4 + args.state_dim * 4 + 8
@@ -101,12 +103,13 @@ def main() -> None:
         print(f"{'op':<12} {'ms/batch':>9} {'rows/s':>12}")
         for k, t in results.items():
             print(f"{k:<12} {t * 1e3:>9.1f} {b / t:>12,.0f}")
+        print(f"lowest({b}): {scan * 1e3:.0f} ms (a scan of the {args.rows} rows)")
         print(f"disk bytes/row {disk:.0f} (payload {payload}: key 8 + row + state + score 8)")
         store.close()
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "rows_per_s": {k: b / t for k, t in results.items()},
-                           "disk_bytes_per_row": disk, "payload_bytes_per_row": payload}, f, indent=1)  # fmt: skip
+                           "lowest_s": scan, "disk_bytes_per_row": disk, "payload_bytes_per_row": payload}, f, indent=1)  # fmt: skip
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

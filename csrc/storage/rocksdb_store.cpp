@@ -21,6 +21,7 @@
 #include <Python.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/StringUtil.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -377,6 +378,13 @@ class Store : public torch::CustomClassHolder {
     rows_options.level_compaction_dynamic_level_bytes = true;
     std::vector<rocksdb::ColumnFamilyDescriptor> families = {
         {rocksdb::kDefaultColumnFamilyName, rows_options}, {kMetaFamily, rocksdb::ColumnFamilyOptions()}};
+    std::vector<std::string> existing;
+    if (rocksdb::DB::ListColumnFamilies(options, path_, &existing).ok()) {  // a database is there already
+      std::sort(existing.begin(), existing.end());
+      TORCH_CHECK(existing == std::vector<std::string>({rocksdb::kDefaultColumnFamilyName, kMetaFamily}),
+                  "the RocksDB database at ", path_, " is not a veloce store (its column families are ",
+                  c10::Join(", ", existing), "). Give this table another path.");
+    }
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
     rocksdb::DB* db = nullptr;
     rocksdb::Status st = rocksdb::DB::Open(options, path_, families, &handles, &db);
@@ -386,8 +394,6 @@ class Store : public torch::CustomClassHolder {
                   "the RocksDB database at ", path_,
                   " is in use by another process (or by another store of this process): its LOCK file is held (",
                   msg, "). Close the store that holds it, or give this table another path.");
-      TORCH_CHECK(msg.find("Column famil") == std::string::npos, "the RocksDB database at ", path_,
-                  " is not a veloce store (its column families differ: ", msg, "). Give this table another path.");
       TORCH_CHECK(false, "could not open the RocksDB database at ", path_, ": ", msg);
     }
     db_.reset(db);

@@ -4,6 +4,8 @@ disk, a writer killed mid-batch, bad paths)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import random
 import signal
@@ -178,8 +180,9 @@ def test_state_machine(tmp_path_factory: pytest.TempPathFactory) -> None:
             self.ref.check_all(self.store)
             self.store.close()
 
-    StoreMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=15, deadline=None)
-    hypothesis.stateful.run_state_machine_as_test(StoreMachine, settings=StoreMachine.TestCase.settings)
+    hypothesis.stateful.run_state_machine_as_test(
+        StoreMachine, settings=settings(max_examples=20, stateful_step_count=15, deadline=None)
+    )
 
 
 def test_reopen_keeps_entries_and_count(tmp_path: Path) -> None:
@@ -267,6 +270,29 @@ def test_another_layout_is_refused_naming_both(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"holds \[.*dim=6 .*\] but this table is \[.*dim=7 "):
         RocksDBStore(tmp_path / "db", 7, STATE)
     open_store(tmp_path / "db").close()  # the refused opens left it usable
+
+
+def test_a_database_of_another_program_is_refused(tmp_path: Path) -> None:
+    """A RocksDB database written through RocksDB's C API (only the default column family)."""
+    name = ctypes.util.find_library("rocksdb")
+    if name is None:
+        pytest.skip("librocksdb is not on the library path")
+    lib = ctypes.CDLL(name)
+    lib.rocksdb_options_create.restype = lib.rocksdb_writeoptions_create.restype = ctypes.c_void_p
+    lib.rocksdb_open.restype = ctypes.c_void_p
+    lib.rocksdb_open.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
+    lib.rocksdb_put.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+                                ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_char_p)]  # fmt: skip
+    lib.rocksdb_options_set_create_if_missing.argtypes = [ctypes.c_void_p, ctypes.c_ubyte]
+    lib.rocksdb_close.argtypes = [ctypes.c_void_p]
+    options, err = lib.rocksdb_options_create(), ctypes.c_char_p()
+    lib.rocksdb_options_set_create_if_missing(options, 1)
+    db = lib.rocksdb_open(options, str(tmp_path / "db").encode(), ctypes.byref(err))
+    assert db and not err.value, err.value
+    lib.rocksdb_put(db, lib.rocksdb_writeoptions_create(), b"key", 3, b"value", 5, ctypes.byref(err))
+    lib.rocksdb_close(db)
+    with pytest.raises(RuntimeError, match=r"is not a veloce store \(its column families are default\)"):
+        open_store(tmp_path / "db")
 
 
 def test_bad_paths(tmp_path: Path) -> None:
