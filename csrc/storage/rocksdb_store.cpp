@@ -499,39 +499,35 @@ class Store : public torch::CustomClassHolder {
     Tensor found = at::zeros({n}, at::kBool), w = at::empty({n, dim_}, dtype_),
            s = at::empty({n, state_dim_}, state_dtype_), sc = at::empty({n}, at::kLong);
     bool* f = found.data_ptr<bool>();
-    const int64_t m = static_cast<int64_t>(keys.slices.size());
-    if (held) held->assign(m, 0);
-    at::parallel_for(0, m, kGetGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; b += kGetGrain) {
-        const int64_t e = std::min(end, b + kGetGrain);
-        std::vector<rocksdb::PinnableSlice> values(e - b);
-        std::vector<rocksdb::Status> statuses(e - b);
-        db_->MultiGet(rocksdb::ReadOptions(), rows_, e - b, keys.slices.data() + b, values.data(), statuses.data(),
-                      /*sorted_input=*/true);
-        for (int64_t i = b; i < e; ++i) {
-          const int64_t r = keys.order[i];
-          const rocksdb::Status& st = statuses[i - b];
-          if (st.IsNotFound()) {
-            std::memset(static_cast<char*>(w.data_ptr()) + r * row_bytes_, 0, row_bytes_);
-            std::memset(static_cast<char*>(s.data_ptr()) + r * state_bytes_, 0, state_bytes_);
-            sc.data_ptr<int64_t>()[r] = 0;
-            continue;
-          }
-          check(st, "read");
-          check_value(values[i - b], keys.slices[i]);
-          unpack(values[i - b], r, w, s, sc);
-          f[r] = true;
-          if (held) (*held)[i] = 1;
-        }
+    if (held) held->assign(keys.slices.size(), 0);
+    multi_get(keys, [&](int64_t i, const rocksdb::PinnableSlice* value) {
+      const int64_t r = keys.order[i];
+      if (value == nullptr) {
+        std::memset(static_cast<char*>(w.data_ptr()) + r * row_bytes_, 0, row_bytes_);
+        std::memset(static_cast<char*>(s.data_ptr()) + r * state_bytes_, 0, state_bytes_);
+        sc.data_ptr<int64_t>()[r] = 0;
+        return;
       }
+      check_value(*value, keys.slices[i]);
+      unpack(*value, r, w, s, sc);
+      f[r] = true;
+      if (held) (*held)[i] = 1;
     });
     return {found, w, s, sc};
   }
 
   // Per sorted position, whether the id is held.
   std::vector<char> exists(const SortedKeys& keys) const {
+    std::vector<char> held(keys.slices.size(), 0);
+    multi_get(keys, [&](int64_t i, const rocksdb::PinnableSlice* value) { held[i] = value != nullptr; });
+    return held;
+  }
+
+  // Calls visit(i, value) for each sorted position i, value nullptr where the id is absent:
+  // one sorted MultiGet per kGetGrain ids, the chunks over torch's intra-op threads.
+  template <typename Visit>
+  void multi_get(const SortedKeys& keys, const Visit& visit) const {
     const int64_t m = static_cast<int64_t>(keys.slices.size());
-    std::vector<char> held(m, 0);
     at::parallel_for(0, m, kGetGrain, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; b += kGetGrain) {
         const int64_t e = std::min(end, b + kGetGrain);
@@ -540,13 +536,12 @@ class Store : public torch::CustomClassHolder {
         db_->MultiGet(rocksdb::ReadOptions(), rows_, e - b, keys.slices.data() + b, values.data(), statuses.data(),
                       /*sorted_input=*/true);
         for (int64_t i = b; i < e; ++i) {
-          if (statuses[i - b].IsNotFound()) continue;
-          check(statuses[i - b], "read");
-          held[i] = 1;
+          const rocksdb::Status& st = statuses[i - b];
+          if (!st.IsNotFound()) check(st, "read");
+          visit(i, st.IsNotFound() ? nullptr : &values[i - b]);
         }
       }
     });
-    return held;
   }
 
   std::string path_;
