@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from veloce.ops import rocksdb as rocksdb_ops
+from veloce.storage import rocksdb as rocksdb_storage
 from veloce.storage.rocksdb import RocksDB, RocksDBStore
 
 pytestmark = pytest.mark.skipif(
@@ -417,6 +418,17 @@ def test_spec_validation_and_sizes(tmp_path: Path) -> None:
         RocksDB(str(tmp_path / "db"), cache_bytes=100).rows_for(128, 256, torch.float32)
     with spec.make_store(8, 16, torch.bfloat16) as store:
         assert (store.dim, store.state_dim, store.dtype, store.state_dtype) == (8, 16, torch.bfloat16, torch.float32)
+
+
+def test_make_table_builds_the_tiered_table_over_the_store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    made = {}
+    monkeypatch.setattr(rocksdb_storage, "TieredTable", lambda **kwargs: made.update(kwargs) or "table")
+    spec = RocksDB(str(tmp_path / "db"), cache_bytes=100 * (8 * 2 + 16 * 4 + 17), policy="lfu")
+    assert spec.make_table(dim=8, state_dim=16, dtype=torch.bfloat16, seed=3) == "table"
+    store = made.pop("store")
+    assert made == {"cache_rows": 100, "policy": "lfu", "dim": 8, "state_dim": 16, "dtype": torch.bfloat16, "seed": 3}
+    assert isinstance(store, RocksDBStore) and (store.dim, store.state_dim, store.dtype) == (8, 16, torch.bfloat16)
+    store.close()
 
 
 def test_missing_extension_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
