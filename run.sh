@@ -2,13 +2,31 @@
 # veloce's two entry points on a fresh machine; each sets up, builds and runs.
 #
 #   ./run.sh train   build, then train the example DLRM on built-in synthetic data (CPU, ~2 min)
-#   ./run.sh test    build, then run the test suite (what CI runs)
+#   ./run.sh test    build (with RocksDB, installed when missing), then run the test suite (what CI runs)
 #
 # Set-up: a virtualenv in .venv that also sees system packages, so a torch you already
 # have (any version >= 2.4, CPU or CUDA) is used; with no torch at all, the CPU build of
 # torch 2.13.0 is installed. VELOCE_PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "$0")"
+
+# RocksDB for the RocksDB tier (veloce._rocksdb, built only where it is found): installed
+# with apt-get when missing and this runs as root; skipped (its tests skip) otherwise. Once
+# RocksDB is there, VELOCE_ROCKSDB=1 makes a build that cannot use it fail.
+rocksdb() {
+  if [ ! -f /usr/include/rocksdb/db.h ] && [ -z "${ROCKSDB_ROOT:-}" ]; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+      echo "[veloce] installing librocksdb-dev (the RocksDB tier)"
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq librocksdb-dev >/dev/null; } \
+        || echo "[veloce] could not install librocksdb-dev: the RocksDB tier's tests will be skipped"
+    else
+      echo "[veloce] RocksDB not found and apt-get unavailable (or not root): the RocksDB tier's tests will be skipped"
+    fi
+  fi
+  if [ -f /usr/include/rocksdb/db.h ] || [ -n "${ROCKSDB_ROOT:-}" ]; then
+    export VELOCE_ROCKSDB="${VELOCE_ROCKSDB:-1}"
+  fi
+}
 
 setup() {
   local py="${VELOCE_PYTHON:-python3}"
@@ -34,6 +52,7 @@ case "${1:-}" in
     python examples/dlrm_synthetic.py "$@"
     ;;
   test)
+    rocksdb
     setup
     # the launcher tests (tests/cli/test_ray.py) also run Ray Train; without it they skip
     python -m pip install -q "ray[train]>=2.9" \

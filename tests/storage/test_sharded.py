@@ -1,8 +1,11 @@
-"""Sharded tables tiered on every rank: HybridParallel over HostCached tables (each rank's
-shard a cache over its host store) trains as one process with the table on its device."""
+"""Sharded tables tiered on every rank: HybridParallel over HostCached or RocksDB tables (each
+rank's shard a cache over its own store) trains as one process with the table on its device."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 from torch import nn
 
@@ -10,7 +13,8 @@ import veloce
 from _dist import run_ranks
 from _tiers import assert_same_entries, make
 from veloce.distributed import HybridParallel
-from veloce.storage import HostCached
+from veloce.ops import rocksdb as rocksdb_ops
+from veloce.storage import HostCached, RocksDB
 
 STEPS, BAGS, LEN = 15, 16, 4
 
@@ -48,9 +52,14 @@ def _train(model: nn.Module, rank: int, world: int) -> list[torch.Tensor]:
     return outs
 
 
-def _rank_body(rank: int, world: int, tiered: bool = True, sparse: str = "sync") -> dict:
+def _rank_body(rank: int, world: int, tiered: bool = True, sparse: str = "sync", rocksdb: str | None = None) -> dict:
     # evict_fraction=1: whenever the cache needs room, every unpinned row is written back
-    model = _Model(HostCached(cache_rows=40, evict_fraction=1.0 if sparse == "async" else 1 / 32) if tiered else None)
+    fraction = 1.0 if sparse == "async" else 1 / 32
+    if rocksdb is not None:  # each rank's shard in its own database, path/rank<R>
+        storage = RocksDB(rocksdb, cache_rows=40, evict_fraction=fraction)
+    else:
+        storage = HostCached(cache_rows=40, evict_fraction=fraction) if tiered else None
+    model = _Model(storage)
     outs = _train(HybridParallel(model, sparse=sparse, staleness=1), rank, world)
     stats = model.emb.stats()
     return {"outs": outs, "entries": _merged([model.emb.export()]), "stats": stats}
@@ -71,6 +80,19 @@ def test_hybrid_parallel_shards_are_tiered_on_every_rank():
     assert_same_entries(_merged([r["entries"] for r in results]), ref.emb.export(), atol=1e-5)
     for r in results:  # each shard moved rows between its tiers
         assert r["stats"]["store_rows"] > 0 and r["stats"]["written_back"] > 0
+
+
+@pytest.mark.skipif(not rocksdb_ops.available(), reason="veloce._rocksdb is not built (apt-get install "
+                    "librocksdb-dev, then rebuild)")  # fmt: skip
+def test_hybrid_parallel_shards_on_rocksdb_each_in_its_ranks_database(tmp_path):
+    results = run_ranks(_rank_body, 2, True, "sync", str(tmp_path / "db"), timeout=120)
+    ref = _Model(None)
+    ref_outs = _train(ref, 0, 1)
+    for step in range(STEPS):
+        torch.testing.assert_close(torch.cat([r["outs"][step] for r in results]), ref_outs[step], atol=1e-5, rtol=1e-5)
+    assert_same_entries(_merged([r["entries"] for r in results]), ref.emb.export(), atol=1e-5)
+    assert sorted(os.listdir(tmp_path / "db")) == ["rank0", "rank1"]
+    assert all(r["stats"]["store_rows"] > 0 for r in results)
 
 
 def test_async_shards_keep_rows_until_their_late_gradients_land():

@@ -8,9 +8,9 @@ alone, whatever its kind.
 - :class:`HostCached`: the rows in host memory (:class:`~veloce.storage.host.HostStore`),
   the hot ones cached on the table's device (:class:`~veloce.storage.tiered.TieredTable`).
 
-A spec for another tier (RocksDB) subclasses :class:`StorageSpec` the same way: it makes
-its :class:`~veloce.storage.base.BackingStore` from :meth:`StorageSpec.store_args` and a
-:class:`~veloce.storage.tiered.TieredTable` over it. ``docs/storage.md`` says how to choose.
+A spec for another tier subclasses :class:`HostCached` (the cache's arguments) and makes its
+own :class:`~veloce.storage.base.BackingStore` (:meth:`HostCached.make_store`), as
+:class:`veloce.storage.rocksdb.RocksDB` does. ``docs/storage.md`` says how to choose.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from veloce.eviction import resolve
 from veloce.ops.hash_table import SCORE_LFU
+from veloce.storage.base import BackingStore
 from veloce.storage.host import HostStore
 from veloce.storage.tiered import TieredTable
 from veloce.table import FULL_LOAD, HashTable, state_dtype
@@ -109,16 +110,16 @@ class HostCached(StorageSpec):
                  policy: Optional[str] = None, evict_fraction: float = 1 / 32) -> None:  # fmt: skip
         if (cache_rows is None) == (cache_bytes is None):
             raise ValueError(
-                f"HostCached: give exactly one of cache_rows (rows the cache holds) or cache_bytes (device memory "
+                f"{type(self).__name__}: give exactly one of cache_rows (rows the cache holds) or cache_bytes (device memory "
                 f"it may take), got cache_rows={cache_rows!r}, cache_bytes={cache_bytes!r}"
             )  # fmt: skip
         for name, value in (("cache_rows", cache_rows), ("cache_bytes", cache_bytes)):
             if value is not None and (not is_int(value) or value < 1):
-                raise ValueError(f"HostCached: {name} must be an int >= 1, got {value!r}")
+                raise ValueError(f"{type(self).__name__}: {name} must be an int >= 1, got {value!r}")
         if policy is not None and policy not in _POLICIES:
-            raise ValueError(f"HostCached: policy must be 'lru', 'lfu' or None (the table's), got {policy!r}")
+            raise ValueError(f"{type(self).__name__}: policy must be 'lru', 'lfu' or None (the table's), got {policy!r}")
         if isinstance(evict_fraction, bool) or not isinstance(evict_fraction, (int, float)) or not 0 < evict_fraction <= 1:
-            raise ValueError(f"HostCached: evict_fraction must be a number in (0, 1], got {evict_fraction!r}")
+            raise ValueError(f"{type(self).__name__}: evict_fraction must be a number in (0, 1], got {evict_fraction!r}")
         self.cache_rows = None if cache_rows is None else int(cache_rows)
         self.cache_bytes = None if cache_bytes is None else int(cache_bytes)
         self.policy = policy
@@ -135,19 +136,23 @@ class HostCached(StorageSpec):
         per_row = cache_row_bytes(dim, state_dim, dtype)
         rows = math.floor(self.cache_bytes / per_row)
         if rows < 1:
-            raise ValueError(f"HostCached: cache_bytes={self.cache_bytes} holds no row of this table ({per_row:.0f} "
+            raise ValueError(f"{type(self).__name__}: cache_bytes={self.cache_bytes} holds no row of this table ({per_row:.0f} "
                              f"bytes a cached row); give at least that")  # fmt: skip
         return rows
 
     def make_table(self, **hash_table_kwargs: Any) -> HashTable:
         policy = resolve(hash_table_kwargs.get("eviction", "lru"))
         if self.policy == "lru" and not policy.last_seen_scores:
-            raise ValueError(f"HostCached(policy='lru') ranks cached rows by their last-seen step, but the table's "
+            raise ValueError(f"{type(self).__name__}(policy='lru') ranks cached rows by their last-seen step, but the table's "
                              f"eviction={policy!r} keeps use counts; use policy='lfu' or None")  # fmt: skip
         if self.policy == "lfu" and policy.score_policy != SCORE_LFU:
-            raise ValueError(f"HostCached(policy='lfu') ranks cached rows by use counts, but the table's "
+            raise ValueError(f"{type(self).__name__}(policy='lfu') ranks cached rows by use counts, but the table's "
                              f"eviction={policy!r} keeps last-seen steps; use eviction='lfu', or policy='lru' or None")  # fmt: skip
         args = self.store_args(hash_table_kwargs)
         rows = self.rows_for(args["dim"], args["state_dim"], args["dtype"])
-        store = HostStore(**args)
-        return TieredTable(store, rows, evict_fraction=self.evict_fraction, **hash_table_kwargs)
+        return TieredTable(self.make_store(args), rows, evict_fraction=self.evict_fraction, **hash_table_kwargs)
+
+    def make_store(self, store_args: dict[str, Any]) -> BackingStore:
+        """The tier below the cache, from :meth:`StorageSpec.store_args` (a subclass for
+        another tier overrides this alone)."""
+        return HostStore(**store_args)
