@@ -9,7 +9,7 @@
 #
 # Environment: PYTHON (default: python3 that imports torch), NVCC (default: nvcc on PATH
 # or /usr/local/cuda/bin/nvcc), ARCH (default 90), OUT_DIR (default /tmp/veloce_cuda_check),
-# SRCS (default every csrc/cuda/*.cu).
+# SRCS (default every csrc/cuda/*.cu), JOBS (files compiled at once, default every core).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -69,15 +69,17 @@ allowed_spills_removed() {  # stdin: warning lines; prints those not allowed
   done
 }
 
-status=0
-for src in ${SRCS:-csrc/cuda/*.cu}; do
+check_one() {  # check_one SRC: compile it; 0 when it compiled without a warning that counts
+  local src=$1 obj log
   obj="$OUT_DIR/$(basename "${src%.cu}").o"
   log="$OUT_DIR/$(basename "${src%.cu}").log"
+  if ! "$NVCC" "${FLAGS[@]}" "$src" -o "$obj" >"$log" 2>&1; then
+    echo "== $src"; cat "$log"; return 1
+  fi
   echo "== $src"
-  if "$NVCC" "${FLAGS[@]}" "$src" -o "$obj" >"$log" 2>&1; then
-    if [ "$VERBOSE" = 1 ]; then
-      # One line per kernel: demangled name, registers, spills, stack frame.
-      "$PYTHON" - "$log" <<'PY'
+  if [ "$VERBOSE" = 1 ]; then
+    # One line per kernel: demangled name, registers, spills, stack frame.
+    "$PYTHON" - "$log" <<'PY'
 import re, subprocess, sys
 lines = open(sys.argv[1]).read().splitlines()
 name = None
@@ -95,17 +97,27 @@ for i, line in enumerate(lines):
         print(f"   {m.group(1):>3} regs  frame/spill-st/spill-ld {'/'.join(frame.groups()) if frame else '?'}  {dem}")
         name = None
 PY
-    fi
-    # Any compiler warning fails the check, except ptxas spill warnings inside CUB's own
-    # kernels (not ours to fix) and the small spills that a kernel bounded for occupancy
-    # trades on purpose (ALLOWED_SPILLS above).
-    if grep -i -E "warning|error" "$log" | grep -v -E "_ZN3cub|^ptxas info" | allowed_spills_removed | grep .; then
-      status=1
-    fi
-  else
-    cat "$log"
-    status=1
   fi
+  # Any compiler warning fails the check, except ptxas spill warnings inside CUB's own
+  # kernels (not ours to fix) and the small spills that a kernel bounded for occupancy
+  # trades on purpose (ALLOWED_SPILLS above).
+  ! grep -i -E "warning|error" "$log" | grep -v -E "_ZN3cub|^ptxas info" | allowed_spills_removed | grep .
+}
+
+# The files compile side by side, JOBS at a time (default: every core); each one's report
+# is printed whole when it is done.
+JOBS="${JOBS:-$(nproc)}"
+status=0
+pids=()
+for src in ${SRCS:-csrc/cuda/*.cu}; do
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 1; done
+  check_one "$src" >"$OUT_DIR/$(basename "${src%.cu}").report" 2>&1 &
+  pids+=("$!:$src")
+done
+for entry in "${pids[@]}"; do
+  src=${entry#*:}
+  wait "${entry%%:*}" || status=1
+  cat "$OUT_DIR/$(basename "${src%.cu}").report"
 done
 [ "$status" = 0 ] && echo "all CUDA sources compiled" || echo "CUDA compile FAILED"
 exit "$status"
