@@ -16,9 +16,24 @@ optimizer update, on one table holding every feature's ids. Side by side, same i
 * with ``--unchecked``, also ``DynamicEmbedding`` with ``nonfinite_grad="apply"``: no
   NaN/Inf check of the gradient before the update (the default "raise" reads every
   gradient once more; torch's optimizers and FBGEMM's TBE do not check).
+* with ``--cache-fractions 1.0,0.8,0.5``, also ``DynamicEmbedding`` with
+  ``storage=veloce.storage.HostCached``: the rows in host memory, a device cache holding
+  each fraction of the table's rows (BENCHMARKS.md, config 7), and a second table of each
+  tiered column against the ``DynamicEmbedding`` column: the ratio of their steps, the
+  cache's hit rate, and the rows and bytes fetched / written back per timed step.
+  ``--storage host_cached --cache-fraction F`` makes the ``DynamicEmbedding`` column
+  itself tiered. ``--prefetch``: tiered tables prefetch the next batch's ids after each
+  step, as the Trainer does.
+
+Configuration 7 (config 3 with the HBM cache at 100 / 80 / 50 % of the rows)::
+
+    python benchmarks/bench_embedding.py --device cuda --features 10 --ids-per-feature 1600000 \
+        --batch 104857 --bag 1 --dim 128 --dist zipf --alpha 1.05 --optimizers adam --no-dict \
+        --steps 50 --warmup 5 --cache-fractions 1.0,0.8,0.5
 
 Prints a Markdown table (median ms/step and the ratio to EmbeddingBag) headed by the
-device, torch version, dtype and configuration.
+device, torch version, dtype and configuration. Every table is warm: every id of the run
+inserted before the timed steps, so a cache fraction is of the table's rows.
 """
 
 from __future__ import annotations
@@ -73,17 +88,40 @@ def veloce_optimizer(name, lr):
     }[name]
 
 
+def cache_rows(fraction: float, rows_total: int) -> int:
+    """The cache of a tiered table holding ``fraction`` of the table's rows (every id of the
+    run is in the table before the timed steps)."""
+    return max(1, round(fraction * rows_total))
+
+
+def fill(emb, rows_total: int, device) -> None:
+    """Inserts every id of the run (the table is warm), in chunks a tiered table's cache
+    holds: each chunk's rows are pinned until ``after_step`` (a no-op for a Device table)."""
+    chunk = min(1 << 21, getattr(emb.table, "cache_rows", 1 << 21))
+    for ids in torch.arange(rows_total, device=device).split(chunk):
+        emb.table.find_or_insert(ids * SCRAMBLE)
+        emb.table.after_step()
+
+
+def tier_row(stats: dict, steps: int, rows: int) -> dict:
+    """A tiered table's counts over the timed steps (its stats reset before them)."""
+    return {"cache_rows": rows, "hit_rate": stats["hit_rate"], "fetched_per_step": stats["fetched"] / steps,
+            "written_back_per_step": stats["written_back"] / steps,
+            "mb_moved_per_step": (stats["bytes_fetched"] + stats["bytes_written_back"]) / steps / 1e6}  # fmt: skip
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def time_steps(step_fn, steps, warmup, device, back_to_back: bool = False) -> list[float]:
+def time_steps(step_fn, steps, warmup, device, back_to_back: bool = False, on_timed=None) -> list[float]:
     """ms per step (after ``warmup`` steps), each between two device syncs; with
     ``back_to_back``, one value: the mean of the timed steps run as training runs them,
     with no sync between them (the host prepares a step while the GPU runs the last).
     Python's cyclic garbage collector is paused meanwhile (as ``timeit`` does): its pauses
-    land in random steps of host-bound GPU runs and moved medians by tenths of a millisecond."""
+    land in random steps of host-bound GPU runs and moved medians by tenths of a millisecond.
+    ``on_timed()``, if given, runs once between the warmup and the timed steps, untimed."""
     times = []
     was_enabled = gc.isenabled()
     gc.disable()
@@ -92,6 +130,8 @@ def time_steps(step_fn, steps, warmup, device, back_to_back: bool = False) -> li
             for batch in steps[:warmup]:
                 step_fn(*batch)
             sync(device)
+            if on_timed is not None:
+                on_timed()
             t0 = time.perf_counter()
             for batch in steps[warmup:]:
                 step_fn(*batch)
@@ -99,6 +139,8 @@ def time_steps(step_fn, steps, warmup, device, back_to_back: bool = False) -> li
             return [(time.perf_counter() - t0) * 1e3 / max(len(steps) - warmup, 1)]
         for i, batch in enumerate(steps):
             sync(device)
+            if i == warmup and on_timed is not None:
+                on_timed()
             t0 = time.perf_counter()
             step_fn(*batch)
             sync(device)
@@ -140,25 +182,47 @@ def main() -> None:
                         "between read-back and deferred inserts (--ab-windows)")
     p.add_argument("--ab-windows", type=int, default=6,
                    help="with --defer-inserts: timed windows per variant, alternately read-back and deferred")
+    p.add_argument("--storage", choices=["device", "host_cached"], default="device",
+                   help="where the DynamicEmbedding column's rows live: all on --device, or in host memory under a "
+                        "device cache of --cache-fraction of the rows (veloce.storage.HostCached)")
+    p.add_argument("--cache-fraction", type=float, default=1.0,
+                   help="with --storage host_cached: the share of the table's rows its cache holds, in (0, 1]")
+    p.add_argument("--cache-fractions", default="",
+                   help="comma-separated shares, e.g. 1.0,0.8,0.5: one more column per share, a HostCached table "
+                        "whose cache holds that share of the rows, timed beside the DynamicEmbedding column")
+    p.add_argument("--prefetch", action="store_true",
+                   help="tiered tables prefetch the next batch's ids after each step (inside the timed step)")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = p.parse_args()
+    fractions = [float(f) for f in args.cache_fractions.split(",") if f.strip()]
+    for f in fractions + [args.cache_fraction]:
+        if not 0 < f <= 1:
+            p.error(f"cache fractions must be in (0, 1], got {f}")
+    if args.whatif_find and args.storage != "device":
+        p.error("--whatif-find replaces inserts by the cache's find: use it with --storage device")
     device = torch.device(args.device)
     gen = torch.Generator().manual_seed(0)
     steps_cpu = make_ids(args, gen)
     rows_total = args.features * args.ids_per_feature
     steps = [(i.to(device), o.to(device)) for i, o in steps_cpu]
     raw_steps = [((i * SCRAMBLE), o) for i, o in steps]  # raw int64 ids, spread over the int64 range
+    # (ids, offsets, the next step's ids): what a tiered table prefetches after its step
+    raw_next = [(i, o, raw_steps[k + 1][0] if k + 1 < len(raw_steps) else None) for k, (i, o) in enumerate(raw_steps)]
     grad = torch.randn(args.batch * args.features, args.dim, device=device) * 1e-3
     results = []
-    variants = [("DynamicEmbedding", "raise")]
-    variants += [("raise_next", "raise_next")] if args.raise_next else []
-    variants += [("unchecked", "apply")] if args.unchecked else []
+    main_fraction = args.cache_fraction if args.storage == "host_cached" else None
+    variants = [("DynamicEmbedding", "raise", main_fraction)]  # (column, nonfinite_grad, cache fraction or None)
+    variants += [("raise_next", "raise_next", main_fraction)] if args.raise_next else []
+    variants += [("unchecked", "apply", main_fraction)] if args.unchecked else []
     base = list(variants)
     if args.whatif_find:  # the same steps with the insert (and its host sync) replaced by find
-        variants += [(f"{c} find-only", nf) for c, nf in base]
-    extras = [c for c, _ in variants[1:]]
+        variants += [(f"{c} find-only", nf, fr) for c, nf, fr in base]
+    extras = [c for c, _, _ in variants[1:]]
     if args.defer_inserts:  # each variant's windows alternate with deferred inserts (one table)
-        extras += [f"{c} deferred" for c, _ in variants]
+        extras += [f"{c} deferred" for c, _, _ in variants]
+    tiered = [(f"HostCached {f * 100:g}%", "raise", f) for f in fractions]
+    variants += tiered
+    extras += [c for c, _, _ in tiered]
 
     for opt_name in args.optimizers.split(","):
         row = {"optimizer": opt_name}
@@ -186,33 +250,45 @@ def main() -> None:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        for col, nonfinite in variants:
+        for col, nonfinite, fraction in variants:
             # Load about 0.5 once every id is in (two-choice buckets grow near 0.9).
+            storage = None
+            if fraction is not None:
+                storage = veloce.storage.HostCached(cache_rows=cache_rows(fraction, rows_total))
             emb = veloce.DynamicEmbedding(
                 args.dim, mode="sum", capacity=2 * rows_total, optimizer=veloce_optimizer(opt_name, args.lr),
-                device=device, nonfinite_grad=nonfinite,
+                device=device, nonfinite_grad=nonfinite, storage=storage,
             )
-            for chunk in torch.arange(rows_total, device=device).split(1 << 21):  # warm: every id present
-                emb.table.find_or_insert(chunk * SCRAMBLE)
+            fill(emb, rows_total, device)  # warm: every id present
             if col.endswith("find-only"):  # every id is present: find returns the insert's slots
                 emb.table.find_or_insert = lambda ids, *_, t=emb.table, **__: t.find(ids)
+            prefetch = args.prefetch and storage is not None
 
-            def dyn_step(raw, offsets, emb=emb):
+            def dyn_step(raw, offsets, nxt, emb=emb, prefetch=prefetch):
                 emb(raw, offsets).backward(grad)
                 emb.step()
                 emb.zero_grad()
+                if prefetch and nxt is not None:
+                    emb.prefetch(nxt)
 
-            if not args.defer_inserts:
-                row[col] = statistics.median(time_steps(dyn_step, raw_steps, args.warmup, device, args.back_to_back))
+            def on_timed(emb=emb, storage=storage):  # the tier counts cover the timed steps
+                if storage is not None:
+                    emb.stats(reset=True)
+
+            if not args.defer_inserts or storage is not None:
+                row[col] = statistics.median(time_steps(dyn_step, raw_next, args.warmup, device, args.back_to_back,
+                                                        on_timed))  # fmt: skip
             else:  # alternate windows on one table: read-back, deferred, read-back, ...
                 times: dict[bool, list[float]] = {False: [], True: []}
                 for w in range(args.ab_windows):
                     emb.defer_inserts = w % 2 == 1
-                    times[emb.defer_inserts] += time_steps(dyn_step, raw_steps, args.warmup, device,
+                    times[emb.defer_inserts] += time_steps(dyn_step, raw_next, args.warmup, device,
                                                            args.back_to_back)  # fmt: skip
                 row[col], row[f"{col} deferred"] = (statistics.median(times[d]) for d in (False, True))
                 row.setdefault("windows", {})[col] = {"read_back": times[False], "deferred": times[True]}
-            del emb, dyn_step
+            if storage is not None:
+                row.setdefault("tiers", {})[col] = tier_row(emb.stats(), args.steps, storage.cache_rows)
+            del emb, dyn_step, on_timed
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -220,10 +296,12 @@ def main() -> None:
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
     n_ids = args.batch * args.features * args.bag
+    where = "all on the device" if main_fraction is None else f"HostCached, cache {main_fraction:g} of the rows"
     print(f"\n### One training step: {name}, torch {torch.__version__}, fp32")
     print(
         f"batch {args.batch}, {args.features} features, {args.ids_per_feature:,} ids/feature "
         f"(one table, {rows_total:,} rows), dim {args.dim}, bag {args.bag} ({n_ids:,} ids/step), sum, "
+        f"DynamicEmbedding {where}{', tiered tables prefetch the next batch' if args.prefetch else ''}; "
         f"{args.dist}{f' alpha {args.alpha}' if args.dist == 'zipf' else ''}; "
         + (f"mean of {args.steps} steps back to back\n" if args.back_to_back
            else f"median of {args.steps} steps, each between two syncs\n")
@@ -239,6 +317,17 @@ def main() -> None:
         for c in extras:
             sd += f" | {r['EmbeddingBag'] / r[c]:.2f}x" if "EmbeddingBag" in r else " | -"
         print(f"| {r['optimizer']} | " + " | ".join(cells) + f" | {su} | {sd} |")
+    if any("tiers" in r for r in results):
+        print("\nTiered tables (counts per timed step; x DynamicEmbedding: the ratio of their steps):\n")
+        print("| optimizer | table | cache rows | ms | x DynamicEmbedding | hit rate | fetched rows "
+              "| written-back rows | MB moved |")  # fmt: skip
+        print("|---" * 9 + "|")
+        for r in results:
+            for c, t in r.get("tiers", {}).items():
+                print(f"| {r['optimizer']} | {c} | {t['cache_rows']:,} ({t['cache_rows'] / rows_total:.0%}) "
+                      f"| {r[c]:.2f} | {r[c] / r['DynamicEmbedding']:.2f}x | {t['hit_rate']:.4f} "
+                      f"| {t['fetched_per_step']:,.0f} | {t['written_back_per_step']:,.0f} "
+                      f"| {t['mb_moved_per_step']:,.1f} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "config": vars(args), "rows": results}, f, indent=1)

@@ -30,3 +30,21 @@ def test_bench_distributed_runs_a_tiny_configuration(extra):
     assert result["world_size"] == 1 and result["step_ms"] > 0
     if extra:
         assert "host ms per step" in out
+
+
+def test_bench_embedding_runs_tiered_tables_beside_the_device_table(tmp_path):
+    out_json = tmp_path / "out.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_embedding.py"), "--device", "cpu", "--features", "2",
+           "--ids-per-feature", "500", "--batch", "64", "--bag", "1", "--dim", "8", "--dist", "zipf", "--alpha", "1.05",
+           "--optimizers", "adam", "--no-dict", "--steps", "2", "--warmup", "1", "--cache-fractions", "1.0,0.5",
+           "--prefetch", "--json", str(out_json)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["DynamicEmbedding"] > 0 and row["HostCached 100%"] > 0 and row["HostCached 50%"] > 0
+    full, half = row["tiers"]["HostCached 100%"], row["tiers"]["HostCached 50%"]
+    assert (full["cache_rows"], half["cache_rows"]) == (1000, 500)
+    assert full["hit_rate"] == 1.0 and full["fetched_per_step"] == 0
+    assert half["fetched_per_step"] > 0 and half["written_back_per_step"] > 0
+    assert "x DynamicEmbedding" in done.stdout
