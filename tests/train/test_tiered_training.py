@@ -92,3 +92,25 @@ def test_device_tables_report_rows_only(tmp_path):
     names = [f"tables/embeddings.sparse_{i}/rows" for i in range(NUM_SPARSE)]
     assert sorted(k for k in r if k.startswith("tables/")) == names
     assert all(isinstance(r[k], int) and r[k] > 0 for k in names)
+
+
+def _rank_fit(rank: int, world: int, tiered: bool) -> dict:
+    m = model(HostCached(cache_rows=100) if tiered else Device())
+    calls = []
+    t = veloce.Trainer(m, optimizer=torch.optim.Adam(m.parameters(), lr=1e-2), progress=False, max_epochs=1)
+    real = t.model.prefetch
+    t.model.prefetch = lambda *a, **k: calls.append(1) or real(*a, **k)  # HybridParallel.prefetch
+    t.fit(SyntheticClicks(512, batch_size=64, num_dense=NUM_DENSE, num_sparse=NUM_SPARSE, id_space=ID_SPACE, seed=1,
+                          rank=rank, world_size=world))  # fmt: skip
+    return {"rows": rows(m), "prefetches": len(calls)}
+
+
+def test_two_ranks_prefetch_through_hybrid_parallel_and_train_the_device_model():
+    from _dist import run_ranks
+
+    tiered = run_ranks(_rank_fit, 2, True, timeout=240)
+    device = run_ranks(_rank_fit, 2, False, timeout=240)
+    for a, b in zip(tiered, device):
+        assert a["prefetches"] == 512 // 64 - 1 and b["prefetches"] == 0  # every batch but the last
+        for k in b["rows"]:
+            torch.testing.assert_close(a["rows"][k], b["rows"][k], atol=1e-6, rtol=0, msg=k)
