@@ -137,7 +137,10 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
             checkpoints in and out of any storage); ``max_capacity`` counts the rows of
             every tier; :meth:`stats` reports the cache's hit rate and the rows moved, and
             :meth:`prefetch` brings a coming batch's rows up ahead of it
-            (``docs/storage.md``).
+            (``docs/storage.md``). ``state_dict()`` and :meth:`export` return tensors,
+            so they hold every row of every tier in host memory at once; for a table
+            larger than RAM, checkpoint with :mod:`veloce.checkpoint`, which writes and
+            reads a tiered table's rows in chunks.
 
     Differences from ``nn.EmbeddingBag`` (README's "Differences from nn.EmbeddingBag"):
     no ``num_embeddings`` (the first argument is ``embedding_dim``), no ``.weight`` (see
@@ -534,7 +537,11 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
     @torch.no_grad()
     def export(self) -> dict[str, torch.Tensor]:
         """All that restores the table: keys (M,), weights (M, D), optimizer_state (M, S),
-        scores (M,), in slot order, plus step (the sparse optimizer's step count)."""
+        scores (M,), in slot order, plus step (the sparse optimizer's step count).
+
+        The tensors hold every row at once (of every tier, in host memory for a tiered
+        table), as do those of ``state_dict()``; ``veloce.checkpoint`` streams a tiered
+        table in chunks instead (``self.table.export_chunks(rows)`` yields them)."""
         out = self.table.export()
         out["step"] = torch.tensor(self.step_count, dtype=torch.long)
         return out

@@ -17,6 +17,7 @@ from torch import nn
 
 from veloce.checkpoint import files as _io
 from veloce.checkpoint import model as _model
+from veloce.checkpoint import stream as _stream
 from veloce.checkpoint.files import DENSE_FILE, ENTRIES, FORMAT_VERSION, MANIFEST, MARKER, CheckpointError
 
 __all__ = ["save", "load", "latest", "save_in", "describe"]
@@ -209,13 +210,24 @@ def _write_rank_files(tmp: Path, rank: int, model: nn.Module, optimizer) -> dict
         fname = f"tables.rank{rank:05d}.safetensors"
         tensors = {}
         rows = sum(len(m) for m in mine.values())
+        sources = []  # tiered tables: streamed in chunks, never every row at once
         for name, m in _io.progress(mine.items(), rows, f"checkpoint: exporting tables (rank {rank})"):
-            out = m.table.export()
-            tensors.update({f"{name}/{k}": out[k] for k in ENTRIES})
+            if _model.streamed(m):
+                source = _stream.source(name, m)
+                sources.append(source)
+                n = source.rows
+            else:
+                out = m.table.export()
+                tensors.update({f"{name}/{k}": out[k] for k in ENTRIES})
+                n = out["keys"].numel()
             shard_rank = _model.shard_of(m)[0]
-            shards[name] = {"file": fname, "rank": shard_rank, "rows": out["keys"].numel(),
+            shards[name] = {"file": fname, "rank": shard_rank, "rows": n,
                             "step": m.step_count, "clock": m.table.clock}  # fmt: skip
-        files[fname] = _io.write_safetensors(tmp / fname, tensors)
+        if sources:  # (the Device tables beside them as one chunk each)
+            sources += [_stream.whole(name, tensors) for name in {n.rsplit("/", 1)[0] for n in tensors}]
+            files[fname] = _stream.write_streamed(tmp / fname, sources)
+        else:
+            files[fname] = _io.write_safetensors(tmp / fname, tensors)
     if rank == 0:
         tensors = {f"model/{n}": t for n, t in _model.dense_of(model).items()}
         dense_opt, _ = _model.split_optimizer(optimizer)

@@ -17,9 +17,11 @@ from torch import nn
 
 from veloce.checkpoint import files as _io
 from veloce.checkpoint.files import DENSE_FILE, ENTRIES, MANIFEST, CheckpointError
+from veloce.checkpoint.stream import read_chunks
 from veloce.distributed import owner_of, table_shard
 from veloce.embedding import DynamicEmbedding
 from veloce.sparse import CombinedOptimizer
+from veloce.storage import Device
 
 
 # ---- the model's pieces ---------------------------------------------------------------------
@@ -54,6 +56,12 @@ def dense_of(model: nn.Module) -> dict[str, torch.Tensor]:
         persistent = {n: b for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set}
         out.update({pre + n: b for n, b in persistent.items()})
     return out
+
+
+def streamed(module: DynamicEmbedding) -> bool:
+    """Whether a table is saved and loaded in chunks: a tiered one (``storage`` other than
+    ``Device()``), whose rows may not fit in memory at once."""
+    return not isinstance(module.storage, Device)
 
 
 def shard_of(module: DynamicEmbedding) -> tuple[int, int]:
@@ -91,7 +99,7 @@ class Plan:
     """Everything a load will change, read and verified; the model is not touched yet."""
 
     info: dict[str, Any]
-    tables: dict[str, tuple[DynamicEmbedding, dict[str, torch.Tensor], int, int]]  # module, entries, step, clock
+    tables: dict[str, tuple[DynamicEmbedding, Any, int, int]]  # module, entries (or Streamed), step, clock
     dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name: (target, value)
     optimizer: Optional[dict] = None  # the state dict to load, or None to leave it
 
@@ -148,8 +156,39 @@ def _refuse_one_sided(what: str, saved: Iterable[str], model: Iterable[str], hin
         )
 
 
+@dataclass
+class Streamed:
+    """A tiered table's entries in the checkpoint, read in chunks when the load is applied:
+    ``(file, rows)`` per shard file of the table, and the table's sharding."""
+
+    path: Path
+    name: str
+    files: list[tuple[str, int]]
+    shard: tuple[int, int]
+
+    def chunks(self) -> Iterable[dict[str, torch.Tensor]]:
+        """The entries this rank owns, file by file, in chunks."""
+        for fname, rows in self.files:
+            yield from read_chunks(self.path / fname, self.name, rows, lambda e: _owned(e, self.shard))
+
+    def rows(self) -> int:
+        return sum(rows for _, rows in self.files)
+
+
 def _read_tables(path: Path, saved: dict, tables: dict[str, DynamicEmbedding]) -> dict:
-    """Per table: (module, entries this rank owns, step, clock); one shard file at a time."""
+    """Per table: (module, entries this rank owns, step, clock); one shard file at a time.
+    A tiered table's entries are checked (names, shapes) but read later, in chunks
+    (:class:`Streamed`)."""
+    out = {}
+    for name, m in list(tables.items()):
+        if streamed(m):
+            shards = saved[name]["shards"]
+            for s in shards:
+                with safe_open(str(path / s["file"]), "pt") as f:
+                    _entries(f, s["file"], name, saved[name], read=False)
+            files = [(s["file"], s["rows"]) for s in shards]
+            out[name] = (m, Streamed(path, name, files, shard_of(m)), *_step_clock(saved[name], shard_of(m)))
+    tables = {name: m for name, m in tables.items() if name not in out}
     by_file = defaultdict(list)
     for name in tables:
         for s in saved[name]["shards"]:
@@ -160,7 +199,6 @@ def _read_tables(path: Path, saved: dict, tables: dict[str, DynamicEmbedding]) -
         with safe_open(str(path / fname), "pt") as f:
             for name in by_file[fname]:
                 parts[name].append(_owned(_entries(f, fname, name, saved[name]), shard_of(tables[name])))
-    out = {}
     for name, m in tables.items():
         entries = {k: torch.cat([p[k] for p in parts[name]]) for k in ENTRIES}
         if entries["keys"].unique().numel() != entries["keys"].numel():
@@ -169,7 +207,9 @@ def _read_tables(path: Path, saved: dict, tables: dict[str, DynamicEmbedding]) -
     return out
 
 
-def _entries(f, fname: str, name: str, meta: dict) -> dict[str, torch.Tensor]:
+def _entries(f, fname: str, name: str, meta: dict, read: bool = True) -> dict[str, torch.Tensor]:
+    """Table ``name``'s entries in the open shard file ``f``, checked against the manifest;
+    with ``read=False`` only checked (names and shapes), and none returned."""
     rows = next(s["rows"] for s in meta["shards"] if s["file"] == fname)
     want = {"keys": (rows,), "weights": (rows, meta["dim"]), "optimizer_state": (rows, meta["state_width"]),
             "scores": (rows,)}  # fmt: skip
@@ -178,9 +218,11 @@ def _entries(f, fname: str, name: str, meta: dict) -> dict[str, torch.Tensor]:
         key = f"{name}/{k}"
         if key not in f.keys():
             raise CheckpointError(f"{fname}: tensor {key!r} is missing; the checkpoint is corrupt")
-        entries[k] = f.get_tensor(key)
-        if tuple(entries[k].shape) != shape:
-            raise CheckpointError(f"{fname}: {key!r} has shape {tuple(entries[k].shape)}, {MANIFEST} says {shape}")
+        got = tuple(f.get_slice(key).get_shape())
+        if got != shape:
+            raise CheckpointError(f"{fname}: {key!r} has shape {got}, {MANIFEST} says {shape}")
+        if read:
+            entries[k] = f.get_tensor(key)
     return entries
 
 
@@ -267,9 +309,13 @@ def apply(plan: Plan, optimizer) -> None:
     """Loads a verified plan into the model's tables, dense tensors and the optimizer."""
     for name, (m, entries, step, clock) in plan.tables.items():
         try:
-            m.table.load_entries(entries)
+            if isinstance(entries, Streamed):
+                m.table.load_chunks(entries.chunks())
+            else:
+                m.table.load_entries(entries)
         except (ValueError, RuntimeError) as exc:
-            raise CheckpointError(f"table {name!r}: cannot hold the checkpoint's {entries['keys'].numel()} rows: {exc}")
+            rows = entries.rows() if isinstance(entries, Streamed) else entries["keys"].numel()
+            raise CheckpointError(f"table {name!r}: cannot hold the checkpoint's {rows} rows: {exc}")
         m.step_count, m.table.clock = step, clock  # drops the last step's unread check
         m.restore_pending_state(None)
     for target, value in plan.dense.values():

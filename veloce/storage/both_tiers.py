@@ -7,11 +7,12 @@ erases, expiry, exports, loads and snapshots. The cache's part of each is
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 
 from veloce.ops.hash_table import SCORE_LFU, SCORE_LRU
+from veloce.table import HashTable
 
 if TYPE_CHECKING:
     from veloce.storage.base import BackingStore
@@ -189,6 +190,54 @@ class BothTiers:
             self.restore(saved)
             raise
         self._release_pins()
+
+    def load_chunks(self, chunks: Iterable[dict[str, torch.Tensor]]) -> int:
+        """Replaces the contents of both tiers with exported entries given in ``chunks``
+        (dicts as :meth:`export_chunks` yields them), holding one chunk at a time: each goes
+        to the store, then the highest scores of all move up into the cache, as
+        :meth:`load_entries` places them. Returns the rows loaded.
+
+        Raises:
+            ValueError: a chunk that :meth:`load_entries` would refuse, an id in more than
+                one chunk, or more rows than ``max_capacity``; the table is then as it was
+                (the store's part where the store keeps snapshots).
+        """
+        self.settle(refusals=False)
+        saved = self.snapshot()
+        self.store.clear()  # (the cache's buffers are replaced at the end, which keeps its snapshot)
+        total = 0
+        top_scores = torch.empty(0, dtype=torch.long)  # the highest scores so far, for the cache
+        top_keys = torch.empty(0, dtype=torch.long)
+        try:
+            for chunk in chunks:
+                n = self._check_entries(chunk)
+                total += n
+                if self.max_capacity is not None and total > self.max_capacity:
+                    raise ValueError(f"the chunks hold more than max_capacity {self.max_capacity} entries (the most "
+                                     f"rows of this table, in every tier)")  # fmt: skip
+                keys, scores = chunk["keys"].cpu().long(), chunk["scores"].cpu().long()
+                self.store.put(keys, chunk["weights"].cpu().to(self.dtype),
+                               chunk["optimizer_state"].cpu().to(self.state_dtype), scores)  # fmt: skip
+                if len(self.store) != total:
+                    raise ValueError(f"an id appears in more than one chunk ({total - len(self.store)} repeated): "
+                                     f"each id must appear once")  # fmt: skip
+                top_scores, top_keys = torch.cat([top_scores, scores]), torch.cat([top_keys, keys])
+                if top_keys.numel() > self.cache_rows:
+                    top_scores, at = torch.topk(top_scores, self.cache_rows, sorted=False)
+                    top_keys = top_keys[at]
+            up = self.store.take(top_keys)
+            none = {"keys": top_keys[:0], "weights": up.weights[:0], "optimizer_state": up.optimizer_state[:0],
+                    "scores": up.scores[:0]}  # fmt: skip
+            self._load_checked(none, 0)  # fresh cache buffers (the snapshot keeps the old ones)
+            if top_keys.numel():
+                dev = self.device
+                HashTable.insert(self, top_keys.to(dev), up.weights.to(dev, self.dtype),
+                                 up.optimizer_state.to(dev, self.state_dtype), up.scores.to(dev), evict=False)  # fmt: skip
+        except BaseException:
+            self.restore(saved)
+            raise
+        self._release_pins()
+        return total
 
     def snapshot(self) -> TieredSnapshot:
         """The cache's snapshot and the store's (None where the store keeps none)."""

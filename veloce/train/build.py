@@ -23,19 +23,21 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from veloce import eviction as veloce_eviction
 from veloce import init as veloce_init
-from veloce import metrics, optim
+from veloce import metrics, optim, storage
 from veloce.data import CriteoTSV, SyntheticClicks
 from veloce.data.criteo import NUM_DENSE, NUM_SPARSE
 from veloce.embedding import DynamicEmbedding
 from veloce.models import DLRM, DeepFM
 from veloce.train.callbacks import Callback
-from veloce.train.config import Config, ConfigError
+from veloce.train.config import Config, ConfigError, StorageConfig
 from veloce.train.trainer import Trainer
 
-__all__ = ["build_loaders", "build_model", "build_trainer", "config_device"]
+__all__ = ["build_loaders", "build_model", "build_storage", "build_trainer", "config_device"]
 
-_SPARSE_OPTIMIZERS = {"sgd": "SGD", "adagrad": "Adagrad", "rowwise_adagrad": "RowWiseAdagrad", "adam": "Adam"}
+_SPARSE_OPTIMIZERS = {"sgd": "SGD", "adagrad": "Adagrad", "rowwise_adagrad": "RowWiseAdagrad", "adam": "Adam",
+                      "ftrl": "FTRL"}  # fmt: skip
 _DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
 _VAL_START = 10**9  # synthetic validation samples are drawn from here on: disjoint from training
 
@@ -49,16 +51,18 @@ def build_model(cfg: Config, device: torch.device) -> nn.Module:
         "zeros": veloce_init.zeros,
     }
     init = initializers[t.initializer]()
-    eps = {"eps": s.eps} if s.eps is not None else {}
     sparse_cls = getattr(optim, _SPARSE_OPTIMIZERS[s.name])
-    sparse_opt = sparse_cls(lr=s.lr, weight_decay=s.weight_decay, **eps)
+    sparse_opt = sparse_cls(**s.hyperparameters())
+    eviction = veloce_eviction.TTL(steps=t.ttl_steps) if t.eviction == "ttl" else t.eviction
 
     seeds = itertools.count(cfg.trainer.seed * 1000)  # one seed per table: features start apart
 
     def table(dim: int) -> DynamicEmbedding:
+        seed = next(seeds)
         return DynamicEmbedding(
-            dim, mode=t.mode, capacity=t.capacity, max_capacity=t.max_capacity, eviction=t.eviction,
-            initializer=init, optimizer=sparse_opt, seed=next(seeds), device=device, defer_inserts=t.defer_inserts,
+            dim, mode=t.mode, capacity=t.capacity, max_capacity=t.max_capacity, eviction=eviction,
+            initializer=init, optimizer=sparse_opt, seed=seed, device=device, defer_inserts=t.defer_inserts,
+            storage=build_storage(t.storage, f"table_{seed - cfg.trainer.seed * 1000}"),
         )  # fmt: skip
 
     num_dense, num_sparse = _feature_counts(cfg)
@@ -68,6 +72,24 @@ def build_model(cfg: Config, device: torch.device) -> nn.Module:
     else:
         model = DeepFM(num_dense, num_sparse, m.embedding_dim, m.deep_mlp, embedding_factory=table)
     return model.to(device)
+
+
+def build_storage(cfg: StorageConfig, name: str = "table_0") -> storage.StorageSpec:
+    """The ``veloce.storage`` spec of ``tables.storage``; a rocksdb table's database is
+    ``path/<name>`` (one directory per table under the configured one; on several ranks
+    ``path/<name>/rank<R>``, each rank's shard). A run's databases are its working storage
+    (its checkpoints are what it resumes from): a database left by an earlier run at the
+    same path is cleared (``RocksDB(existing="clear")``).
+    A rocksdb table needs ``veloce._rocksdb`` (built where RocksDB is found): without it,
+    making the table raises an ImportError that says how to install it.
+    """
+    cache = {k: v for k, v in (("cache_rows", cfg.cache_rows), ("cache_bytes", cfg.cache_bytes)) if v is not None}
+    if cfg.kind == "device":
+        return storage.Device()
+    if cfg.kind == "host_cached":
+        return storage.HostCached(policy=cfg.policy, **cache)
+    os.makedirs(str(cfg.path), exist_ok=True)  # the run's directory of databases
+    return storage.RocksDB(os.path.join(str(cfg.path), name), policy=cfg.policy, existing="clear", **cache)
 
 
 def build_loaders(cfg: Config, rank: int = 0, world_size: int = 1) -> tuple[Any, Any]:

@@ -12,7 +12,11 @@ has a ``log_dir``). User callbacks run on every rank.
 Records:
     - step records (``on_log``, every ``log_every`` optimizer steps): ``event="step"``,
       ``epoch``, ``step``, ``loss`` (mean over the steps since the last record),
-      ``samples_per_s`` (this rank), ``lr`` (the first parameter group's), ``time``.
+      ``samples_per_s`` (this rank), ``lr`` (the first parameter group's), ``time``, and
+      each ``DynamicEmbedding``'s telemetry as ``tables/<module path>/<key>``: ``rows``,
+      and for a tiered table ``hit_rate``, ``fetched_per_step``, ``written_back_per_step``,
+      ``bytes_moved_per_step`` over the steps since the last record
+      (:mod:`veloce.train.telemetry`; on several ranks, this rank's shard).
     - epoch records (``on_epoch_end``, and the items of ``fit``'s history):
       ``event="epoch"``, ``epoch``, ``step``, ``loss``, ``samples``, ``seconds``,
       ``samples_per_s``, and ``val_<metric>`` for every metric when there is a

@@ -7,9 +7,10 @@ ranges and names the offending field::
     config error: optimizer.sparse.lr must be a positive number, got -1
     config error: unknown field trainer.max_epoch (did you mean max_epochs?)
 
-Paths: ``data.path`` written in a config file is relative to that file's directory (the
-config and its data move together); given with ``--set`` it is relative to the current
-directory, as any path typed in a shell. :func:`load_config` makes it absolute.
+Paths: ``data.path`` and ``tables.storage.path`` written in a config file are relative to
+that file's directory (the config and its data move together); given with ``--set`` they
+are relative to the current directory, as any path typed in a shell. :func:`load_config`
+makes them absolute.
 ``trainer.run_dir`` and ``trainer.checkpoint_dir`` stay relative to the current directory
 (outputs go where the command runs).
 
@@ -119,23 +120,69 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class StorageConfig:
+    """``tables.storage``: where each table's rows live (``veloce.storage``)."""
+
+    kind: Literal["device", "host_cached", "rocksdb"] = "device"
+    cache_rows: Optional[int] = None
+    cache_bytes: Optional[int] = None
+    policy: Optional[Literal["lru", "lfu"]] = None
+    path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _positive(self, "cache_rows", "cache_bytes")
+        cache = self.cache_rows is not None or self.cache_bytes is not None
+        if self.kind == "device":
+            for name in ("cache_rows", "cache_bytes", "policy", "path"):
+                _require(getattr(self, name) is None, name, "null with kind device (every row on the device; "
+                         "kind host_cached or rocksdb has a cache)", getattr(self, name))  # fmt: skip
+            return
+        _require(self.cache_rows is None or self.cache_bytes is None, "cache_bytes",
+                 "null when cache_rows is set (give one of the two)", self.cache_bytes)  # fmt: skip
+        if self.kind == "host_cached":
+            _require(cache, "cache_rows", "set with kind host_cached (the rows its device cache holds), or "
+                     "cache_bytes", self.cache_rows)  # fmt: skip
+            _require(self.path is None, "path", "null with kind host_cached (rows in host memory; kind rocksdb "
+                     "takes a path)", self.path)  # fmt: skip
+        else:
+            _require(isinstance(self.path, str) and self.path != "", "path",
+                     "the RocksDB database's directory with kind rocksdb", self.path)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class TablesConfig:
     """``tables``: the settings of every ``DynamicEmbedding``."""
 
     capacity: int = 16384
     max_capacity: Optional[int] = None
-    eviction: Literal["lru", "lfu", "none"] = "lru"
+    eviction: Literal["lru", "lfu", "none", "ttl"] = "lru"
+    ttl_steps: Optional[int] = None
     mode: Literal["sum", "mean"] = "sum"
     initializer: Literal["normal", "uniform", "zeros"] = "normal"
     init_scale: float = 0.01
     defer_inserts: bool = False
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     def __post_init__(self) -> None:
-        _positive(self, "capacity", "max_capacity")
+        _positive(self, "capacity", "max_capacity", "ttl_steps")
         _non_negative(self, "init_scale")
         if self.max_capacity is not None:
             what = f"null or >= capacity ({self.capacity})"
             _require(self.max_capacity >= self.capacity, "max_capacity", what, self.max_capacity)
+        if self.eviction == "ttl":
+            _require(self.ttl_steps is not None, "ttl_steps", "set with eviction ttl (rows unseen for this many "
+                     "steps are dropped)", self.ttl_steps)  # fmt: skip
+        else:
+            _require(self.ttl_steps is None, "ttl_steps", f"null unless eviction is ttl (eviction is "
+                     f"{self.eviction})", self.ttl_steps)  # fmt: skip
+        # a cache ranks its rows by the table's scores: last-seen steps (lru, none, ttl) or use counts (lfu)
+        policy = self.storage.policy
+        if policy == "lru" and self.eviction == "lfu":
+            raise _FieldError("storage.policy", "must be lfu or null with eviction lfu (the table keeps use "
+                              "counts, not last-seen steps), got 'lru'")  # fmt: skip
+        if policy == "lfu" and self.eviction != "lfu":
+            raise _FieldError("storage.policy", f"must be lru or null with eviction {self.eviction} (the table "
+                              f"keeps last-seen steps; eviction lfu keeps use counts), got 'lfu'")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -151,18 +198,49 @@ class DenseOptimizerConfig:
         _non_negative(self, "weight_decay")
 
 
+_FTRL_FIELDS = ("lr_power", "l1", "l2", "initial_accumulator_value", "beta")
+
+
 @dataclass(frozen=True)
 class SparseOptimizerConfig:
-    """``optimizer.sparse``: the fused optimizer of the embedding tables."""
+    """``optimizer.sparse``: the fused optimizer of the embedding tables. Its own
+    hyperparameters (null: the optimizer's default): ``eps`` (adagrad, rowwise_adagrad,
+    adam), ``betas`` (adam), and FTRL's ``lr_power``, ``l1``, ``l2``,
+    ``initial_accumulator_value``, ``beta``."""
 
-    name: Literal["adagrad", "rowwise_adagrad", "sgd", "adam"] = "adagrad"
+    name: Literal["adagrad", "rowwise_adagrad", "sgd", "adam", "ftrl"] = "adagrad"
     lr: float = 0.05
     eps: Optional[float] = None
     weight_decay: float = 0.0
+    betas: Optional[tuple[float, ...]] = None
+    lr_power: Optional[float] = None
+    l1: Optional[float] = None
+    l2: Optional[float] = None
+    initial_accumulator_value: Optional[float] = None
+    beta: Optional[float] = None
 
     def __post_init__(self) -> None:
-        _positive(self, "lr")
-        _non_negative(self, "eps", "weight_decay")
+        _positive(self, "lr", "initial_accumulator_value")
+        _non_negative(self, "eps", "weight_decay", "l1", "l2", "beta")
+        if self.lr_power is not None:
+            _require(math.isfinite(self.lr_power) and self.lr_power <= 0, "lr_power", "a number <= 0", self.lr_power)
+        if self.eps is not None:
+            _require(self.name not in ("sgd", "ftrl"), "eps", f"null with {self.name} (it has no eps)", self.eps)
+        if self.betas is not None:
+            _require(self.name == "adam", "betas", f"null with {self.name} (betas are adam's)", list(self.betas))
+            ok = len(self.betas) == 2 and all(math.isfinite(b) and 0 <= b < 1 for b in self.betas)
+            _require(ok, "betas", "a list of two numbers in [0, 1)", list(self.betas))
+        if self.name != "ftrl":
+            for name in _FTRL_FIELDS:
+                _require(getattr(self, name) is None, name, f"null with {self.name} ({name} is ftrl's)",
+                         getattr(self, name))  # fmt: skip
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The optimizer's keyword arguments: ``lr``, ``weight_decay`` and the set ones of its own."""
+        own = ("eps", "betas", *_FTRL_FIELDS)
+        out = {"lr": self.lr, "weight_decay": self.weight_decay}
+        out.update({k: getattr(self, k) for k in own if getattr(self, k) is not None})
+        return out
 
 
 @dataclass(frozen=True)
@@ -245,8 +323,9 @@ class Config:
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Reads a YAML config, applies ``key.sub=value`` overrides (values parsed as YAML), validates.
 
-    ``data.path`` is made absolute: from the file, relative to the file's directory; from
-    an override, relative to the current directory (``$VARS`` and ``~`` expanded first).
+    ``data.path`` and ``tables.storage.path`` are made absolute: from the file, relative to
+    the file's directory; from an override, relative to the current directory (``$VARS``
+    and ``~`` expanded first).
 
     Raises:
         ConfigError: naming the file, the override or the field that is wrong.
@@ -259,20 +338,26 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"config error: {path} is not valid YAML: {exc}") from None
     raw = {} if raw is None else raw
     if isinstance(raw, Mapping):
-        raw = _resolve_data_path(raw, Path(path).resolve().parent)
+        raw = _resolve_paths(raw, Path(path).resolve().parent)
         cwd = Path.cwd()
-        raw = _resolve_data_path(_apply_overrides(raw, overrides), cwd) if overrides else raw
+        raw = _resolve_paths(_apply_overrides(raw, overrides), cwd) if overrides else raw
         overrides = ()
     return parse_config(raw, overrides)
 
 
-def _resolve_data_path(raw: Mapping[str, Any], base: Path) -> dict[str, Any]:
-    """``raw`` with a relative ``data.path`` (a string) made absolute against ``base``."""
+_PATHS = (("data",), ("tables", "storage"))  # the sections whose ``path`` is a file or directory to read
+
+
+def _resolve_paths(raw: Mapping[str, Any], base: Path) -> dict[str, Any]:
+    """``raw`` with each relative ``path`` of :data:`_PATHS` (a string) made absolute against ``base``."""
     out = _copy(raw)
-    data = out.get("data")
-    if isinstance(data, dict) and isinstance(data.get("path"), str):
-        expanded = os.path.expanduser(os.path.expandvars(data["path"]))
-        data["path"] = expanded if os.path.isabs(expanded) else os.path.normpath(base / expanded)
+    for sections in _PATHS:
+        node: Any = out
+        for name in sections:
+            node = node.get(name) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get("path"), str):
+            expanded = os.path.expanduser(os.path.expandvars(node["path"]))
+            node["path"] = expanded if os.path.isabs(expanded) else os.path.normpath(base / expanded)
     return out
 
 
@@ -343,6 +428,11 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
             raise ConfigError(f"config error: {path} must be one of {choices}, got {value!r}")
         return value
     if origin is tuple:
+        if get_args(hint)[0] is float:
+            numbers = [_float_or_same(v) if isinstance(v, str) else v for v in value] if isinstance(value, list) else None
+            if numbers is None or not all(_is_number(v) for v in numbers):
+                raise ConfigError(f"config error: {path} must be a list of numbers, got {value!r}")
+            return tuple(float(v) for v in numbers)
         if not isinstance(value, list) or not all(_is_int(v) for v in value):
             raise ConfigError(f"config error: {path} must be a list of integers, got {value!r}")
         return tuple(value)

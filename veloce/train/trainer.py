@@ -42,7 +42,9 @@ from veloce.train.lockstep import (
     world,
     zero_loss,
 )
+from veloce.train.prefetch import NextBatchPrefetch
 from veloce.train.resume import ResumableRun, check_writable
+from veloce.train.telemetry import TableTelemetry
 from veloce.train.totals import EpochTotals
 
 __all__ = ["Trainer", "TrainingInterrupted"]
@@ -69,6 +71,11 @@ class Trainer(GraphedSteps, ResumableRun):
     are those of the mean over every rank's samples: uneven batches train as one process
     on the concatenated batch would. A rank's zero-row batch runs forward and backward
     with a zero loss (``loss_fn`` is not called on it).
+
+    A model with tiered tables (``DynamicEmbedding(storage=veloce.storage.HostCached(...))``)
+    that defines ``sparse_lookups(*inputs)`` gets the next batch's rows prefetched into the
+    caches after each step (:mod:`veloce.train.prefetch`); every table's ``stats()`` goes
+    into the step records as ``tables/<module path>/<key>`` (:mod:`veloce.train.telemetry`).
 
     Args:
         model: the model; its ``DynamicEmbedding`` tables are stepped with their own sparse
@@ -191,6 +198,9 @@ class Trainer(GraphedSteps, ResumableRun):
         self._interrupts: Optional[InterruptHandler] = None  # during fit with a checkpoint_dir: Ctrl-C
         self._overwrite = False  # resumed from an explicit checkpoint: replace stale later ones
         self._train_len: Optional[int] = None
+        self._telemetry = TableTelemetry(model)  # the tables' stats() in the step records
+        self._prefetch = NextBatchPrefetch(self.model, model, self.device, self.world_size)  # tiered tables
+        self._logged_at = 0  # global_step of the last step record
         self._init_graph(cuda_graph)
 
     # ---- public API -----------------------------------------------------------------------
@@ -247,6 +257,8 @@ class Trainer(GraphedSteps, ResumableRun):
         return self.history
 
     def _fit_epochs(self, train_loader: Iterable, val_loader: Optional[Iterable]) -> None:
+        self._telemetry.mark()
+        self._logged_at = self.global_step
         self._call("on_fit_start")
         while self.epoch < self.max_epochs and not self.should_stop and not self._steps_exhausted():
             completed = self._train_epoch(train_loader)
@@ -335,7 +347,7 @@ class Trainer(GraphedSteps, ResumableRun):
         batches = lockstep(it, self.device, "Trainer.fit", last=last, interrupted=self._interrupted)
         self._call("on_epoch_start", self.epoch)
         pending = 0
-        for step in batches:
+        for step, coming in self._prefetch.ahead(batches):  # (coming: None unless a tiered table prefetches)
             if not pending:  # (at an optimizer step's boundary only: no half-accumulated gradient is lost)
                 self._stop_if_interrupted(step)
             pending += 1
@@ -346,6 +358,8 @@ class Trainer(GraphedSteps, ResumableRun):
                 self._optimizer_step()
                 if self.should_stop or self._steps_exhausted():
                     return self._loader_done()
+            if coming is not None and not coming.stop:  # (a stop leaves no prefetched lookup behind)
+                self._prefetch(split_batch(coming.batch)[0])
         if pending:
             self._optimizer_step()
         return True
@@ -413,6 +427,8 @@ class Trainer(GraphedSteps, ResumableRun):
     def _log_step(self) -> None:
         record = {"event": "step", "epoch": self.epoch, "step": self.global_step, **self._totals.window(),
                   "lr": self.optimizer.param_groups[0]["lr"], "time": time.time()}  # fmt: skip
+        record.update(self._telemetry.window(self.global_step - self._logged_at))
+        self._logged_at = self.global_step
         self._call("on_log", record)
 
     # ---- helpers --------------------------------------------------------------------------
