@@ -192,6 +192,18 @@ def test_a_table_over_a_cached_store_holds_what_a_dict_holds(ops):
             assert torch.equal(row, model[key])
 
 
+def test_max_capacity_counts_every_tier_and_evicts_the_coldest_of_ram_and_below():
+    table = TieredTable(_chain(10), 12, DIM, STATE, max_capacity=30, seed=3)  # cache 12, RAM 10, below 8 at most
+    for step in range(20):
+        ids = torch.arange(step * 5, step * 5 + 10)  # 5 new ids a step, 5 of the last step's
+        table.find_or_insert(ids)
+        table.after_step()
+        assert len(table) == min(30, step * 5 + 10) and table.size <= 12 and len(table.store.ram) <= 10
+        _exclusive(table.store)
+    keys = sorted(table.export()["keys"].tolist())
+    assert keys == list(range(75, 105)) and table.num_evicted == 75  # LRU: the 30 newest stay
+
+
 # ---- a table over RocksDB with a RAM tier -------------------------------------------------
 def _three_tiers(path, cache_rows: int = 64, ram_rows: int = 200, **kwargs) -> RocksDB:
     return RocksDB(str(path), cache_rows=cache_rows, ram_cache_rows=ram_rows, **kwargs)
