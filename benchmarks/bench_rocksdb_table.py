@@ -143,7 +143,8 @@ def main() -> None:
     draw = Zipf(ids, args.alpha, gen)
     root = tempfile.mkdtemp(dir=args.dir, prefix="veloce-rocksdb-table-")
     paths = {"rocksdb+ram": os.path.join(root, "ram"), "rocksdb": os.path.join(root, "cache_only")}
-    specs = {"memory": Device(), "rocksdb+ram": RocksDB(paths["rocksdb+ram"], cache_rows=cache_rows, ram_cache_rows=ram_rows)}
+    specs = {"memory": Device(),
+             "rocksdb+ram": RocksDB(paths["rocksdb+ram"], cache_rows=cache_rows, ram_cache_rows=ram_rows)}  # fmt: skip
     if not args.no_cache_only:
         specs["rocksdb"] = RocksDB(paths["rocksdb"], cache_rows=cache_rows)
     labels = {"memory": "`Device()` (all in RAM)",
@@ -208,7 +209,8 @@ def main() -> None:
                   f"| {r['fetched_per_step']:,.0f} / {r['written_back_per_step']:,.0f} "
                   f"| {r['read_up_per_step']:,.0f} / {r['written_down_per_step']:,.0f} "
                   f"| {r['disk_read_bytes_per_step'] / 1024:,.0f} / {r['disk_write_bytes_per_step'] / 1024:,.0f} KiB "
-                  f"| {r['db_rows']:,.0f} | {r['db_dir_bytes'] / 2**20:,.0f} MiB ({r['db_dir_bytes'] / max(1, r['db_rows']):.0f} B a row) |")  # fmt: skip
+                  f"| {r['db_rows']:,.0f} | {r['db_dir_bytes'] / 2**20:,.0f} MiB "
+                  f"({r['db_dir_bytes'] / max(1, r['db_rows']):.0f} B a row) |")  # fmt: skip
         for name in tiered:
             embs[name].table.store.close()
         if args.json:

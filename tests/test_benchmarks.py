@@ -38,8 +38,9 @@ def test_bench_distributed_runs_a_tiny_configuration(extra):
                     reason="veloce._rocksdb is not built (apt-get install librocksdb-dev, then rebuild)")  # fmt: skip
 def test_bench_rocksdb_table_runs_a_tiny_configuration(tmp_path):
     out_json = tmp_path / "out.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_rocksdb_table.py"), "--rows", "4000", "--dim", "8",
-           "--batch", "32", "--bag", "4", "--warmup", "2", "--steps", "2", "--dir", str(tmp_path), "--json", str(out_json)]  # fmt: skip
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_rocksdb_table.py"), "--rows", "4000",
+           "--dim", "8", "--batch", "32", "--bag", "4", "--warmup", "2", "--steps", "2", "--dir", str(tmp_path),
+           "--json", str(out_json)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -62,8 +62,10 @@ class CachedStore(BackingStore):
 
     def __init__(self, ram_rows: int, lower: BackingStore, evict_fraction: float = 1 / 32) -> None:
         if not is_int(ram_rows) or ram_rows < 1:
-            raise ValueError(f"CachedStore: ram_rows must be an int >= 1 (entries the RAM tier holds), got {ram_rows!r}")
-        if isinstance(evict_fraction, bool) or not isinstance(evict_fraction, (int, float)) or not 0 < evict_fraction <= 1:
+            raise ValueError(f"CachedStore: ram_rows must be an int >= 1 (entries the RAM tier holds), "
+                             f"got {ram_rows!r}")  # fmt: skip
+        if (isinstance(evict_fraction, bool) or not isinstance(evict_fraction, (int, float))
+                or not 0 < evict_fraction <= 1):  # fmt: skip
             raise ValueError(f"CachedStore: evict_fraction must be a number in (0, 1], got {evict_fraction!r}")
         super().__init__(lower.dim, lower.state_dim, lower.dtype, lower.state_dtype)
         self.ram_rows = int(ram_rows)
@@ -135,7 +137,8 @@ class CachedStore(BackingStore):
             order = torch.argsort(scores, stable=True)
             down, keep = order[:over], order[over:]
         if short > 0 or over:
-            k = len(self.ram) if over else min(len(self.ram), max(short, math.ceil(self.evict_fraction * self.ram_rows)))
+            least = math.ceil(self.evict_fraction * self.ram_rows)
+            k = len(self.ram) if over else min(len(self.ram), max(short, least))
             victims = self.ram.lowest(k)
             old = self.ram.get(victims)
             parts = [(victims, old.weights, old.optimizer_state, old.scores)]
