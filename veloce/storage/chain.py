@@ -8,7 +8,7 @@ the lower store, never both, so :meth:`CachedStore.__len__` is the sum of theirs
 
 - **Up.** :meth:`CachedStore.take` takes what RAM holds, then the rest from the lower store
   in one batched call: the device cache above fetches from both, and the rows leave the
-  RAM tier (the cache holds them now).
+  RAM tier (the cache above holds them).
 - **Down.** :meth:`CachedStore.put` with ``fresh=True`` (the device cache writing back)
   puts the entries in RAM. When RAM lacks room it first writes its lowest-scored entries
   down to the lower store in one call, at least ``evict_fraction`` of ``ram_rows`` at once
