@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from veloce.ops import rocksdb as rocksdb_ops
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--device", "cpu", "--batch", "64", "--warmup", "1", "--steps", "2", "--features", "4", "--dim", "8",
         "--capacity", "1024"]  # fmt: skip
@@ -48,3 +50,19 @@ def test_bench_embedding_runs_tiered_tables_beside_the_device_table(tmp_path):
     assert full["hit_rate"] == 1.0 and full["fetched_per_step"] == 0
     assert half["fetched_per_step"] > 0 and half["written_back_per_step"] > 0
     assert "x DynamicEmbedding" in done.stdout
+
+
+@pytest.mark.skipif(not rocksdb_ops.available(),
+                    reason="veloce._rocksdb is not built (apt-get install librocksdb-dev, then rebuild)")  # fmt: skip
+def test_bench_rocksdb_table_runs_a_tiny_configuration(tmp_path):
+    out_json = tmp_path / "out.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_rocksdb_table.py"), "--rows", "4000",
+           "--dim", "8", "--batch", "32", "--bag", "4", "--warmup", "2", "--steps", "2", "--dir", str(tmp_path),
+           "--json", str(out_json)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    tables = json.loads(out_json.read_text())["tables"]
+    assert set(tables) == {"memory", "rocksdb+ram", "rocksdb"} and all(t["step_ms"] > 0 for t in tables.values())
+    assert tables["rocksdb+ram"]["ram_rows"] == 500 and tables["rocksdb+ram"]["read_up_per_step"] >= 0
+    assert "| table | ms/step | ratio |" in done.stdout

@@ -5,7 +5,8 @@
   atomic ``WriteBatch`` in C++, the exact entry count kept in the database beside the
   entries it counts.
 - :class:`RocksDB`: the user's spec, ``DynamicEmbedding(storage=RocksDB(path, cache_rows=...))``:
-  a cache in memory over a :class:`RocksDBStore`.
+  a cache in memory over a :class:`RocksDBStore`, or with ``ram_cache_rows`` over a RAM
+  tier over it (:class:`~veloce.storage.chain.CachedStore`).
 
 The database is one directory. Its layout (dim, state_dim, dtypes, format version) is
 written when it is created and checked on every open; one process opens it at a time
@@ -24,7 +25,8 @@ import torch
 
 from veloce.ops import rocksdb as rocksdb_ops
 from veloce.storage.base import BackingStore, Entries
-from veloce.storage.spec import HostCached
+from veloce.storage.chain import CachedStore
+from veloce.storage.spec import HostCached, cache_row_bytes
 from veloce.table import HashTable
 from veloce.table import state_dtype as state_dtype_of
 
@@ -139,14 +141,22 @@ class RocksDBStore(BackingStore):
 
 class RocksDB(HostCached):
     """Rows and optimizer state in a RocksDB database on local disk, the hot rows cached on
-    the table's device above it (on the CPU a RAM cache; on a GPU an HBM cache).
+    the table's device above it (on the CPU a RAM cache; on a GPU an HBM cache), and with
+    ``ram_cache_rows`` or ``ram_cache_bytes`` the warm rows in a RAM tier between the two
+    (:class:`~veloce.storage.chain.CachedStore`: on a GPU, HBM over RAM over disk).
 
     Args:
         path: the database's directory (created if missing; its parent must exist). One
             table per path. In a process group of several ranks, each rank's table is
             in ``path/rank<R>`` (its shard, under ``veloce.HybridParallel``).
         cache_rows, cache_bytes, policy, evict_fraction: the cache's, as
-            :class:`~veloce.storage.HostCached`'s.
+            :class:`~veloce.storage.HostCached`'s (``evict_fraction`` is the RAM tier's too).
+        ram_cache_rows: the rows the RAM tier holds between the cache and the database;
+            None (and no ``ram_cache_bytes``): no RAM tier, the cache writes back to the
+            database directly.
+        ram_cache_bytes: or the host memory the RAM tier may take: ``ram_cache_bytes //
+            cache_row_bytes(...)`` rows (a CPU hash table of the cache's layout). At most
+            one of the two.
         block_cache_bytes: RocksDB's own cache of disk blocks in host memory (0: none).
         write_buffer_bytes: the memtable RocksDB fills before writing a file (>= 1 MiB).
         sync: fsync every batch written to the database (see :class:`RocksDBStore`).
@@ -158,19 +168,24 @@ class RocksDB(HostCached):
 
     Raises:
         ValueError: a bad argument (as :class:`~veloce.storage.HostCached`, or a path that
-            is not a string, or byte sizes out of range); at :meth:`make_table`, a
-            database holding rows with ``existing="error"``.
+            is not a string, byte sizes out of range, both ``ram_cache_rows`` and
+            ``ram_cache_bytes``, or either not an int >= 1); at :meth:`make_table`, a
+            database holding rows with ``existing="error"``, or a ``ram_cache_bytes``
+            below one row.
         ImportError: at :meth:`make_table`, ``veloce._rocksdb`` is not built (the message
             says how to build it).
 
     Example::
 
         emb = veloce.DynamicEmbedding(128, storage=veloce.storage.RocksDB("/data/emb", cache_rows=1 << 20))
+        big = veloce.DynamicEmbedding(128, device="cuda", storage=veloce.storage.RocksDB(
+            "/data/big", cache_bytes=20 << 30, ram_cache_bytes=200 << 30))  # HBM over RAM over disk
     """
 
     def __init__(self, path: str | os.PathLike, cache_rows: Optional[int] = None, cache_bytes: Optional[int] = None,
                  policy: Optional[str] = None, evict_fraction: float = 1 / 32, block_cache_bytes: int = 256 * _MiB,
-                 write_buffer_bytes: int = 128 * _MiB, sync: bool = False, existing: str = "error") -> None:  # fmt: skip
+                 write_buffer_bytes: int = 128 * _MiB, sync: bool = False, existing: str = "error",
+                 ram_cache_rows: Optional[int] = None, ram_cache_bytes: Optional[int] = None) -> None:  # fmt: skip
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise ValueError(f"RocksDB: path must be a directory path, got {path!r}")
         super().__init__(cache_rows, cache_bytes, policy, evict_fraction)
@@ -182,11 +197,34 @@ class RocksDB(HostCached):
             raise ValueError(f"RocksDB: sync must be True or False, got {sync!r}")
         if existing not in ("error", "keep", "clear"):
             raise ValueError(f"RocksDB: existing must be 'error', 'keep' or 'clear', got {existing!r}")
+        if ram_cache_rows is not None and ram_cache_bytes is not None:
+            raise ValueError(f"RocksDB: give at most one of ram_cache_rows or ram_cache_bytes (the RAM tier's size), got "
+                             f"ram_cache_rows={ram_cache_rows!r}, ram_cache_bytes={ram_cache_bytes!r}")  # fmt: skip
+        for name, value in (("ram_cache_rows", ram_cache_rows), ("ram_cache_bytes", ram_cache_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"RocksDB: {name} must be an int >= 1 or None (no RAM tier), got {value!r}")
         self.path = os.fspath(path)
         self.block_cache_bytes = block_cache_bytes
         self.write_buffer_bytes = write_buffer_bytes
         self.sync = sync
         self.existing = existing
+        self.ram_cache_rows = ram_cache_rows
+        self.ram_cache_bytes = ram_cache_bytes
+
+    def ram_rows_for(self, dim: int, state_dim: int, dtype: torch.dtype) -> Optional[int]:
+        """The RAM tier's rows for a table of ``dim``, ``state_dim`` and ``dtype`` (None: no RAM tier).
+
+        Raises:
+            ValueError: ``ram_cache_bytes`` holds less than one row.
+        """
+        if self.ram_cache_bytes is None:
+            return self.ram_cache_rows
+        per_row = cache_row_bytes(dim, state_dim, dtype)  # a bounded CPU hash table: the cache's layout
+        rows = int(self.ram_cache_bytes // per_row)
+        if rows < 1:
+            raise ValueError(f"RocksDB: ram_cache_bytes={self.ram_cache_bytes} holds no row of this table ({per_row:.0f} "
+                             f"bytes a row in RAM); give at least that")  # fmt: skip
+        return rows
 
     def make_table(self, **hash_table_kwargs: Any) -> HashTable:
         rocksdb_ops.require()  # first: without the extension, say how to build it
@@ -194,7 +232,9 @@ class RocksDB(HostCached):
 
     def make_store(self, store_args: dict[str, Any]) -> BackingStore:
         """Opens the database for a table of ``store_args``' layout (``max_capacity`` is
-        the tiered table's to keep)."""
+        the tiered table's to keep), below a RAM tier when the spec has one."""
+        # first: a bad size opens no database
+        ram_rows = self.ram_rows_for(store_args["dim"], store_args["state_dim"], store_args["dtype"])
         path = self.path
         if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             path = os.path.join(path, f"rank{torch.distributed.get_rank()}")
@@ -212,7 +252,7 @@ class RocksDB(HostCached):
             )  # fmt: skip
         if held and self.existing == "clear":
             store.clear()
-        return store
+        return store if ram_rows is None else CachedStore(ram_rows, store, self.evict_fraction)
 
 
 def _flat(ids: torch.Tensor) -> torch.Tensor:

@@ -352,4 +352,7 @@ class TieredTable(BothTiers, HashTable):
         out.update(self.store.stats())
         if reset:
             self.counters.reset()
+            reset_store = getattr(self.store, "reset_stats", None)  # a store that counts (CachedStore)
+            if reset_store is not None:
+                reset_store()
         return out
