@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import veloce
-from _tiers import assert_same_entries, batches, cached, make
+from _tiers import apply_table_op, assert_same_entries, assert_same_eval, batches, cached, make, train, train_pair
 from conftest import DEVICES
 from veloce.ops import rocksdb as rocksdb_ops
-from veloce.ops.hash_table import initialize
 from veloce.optim import OPTIMIZERS
 from veloce.storage import CachedStore, HostStore, RocksDB, TieredTable, cache_row_bytes
 
@@ -167,23 +166,8 @@ _TABLE_OPS = st.lists(st.tuples(st.sampled_from(["insert", "erase", "train"]),
 def test_a_table_over_a_cached_store_holds_what_a_dict_holds(ops):
     table = TieredTable(_chain(10), 12, DIM, STATE, seed=3)  # cache 12 rows over RAM 10 over a host store
     model: dict[int, torch.Tensor] = {}
-    init = table.initializer
     for k, (op, ids) in enumerate(ops):
-        t = torch.tensor(ids, dtype=torch.long)
-        if op == "insert":
-            table.insert(t, torch.full((len(ids), DIM), float(k)))
-            for i in ids:
-                model[i] = torch.full((DIM,), float(k))
-        elif op == "erase":
-            assert table.erase(t) == len({i for i in ids if i in model})
-            for i in ids:
-                model.pop(i, None)
-        else:
-            table.find_or_insert(t)
-            table.after_step()
-            fresh = initialize(t, DIM, table.seed, init.kind, init.a, init.b, table.dtype)
-            for i, row in zip(ids, fresh):
-                model.setdefault(i, row)
+        apply_table_op(table, model, k, op, ids)
         assert len(table) == len(model) and table.size <= 12
         _exclusive(table.store)
         out = table.export()
@@ -209,16 +193,6 @@ def _three_tiers(path, cache_rows: int = 64, ram_rows: int = 200, **kwargs) -> R
     return RocksDB(str(path), cache_rows=cache_rows, ram_cache_rows=ram_rows, **kwargs)
 
 
-def _train(emb, it, steps: int) -> list[torch.Tensor]:
-    outs = []
-    for _ in range(steps):
-        ids, offsets = next(it)
-        out = emb(ids, offsets)
-        outs.append(out.detach())
-        out.square().sum().backward()
-        emb.step()
-        emb.zero_grad()
-    return outs
 
 
 @needs_rocksdb
@@ -229,12 +203,7 @@ def test_a_cache_over_ram_over_rocksdb_trains_as_the_all_in_memory_table(tmp_pat
     ref = make(None, OPTIMIZERS[name](lr=0.05), mode, device)
     tiered = make(_three_tiers(tmp_path / "db"), OPTIMIZERS[name](lr=0.05), mode, device)
     assert isinstance(tiered.table.store, CachedStore)
-    for step, (ids, offsets) in enumerate(batches(50, device=device)):
-        a, b = ref(ids, offsets), tiered(ids, offsets)
-        torch.testing.assert_close(b, a, atol=1e-6, rtol=0, msg=lambda m: f"step {step}: {m}")
-        a.square().sum().backward(), b.square().sum().backward()
-        ref.step(), tiered.step()
-        ref.zero_grad(), tiered.zero_grad()
+    train_pair(ref, tiered, 50, device)
     assert len(tiered) == len(ref) > 1000
     stats = tiered.stats()
     # every tier holds rows, and rows moved across both boundaries both ways
@@ -245,9 +214,7 @@ def test_a_cache_over_ram_over_rocksdb_trains_as_the_all_in_memory_table(tmp_pat
     assert stats["ram_hits"] > 0 and stats["read_up"] > 0 and stats["written_back"] > 0 and stats["written_down"] > 0
     assert stats["bytes_read_up"] > 0 and 0 < stats["ram_hit_rate"] < 1
     assert_same_entries(tiered.export(), ref.export())
-    ref.eval(), tiered.eval()  # eval reads RAM's and the database's rows, changing nothing
-    for ids, offsets in batches(3, seed=99, pool=2500, device=device):
-        torch.testing.assert_close(tiered(ids, offsets), ref(ids, offsets), atol=1e-6, rtol=0)
+    assert_same_eval(ref, tiered, device)  # eval reads RAM's and the database's rows, changing nothing
     assert tiered.stats(reset=True)["read_up"] == stats["read_up"] and tiered.stats()["read_up"] == 0
     tiered.table.store.close()
 
@@ -256,22 +223,22 @@ def test_a_cache_over_ram_over_rocksdb_trains_as_the_all_in_memory_table(tmp_pat
 @pytest.mark.parametrize("device", DEVICES)
 def test_checkpoints_round_trip_device_three_tiers_host_cached(tmp_path, device):
     ref = make(None, device=device)
-    ref_run = _train(ref, batches(30, seed=4, device=device), 30)
+    ref_run = train(ref, batches(30, seed=4, device=device), 30)
     it = batches(30, seed=4, device=device)
     first = nn.ModuleDict({"emb": make(None, device=device)})
-    run = _train(first["emb"], it, 10)
+    run = train(first["emb"], it, 10)
     veloce.checkpoint.save(tmp_path / "a", first, step=10)
     second = nn.ModuleDict({"emb": make(_three_tiers(tmp_path / "db", ram_rows=100), device=device)})
     veloce.checkpoint.load(tmp_path / "a", second)  # Device -> cache over RAM over RocksDB
     assert second["emb"].stats()["rocksdb_entries"] > 0  # a streamed load writes below the cache
-    run += _train(second["emb"], it, 10)
+    run += train(second["emb"], it, 10)
     stats = second["emb"].stats()
     assert stats["ram_rows"] > 0 and stats["rocksdb_entries"] > 0  # training moved rows through every tier
     veloce.checkpoint.save(tmp_path / "b", second, step=20)
     third = nn.ModuleDict({"emb": make(cached(48), device=device)})  # -> HostCached
     veloce.checkpoint.load(tmp_path / "b", third)
     assert_same_entries(third["emb"].export(), second["emb"].export(), atol=0)
-    run += _train(third["emb"], it, 10)
+    run += train(third["emb"], it, 10)
     for x, y in zip(run, ref_run):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
     assert_same_entries(third["emb"].export(), ref.export())

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import veloce
-from _tiers import assert_same_entries, batches, cached, make
+from _tiers import assert_same_entries, batches, cached, make, train
 from conftest import DEVICES
 
 
@@ -17,17 +17,9 @@ def _model(storage, device: str, **kwargs) -> nn.Module:
     return nn.ModuleDict({"emb": make(storage, device=device, **kwargs)})
 
 
+
 def _train(model: nn.Module, it, steps: int) -> list[torch.Tensor]:
-    outs = []
-    emb = model["emb"]
-    for _ in range(steps):
-        ids, offsets = next(it)
-        out = emb(ids, offsets)
-        outs.append(out.detach())
-        out.square().sum().backward()
-        emb.step()
-        emb.zero_grad()
-    return outs
+    return train(model["emb"], it, steps)
 
 
 def _same_run(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from veloce.ops.hash_table import initialize
+from _tiers import apply_table_op
 from veloce.storage import HostCached, HostStore
 from veloce.table import TableFullError
 
@@ -69,24 +69,8 @@ _OPS = st.lists(st.tuples(st.sampled_from(["insert", "erase", "train"]),
 def test_a_tiered_table_holds_what_a_dict_holds(ops):
     table = HostCached(cache_rows=12).make_table(dim=DIM, state_dim=STATE, seed=3)  # a batch: 12 ids at most
     model: dict[int, torch.Tensor] = {}
-    init = table.initializer
     for k, (op, ids) in enumerate(ops):
-        t = torch.tensor(ids, dtype=torch.long)
-        if op == "insert":
-            rows = torch.full((len(ids), DIM), float(k))
-            table.insert(t, rows)
-            for i in ids:
-                model[i] = torch.full((DIM,), float(k))
-        elif op == "erase":
-            assert table.erase(t) == len({i for i in ids if i in model})
-            for i in ids:
-                model.pop(i, None)
-        else:
-            table.find_or_insert(t)
-            table.after_step()
-            fresh = initialize(t, DIM, table.seed, init.kind, init.a, init.b, table.dtype)
-            for i, row in zip(ids, fresh):
-                model.setdefault(i, row)
+        apply_table_op(table, model, k, op, ids)
         assert len(table) == len(model) and table.size <= 12
         out = table.export()
         assert sorted(out["keys"].tolist()) == sorted(model)

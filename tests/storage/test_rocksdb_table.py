@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import veloce
-from _tiers import assert_same_entries, batches, cached, make
+from _tiers import assert_same_entries, assert_same_eval, batches, cached, make, train, train_pair
 from conftest import DEVICES
 from veloce.ops import rocksdb as rocksdb_ops
 from veloce.optim import OPTIMIZERS
@@ -34,16 +34,6 @@ def _on_disk(path, rows: int = 64, **kwargs) -> RocksDB:
     return RocksDB(str(path), cache_rows=rows, **kwargs)
 
 
-def _train(emb, it, steps: int) -> list[torch.Tensor]:
-    outs = []
-    for _ in range(steps):
-        ids, offsets = next(it)
-        out = emb(ids, offsets)
-        outs.append(out.detach())
-        out.square().sum().backward()
-        emb.step()
-        emb.zero_grad()
-    return outs
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -52,38 +42,31 @@ def _train(emb, it, steps: int) -> list[torch.Tensor]:
 def test_rocksdb_table_trains_as_the_all_in_memory_table(tmp_path, name, mode, device):
     ref = make(None, OPTIMIZERS[name](lr=0.05), mode, device)
     tiered = make(_on_disk(tmp_path / "db"), OPTIMIZERS[name](lr=0.05), mode, device)
-    for step, (ids, offsets) in enumerate(batches(50, device=device)):
-        a, b = ref(ids, offsets), tiered(ids, offsets)
-        torch.testing.assert_close(b, a, atol=1e-6, rtol=0, msg=lambda m: f"step {step}: {m}")
-        a.square().sum().backward(), b.square().sum().backward()
-        ref.step(), tiered.step()
-        ref.zero_grad(), tiered.zero_grad()
+    train_pair(ref, tiered, 50, device)
     assert len(tiered) == len(ref) > 1000
     stats = tiered.stats()
     assert stats["store_rows"] == len(ref) - stats["cache_rows"] and stats["written_back"] > 0
     assert_same_entries(tiered.export(), ref.export())
-    ref.eval(), tiered.eval()  # eval reads the database's rows, changing nothing
-    for ids, offsets in batches(3, seed=99, pool=2500, device=device):
-        torch.testing.assert_close(tiered(ids, offsets), ref(ids, offsets), atol=1e-6, rtol=0)
+    assert_same_eval(ref, tiered, device)  # eval reads the database's rows, changing nothing
     tiered.table.store.close()
 
 
 def test_checkpoints_round_trip_device_rocksdb_host_cached(tmp_path):
     ref = make(None)
-    ref_run = _train(ref, batches(30, seed=4), 30)
+    ref_run = train(ref, batches(30, seed=4), 30)
     it = batches(30, seed=4)
     first = nn.ModuleDict({"emb": make(None)})
-    run = _train(first["emb"], it, 10)
+    run = train(first["emb"], it, 10)
     veloce.checkpoint.save(tmp_path / "a", first, step=10)
     second = nn.ModuleDict({"emb": make(_on_disk(tmp_path / "db"))})  # Device -> RocksDB
     veloce.checkpoint.load(tmp_path / "a", second)
     assert second["emb"].stats()["store_rows"] > 0
-    run += _train(second["emb"], it, 10)
+    run += train(second["emb"], it, 10)
     veloce.checkpoint.save(tmp_path / "b", second, step=20)
     third = nn.ModuleDict({"emb": make(cached(48))})  # RocksDB -> HostCached
     veloce.checkpoint.load(tmp_path / "b", third)
     assert_same_entries(third["emb"].export(), second["emb"].export(), atol=0)
-    run += _train(third["emb"], it, 10)
+    run += train(third["emb"], it, 10)
     for x, y in zip(run, ref_run):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
     assert_same_entries(third["emb"].export(), ref.export())
@@ -92,7 +75,7 @@ def test_checkpoints_round_trip_device_rocksdb_host_cached(tmp_path):
 
 def test_an_earlier_runs_database_is_refused_kept_or_cleared_as_asked(tmp_path):
     first = make(_on_disk(tmp_path / "db"))
-    _train(first, batches(5), 5)
+    train(first, batches(5), 5)
     rows = first.export()
     first.table.store.flush()
     first.table.store.close()  # the cache's rows were never written back: only the store's persist
@@ -134,13 +117,13 @@ def test_a_run_killed_mid_training_resumes_from_its_checkpoint_as_if_uninterrupt
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == -9, done.stderr[-3000:]
     ref = make(None)
-    ref_run = _train(ref, batches(30, seed=4), 30)
+    ref_run = train(ref, batches(30, seed=4), 30)
     resumed = nn.ModuleDict({"emb": make(_on_disk(db, existing="clear"))})  # the killed run's database
     veloce.checkpoint.load(ckpt, resumed)
     it = batches(30, seed=4)
     for _ in range(10):
         next(it)
-    run = _train(resumed["emb"], it, 20)
+    run = train(resumed["emb"], it, 20)
     for x, y in zip(run, ref_run[10:]):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
     assert_same_entries(resumed["emb"].export(), ref.export())

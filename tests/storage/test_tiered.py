@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import veloce
-from _tiers import assert_same_entries, batches, cached, make
+from _tiers import assert_same_entries, assert_same_eval, batches, cached, make, train_pair
 from conftest import DEVICES
 from veloce.optim import OPTIMIZERS
 from veloce.table import TableFullError
@@ -20,21 +20,6 @@ def _optimizer(name: str):
     return OPTIMIZERS[name](lr=0.05)
 
 
-def _train_pair(a, b, steps: int, device: str, seed: int = 0, accumulate: int = 1, psw: bool = False) -> None:
-    """Trains ``a`` and ``b`` on the same batches (``accumulate`` forwards per step),
-    checking that their outputs agree."""
-    it = batches(steps * accumulate, seed=seed, device=device)
-    for step in range(steps):
-        for _ in range(accumulate):
-            ids, offsets = next(it)
-            w = torch.rand(ids.shape, device=device) if psw else None
-            out_a, out_b = a(ids, offsets, w), b(ids, offsets, w)
-            torch.testing.assert_close(out_a, out_b, atol=1e-6, rtol=0, msg=lambda m: f"step {step}: {m}")
-            loss = torch.arange(1, out_a.shape[1] + 1, device=device, dtype=out_a.dtype)
-            (out_a * loss).square().sum().backward()
-            (out_b * loss).square().sum().backward()
-        a.step(), b.step()
-        a.zero_grad(), b.zero_grad()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -43,17 +28,15 @@ def _train_pair(a, b, steps: int, device: str, seed: int = 0, accumulate: int = 
 def test_host_cached_trains_as_the_all_in_memory_table(name, mode, device):
     ref = make(None, _optimizer(name), mode, device)
     tiered = make(cached(64), _optimizer(name), mode, device)
-    _train_pair(ref, tiered, STEPS, device, psw=mode == "sum")
+    train_pair(ref, tiered, STEPS, device, psw=mode == "sum")
     assert len(tiered) == len(ref) > 1000  # the working set: far more than the cache
     assert_same_entries(tiered.export(), ref.export())
     stats = tiered.stats()
     assert stats["cache_rows"] <= 64 and stats["store_rows"] == len(ref) - stats["cache_rows"]
     assert stats["fetched"] > 0 and stats["written_back"] > 0 and stats["fetched_last_step"] > 0
     # eval: ids in the store read their stored rows, unknown ones the initializer's; nothing moves
-    ref.eval(), tiered.eval()
     before = tiered.stats()
-    for ids, offsets in batches(3, seed=99, pool=2500, device=device):
-        torch.testing.assert_close(tiered(ids, offsets), ref(ids, offsets), atol=1e-6, rtol=0)
+    assert_same_eval(ref, tiered, device)
     after = tiered.stats()
     assert (after["cache_rows"], after["store_rows"], after["fetched"]) == (
         before["cache_rows"], before["store_rows"], before["fetched"])
@@ -64,7 +47,7 @@ def test_host_cached_trains_as_the_all_in_memory_table(name, mode, device):
 def test_eval_and_find_read_the_stored_rows(unknown, device):
     ref = make(None, device=device, unknown=unknown)
     tiered = make(cached(50), device=device, unknown=unknown)
-    _train_pair(ref, tiered, 10, device)
+    train_pair(ref, tiered, 10, device)
     ids = torch.arange(-5, 2100, device=device)
     rows_ref, found_ref = ref.find(ids)
     rows, found = tiered.find(ids)
@@ -82,14 +65,14 @@ def test_eval_and_find_read_the_stored_rows(unknown, device):
 def test_gradient_accumulation_keeps_both_batches_rows(device):
     ref = make(None, device=device)
     tiered = make(cached(100), device=device)  # two batches of 48 distinct ids fit; a third would not
-    _train_pair(ref, tiered, 20, device, accumulate=2)
+    train_pair(ref, tiered, 20, device, accumulate=2)
     assert_same_entries(tiered.export(), ref.export())
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_batch_larger_than_the_cache_raises_and_changes_nothing(device):
     tiered = make(cached(64), device=device)
-    _train_pair(make(None, device=device), tiered, 3, device)
+    train_pair(make(None, device=device), tiered, 3, device)
     before = tiered.export()
     ids = torch.arange(10_000, 10_100, device=device)  # 100 distinct ids, a cache of 64
     with pytest.raises(TableFullError, match=r"cache_rows=64.*Raise cache_rows to at least 100"):
@@ -116,7 +99,7 @@ def test_pinned_rows_of_an_earlier_forward_are_never_evicted(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefetch_brings_rows_up_and_pins_them(device):
     ref, tiered = make(None, device=device), make(cached(128), device=device)
-    _train_pair(ref, tiered, 5, device)
+    train_pair(ref, tiered, 5, device)
     it = list(batches(4, seed=5, device=device))
     for ids, offsets in it:
         tiered.prefetch(ids)
@@ -162,7 +145,7 @@ def test_lookup_many_over_tiered_and_device_tables(device):
 def test_padding_idx_is_neither_fetched_nor_counted(device):
     ref = make(None, device=device, padding_idx=5)
     tiered = make(cached(64), device=device, padding_idx=5)
-    _train_pair(ref, tiered, 10, device)
+    train_pair(ref, tiered, 10, device)
     ids = torch.tensor([5, 5, 1, 2], device=device)
     before = tiered.stats(reset=True)
     torch.testing.assert_close(tiered(ids, torch.tensor([0, 2], device=device)),
@@ -175,7 +158,7 @@ def test_padding_idx_is_neither_fetched_nor_counted(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_offsets_raise_before_any_row_moves(device):
     tiered = make(cached(64), device=device)
-    _train_pair(make(None, device=device), tiered, 3, device)
+    train_pair(make(None, device=device), tiered, 3, device)
     before, stats = tiered.export(), tiered.stats()
     ids = torch.arange(5000, 5040, device=device)
     with pytest.raises(ValueError, match="offsets"):
