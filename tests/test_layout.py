@@ -163,3 +163,13 @@ def test_only_the_op_layer_calls_torch_ops_veloce(path: Path) -> None:
     own = _defined_ops(tree)
     bad = [f"line {line}: torch.ops.veloce.{name}" for line, name in _veloce_op_calls(tree) if name not in own]
     assert not bad, f"{path.name} calls veloce's ops around veloce.ops: {bad}"
+
+
+def test_test_files_have_distinct_names() -> None:
+    # The test folders are not packages (pytest's rootdir-relative imports): two test files
+    # of one name in different folders cannot be collected in one run.
+    tests = Path(__file__).resolve().parent
+    seen: dict[str, Path] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        other = seen.setdefault(path.name, path)
+        assert other == path, f"{other.relative_to(tests)} and {path.relative_to(tests)} share a name: rename one"
