@@ -100,7 +100,7 @@ class RedisStore(ServingStore):
         return sorted(int(v) for v in self.client.zrange(self._k("committed"), 0, -1))
 
     def begun(self) -> list[int]:
-        return sorted(set(int(v) for v in self.client.smembers(self._k("begun"))) | set(self.committed()))
+        return sorted({int(v) for v in self.client.smembers(self._k("begun"))} | set(self.committed()))
 
     def manifest(self, version: int) -> dict[str, Any]:
         raw = self.client.get(self._k("m", int(version)))

@@ -193,7 +193,7 @@ class FileStore(ServingStore):
 
     def begun(self) -> list[int]:
         names = os.listdir(os.path.join(self.path, "data"))
-        return sorted(set(int(n) for n in names if n.isdigit()) | set(self.committed()))
+        return sorted({int(n) for n in names if n.isdigit()} | set(self.committed()))
 
     def manifest(self, version: int) -> dict[str, Any]:
         try:
