@@ -180,11 +180,10 @@ class Publisher:
         version, committed = None, []
         if self.rank == 0:
             store.acquire(self.owner, self.lease_ttl)
-            committed = store.committed()
-            for v in sorted(set(store.begun()) - set(committed)):  # what a killed publisher left
+            committed, begun = store.committed(), store.begun()
+            version = (begun[-1] if begun else 0) + 1  # past a broken version too: a number is never reused
+            for v in sorted(set(begun) - set(committed)):  # what a killed publisher left
                 store.delete(v)
-            begun = store.begun()
-            version = (begun[-1] if begun else 0) + 1
             if self.version is not None and (not committed or committed[-1] != self.version):
                 self._clocks = None  # the store moved under this publisher: start over with a snapshot
             store.begin(version)
