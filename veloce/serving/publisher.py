@@ -238,6 +238,7 @@ class Publisher:
             else:
                 d = deltas[name]
                 keys, weights, removed = d["keys"], d["weights"], d["removed"].unique()
+                removed = removed[~torch.isin(removed, keys)]  # removed, then back: its row supersedes
             order = torch.argsort(keys)
             weights = weights[order].to(self.dtype or weights.dtype)
             self.store.write_part(version, part, {"keys": keys[order].contiguous(), "weights": weights,
