@@ -16,6 +16,7 @@ import torch
 
 from _twin_model import Trainer, TwoTables, eval_batches
 from veloce.serving import FileStore, InferenceEmbedding, LeaseHeld, Publisher, VersionMissing, inference_twin, refresh
+from veloce.ops import rocksdb
 from veloce.storage import HostCached
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,6 +69,29 @@ def test_round_trips_full_deltas_folds(tmp_path, storage):
         assert_twin_equal(model, twin, trainer)
     assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"]
     assert twin.a.hits > 0  # the cache served rows across refreshes
+
+
+@pytest.mark.skipif(not rocksdb.available(), reason="veloce._rocksdb is not built (RocksDB missing)")
+def test_rocksdb_store_round_trips(tmp_path):
+    from veloce.serving import RocksDBStore
+
+    model = TwoTables()
+    trainer = Trainer(model)
+    pub = Publisher(RocksDBStore(tmp_path), model, keep_last=2, fold_every=3, dtype=torch.float16)
+    twin = None
+    for _ in range(5):
+        trainer.steps(2)
+        v = pub.publish()
+        if twin is None:
+            twin = inference_twin(TwoTables(), RocksDBStore(tmp_path))
+        else:
+            assert refresh(twin) == v
+        assert_twin_equal(model, twin, trainer, exact=False)
+    store = twin.a.store
+    assert store.committed() == [4, 5] and sorted(os.listdir(tmp_path / "data")) == [f"{4:012d}", f"{5:012d}"]
+    part = store.read_part(5, "t/a/r0")
+    assert part["keys"].numel() == store.manifest(5)["tables"]["a"]["rows"][0]
+    assert part["weights"].dtype == torch.float16
 
 
 def test_delta_holds_only_changed_rows(tmp_path):
