@@ -229,7 +229,7 @@ class Publisher:
                         changes = torch.cat([d["keys"], d["removed"]])
                     except VersionsUnavailable:
                         pass
-                if versions and not emb.table._tracking_removed():
+                if versions and not emb.table.tracks_removed():
                     emb.track_removed()  # before the export: no removal between them goes unlisted
                 rows = emb.export(values_only=True)
                 keys, weights, removed = rows["keys"], rows["weights"], torch.empty(0, dtype=torch.long)

@@ -121,7 +121,7 @@ class BothTiers:
         """Removes ``ids`` from both tiers; returns how many were present."""
         erased = super().erase(ids)  # (books the cache's tombstones)
         below = ids.cpu()
-        if self._tracking_removed() and below.numel():
+        if self.tracks_removed() and below.numel():
             distinct = below.unique()
             self._log_removed(distinct[self.store.get(distinct).found])
         return erased + self.store.erase(below)
@@ -134,7 +134,7 @@ class BothTiers:
 
     def expire(self, before: int) -> int:
         erased = super().expire(before)
-        if self._tracking_removed():  # the store's stale ids, listed before it drops them
+        if self.tracks_removed():  # the store's stale ids, listed before it drops them
             for chunk in self.store.chunks(_CHUNK):
                 self._log_removed(chunk["keys"][chunk["scores"] < before])
         below = self.store.expire(int(before))

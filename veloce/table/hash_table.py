@@ -525,7 +525,7 @@ class HashTable(RowStore, RowVersions, StoreHooks, DeferredInserts, Growth, Plai
             raise ValueError(f"expire: before must be an int in the int64 range, got {before!r}")
         self._join_update()  # a freed slot may be filled by the next insert, beside no update of its old row
         keys, digests, scores, _, _ = self._state()
-        if self._tracking_removed():
+        if self.tracks_removed():
             self._log_removed(keys[(digests != 0) & (scores < before)])
         erased = int(_ops.expire(keys, digests, scores, int(before)))
         self._note_changed()

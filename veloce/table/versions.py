@@ -147,7 +147,9 @@ class RowVersions:
         if log is not None:
             log.stop()
 
-    def _tracking_removed(self) -> bool:
+    def tracks_removed(self) -> bool:
+        """Whether the tombstone log runs (:meth:`track_removed` started it, and no clear or
+        load stopped it since)."""
         log = self.__dict__.get("removed_log")
         return log is not None and log.start is not None
 
