@@ -94,6 +94,24 @@ def test_rocksdb_store_round_trips(tmp_path):
     assert part["weights"].dtype == torch.float16
 
 
+def test_lfu_table_is_published_whole(tmp_path):
+    model = TwoTables(eviction="lfu")
+    trainer = Trainer(model)
+    store = FileStore(tmp_path)
+    pub = Publisher(store, model, fold_every=10)
+    twin = None
+    for _ in range(3):
+        trainer.steps(3)  # (evicting: ids of older versions must not come back from them)
+        v = pub.publish()
+        m = store.manifest(v)
+        assert m["tables"]["a"]["whole"] and m["tables"]["a"]["rows"] == [len(model.a)]
+        assert not m["tables"]["tables.0"]["whole"] or v == 1
+        twin = inference_twin(TwoTables(), store) if twin is None else twin
+        refresh(twin)
+        assert_twin_equal(model, twin, trainer)
+    assert [store.manifest(v)["kind"] for v in store.committed()] == ["full", "delta", "delta"]
+
+
 def test_delta_holds_only_changed_rows(tmp_path):
     model = TwoTables(max_capacity=10_000)
     trainer = Trainer(model, pool=5000)

@@ -148,8 +148,11 @@ class InferenceEmbedding(InputChecks, nn.Module):
         chain (snapshot, then deltas) that holds it or removed it."""
         parts = []
         for v in reversed(self.manifest["chain"]):
-            for r in self._meta(self._manifest_of(v))["ranks"]:
-                parts.append((v, f"t/{self.name}/r{r}"))
+            m = self._manifest_of(v)
+            meta = self._meta(m)
+            parts += [(v, f"t/{self.name}/r{r}") for r in meta["ranks"]]
+            if meta.get("whole", m["kind"] == "full"):
+                break  # every row of the table is here: older versions do not count
         host = ids.cpu()
         dtype = self.table.dtype
         if self.unknown == "zeros":
@@ -205,7 +208,7 @@ class InferenceEmbedding(InputChecks, nn.Module):
             while v != old:
                 m = self._manifest_of(v)
                 meta = self._meta(m)
-                if m["kind"] == "delta":
+                if not meta.get("whole", m["kind"] == "full"):
                     for r in meta["ranks"]:
                         d = self.store.read_part(v, f"t/{self.name}/r{r}")
                         ids += [d["keys"], d["removed"]]

@@ -8,7 +8,9 @@ A publication (one :meth:`Publisher.publish`) is one version:
 2. every rank writes its part of every table: a delta holds the rows changed since the
    last publication and the ids removed since (:meth:`veloce.DynamicEmbedding.export`
    ``since`` its clock then), a full snapshot every row (each ``fold_every``-th
-   publication, the first one, and whenever a table cannot answer ``since`` exactly);
+   publication, the first one, and whenever a table cannot answer ``since`` exactly); a
+   table without row versions (``eviction="lfu"``) is written whole every time, marked
+   ``whole`` in the manifest (readers look no further back for its rows);
    rank 0 writes the dense parameters and buffers whole;
 3. after a barrier, rank 0 writes the manifest: the commit marker. A version is visible to
    readers only from here, whole;
@@ -192,10 +194,12 @@ class Publisher:
         deltas: dict[str, dict[str, torch.Tensor]] = {}
         if not full:
             try:
-                deltas = {n: e.export(since=self._clocks[n], values_only=True) for n, e in self.tables.items()}
+                deltas = {n: e.export(since=self._clocks[n], values_only=True) for n, e in self.tables.items()
+                          if e.table.eviction_policy.last_seen_scores}  # (lfu tables go whole every time)
+                ok = True
             except VersionsUnavailable:
-                deltas = {}
-            full = self._any(not deltas)  # one rank's table that cannot answer makes it a snapshot everywhere
+                ok = False
+            full = self._any(not ok)  # one rank's table that cannot answer makes it a snapshot everywhere
         stats = self._write_tables(version, full, deltas)
         if self.rank == 0:
             store.write_part(version, "dense", dense_state(self.model))
@@ -222,7 +226,8 @@ class Publisher:
             part = f"t/{name}/r{self.rank}"
             changes: Optional[torch.Tensor] = None
             versions = emb.table.eviction_policy.last_seen_scores
-            if full:
+            whole = full or not versions  # a table without row versions (lfu) is written whole
+            if whole:
                 if versions and self._clocks is not None:
                     try:
                         d = emb.export(since=self._clocks[name], values_only=True)
@@ -244,7 +249,8 @@ class Publisher:
             self.store.write_part(version, part, {"keys": keys[order].contiguous(), "weights": weights,
                                                   "removed": removed})  # fmt: skip
             stats[name] = {"rows": int(keys.numel()), "removed": int(removed.numel()),
-                           "changes": bool(full and changes is not None), "clock": int(emb.table.clock)}  # fmt: skip
+                           "changes": bool(whole and changes is not None),
+                           "whole": whole, "clock": int(emb.table.clock)}  # fmt: skip
         return stats
 
     def _manifest(self, version: int, full: bool, all_stats: list[dict[str, Any]],
@@ -257,7 +263,8 @@ class Publisher:
             meta.update(ranks=ranks, rows=[all_stats[r][name]["rows"] for r in ranks],
                         removed=[all_stats[r][name]["removed"] for r in ranks],
                         clocks=[all_stats[r][name]["clock"] for r in ranks],
-                        changes=all(all_stats[r][name]["changes"] for r in ranks))  # fmt: skip
+                        changes=all(all_stats[r][name]["changes"] for r in ranks),
+                        whole=all(all_stats[r][name]["whole"] for r in ranks))  # fmt: skip
             tables[name] = meta
         return {"format": FORMAT, "version": version, "kind": "full" if full else "delta", "chain": chain,
                 "previous": previous,
