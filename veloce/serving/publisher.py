@@ -289,5 +289,5 @@ class Publisher:
     def __enter__(self) -> "Publisher":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -108,9 +108,10 @@ class RocksDBStore(FileStore):
             gone.append(ids[~live])
             after, more = int(ids[-1]), True
         dim, dtype = self._layout(version, part)
-        cat = lambda xs, empty: torch.cat(xs) if xs else empty  # noqa: E731
-        return {"keys": cat(keys, torch.empty(0, dtype=torch.long)), "weights": cat(rows, torch.empty(0, dim, dtype=dtype)),
-                "removed": cat(gone, torch.empty(0, dtype=torch.long))}  # fmt: skip
+        no_ids = torch.empty(0, dtype=torch.long)
+        return {"keys": torch.cat(keys) if keys else no_ids,
+                "weights": torch.cat(rows) if rows else torch.empty(0, dim, dtype=dtype),
+                "removed": torch.cat(gone) if gone else no_ids}  # fmt: skip
 
     def lookup(self, parts: Sequence[tuple[int, str]], ids: torch.Tensor
                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
