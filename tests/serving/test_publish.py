@@ -94,6 +94,28 @@ def test_rocksdb_store_round_trips(tmp_path):
     assert part["weights"].dtype == torch.float16
 
 
+def test_one_dim_input_with_offsets(tmp_path):
+    model = TwoTables()
+    trainer = Trainer(model)
+    trainer.steps(2)
+    Publisher(FileStore(tmp_path), model).publish()
+    twin = inference_twin(TwoTables(), FileStore(tmp_path))
+    model.eval()
+    ids = torch.tensor([3, 0, 7, 7, 250, 999, 5])
+    for offsets in (torch.tensor([0, 2, 2, 5]), torch.tensor([0, 3, 7])):
+        with torch.no_grad():
+            assert torch.equal(model.a(ids, offsets), twin.a(ids, offsets))
+            assert torch.equal(model.tables[0](ids, offsets), twin.tables[0](ids, offsets))  # (0 is its padding id)
+    with pytest.raises(ValueError, match="offsets is required"):
+        twin.a(ids)
+
+
+def test_import_veloce_does_not_import_redis():
+    code = "import sys, veloce, veloce.serving; assert 'redis' not in sys.modules"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+
+
 def test_lfu_table_is_published_whole(tmp_path):
     model = TwoTables(eviction="lfu")
     trainer = Trainer(model)
