@@ -2,7 +2,8 @@
 # veloce's two entry points on a fresh machine; each sets up, builds and runs.
 #
 #   ./run.sh train   build, then train the example DLRM on built-in synthetic data (CPU, ~2 min)
-#   ./run.sh test    build (with RocksDB, installed when missing), then run the test suite (what CI runs)
+#   ./run.sh test    build (with RocksDB; redis-server for the serving tests; installed when missing), then run
+#                    the test suite (what CI runs)
 #
 # Set-up: a virtualenv in .venv that also sees system packages, so a torch you already
 # have (any version >= 2.4, CPU or CUDA) is used; with no torch at all, the CPU build of
@@ -25,6 +26,20 @@ rocksdb() {
   fi
   if [ -f /usr/include/rocksdb/db.h ] || [ -n "${ROCKSDB_ROOT:-}" ]; then
     export VELOCE_ROCKSDB="${VELOCE_ROCKSDB:-1}"
+  fi
+}
+
+# redis-server for the serving store's tests (tests/serving/test_redis.py start their own
+# on a free port): installed with apt-get when missing and this runs as root; else they skip.
+redis_server() {
+  if ! command -v redis-server >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+      echo "[veloce] installing redis-server (the serving store's tests)"
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } \
+        || echo "[veloce] could not install redis-server: the Redis store's tests will be skipped"
+    else
+      echo "[veloce] redis-server not found and apt-get unavailable (or not root): the Redis store's tests will be skipped"
+    fi
   fi
 }
 
@@ -53,7 +68,9 @@ case "${1:-}" in
     ;;
   test)
     rocksdb
+    redis_server
     setup
+    python -m pip install -q redis || echo "[veloce] could not install redis-py: the Redis store's tests will be skipped"
     # the launcher tests (tests/cli/test_ray.py) also run Ray Train; without it they skip
     python -m pip install -q "ray[train]>=2.9" \
       || echo "[veloce] could not install ray[train]: the Ray tests will be skipped"

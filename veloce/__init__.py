@@ -10,7 +10,7 @@ Example::
     out = emb(torch.tensor([[42, -7], [2**62, 42]]))         # any int64 id; (2, 16)
 """
 
-from veloce import checkpoint, data, distributed, eviction, graphs, init, metrics, models, ops, optim, runtime, sparse, storage, table, train
+from veloce import checkpoint, data, distributed, eviction, graphs, init, metrics, models, ops, optim, runtime, sparse, serving, storage, table, train
 from veloce.embedding import DynamicEmbedding
 from veloce.graphs import CUDAGraphStep
 from veloce.sparse import CombinedOptimizer, clip_grad_norm_, clip_grad_value_, lookup_many, step_tables

@@ -535,16 +535,52 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         return self.table.erase(self._check_ids(ids, "ids"))
 
     @torch.no_grad()
-    def export(self) -> dict[str, torch.Tensor]:
+    def export(self, since: Optional[int] = None, values_only: bool = False) -> dict[str, torch.Tensor]:
         """All that restores the table: keys (M,), weights (M, D), optimizer_state (M, S),
         scores (M,), in slot order, plus step (the sparse optimizer's step count).
 
         The tensors hold every row at once (of every tier, in host memory for a tiered
         table), as do those of ``state_dict()``; ``veloce.checkpoint`` streams a tiered
-        table in chunks instead (``self.table.export_chunks(rows)`` yields them)."""
-        out = self.table.export()
+        table in chunks instead (``self.table.export_chunks(rows)`` yields them).
+
+        With ``since`` (a table clock, ``self.table.clock`` at an earlier export): only
+        the rows changed after it (each row's version is its score: the clock of its last
+        training lookup) and the ids removed after it, ``removed`` (R,) with their clocks
+        ``removed_at`` (R,), plus ``clock`` (the current one: the next export's ``since``).
+        Exact from the clock at which :meth:`track_removed` started the tombstone log;
+        ``docs/serving.md`` and :mod:`veloce.table.versions` give the semantics. On a
+        table sharded by ``HybridParallel``, this rank's shard.
+
+        Args:
+            since: None for every row, or an int clock >= 0.
+            values_only: leave the optimizer state out (what serving needs).
+
+        Raises:
+            ValueError: ``since`` on a table whose scores are use counts (``eviction="lfu"``),
+                or not an int >= 0.
+            veloce.table.versions.VersionsUnavailable: the ids removed after ``since`` are
+                not all known (the log was started later, overflowed, or a clear or load
+                stopped it): export whole, then ``track_removed()``.
+        """
+        if since is not None:
+            out = self.table.changed_since(since, values_only)
+            out["clock"] = torch.tensor(self.table.clock, dtype=torch.long)
+        else:
+            out = self.table.export()
+            if values_only:
+                del out["optimizer_state"]
         out["step"] = torch.tensor(self.step_count, dtype=torch.long)
         return out
+
+    def track_removed(self, limit: Optional[int] = None) -> None:
+        """Starts the log of removed ids (tombstones) at the table's current clock, so that
+        :meth:`export` ``since`` this clock or a later one is exact; ``limit`` bounds the
+        tombstones kept (16 bytes each). :class:`veloce.serving.Publisher` calls it."""
+        self.table.track_removed(limit)
+
+    def forget_removed(self, upto: int) -> None:
+        """Drops the tombstones stamped at or before clock ``upto`` (once published)."""
+        self.table.forget_removed(upto)
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -119,7 +119,12 @@ class BothTiers:
 
     def erase(self, ids: torch.Tensor) -> int:
         """Removes ``ids`` from both tiers; returns how many were present."""
-        return super().erase(ids) + self.store.erase(ids.cpu())
+        erased = super().erase(ids)  # (books the cache's tombstones)
+        below = ids.cpu()
+        if self.tracks_removed() and below.numel():
+            distinct = below.unique()
+            self._log_removed(distinct[self.store.get(distinct).found])
+        return erased + self.store.erase(below)
 
     def clear(self) -> None:
         """Removes every entry of both tiers (keeps the capacity)."""
@@ -129,6 +134,9 @@ class BothTiers:
 
     def expire(self, before: int) -> int:
         erased = super().expire(before)
+        if self.tracks_removed():  # the store's stale ids, listed before it drops them
+            for chunk in self.store.chunks(_CHUNK):
+                self._log_removed(chunk["keys"][chunk["scores"] < before])
         below = self.store.expire(int(before))
         if below:
             self.num_expired += below
@@ -145,6 +153,16 @@ class BothTiers:
         reserve = getattr(self.store, "reserve", None)
         if reserve is not None and n > self.cache_rows:
             reserve(n - self.cache_rows)
+
+    def _changed_below(self, since: int, values_only: bool) -> list[dict[str, torch.Tensor]]:
+        """The store's rows scored above ``since`` (a scan of its chunks)."""
+        out = []
+        for chunk in self.store.chunks(_CHUNK):
+            keep = chunk["scores"] > since
+            if bool(keep.any()):
+                names = ("keys", "weights", "scores") if values_only else ("keys", "weights", "scores", "optimizer_state")
+                out.append({name: chunk[name][keep] for name in names})
+        return out
 
     # ---- export, load, snapshots --------------------------------------------------------
     def export(self, start: int = 0, end: Optional[int] = None) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ rows and the batch do not fit, the insert raises before anything changes.
 ``insert``, ``erase``, ``clear``, ``export`` / ``export_chunks`` (host tensors),
 ``load_entries``, ``snapshot`` / ``restore``, ``last_seen``, ``expire``, ``reserve``,
 ``stats()``. Inside, the cache's own insert and erase are ``HashTable.insert`` /
-``HashTable.erase`` called by name (``super()`` is the part over both tiers). ``find`` and the slots
+``HashTable._erase_ids`` called by name (``super()`` is the part over both tiers). ``find`` and the slots
 it returns are the cache's; an evaluation lookup reads the store's rows of the other ids
 through :meth:`TieredTable.rows_below`, changing nothing. A tiered table never defers its
 inserts and cannot be captured in a CUDA graph (its inserts read the device back).
@@ -303,7 +303,7 @@ class TieredTable(BothTiers, HashTable):
                 f"The table is unchanged."
             )  # fmt: skip
         self.store.put(ids_h[:n], rows_h[:n], state_h[:n], scores_h[:n], fresh=True)
-        HashTable.erase(self, ids[:n])  # the cache's; bumps version: pending gradients re-resolve by id
+        HashTable._erase_ids(self, ids[:n])  # the cache's, a move (no tombstone); bumps version: pending gradients re-resolve by id
         self.counters.wrote_back(n)
 
     def _evict(self, excess: int, new: int, evict: bool, protect: torch.Tensor,
@@ -333,12 +333,13 @@ class TieredTable(BothTiers, HashTable):
                     f"The table is unchanged."
                 )  # fmt: skip
             from_cache = self._buffers["keys"][slots]
-            HashTable.erase(self, from_cache)  # the cache's
+            HashTable._erase_ids(self, from_cache)  # the cache's (the tombstones are booked below)
             gone.append(from_cache.cpu())
         if from_store.numel():
             self.store.erase(from_store)
         self.last_evicted = self._tier_evicted = torch.cat(gone)
         self.num_evicted += excess
+        self._log_removed(self._tier_evicted)  # before the lookup's tick: stamped with its clock
 
     # ---- telemetry ------------------------------------------------------------------------
     def stats(self, reset: bool = False) -> dict[str, Any]:

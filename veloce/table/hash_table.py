@@ -38,6 +38,7 @@ from veloce.eviction import EvictionPolicy, resolve
 from veloce.table.growth import Growth
 from veloce.table.hooks import StoreHooks
 from veloce.table.rows import RowStore
+from veloce.table.versions import RemovedLog, RowVersions
 
 __all__ = ["HashTable"]
 
@@ -53,7 +54,7 @@ class TableSnapshot(NamedTuple):
     clock: int
 
 
-class HashTable(RowStore, StoreHooks, DeferredInserts, Growth, PlainAttrs, nn.Module):
+class HashTable(RowStore, RowVersions, StoreHooks, DeferredInserts, Growth, PlainAttrs, nn.Module):
     """A growable hash table from int64 ids to embedding rows and optimizer state.
 
     Args:
@@ -147,6 +148,7 @@ class HashTable(RowStore, StoreHooks, DeferredInserts, Growth, PlainAttrs, nn.Mo
         self.clock = 0  # LRU time: one tick per training lookup
         self.num_evicted = 0
         self.num_expired = 0  # rows a time-to-live policy erased
+        self.removed_log = RemovedLog()  # tombstones, once track_removed() starts it (veloce.table.versions)
         self.last_evicted = torch.empty(0, dtype=torch.long)
         self._update_fence = None
         self._changed = None
@@ -269,6 +271,7 @@ class HashTable(RowStore, StoreHooks, DeferredInserts, Growth, PlainAttrs, nn.Mo
         state.setdefault("row_dtype", state["_buffers"]["weights"].dtype)
         state.setdefault("eviction_policy", resolve(state["eviction"]))
         state.setdefault("num_expired", 0)
+        state.setdefault("removed_log", RemovedLog())
         state.setdefault("init_state", None)
         state.setdefault("_init_state_at", None)
         super().__setstate__(state)
@@ -478,17 +481,26 @@ class HashTable(RowStore, StoreHooks, DeferredInserts, Growth, PlainAttrs, nn.Mo
         if num_evicted:
             self.num_evicted += num_evicted
             self.version += 1
+            self._log_removed(evicted, outside_lookup=False)
 
     def erase(self, ids: torch.Tensor) -> int:
         """Removes ``ids``; returns how many were present."""
+        return self._erase_ids(ids, log=True)
+
+    def _erase_ids(self, ids: torch.Tensor, log: bool = False) -> int:
+        """:meth:`erase`; ``log`` books the erased ids as tombstones (a removal from the
+        table, not a move between tiers)."""
         _ext.require()
         self.settle()  # first: a refused deferred call raises before anything changes
         self._join_update()  # a freed slot may be filled by the next insert
-        erased = int(_ops.erase(self.keys, self.digests, ids).sum())
+        present = _ops.erase(self.keys, self.digests, ids)
+        erased = int(present.sum())
         self._note_changed()
         if erased:
             self.size -= erased
             self.version += 1
+            if log:
+                self._log_removed(ids[present])
         return erased
 
     def expire(self, before: int) -> int:
@@ -513,6 +525,8 @@ class HashTable(RowStore, StoreHooks, DeferredInserts, Growth, PlainAttrs, nn.Mo
             raise ValueError(f"expire: before must be an int in the int64 range, got {before!r}")
         self._join_update()  # a freed slot may be filled by the next insert, beside no update of its old row
         keys, digests, scores, _, _ = self._state()
+        if self.tracks_removed():
+            self._log_removed(keys[(digests != 0) & (scores < before)])
         erased = int(_ops.expire(keys, digests, scores, int(before)))
         self._note_changed()
         if erased:
@@ -580,6 +594,7 @@ class HashTable(RowStore, StoreHooks, DeferredInserts, Growth, PlainAttrs, nn.Mo
         self.settle()  # first: a refused deferred call raises before anything changes
         self._join_update()
         self.digests.zero_()
+        self._stop_removed()
         self.size = 0
         self.version += 1
         self._note_changed()
@@ -649,6 +664,7 @@ class HashTable(RowStore, StoreHooks, DeferredInserts, Growth, PlainAttrs, nn.Mo
             cap = max(cap, need if self._final_capacity is None else min(need, self._final_capacity))
         dev = self.device
         saved = ({name: self._buffers[name] for name in STATE_NAMES}, self.size, self.version)
+        self._stop_removed()
         self._allocate(cap, self.weights.dtype, dev)
         self.size = 0
         self.version += 1

@@ -1,0 +1,249 @@
+"""Where a published model lives: versions of parts (tensors), each visible once its
+manifest (the commit marker) exists, and the lease that lets one publisher write.
+
+A version holds parts, each a dict of tensors under a name: ``dense`` (the model's dense
+parameters and buffers), ``t/<table>/r<rank>`` (one rank's rows of one table: ``keys``
+(N,) ascending, ``weights`` (N, D), ``removed`` (R,) tombstones) and, for a full snapshot,
+``c/<table>/r<rank>`` (the ids changed since the version before, for readers' caches).
+:class:`ServingStore` is the interface every store implements; :class:`FileStore` keeps
+it in a directory (safetensors files, JSON manifests).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import time
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+__all__ = ["FileStore", "LeaseHeld", "ServingStore", "VersionMissing"]
+
+
+class LeaseHeld(RuntimeError):
+    """Another publisher holds the store's lease (and it has not expired)."""
+
+
+class VersionMissing(LookupError):
+    """A version that is not committed (never was, or was deleted as superseded)."""
+
+
+class ServingStore(abc.ABC):
+    """The calls a :class:`~veloce.serving.Publisher` writes through and readers read
+    through (see the module docstring). Parts of a version are written after
+    :meth:`begin` and become visible with :meth:`commit`; a version begun and never
+    committed is garbage that :meth:`delete` removes."""
+
+    # ---- lease -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def acquire(self, owner: str, ttl: float) -> None:
+        """Takes (or renews) the lease for ``owner`` for ``ttl`` seconds.
+
+        Raises:
+            LeaseHeld: another owner holds a lease that has not expired.
+        """
+
+    @abc.abstractmethod
+    def release(self, owner: str) -> None:
+        """Gives the lease back if ``owner`` holds it."""
+
+    # ---- versions --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def committed(self) -> list[int]:
+        """The committed versions, ascending."""
+
+    @abc.abstractmethod
+    def begun(self) -> list[int]:
+        """Versions begun (written to), committed or not, ascending."""
+
+    @abc.abstractmethod
+    def manifest(self, version: int) -> dict[str, Any]:
+        """The manifest of a committed version.
+
+        Raises:
+            VersionMissing: ``version`` is not committed.
+        """
+
+    @abc.abstractmethod
+    def begin(self, version: int) -> None:
+        """Marks ``version`` as being written (so that a publisher killed before its commit
+        leaves garbage that the next one finds)."""
+
+    @abc.abstractmethod
+    def write_part(self, version: int, part: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Writes one part of a version begun (CPU tensors; ``keys`` ascending for rows)."""
+
+    @abc.abstractmethod
+    def commit(self, version: int, manifest: dict[str, Any]) -> None:
+        """Makes ``version`` visible: its manifest is the commit marker, written last and
+        atomically."""
+
+    @abc.abstractmethod
+    def read_part(self, version: int, part: str) -> dict[str, torch.Tensor]:
+        """Every tensor of one part of a committed version."""
+
+    def lookup(self, parts: Sequence[tuple[int, str]], ids: torch.Tensor
+               ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """For each ``(version, part)`` of rows: ``(found (N,) bool, rows (N, D), removed
+        (N,) bool)`` of ``ids`` (N,) distinct; rows where not found are unspecified.
+        This one reads whole parts (kept in memory by :meth:`read_part`'s cache, if any)."""
+        out = []
+        for version, part in parts:
+            data = self.read_part(version, part)
+            keys, weights = data["keys"], data["weights"]
+            at = torch.searchsorted(keys, ids).clamp(max=max(keys.numel() - 1, 0))
+            found = keys[at] == ids if keys.numel() else torch.zeros_like(ids, dtype=torch.bool)
+            rows = weights[at] if keys.numel() else weights.new_zeros(ids.numel(), weights.size(1))
+            removed = torch.isin(ids, data["removed"])
+            out.append((found, rows, removed & ~found))
+        return out
+
+    @abc.abstractmethod
+    def delete(self, version: int) -> None:
+        """Removes a version: its manifest first (it stops being visible), then its data."""
+
+    def close(self) -> None:
+        """Releases the store's resources."""
+
+
+def _vname(version: int) -> str:
+    return f"{int(version):012d}"
+
+
+class FileStore(ServingStore):
+    """A serving store in a local directory (or a mounted object store): per version a
+    folder of safetensors files (one per part) and a JSON manifest beside them, written to
+    a temporary name and renamed, so that a version is visible exactly when its manifest
+    exists.
+
+    Layout: ``data/<version>/<part>.safetensors``, ``manifests/<version>.json``,
+    ``lease.json`` (guarded by ``lease.lock``).
+
+    Args:
+        path: the store's directory (created if missing).
+        cache_parts: how many parts a reader keeps in memory (the parts of the versions it
+            reads: a snapshot and its deltas).
+    """
+
+    def __init__(self, path: str | os.PathLike, cache_parts: int = 64) -> None:
+        self.path = os.fspath(path)
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise ValueError(f"FileStore: path {self.path!r} exists and is not a directory")
+        os.makedirs(os.path.join(self.path, "data"), exist_ok=True)
+        os.makedirs(os.path.join(self.path, "manifests"), exist_ok=True)
+        self.cache_parts = int(cache_parts)
+        self._parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+
+    def __repr__(self) -> str:
+        return f"FileStore({self.path!r})"
+
+    # ---- lease -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _lease_lock(self) -> Iterator[None]:
+        with open(os.path.join(self.path, "lease.lock"), "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _read_lease(self) -> Optional[dict[str, Any]]:
+        try:
+            with open(os.path.join(self.path, "lease.json")) as f:
+                return json.load(f)
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def acquire(self, owner: str, ttl: float) -> None:
+        with self._lease_lock():
+            held = self._read_lease()
+            now = time.time()
+            if held is not None and held["owner"] != owner and held["expires"] > now:
+                raise LeaseHeld(
+                    f"{self!r} is leased to another publisher ({held['owner']}) for {held['expires'] - now:.0f} s "
+                    f"more: one publisher writes a store. Stop that one, wait for its lease to expire, or publish to "
+                    f"another path"
+                )  # fmt: skip
+            self._write_json("lease.json", {"owner": owner, "expires": now + float(ttl)})
+
+    def release(self, owner: str) -> None:
+        with self._lease_lock():
+            held = self._read_lease()
+            if held is not None and held["owner"] == owner:
+                os.remove(os.path.join(self.path, "lease.json"))
+
+    # ---- versions --------------------------------------------------------------------------
+    def _write_json(self, name: str, value: Any) -> None:
+        final = os.path.join(self.path, name)
+        tmp = f"{final}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(value, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)  # atomic: readers see the old file or the new one, whole
+
+    def committed(self) -> list[int]:
+        names = os.listdir(os.path.join(self.path, "manifests"))
+        return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+
+    def begun(self) -> list[int]:
+        names = os.listdir(os.path.join(self.path, "data"))
+        return sorted({int(n) for n in names if n.isdigit()} | set(self.committed()))
+
+    def manifest(self, version: int) -> dict[str, Any]:
+        try:
+            with open(os.path.join(self.path, "manifests", _vname(version) + ".json")) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            have = self.committed()
+            raise VersionMissing(f"{self!r} has no committed version {version} (committed: "
+                                 f"{have[-5:] if have else 'none'}{' ...' if len(have) > 5 else ''})") from None
+
+    def begin(self, version: int) -> None:
+        os.makedirs(os.path.join(self.path, "data", _vname(version)), exist_ok=True)
+
+    def _part_file(self, version: int, part: str) -> str:
+        return os.path.join(self.path, "data", _vname(version), part.replace("/", "~") + ".safetensors")
+
+    def write_part(self, version: int, part: str, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        final = self._part_file(version, part)
+        tmp = final + ".tmp"
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
+        os.replace(tmp, final)
+
+    def commit(self, version: int, manifest: dict[str, Any]) -> None:
+        self._write_json(os.path.join("manifests", _vname(version) + ".json"), manifest)
+
+    def read_part(self, version: int, part: str) -> dict[str, torch.Tensor]:
+        key = (int(version), part)
+        data = self._parts.get(key)
+        if data is None:
+            from safetensors.torch import load_file
+
+            path = self._part_file(version, part)
+            if not os.path.exists(path):
+                raise VersionMissing(f"{self!r}: version {version} has no part {part!r} (deleted as superseded, or "
+                                     f"never written); refresh() to the newest committed version")  # fmt: skip
+            data = load_file(path)
+            while len(self._parts) >= self.cache_parts:
+                self._parts.pop(next(iter(self._parts)))
+            self._parts[key] = data
+        return data
+
+    def delete(self, version: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.path, "manifests", _vname(version) + ".json"))
+        shutil.rmtree(os.path.join(self.path, "data", _vname(version)), ignore_errors=True)
+        for key in [k for k in self._parts if k[0] == version]:
+            del self._parts[key]
+
+    def nbytes(self) -> int:
+        """Bytes of every file under the store's directory."""
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(self.path) for f in fs)
