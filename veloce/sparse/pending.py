@@ -5,7 +5,7 @@ notices a loop that never steps the tables."""
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -41,6 +41,9 @@ class Pending(NamedTuple):
     mode: int
     include_last_offset: bool
     version: int  # table version the slots belong to
+    # (N,) bool: positions the table's default row served (admission), -2 in ``slots`` whatever
+    # their ids find later; None: none
+    refused: Optional[torch.Tensor] = None
 
 
 class PendingState(NamedTuple):
@@ -52,11 +55,43 @@ class PendingState(NamedTuple):
     error: Optional[FloatingPointError]
 
 
-def reresolve(table: HashTable, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def reresolve(table: HashTable, ids: torch.Tensor, slots: torch.Tensor,
+              refused: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """Slots of ``ids`` under the table's current mapping: evicted ids become -2 (still
-    counted by mean, no gradient), padding (-1 in ``slots``) stays -1."""
+    counted by mean, no gradient), padding (-1 in ``slots``) stays -1, and so do the
+    positions the default row served (``refused``, -2: their gradient went to it, not to
+    a row their id may have got since)."""
     fresh = table.find(ids)
-    return fresh.masked_fill(fresh < 0, -2).masked_fill(slots == -1, -1)
+    fresh = fresh.masked_fill(fresh < 0, -2).masked_fill(slots == -1, -1)
+    return fresh if refused is None else fresh.masked_fill(refused, -2)
+
+
+def merge_entries(entries: Sequence[Pending], resolved: Callable[[Pending], torch.Tensor], version: int) -> Pending:
+    """One batch equivalent to ``entries``: mean bags become sum bags with per-position
+    weights 1 / len(bag), offsets are shifted and concatenated; ``resolved(e)`` gives each
+    entry's slots."""
+    if len(entries) == 1:
+        return entries[0]
+    slots, offsets, psw, grads = [], [], [], []
+    base = 0
+    for e in entries:
+        s = resolved(e)
+        o = e.offsets[:-1] if e.include_last_offset else e.offsets
+        w = e.psw if e.psw is not None else torch.ones(s.numel(), dtype=e.grad.dtype, device=s.device)
+        if e.mode == MODES["mean"]:
+            bag = bag_of(o, s.numel())
+            counts = torch.zeros(o.numel(), dtype=e.grad.dtype, device=s.device)
+            counts.index_add_(0, bag, (s != -1).to(e.grad.dtype))
+            w = w / counts.clamp(min=1)[bag]
+        slots.append(s)
+        offsets.append(o + base)
+        psw.append(w)
+        grads.append(e.grad)
+        base += s.numel()
+    return Pending(
+        ids=None, slots=torch.cat(slots), offsets=torch.cat(offsets), psw=torch.cat(psw),
+        grad=torch.cat(grads), mode=MODES["sum"], include_last_offset=False, version=version,
+    )  # fmt: skip
 
 
 class PendingGradient:
@@ -93,6 +128,8 @@ class PendingGradient:
     def _forget_gradient(self) -> None:
         """Drops the pending gradient and its bookkeeping (zero_grad, a load, a failed step)."""
         self._pending.clear()
+        if self._pending_default:
+            self._pending_default = []
         if self._had_backward:  # each set is a call of PlainAttrs.__setattr__: only when it changes
             self._had_backward = False
         if self._unapplied_since is not None:
@@ -141,6 +178,9 @@ class PendingGradient:
         """Multiplies the pending gradient by ``factor`` (a scalar tensor): each pooled
         gradient, so each row's gradient, which is linear in them (gradient clipping)."""
         self._pending = [e._replace(grad=e.grad * factor.to(e.grad.device, e.grad.dtype)) for e in self._pending]
+        if self._pending_default:
+            self._pending_default = [e._replace(grad=e.grad * factor.to(e.grad.device, e.grad.dtype))
+                                     for e in self._pending_default]  # fmt: skip
 
     def _clamp_pending(self, clip_value: float) -> None:
         """Clamps each row's pending gradient to ``[-clip_value, clip_value]``: the pending
@@ -159,30 +199,14 @@ class PendingGradient:
         evicted or erased since; evicted ids become -2 (no gradient), padding stays -1."""
         if entry.version == self.table.version:
             return entry.slots
-        return reresolve(self.table, entry.ids, entry.slots)
+        return reresolve(self.table, entry.ids, entry.slots, entry.refused)
 
     def _merged(self) -> "Pending":
-        """One batch equivalent to all pending ones: mean bags become sum bags with
-        per-position weights 1 / len(bag), offsets are shifted and concatenated."""
-        if len(self._pending) == 1:
-            return self._pending[0]
-        slots, offsets, psw, grads = [], [], [], []
-        base = 0
-        for e in self._pending:
-            s = self._resolved(e)
-            o = e.offsets[:-1] if e.include_last_offset else e.offsets
-            w = e.psw if e.psw is not None else torch.ones(s.numel(), dtype=e.grad.dtype, device=s.device)
-            if e.mode == MODES["mean"]:
-                bag = bag_of(o, s.numel())
-                counts = torch.zeros(o.numel(), dtype=e.grad.dtype, device=s.device)
-                counts.index_add_(0, bag, (s != -1).to(e.grad.dtype))
-                w = w / counts.clamp(min=1)[bag]
-            slots.append(s)
-            offsets.append(o + base)
-            psw.append(w)
-            grads.append(e.grad)
-            base += s.numel()
-        return Pending(
-            ids=None, slots=torch.cat(slots), offsets=torch.cat(offsets), psw=torch.cat(psw),
-            grad=torch.cat(grads), mode=MODES["sum"], include_last_offset=False, version=self.table.version,
-        )  # fmt: skip
+        """One batch equivalent to all pending ones (:func:`merge_entries`)."""
+        return merge_entries(self._pending, self._resolved, self.table.version)
+
+    def _accumulate_default(self, entry: "Pending") -> None:
+        """Keeps one backward pass's gradient of the table's default row until step():
+        ``entry.slots`` are 0 where the default row served a position, -2 at the others
+        (counted by mean pooling, no gradient) and -1 at padding."""
+        self._pending_default.append(entry)

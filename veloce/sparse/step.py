@@ -14,6 +14,7 @@ from veloce.optim import Adam
 from veloce.runtime import capture as _capture
 from veloce.runtime.update_stream import run_update
 from veloce.sparse.base import TableModule
+from veloce.sparse.pending import merge_entries
 from veloce.table import UpdateTarget
 from veloce.sparse.nonfinite import (
     CHECKED, DeferredCheck, FiniteCheck, drop_bags, raise_deferred, raise_nonfinite,
@@ -107,11 +108,29 @@ class Stepping:
                 self._had_backward = False
             return
         self._pending.clear()
+        if self._pending_default:
+            self._step_default_row(update)
         self._steps = update.step
         if self._last_lr is not update.requested_lr:
             self._last_lr = update.requested_lr
         if self._had_backward:
             self._had_backward = False
+
+
+    def _step_default_row(self, update: "_Update") -> None:
+        """Applies the default row's pending gradient (admission: the gradient of the
+        positions it served) with the step's optimizer and hyperparameters: the fused update
+        over the ``(1, D)`` row and its ``(1, S)`` state, queued on the current stream (the
+        stream that reads the row next)."""
+        e = merge_entries(self._pending_default, lambda x: x.slots, 0)
+        self._pending_default = []
+        table = self.table
+        weights, state = table.default_rows(), table._buffers["default_state"]
+        offsets = e.offsets[:-1] if e.include_last_offset else e.offsets
+        accumulate_and_update(
+            weights, state, e.grad, e.slots, offsets, e.psw, e.mode, False, update.kind, check_inputs=False,
+            hparams=_HPARAMS.fill(weights.device, update.kind, update.hparams()),
+        )  # fmt: skip
 
 
 def step_tables(tables: Sequence[TableModule], lrs: Optional[Sequence[Optional[float]]] = None) -> None:
