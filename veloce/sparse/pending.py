@@ -49,10 +49,11 @@ class Pending(NamedTuple):
 class PendingState(NamedTuple):
     """What :meth:`PendingGradient.pending_state` keeps of a table module: the inputs of the
     backward passes waiting for step(), and the NaN/Inf error that a "raise_next" check
-    left for the next step() (None: none)."""
+    left for the next step() (None: none), and the default row's pending gradient (admission)."""
 
     entries: tuple
     error: Optional[FloatingPointError]
+    default_entries: tuple = ()
 
 
 def reresolve(table: HashTable, ids: torch.Tensor, slots: torch.Tensor,
@@ -117,12 +118,13 @@ class PendingGradient:
     def pending_state(self) -> PendingState:
         """The gradient waiting for step() and the NaN/Inf error left for the next step(), as
         :meth:`restore_pending_state` puts them back (a checkpoint load that fails does)."""
-        return PendingState(tuple(self._pending), self._nonfinite_error)
+        return PendingState(tuple(self._pending), self._nonfinite_error, tuple(self._pending_default))
 
     def restore_pending_state(self, state: Optional[PendingState]) -> None:
         """Puts back a :meth:`pending_state`; None drops the waiting gradient's inputs and the
         error (the count of backward passes since the last step() stays)."""
         self._pending[:] = () if state is None else state.entries
+        self._pending_default = [] if state is None else list(state.default_entries)
         self._nonfinite_error = None if state is None else state.error
 
     def _forget_gradient(self) -> None:
@@ -185,6 +187,11 @@ class PendingGradient:
     def _clamp_pending(self, clip_value: float) -> None:
         """Clamps each row's pending gradient to ``[-clip_value, clip_value]``: the pending
         gradient becomes one batch of one bag per touched row, holding its clamped sum."""
+        if self._pending_default:
+            d_slots, d_rows = self._default_grad_rows()
+            positions = torch.arange(d_slots.numel(), device=d_slots.device)
+            self._pending_default = [Pending(None, d_slots, positions, None, d_rows.clamp(-clip_value, clip_value),
+                                             MODES["sum"], False, 0)]  # fmt: skip
         slots, rows = self._pending_rows()
         if not slots.numel():
             return
@@ -208,5 +215,18 @@ class PendingGradient:
     def _accumulate_default(self, entry: "Pending") -> None:
         """Keeps one backward pass's gradient of the table's default row until step():
         ``entry.slots`` are 0 where the default row served a position, -2 at the others
-        (counted by mean pooling, no gradient) and -1 at padding."""
-        self._pending_default.append(entry)
+        (counted by mean pooling, no gradient) and -1 at padding. Kept beside the table's
+        entry of the same pass (both or neither), so that a filter of the passes' bags
+        (nonfinite_grad="skip") applies to both alike."""
+        if entry.slots.numel():
+            self._pending_default.append(entry)
+
+    def _default_grad_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The default row's pending gradient: ``(slots, rows)``, ``(1,)`` and ``(1, D)``
+        when a pending pass reached it, else empty (as :meth:`_pending_rows`)."""
+        if not self._pending_default:
+            dev = self.table.device
+            return (torch.empty(0, dtype=torch.long, device=dev),
+                    torch.empty(0, self.embedding_dim, dtype=self.table.dtype, device=dev))  # fmt: skip
+        e = merge_entries(self._pending_default, lambda x: x.slots, 0)
+        return accumulate_grad(e.grad, e.slots, e.offsets, e.psw, e.mode, e.include_last_offset, 1)
