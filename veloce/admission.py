@@ -41,8 +41,16 @@ from typing import ClassVar, Optional, Union
 import torch
 
 __all__ = [
-    "AdmissionPolicy", "COUNT_LIMIT", "DEFAULT_ROW_SEED", "DEFAULT_WIDTH", "Frequency", "NoAdmission", "Probability",
-    "count_sightings", "resolve", "sketch_slots",
+    "COUNT_LIMIT",
+    "DEFAULT_ROW_SEED",
+    "DEFAULT_WIDTH",
+    "AdmissionPolicy",
+    "Frequency",
+    "NoAdmission",
+    "Probability",
+    "count_sightings",
+    "resolve",
+    "sketch_slots",
 ]  # fmt: skip
 
 #: The default sketch width: with the default depth 4, 4 MiB of counters per table.

@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICES
 
 import veloce
-from conftest import DEVICES
 from veloce.admission import Frequency, NoAdmission, Probability, count_sightings, resolve
 from veloce.optim import SGD
 
@@ -185,7 +185,7 @@ def test_false_admission_rate_within_bound():
     probability >= 1 - e^-depth. Checked over many ids seen once (N sightings in all)."""
     width, depth, n = 512, 4, 20000
     counters = torch.zeros(depth, width, dtype=torch.int32)
-    ids = torch.randperm(1 << 40)[:n] if False else torch.arange(n) * 1000003 + 17
+    ids = torch.arange(n) * 1000003 + 17  # distinct ids, each seen once
     est = count_sightings(counters, ids, seed=5)
     excess = est - 1
     bound = math.e / width * n
@@ -256,12 +256,12 @@ def test_state_dict_round_trip(device):
 
 
 def test_checkpoint_round_trip(tmp_path):
-    model = torch.nn.ModuleDict({"t": _emb("cpu", Frequency(min_count=3, width=256), optimizer=veloce.optim.Adagrad())})
+    model = torch.nn.ModuleDict({"t": _emb("cpu", Frequency(3, width=256), optimizer=veloce.optim.Adagrad())})
     for _ in range(2):
         _lookup(model["t"], [1, 2, 3], "cpu").sum().backward()
         model["t"].step()
     veloce.checkpoint.save(tmp_path / "ck", model, step=1)
-    fresh = torch.nn.ModuleDict({"t": _emb("cpu", Frequency(min_count=3, width=256), optimizer=veloce.optim.Adagrad())})
+    fresh = torch.nn.ModuleDict({"t": _emb("cpu", Frequency(3, width=256), optimizer=veloce.optim.Adagrad())})
     veloce.checkpoint.load(tmp_path / "ck", fresh)
     for name in ("admission_counts", "default_weights", "default_state"):
         assert torch.equal(fresh["t"].table._buffers[name], model["t"].table._buffers[name]), name
@@ -322,3 +322,54 @@ def test_op_admit_argument():
     assert ops.find(t[0], t[1], torch.tensor([2])).tolist() == [-1]
     with pytest.raises(ValueError, match="admit"):
         ops.find_or_insert(*t, torch.tensor([1, 2]), admit=torch.tensor([True]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_max_mode_reads_and_trains_default_row(device):
+    emb = _emb(device, Frequency(min_count=2), mode="max")
+    row0 = emb.table.default_rows().clone()
+    out = _lookup(emb, [1, 2], device)
+    torch.testing.assert_close(out, row0.expand(2, D))
+    out.sum().backward()
+    emb.step()
+    torch.testing.assert_close(emb.table.default_rows(), row0 - 0.5 * 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_sample_weights_gradient_of_refused_ids(device):
+    emb = _emb(device, Frequency(min_count=2))
+    ids = torch.tensor([1, 2], device=device)
+    w = torch.tensor([0.5, 2.0], device=device, requires_grad=True)
+    g = torch.arange(1.0, D + 1, device=device)
+    (emb(ids, torch.tensor([0], device=device), w) * g).sum().backward()
+    expected = (emb.table.default_rows()[0] * g).sum().expand(2)
+    torch.testing.assert_close(w.grad, expected)
+
+
+def test_clip_grad_norm_counts_the_default_row():
+    """Clipping scales the default row's gradient with the rows' (it is one row more)."""
+    emb = _emb("cpu", Frequency(min_count=2))
+    row0 = emb.table.default_rows().clone()
+    (_lookup(emb, [1, 2], "cpu") * 10).sum().backward()
+    norm = veloce.clip_grad_norm_([], 1.0, tables=[emb])
+    assert float(norm) == pytest.approx(20 * math.sqrt(D))
+    emb.step()
+    torch.testing.assert_close((row0 - emb.table.default_rows()).norm(), torch.tensor(0.5))
+
+
+def test_nonfinite_skip_leaves_default_row():
+    emb = _emb("cpu", Frequency(min_count=2), nonfinite_grad="skip")
+    row0 = emb.table.default_rows().clone()
+    (_lookup(emb, [1], "cpu") * float("nan")).sum().backward()
+    emb.step()
+    torch.testing.assert_close(emb.table.default_rows(), row0)
+
+
+def test_eval_under_compile_reads_default_row():
+    emb = _emb("cpu", Frequency(min_count=3))
+    _lookup(emb, [1], "cpu").sum().backward()
+    emb.step()
+    emb.eval()
+    x, offsets = torch.tensor([1, 5, 6]), torch.tensor([0, 1])
+    torch.testing.assert_close(torch.compile(emb, fullgraph=True)(x, offsets), emb(x, offsets))
+    torch.testing.assert_close(emb(x, offsets)[0], emb.table.default_rows()[0])

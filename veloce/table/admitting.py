@@ -14,7 +14,14 @@ from typing import Any, Optional
 
 import torch
 
-from veloce.admission import DEFAULT_ROW_ID, DEFAULT_ROW_SEED, AdmissionPolicy, NoAdmission, count_sightings, resolve
+from veloce.admission import (
+    DEFAULT_ROW_ID,
+    DEFAULT_ROW_SEED,
+    AdmissionPolicy,
+    NoAdmission,
+    count_sightings,
+    resolve,
+)
 from veloce.ops.hash_table import initialize
 
 __all__ = ["ADMISSION_STATE", "Admitting"]
