@@ -96,7 +96,7 @@ def test_mixed_bag_gradients(device):
     _lookup(emb, [1], device).sum().backward()
     emb.zero_grad()
     row0 = emb.table.default_rows().clone()
-    ids = torch.tensor([1, 2], device=device)  # 1 admitted now (2nd sighting), 2 refused
+    ids = torch.tensor([1, 2], device=device)  # 1 admitted on its 2nd sighting, 2 refused
     out = emb(ids, torch.tensor([0], device=device))
     rows, found = emb.find(torch.tensor([1], device=device))
     assert found.tolist() == [True]

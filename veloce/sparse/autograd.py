@@ -118,7 +118,7 @@ def _table_backward(module: TableModule, ids: torch.Tensor, slots: torch.Tensor,
     column's gradient goes to its bag's argmax position, kept as a sum-mode gradient of one
     bag per position. Shared by :class:`_SparseLookup` and the compiled lookup's backward op
     (:mod:`veloce.sparse.compile`). ``capacity``: the table's capacity at forward time
-    (None: as now), the slot of the positions its default row served (admission): their
+    (None: its capacity at backward), the slot of the positions its default row served (admission): their
     gradient goes to the default row (:meth:`PendingGradient._accumulate_default`)."""
     table = module.table
     refused = None
