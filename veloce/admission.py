@@ -27,6 +27,13 @@ add: with ``N`` sightings in all, an id's estimate exceeds its true count by at 
 2005). A too-high estimate admits an id early (a false admission); it never refuses one
 that earned its row. Counters saturate at :data:`COUNT_LIMIT` (never overflow).
 
+**Shards and world sizes.** Tables sharded by :class:`veloce.distributed.HybridParallel`
+refuse admission (the owner-side decision is not built). A checkpoint keeps each saved
+shard's sketch; a load sums them: counts of disjoint id sets add, and two ids of
+different shards that share a counter add there exactly as they would in one sketch of
+the whole table, so the sum is that sketch (the same admissions after the load, whatever
+the world size). The default row is rank 0's.
+
 The decision runs on the table's device with torch ops (a splitmix64 hash in int64
 arithmetic, an ``index_add_`` of the batch's sightings, a gather and a minimum): no host
 sync. The counters are saved with the table (``state_dict``, ``veloce.checkpoint``).
