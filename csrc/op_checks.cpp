@@ -73,6 +73,23 @@ void check_init_state(const char* op, const std::optional<at::Tensor>& init_stat
   check_same_device(op, "init_state", *init_state, "opt_state", opt_state);
 }
 
+void check_admit(const char* op, const std::optional<at::Tensor>& admit, const at::Tensor& ids) {
+  if (!admit) return;
+  TORCH_CHECK_VALUE(admit->scalar_type() == at::kBool && admit->dim() == 1 && admit->numel() == ids.numel(), op,
+                    ": admit must be a 1-D bool tensor with one value per id (", ids.numel(), ",), got ",
+                    dtype_name(admit->scalar_type()), " of shape ", shape_str(*admit), "; pass None to admit every id");
+  check_same_device(op, "admit", *admit, "ids", ids);
+}
+
+void check_admit_many(const char* op, const std::optional<c10::List<std::optional<at::Tensor>>>& admit,
+                      at::TensorList ids) {
+  if (!admit) return;
+  const int64_t K = static_cast<int64_t>(ids.size());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(admit->size()) == K, op, ": admit must hold one entry per table (", K,
+                    "; None admits every id), got ", admit->size());
+  for (int64_t k = 0; k < K; ++k) check_admit(table_op_name(op, k).c_str(), admit->get(k), ids[k]);
+}
+
 void check_defer(const char* op, bool defer, bool allow_evict, int64_t table) {
   TORCH_CHECK_VALUE(!(defer && allow_evict), op, ": defer=True with allow_evict=True",
                     table >= 0 ? " (table " + std::to_string(table) + ")" : std::string(),

@@ -58,8 +58,14 @@ TORCH_LIBRARY(veloce, m) {
       "find_or_insert(Tensor(a!) keys, Tensor(b!) digests, Tensor(c!) scores, Tensor(d!) weights, "
       "Tensor(e!) opt_state, Tensor ids, int score_policy, int score_value, bool allow_evict, "
       "int seed, int init_kind, float init_a, float init_b, int? padding_id=None, Tensor? bad_input=None, "
-      "bool defer=False, Tensor? clock=None, int room=-1, Tensor? init_state=None) -> (Tensor slots, Tensor counts, "
-      "Tensor evicted_keys)");
+      "bool defer=False, Tensor? clock=None, int room=-1, Tensor? init_state=None, Tensor? admit=None) -> (Tensor slots, "
+      "Tensor counts, Tensor evicted_keys)");
+  // admit: (N,) bool on ids' device, or None (every id admitted). An id absent from the
+  // table at a position whose admit is false is not inserted (nor scored) and gets slot C
+  // (the capacity: the pooling kernels' extra row 0, where the caller passes its default
+  // row); present ids are found as always. The repeats of an id should agree (an admission
+  // decision is a function of the id): a refused position of an id that another position
+  // inserts still gets C.
   // init_state: (S,) of opt_state's dtype on its device, the state every new row starts
   // from (the optimizer's initial_state), or None for zeros. A new optimizer's initial state needs no schema of its own.
   // room: how many new ids may take an empty slot (the rows a table bounded by max_capacity
@@ -84,11 +90,12 @@ TORCH_LIBRARY(veloce, m) {
       "find_or_insert_many(Tensor(a!)[] keys, Tensor(b!)[] digests, Tensor(c!)[] scores, Tensor(d!)[] weights, "
       "Tensor(e!)[] opt_state, Tensor[] ids, int[] score_policy, int[] score_value, bool[] allow_evict, "
       "int[] seed, int[] init_kind, float[] init_a, float[] init_b, int?[] padding_id, Tensor? bad_input=None, "
-      "bool defer=False, Tensor? clock=None, int[]? room=None, Tensor?[]? init_state=None) -> (Tensor slots, "
-      "Tensor counts, Tensor evicted_keys)");
+      "bool defer=False, Tensor? clock=None, int[]? room=None, Tensor?[]? init_state=None, Tensor?[]? admit=None) "
+      "-> (Tensor slots, Tensor counts, Tensor evicted_keys)");
   // clock: as for find_or_insert, (K,) int64: clock[k] replaces score_value[k]. room: as for
   // find_or_insert, one value per table (None: no limit for any). init_state: None (zeros
-  // for every table) or one entry per table, each as find_or_insert's.
+  // for every table) or one entry per table, each as find_or_insert's. admit: None (every id
+  // of every table admitted) or one entry per table, each as find_or_insert's.
   // Writes values (N, D) to the rows of ids, inserting missing ids. opt_values (N, S)
   // and score_values (N,) are written when given; otherwise new rows get init_state (as
   // find_or_insert's: None is zeros) and scores follow score_policy. With duplicate ids the

@@ -19,6 +19,7 @@ from veloce.sparse import (
     Pending, PendingGradient, Stepping, TableModule, compiled_lookup, is_compiling, register, training_lookup,
 )  # fmt: skip
 from veloce.table import HashTable, is_int64
+from veloce.admission import AdmissionPolicy
 from veloce.eviction import EvictionPolicy
 from veloce.storage import Device, StorageSpec
 
@@ -141,6 +142,16 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
             so they hold every row of every tier in host memory at once; for a table
             larger than RAM, checkpoint with :mod:`veloce.checkpoint`, which writes and
             reads a tiered table's rows in chunks.
+        admission: which new ids get a row, a :mod:`veloce.admission` policy: None
+            (default: every id, on its first training sighting),
+            ``veloce.admission.Frequency(min_count=k)`` (on its k-th sighting, counted in
+            a count-min sketch of fixed size) or ``veloce.admission.Probability(p)``. An
+            id not admitted reads the table's default row, one trained row shared by them
+            (their gradients train it); in eval, with ``unknown="init"``, every unknown id
+            reads it. :meth:`find` reports such ids as absent; ``state_dict()`` and
+            ``veloce.checkpoint`` keep the sketch and the default row; :meth:`stats` adds
+            ``admitted``, ``refused`` and ``default_row_share``. Not with
+            :class:`veloce.distributed.HybridParallel` sharding.
 
     Differences from ``nn.EmbeddingBag`` (README's "Differences from nn.EmbeddingBag"):
     no ``num_embeddings`` (the first argument is ``embedding_dim``), no ``.weight`` (see
@@ -185,6 +196,7 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         defer_inserts: bool = False,
         per_rank: bool = False,
         storage: Optional[StorageSpec] = None,
+        admission: AdmissionPolicy | str | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(embedding_dim, int) or embedding_dim < 1:
@@ -233,6 +245,7 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
             device=device, init_state=optimizer.initial_state(embedding_dim),
         )  # fmt: skip
         self.table.defer = bool(defer_inserts)
+        self.table.set_admission(admission)
         self._steps = 0  # sparse optimizer steps applied (Adam's t): step_count
         # nonfinite_grad="raise_next": the check of the last step() while unread, and the
         # error it found once read (raised by the next step()).
@@ -240,6 +253,7 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         self._nonfinite_error: Optional[FloatingPointError] = None
         # Inputs of the backward passes since the last step (gradient accumulation).
         self._pending: list[Pending] = []
+        self._pending_default: list[Pending] = []  # the default row's (admission)
         self._last_lr: Optional[float] = None  # the learning rate of the last step()
         self._had_backward = False  # a backward pass reached the table since the last step()
         # Backward passes whose gradient waits for step(), and the torch optimizer steps made
@@ -253,7 +267,8 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         self._handle = register(self)  # how a compiled graph's lookup op finds this module
 
     # Bookkeeping set on every training step (see PlainAttrs).
-    _PLAIN_ATTRS = frozenset({"_steps", "_verdict", "_nonfinite_error", "_pending", "_last_lr", "_had_backward",
+    _PLAIN_ATTRS = frozenset({"_steps", "_verdict", "_nonfinite_error", "_pending", "_pending_default", "_last_lr",
+                              "_had_backward",
                               "_unapplied_passes", "_unapplied_since"})  # fmt: skip
 
     #: Backward passes whose gradient may wait for :meth:`step` (gradient accumulation):
@@ -408,6 +423,7 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         state.setdefault("_frozen", False)
         state.setdefault("_unapplied_passes", 0)
         state.setdefault("_unapplied_since", None)
+        state.setdefault("_pending_default", [])
         state.setdefault("storage", Device())
         if "backend" not in state:  # pickled with the sharding as a private attribute
             shard = state.pop("_shard", None)
@@ -491,8 +507,13 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         ``max_capacity``, ``evicted``; a tiered table adds its cache's (``cache_rows``,
         ``cache_capacity``, ``store_rows``, ``hits``, ``misses``, ``hit_rate``, rows and
         bytes fetched and written back). ``reset`` restarts the counts that run since the
-        last reset. On a table sharded by HybridParallel, this rank's shard."""
-        return self.table.stats(reset)
+        last reset. On a table sharded by HybridParallel, this rank's shard. With
+        ``admission``, also ``admitted``, ``refused`` (training sightings served by a row
+        of their own and by the default row), ``admitted_last``, ``refused_last`` (the last
+        training lookup's), ``default_row_share`` and ``sketch_bytes``."""
+        out = self.table.stats(reset)
+        out.update(self.table.admission_stats(reset))
+        return out
 
     @torch.no_grad()
     def prefetch(self, ids: torch.Tensor) -> None:
@@ -587,11 +608,13 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         for name, value in self.export().items():
             destination[prefix + name] = value
         destination[prefix + "clock"] = torch.tensor(self.table.clock, dtype=torch.long)
+        for name, value in self.table.admission_state().items():
+            destination[prefix + name] = value if keep_vars else value.detach().clone()
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ) -> None:
-        names = ("keys", "weights", "optimizer_state", "scores", "step", "clock")
+        names = ("keys", "weights", "optimizer_state", "scores", "step", "clock", *self.table.admission_state())
         if strict:  # keys of this module that it does not know (a child's are the child's to judge)
             unexpected_keys.extend(
                 k for k in state_dict
@@ -617,7 +640,9 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
             # on every rank of a sharded table, each keeping its own rows, as
             # veloce.checkpoint.load does; otherwise the next checkpoint's shards overlap.
             entries = self.backend.owned_entries(self, entries)
+        admission = {n: state_dict[prefix + n] for n in self.table.admission_state()}
         try:
+            self.table.load_admission_state(admission)  # checked before the rows change
             self.table.load_entries(entries)
         except ValueError as exc:
             error_msgs.append(f"while loading DynamicEmbedding {prefix!r}: {exc}")
@@ -628,4 +653,6 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
 
     def extra_repr(self) -> str:
         storage = "" if isinstance(self.storage, Device) else f", storage={self.storage!r}"
-        return f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, {self.table._size_text()}{storage}"
+        admission = "" if not self.table.admits else f", admission={self.table.admission!r}"
+        return (f"{self.embedding_dim}, mode={self.mode!r}, optimizer={self.optimizer}, {self.table._size_text()}"
+                f"{storage}{admission}")  # fmt: skip

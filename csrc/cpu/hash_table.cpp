@@ -314,12 +314,17 @@ at::Tensor init_state_of(const std::optional<at::Tensor>& init_state) {
   return init_state ? init_state->contiguous() : at::Tensor();
 }
 
+// The contiguous admit of find_or_insert, or an undefined tensor (every id admitted).
+at::Tensor admit_of(const std::optional<at::Tensor>& admit) {
+  return admit ? admit->contiguous() : at::Tensor();
+}
+
 // find_or_insert of checked arguments (the op checks, then reads bad_input, then calls this).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_checked(
     at::Tensor& keys, at::Tensor& digests, at::Tensor& scores, at::Tensor& weights, at::Tensor& opt_state,
     const at::Tensor& ids_in, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id, int64_t room,
-    const at::Tensor& init_state) {
+    const at::Tensor& init_state, const at::Tensor& admit) {
   const at::Tensor ids = ids_in.contiguous();
   const int64_t n = ids.numel();
   const TableRef t = table_ref(keys, digests);
@@ -329,6 +334,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_checked(
   int64_t* score = scores.data_ptr<int64_t>();
 
   find_all(t, id, n, slot, kMissing, padding_id);
+  if (admit.defined()) {  // refused misses sit out the insert and the scores (any code < 0 does)
+    const bool* ok = admit.data_ptr<bool>();
+    for (int64_t i = 0; i < n; ++i) {
+      if (slot[i] == kMissing && !ok[i]) slot[i] = kRefusedSlot;
+    }
+  }
   const InsertOutcome r = insert_missing(t, score, id, n, slot, allow_evict, room);
   if (r.num_failed > 0) return insert_result(slots, r, keys);
 
@@ -349,6 +360,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_checked(
     });
   });
   update_scores(score, slot, n, r.changes, score_policy, score_value);
+  if (admit.defined()) {
+    const int64_t capacity = keys.numel();
+    for (int64_t i = 0; i < n; ++i) {
+      if (slot[i] == kRefusedSlot) slot[i] = capacity;
+    }
+  }
   return insert_result(slots, r, keys);
 }
 
@@ -372,10 +389,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cpu(
     const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id,
     const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock, int64_t room,
-    const std::optional<at::Tensor>& init_state) {
+    const std::optional<at::Tensor>& init_state, const std::optional<at::Tensor>& admit) {
   constexpr const char* op = "veloce::find_or_insert";
   check_insert_args(op, keys, digests, scores, weights, opt_state, ids, score_policy);
   check_init_state(op, init_state, opt_state);
+  check_admit(op, admit, ids);
   check_init(op, init_kind, init_a, init_b);
   check_bad_input(op, bad_input, keys);
   check_defer(op, defer, allow_evict);
@@ -385,7 +403,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cpu(
   if (refused_cpu(op, bad_input, defer)) return refused_result(ids, keys);
   return find_or_insert_checked(keys, digests, scores, weights, opt_state, ids, score_policy,
                                 clock ? clock->data_ptr<int64_t>()[0] : score_value, allow_evict, seed, init_kind,
-                                init_a, init_b, padding_id, room, init_state_of(init_state));
+                                init_a, init_b, padding_id, room, init_state_of(init_state), admit_of(admit));
 }
 
 // Each table in turn (the CPU has no syncs to share), every table's arguments (and
@@ -396,11 +414,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cpu(
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
     at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
     const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock,
-    at::OptionalIntArrayRef room, const std::optional<c10::List<std::optional<at::Tensor>>>& init_state) {
+    at::OptionalIntArrayRef room, const std::optional<c10::List<std::optional<at::Tensor>>>& init_state,
+    const std::optional<c10::List<std::optional<at::Tensor>>>& admit) {
   constexpr const char* op = "veloce::find_or_insert_many";
   const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
                                                    score_value, allow_evict, seed, init_kind, init_a, init_b,
                                                    padding_id, bad_input, init_state);
+  check_admit_many(op, admit, ids);
   for (int64_t k = 0; k < K; ++k) check_defer(op, defer, allow_evict.get(k), k);
   check_room_many(op, room, K, defer);
   if (K > 0) check_clock(op, clock, K, keys[0]);
@@ -417,7 +437,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cpu(
                                                          allow_evict.get(k), seed[k], init_kind[k], init_a[k],
                                                          init_b[k], padding_id.get(k),
                                                          room ? (*room)[k] : kNoRoomLimit,
-                                                         init_state ? init_state_of(init_state->get(k)) : at::Tensor()));
+                                                         init_state ? init_state_of(init_state->get(k)) : at::Tensor(),
+                                                         admit ? admit_of(admit->get(k)) : at::Tensor()));
     slots.push_back(std::get<0>(per_table.back()));
   }
   return many_result(at::cat(slots), per_table);

@@ -533,6 +533,7 @@ struct InsertTable {
   std::optional<int64_t> padding_id;
   at::Tensor values, opt_values, score_values;  // insert_or_assign
   at::Tensor init_state;  // (S,) contiguous, the state of new rows; undefined: zeros
+  at::Tensor admit;       // find_or_insert's (n,) admit, contiguous; undefined: every id admitted
   at::Tensor slots, erased;
   // outcome
   int64_t inserted = 0, failed = 0;
@@ -735,6 +736,7 @@ class Inserter {
       c.slots = t.slots.defined() ? t.slots.data_ptr<int64_t>() : nullptr;
       c.has_pad = t.padding_id.has_value();
       c.pad = t.padding_id.value_or(0);
+      c.admit = t.admit.defined() ? t.admit.data_ptr<bool>() : nullptr;
       c.touched = t.allow_evict && mode_ != Mode::kErase ? reinterpret_cast<uint32_t*>(zeroed.ptr<int32_t>(o.touched))
                                                          : nullptr;
       c.g = GroupScratch{grouping.ptr<int64_t>(keys_off) + o.keys, grouping.ptr<int32_t>(o.index),
@@ -1122,6 +1124,14 @@ class Inserter {
 
 // counts is built on the host from host values and stays there (a CPU tensor), so reading
 // it costs no sync.
+// After a find_or_insert ran: its refused positions (kRefusedSlot) get the slot C, the
+// table's capacity (queued on the stream, no host read).
+void refused_to_capacity(const std::vector<InsertTable>& tables) {
+  for (const InsertTable& t : tables) {
+    if (t.admit.defined()) t.slots.masked_fill_(t.slots == kRefusedSlot, t.keys.numel());
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> result(const InsertTable& t) {
   at::Tensor counts = at::tensor(std::vector<int64_t>{t.inserted, t.failed}, at::kLong);
   return {t.slots, counts, t.evicted.defined() ? t.evicted : at::empty({0}, t.keys.options())};
@@ -1160,12 +1170,15 @@ InsertTable find_or_insert_table(const std::string& op, const at::Tensor& keys, 
                                  const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict,
                                  int64_t seed, int64_t init_kind, double init_a, double init_b,
                                  std::optional<int64_t> padding_id, int64_t room, at::Tensor slots,
-                                 const std::optional<at::Tensor>& init_state) {
+                                 const std::optional<at::Tensor>& init_state,
+                                 const std::optional<at::Tensor>& admit) {
   InsertTable t(keys, digests, scores, weights, opt_state,
                 check_insert_args_cuda(op.c_str(), keys, digests, scores, weights, opt_state, ids, score_policy));
   check_init(op.c_str(), init_kind, init_a, init_b);
   check_init_state(op.c_str(), init_state, opt_state);
   if (init_state) t.init_state = init_state->contiguous();
+  check_admit(op.c_str(), admit, ids);
+  if (admit) t.admit = admit->contiguous();
   t.score_policy = score_policy;
   t.score_value = score_value;
   t.allow_evict = allow_evict;
@@ -1198,14 +1211,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
     const at::Tensor& ids, int64_t score_policy, int64_t score_value, bool allow_evict, int64_t seed,
     int64_t init_kind, double init_a, double init_b, std::optional<int64_t> padding_id,
     const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock, int64_t room,
-    const std::optional<at::Tensor>& init_state) {
+    const std::optional<at::Tensor>& init_state, const std::optional<at::Tensor>& admit) {
   constexpr const char* op = "veloce::find_or_insert";
   // First: a CUDA flag beside a CPU table lands here, and its error should name bad_input.
   check_bad_input(op, bad_input, keys);
   std::vector<InsertTable> tables;
   tables.push_back(find_or_insert_table(op, keys, digests, scores, weights, opt_state, ids, score_policy, score_value,
                                         allow_evict, seed, init_kind, init_a, init_b, padding_id, room,
-                                        at::Tensor(), init_state));
+                                        at::Tensor(), init_state, admit));
   check_defer(op, defer, allow_evict);
   check_room(op, room, defer);
   check_clock(op, clock, 1, keys);
@@ -1218,9 +1231,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_cuda(
     const at::Tensor counts = deferred_counts(keys, 1, 2);
     inserter.defer_into(counts);
     inserter.run(bad_input);
+    refused_to_capacity(tables);
     return {tables[0].slots, counts.view({2}), at::empty({0}, keys.options())};
   }
   inserter.run(bad_input);
+  refused_to_capacity(tables);
   return result(tables[0]);
 }
 
@@ -1230,13 +1245,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
     const c10::List<bool>& allow_evict, at::IntArrayRef seed, at::IntArrayRef init_kind, at::ArrayRef<double> init_a,
     at::ArrayRef<double> init_b, const c10::List<std::optional<int64_t>>& padding_id,
     const std::optional<at::Tensor>& bad_input, bool defer, const std::optional<at::Tensor>& clock,
-    at::OptionalIntArrayRef room, const std::optional<c10::List<std::optional<at::Tensor>>>& init_state) {
+    at::OptionalIntArrayRef room, const std::optional<c10::List<std::optional<at::Tensor>>>& init_state,
+    const std::optional<c10::List<std::optional<at::Tensor>>>& admit) {
   constexpr const char* op = "veloce::find_or_insert_many";
   const int64_t K = check_find_or_insert_many_args(op, keys, digests, scores, weights, opt_state, ids, score_policy,
                                                    score_value, allow_evict, seed, init_kind, init_a, init_b,
                                                    padding_id, bad_input, init_state);
   for (int64_t k = 0; k < K; ++k) check_defer(op, defer, allow_evict.get(k), k);
   check_room_many(op, room, K, defer);
+  check_admit_many(op, admit, ids);
   check_defer_cuda(op, defer);
   int64_t total = 0;
   for (const at::Tensor& i : ids) total += i.numel();
@@ -1251,7 +1268,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
                                           opt_state[k], ids[k], score_policy[k], score_value[k], allow_evict.get(k),
                                           seed[k], init_kind[k], init_a[k], init_b[k], padding_id.get(k),
                                           room ? (*room)[k] : kNoRoomLimit, slots.narrow(0, start, ids[k].numel()),
-                                          init_state ? init_state->get(k) : std::nullopt));
+                                          init_state ? init_state->get(k) : std::nullopt,
+                                          admit ? admit->get(k) : std::nullopt));
     if (clock_values.defined()) tables.back().clock = clock_values.data_ptr<int64_t>() + k;
   }
   const c10::cuda::CUDAGuard guard(keys[0].device());
@@ -1260,9 +1278,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> find_or_insert_many_cuda(
     const at::Tensor counts = deferred_counts(keys[0], K, 3);
     inserter.defer_into(counts);
     inserter.run(bad_input);
+    refused_to_capacity(tables);
     return {slots, counts, at::empty({0}, keys[0].options())};
   }
   inserter.run(bad_input);
+  refused_to_capacity(tables);
   std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor>> per_table;
   per_table.reserve(K);
   for (const InsertTable& t : tables) per_table.push_back(result(t));

@@ -144,6 +144,7 @@ struct TableCall {
   uint32_t stages;           // Stage bits
   int32_t has_pad;           // find_or_insert: positions equal to pad get slot -1
   int64_t pad;
+  const bool* admit;         // find_or_insert: (n,) false = a miss there is refused (kRefusedSlot), or null: all admitted
   const int64_t* ids;        // (n,) the call's ids
   int64_t n;                 // positions
   uint8_t* active;           // (n,) the positions grouped (find_or_insert: the misses, which
@@ -255,8 +256,9 @@ __global__ void find_kernel(Table t, const int64_t* __restrict__ ids, int64_t n,
   if (i < n) slots[i] = find_slot_device(t.keys, t.digests, t.num_buckets, ids[i]);
 }
 
-// Phase 1 of find_or_insert: slots of present ids (-1 for padding and misses), touched
-// marks (when evicting), and a flag per missing position (the positions the grouping groups).
+// Phase 1 of find_or_insert: slots of present ids (-1 for padding and misses, kRefusedSlot
+// for the misses that admit refuses), touched marks (when evicting), and a flag per missing
+// position that is not refused (the positions the grouping groups).
 template <class Calls>
 __global__ void probe_kernel(const __grid_constant__ Calls calls) {
   const TableCall* c = call_in(calls, kStageProbe);
@@ -270,8 +272,9 @@ __global__ void probe_kernel(const __grid_constant__ Calls calls) {
     s = find_slot_device(t.keys, t.digests, t.num_buckets, id);
     if (s >= 0 && c->touched != nullptr) mark_touched(c->touched, s);
   }
-  c->slots[i] = s;
-  c->active[i] = !is_pad && s < 0;
+  const bool refused = !is_pad && s < 0 && c->admit != nullptr && !c->admit[i];
+  c->slots[i] = refused ? kRefusedSlot : s;
+  c->active[i] = !is_pad && s < 0 && !refused;
 }
 
 // Slots of distinct ids (insert_or_assign, erase), touched marks when evicting.

@@ -228,6 +228,14 @@ def _write_rank_files(tmp: Path, rank: int, model: nn.Module, optimizer) -> dict
             files[fname] = _stream.write_streamed(tmp / fname, sources)
         else:
             files[fname] = _io.write_safetensors(tmp / fname, tensors)
+        # Admission (veloce.admission): each table's sketch and default row, a small file per rank.
+        admission = {f"{name}/{k}": v for name, m in mine.items() for k, v in m.table.admission_state().items()}
+        if admission:
+            aname = f"admission.rank{rank:05d}.safetensors"
+            files[aname] = _io.write_safetensors(tmp / aname, admission)
+            for name, m in mine.items():
+                if m.table.admits:
+                    shards[name]["admission"] = aname
     if rank == 0:
         tensors = {f"model/{n}": t for n, t in _model.dense_of(model).items()}
         dense_opt, _ = _model.split_optimizer(optimizer)

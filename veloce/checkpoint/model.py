@@ -17,6 +17,7 @@ from torch import nn
 
 from veloce.checkpoint import files as _io
 from veloce.checkpoint.files import DENSE_FILE, ENTRIES, MANIFEST, CheckpointError
+from veloce.admission import COUNT_LIMIT
 from veloce.checkpoint.stream import read_chunks
 from veloce.distributed import owner_of, table_shard
 from veloce.embedding import DynamicEmbedding
@@ -102,6 +103,7 @@ class Plan:
     tables: dict[str, tuple[DynamicEmbedding, Any, int, int]]  # module, entries (or Streamed), step, clock
     dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name: (target, value)
     optimizer: Optional[dict] = None  # the state dict to load, or None to leave it
+    admission: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # name: admission state
 
 
 def read(path: Path, model: nn.Module, optimizer, strict: bool) -> Plan:
@@ -110,6 +112,7 @@ def read(path: Path, model: nn.Module, optimizer, strict: bool) -> Plan:
     manifest = _io.open_manifest(path)
     tables = _match_tables(manifest["tables"], tables_of(model), strict)
     needed = {s["file"] for name in tables for s in manifest["tables"][name]["shards"]} | {DENSE_FILE}
+    needed |= {s["admission"] for name in tables for s in manifest["tables"][name]["shards"] if "admission" in s}
     for fname in sorted(needed):
         _io.verify_file(path, fname, manifest["files"])
     info = {"step": manifest["step"], "extra": manifest["extra"], "world_size": manifest["world_size"],
@@ -117,7 +120,42 @@ def read(path: Path, model: nn.Module, optimizer, strict: bool) -> Plan:
     with safe_open(str(path / DENSE_FILE), "pt") as f:
         dense = _match_dense(manifest["dense"]["tensors"], dense_of(model), f, strict)
         opt = _match_optimizer(manifest["optimizer"], optimizer, f, strict)
-    return Plan(info, _read_tables(path, manifest["tables"], tables), dense, opt)
+    return Plan(info, _read_tables(path, manifest["tables"], tables), dense, opt,
+                _read_admission(path, manifest["tables"], tables))
+
+
+def _read_admission(path: Path, saved: dict, tables: dict[str, DynamicEmbedding]) -> dict:
+    """Per table that admits and whose checkpoint kept its admission state: the state to
+    load. The sketches of several shards add up (their counts are of disjoint id sets;
+    a collision of ids of two shards in one counter adds what one shared sketch would have
+    added, so the sum is the sketch of the whole table), and the default row is the first
+    shard's (rank 0 keeps it). A table that admits without saved state keeps its own."""
+    out = {}
+    for name, m in tables.items():
+        files = [s["admission"] for s in sorted(saved[name]["shards"], key=lambda s: s["rank"]) if "admission" in s]
+        if not m.table.admits or not files:
+            continue
+        want = {k: tuple(v.shape) for k, v in m.table.admission_state().items()}
+        state: dict[str, torch.Tensor] = {}
+        for fname in files:
+            with safe_open(str(path / fname), "pt") as f:
+                for k, shape in want.items():
+                    key = f"{name}/{k}"
+                    if key not in f.keys():
+                        raise CheckpointError(f"{fname}: tensor {key!r} is missing; the checkpoint is corrupt")
+                    got = tuple(f.get_slice(key).get_shape())
+                    if got != shape:
+                        raise CheckpointError(
+                            f"table {name!r}: the checkpoint's {k} has shape {got}, the table's admission="
+                            f"{m.table.admission!r} keeps {shape}; load it into a table with the saved sketch's shape"
+                        )  # fmt: skip
+                    t = f.get_tensor(key)
+                    if k == "admission_counts" and k in state:
+                        state[k] = (state[k].long() + t.long()).clamp_(max=COUNT_LIMIT).to(t.dtype)
+                    else:
+                        state.setdefault(k, t)
+        out[name] = state
+    return out
 
 
 def _match_tables(saved: dict, tables: dict[str, DynamicEmbedding], strict: bool) -> dict[str, DynamicEmbedding]:
@@ -318,6 +356,8 @@ def apply(plan: Plan, optimizer) -> None:
             raise CheckpointError(f"table {name!r}: cannot hold the checkpoint's {rows} rows: {exc}")
         m.step_count, m.table.clock = step, clock  # drops the last step's unread check
         m.restore_pending_state(None)
+        if name in plan.admission:
+            m.table.load_admission_state(plan.admission[name])  # shapes checked by read()
     for target, value in plan.dense.values():
         target.copy_(value)
     if plan.optimizer is not None:
@@ -339,6 +379,8 @@ class Undo:
         self.tables = [
             (m, m.table.snapshot(), m.step_count, m.pending_state()) for m, *_ in plan.tables.values()
         ]
+        self.admission = [(m, {k: v.clone() for k, v in m.table.admission_state().items()})
+                          for m, *_ in plan.tables.values()]  # fmt: skip
         self.dense = [(target, target.detach().clone()) for target, _ in plan.dense.values()]
         self.optimizer = optimizer
         self.opt_state = copy.deepcopy(optimizer.state_dict()) if plan.optimizer is not None else None
@@ -350,6 +392,8 @@ class Undo:
             m.table.restore(table)
             m.step_count = step
             m.restore_pending_state(pending)  # with a "raise_next" error the failed load had dropped
+        for m, state in self.admission:
+            m.table.load_admission_state(state)
         for target, value in self.dense:
             target.copy_(value)
         if self.opt_state is not None:

@@ -207,6 +207,12 @@ class HybridParallel(nn.Module):
                 f"HybridParallel: table(s) {maxed} pool with mode='max', which sharded tables do not support (an "
                 f"owner pools only its part of a bag); use mode='sum' or 'mean' for tables sharded over ranks"
             )
+        admitting = [n for n, m in self.tables if m.table.admits]
+        if admitting and self.world_size > 1:
+            raise ValueError(
+                f"HybridParallel: table(s) {admitting} have feature admission (admission=...), which sharded tables "
+                f"do not support; pass admission=None for tables sharded over ranks"
+            )  # fmt: skip
         if self.world_size > 1:
             self._shard_tables(process_group)
         elif dist.get_world_size() > 1:

@@ -88,6 +88,7 @@ def find_or_insert(
     clock: Tensor | None = None,
     room: int = -1,
     init_state: Tensor | None = None,
+    admit: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Looks ids up, inserting the missing ones; mutates the table tensors in place.
 
@@ -133,6 +134,12 @@ def find_or_insert(
         init_state: optional (S,) tensor of ``opt_state``'s dtype and device: the optimizer
             state every new row starts from (the optimizer's
             :meth:`~veloce.optim.SparseOptimizer.initial_state`); None starts them at zeros.
+        admit: optional (N,) bool tensor on the ids' device, one per id (None admits
+            every id): an id absent from the table at a position whose ``admit`` is false
+            is not inserted nor scored and gets the slot C (the capacity, ``keys.numel()``:
+            the pooling ops' extra row 0, where :mod:`veloce.admission`'s default row
+            goes); present ids are found as always. The repeats of an id should agree (a
+            refused position of an id that another position inserts still gets C).
 
     Returns:
         ``(slots, counts, evicted_keys)``: slots (N,) int64; counts (2,) int64 on the CPU
@@ -153,7 +160,7 @@ def find_or_insert(
     _ext.require()
     return torch.ops.veloce.find_or_insert(
         keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict,
-        seed, init_kind, init_a, init_b, padding_id, bad_input, defer, clock, room, init_state,
+        seed, init_kind, init_a, init_b, padding_id, bad_input, defer, clock, room, init_state, admit,
     )
 
 
@@ -173,6 +180,7 @@ def find_or_insert_many(
     clock: Tensor | None = None,
     room: Sequence[int] | None = None,
     init_state: Sequence[Tensor | None] | None = None,
+    admit: Sequence[Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`find_or_insert` on K tables in one op: entry k of every argument is table k's.
 
@@ -197,6 +205,8 @@ def find_or_insert_many(
         room: K values as for :func:`find_or_insert`, or None (no limit for any table).
         init_state: K entries as for :func:`find_or_insert` (None for zeros), or None
             (zeros for every table).
+        admit: K entries as for :func:`find_or_insert` (None admits every id), or None
+            (every id of every table admitted).
 
     Returns:
         ``(slots, counts, evicted_keys)``, each table's results concatenated in table order
@@ -224,6 +234,7 @@ def find_or_insert_many(
         *cols, list(ids), list(score_policy), list(score_value), list(allow_evict), list(seed), list(init_kind),
         list(init_a), list(init_b), list(padding_id), bad_input, defer, clock,
         None if room is None else list(room), None if init_state is None else list(init_state),
+        None if admit is None else list(admit),
     )  # fmt: skip
 
 
@@ -398,7 +409,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("veloce::find_or_insert")
     def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
           init_kind, init_a, init_b, padding_id=None, bad_input=None, defer=False, clock=None, room=-1,
-          init_state=None):
+          init_state=None, admit=None):
         _check_bad_input_fake("find_or_insert", keys, bad_input)
         _check_clock_fake("find_or_insert", keys, clock, 1)
         return _insert_fake("find_or_insert", keys, ids, defer)
@@ -406,7 +417,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("veloce::find_or_insert_many")
     def _(keys, digests, scores, weights, opt_state, ids, score_policy, score_value, allow_evict, seed,
           init_kind, init_a, init_b, padding_id, bad_input=None, defer=False, clock=None, room=None,
-          init_state=None):
+          init_state=None, admit=None):
         for k, i in zip(keys, ids):
             _check_table_fake("find_or_insert_many", k, i)
         if len(keys):

@@ -64,6 +64,7 @@ class _SparseLookup(torch.autograd.Function):
         outs, ctx.argmax = _pooled(modules, slots, offsets, psws)
         ctx.modules = modules
         ctx.versions = [m.table.version for m in modules]
+        ctx.capacities = [m.table.capacity for m in modules]  # a refused id's slot (admission)
         ctx.save_for_backward(*ids, *slots, *offsets, *psws)
         return tuple(outs)
 
@@ -81,7 +82,7 @@ class _SparseLookup(torch.autograd.Function):
                 continue
             grad_psws.append(_table_backward(module, ids[j], slots[j], offsets[j], psws[j], grad_out,
                                              ctx.versions[j], trains, ctx.needs_input_grad[5 + j],
-                                             ctx.argmax[j]))  # fmt: skip
+                                             ctx.argmax[j], ctx.capacities[j]))  # fmt: skip
         return (None, None, None, None, None, *grad_psws)
 
 
@@ -96,38 +97,60 @@ def _pooled(modules: Sequence[TableModule], slots: Sequence[torch.Tensor], offse
     if rest:
         res = pooled_many([modules[k].table for k in rest], [slots[k] for k in rest],
                           [offsets[k] for k in rest], [psws[k] for k in rest], [MODES[modules[k].mode] for k in rest],
-                          [modules[k].include_last_offset for k in rest], [None] * len(rest))  # fmt: skip
+                          [modules[k].include_last_offset for k in rest],
+                          [modules[k].table.default_rows() for k in rest])  # fmt: skip
         for k, o in zip(rest, res):
             outs[k] = o
     for k, m in enumerate(modules):
         if m.mode == "max":
-            outs[k], argmax[k] = m.table.max_pooled(slots[k], offsets[k], m.include_last_offset)
+            outs[k], argmax[k] = m.table.max_pooled(slots[k], offsets[k], m.include_last_offset, m.table.default_rows())
     return outs, argmax
 
 
 def _table_backward(module: TableModule, ids: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
                     psw: Optional[torch.Tensor], grad_out: torch.Tensor, version: int, trains: bool,
-                    psw_grad: bool, argmax: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:  # fmt: skip
+                    psw_grad: bool, argmax: Optional[torch.Tensor] = None,
+                    capacity: Optional[int] = None) -> Optional[torch.Tensor]:  # fmt: skip
     """One table's part of a training lookup's backward: the pending gradient of its rows
     (when the pass ``trains`` the tables), and the gradient of its per-sample weights (when
     ``psw_grad``). ``slots`` were taken at table ``version``; ``grad_out`` is contiguous, in
     the table's dtype. ``argmax``: a max table's argmax positions (:func:`_pooled`): each
     column's gradient goes to its bag's argmax position, kept as a sum-mode gradient of one
     bag per position. Shared by :class:`_SparseLookup` and the compiled lookup's backward op
-    (:mod:`veloce.sparse.compile`)."""
+    (:mod:`veloce.sparse.compile`). ``capacity``: the table's capacity at forward time
+    (None: its capacity at backward), the slot of the positions its default row served (admission): their
+    gradient goes to the default row (:meth:`PendingGradient._accumulate_default`)."""
     table = module.table
+    refused = None
+    if table.admits:
+        refused = slots == (table.capacity if capacity is None else capacity)
+        defaults = _default_codes(slots, refused)
+        slots = slots.masked_fill(refused, -2)
     if version != table.version:  # the table grew or evicted since forward
-        slots = reresolve(table, ids, slots)
+        slots = reresolve(table, ids, slots, refused)
     ilo = module.include_last_offset
     if trains and argmax is not None:
         grad_rows = max_pool_position_grad(grad_out, argmax, offsets, slots.numel(), ilo)
         positions = torch.arange(slots.numel(), device=slots.device)
-        module._accumulate(Pending(ids, slots, positions, None, grad_rows, MODES["sum"], False, table.version))
+        module._accumulate(Pending(ids, slots, positions, None, grad_rows, MODES["sum"], False, table.version, refused))
+        if refused is not None:
+            module._accumulate_default(Pending(None, defaults, positions, None, grad_rows, MODES["sum"], False, 0))
     elif trains:
-        module._accumulate(Pending(ids, slots, offsets, psw, grad_out, MODES[module.mode], ilo, table.version))
+        module._accumulate(Pending(ids, slots, offsets, psw, grad_out, MODES[module.mode], ilo, table.version, refused))
+        if refused is not None:
+            module._accumulate_default(Pending(None, defaults, offsets, psw, grad_out, MODES[module.mode], ilo, 0))
     if psw is None or not psw_grad:
         return None
+    if refused is not None:  # the default row's value at the refused positions: the slot C, extra row 0
+        return table.psw_grad(slots.masked_fill(refused, table.capacity), offsets, grad_out, ilo, table.default_rows())
     return table.psw_grad(slots, offsets, grad_out, ilo)
+
+
+def _default_codes(slots: torch.Tensor, refused: torch.Tensor) -> torch.Tensor:
+    """The slots of a lookup's positions in the default row's one-row table: 0 where it
+    served the position, -1 at padding, -2 elsewhere (counted by mean pooling, no
+    gradient)."""
+    return torch.where(refused, 0, torch.where(slots == -1, -1, -2))
 
 
 _WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)

@@ -67,7 +67,10 @@ def _table_norms(tables: Sequence[Any], norm_type: float) -> list[torch.Tensor]:
     """Per table, the norm of its pending row gradients; over all ranks for a table sharded
     by HybridParallel (each rank holds the gradients of the rows it owns: one all-reduce
     per process group)."""
-    norms = [torch.linalg.vector_norm(t._pending_rows()[1], norm_type) for t in tables]
+    # the default row's gradient (admission) is one row more of its table's
+    norms = [torch.linalg.vector_norm(torch.cat([t._pending_rows()[1], t._default_grad_rows()[1]]), norm_type)
+             if t._pending_default else torch.linalg.vector_norm(t._pending_rows()[1], norm_type)
+             for t in tables]  # fmt: skip
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(tables):
         if t.backend.world_size > 1:

@@ -447,6 +447,9 @@ def _exported_lookup(module: Any, input: Any, offsets: Any = None, per_sample_we
     extra = None
     if module.unknown == "zeros":
         slots = slots.masked_fill(missing, -2)
+    elif table.admits:  # the default row (veloce.admission), extra row 0, for every unknown id
+        extra = table.default_rows()
+        slots = slots.masked_fill(missing, table.capacity)
     else:  # the initializer's row of every id, read where the id is unknown (no data-dependent size)
         init = table.initializer
         extra = initialize(ids, module.embedding_dim, table.seed, init.kind, init.a, init.b, table.dtype)

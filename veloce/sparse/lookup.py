@@ -109,6 +109,8 @@ class LocalLookup:
         init = table.initializer
         if self.unknown == "zeros":
             extra = torch.zeros(idx.numel(), self.embedding_dim, dtype=table.dtype, device=ids.device)
+        elif table.admits:  # the row that training gave the ids it did not admit
+            extra = table.default_rows().expand(idx.numel(), -1)
         else:
             extra = initialize(ids[idx], self.embedding_dim, table.seed, init.kind, init.a, init.b, table.dtype)
         if below is not None:

@@ -5,7 +5,7 @@ notices a loop that never steps the tables."""
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -41,22 +41,58 @@ class Pending(NamedTuple):
     mode: int
     include_last_offset: bool
     version: int  # table version the slots belong to
+    # (N,) bool: positions the table's default row served (admission), -2 in ``slots`` whatever
+    # their ids find later; None: none
+    refused: Optional[torch.Tensor] = None
 
 
 class PendingState(NamedTuple):
     """What :meth:`PendingGradient.pending_state` keeps of a table module: the inputs of the
     backward passes waiting for step(), and the NaN/Inf error that a "raise_next" check
-    left for the next step() (None: none)."""
+    left for the next step() (None: none), and the default row's pending gradient (admission)."""
 
     entries: tuple
     error: Optional[FloatingPointError]
+    default_entries: tuple = ()
 
 
-def reresolve(table: HashTable, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def reresolve(table: HashTable, ids: torch.Tensor, slots: torch.Tensor,
+              refused: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """Slots of ``ids`` under the table's current mapping: evicted ids become -2 (still
-    counted by mean, no gradient), padding (-1 in ``slots``) stays -1."""
+    counted by mean, no gradient), padding (-1 in ``slots``) stays -1, and so do the
+    positions the default row served (``refused``, -2: their gradient went to it, not to
+    a row their id may have got since)."""
     fresh = table.find(ids)
-    return fresh.masked_fill(fresh < 0, -2).masked_fill(slots == -1, -1)
+    fresh = fresh.masked_fill(fresh < 0, -2).masked_fill(slots == -1, -1)
+    return fresh if refused is None else fresh.masked_fill(refused, -2)
+
+
+def merge_entries(entries: Sequence[Pending], resolved: Callable[[Pending], torch.Tensor], version: int) -> Pending:
+    """One batch equivalent to ``entries``: mean bags become sum bags with per-position
+    weights 1 / len(bag), offsets are shifted and concatenated; ``resolved(e)`` gives each
+    entry's slots."""
+    if len(entries) == 1:
+        return entries[0]
+    slots, offsets, psw, grads = [], [], [], []
+    base = 0
+    for e in entries:
+        s = resolved(e)
+        o = e.offsets[:-1] if e.include_last_offset else e.offsets
+        w = e.psw if e.psw is not None else torch.ones(s.numel(), dtype=e.grad.dtype, device=s.device)
+        if e.mode == MODES["mean"]:
+            bag = bag_of(o, s.numel())
+            counts = torch.zeros(o.numel(), dtype=e.grad.dtype, device=s.device)
+            counts.index_add_(0, bag, (s != -1).to(e.grad.dtype))
+            w = w / counts.clamp(min=1)[bag]
+        slots.append(s)
+        offsets.append(o + base)
+        psw.append(w)
+        grads.append(e.grad)
+        base += s.numel()
+    return Pending(
+        ids=None, slots=torch.cat(slots), offsets=torch.cat(offsets), psw=torch.cat(psw),
+        grad=torch.cat(grads), mode=MODES["sum"], include_last_offset=False, version=version,
+    )  # fmt: skip
 
 
 class PendingGradient:
@@ -82,17 +118,20 @@ class PendingGradient:
     def pending_state(self) -> PendingState:
         """The gradient waiting for step() and the NaN/Inf error left for the next step(), as
         :meth:`restore_pending_state` puts them back (a checkpoint load that fails does)."""
-        return PendingState(tuple(self._pending), self._nonfinite_error)
+        return PendingState(tuple(self._pending), self._nonfinite_error, tuple(self._pending_default))
 
     def restore_pending_state(self, state: Optional[PendingState]) -> None:
         """Puts back a :meth:`pending_state`; None drops the waiting gradient's inputs and the
         error (the count of backward passes since the last step() stays)."""
         self._pending[:] = () if state is None else state.entries
+        self._pending_default = [] if state is None else list(state.default_entries)
         self._nonfinite_error = None if state is None else state.error
 
     def _forget_gradient(self) -> None:
         """Drops the pending gradient and its bookkeeping (zero_grad, a load, a failed step)."""
         self._pending.clear()
+        if self._pending_default:
+            self._pending_default = []
         if self._had_backward:  # each set is a call of PlainAttrs.__setattr__: only when it changes
             self._had_backward = False
         if self._unapplied_since is not None:
@@ -141,10 +180,18 @@ class PendingGradient:
         """Multiplies the pending gradient by ``factor`` (a scalar tensor): each pooled
         gradient, so each row's gradient, which is linear in them (gradient clipping)."""
         self._pending = [e._replace(grad=e.grad * factor.to(e.grad.device, e.grad.dtype)) for e in self._pending]
+        if self._pending_default:
+            self._pending_default = [e._replace(grad=e.grad * factor.to(e.grad.device, e.grad.dtype))
+                                     for e in self._pending_default]  # fmt: skip
 
     def _clamp_pending(self, clip_value: float) -> None:
         """Clamps each row's pending gradient to ``[-clip_value, clip_value]``: the pending
         gradient becomes one batch of one bag per touched row, holding its clamped sum."""
+        if self._pending_default:
+            d_slots, d_rows = self._default_grad_rows()
+            positions = torch.arange(d_slots.numel(), device=d_slots.device)
+            self._pending_default = [Pending(None, d_slots, positions, None, d_rows.clamp(-clip_value, clip_value),
+                                             MODES["sum"], False, 0)]  # fmt: skip
         slots, rows = self._pending_rows()
         if not slots.numel():
             return
@@ -159,30 +206,27 @@ class PendingGradient:
         evicted or erased since; evicted ids become -2 (no gradient), padding stays -1."""
         if entry.version == self.table.version:
             return entry.slots
-        return reresolve(self.table, entry.ids, entry.slots)
+        return reresolve(self.table, entry.ids, entry.slots, entry.refused)
 
     def _merged(self) -> "Pending":
-        """One batch equivalent to all pending ones: mean bags become sum bags with
-        per-position weights 1 / len(bag), offsets are shifted and concatenated."""
-        if len(self._pending) == 1:
-            return self._pending[0]
-        slots, offsets, psw, grads = [], [], [], []
-        base = 0
-        for e in self._pending:
-            s = self._resolved(e)
-            o = e.offsets[:-1] if e.include_last_offset else e.offsets
-            w = e.psw if e.psw is not None else torch.ones(s.numel(), dtype=e.grad.dtype, device=s.device)
-            if e.mode == MODES["mean"]:
-                bag = bag_of(o, s.numel())
-                counts = torch.zeros(o.numel(), dtype=e.grad.dtype, device=s.device)
-                counts.index_add_(0, bag, (s != -1).to(e.grad.dtype))
-                w = w / counts.clamp(min=1)[bag]
-            slots.append(s)
-            offsets.append(o + base)
-            psw.append(w)
-            grads.append(e.grad)
-            base += s.numel()
-        return Pending(
-            ids=None, slots=torch.cat(slots), offsets=torch.cat(offsets), psw=torch.cat(psw),
-            grad=torch.cat(grads), mode=MODES["sum"], include_last_offset=False, version=self.table.version,
-        )  # fmt: skip
+        """One batch equivalent to all pending ones (:func:`merge_entries`)."""
+        return merge_entries(self._pending, self._resolved, self.table.version)
+
+    def _accumulate_default(self, entry: "Pending") -> None:
+        """Keeps one backward pass's gradient of the table's default row until step():
+        ``entry.slots`` are 0 where the default row served a position, -2 at the others
+        (counted by mean pooling, no gradient) and -1 at padding. Kept beside the table's
+        entry of the same pass (both or neither), so that a filter of the passes' bags
+        (nonfinite_grad="skip") applies to both alike."""
+        if entry.slots.numel():
+            self._pending_default.append(entry)
+
+    def _default_grad_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The default row's pending gradient: ``(slots, rows)``, ``(1,)`` and ``(1, D)``
+        when a pending pass reached it, else empty (as :meth:`_pending_rows`)."""
+        if not self._pending_default:
+            dev = self.table.device
+            return (torch.empty(0, dtype=torch.long, device=dev),
+                    torch.empty(0, self.embedding_dim, dtype=self.table.dtype, device=dev))  # fmt: skip
+        e = merge_entries(self._pending_default, lambda x: x.slots, 0)
+        return accumulate_grad(e.grad, e.slots, e.offsets, e.psw, e.mode, e.include_last_offset, 1)

@@ -14,6 +14,7 @@ from veloce.optim import Adam
 from veloce.runtime import capture as _capture
 from veloce.runtime.update_stream import run_update
 from veloce.sparse.base import TableModule
+from veloce.sparse.pending import merge_entries
 from veloce.table import UpdateTarget
 from veloce.sparse.nonfinite import (
     CHECKED, DeferredCheck, FiniteCheck, drop_bags, raise_deferred, raise_nonfinite,
@@ -75,6 +76,8 @@ class Stepping:
         _ext.require()
         if bad is not None:
             self._pending = [drop_bags(e, b) for e, b in zip(self._pending, bad)]
+            if self._pending_default:  # one entry per pass beside the table's (_accumulate_default)
+                self._pending_default = [drop_bags(e, b) for e, b in zip(self._pending_default, bad)]
         e = self._merged()
         slots = self._resolved(e) if e.ids is not None else e.slots
         opt = self.optimizer
@@ -112,6 +115,26 @@ class Stepping:
             self._last_lr = update.requested_lr
         if self._had_backward:
             self._had_backward = False
+
+
+    def _step_default_row(self, update: "_Update", skip: Optional[torch.Tensor] = None,
+                          hparams: Optional[torch.Tensor] = None) -> None:  # fmt: skip
+        """Applies the default row's pending gradient (admission: the gradient of the
+        positions it served) with the step's optimizer, hyperparameters (``hparams``: a
+        captured step's device tensor) and ``skip`` flag: the fused update over the
+        ``(1, D)`` row and its ``(1, S)`` state, queued on the current stream (the stream
+        that reads the row next)."""
+        e = merge_entries(self._pending_default, lambda x: x.slots, 0)
+        self._pending_default = []
+        table = self.table
+        weights, state = table.default_rows(), table._buffers["default_state"]
+        offsets = e.offsets[:-1] if e.include_last_offset else e.offsets
+        if hparams is None:
+            hparams = _HPARAMS.fill(weights.device, update.kind, update.hparams())
+        accumulate_and_update(
+            weights, state, e.grad, e.slots, offsets, e.psw, e.mode, False, update.kind, check_inputs=False,
+            skip=skip, hparams=hparams,
+        )  # fmt: skip
 
 
 def step_tables(tables: Sequence[TableModule], lrs: Optional[Sequence[Optional[float]]] = None) -> None:
@@ -267,6 +290,9 @@ def _apply_updates(
         if fence is not None:
             for i in idx:
                 tables[i].table.track_update(fence)
+        for i in idx:  # admission: the default rows of these tables, after their rows' update was queued
+            if tables[i]._pending_default:
+                tables[i]._step_default_row(updates[i], skip, hparams)
         if applied is not None:  # a failed call leaves its tables' steps pending
             applied.extend(idx)
 

@@ -92,9 +92,21 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
     _ext.require()
     for t, i, p in zip(tables, ids, padding_ids):
         t.prepare_insert(i, p, bad_input)
+    admits = [t._admit_of(i, p, bad_input) for t, i, p in zip(tables, ids, padding_ids)]
+    out = _insert_batch(tables, ids, padding_ids, bad_input, on_refused, allow_defer, admits)
+    for t, s in zip(tables, out):
+        t._note_admission(s)
+    return out
+
+
+def _insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tensor], padding_ids: Sequence[int | None],
+                  bad_input: torch.Tensor | None, on_refused: Callable[[], None] | None, allow_defer: bool,
+                  admits: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:  # fmt: skip
+    """:func:`_find_or_insert_batch` once the sightings are counted (``admits``: each table's
+    op ``admit``)."""
     with _ticked_clocks(tables) as booked:
         if allow_defer and all(t._deferrable([i], bad_input) for t, i in zip(tables, ids)):
-            out = _insert_deferred(tables, ids, padding_ids, bad_input, on_refused)
+            out = _insert_deferred(tables, ids, padding_ids, bad_input, on_refused, admits)
             booked.update(id(t) for t in tables)
             return out
         for t in tables:
@@ -107,9 +119,10 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
         room = None if all(r < 0 for r in rooms) else rooms
         inits = [t._initial_state() for t in tables]
         init_state = None if all(i is None for i in inits) else inits
+        admit = None if all(a is None for a in admits) else list(admits)
         slots, counts, evicted = insert_beside_updates(
             tables, lambda: _ops.find_or_insert_many(states, *per_arg, bad_input=bad_input, room=room,
-                                                     init_state=init_state)  # fmt: skip
+                                                     init_state=init_state, admit=admit)  # fmt: skip
         )
         out = list(slots.split([i.numel() for i in ids]))
         counts = counts.tolist()  # a CPU tensor: no device sync
@@ -124,7 +137,8 @@ def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tenso
             if failed == 0:
                 continue
             t._no_room(failed, ids[k], padding_ids[k])  # grows, or raises TableFullError; the table is unchanged
-            out[k] = t._insert(t._find_or_insert_call(ids[k], padding_ids[k]), ids=ids[k], padding_id=padding_ids[k])
+            out[k] = t._insert(t._find_or_insert_call(ids[k], padding_ids[k], admit=admits[k]), ids=ids[k],
+                               padding_id=padding_ids[k])  # fmt: skip
             booked.add(id(t))
     return out
 
@@ -177,11 +191,12 @@ class DeferredCounts:
 
 
 def _insert_deferred(tables: Sequence[HashTable], ids: Sequence[torch.Tensor], padding_ids: Sequence[int | None],
-                     bad_input: torch.Tensor | None,
-                     on_refused: Callable[[], None] | None) -> list[torch.Tensor]:  # fmt: skip
+                     bad_input: torch.Tensor | None, on_refused: Callable[[], None] | None,
+                     admits: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:  # fmt: skip
     """One find_or_insert(_many) op over distinct CUDA tables on one device with ``defer``
     (the tables said yes to :meth:`HashTable._deferrable`): the slots now, the counts later
-    (:class:`DeferredCounts`, read by :meth:`HashTable.settle`)."""
+    (:class:`DeferredCounts`, read by :meth:`HashTable.settle`). ``admits``: each table's
+    op ``admit`` (None admits every id)."""
     capture = _capture.ACTIVE
     if capture is None:
         for t in tables:
@@ -197,14 +212,16 @@ def _insert_deferred(tables: Sequence[HashTable], ids: Sequence[torch.Tensor], p
         if len(tables) == 1:  # counts (2,): DeferredCounts reads it as one row
             clock = None if clocks is None else clocks[0]
             slots, counts, evicted = _ops.find_or_insert(*states[0], *args[0], bad_input=bad_input, defer=True, clock=clock,
-                                                         init_state=inits[0])  # fmt: skip
+                                                         init_state=inits[0], admit=admits[0])  # fmt: skip
             out = [slots]
         else:
             per_arg = [list(a) for a in zip(*args)]
             clock = None if clocks is None else torch.cat(clocks)
             init_state = None if all(i is None for i in inits) else inits
+            admit = None if all(a is None for a in admits) else list(admits)
             slots, counts, evicted = _ops.find_or_insert_many(states, *per_arg, bad_input=bad_input, defer=True,
-                                                              clock=clock, init_state=init_state)  # fmt: skip
+                                                              clock=clock, init_state=init_state,
+                                                              admit=admit)  # fmt: skip
             out = list(slots.split([i.numel() for i in ids]))
         return out, counts, evicted
 

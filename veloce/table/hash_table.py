@@ -31,6 +31,7 @@ from veloce.runtime.attrs import PlainAttrs
 from veloce.runtime.device import current_stream
 from veloce.runtime.memory import empty_table
 from veloce.runtime.update_stream import UpdateFence, release_done, wait_prefetch_origin
+from veloce.table.admitting import Admitting
 from veloce.table.batch import DeferredCounts, _insert_deferred, _ticked_clocks, insert_beside_updates
 from veloce.table.capacity import FULL_LOAD, STATE_NAMES, final_capacity, is_int, is_int64, round_capacity, slots_for, state_dtype
 from veloce.table.deferred import DeferredInserts
@@ -54,7 +55,7 @@ class TableSnapshot(NamedTuple):
     clock: int
 
 
-class HashTable(RowStore, RowVersions, StoreHooks, DeferredInserts, Growth, PlainAttrs, nn.Module):
+class HashTable(RowStore, RowVersions, StoreHooks, DeferredInserts, Growth, Admitting, PlainAttrs, nn.Module):
     """A growable hash table from int64 ids to embedding rows and optimizer state.
 
     Args:
@@ -326,6 +327,7 @@ class HashTable(RowStore, RowVersions, StoreHooks, DeferredInserts, Growth, Plai
             f"dim={self.dim}, {self._size_text()}, capacity={self.capacity}, "
             f"max_capacity={self.max_capacity}, "
             f"eviction={self.eviction_policy!r}, initializer={self.initializer!r}"
+            + ("" if self.admission.admits_all else f", admission={self.admission!r}")
         )
 
     # ---- lookups ----------------------------------------------------------------------
@@ -361,29 +363,36 @@ class HashTable(RowStore, RowVersions, StoreHooks, DeferredInserts, Growth, Plai
         tick stays). ``allow_defer=False`` reads the counts
         back whatever ``defer`` says (a sharded owner's insert: its failure must reach
         every rank in the same step).
+
+        With an admission policy (:meth:`set_admission`), the call counts its ids'
+        sightings and an absent id the policy refuses is not inserted: its slot is the
+        capacity ``C``, which the lookups serve from :meth:`default_rows`.
         """
         self.prepare_insert(ids, padding_id, bad_input)
+        admit = self._admit_of(ids, padding_id, bad_input)
         with _ticked_clocks([self]) as booked:
             if allow_defer and self._deferrable([ids], bad_input):
-                (slots,) = _insert_deferred([self], [ids], [padding_id], bad_input, on_refused)
+                (slots,) = _insert_deferred([self], [ids], [padding_id], bad_input, on_refused, [admit])
             else:
-                slots = self._insert(self._find_or_insert_call(ids, padding_id, bad_input), bad_input=bad_input,
+                slots = self._insert(self._find_or_insert_call(ids, padding_id, bad_input, admit), bad_input=bad_input,
                                      ids=ids, padding_id=padding_id)  # fmt: skip
             booked.add(id(self))
+        self._note_admission(slots)
         return slots
 
 
     def _find_or_insert_call(self, ids: torch.Tensor, padding_id: int | None,
-                             bad_input: torch.Tensor | None = None):  # fmt: skip
+                             bad_input: torch.Tensor | None = None, admit: torch.Tensor | None = None):  # fmt: skip
         """The op call ``allow_evict -> (slots, counts, evicted)`` that :meth:`_insert` retries
-        (a retry passes ``bad_input`` again: it was false, or the first call had raised)."""
+        (a retry passes ``bad_input`` again: it was false, or the first call had raised;
+        and the same ``admit``: the sightings are counted once)."""
         def call(evict: bool):
             state = self._state(join=evict)
             room = self._room()
             init_state = self._initial_state()
             return insert_beside_updates([self], lambda: _ops.find_or_insert(
                 *state, *self._find_or_insert_args(ids, padding_id, evict), bad_input=bad_input, room=room,
-                init_state=init_state,
+                init_state=init_state, admit=admit,
             ))  # fmt: skip
 
         return call

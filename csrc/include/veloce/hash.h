@@ -26,6 +26,10 @@ constexpr uint8_t kEmptyDigest = 0;
 // Slot codes used by the embedding ops (see docs/ops.md).
 constexpr int64_t kPaddingSlot = -1;  // skipped; not counted by mean pooling
 constexpr int64_t kZeroSlot = -2;     // a zero vector; counted by mean pooling
+// find_or_insert's mark for an absent id whose `admit` is false, while the op runs: no
+// phase inserts or scores it; the op returns it as the slot C (the table's capacity), the
+// pooling kernels' first extra row (the caller's default row).
+constexpr int64_t kRefusedSlot = -4;
 
 // The `room` of an inserting op that bounds nothing (see insert_missing in csrc/cpu/hash_table.cpp).
 constexpr int64_t kNoRoomLimit = -1;

@@ -48,6 +48,11 @@ void check_clock(const char* op, const std::optional<at::Tensor>& clock, int64_t
 // init_state of an inserting op, when given: (S,) of opt_state's dtype and device (the
 // state new rows start from; None: zeros).
 void check_init_state(const char* op, const std::optional<at::Tensor>& init_state, const at::Tensor& opt_state);
+// admit of find_or_insert, when given: (N,) bool, one per id, on ids' device.
+void check_admit(const char* op, const std::optional<at::Tensor>& admit, const at::Tensor& ids);
+// admit of find_or_insert_many: none, or one entry per table (each as check_admit).
+void check_admit_many(const char* op, const std::optional<c10::List<std::optional<at::Tensor>>>& admit,
+                      at::TensorList ids);
 
 
 // find_or_insert_many: every per-table list as long as keys, distinct tables on one

@@ -1,0 +1,154 @@
+"""A table's feature admission (:mod:`veloce.admission`): the sketch of its ids' sightings,
+its default row and the admission telemetry, kept as buffers on the table's device.
+
+A training insert (:meth:`~veloce.table.HashTable.find_or_insert`,
+:func:`~veloce.table.find_or_insert_many`) counts its ids' sightings and hands the policy's
+decision to the op as ``admit``: a refused absent id gets the slot ``C`` (the capacity),
+which the pooling kernels serve from the lookup's first extra row, the default row
+(:meth:`Admitting.default_rows`). Nothing here reads the device back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from veloce.admission import (
+    DEFAULT_ROW_ID,
+    DEFAULT_ROW_SEED,
+    AdmissionPolicy,
+    NoAdmission,
+    count_sightings,
+    resolve,
+)
+from veloce.ops.hash_table import initialize
+
+__all__ = ["ADMISSION_STATE", "Admitting"]
+
+#: The admission state a checkpoint keeps (the names of the buffers and of the state-dict entries).
+ADMISSION_STATE = ("admission_counts", "default_weights", "default_state")
+
+# Admission telemetry, one int64 each: sightings served by a row of their own and by the
+# default row, in all since the last reset and in the last training insert.
+_ADMITTED, _REFUSED, _ADMITTED_LAST, _REFUSED_LAST = range(4)
+
+
+class Admitting:
+    """:class:`~veloce.table.HashTable`'s admission (module docstring)."""
+
+    admission: AdmissionPolicy = NoAdmission()
+    _buffers: dict[str, torch.Tensor]
+
+    def set_admission(self, admission: Any) -> None:
+        """Sets the table's admission policy (:func:`veloce.admission.resolve` of
+        ``admission``). A policy that refuses ids gets a zeroed sketch, a default row
+        (the table's initializer at id 0 for :data:`~veloce.admission.DEFAULT_ROW_SEED`,
+        the optimizer's initial state) and zeroed telemetry; :class:`NoAdmission` drops them.
+
+        Raises:
+            ValueError, TypeError: as :func:`veloce.admission.resolve`.
+        """
+        policy = resolve(admission)
+        self.admission = policy
+        if policy.admits_all:
+            for name in (*ADMISSION_STATE, "admission_telemetry"):
+                self._buffers.pop(name, None)
+            return
+        dev, dim = self.device, self.dim  # type: ignore[attr-defined]
+        init = self.initializer  # type: ignore[attr-defined]
+        row = initialize(torch.tensor([DEFAULT_ROW_ID], device=dev), dim, DEFAULT_ROW_SEED, init.kind, init.a, init.b,
+                         self.dtype)  # type: ignore[attr-defined]  # fmt: skip
+        state = torch.zeros(1, self.state_dim, dtype=self.state_dtype, device=dev)  # type: ignore[attr-defined]
+        if self.init_state is not None:  # type: ignore[attr-defined]
+            state[0] = self.init_state.to(dev, state.dtype)  # type: ignore[attr-defined]
+        counts = torch.zeros(policy.depth, policy.width, dtype=torch.int32, device=dev)
+        stats = torch.zeros(4, dtype=torch.long, device=dev)
+        for name, value in zip((*ADMISSION_STATE, "admission_telemetry"), (counts, row, state, stats)):
+            self.register_buffer(name, value, persistent=False)  # type: ignore[attr-defined]
+
+    @property
+    def admits(self) -> bool:
+        """Whether the table refuses some ids (a policy other than :class:`NoAdmission`)."""
+        return not self.admission.admits_all
+
+    def default_rows(self) -> Optional[torch.Tensor]:
+        """The lookups' extra rows: the ``(1, D)`` default row when the table admits, else
+        None (slot ``C`` reads extra row 0)."""
+        return self._buffers["default_weights"] if not self.admission.admits_all else None
+
+    def _admit_of(self, ids: torch.Tensor, padding_id: Optional[int],
+                  bad_input: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # fmt: skip
+        """Counts a training insert's sightings and returns the op's ``admit`` (None: the
+        table admits every id). Padding positions and a lookup refused for ``bad_input``
+        count nothing (the flag is read on the device)."""
+        policy = self.admission
+        if policy.admits_all:
+            return None
+        counted = None
+        if padding_id is not None:
+            counted = ids != padding_id
+        if bad_input is not None:
+            ok = ~bad_input.reshape(())
+            counted = ok.expand(ids.shape) if counted is None else counted & ok
+        estimate = count_sightings(self._buffers["admission_counts"], ids, policy.seed, counted)
+        return policy.admit(ids, estimate)
+
+    def _note_admission(self, slots: torch.Tensor) -> None:
+        """Books a training insert's slots in the telemetry: positions with a row of their
+        own (``0 <= slot < C``) and those the default row serves (``slot == C``)."""
+        if self.admission.admits_all:
+            return
+        cap = self.capacity  # type: ignore[attr-defined]
+        now = torch.stack([((slots >= 0) & (slots < cap)).sum(), (slots == cap).sum()])
+        stats = self._buffers["admission_telemetry"]
+        stats[:2] += now
+        stats[2:] = now
+
+    def admission_stats(self, reset: bool = False) -> dict[str, Any]:
+        """The admission telemetry (empty without admission): ``admitted`` and ``refused``
+        (training sightings served by a row of their own and by the default row, since the
+        last reset), ``admitted_last`` and ``refused_last`` (the last training insert's),
+        ``default_row_share`` (refused / (admitted + refused), 0.0 before any lookup) and
+        ``sketch_bytes``. Reading it is a host sync."""
+        if self.admission.admits_all:
+            return {}
+        stats = self._buffers["admission_telemetry"]
+        admitted, refused, admitted_last, refused_last = stats.tolist()
+        if reset:
+            stats[:2] = 0
+        seen = admitted + refused
+        return {"admitted": admitted, "refused": refused, "admitted_last": admitted_last,
+                "refused_last": refused_last, "default_row_share": refused / seen if seen else 0.0,
+                "sketch_bytes": self.admission.sketch_bytes}  # fmt: skip
+
+    def admission_state(self) -> dict[str, torch.Tensor]:
+        """The sketch and the default row (weights, optimizer state), as a checkpoint keeps
+        them (:data:`ADMISSION_STATE`; empty without admission)."""
+        if self.admission.admits_all:
+            return {}
+        self._join_update()  # type: ignore[attr-defined]
+        return {name: self._buffers[name] for name in ADMISSION_STATE}
+
+    def load_admission_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Puts back :meth:`admission_state`'s tensors (checked first: nothing changes on an
+        error). Sketches of several shards of one table are summed by the caller: counts of
+        disjoint id sets add.
+
+        Raises:
+            ValueError: a tensor is missing or its shape does not fit this table's policy.
+        """
+        if self.admission.admits_all:
+            return
+        for name in ADMISSION_STATE:
+            if name not in state:
+                raise ValueError(f"admission state: {name} is missing (a table with admission={self.admission!r} "
+                                 f"keeps {', '.join(ADMISSION_STATE)})")  # fmt: skip
+            want, got = self._buffers[name].shape, tuple(state[name].shape)
+            if tuple(want) != got:
+                raise ValueError(f"admission state: {name} has shape {got}, this table's is {tuple(want)} "
+                                 f"(admission={self.admission!r}, dim {self.dim})")  # type: ignore[attr-defined]
+        self._join_update()  # type: ignore[attr-defined]
+        for name in ADMISSION_STATE:
+            buf = self._buffers[name]
+            buf.copy_(state[name].to(buf.device, buf.dtype))
