@@ -69,3 +69,64 @@ def test_bad_arguments(tmp_path):
         Publish(store, at_end=False)
     with pytest.raises(TypeError, match="store must be a veloce.serving store"):
         Publish(str(tmp_path))
+
+
+# ---- the config's serving section ---------------------------------------------------------------
+def config(tmp_path, **serving):
+    from veloce.train.config import parse_config
+
+    return parse_config({
+        "model": {"embedding_dim": 4, "bottom_mlp": [8, 4], "top_mlp": [8, 1]},
+        "data": {"samples": 32 * 5, "val_samples": 64, "batch_size": 32, "num_dense": 4, "num_sparse": 2,
+                 "id_space": 300},
+        "trainer": {"run_dir": str(tmp_path / "run"), "progress": False},
+        "serving": serving,
+    })  # fmt: skip
+
+
+def test_config_serving_section_publishes_a_run_whose_twin_equals_the_model(tmp_path):
+    from veloce.train.build import build_loaders, build_model, build_trainer
+
+    cfg = config(tmp_path, store="file", path=str(tmp_path / "store"), every_n_steps=2, dtype="float32")
+    assert cfg.serving.namespace == "veloce" and cfg.serving.keep_last == 3
+    model = build_model(cfg, torch.device("cpu"))
+    train, _ = build_loaders(cfg)
+    trainer = build_trainer(cfg, model, checkpoints=False)
+    (cb,) = [c for c in trainer.callbacks if isinstance(c, Publish)]
+    trainer.fit(train)
+    assert cb.published == [(2, 1), (4, 2), (5, 3)]
+    twin = inference_twin(build_model(cfg, torch.device("cpu")), FileStore(tmp_path / "store"))
+    model.eval()
+    with torch.no_grad():
+        for (dense, sparse), _ in build_loaders(cfg)[1]:
+            assert torch.equal(model(dense, sparse), twin(dense, sparse))
+    assert not [c for c in build_trainer(cfg, model, publish=False).callbacks if isinstance(c, Publish)]
+
+
+def test_config_serving_off_by_default_and_built_per_store(tmp_path):
+    from veloce.ops import rocksdb
+    from veloce.serving import RocksDBStore
+    from veloce.train.build import build_publish
+
+    assert build_publish(config(tmp_path)) is None
+    cb = build_publish(config(tmp_path, store="file", path=str(tmp_path / "f"), dtype="bfloat16", fold_every=4))
+    assert isinstance(cb.store, FileStore) and cb.at_end and cb.every_n_steps is None
+    assert cb._publisher_args["dtype"] is torch.bfloat16 and cb._publisher_args["fold_every"] == 4
+    if rocksdb.available():
+        assert isinstance(build_publish(config(tmp_path, store="rocksdb", path=str(tmp_path / "r"))).store, RocksDBStore)
+
+
+@pytest.mark.parametrize("serving, message", [
+    ({"store": "file"}, "serving.path must be the store's directory with store file, got None"),
+    ({"store": "file", "path": "x", "url": "redis://h"}, "serving.url must be null with store file"),
+    ({"store": "redis"}, "serving.url must be the Redis server's URL"),
+    ({"store": "redis", "url": "redis://h", "path": "x"}, "serving.path must be null with store redis"),
+    ({"store": "file", "path": "x", "at_end": False}, "serving.at_end must be true when every_n_steps is null"),
+    ({"store": "file", "path": "x", "every_n_steps": 0}, "serving.every_n_steps must be a positive number, got 0"),
+    ({"store": "s3"}, "serving.store must be one of"),
+])  # fmt: skip
+def test_config_serving_errors_name_the_field(tmp_path, serving, message):
+    from veloce.train.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config(tmp_path, **serving)
