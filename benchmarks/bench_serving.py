@@ -21,7 +21,8 @@ the rows); ``warm``: every row of the batch in the cache; ``cold``: the cache em
 before each batch, the rows read from the store (a FileStore keeps its parts in memory
 once read; RocksDB reads them with MultiGet, Redis with HMGET). The baseline is
 ``nn.EmbeddingBag`` (sum) over the same rows in memory, indexed by the same ids.
-Latency p50 / p99 of one forward, and throughput in samples/s at p50.
+Latency p50 / p99 of one forward over ``--iters`` batches (a tenth of them at 4096), and
+throughput in samples/s at p50.
 
 (c) **Bytes per step**: Zipf ids (``--zipf``) over an id space of ``--rows`` train the
 table; a FileStore publishes every k steps (k in ``--every``); the bytes of each delta
@@ -203,7 +204,7 @@ def lookups(stores: dict[str, ServingStore], model: OneTable, args: argparse.Nam
     gen = torch.Generator().manual_seed(2)
     out = []
     for batch in (1, 64, 4096):
-        iters = max(args.lookups // batch, 20)
+        iters = args.iters if batch < 4096 else max(20, args.iters // 10)
         batches = [torch.randint(0, args.rows, (batch, args.bag), generator=gen) for _ in range(iters)]
         base = lookup_latency(bag, batches)
         out.append({"batch": batch, "what": "nn.EmbeddingBag", **base})
@@ -252,7 +253,7 @@ def main() -> None:
     p.add_argument("--delta", type=int, default=50_000, help="rows changed between two publications (a)")
     p.add_argument("--repeat", type=int, default=3, help="deltas timed (a; the median is reported)")
     p.add_argument("--bag", type=int, default=4, help="ids per sample (b)")
-    p.add_argument("--lookups", type=int, default=40_000, help="samples looked up per batch size (b; >= 20 batches)")
+    p.add_argument("--iters", type=int, default=300, help="batches timed at batch 1 and 64 (b; a tenth, >= 20, at 4096)")
     p.add_argument("--every", type=int, nargs="+", default=[1, 10, 100], help="steps between publications (c)")
     p.add_argument("--step-ids", type=int, default=4096, help="ids per training step (c)")
     p.add_argument("--warm-steps", type=int, default=200, help="training steps before the snapshot (c)")

@@ -71,7 +71,7 @@ def test_bench_rocksdb_table_runs_a_tiny_configuration(tmp_path):
 def test_bench_serving_runs_a_tiny_configuration(tmp_path):
     out_json = tmp_path / "out.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_serving.py"), "--rows", "3000", "--dim", "8",
-           "--delta", "500", "--repeat", "1", "--lookups", "100", "--every", "1", "4", "--step-ids", "128",
+           "--delta", "500", "--repeat", "1", "--iters", "20", "--every", "1", "4", "--step-ids", "128",
            "--warm-steps", "5", "--publications", "1", "--dir", str(tmp_path), "--json", str(out_json)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
