@@ -130,3 +130,22 @@ def test_config_serving_errors_name_the_field(tmp_path, serving, message):
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         config(tmp_path, **serving)
+
+
+def test_veloce_train_publishes_through_the_serving_section_and_evaluate_does_not(tmp_path, capsys):
+    import yaml
+
+    from veloce import cli
+
+    raw = {"model": {"embedding_dim": 4, "bottom_mlp": [8, 4], "top_mlp": [8, 1]},
+           "data": {"samples": 256, "val_samples": 128, "batch_size": 64, "num_dense": 4, "num_sparse": 2,
+                    "id_space": 300},
+           "trainer": {"run_dir": str(tmp_path / "run"), "progress": False},
+           "serving": {"store": "file", "path": str(tmp_path / "store"), "every_n_steps": 2}}  # fmt: skip
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    assert cli.main(["train", str(tmp_path / "c.yaml")]) == 0
+    store = FileStore(tmp_path / "store")
+    assert store.committed() == [1, 2]  # steps 2 and 4 (the last step: not published twice)
+    assert cli.main(["evaluate", str(tmp_path / "c.yaml"), "--checkpoint", str(tmp_path / "run" / "checkpoints")]) == 0
+    assert store.committed() == [1, 2]
+    capsys.readouterr()
