@@ -224,6 +224,10 @@ def lookups(stores: dict[str, ServingStore], model: OneTable, args: argparse.Nam
 # ---- (c) bytes per step --------------------------------------------------------------------------
 def bytes_per_step(args: argparse.Namespace, workdir: str) -> list[dict[str, Any]]:
     gen = np.random.default_rng(3)
+
+    def zipf(n: int) -> torch.Tensor:
+        return torch.from_numpy((gen.zipf(args.zipf, n) - 1) % args.rows)
+
     out = []
     for every in args.every:
         torch.manual_seed(0)
@@ -231,7 +235,6 @@ def bytes_per_step(args: argparse.Namespace, workdir: str) -> list[dict[str, Any
         path = os.path.join(workdir, f"bytes{every}")
         store = FileStore(path)
         with Publisher(store, model, keep_last=1 << 20, fold_every=1 << 20) as pub:
-            zipf = lambda n: torch.from_numpy((gen.zipf(args.zipf, n) - 1) % args.rows)  # noqa: E731
             train_on(model, zipf(args.step_ids * args.warm_steps), batch=args.step_ids)  # the table fills up
             full_v, snapshot_rows = pub.publish(), len(model.emb)
             deltas = []
