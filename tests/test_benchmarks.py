@@ -66,3 +66,21 @@ def test_bench_rocksdb_table_runs_a_tiny_configuration(tmp_path):
     assert set(tables) == {"memory", "rocksdb+ram", "rocksdb"} and all(t["step_ms"] > 0 for t in tables.values())
     assert tables["rocksdb+ram"]["ram_rows"] == 500 and tables["rocksdb+ram"]["read_up_per_step"] >= 0
     assert "| table | ms/step | ratio |" in done.stdout
+
+
+def test_bench_serving_runs_a_tiny_configuration(tmp_path):
+    out_json = tmp_path / "out.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_serving.py"), "--rows", "3000", "--dim", "8",
+           "--delta", "500", "--repeat", "1", "--iters", "20", "--every", "1", "4", "--step-ids", "128",
+           "--warm-steps", "5", "--publications", "1", "--dir", str(tmp_path), "--json", str(out_json)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out_json.read_text())
+    assert result["publish"]["file"]["rows"] == 500 and all(r["publish_s"] > 0 for r in result["publish"].values())
+    if rocksdb_ops.available():
+        assert result["publish"]["rocksdb"]["raw_s"] > 0
+    batches = {(r["batch"], r["what"]) for r in result["lookup"]}
+    assert {(b, w) for b in (1, 64, 4096) for w in ("nn.EmbeddingBag", "file cold", "warm (any store)")} <= batches
+    assert [r["every"] for r in result["bytes"]] == [1, 4] and all(r["delta_bytes"] > 0 for r in result["bytes"])
+    assert "| store | rows | publish rows/s |" in done.stdout and "| publish every |" in done.stdout

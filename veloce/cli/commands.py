@@ -59,7 +59,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         found = path if (path / "manifest.json").exists() else checkpoint.latest(path)
         if found is None:
             raise checkpoint.CheckpointError(f"no committed checkpoint at or under {path}")
-        trainer = build_trainer(cfg, model, checkpoints=False)  # shards the tables first on several ranks
+        trainer = build_trainer(cfg, model, checkpoints=False, publish=False)  # shards the tables first on several ranks
         step = checkpoint.load(found, trainer.model)["step"]
         _, val = build_loaders(cfg, rank, world_size)
         result = trainer.evaluate(val)

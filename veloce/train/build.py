@@ -1,6 +1,7 @@
 """The pieces of a ``veloce train`` run, built from its :class:`~veloce.train.config.Config`:
 the model (:func:`build_model`), this rank's data loaders (:func:`build_loaders`), the
-Trainer (:func:`build_trainer`) and the device (:func:`config_device`).
+Trainer (:func:`build_trainer`), its serving callback (:func:`build_publish`) and the
+device (:func:`config_device`).
 
 Example::
 
@@ -17,7 +18,7 @@ import os
 import signal
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -30,11 +31,12 @@ from veloce.data import CriteoTSV, SyntheticClicks
 from veloce.data.criteo import NUM_DENSE, NUM_SPARSE
 from veloce.embedding import DynamicEmbedding
 from veloce.models import DLRM, DeepFM
+from veloce.serving import FileStore, Publish, RedisStore, RocksDBStore, ServingStore
 from veloce.train.callbacks import Callback
 from veloce.train.config import Config, ConfigError, StorageConfig
 from veloce.train.trainer import Trainer
 
-__all__ = ["build_loaders", "build_model", "build_storage", "build_trainer", "config_device"]
+__all__ = ["build_loaders", "build_model", "build_publish", "build_storage", "build_trainer", "config_device"]
 
 _SPARSE_OPTIMIZERS = {"sgd": "SGD", "adagrad": "Adagrad", "rowwise_adagrad": "RowWiseAdagrad", "adam": "Adam",
                       "ftrl": "FTRL"}  # fmt: skip
@@ -121,16 +123,23 @@ def build_loaders(cfg: Config, rank: int = 0, world_size: int = 1) -> tuple[Any,
 
 
 def build_trainer(
-    cfg: Config, model: nn.Module, checkpoints: bool = True, callbacks: Sequence[Callback] = ()
+    cfg: Config,
+    model: nn.Module,
+    checkpoints: bool = True,
+    callbacks: Sequence[Callback] = (),
+    publish: bool = True,
 ) -> Trainer:
     """A Trainer with the config's optimizers and settings, AUC / log loss / accuracy metrics,
-    checkpoints in ``trainer.checkpoints()`` (if ``checkpoints``), logs in ``run_dir``, and
-    ``callbacks``."""
+    checkpoints in ``trainer.checkpoints()`` (if ``checkpoints``), logs in ``run_dir``,
+    ``callbacks``, and the ``serving`` section's :class:`~veloce.serving.Publish` (if
+    ``publish``; :func:`build_publish`)."""
     o, tr, st = cfg.optimizer.dense, cfg.trainer, cfg.strategy
     params = [p for p in model.parameters() if p.requires_grad]
     # A captured step (trainer.cuda_graph) needs Adam's state, its step count too, on the device.
     extra = {"capturable": True} if tr.cuda_graph and o.name == "adam" else {}
     dense = _DENSE_OPTIMIZERS[o.name](params, lr=o.lr, weight_decay=o.weight_decay, **extra) if params else None
+    serving = build_publish(cfg) if publish else None
+    callbacks = [*callbacks, serving] if serving is not None else list(callbacks)
     return Trainer(
         model, optimizer=dense,
         metrics={"auc": metrics.AUC(), "logloss": metrics.LogLoss(), "accuracy": metrics.Accuracy()},
@@ -142,6 +151,25 @@ def build_trainer(
         log_every=tr.log_every, log_dir=tr.run_dir, progress=tr.progress, seed=tr.seed, callbacks=callbacks,
         cuda_graph=tr.cuda_graph, clip_grad_norm=tr.clip_grad_norm,
     )  # fmt: skip
+
+
+def build_publish(cfg: Config) -> Optional[Publish]:
+    """The ``serving`` section's :class:`~veloce.serving.Publish` callback (None while
+    ``serving.store`` is null). A Redis store connects here: an unreachable server fails
+    before training starts."""
+    s = cfg.serving
+    if s.store is None:
+        return None
+    store: ServingStore
+    if s.store == "file":
+        store = FileStore(s.path)
+    elif s.store == "rocksdb":
+        store = RocksDBStore(s.path)
+    else:
+        store = RedisStore(s.url, s.namespace)
+    dtype = None if s.dtype == "float32" else getattr(torch, s.dtype)
+    return Publish(store, every_n_steps=s.every_n_steps, at_end=s.at_end, keep_last=s.keep_last,
+                   fold_every=s.fold_every, dtype=dtype)  # fmt: skip
 
 
 def _worker_ignores_sigint(worker_id: int) -> None:

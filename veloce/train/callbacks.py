@@ -38,46 +38,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from veloce.runtime.hooks import AnyTrainer, Callback
 from veloce.runtime.progress import Bar
 
 __all__ = ["Callback", "EarlyStopping", "JSONLinesLogger", "ProgressBar", "TensorBoardLogger"]
-
-# The trainer each hook receives: the veloce.Trainer calling it. The trainer module imports
-# this one (the built-in loggers), so the hooks name its type only in words.
-AnyTrainer = Any
-
-
-class Callback:
-    """Base class of trainer callbacks: every hook does nothing by default."""
-
-    def on_fit_start(self, trainer: AnyTrainer) -> None:
-        """Called once when ``fit`` starts (after a resume has been loaded)."""
-
-    def on_epoch_start(self, trainer: AnyTrainer, epoch: int) -> None:
-        """Called before the first batch of an epoch (also of a resumed, partly done one)."""
-
-    def on_step_end(self, trainer: AnyTrainer, step: int) -> None:
-        """Called after every optimizer step; ``step`` counts from 1 over the whole run."""
-
-    def on_log(self, trainer: AnyTrainer, record: dict[str, Any]) -> None:
-        """Called with a step record every ``log_every`` optimizer steps."""
-
-    def on_epoch_end(self, trainer: AnyTrainer, record: dict[str, Any]) -> None:
-        """Called with the epoch record (train loss, throughput, validation metrics)."""
-
-    def on_checkpoint(self, trainer: AnyTrainer, path: Path) -> None:
-        """Called on every rank after a checkpoint is committed at ``path`` (every
-        ``checkpoint_every`` steps, at the end of an epoch, when ``fit`` ends)."""
-
-    def on_fit_end(self, trainer: AnyTrainer, history: list[dict[str, Any]]) -> None:
-        """Called once when ``fit`` returns normally."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state saved in checkpoints (none by default)."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores what :meth:`state_dict` returned."""
 
 
 class EarlyStopping(Callback):

@@ -1,6 +1,6 @@
 """The YAML config of ``veloce train`` / ``veloce evaluate``: a small, explicit, validated schema.
 
-Six sections, each a frozen dataclass; every field has a default, so a config only states
+Seven sections, each a frozen dataclass; every field has a default, so a config only states
 what it changes. ``docs/config.md`` documents every field. Loading checks types and
 ranges and names the offending field::
 
@@ -11,8 +11,8 @@ Paths: ``data.path`` and ``tables.storage.path`` written in a config file are re
 that file's directory (the config and its data move together); given with ``--set`` they
 are relative to the current directory, as any path typed in a shell. :func:`load_config`
 makes them absolute.
-``trainer.run_dir`` and ``trainer.checkpoint_dir`` stay relative to the current directory
-(outputs go where the command runs).
+``trainer.run_dir``, ``trainer.checkpoint_dir`` and ``serving.path`` stay relative to the
+current directory (outputs go where the command runs).
 
 Example::
 
@@ -303,6 +303,37 @@ class StrategyConfig:
 
 
 @dataclass(frozen=True)
+class ServingConfig:
+    """``serving``: publish the model while it trains (``veloce.serving.Publish``); off
+    while ``store`` is null."""
+
+    store: Optional[Literal["file", "redis", "rocksdb"]] = None
+    path: Optional[str] = None
+    url: Optional[str] = None
+    namespace: str = "veloce"
+    every_n_steps: Optional[int] = None
+    at_end: bool = True
+    keep_last: int = 3
+    fold_every: int = 10
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        _positive(self, "every_n_steps", "keep_last", "fold_every")
+        if self.store in ("file", "rocksdb"):
+            _require(isinstance(self.path, str) and self.path != "", "path",
+                     f"the store's directory with store {self.store}", self.path)  # fmt: skip
+            _require(self.url is None, "url", f"null with store {self.store} (a directory: give path)", self.url)
+        elif self.store == "redis":
+            _require(isinstance(self.url, str) and self.url != "", "url",
+                     "the Redis server's URL (redis://host:port/db) with store redis", self.url)  # fmt: skip
+            _require(self.path is None, "path", "null with store redis (a server: give url)", self.path)
+            _require(self.namespace != "", "namespace", "a non-empty name with store redis", self.namespace)
+        if self.store is not None:
+            _require(self.every_n_steps is not None or self.at_end, "at_end",
+                     "true when every_n_steps is null (else nothing is ever published)", self.at_end)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole ``veloce train`` config."""
 
@@ -312,6 +343,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
 
     def __post_init__(self) -> None:
         # torch's Adagrad keeps its step count on the host: a CUDA graph would not advance it.
