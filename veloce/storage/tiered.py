@@ -339,6 +339,7 @@ class TieredTable(BothTiers, HashTable):
             self.store.erase(from_store)
         self.last_evicted = self._tier_evicted = torch.cat(gone)
         self.num_evicted += excess
+        self._record_evicted(self._tier_evicted)  # the health telemetry's record (veloce.table.health)
 
     # ---- telemetry ------------------------------------------------------------------------
     def stats(self, reset: bool = False) -> dict[str, Any]:

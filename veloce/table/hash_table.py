@@ -36,6 +36,7 @@ from veloce.table.capacity import FULL_LOAD, STATE_NAMES, final_capacity, is_int
 from veloce.table.deferred import DeferredInserts
 from veloce.eviction import EvictionPolicy, resolve
 from veloce.table.growth import Growth
+from veloce.table.health import TableHealth
 from veloce.table.hooks import StoreHooks
 from veloce.table.rows import RowStore
 
@@ -53,7 +54,7 @@ class TableSnapshot(NamedTuple):
     clock: int
 
 
-class HashTable(RowStore, StoreHooks, DeferredInserts, Growth, PlainAttrs, nn.Module):
+class HashTable(RowStore, StoreHooks, TableHealth, DeferredInserts, Growth, PlainAttrs, nn.Module):
     """A growable hash table from int64 ids to embedding rows and optimizer state.
 
     Args:
@@ -478,6 +479,7 @@ class HashTable(RowStore, StoreHooks, DeferredInserts, Growth, PlainAttrs, nn.Mo
         if num_evicted:
             self.num_evicted += num_evicted
             self.version += 1
+            self._record_evicted(evicted)  # the health telemetry's record (veloce.table.health)
 
     def erase(self, ids: torch.Tensor) -> int:
         """Removes ``ids``; returns how many were present."""
