@@ -82,7 +82,8 @@ class TableHealth:
         record = self._evicted_record
         if record is None:
             return 0, 0
-        keys, clocks = record
+        device = self._buffers["keys"].device  # type: ignore[attr-defined]
+        keys, clocks = (t.to(device) for t in record)  # (the table may have moved since)
         recent = (clocks >= 0) & (clocks >= self.clock - int(self.return_window))  # type: ignore[attr-defined]
         ids = keys[recent]
         if not ids.numel():
