@@ -21,6 +21,11 @@ setup). The variants differ only in their embeddings:
   ``k`` times in the training rows; every other id reads one shared row, which trains. Its
   counts come from the whole training split before training (an oracle that admission,
   counting as it trains, does not have).
+- ``(d) streaming admission at sighting k``: plain PyTorch doing what admission
+  does, with exact counts: over ``(c)``'s vocabulary, a training occurrence reads the id's
+  own row from the id's ``k``-th occurrence in the training stream on (in row order), the
+  shared row before; validation as ``(c)``. It is the reference ``veloce min_count=k``
+  should match (up to how repeats within a batch count, and the sketch's collisions).
 
 Seeds are paired: seed ``s`` gives every variant the same dense weights and the same data
 order, so that the difference of two variants' AUC on one seed is free of the dense
@@ -39,6 +44,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -96,7 +102,28 @@ def vocabulary(sparse: torch.Tensor, split: int, min_count: int) -> tuple[torch.
 def variants(min_counts: list[int]) -> list[str]:
     names = [f"veloce min_count={k}" for k in min_counts]
     names += ["(a) one row per training id", "(b) 2^16 hashed buckets"]
-    return names + [f"(c) vocabulary of ids seen >= {k} times" for k in min_counts if k > 1]
+    names += [f"(c) vocabulary of ids seen >= {k} times" for k in min_counts if k > 1]
+    return names + [f"(d) streaming admission at sighting {k}" for k in min_counts if k > 1]
+
+
+def occurrences(col: torch.Tensor) -> torch.Tensor:
+    """For each position of ``col``, how many times its id occurred up to it (1 = first)."""
+    ids, order = torch.sort(col, stable=True)
+    _, counts = torch.unique_consecutive(ids, return_counts=True)
+    starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    out = torch.empty_like(col)
+    out[order] = torch.arange(col.numel()) - starts + 1
+    return out
+
+
+def streaming(sparse: torch.Tensor, split: int, min_count: int) -> tuple[torch.Tensor, list[int]]:
+    """:func:`vocabulary` of ``min_count``, with each training occurrence before the id's
+    ``min_count``-th sent to the shared row 0."""
+    ids, sizes = vocabulary(sparse, split, min_count)
+    for f in range(sparse.shape[1]):
+        early = occurrences(sparse[:split, f].contiguous()) < min_count
+        ids[:split, f] = torch.where(early, 0, ids[:split, f])
+    return ids, sizes
 
 
 def admission_module() -> Any:
@@ -120,8 +147,11 @@ def build(name: str, sparse: torch.Tensor, split: int, seed: int) -> tuple[torch
         return sparse, table, rows
     if name.startswith("(b)"):
         return torch.remainder(sparse, HASH_BUCKETS), lambda dim: embedding_bag(HASH_BUCKETS, seed), bag_rows
-    k = 1 if name.startswith("(a)") else int(name.split(">= ")[1].split()[0])
-    ids, sizes = vocabulary(sparse, split, k)
+    if name.startswith("(d)"):
+        ids, sizes = streaming(sparse, split, int(name.rsplit(" ", 1)[1]))
+    else:
+        k = 1 if name.startswith("(a)") else int(name.split(">= ")[1].split()[0])
+        ids, sizes = vocabulary(sparse, split, k)
     it = iter(sizes)
     return ids, lambda dim: embedding_bag(next(it), seed), bag_rows
 
@@ -229,6 +259,8 @@ def main() -> None:
         for seed in range(args.seeds):  # seeds outside: every variant of a seed runs in the same conditions
             for name in names:
                 results[name].append(run(name, data, split, seed, args.epochs))
+            print(f"seed {seed}: " + ", ".join(f"{n.split()[0]} {results[n][-1]['auc']:.4f}" for n in names),
+                  file=sys.stderr, flush=True)  # fmt: skip
     summary = summarize(results, reference)
     head = (f"Criteo DLRM with admission: CPU ({platform.processor() or platform.machine()}, "
             f"{torch.get_num_threads()} threads), torch {torch.__version__}, commit {commit()}; "
