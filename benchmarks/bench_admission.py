@@ -183,11 +183,13 @@ def run(name: str, data, split: int, seed: int, epochs: int) -> dict[str, Any]:
     model = DLRM(13, 26, DIM, embedding_factory=factory)
     dense_params = [p for n, p in model.named_parameters() if not n.startswith("embeddings.")]
     bag_params = [p for n, p in model.named_parameters() if n.startswith("embeddings.")]
-    groups = [{"params": dense_params, "lr": DENSE_LR}] + ([{"params": bag_params, "lr": SPARSE_LR}] if bag_params else [])
+    groups = [{"params": dense_params, "lr": DENSE_LR}]
+    groups += [{"params": bag_params, "lr": SPARSE_LR}] if bag_params else []  # (veloce's tables step themselves)
     trainer = veloce.Trainer(model, optimizer=torch.optim.Adagrad(groups), metrics={"auc": veloce.metrics.AUC()},
                              progress=False, seed=seed, max_epochs=epochs)  # fmt: skip
     start = time.perf_counter()
-    history = trainer.fit(batches(dense, ids, label, 0, split, BATCH), batches(dense, ids, label, split, len(label), 4096))
+    train, val = batches(dense, ids, label, 0, split, BATCH), batches(dense, ids, label, split, len(label), 4096)
+    history = trainer.fit(train, val)
     return {"auc": history[-1]["val_auc"], "rows": rows(model), "seconds": time.perf_counter() - start,
             **table_stats(model)}  # fmt: skip
 
@@ -218,7 +220,8 @@ def markdown(summary: list[dict[str, Any]], reference: str) -> str:
              f"[95 % interval] |", "|---|---|---|---|---|---|"]  # fmt: skip
     for s in summary:
         lo, hi = s["diff_ci95"]
-        diff = "-" if s["variant"] == reference else f"{s['diff_mean']:+.4f} ({s['diff_sd']:.4f}) [{lo:+.4f}, {hi:+.4f}]"
+        diff = f"{s['diff_mean']:+.4f} ({s['diff_sd']:.4f}) [{lo:+.4f}, {hi:+.4f}]"
+        diff = "-" if s["variant"] == reference else diff
         lines.append(f"| {s['variant']} | {s['seeds']} | {s['rows']:,.0f} | {s['fewer_rows_than_a']:.2f}x | "
                      f"{s['auc_mean']:.4f} ({s['auc_sd']:.4f}) | {diff} |")  # fmt: skip
     return "\n".join(lines)
