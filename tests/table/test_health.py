@@ -54,7 +54,7 @@ def test_evicted_ids_that_come_back_are_counted_within_the_window():
 
 def test_returns_match_a_reference_of_the_evicted_ids():
     """A table at max_capacity over a working set twice its size: every eviction (from
-    last_evicted) and the ids present now give the expected counts."""
+    last_evicted) and the ids the table holds at the end give the expected counts."""
     t = HashTable(4, 0, max_capacity=32, eviction="lru")
     g = torch.Generator().manual_seed(0)
     evicted_at: dict[int, int] = {}

@@ -4,6 +4,7 @@ veloce has no veloce.admission, and the Criteo example config."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from pathlib import Path
@@ -116,6 +117,8 @@ def test_the_criteo_admission_example_parses():
 
 
 def test_the_config_builds_real_admission_when_veloce_has_it():
+    if "admission" not in inspect.signature(veloce.DynamicEmbedding).parameters:
+        pytest.skip("this veloce's DynamicEmbedding takes no admission")
     module = pytest.importorskip("veloce.admission")
     emb = build_model(parse_config({"data": {"num_sparse": 1}, "tables": {"admission": {"kind": "frequency",
                                                                                         "min_count": 2}}}),

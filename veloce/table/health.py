@@ -47,7 +47,7 @@ class TableHealth:
     _evicted_record: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def _record_evicted(self, ids: torch.Tensor) -> None:
-        """Writes ``ids``, evicted at the table's clock now, into the record."""
+        """Writes ``ids``, evicted at the table's current clock, into the record."""
         device = self._buffers["keys"].device  # type: ignore[attr-defined]
         record = self._evicted_record
         if record is None or record[0].device != device:
@@ -83,7 +83,7 @@ class TableHealth:
         if record is None:
             return 0, 0
         device = self._buffers["keys"].device  # type: ignore[attr-defined]
-        keys, clocks = (t.to(device) for t in record)  # (the table may have moved since)
+        keys, clocks = (t.to(device) for t in record)  # (the table may be on another device than at the eviction: .to())
         recent = (clocks >= 0) & (clocks >= self.clock - int(self.return_window))  # type: ignore[attr-defined]
         ids = keys[recent]
         if not ids.numel():
