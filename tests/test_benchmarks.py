@@ -84,3 +84,28 @@ def test_bench_serving_runs_a_tiny_configuration(tmp_path):
     assert {(b, w) for b in (1, 64, 4096) for w in ("nn.EmbeddingBag", "file cold", "warm (any store)")} <= batches
     assert [r["every"] for r in result["bytes"]] == [1, 4] and all(r["delta_bytes"] > 0 for r in result["bytes"])
     assert "| store | rows | publish rows/s |" in done.stdout and "| publish every |" in done.stdout
+
+
+def test_bench_admission_runs_a_tiny_study(tmp_path):
+    from conftest import data_dir
+
+    sample = data_dir() / "criteo" / "criteo_kaggle_train_sample.tsv"
+    if not sample.is_file():
+        pytest.skip(f"Criteo sample not found: {sample} (set VELOCE_DATA_DIR)")
+    out_json = tmp_path / "out.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_admission.py"), "--data", str(sample), "--rows",
+           "800", "--seeds", "2", "--min-counts", "1,2", "--json", str(out_json)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(out_json.read_text())
+    rows = {r["variant"]: r for r in out["rows"]}
+    assert {"veloce min_count=1", "(a) one row per training id", "(b) 2^16 hashed buckets",
+            "(c) vocabulary of ids seen >= 2 times"} <= set(rows)  # fmt: skip
+    assert all(r["seeds"] == 2 and 0 < r["auc_mean"] < 1 for r in rows.values())
+    one_row = rows["(a) one row per training id"]["rows"]
+    assert rows["veloce min_count=1"]["rows"] == one_row - 26  # every training id, less (a)'s 26 rows of unseen ids
+    assert rows["(c) vocabulary of ids seen >= 2 times"]["rows"] < one_row / 2
+    assert rows["veloce min_count=1"]["diff_mean"] == 0
+    assert ("veloce min_count=2" in rows) != bool(out["skipped"])  # run where veloce has admission
+    assert "| variant | seeds | table rows |" in done.stdout

@@ -340,6 +340,7 @@ class TieredTable(BothTiers, HashTable):
         self.last_evicted = self._tier_evicted = torch.cat(gone)
         self.num_evicted += excess
         self._log_removed(self._tier_evicted)  # before the lookup's tick: stamped with its clock
+        self._record_evicted(self._tier_evicted)  # the health telemetry's record (veloce.table.health)
 
     # ---- telemetry ------------------------------------------------------------------------
     def stats(self, reset: bool = False) -> dict[str, Any]:

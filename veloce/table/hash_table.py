@@ -37,6 +37,7 @@ from veloce.table.capacity import FULL_LOAD, STATE_NAMES, final_capacity, is_int
 from veloce.table.deferred import DeferredInserts
 from veloce.eviction import EvictionPolicy, resolve
 from veloce.table.growth import Growth
+from veloce.table.health import TableHealth
 from veloce.table.hooks import StoreHooks
 from veloce.table.rows import RowStore
 from veloce.table.versions import RemovedLog, RowVersions
@@ -55,7 +56,8 @@ class TableSnapshot(NamedTuple):
     clock: int
 
 
-class HashTable(RowStore, RowVersions, StoreHooks, DeferredInserts, Growth, Admitting, PlainAttrs, nn.Module):
+class HashTable(RowStore, RowVersions, StoreHooks, TableHealth, DeferredInserts, Growth, Admitting, PlainAttrs,
+                nn.Module):  # fmt: skip
     """A growable hash table from int64 ids to embedding rows and optimizer state.
 
     Args:
@@ -491,6 +493,7 @@ class HashTable(RowStore, RowVersions, StoreHooks, DeferredInserts, Growth, Admi
             self.num_evicted += num_evicted
             self.version += 1
             self._log_removed(evicted, outside_lookup=False)
+            self._record_evicted(evicted)  # the health telemetry's record (veloce.table.health)
 
     def erase(self, ids: torch.Tensor) -> int:
         """Removes ``ids``; returns how many were present."""

@@ -14,7 +14,7 @@ without asking which kind it is (one Python call each, no tensor work).
   ``HybridParallel(sparse="async")``).
 - ``prefetch(ids, padding_id)``: the rows of a coming training batch, brought up ahead of it.
 - ``rows_below(ids, missing)``: an evaluation lookup's rows of ids the cache lacks.
-- ``stats(reset)``: the table's telemetry, one dict.
+- ``stats(reset)``: the table's telemetry, one dict (its health: :mod:`veloce.table.health`).
 - ``export_chunks(rows)``: every entry in chunks (an export that never holds every row).
 """
 
@@ -57,10 +57,17 @@ class StoreHooks:
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
         """The table's telemetry: ``rows`` (``len``), ``capacity`` (slots), ``max_capacity``
-        (None: unbounded) and ``evicted`` (rows evicted at ``max_capacity`` since creation).
-        ``reset`` clears the counters that count since the last reset (none here)."""
-        return {"rows": len(self), "capacity": self.capacity, "max_capacity": self.max_capacity,  # type: ignore[attr-defined]
-                "evicted": self.num_evicted}  # type: ignore[attr-defined]  # fmt: skip
+        (None: unbounded), ``evicted`` (rows evicted at ``max_capacity`` since creation),
+        ``evicted_last_lookup`` (by the latest training lookup: one lookup per step, the
+        last step's), ``clock`` (training lookups), and the health keys of
+        :mod:`veloce.table.health` (``evicted_within_n``, ``returned_within_n``,
+        ``return_window``, ``oldest_row_age``, ``min_use_count``). ``reset`` clears the
+        counters that count since the last reset (none here)."""
+        out = {"rows": len(self), "capacity": self.capacity, "max_capacity": self.max_capacity,  # type: ignore[attr-defined]
+               "evicted": self.num_evicted, "evicted_last_lookup": int(self.last_evicted.numel()),  # type: ignore[attr-defined]
+               "clock": self.clock}  # type: ignore[attr-defined]  # fmt: skip
+        out.update(self.health_stats())  # type: ignore[attr-defined]
+        return out
 
     def export_chunks(self, rows: int = 1 << 20) -> Iterator[dict[str, torch.Tensor]]:
         """Every entry, in dicts of at most ``rows`` entries (``keys``, ``weights``,

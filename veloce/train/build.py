@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import signal
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+import veloce
 from veloce import eviction as veloce_eviction
 from veloce import init as veloce_init
 from veloce import metrics, optim, storage
@@ -33,10 +35,11 @@ from veloce.embedding import DynamicEmbedding
 from veloce.models import DLRM, DeepFM
 from veloce.serving import FileStore, Publish, RedisStore, RocksDBStore, ServingStore
 from veloce.train.callbacks import Callback
-from veloce.train.config import Config, ConfigError, StorageConfig
+from veloce.train.config import AdmissionConfig, Config, ConfigError, StorageConfig
 from veloce.train.trainer import Trainer
 
-__all__ = ["build_loaders", "build_model", "build_publish", "build_storage", "build_trainer", "config_device"]
+__all__ = ["build_admission", "build_loaders", "build_model", "build_publish", "build_storage", "build_trainer",
+           "config_device"]  # fmt: skip
 
 _SPARSE_OPTIMIZERS = {"sgd": "SGD", "adagrad": "Adagrad", "rowwise_adagrad": "RowWiseAdagrad", "adam": "Adam",
                       "ftrl": "FTRL"}  # fmt: skip
@@ -61,10 +64,12 @@ def build_model(cfg: Config, device: torch.device) -> nn.Module:
 
     def table(dim: int) -> DynamicEmbedding:
         seed = next(seeds)
+        admission = build_admission(t.admission)  # one per table: each counts its own ids
         return DynamicEmbedding(
             dim, mode=t.mode, capacity=t.capacity, max_capacity=t.max_capacity, eviction=eviction,
             initializer=init, optimizer=sparse_opt, seed=seed, device=device, defer_inserts=t.defer_inserts,
             storage=build_storage(t.storage, f"table_{seed - cfg.trainer.seed * 1000}"),
+            **({} if admission is None else {"admission": admission}),
         )  # fmt: skip
 
     num_dense, num_sparse = _feature_counts(cfg)
@@ -92,6 +97,33 @@ def build_storage(cfg: StorageConfig, name: str = "table_0") -> storage.StorageS
         return storage.HostCached(policy=cfg.policy, **cache)
     os.makedirs(str(cfg.path), exist_ok=True)  # the run's directory of databases
     return storage.RocksDB(os.path.join(str(cfg.path), name), policy=cfg.policy, existing="clear", **cache)
+
+
+def build_admission(cfg: AdmissionConfig) -> Any:
+    """The ``veloce.admission`` object of ``tables.admission`` (a fresh one per call: a
+    table's admission keeps its own counts), or None with ``kind: none``.
+
+    Raises:
+        ConfigError: the kind needs ``veloce.admission`` and this veloce has none.
+    """
+    if cfg.kind == "none":
+        return None
+    module = getattr(veloce, "admission", None)
+    if module is None:
+        try:
+            module = importlib.import_module("veloce.admission")
+        except ImportError:
+            module = None
+    if module is None:
+        raise ConfigError(
+            f"config error: tables.admission.kind is {cfg.kind!r}, but this veloce has no veloce.admission "
+            f"(veloce {getattr(veloce, '__version__', '?')}); use a veloce with admission, or set "
+            f"tables.admission.kind: none"
+        )  # fmt: skip
+    if cfg.kind == "probability":
+        return module.Probability(cfg.p, **({} if cfg.seed is None else {"seed": cfg.seed}))
+    given = {k: getattr(cfg, k) for k in ("width", "depth", "seed") if getattr(cfg, k) is not None}
+    return module.Frequency(cfg.min_count, **given)
 
 
 def build_loaders(cfg: Config, rank: int = 0, world_size: int = 1) -> tuple[Any, Any]:

@@ -13,8 +13,11 @@ Records:
     - step records (``on_log``, every ``log_every`` optimizer steps): ``event="step"``,
       ``epoch``, ``step``, ``loss`` (mean over the steps since the last record),
       ``samples_per_s`` (this rank), ``lr`` (the first parameter group's), ``time``, and
-      each ``DynamicEmbedding``'s telemetry as ``tables/<module path>/<key>``: ``rows``,
-      and for a tiered table ``hit_rate``, ``fetched_per_step``, ``written_back_per_step``,
+      each ``DynamicEmbedding``'s telemetry as ``tables/<module path>/<key>``: ``rows``;
+      for a table that drops rows ``evicted_per_step``, ``evicted_within_n``,
+      ``returned_within_n``, ``oldest_row_age`` or ``min_use_count``; with admission
+      ``admitted_per_step``, ``refused_per_step``, ``default_row_share``; and for a tiered
+      table ``hit_rate``, ``fetched_per_step``, ``written_back_per_step``,
       ``bytes_moved_per_step`` over the steps since the last record
       (:mod:`veloce.train.telemetry`; on several ranks, this rank's shard).
     - epoch records (``on_epoch_end``, and the items of ``fit``'s history):

@@ -150,6 +150,41 @@ class StorageConfig:
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    """``tables.admission``: which ids get a row of their own (``veloce.admission``); the
+    others read and train the table's default row. ``kind: frequency`` admits an id at its
+    ``min_count``-th sighting, counted in a sketch of ``depth`` rows of ``width`` counters;
+    ``kind: probability`` admits with probability ``p`` per sighting. ``width``, ``depth``
+    and ``seed`` left null take ``veloce.admission``'s defaults."""
+
+    kind: Literal["none", "frequency", "probability"] = "none"
+    min_count: Optional[int] = None
+    p: Optional[float] = None
+    width: Optional[int] = None
+    depth: Optional[int] = None
+    seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _positive(self, "min_count", "width", "depth")
+        if self.p is not None:
+            _require(0 < self.p <= 1, "p", "a probability in (0, 1] (1 admits every id)", self.p)
+        sketch = ("min_count", "width", "depth")
+        if self.kind == "none":
+            for name in (*sketch, "p", "seed"):
+                _require(getattr(self, name) is None, name, "null with kind none (every id gets a row; kind "
+                         "frequency or probability admits)", getattr(self, name))  # fmt: skip
+        elif self.kind == "frequency":
+            _require(self.min_count is not None, "min_count", "set with kind frequency (the sighting that "
+                     "admits an id: 2 gives rows to ids seen at least twice)", self.min_count)  # fmt: skip
+            _require(self.p is None, "p", "null with kind frequency (kind probability takes p)", self.p)
+        else:
+            _require(self.p is not None, "p", "set with kind probability (the chance a sighting admits)", self.p)
+            for name in sketch:
+                _require(getattr(self, name) is None, name, "null with kind probability (kind frequency counts "
+                         "sightings in a sketch)", getattr(self, name))  # fmt: skip
+
+
+@dataclass(frozen=True)
 class TablesConfig:
     """``tables``: the settings of every ``DynamicEmbedding``."""
 
@@ -162,6 +197,7 @@ class TablesConfig:
     init_scale: float = 0.01
     defer_inserts: bool = False
     storage: StorageConfig = field(default_factory=StorageConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
         _positive(self, "capacity", "max_capacity", "ttl_steps")
