@@ -16,10 +16,10 @@ class TwoTables(nn.Module):
     and a batch norm (its running statistics are buffers)."""
 
     def __init__(self, storage: Optional[veloce.storage.StorageSpec] = None, max_capacity: int = 96,
-                 dim: int = 8, eviction: str = "lru", second_mode: str = "max") -> None:  # fmt: skip
+                 dim: int = 8, eviction: str = "lru", second_mode: str = "max", admission=None) -> None:  # fmt: skip
         super().__init__()
         self.a = veloce.DynamicEmbedding(dim, mode="sum", max_capacity=max_capacity, storage=storage, eviction=eviction,
-                                         optimizer=veloce.optim.Adagrad(lr=0.1), seed=3)  # fmt: skip
+                                         optimizer=veloce.optim.Adagrad(lr=0.1), seed=3, admission=admission)  # fmt: skip
         self.tables = nn.ModuleList([veloce.DynamicEmbedding(dim, mode=second_mode, padding_idx=0, unknown="zeros",
                                                              optimizer=veloce.optim.SGD(lr=0.1))])  # fmt: skip
         self.norm = nn.BatchNorm1d(2 * dim)

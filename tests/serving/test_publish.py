@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import veloce
+
 from _twin_model import Trainer, TwoTables, eval_batches
 from veloce.serving import FileStore, InferenceEmbedding, LeaseHeld, Publisher, VersionMissing, inference_twin, refresh
 from veloce.ops import rocksdb
@@ -69,6 +71,27 @@ def test_round_trips_full_deltas_folds(tmp_path, storage):
         assert_twin_equal(model, twin, trainer)
     assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"]
     assert twin.a.hits > 0  # the cache served rows across refreshes
+
+
+def test_admission_default_row_serves_the_ids_without_a_row(tmp_path):
+    # ids seen fewer than 3 times read the table's trained default row, in training's eval
+    # and in the twin, which follows it from version to version
+    torch.manual_seed(0)
+    model = TwoTables(admission=veloce.admission.Frequency(min_count=3))
+    trainer = Trainer(model)
+    store = FileStore(tmp_path / "store")
+    pub = Publisher(store, model)
+    trainer.steps(4)
+    pub.publish()
+    twin = inference_twin(TwoTables(admission=veloce.admission.Frequency(min_count=3)), store)
+    assert twin.a.default_row is not None and model.a.stats()["refused"] > 0
+    assert_twin_equal(model, twin, trainer)
+    before = twin.a.default_row.clone()
+    model.train()
+    trainer.steps(3)
+    pub.publish()
+    assert refresh(twin) == 2 and not torch.equal(twin.a.default_row, before)  # trained on since
+    assert_twin_equal(model, twin, trainer)
 
 
 @pytest.mark.skipif(not rocksdb.available(), reason="veloce._rocksdb is not built (RocksDB missing)")

@@ -75,6 +75,7 @@ class InferenceEmbedding(InputChecks, nn.Module):
         self.unknown = meta["unknown"]
         self.init_kind, self.init_a, self.init_b = meta["initializer"]
         self.seed = int(meta["seed"])
+        self.default_row = _default_row(meta)
         dtype = getattr(torch, meta["row_dtype"])
         # The cache: a hash table of rows (LRU by the clock of the forward that last read them).
         self.table = HashTable(self.embedding_dim, 0, capacity=min(cache_rows, 1 << 16), max_capacity=cache_rows,
@@ -128,8 +129,10 @@ class InferenceEmbedding(InputChecks, nn.Module):
         self.misses += ids.numel() - n_hit
         if n_hit < ids.numel():
             miss = ids[missing]
-            fetched = self._fetch(miss)
+            fetched, known = self._fetch(miss)
             out[missing] = fetched
+            if self.default_row is not None:  # the default row changes with each version: not cached
+                miss, fetched = miss[known], fetched[known]
             keep = min(miss.numel(), self.cache_rows)
             try:
                 cache.insert(miss[:keep], fetched[:keep])
@@ -143,9 +146,10 @@ class InferenceEmbedding(InputChecks, nn.Module):
             m = self._manifests[version] = _checked_manifest(self.store, version)
         return m
 
-    def _fetch(self, ids: torch.Tensor) -> torch.Tensor:
+    def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of ``ids`` at this version: each id's row in the newest version of the
-        chain (snapshot, then deltas) that holds it or removed it."""
+        chain (snapshot, then deltas) that holds it or removed it, else the row of an
+        unknown id; and which ids the version holds."""
         parts = []
         for v in reversed(self.manifest["chain"]):
             m = self._manifest_of(v)
@@ -157,16 +161,20 @@ class InferenceEmbedding(InputChecks, nn.Module):
         dtype = self.table.dtype
         if self.unknown == "zeros":
             rows = torch.zeros(host.numel(), self.embedding_dim, dtype=dtype)
+        elif self.default_row is not None:  # the table admits ids: the others read its default row
+            rows = self.default_row.to(dtype).expand(host.numel(), -1).clone()
         else:
             rows = initialize(host, self.embedding_dim, self.seed, int(self.init_kind), float(self.init_a),
                               float(self.init_b), dtype)  # fmt: skip
         decided = torch.zeros(host.numel(), dtype=torch.bool)
+        known = torch.zeros(host.numel(), dtype=torch.bool)
         for found, got, removed in self.store.lookup(parts, host):
             take = found & ~decided
             if bool(take.any()):
                 rows[take] = got[take].to(dtype)
+                known |= take
             decided |= found | removed
-        return rows.to(ids.device)
+        return rows.to(ids.device), known.to(ids.device)
 
     # ---- versions ------------------------------------------------------------------------------
     def refresh(self, version: Optional[int] = None) -> bool:
@@ -193,6 +201,7 @@ class InferenceEmbedding(InputChecks, nn.Module):
         elif changed.numel():
             self.table.erase(changed.to(self.table.device))
         self.version, self.manifest = target, manifest
+        self.default_row = _default_row(meta)
         self._manifests = {v: m for v, m in self._manifests.items() if v in manifest["chain"]}
         self._manifests[target] = manifest
         return True
@@ -296,3 +305,10 @@ def refresh(model: nn.Module, version: Optional[int] = None) -> int:
     for t in tables:
         t.refresh(version)
     return version
+
+
+def _default_row(meta: dict[str, Any]) -> Optional[torch.Tensor]:
+    """The published default row of a table with admission (its ids without a row of their
+    own read it), or None."""
+    row = meta.get("default_row")
+    return None if row is None else torch.tensor(row, dtype=torch.float32)

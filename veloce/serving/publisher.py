@@ -87,6 +87,7 @@ def _table_meta(emb: DynamicEmbedding, dtype: Optional[torch.dtype]) -> dict[str
     """What a reader needs to rebuild the table's forward and its rows of unknown ids."""
     t = emb.table
     init = t.initializer
+    default = t.default_rows()  # admission's trained row of ids without their own, or None
     return {
         "dim": emb.embedding_dim, "mode": emb.mode, "padding_idx": emb.padding_idx,
         "include_last_offset": bool(emb.include_last_offset), "unknown": emb.unknown,
@@ -94,6 +95,7 @@ def _table_meta(emb: DynamicEmbedding, dtype: Optional[torch.dtype]) -> dict[str
         "row_dtype": str(t.dtype).replace("torch.", ""),
         "stored_dtype": str(dtype or t.dtype).replace("torch.", ""),
         "sharded": bool(emb.backend.sharded),
+        "default_row": None if default is None else default[0].detach().float().cpu().tolist(),
     }  # fmt: skip
 
 
