@@ -1,5 +1,6 @@
-"""examples/train_and_serve.py, tiny: the serving process it starts follows the versions
-the training process publishes and ends on the trained model's prediction, exactly."""
+"""examples/train_and_serve.py, tiny: the serving process it starts serves the versions the
+training process publishes as it finds them (which ones depends on the two processes' pace)
+and ends on the trained model's prediction, exactly."""
 
 from __future__ import annotations
 
@@ -25,4 +26,4 @@ def test_train_and_serve_example_serves_the_trained_model(tmp_path):
     served = re.search(r"\[server\] final version 3: p\(click\) = (\S+)", out.stdout)
     assert trained and served, out.stdout
     assert trained.group(1) == served.group(1)
-    assert "[server] serving version 1:" in out.stdout or "[server] serving version 2:" in out.stdout
+    assert re.search(r"\[server\] serving version [123]: p\(click\) = ", out.stdout), out.stdout
