@@ -141,9 +141,7 @@ def _read_admission(path: Path, saved: dict, tables: dict[str, DynamicEmbedding]
             with safe_open(str(path / fname), "pt") as f:
                 for k, shape in want.items():
                     key = f"{name}/{k}"
-                    if key not in f.keys():
-                        raise CheckpointError(f"{fname}: tensor {key!r} is missing; the checkpoint is corrupt")
-                    got = tuple(f.get_slice(key).get_shape())
+                    got = _stored_shape(f, fname, key)
                     if got != shape:
                         raise CheckpointError(
                             f"table {name!r}: the checkpoint's {k} has shape {got}, the table's admission="
@@ -254,9 +252,7 @@ def _entries(f, fname: str, name: str, meta: dict, read: bool = True) -> dict[st
     entries = {}
     for k, shape in want.items():
         key = f"{name}/{k}"
-        if key not in f.keys():
-            raise CheckpointError(f"{fname}: tensor {key!r} is missing; the checkpoint is corrupt")
-        got = tuple(f.get_slice(key).get_shape())
+        got = _stored_shape(f, fname, key)
         if got != shape:
             raise CheckpointError(f"{fname}: {key!r} has shape {got}, {MANIFEST} says {shape}")
         if read:
@@ -400,3 +396,14 @@ class Undo:
             self.optimizer.load_state_dict(self.opt_state)
 
 
+
+
+def _stored_shape(f: Any, fname: str, key: str) -> tuple[int, ...]:
+    """The shape of tensor ``key`` in the open safetensors file ``f`` (named ``fname``).
+
+    Raises:
+        CheckpointError: the file lacks it (the checkpoint is corrupt).
+    """
+    if key not in f.keys():
+        raise CheckpointError(f"{fname}: tensor {key!r} is missing; the checkpoint is corrupt")
+    return tuple(f.get_slice(key).get_shape())
