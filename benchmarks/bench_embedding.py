@@ -110,6 +110,12 @@ def tier_row(stats: dict, steps: int, rows: int) -> dict:
             "mb_moved_per_step": (stats["bytes_fetched"] + stats["bytes_written_back"]) / steps / 1e6}  # fmt: skip
 
 
+def table_bytes(emb) -> int:
+    """The bytes of every row of the table, in every tier: (weights + optimizer state) per row."""
+    t = emb.table  # len(): the rows of every tier
+    return len(t) * (t.dim * t.dtype.itemsize + t.state_dim * t.state_dtype.itemsize)
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -192,6 +198,11 @@ def main() -> None:
                         "whose cache holds that share of the rows, timed beside the DynamicEmbedding column")
     p.add_argument("--prefetch", action="store_true",
                    help="tiered tables prefetch the next batch's ids after each step (inside the timed step)")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="cap the device memory veloce may use (torch.cuda.set_per_process_memory_fraction) and "
+                        "report the table's bytes against the cap (a table larger than the device)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the EmbeddingBag columns (their table must fit on the device)")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     args = p.parse_args()
     fractions = [float(f) for f in args.cache_fractions.split(",") if f.strip()]
@@ -201,6 +212,10 @@ def main() -> None:
     if args.whatif_find and args.storage != "device":
         p.error("--whatif-find replaces inserts by the cache's find: use it with --storage device")
     device = torch.device(args.device)
+    if args.memory_fraction is not None:
+        if device.type != "cuda" or not 0 < args.memory_fraction <= 1:
+            p.error("--memory-fraction takes a fraction in (0, 1] of a CUDA device's memory")
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
     gen = torch.Generator().manual_seed(0)
     steps_cpu = make_ids(args, gen)
     rows_total = args.features * args.ids_per_feature
@@ -226,7 +241,7 @@ def main() -> None:
 
     for opt_name in args.optimizers.split(","):
         row = {"optimizer": opt_name}
-        if opt_name != "rowwise":
+        if opt_name != "rowwise" and not args.no_baseline:
             bag = torch.nn.EmbeddingBag(rows_total, args.dim, mode="sum", sparse=True).to(device)
             topt = torch_optimizer(opt_name, bag.parameters(), args.lr)
 
@@ -288,6 +303,10 @@ def main() -> None:
                 row.setdefault("windows", {})[col] = {"read_back": times[False], "deferred": times[True]}
             if storage is not None:
                 row.setdefault("tiers", {})[col] = tier_row(emb.stats(), args.steps, storage.cache_rows)
+            if device.type == "cuda":
+                row.setdefault("peak_device_gb", {})[col] = torch.cuda.max_memory_allocated(device) / 1e9
+                torch.cuda.reset_peak_memory_stats(device)
+            row.setdefault("table_gb", {})[col] = table_bytes(emb) / 1e9
             del emb, dyn_step, on_timed
             gc.collect()
             if device.type == "cuda":
@@ -328,6 +347,13 @@ def main() -> None:
                       f"| {r[c]:.2f} | {r[c] / r['DynamicEmbedding']:.2f}x | {t['hit_rate']:.4f} "
                       f"| {t['fetched_per_step']:,.0f} | {t['written_back_per_step']:,.0f} "
                       f"| {t['mb_moved_per_step']:,.1f} |")  # fmt: skip
+    if args.memory_fraction is not None:
+        cap = args.memory_fraction * torch.cuda.get_device_properties(device).total_memory / 1e9
+        print(f"\nDevice memory capped at {cap:.1f} GB (fraction {args.memory_fraction:g}):\n")
+        print("| optimizer | table | table GB (every tier) | x the cap | peak device GB |\n|---|---|---|---|---|")
+        for r in results:
+            for c, gb in r["table_gb"].items():
+                print(f"| {r['optimizer']} | {c} | {gb:.1f} | {gb / cap:.2f}x | {r['peak_device_gb'][c]:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "config": vars(args), "rows": results}, f, indent=1)

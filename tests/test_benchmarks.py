@@ -109,3 +109,19 @@ def test_bench_admission_runs_a_tiny_study(tmp_path):
     assert rows["veloce min_count=1"]["diff_mean"] == 0
     assert ("veloce min_count=2" in rows) != bool(out["skipped"])  # run where veloce has admission
     assert "| variant | seeds | table rows |" in done.stdout
+
+
+def test_bench_admission_cost_compares_each_policy_with_none(tmp_path):
+    out_json = tmp_path / "out.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_admission_cost.py"), "--steps", "2", "--warmup", "1",
+           "--windows", "1", "--cold-steps", "2", "--repeats", "1", "--features", "2", "--ids-per-feature", "500",
+           "--batch", "64", "--cold-batch", "32", "--capacity", "8192", "--json", str(out_json)]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {(r["phase"], r["policy"]): r for r in json.loads(out_json.read_text())["rows"]}
+    assert set(rows) == {(p, q) for p in ("steady", "cold") for q in ("none", "frequency:2", "probability:0.5")}
+    assert all(r["ms"] > 0 and r["vs_none"] > 0 for r in rows.values())
+    assert rows[("steady", "none")]["steps"] == 2 and rows[("cold", "none")]["steps"] == 2
+    # With min_count=2, only ids sighted twice in the first two cold steps got a row.
+    assert 0 < rows[("cold", "frequency:2")]["rows"] < rows[("cold", "none")]["rows"]
