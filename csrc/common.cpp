@@ -201,4 +201,24 @@ void check_cuda_table(const char* op, const at::Tensor& keys, const at::Tensor& 
               "at an offset)");
 }
 
+void check_sketch_count(const char* op, const at::Tensor& counters, const at::Tensor& ids,
+                        const c10::optional<at::Tensor>& counted) {
+  check_dtype(op, "counters", counters, at::kInt);
+  check_dim(op, "counters", counters, 2);
+  TORCH_CHECK(counters.size(0) >= 1 && counters.size(1) >= 1, op,
+              ": counters must be a (depth, width) sketch with depth and width >= 1, got ", shape_str(counters));
+  TORCH_CHECK(counters.is_contiguous(), op, ": counters must be contiguous (it is updated in place)");
+  check_dtype(op, "ids", ids, at::kLong);
+  check_dim(op, "ids", ids, 1);
+  check_same_device(op, "ids", ids, "counters", counters);
+  TORCH_CHECK(ids.numel() < (int64_t{1} << 30), op, ": a lookup of ", ids.numel(),
+              " ids; the sketch counts fewer than 2^30 per call (split the lookup)");
+  if (counted.has_value()) {
+    check_dtype(op, "counted", *counted, at::kBool);
+    check_dim(op, "counted", *counted, 1);
+    check_same_device(op, "counted", *counted, "counters", counters);
+    check_size(op, "counted", *counted, 0, ids.numel(), "the number of ids");
+  }
+}
+
 }  // namespace veloce

@@ -112,6 +112,14 @@ TORCH_LIBRARY(veloce, m) {
   // scores, the keys last seen before the clock `before`); returns their number, a 0-dim
   // int64 tensor on keys' device. One pass over the slots, no host sync.
   m.def("expire(Tensor keys, Tensor(a!) digests, Tensor scores, int before) -> Tensor");
+  // ---- sketch: feature admission's count-min sketch -------------------------------------
+  // Adds one sighting per position of ids (none where counted is false) to the (depth,
+  // width) int32 counters, in place: in row d, the counter of id is
+  // (splitmix64(id ^ salt_d) & (2^63 - 1)) % width, salt_d = splitmix64(seed * 1000003 + d)
+  // (veloce/admission.py, sketch_slots). Returns each position's estimate after every add of
+  // the call, the minimum of its id's counters, (N,) int64; counters saturate at 2^30 - 1.
+  // Fewer than 2^30 ids per call. No host sync.
+  m.def("sketch_count(Tensor(a!) counters, Tensor ids, int seed, Tensor? counted=None) -> Tensor");
   // The entries of the occupied slots in [start, end), in slot order:
   // keys (M,), weights (M, D), opt_state (M, S), scores (M,).
   m.def(
@@ -287,7 +295,7 @@ void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ke
 
 TORCH_LIBRARY_IMPL(veloce, ADInplaceOrView, m) {
   for (const char* name : {"find_or_insert", "find_or_insert_many", "insert_or_assign", "erase", "expire",
-                           "sparse_update", "accumulate_and_update", "accumulate_and_update_many"}) {
+                           "sketch_count", "sparse_update", "accumulate_and_update", "accumulate_and_update_many"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&veloce::bump_written_versions>());
   }
 }

@@ -47,6 +47,8 @@ from typing import ClassVar, Optional, Union
 
 import torch
 
+from veloce.ops.sketch import sketch_count
+
 __all__ = [
     "COUNT_LIMIT",
     "DEFAULT_ROW_SEED",
@@ -135,17 +137,9 @@ def count_sightings(counters: torch.Tensor, ids: torch.Tensor, seed: int,
             lookup the caller's input check refused): it adds nothing (its estimate is still
             read).
     """
-    depth, width = counters.shape
     if ids.numel() >= _MAX_IDS:
         raise ValueError(f"admission: a lookup of {ids.numel()} ids; the sketch counts fewer than 2^30 per lookup")
-    idx = sketch_slots(ids, depth, width, seed).reshape(-1)
-    flat = counters.view(-1)
-    add = torch.ones(ids.numel(), dtype=counters.dtype, device=ids.device) if counted is None else counted.to(
-        counters.dtype)
-    flat.index_add_(0, idx, add.repeat(depth))
-    values = flat[idx].clamp_(max=COUNT_LIMIT)  # saturate: the adds of one lookup stay below 2^31
-    flat[idx] = values
-    return values.view(depth, -1).amin(0).long()
+    return sketch_count(counters, ids, seed, counted)
 
 
 class AdmissionPolicy:

@@ -197,6 +197,46 @@ def test_false_admission_rate_within_bound():
     assert ((est >= k).double().mean().item()) <= math.exp(-depth)
 
 
+def _reference_count(counters, ids, seed, counted=None):
+    """The sketch in torch ops (sketch_slots' layout): the specification sketch_count fuses."""
+    depth, _ = counters.shape
+    idx = veloce.admission.sketch_slots(ids, depth, counters.shape[1], seed).reshape(-1)
+    flat = counters.view(-1)
+    add = torch.ones(ids.numel(), dtype=counters.dtype, device=ids.device) if counted is None else counted.int()
+    flat.index_add_(0, idx, add.repeat(depth))
+    values = flat[idx].clamp_(max=veloce.admission.COUNT_LIMIT)
+    flat[idx] = values
+    return values.view(depth, -1).amin(0).long()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_sketch_count_equals_the_torch_reference(device, masked):
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.cat([torch.randint(-(1 << 62), 1 << 62, (3000,), generator=gen), torch.arange(50).repeat(7)])
+    counted = torch.rand(ids.shape, generator=gen) < 0.7 if masked else None
+    start = torch.randint(0, 5, (3, 257), generator=gen, dtype=torch.int32)
+    start[0, :9] = veloce.admission.COUNT_LIMIT - 2  # some counters saturate
+    got_counters, want_counters = start.to(device), start.clone()
+    for seed in (0, -7, 1 << 40):
+        got = count_sightings(got_counters, ids.to(device), seed, None if counted is None else counted.to(device))
+        want = _reference_count(want_counters, ids, seed, counted)
+        assert torch.equal(got.cpu(), want)
+        assert torch.equal(got_counters.cpu(), want_counters)
+    empty = count_sightings(got_counters, ids[:0].to(device), 0)
+    assert empty.shape == (0,) and empty.dtype == torch.int64
+
+
+def test_sketch_count_refuses_bad_arguments():
+    ids = torch.arange(4)
+    with pytest.raises(RuntimeError, match="counters must be torch.int32"):
+        veloce.ops.sketch.sketch_count(torch.zeros(2, 8), ids, 0)
+    with pytest.raises(RuntimeError, match="counted.size\\(0\\) must equal the number of ids"):
+        veloce.ops.sketch.sketch_count(torch.zeros(2, 8, dtype=torch.int32), ids, 0, torch.ones(3, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="ids must be torch.int64"):
+        veloce.ops.sketch.sketch_count(torch.zeros(2, 8, dtype=torch.int32), ids.int(), 0)
+
+
 def test_counters_saturate():
     counters = torch.full((2, 8), veloce.admission.COUNT_LIMIT - 1, dtype=torch.int32)
     est = count_sightings(counters, torch.arange(100), seed=0)

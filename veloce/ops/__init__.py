@@ -2,4 +2,4 @@
 
 One module per op family (the same names as ``csrc/cpu/<family>.cpp``)."""
 
-from veloce.ops import embedding, exchange, hash_table, optimizer  # noqa: F401  (registers fake kernels and autograd)
+from veloce.ops import embedding, exchange, hash_table, optimizer, sketch  # noqa: F401  (registers fake kernels and autograd)

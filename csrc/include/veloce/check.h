@@ -56,6 +56,11 @@ void check_table_rows(const char* op, const at::Tensor& weights, const at::Tenso
 // ids (N,) int64 on keys' device.
 void check_ids(const char* op, const at::Tensor& ids, const at::Tensor& keys);
 
+// sketch_count's arguments: counters (depth, width) int32 contiguous, ids (N,) int64 with
+// N < 2^30 and counted (N,) bool, both on counters' device.
+void check_sketch_count(const char* op, const at::Tensor& counters, const at::Tensor& ids,
+                        const c10::optional<at::Tensor>& counted);
+
 // Initializer arguments: kind in 0..3, finite a and b, a <= b for uniform, std >= 0 for normal.
 void check_init(const char* op, int64_t kind, double a, double b);
 

@@ -1,0 +1,60 @@
+// CPU kernel of sketch_count: feature admission's count-min sketch (semantics: csrc/ops.cpp,
+// docs/ops.md). Two parallel passes: every counted position adds one to its id's counter in
+// each sketch row (relaxed atomic adds), then every position reads the minimum of its
+// counters after the whole lookup's adds, saturating them at kSketchCountLimit.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "veloce/check.h"
+#include "veloce/sketch.h"
+
+namespace veloce {
+
+namespace {
+
+at::Tensor sketch_count_cpu(at::Tensor& counters, const at::Tensor& ids, int64_t seed,
+                            const c10::optional<at::Tensor>& counted) {
+  constexpr const char* op = "veloce::sketch_count";
+  check_sketch_count(op, counters, ids, counted);
+  const int64_t n = ids.numel(), depth = counters.size(0), width = counters.size(1);
+  at::Tensor estimate = at::empty({n}, ids.options());
+  if (n == 0) return estimate;
+  std::vector<uint64_t> salts(depth);
+  for (int64_t d = 0; d < depth; ++d) salts[d] = sketch_salt(seed, d);
+  const at::Tensor ids_c = ids.contiguous();
+  const int64_t* const id = ids_c.data_ptr<int64_t>();
+  const at::Tensor counted_c = counted.has_value() ? counted->contiguous() : at::Tensor();
+  const bool* const take = counted_c.defined() ? counted_c.data_ptr<bool>() : nullptr;
+  int32_t* const c = counters.data_ptr<int32_t>();
+  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, depth));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (take != nullptr && !take[i]) continue;
+      for (int64_t d = 0; d < depth; ++d) __atomic_fetch_add(c + sketch_slot(id[i], salts[d], d, width), 1, __ATOMIC_RELAXED);
+    }
+  });
+  int64_t* const est = estimate.data_ptr<int64_t>();
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      int32_t low = kSketchCountLimit;
+      for (int64_t d = 0; d < depth; ++d) {
+        int32_t* const slot = c + sketch_slot(id[i], salts[d], d, width);
+        const int32_t v = __atomic_load_n(slot, __ATOMIC_RELAXED);
+        if (v > kSketchCountLimit) __atomic_store_n(slot, kSketchCountLimit, __ATOMIC_RELAXED);
+        low = std::min(low, v);
+      }
+      est[i] = low;
+    }
+  });
+  return estimate;
+}
+
+}  // namespace
+}  // namespace veloce
+
+TORCH_LIBRARY_IMPL(veloce, CPU, m) { m.impl("sketch_count", &veloce::sketch_count_cpu); }
