@@ -246,10 +246,9 @@ class Publisher:
                 d = deltas[name]
                 keys, weights, removed = d["keys"], d["weights"], d["removed"].unique()
                 removed = removed[~torch.isin(removed, keys)]  # removed, then back: its row supersedes
-            order = torch.argsort(keys)
-            weights = weights[order].to(self.dtype or weights.dtype)
-            self.store.write_part(version, part, {"keys": keys[order].contiguous(), "weights": weights,
-                                                  "removed": removed})  # fmt: skip
+            # in slot order: a store that needs them by id sorts them (RocksDB and Redis do not)
+            weights = weights.to(self.dtype or weights.dtype)
+            self.store.write_part(version, part, {"keys": keys, "weights": weights, "removed": removed})
             stats[name] = {"rows": int(keys.numel()), "removed": int(removed.numel()),
                            "changes": bool(whole and changes is not None),
                            "whole": whole, "clock": int(emb.table.clock)}  # fmt: skip

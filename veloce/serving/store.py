@@ -3,7 +3,8 @@ manifest (the commit marker) exists, and the lease that lets one publisher write
 
 A version holds parts, each a dict of tensors under a name: ``dense`` (the model's dense
 parameters and buffers), ``t/<table>/r<rank>`` (one rank's rows of one table: ``keys``
-(N,) ascending, ``weights`` (N, D), ``removed`` (R,) tombstones) and, for a full snapshot,
+(N,), ``weights`` (N, D), ``removed`` (R,) tombstones; read back with ``keys`` ascending)
+and, for a full snapshot,
 ``c/<table>/r<rank>`` (the ids changed since the version before, for readers' caches).
 :class:`ServingStore` is the interface every store implements; :class:`FileStore` keeps
 it in a directory (safetensors files, JSON manifests).
@@ -76,7 +77,8 @@ class ServingStore(abc.ABC):
 
     @abc.abstractmethod
     def write_part(self, version: int, part: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Writes one part of a version begun (CPU tensors; ``keys`` ascending for rows)."""
+        """Writes one part of a version begun (CPU tensors; a part of rows has its ``keys``
+        in any order: a store that reads by id sorts them as it needs)."""
 
     @abc.abstractmethod
     def commit(self, version: int, manifest: dict[str, Any]) -> None:
@@ -169,7 +171,9 @@ class FileStore(ServingStore):
                     f"more: one publisher writes a store. Stop that one, wait for its lease to expire, or publish to "
                     f"another path"
                 )  # fmt: skip
-            self._write_json("lease.json", {"owner": owner, "expires": now + float(ttl)})
+            # not synced: the lease guards against a second live process, and a crash of the
+            # machine ends its holder too (a lost or torn lease file reads as free)
+            self._write_json("lease.json", {"owner": owner, "expires": now + float(ttl)}, sync=False)
 
     def release(self, owner: str) -> None:
         with self._lease_lock():
@@ -178,13 +182,14 @@ class FileStore(ServingStore):
                 os.remove(os.path.join(self.path, "lease.json"))
 
     # ---- versions --------------------------------------------------------------------------
-    def _write_json(self, name: str, value: Any) -> None:
+    def _write_json(self, name: str, value: Any, sync: bool = True) -> None:
         final = os.path.join(self.path, name)
         tmp = f"{final}.tmp.{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(value, f)
-            f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, final)  # atomic: readers see the old file or the new one, whole
 
     def committed(self) -> list[int]:
@@ -213,6 +218,12 @@ class FileStore(ServingStore):
     def write_part(self, version: int, part: str, tensors: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
+        if part.startswith("t/"):  # rows by id: read_part's lookups search them
+            keys = tensors["keys"]
+            if keys.numel() > 1 and not bool((keys[1:] > keys[:-1]).all()):
+                order = torch.argsort(keys)
+                tensors = {**tensors, "keys": keys.index_select(0, order),
+                           "weights": tensors["weights"].index_select(0, order)}  # fmt: skip
         final = self._part_file(version, part)
         tmp = final + ".tmp"
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
