@@ -18,16 +18,64 @@ import fcntl
 import json
 import os
 import shutil
+import socket
 import time
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["FileStore", "LeaseHeld", "ServingStore", "VersionMissing"]
+__all__ = ["FileStore", "LeaseHeld", "ServingStore", "VersionMissing", "lease_held", "lease_holder_gone", "lease_record"]
 
 
 class LeaseHeld(RuntimeError):
-    """Another publisher holds the store's lease (and it has not expired)."""
+    """Another publisher holds the store's lease (and it has not expired).
+
+    Attributes:
+        holder: the lease as the store keeps it (:func:`lease_record`: ``owner``,
+            ``expires`` in Unix time, ``host`` and ``pid`` of the process that took it), or
+            None where the store does not know it.
+    """
+
+    def __init__(self, message: str, holder: Optional[dict[str, Any]] = None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+def lease_record(owner: str, expires: float) -> dict[str, Any]:
+    """A lease as a store keeps it: its owner, its end, and the process that took it (so
+    that a publisher restarted on the same host can tell that the holder is gone)."""
+    return {"owner": owner, "expires": float(expires), "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def lease_held(store: ServingStore, holder: dict[str, Any]) -> LeaseHeld:
+    """The refusal of a lease held by ``holder``: who, until when, and what to do."""
+    expires = float(holder.get("expires", time.time()))
+    until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expires))
+    where = f", process {holder['pid']} on {holder['host']}" if holder.get("pid") is not None else ""
+    return LeaseHeld(
+        f"{store!r} is leased to another publisher, {holder.get('owner')!r}{where}, until {until} "
+        f"({max(0.0, expires - time.time()):.0f} s from now): one publisher writes a store. Stop that publisher, "
+        f"or, if it is dead (a run restarted after a crash): wait until then; restart with the dead one's owner "
+        f"(Publisher(owner=...), serving.owner in a config), which renews its lease at once; or pass "
+        f"take_over=True (serving.take_over), which breaks the lease only when its holder is a process of this "
+        f"host that no longer runs. A shorter lease_ttl (serving.lease_ttl) ends a dead publisher's lease sooner",
+        holder,
+    )  # fmt: skip
+
+
+def lease_holder_gone(holder: dict[str, Any]) -> bool:
+    """Whether the process that took the lease ``holder`` is known to be gone: it ran on
+    this host (by name) and no process of its id runs here now."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it runs, as another user
+        return False
+    return False
 
 
 class VersionMissing(LookupError):
@@ -42,12 +90,23 @@ class ServingStore(abc.ABC):
 
     # ---- lease -----------------------------------------------------------------------------
     @abc.abstractmethod
-    def acquire(self, owner: str, ttl: float) -> None:
+    def acquire(self, owner: str, ttl: float, take_over_from: Optional[str] = None) -> None:
         """Takes (or renews) the lease for ``owner`` for ``ttl`` seconds.
 
+        Args:
+            owner: the publisher's name.
+            ttl: seconds the lease lasts.
+            take_over_from: the owner of a running lease to take anyway (atomically: only
+                while that one still holds it). The caller has made sure that it is dead.
+
         Raises:
-            LeaseHeld: another owner holds a lease that has not expired.
+            LeaseHeld: another owner (not ``take_over_from``) holds a lease that has not
+                expired; its ``holder`` says who.
         """
+
+    @abc.abstractmethod
+    def lease(self) -> Optional[dict[str, Any]]:
+        """The running lease (:func:`lease_record`'s fields), or None when none runs."""
 
     @abc.abstractmethod
     def release(self, owner: str) -> None:
@@ -161,19 +220,20 @@ class FileStore(ServingStore):
         except (FileNotFoundError, json.JSONDecodeError):
             return None
 
-    def acquire(self, owner: str, ttl: float) -> None:
+    def acquire(self, owner: str, ttl: float, take_over_from: Optional[str] = None) -> None:
         with self._lease_lock():
             held = self._read_lease()
             now = time.time()
-            if held is not None and held["owner"] != owner and held["expires"] > now:
-                raise LeaseHeld(
-                    f"{self!r} is leased to another publisher ({held['owner']}) for {held['expires'] - now:.0f} s "
-                    f"more: one publisher writes a store. Stop that one, wait for its lease to expire, or publish to "
-                    f"another path"
-                )  # fmt: skip
+            if held is not None and held["owner"] not in (owner, take_over_from) and held["expires"] > now:
+                raise lease_held(self, held)
             # not synced: the lease guards against a second live process, and a crash of the
             # machine ends its holder too (a lost or torn lease file reads as free)
-            self._write_json("lease.json", {"owner": owner, "expires": now + float(ttl)}, sync=False)
+            self._write_json("lease.json", lease_record(owner, now + float(ttl)), sync=False)
+
+    def lease(self) -> Optional[dict[str, Any]]:
+        with self._lease_lock():
+            held = self._read_lease()
+        return held if held is not None and held["expires"] > time.time() else None
 
     def release(self, owner: str) -> None:
         with self._lease_lock():
