@@ -128,8 +128,24 @@ class RedisStore(ServingStore):
     def manifest(self, version: int) -> dict[str, Any]:
         raw = self.client.get(self._k("m", int(version)))
         if raw is None:
-            raise VersionMissing(f"{self!r} has no committed version {version} (committed: {self.committed()[-5:]})")
+            raise self._missing(version)
         return json.loads(raw)
+
+    def _missing(self, version: int) -> VersionMissing:
+        have = self.committed()
+        if not have:
+            return VersionMissing(f"{self!r} has no committed version {version}: it holds none (a namespace no "
+                                  f"Publisher wrote to yet, or another one): publish one first, or check the "
+                                  f"namespace")  # fmt: skip
+        return VersionMissing(f"{self!r} has no committed version {version} (committed: {'... ' if len(have) > 5 else ''}"
+                              f"{have[-5:]}); pass one of them, or None for the newest (older ones are deleted as "
+                              f"superseded)")  # fmt: skip
+
+    def _part_missing(self, version: int, part: str) -> VersionMissing:
+        if int(version) not in self.committed():
+            return self._missing(version)
+        return VersionMissing(f"{self!r}: version {version} has no part {part!r} (deleted as superseded, or never "
+                              f"written); refresh() to the newest committed version")  # fmt: skip
 
     def begin(self, version: int) -> None:
         self.client.sadd(self._k("begun"), int(version))
@@ -170,8 +186,7 @@ class RedisStore(ServingStore):
         if meta is None:
             raw = self.client.hget(self._k("pm", int(version)), part)
             if raw is None:
-                raise VersionMissing(f"{self!r}: version {version} has no part {part!r} (deleted as superseded, or "
-                                     f"never written); refresh() to the newest committed version")  # fmt: skip
+                raise self._part_missing(version, part)
             meta = self._meta[(version, part)] = json.loads(raw)
         return _TORCH[meta[0]], int(meta[1])
 
@@ -182,7 +197,7 @@ class RedisStore(ServingStore):
 
             raw = self.client.get(key)
             if raw is None:
-                raise VersionMissing(f"{self!r}: version {version} has no part {part!r}")
+                raise self._part_missing(version, part)
             return load(raw)
         dtype, dim = self._part_meta(version, part)
         fields = self.client.hgetall(key)

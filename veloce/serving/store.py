@@ -193,8 +193,18 @@ class FileStore(ServingStore):
 
     def __init__(self, path: str | os.PathLike, cache_parts: int = 64) -> None:
         self.path = os.fspath(path)
+        kind = type(self).__name__
         if os.path.exists(self.path) and not os.path.isdir(self.path):
-            raise ValueError(f"FileStore: path {self.path!r} exists and is not a directory")
+            raise ValueError(f"{kind}: path {self.path!r} is a file, not a serving store's directory: pass the "
+                             f"directory a Publisher wrote (or a new one, for a Publisher to start)")  # fmt: skip
+        if os.path.isdir(self.path):
+            entries = sorted(os.listdir(self.path))
+            if entries and not {"manifests", "data"} & set(entries):
+                raise ValueError(
+                    f"{kind}: path {self.path!r} is not a serving store (it holds {entries[:5]}"
+                    f"{' ...' if len(entries) > 5 else ''}, and no manifests/ or data/): pass the directory a "
+                    f"Publisher wrote, or a new or empty one for a Publisher to start a store in"
+                )  # fmt: skip
         os.makedirs(os.path.join(self.path, "data"), exist_ok=True)
         os.makedirs(os.path.join(self.path, "manifests"), exist_ok=True)
         self.cache_parts = int(cache_parts)
@@ -265,9 +275,27 @@ class FileStore(ServingStore):
             with open(os.path.join(self.path, "manifests", _vname(version) + ".json")) as f:
                 return json.load(f)
         except FileNotFoundError:
-            have = self.committed()
-            raise VersionMissing(f"{self!r} has no committed version {version} (committed: "
-                                 f"{have[-5:] if have else 'none'}{' ...' if len(have) > 5 else ''})") from None
+            raise VersionMissing(f"{self!r} has no committed version {version} ({self._committed_text()})") from None
+
+    def _committed_text(self) -> str:
+        """The newest committed versions and what to do about a missing one, for errors."""
+        have = self.committed()
+        if not have:
+            return "it holds none: publish one first (veloce.serving.Publisher)"
+        return (f"committed: {'... ' if len(have) > 5 else ''}{have[-5:]}; pass one of them, or None for the newest "
+                f"(older ones are deleted as superseded)")  # fmt: skip
+
+    def _part_missing(self, version: int, part: str) -> VersionMissing:
+        """The error for a part that is not in the store."""
+        if int(version) not in self.committed():
+            return VersionMissing(f"{self!r} has no committed version {version} ({self._committed_text()})")
+        base = self._part_file(version, part)[: -len(".safetensors")]
+        for suffix, kind in ((".rocksdb", "RocksDBStore"), (".safetensors", "FileStore")):
+            if kind != type(self).__name__ and os.path.exists(base + suffix):
+                return VersionMissing(f"{self!r}: the part {part!r} of version {version} was written by a {kind}: "
+                                      f"open this directory with veloce.serving.{kind}({self.path!r})")  # fmt: skip
+        return VersionMissing(f"{self!r}: version {version} has no part {part!r} (deleted as superseded, or never "
+                              f"written); refresh() to the newest committed version")  # fmt: skip
 
     def begin(self, version: int) -> None:
         os.makedirs(os.path.join(self.path, "data", _vname(version)), exist_ok=True)
@@ -300,8 +328,7 @@ class FileStore(ServingStore):
 
             path = self._part_file(version, part)
             if not os.path.exists(path):
-                raise VersionMissing(f"{self!r}: version {version} has no part {part!r} (deleted as superseded, or "
-                                     f"never written); refresh() to the newest committed version")  # fmt: skip
+                raise self._part_missing(version, part)
             data = load_file(path)
             while len(self._parts) >= self.cache_parts:
                 self._parts.pop(next(iter(self._parts)))
