@@ -114,7 +114,7 @@ def test_take_over_takes_the_lease_of_a_dead_process_of_this_host_only(tmp_path)
     assert pub.publish() == 2
     assert_twin_equal(model, store)
     with pytest.raises(LeaseHeld):
-        Publisher(FileStore(path), TwoTables(), take_over=True)  # now held by a live process: this one
+        Publisher(FileStore(path), TwoTables(), take_over=True)  # held by a live process (this one)
     pub.close()
 
 
