@@ -31,7 +31,8 @@ class Publish(Callback):
         every_n_steps: publish after every ``every_n_steps``-th optimizer step (counted over
             the run, as ``trainer.global_step``); None: only at the end.
         at_end: publish when ``fit`` ends, unless the last step was just published.
-        keep_last, fold_every, dtype, lease_ttl, owner: the :class:`~veloce.serving.Publisher`'s.
+        keep_last, fold_every, dtype, lease_ttl, owner, take_over: the
+            :class:`~veloce.serving.Publisher`'s.
 
     Attributes:
         published: ``(global_step, version)`` of every publication of this callback.
@@ -48,7 +49,7 @@ class Publish(Callback):
 
     def __init__(self, store: ServingStore, every_n_steps: Optional[int] = None, at_end: bool = True,
                  keep_last: int = 3, fold_every: int = 10, dtype: Optional[torch.dtype] = None,
-                 lease_ttl: float = 600.0, owner: Optional[str] = None) -> None:  # fmt: skip
+                 lease_ttl: float = 600.0, owner: Optional[str] = None, take_over: bool = False) -> None:  # fmt: skip
         if not isinstance(store, ServingStore):
             raise TypeError(
                 f"Publish: store must be a veloce.serving store (FileStore, RedisStore, RocksDBStore), "
@@ -62,7 +63,8 @@ class Publish(Callback):
                              "at_end=True")  # fmt: skip
         self.store, self.every_n_steps, self.at_end = store, every_n_steps, bool(at_end)
         self._publisher_args: dict[str, Any] = {"keep_last": keep_last, "fold_every": fold_every, "dtype": dtype,
-                                                "lease_ttl": lease_ttl, "owner": owner}  # fmt: skip
+                                                "lease_ttl": lease_ttl, "owner": owner,
+                                                "take_over": take_over}  # fmt: skip
         self.publisher: Optional[Publisher] = None
         self.published: list[tuple[int, int]] = []
 

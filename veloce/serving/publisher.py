@@ -21,10 +21,12 @@ A publication (one :meth:`Publisher.publish`) is one version:
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
 import uuid
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from veloce.embedding import DynamicEmbedding
-from veloce.serving.store import ServingStore
+from veloce.serving.store import LeaseHeld, ServingStore, lease_holder_gone
 from veloce.table.versions import VersionsUnavailable
 
 __all__ = ["FORMAT", "Publisher", "dense_state", "dense_tensors", "sparse_tables"]
@@ -116,16 +118,23 @@ class Publisher:
             ``torch.bfloat16`` (half the bytes; readers compute in the table's dtype).
         lease_ttl: seconds the lease lasts past each publication: a publisher that dies
             leaves the store to the next one after at most this long.
-        owner: the lease holder's name (default: host, pid and a random tag).
+        owner: the lease holder's name (default: host, pid and a random tag). A publisher
+            of the same name renews the lease as its own: a run restarted after its
+            publisher died goes on at once under the dead one's name (never give two live
+            publishers one name).
+        take_over: take a running lease whose holder is a process of this host that no
+            longer runs (a publisher killed on this machine); a lease of a live process,
+            or of another host, is still refused.
 
     Raises:
         ValueError: bad arguments, or a model without ``DynamicEmbedding`` modules.
-        veloce.serving.LeaseHeld: another publisher holds the store's lease.
+        veloce.serving.LeaseHeld: another publisher holds the store's lease (the message
+            says who, until when, and the ways on).
     """
 
     def __init__(self, store: ServingStore, model: nn.Module, keep_last: int = 3, fold_every: int = 10,
                  dtype: Optional[torch.dtype] = None, lease_ttl: float = 600.0,
-                 owner: Optional[str] = None) -> None:  # fmt: skip
+                 owner: Optional[str] = None, take_over: bool = False) -> None:  # fmt: skip
         if not isinstance(store, ServingStore):
             raise TypeError(f"store must be a veloce.serving store (FileStore, RedisStore), got {type(store).__name__}")
         for name, value in (("keep_last", keep_last), ("fold_every", fold_every)):
@@ -133,8 +142,10 @@ class Publisher:
                 raise ValueError(f"Publisher: {name} must be an int >= 1, got {value!r}")
         if dtype not in _DTYPES:
             raise ValueError(f"Publisher: dtype must be None, torch.float32, torch.float16 or torch.bfloat16, got {dtype}")
-        if not lease_ttl > 0:
-            raise ValueError(f"Publisher: lease_ttl must be > 0 seconds, got {lease_ttl!r}")
+        if isinstance(lease_ttl, bool) or not isinstance(lease_ttl, (int, float)) or not 0 < lease_ttl < math.inf:
+            raise ValueError(f"Publisher: lease_ttl must be a number of seconds > 0, got {lease_ttl!r}")
+        if owner is not None and (not isinstance(owner, str) or not owner):
+            raise ValueError(f"Publisher: owner must be None or a non-empty str, got {owner!r}")
         self.store, self.model = store, model
         self.tables = sparse_tables(model)
         if not self.tables:
@@ -149,7 +160,23 @@ class Publisher:
         self._clocks: Optional[dict[str, int]] = None  # each table's clock at that version (this rank's)
         self._since_full = 0  # publications since the last full snapshot
         if self.rank == 0:
-            store.acquire(self.owner, self.lease_ttl)
+            self._take_lease(bool(take_over))
+
+    def _take_lease(self, take_over: bool) -> None:
+        """The first acquire: with ``take_over``, a lease of a dead process of this host is taken."""
+        try:
+            self.store.acquire(self.owner, self.lease_ttl)
+        except LeaseHeld as exc:
+            if not take_over or exc.holder is None:
+                raise
+            if not lease_holder_gone(exc.holder):
+                raise LeaseHeld(f"{exc}. (take_over=True was given, but the holder is not known to be dead: it is "
+                                f"not a process of this host, {socket.gethostname()}, that no longer runs)",
+                                exc.holder) from None  # fmt: skip
+            self.store.acquire(self.owner, self.lease_ttl, take_over_from=exc.holder["owner"])
+            warnings.warn(f"Publisher: took over the lease of {self.store!r} from {exc.holder['owner']!r}, whose "
+                          f"process ({exc.holder.get('pid')} on this host) no longer runs", RuntimeWarning,
+                          stacklevel=3)  # fmt: skip
 
     # ---- collectives (no-ops in one process) ------------------------------------------------
     def _broadcast(self, value: Any) -> Any:
@@ -246,10 +273,9 @@ class Publisher:
                 d = deltas[name]
                 keys, weights, removed = d["keys"], d["weights"], d["removed"].unique()
                 removed = removed[~torch.isin(removed, keys)]  # removed, then back: its row supersedes
-            order = torch.argsort(keys)
-            weights = weights[order].to(self.dtype or weights.dtype)
-            self.store.write_part(version, part, {"keys": keys[order].contiguous(), "weights": weights,
-                                                  "removed": removed})  # fmt: skip
+            # in slot order: a store that needs them by id sorts them (RocksDB and Redis do not)
+            weights = weights.to(self.dtype or weights.dtype)
+            self.store.write_part(version, part, {"keys": keys, "weights": weights, "removed": removed})
             stats[name] = {"rows": int(keys.numel()), "removed": int(removed.numel()),
                            "changes": bool(whole and changes is not None),
                            "whole": whole, "clock": int(emb.table.clock)}  # fmt: skip

@@ -3,7 +3,8 @@ store is made, never by ``import veloce``.
 
 Keys, under ``<namespace>:``:
 
-- ``lease``: the publisher's name, with the lease's expiry as the key's TTL;
+- ``lease``: the publisher's name and process (JSON, :func:`~veloce.serving.store.lease_record`
+  without its end), with the lease's expiry as the key's TTL;
 - ``begun``: a set of the versions begun; ``committed``: a sorted set of the committed
   ones; ``m:<version>``: a manifest (JSON). A commit writes the manifest and adds the
   version to ``committed`` in one transaction: the commit marker;
@@ -18,11 +19,12 @@ Reads of rows are ``HMGET`` of every part a lookup needs, sent in one pipeline; 
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+import time
+from typing import Any, Optional, Sequence
 
 import torch
 
-from veloce.serving.store import LeaseHeld, ServingStore, VersionMissing
+from veloce.serving.store import ServingStore, VersionMissing, lease_held, lease_record
 
 __all__ = ["RedisStore"]
 
@@ -71,28 +73,49 @@ class RedisStore(ServingStore):
         return ":".join([self.namespace, *map(str, parts)])
 
     # ---- lease -----------------------------------------------------------------------------
-    def acquire(self, owner: str, ttl: float) -> None:
+    @staticmethod
+    def _holder(raw: bytes, left_ms: int) -> dict[str, Any]:
+        """The lease record of the ``lease`` key's value (JSON; a bare name is its owner)."""
+        try:
+            holder = json.loads(raw)
+        except ValueError:
+            holder = None
+        if not isinstance(holder, dict) or "owner" not in holder:
+            holder = {"owner": raw.decode(errors="replace")}
+        holder["expires"] = time.time() + max(0, left_ms) / 1000
+        return holder
+
+    def acquire(self, owner: str, ttl: float, take_over_from: Optional[str] = None) -> None:
         ms = max(1, int(ttl * 1000))
         key = self._k("lease")
-        if self.client.set(key, owner, nx=True, px=ms):
+        record = lease_record(owner, 0.0)
+        del record["expires"]  # the key's TTL
+        value = json.dumps(record)
+        if self.client.set(key, value, nx=True, px=ms):
             return
-        with self.client.pipeline() as p:  # ours already: renew it, unless it changed hands meanwhile
+        with self.client.pipeline() as p:  # ours already (or taken over): renew it, unless it changed hands meanwhile
             p.watch(key)
             held = p.get(key)
-            if held is not None and held.decode() != owner:
-                left = p.pttl(key)
-                p.reset()
-                raise LeaseHeld(f"{self!r} is leased to another publisher ({held.decode()}) for {left / 1000:.0f} s "
-                                f"more: one publisher writes a namespace. Stop that one, wait for its lease to "
-                                f"expire, or publish to another namespace")  # fmt: skip
+            if held is not None:
+                holder = self._holder(held, p.pttl(key))
+                if holder["owner"] not in (owner, take_over_from):
+                    p.reset()
+                    raise lease_held(self, holder)
             p.multi()
-            p.set(key, owner, px=ms)
+            p.set(key, value, px=ms)
             p.execute()
+
+    def lease(self) -> Optional[dict[str, Any]]:
+        with self.client.pipeline(transaction=True) as p:
+            p.get(self._k("lease"))
+            p.pttl(self._k("lease"))
+            held, left = p.execute()
+        return None if held is None else self._holder(held, left)
 
     def release(self, owner: str) -> None:
         key = self._k("lease")
         held = self.client.get(key)
-        if held is not None and held.decode() == owner:
+        if held is not None and self._holder(held, 0)["owner"] == owner:
             self.client.delete(key)
 
     # ---- versions --------------------------------------------------------------------------
@@ -105,8 +128,24 @@ class RedisStore(ServingStore):
     def manifest(self, version: int) -> dict[str, Any]:
         raw = self.client.get(self._k("m", int(version)))
         if raw is None:
-            raise VersionMissing(f"{self!r} has no committed version {version} (committed: {self.committed()[-5:]})")
+            raise self._missing(version)
         return json.loads(raw)
+
+    def _missing(self, version: int) -> VersionMissing:
+        have = self.committed()
+        if not have:
+            return VersionMissing(f"{self!r} has no committed version {version}: it holds none (a namespace no "
+                                  f"Publisher wrote to yet, or another one): publish one first, or check the "
+                                  f"namespace")  # fmt: skip
+        return VersionMissing(f"{self!r} has no committed version {version} (committed: {'... ' if len(have) > 5 else ''}"
+                              f"{have[-5:]}); pass one of them, or None for the newest (older ones are deleted as "
+                              f"superseded)")  # fmt: skip
+
+    def _part_missing(self, version: int, part: str) -> VersionMissing:
+        if int(version) not in self.committed():
+            return self._missing(version)
+        return VersionMissing(f"{self!r}: version {version} has no part {part!r} (deleted as superseded, or never "
+                              f"written); refresh() to the newest committed version")  # fmt: skip
 
     def begin(self, version: int) -> None:
         self.client.sadd(self._k("begun"), int(version))
@@ -147,8 +186,7 @@ class RedisStore(ServingStore):
         if meta is None:
             raw = self.client.hget(self._k("pm", int(version)), part)
             if raw is None:
-                raise VersionMissing(f"{self!r}: version {version} has no part {part!r} (deleted as superseded, or "
-                                     f"never written); refresh() to the newest committed version")  # fmt: skip
+                raise self._part_missing(version, part)
             meta = self._meta[(version, part)] = json.loads(raw)
         return _TORCH[meta[0]], int(meta[1])
 
@@ -159,7 +197,7 @@ class RedisStore(ServingStore):
 
             raw = self.client.get(key)
             if raw is None:
-                raise VersionMissing(f"{self!r}: version {version} has no part {part!r}")
+                raise self._part_missing(version, part)
             return load(raw)
         dtype, dim = self._part_meta(version, part)
         fields = self.client.hgetall(key)

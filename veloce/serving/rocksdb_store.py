@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from veloce.ops import rocksdb as _rocksdb
-from veloce.serving.store import FileStore, VersionMissing
+from veloce.serving.store import FileStore
 
 __all__ = ["RocksDBStore"]
 
@@ -88,8 +88,7 @@ class RocksDBStore(FileStore):
 
     def _opened(self, version: int, part: str) -> Any:
         if not os.path.isdir(self._db_dir(version, part)):
-            raise VersionMissing(f"{self!r}: version {version} has no part {part!r} (deleted as superseded, or "
-                                 f"never written); refresh() to the newest committed version")  # fmt: skip
+            raise self._part_missing(version, part)
         return self._open(version, part, *self._layout(version, part))
 
     def read_part(self, version: int, part: str) -> dict[str, torch.Tensor]:

@@ -181,7 +181,10 @@ class RowVersions:
             raise VersionsUnavailable(f"export(since={since}): the ids removed after clock {since} are not all known: "
                                       f"{why}. Export whole instead")  # fmt: skip
         parts = [self._changed_slots(since, values_only), *self._changed_below(since, values_only)]
-        out = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+        if len(parts) == 1:  # no rows below the slots: the gathered tensors as they are, not copied
+            out = dict(parts[0])
+        else:
+            out = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
         out["removed"], out["removed_at"] = log.since(since)
         return out
 
@@ -189,9 +192,11 @@ class RowVersions:
         """The table's own rows scored above ``since``, as host tensors."""
         keys, digests, scores, weights, opt_state = self._state()  # type: ignore[attr-defined]
         idx = ((digests != 0) & (scores > since)).nonzero().squeeze(1)
-        out = {"keys": keys[idx].cpu(), "weights": weights[idx].cpu(), "scores": scores[idx].cpu()}
+        # index_select: a gather of whole rows, several times faster on the CPU than t[idx]
+        out = {"keys": keys.index_select(0, idx).cpu(), "weights": weights.index_select(0, idx).cpu(),
+               "scores": scores.index_select(0, idx).cpu()}  # fmt: skip
         if not values_only:
-            out["optimizer_state"] = opt_state[idx].cpu()
+            out["optimizer_state"] = opt_state.index_select(0, idx).cpu()
         return out
 
     def _changed_below(self, since: int, values_only: bool) -> list[dict[str, torch.Tensor]]:

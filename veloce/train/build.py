@@ -201,7 +201,8 @@ def build_publish(cfg: Config) -> Optional[Publish]:
         store = RedisStore(s.url, s.namespace)
     dtype = None if s.dtype == "float32" else getattr(torch, s.dtype)
     return Publish(store, every_n_steps=s.every_n_steps, at_end=s.at_end, keep_last=s.keep_last,
-                   fold_every=s.fold_every, dtype=dtype)  # fmt: skip
+                   fold_every=s.fold_every, dtype=dtype, lease_ttl=s.lease_ttl, owner=s.owner,
+                   take_over=s.take_over)  # fmt: skip
 
 
 def _worker_ignores_sigint(worker_id: int) -> None:

@@ -352,9 +352,14 @@ class ServingConfig:
     keep_last: int = 3
     fold_every: int = 10
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    lease_ttl: float = 600.0
+    owner: Optional[str] = None
+    take_over: bool = False
 
     def __post_init__(self) -> None:
-        _positive(self, "every_n_steps", "keep_last", "fold_every")
+        _positive(self, "every_n_steps", "keep_last", "fold_every", "lease_ttl")
+        _require(self.owner is None or self.owner.strip() != "", "owner",
+                 "null (a name of host, process and a random tag) or a non-empty name", self.owner)  # fmt: skip
         if self.store in ("file", "rocksdb"):
             _require(isinstance(self.path, str) and self.path != "", "path",
                      f"the store's directory with store {self.store}", self.path)  # fmt: skip
