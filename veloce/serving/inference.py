@@ -184,9 +184,10 @@ class InferenceEmbedding(InputChecks, nn.Module):
         return m
 
     def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of ``ids`` at this version: each id's row in the newest version of the
-        chain (snapshot, then deltas) that holds it or removed it, else the row of an
-        unknown id; and which ids the version holds."""
+        """The rows of ``ids`` at this version, on their device: each id's row in the newest
+        version of the chain (snapshot, then deltas) that holds it or removed it, read on
+        the host and copied in one batch, else the row of an unknown id; and which ids the
+        version holds."""
         parts = []
         for v in reversed(self.manifest["chain"]):
             m = self._manifest_of(v)
@@ -196,22 +197,32 @@ class InferenceEmbedding(InputChecks, nn.Module):
                 break  # every row of the table is here: older versions do not count
         host = ids.cpu()
         dtype = self.table.dtype
-        if self.unknown == "zeros":
-            rows = torch.zeros(host.numel(), self.embedding_dim, dtype=dtype)
-        elif self.default_row is not None:  # the table admits ids: the others read its default row
-            rows = self.default_row.to(dtype).expand(host.numel(), -1).clone()
-        else:
-            rows = initialize(host, self.embedding_dim, self.seed, int(self.init_kind), float(self.init_a),
-                              float(self.init_b), dtype)  # fmt: skip
+        read = torch.empty(host.numel(), self.embedding_dim, dtype=dtype)  # (the rows of unknown ids follow)
         decided = torch.zeros(host.numel(), dtype=torch.bool)
         known = torch.zeros(host.numel(), dtype=torch.bool)
         for found, got, removed in self.store.lookup(parts, host):
             take = found & ~decided
             if bool(take.any()):
-                rows[take] = got[take].to(dtype)
+                read[take] = got[take].to(dtype)
                 known |= take
             decided |= found | removed
-        return rows.to(ids.device), known.to(ids.device)
+        rows = read.to(ids.device)
+        if not bool(known.all()):
+            unknown = (~known).nonzero().squeeze(1).to(ids.device)
+            rows[unknown] = self._unknown_rows(ids[unknown])
+        return rows, known.to(ids.device)
+
+    def _unknown_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """What the training table gives ``ids`` it does not hold in eval mode, made on their
+        device as it makes them there (the initializer's rows of the CPU and the GPU may
+        differ in the last bit)."""
+        dtype, n = self.table.dtype, ids.numel()
+        if self.unknown == "zeros":
+            return torch.zeros(n, self.embedding_dim, dtype=dtype, device=ids.device)
+        if self.default_row is not None:  # the table admits ids: the others read its default row
+            return self.default_row.to(device=ids.device, dtype=dtype).expand(n, -1)
+        return initialize(ids, self.embedding_dim, self.seed, int(self.init_kind), float(self.init_a),
+                          float(self.init_b), dtype)  # fmt: skip
 
     # ---- versions ------------------------------------------------------------------------------
     def refresh(self, version: Optional[int] = None) -> bool:
