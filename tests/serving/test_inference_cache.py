@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _twin_model import Trainer, TwoTables
 from conftest import DEVICES
+
 from veloce.serving import FileStore, InferenceEmbedding, Publisher
 
 

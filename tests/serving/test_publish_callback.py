@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICES
 
 import veloce
-from conftest import DEVICES
 from veloce.data import SyntheticClicks
 from veloce.models import DLRM
 from veloce.serving import FileStore, Publish, inference_twin, refresh

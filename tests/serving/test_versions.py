@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICES
 
 import veloce
-from conftest import DEVICES
 from veloce.eviction import TTL
 from veloce.storage import HostCached
 from veloce.table.versions import VersionsUnavailable
