@@ -3,6 +3,7 @@ lookup latency against ``nn.EmbeddingBag``, and published bytes per training ste
 
     python benchmarks/bench_serving.py                     # ~2 minutes on 2 CPU cores
     python benchmarks/bench_serving.py --rows 1000000 --dim 128 --json out.json
+    python benchmarks/bench_serving.py --parts lookup     # (b) only
 
 (a) **Delta publish**: a model with one table of ``--rows`` rows (ids ``0..rows-1``,
 ``--dim`` fp32) is published once (the full snapshot, untimed); training lookups then
@@ -51,6 +52,7 @@ from veloce.ops import rocksdb
 from veloce.serving import FileStore, InferenceEmbedding, Publisher, RedisStore, RocksDBStore, ServingStore
 
 _BATCH = 4096  # ids per HSET of the raw pipeline (RedisStore's batch)
+PARTS = ("publish", "lookup", "bytes")  # (a), (b), (c)
 
 
 class OneTable(nn.Module):
@@ -265,70 +267,74 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where the stores go (default: a temporary directory)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared machine)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="the parts run: publish (a), lookup (b), bytes (c); default all")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     workdir = tempfile.mkdtemp(prefix="bench_serving_", dir=args.dir)
     redis_proc, url = start_redis(workdir)
     result: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "args": vars(args)}
     try:
-        # (a)
-        publish: dict[str, Any] = {}
-        if redis_proc is not None:
-            publish["redis"] = publish_delta(RedisStore(url, "pub"), args, lambda k, w: raw_redis(url, k, w))
-        else:
-            print(f"redis skipped: {url}")
-        if rocksdb.available():
-            raw_dir = os.path.join(workdir, "raw.rocksdb")
-            publish["rocksdb"] = publish_delta(RocksDBStore(os.path.join(workdir, "pub_rocksdb")), args,
-                                               lambda k, w: raw_rocksdb(raw_dir, k, w))  # fmt: skip
-        else:
-            print("rocksdb skipped: veloce._rocksdb is not built")
-        publish["file"] = publish_delta(FileStore(os.path.join(workdir, "pub_file")), args,
-                                        lambda k, w: float("nan"))  # fmt: skip
-        result["publish"] = publish
-        print(f"\n(a) delta publish: {args.rows} rows x dim {args.dim} fp32, deltas of {args.delta} rows "
-              f"(median of {args.repeat})\n")  # fmt: skip
-        print("| store | rows | publish rows/s | publish MB/s | raw rows/s | raw MB/s | publish / raw time |")
-        print("|---|---|---|---|---|---|---|")
-        for name, r in publish.items():
-            raw = "- | - | -"  # (a FileStore has no raw counterpart of its own: it is the safetensors file)
-            if r["raw_s"] == r["raw_s"]:
-                raw = f"{r['raw_rows_per_s']:,.0f} | {r['raw_mb_per_s']:,.1f} | {r['ratio']:.2f}x"
-            print(f"| {name} | {r['rows']:,} | {r['publish_rows_per_s']:,.0f} | {r['publish_mb_per_s']:,.1f} | {raw} |")
+        if "publish" in args.parts:  # (a)
+            publish: dict[str, Any] = {}
+            if redis_proc is not None:
+                publish["redis"] = publish_delta(RedisStore(url, "pub"), args, lambda k, w: raw_redis(url, k, w))
+            else:
+                print(f"redis skipped: {url}")
+            if rocksdb.available():
+                raw_dir = os.path.join(workdir, "raw.rocksdb")
+                publish["rocksdb"] = publish_delta(RocksDBStore(os.path.join(workdir, "pub_rocksdb")), args,
+                                                   lambda k, w: raw_rocksdb(raw_dir, k, w))  # fmt: skip
+            else:
+                print("rocksdb skipped: veloce._rocksdb is not built")
+            publish["file"] = publish_delta(FileStore(os.path.join(workdir, "pub_file")), args,
+                                            lambda k, w: float("nan"))  # fmt: skip
+            result["publish"] = publish
+            print(f"\n(a) delta publish: {args.rows} rows x dim {args.dim} fp32, deltas of {args.delta} rows "
+                  f"(median of {args.repeat})\n")  # fmt: skip
+            print("| store | rows | publish rows/s | publish MB/s | raw rows/s | raw MB/s | publish / raw time |")
+            print("|---|---|---|---|---|---|---|")
+            for name, r in publish.items():
+                raw = "- | - | -"  # (a FileStore has no raw counterpart of its own: it is the safetensors file)
+                if r["raw_s"] == r["raw_s"]:
+                    raw = f"{r['raw_rows_per_s']:,.0f} | {r['raw_mb_per_s']:,.1f} | {r['ratio']:.2f}x"
+                print(f"| {name} | {r['rows']:,} | {r['publish_rows_per_s']:,.0f} | {r['publish_mb_per_s']:,.1f} "
+                      f"| {raw} |")  # fmt: skip
 
-        # (b): a snapshot and a delta in each store
-        model = filled(args.dim, args.rows)
-        stores: dict[str, ServingStore] = {"file": FileStore(os.path.join(workdir, "look_file"))}
-        if rocksdb.available():
-            stores["rocksdb"] = RocksDBStore(os.path.join(workdir, "look_rocksdb"))
-        if redis_proc is not None:
-            stores["redis"] = RedisStore(url, "look")
-        pubs = [Publisher(store, model) for store in stores.values()]  # (no eviction: no tombstone to share)
-        for pub in pubs:
-            pub.publish()
-        train_on(model, torch.randperm(args.rows)[: args.delta])
-        for pub in pubs:
-            pub.publish()
-            pub.close()
-        result["lookup"] = lookups(stores, model, args)
-        print(f"\n(b) lookup: bags of {args.bag} ids, uniform over {args.rows} rows; cold = cache emptied before "
-              f"each batch\n")  # fmt: skip
-        print("| batch | lookup | p50 ms | p99 ms | samples/s | p50 vs nn.EmbeddingBag |")
-        print("|---|---|---|---|---|---|")
-        for r in result["lookup"]:
-            vs = f"{r['vs_bag_p50']:.1f}x" if "vs_bag_p50" in r else "1.0x"
-            print(f"| {r['batch']} | {r['what']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['samples_per_s']:,.0f} "
-                  f"| {vs} |")  # fmt: skip
+        if "lookup" in args.parts:  # (b): a snapshot and a delta in each store
+            model = filled(args.dim, args.rows)
+            stores: dict[str, ServingStore] = {"file": FileStore(os.path.join(workdir, "look_file"))}
+            if rocksdb.available():
+                stores["rocksdb"] = RocksDBStore(os.path.join(workdir, "look_rocksdb"))
+            if redis_proc is not None:
+                stores["redis"] = RedisStore(url, "look")
+            pubs = [Publisher(store, model) for store in stores.values()]  # (no eviction: no tombstone to share)
+            for pub in pubs:
+                pub.publish()
+            train_on(model, torch.randperm(args.rows)[: args.delta])
+            for pub in pubs:
+                pub.publish()
+                pub.close()
+            result["lookup"] = lookups(stores, model, args)
+            print(f"\n(b) lookup: bags of {args.bag} ids, uniform over {args.rows} rows; cold = cache emptied before "
+                  f"each batch\n")  # fmt: skip
+            print("| batch | lookup | p50 ms | p99 ms | samples/s | p50 vs nn.EmbeddingBag |")
+            print("|---|---|---|---|---|---|")
+            for r in result["lookup"]:
+                vs = f"{r['vs_bag_p50']:.1f}x" if "vs_bag_p50" in r else "1.0x"
+                print(f"| {r['batch']} | {r['what']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
+                      f"| {r['samples_per_s']:,.0f} | {vs} |")  # fmt: skip
 
-        # (c)
-        result["bytes"] = bytes_per_step(args, workdir)
-        print(f"\n(c) published bytes: Zipf({args.zipf}) ids over {args.rows}, {args.step_ids} ids per step, "
-              f"FileStore\n")  # fmt: skip
-        print("| publish every | rows at the snapshot | full snapshot bytes | delta bytes | bytes per step | delta / full |")
-        print("|---|---|---|---|---|---|")
-        for r in result["bytes"]:
-            print(f"| {r['every']} steps | {r['table_rows']:,} | {r['full_bytes']:,} | {r['delta_bytes']:,.0f} | "
-                  f"{r['bytes_per_step']:,.0f} | {r['delta_over_full']:.3f} |")  # fmt: skip
+        if "bytes" in args.parts:  # (c)
+            result["bytes"] = bytes_per_step(args, workdir)
+            print(f"\n(c) published bytes: Zipf({args.zipf}) ids over {args.rows}, {args.step_ids} ids per step, "
+                  f"FileStore\n")  # fmt: skip
+            print("| publish every | rows at the snapshot | full snapshot bytes | delta bytes | bytes per step "
+                  "| delta / full |")  # fmt: skip
+            print("|---|---|---|---|---|---|")
+            for r in result["bytes"]:
+                print(f"| {r['every']} steps | {r['table_rows']:,} | {r['full_bytes']:,} | {r['delta_bytes']:,.0f} | "
+                      f"{r['bytes_per_step']:,.0f} | {r['delta_over_full']:.3f} |")  # fmt: skip
     finally:
         if redis_proc is not None:
             redis_proc.terminate()

@@ -17,6 +17,7 @@ import torch
 import veloce
 
 from _twin_model import Trainer, TwoTables, eval_batches
+from conftest import DEVICES
 from veloce.serving import FileStore, InferenceEmbedding, LeaseHeld, Publisher, VersionMissing, inference_twin, refresh
 from veloce.ops import rocksdb
 from veloce.storage import HostCached
@@ -39,10 +40,11 @@ def assert_twin_equal(model, twin, trainer, exact=True):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("storage", ["device", "host_cached"])
-def test_round_trips_full_deltas_folds(tmp_path, storage):
+def test_round_trips_full_deltas_folds(tmp_path, storage, device):
     torch.manual_seed(0)
-    model = TwoTables(HostCached(cache_rows=72) if storage == "host_cached" else None)
+    model = TwoTables(HostCached(cache_rows=72) if storage == "host_cached" else None, device=device)
     trainer = Trainer(model)
     store = FileStore(tmp_path / "store")
     pub = Publisher(store, model, keep_last=2, fold_every=3)
@@ -63,8 +65,9 @@ def test_round_trips_full_deltas_folds(tmp_path, storage):
             assert m["tables"]["a"]["removed"] == [int((~torch.isin(gone, expect["keys"])).sum())]
         assert m["tables"]["a"]["clocks"] == [clock]
         if twin is None:
-            twin = inference_twin(TwoTables(), store)
+            twin = inference_twin(TwoTables(device=device), store)
             assert isinstance(twin.a, InferenceEmbedding) and not twin.training
+            assert twin.a.table.device.type == twin.tables[0].table.device.type == torch.device(device).type
         else:
             assert refresh(twin) == v
         assert twin.a.version == v and twin.tables[0].version == v
@@ -73,17 +76,18 @@ def test_round_trips_full_deltas_folds(tmp_path, storage):
     assert twin.a.hits > 0  # the cache served rows across refreshes
 
 
-def test_admission_default_row_serves_the_ids_without_a_row(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_admission_default_row_serves_the_ids_without_a_row(tmp_path, device):
     # ids seen fewer than 3 times read the table's trained default row, in training's eval
     # and in the twin, which follows it from version to version
     torch.manual_seed(0)
-    model = TwoTables(admission=veloce.admission.Frequency(min_count=3))
+    model = TwoTables(admission=veloce.admission.Frequency(min_count=3), device=device)
     trainer = Trainer(model)
     store = FileStore(tmp_path / "store")
     pub = Publisher(store, model)
     trainer.steps(4)
     pub.publish()
-    twin = inference_twin(TwoTables(admission=veloce.admission.Frequency(min_count=3)), store)
+    twin = inference_twin(TwoTables(admission=veloce.admission.Frequency(min_count=3), device=device), store)
     assert twin.a.default_row is not None and model.a.stats()["refused"] > 0
     assert_twin_equal(model, twin, trainer)
     before = twin.a.default_row.clone()
@@ -95,10 +99,11 @@ def test_admission_default_row_serves_the_ids_without_a_row(tmp_path):
 
 
 @pytest.mark.skipif(not rocksdb.available(), reason="veloce._rocksdb is not built (RocksDB missing)")
-def test_rocksdb_store_round_trips(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_rocksdb_store_round_trips(tmp_path, device):
     from veloce.serving import RocksDBStore
 
-    model = TwoTables()
+    model = TwoTables(device=device)
     trainer = Trainer(model)
     pub = Publisher(RocksDBStore(tmp_path), model, keep_last=2, fold_every=3, dtype=torch.float16)
     twin = None
@@ -106,7 +111,7 @@ def test_rocksdb_store_round_trips(tmp_path):
         trainer.steps(2)
         v = pub.publish()
         if twin is None:
-            twin = inference_twin(TwoTables(), RocksDBStore(tmp_path))
+            twin = inference_twin(TwoTables(device=device), RocksDBStore(tmp_path))
         else:
             assert refresh(twin) == v
         assert_twin_equal(model, twin, trainer, exact=False)
@@ -117,15 +122,16 @@ def test_rocksdb_store_round_trips(tmp_path):
     assert part["weights"].dtype == torch.float16
 
 
-def test_one_dim_input_with_offsets(tmp_path):
-    model = TwoTables()
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_dim_input_with_offsets(tmp_path, device):
+    model = TwoTables(device=device)
     trainer = Trainer(model)
     trainer.steps(2)
     Publisher(FileStore(tmp_path), model).publish()
-    twin = inference_twin(TwoTables(), FileStore(tmp_path))
+    twin = inference_twin(TwoTables(device=device), FileStore(tmp_path))
     model.eval()
-    ids = torch.tensor([3, 0, 7, 7, 250, 999, 5])
-    for offsets in (torch.tensor([0, 2, 2, 5]), torch.tensor([0, 3, 7])):
+    ids = torch.tensor([3, 0, 7, 7, 250, 999, 5], device=device)
+    for offsets in (torch.tensor([0, 2, 2, 5], device=device), torch.tensor([0, 3, 7], device=device)):
         with torch.no_grad():
             assert torch.equal(model.a(ids, offsets), twin.a(ids, offsets))
             assert torch.equal(model.tables[0](ids, offsets), twin.tables[0](ids, offsets))  # (0 is its padding id)
@@ -139,8 +145,9 @@ def test_import_veloce_does_not_import_redis():
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
 
 
-def test_lfu_table_is_published_whole(tmp_path):
-    model = TwoTables(eviction="lfu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_lfu_table_is_published_whole(tmp_path, device):
+    model = TwoTables(eviction="lfu", device=device)
     trainer = Trainer(model)
     store = FileStore(tmp_path)
     pub = Publisher(store, model, fold_every=10)
@@ -151,14 +158,15 @@ def test_lfu_table_is_published_whole(tmp_path):
         m = store.manifest(v)
         assert m["tables"]["a"]["whole"] and m["tables"]["a"]["rows"] == [len(model.a)]
         assert not m["tables"]["tables.0"]["whole"] or v == 1
-        twin = inference_twin(TwoTables(), store) if twin is None else twin
+        twin = inference_twin(TwoTables(device=device), store) if twin is None else twin
         refresh(twin)
         assert_twin_equal(model, twin, trainer)
     assert [store.manifest(v)["kind"] for v in store.committed()] == ["full", "delta", "delta"]
 
 
-def test_delta_holds_only_changed_rows(tmp_path):
-    model = TwoTables(max_capacity=10_000)
+@pytest.mark.parametrize("device", DEVICES)
+def test_delta_holds_only_changed_rows(tmp_path, device):
+    model = TwoTables(max_capacity=10_000, device=device)
     trainer = Trainer(model, pool=5000)
     store = FileStore(tmp_path)
     pub = Publisher(store, model, fold_every=100)
@@ -167,7 +175,7 @@ def test_delta_holds_only_changed_rows(tmp_path):
     trainer.steps(1)
     v = pub.publish()
     part = store.read_part(v, "t/a/r0")
-    full = model.a.export()
+    full = {k: v.cpu() for k, v in model.a.export().items()}
     assert part["keys"].numel() <= 16 * 4 < full["keys"].numel()  # one batch's ids, not the table
     assert torch.equal(part["keys"], torch.sort(part["keys"]).values)
     at = {k: i for i, k in enumerate(full["keys"].tolist())}
@@ -207,16 +215,17 @@ def test_lease(tmp_path):
     Publisher(store, model).close()  # given back: free for the next
 
 
-def test_half_precision_rows(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_half_precision_rows(tmp_path, device):
     for dtype in (torch.float16, torch.bfloat16):
-        model = TwoTables()
+        model = TwoTables(device=device)
         trainer = Trainer(model)
         store = FileStore(tmp_path / str(dtype))
         pub = Publisher(store, model, dtype=dtype)
         trainer.steps(2)
         pub.publish()
         assert store.read_part(1, "t/a/r0")["weights"].dtype == dtype
-        twin = inference_twin(TwoTables(), store)
+        twin = inference_twin(TwoTables(device=device), store)
         assert_twin_equal(model, twin, trainer, exact=False)
         trainer.steps(2)
         pub.publish()

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICES
 
 import veloce
 from veloce.data import SyntheticClicks
 from veloce.models import DLRM
 from veloce.serving import FileStore, Publish, inference_twin, refresh
+from veloce.train.lockstep import move_to
 
 NUM_DENSE, NUM_SPARSE = 4, 3
 
@@ -26,16 +28,18 @@ def data(n: int, start: int = 0) -> SyntheticClicks:
                            start=start)  # fmt: skip
 
 
-def assert_twin_equal(model: DLRM, twin: DLRM) -> None:
+def assert_twin_equal(model: DLRM, twin: DLRM, device: str = "cpu") -> None:
     model.eval()
     with torch.no_grad():
         for (dense, sparse), _ in data(256, start=10**6):  # ids never trained on too
+            dense, sparse = move_to((dense, sparse), torch.device(device))
             assert torch.equal(model(dense, sparse), twin(dense, sparse))
 
 
-def test_publishes_every_n_steps_and_at_the_end_and_the_twin_equals_the_model(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_publishes_every_n_steps_and_at_the_end_and_the_twin_equals_the_model(tmp_path, device):
     torch.manual_seed(0)
-    model = dlrm()
+    model = dlrm().to(device)
     store = FileStore(tmp_path / "store")
     cb = Publish(store, every_n_steps=3, fold_every=3)
     trainer = veloce.Trainer(model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), progress=False,
@@ -44,14 +48,15 @@ def test_publishes_every_n_steps_and_at_the_end_and_the_twin_equals_the_model(tm
     assert cb.published == [(3, 1), (6, 2), (7, 3)]
     assert [store.manifest(v)["kind"] for v in store.committed()] == ["full", "delta", "delta"]
     assert cb.publisher is None and cb.version == 3  # the lease is given back when fit returns
-    twin = inference_twin(dlrm(), store)
-    assert_twin_equal(model, twin)
+    twin = inference_twin(dlrm().to(device), store)
+    assert all(t.table.device.type == torch.device(device).type for t in twin.embeddings.values())
+    assert_twin_equal(model, twin, device)
     # a second fit goes on publishing into the same store; the twin follows with refresh
     trainer.max_epochs = 2
     trainer.fit(data(32 * 7))
     assert [v for _, v in cb.published] == [1, 2, 3, 4, 5, 6]
     assert refresh(twin) == 6
-    assert_twin_equal(model, twin)
+    assert_twin_equal(model, twin, device)
 
 
 def test_publishes_at_the_end_only(tmp_path):

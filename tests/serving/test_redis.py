@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from _twin_model import Trainer, TwoTables, eval_batches
+from conftest import DEVICES
 from veloce.serving import LeaseHeld, Publisher, inference_twin, refresh
 
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install redis)")
@@ -47,19 +48,20 @@ def redis_url(tmp_path_factory):
     proc.wait(timeout=30)
 
 
-def test_round_trips(redis_url):
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trips(redis_url, device):
     from veloce.serving import RedisStore
 
-    model = TwoTables()
+    model = TwoTables(device=device)
     trainer = Trainer(model)
-    store = RedisStore(redis_url, "rt")
+    store = RedisStore(redis_url, f"rt_{device}")
     pub = Publisher(store, model, keep_last=2, fold_every=3)
     twin = None
     for _ in range(5):
         trainer.steps(2)
         v = pub.publish()
         if twin is None:
-            twin = inference_twin(TwoTables(), RedisStore(redis_url, "rt"))
+            twin = inference_twin(TwoTables(device=device), RedisStore(redis_url, f"rt_{device}"))
         else:
             assert refresh(twin) == v
         batches = eval_batches(trainer)
@@ -68,7 +70,7 @@ def test_round_trips(redis_url):
             for x, w in batches:
                 assert torch.equal(model(x, w), twin(x, w))
     assert store.committed() == [4, 5]  # v4 is a snapshot: 1 to 3 went
-    assert not list(store.client.scan_iter(match="rt:p:1:*"))
+    assert not list(store.client.scan_iter(match=f"rt_{device}:p:1:*"))
     part = store.read_part(5, "t/a/r0")
     assert part["keys"].numel() == store.manifest(5)["tables"]["a"]["rows"][0]
 

@@ -1,11 +1,13 @@
 """Row versions: ``export(since=clock)`` returns exactly the rows changed and the ids removed
-after a clock, on device tables and tiered ones (both tiers), under eviction, erase and
-expiry; the tombstone log's bounds and the policies that cannot answer."""
+after a clock (host tensors, whatever the table's device), on device tables and tiered ones
+(both tiers), on the CPU and the GPU, under eviction, erase and expiry; the tombstone log's
+bounds and the policies that cannot answer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICES
 
 import veloce
 from veloce.eviction import TTL
@@ -13,36 +15,38 @@ from veloce.storage import HostCached
 from veloce.table.versions import VersionsUnavailable
 
 
-def make(storage=None, eviction="lru", max_capacity=64) -> veloce.DynamicEmbedding:
+def make(storage=None, eviction="lru", max_capacity=64, device="cpu") -> veloce.DynamicEmbedding:
     return veloce.DynamicEmbedding(4, mode="sum", max_capacity=max_capacity, eviction=eviction, storage=storage,
-                                   optimizer=veloce.optim.SGD(lr=0.1))  # fmt: skip
+                                   optimizer=veloce.optim.SGD(lr=0.1), device=device)  # fmt: skip
 
 
 def train(emb, steps: int, gen: torch.Generator, pool: int = 150) -> set[int]:
-    """Training steps on random bags; returns the ids looked up."""
+    """Training steps on random bags (drawn on the host, looked up on the table's device);
+    returns the ids looked up."""
     seen: set[int] = set()
     emb.train()
     for _ in range(steps):
         x = torch.randint(0, pool, (8, 3), generator=gen)
         seen |= set(x.flatten().tolist())
-        emb(x).pow(2).sum().backward()
+        emb(x.to(emb.table.device)).pow(2).sum().backward()
         emb.step()
     return seen
 
 
 def rows(emb) -> dict[int, torch.Tensor]:
     e = emb.export()
-    return dict(zip(e["keys"].tolist(), e["weights"]))
+    return dict(zip(e["keys"].tolist(), e["weights"].cpu()))
 
 
 STORAGES = {"device": lambda: None, "host_cached": lambda: HostCached(cache_rows=32)}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("eviction", ["lru", "none", TTL(steps=3)], ids=["lru", "none", "ttl"])
 @pytest.mark.parametrize("storage", sorted(STORAGES))
-def test_export_since_is_exact(storage, eviction):
+def test_export_since_is_exact(storage, eviction, device):
     gen = torch.Generator().manual_seed(0)
-    emb = make(STORAGES[storage](), eviction, max_capacity=None if eviction == "none" else 64)
+    emb = make(STORAGES[storage](), eviction, max_capacity=None if eviction == "none" else 64, device=device)
     train(emb, 4, gen)
     emb.track_removed()
     resent: set[int] = set()  # erased outside a lookup after the last export: stamped after its clock, sent again
@@ -50,10 +54,11 @@ def test_export_since_is_exact(storage, eviction):
         clock, before = emb.table.clock, rows(emb)
         seen = train(emb, 3, gen)
         erased = set(list(before)[:3])
-        emb.erase(torch.tensor(sorted(erased)))
+        emb.erase(torch.tensor(sorted(erased), device=device))
         now = rows(emb)
         d = emb.export(since=clock, values_only=True)
         assert "optimizer_state" not in d and int(d["clock"]) == emb.table.clock
+        assert all(t.device.type == "cpu" for t in d.values())
         keys, removed = set(d["keys"].tolist()), set(d["removed"].tolist())
         assert len(keys) == d["keys"].numel()
         assert keys == seen & set(now)  # changed: looked up since the clock and still held
@@ -70,9 +75,10 @@ def test_export_since_is_exact(storage, eviction):
         resent = erased
 
 
-def test_evictions_both_tiers_and_counts():
+@pytest.mark.parametrize("device", DEVICES)
+def test_evictions_both_tiers_and_counts(device):
     gen = torch.Generator().manual_seed(1)
-    emb = make(HostCached(cache_rows=32), max_capacity=48)
+    emb = make(HostCached(cache_rows=32), max_capacity=48, device=device)
     train(emb, 2, gen)
     emb.track_removed()
     clock = emb.table.clock
@@ -85,14 +91,15 @@ def test_evictions_both_tiers_and_counts():
     assert emb.table.removed_log.count == 0 and emb.export(since=emb.table.clock)["removed"].numel() == 0
 
 
-def test_refusals():
+@pytest.mark.parametrize("device", DEVICES)
+def test_refusals(device):
     gen = torch.Generator().manual_seed(2)
-    lfu = make(eviction="lfu")
+    lfu = make(eviction="lfu", device=device)
     train(lfu, 1, gen)
     lfu.track_removed()
     with pytest.raises(ValueError, match="LFU.*use counts"):
         lfu.export(since=0)
-    emb = make()
+    emb = make(device=device)
     train(emb, 2, gen)
     with pytest.raises(VersionsUnavailable, match="not running"):
         emb.export(since=1)  # the log was never started
@@ -107,9 +114,10 @@ def test_refusals():
         emb.export(since=2)
 
 
-def test_log_bound_drops_oldest():
+@pytest.mark.parametrize("device", DEVICES)
+def test_log_bound_drops_oldest(device):
     gen = torch.Generator().manual_seed(3)
-    emb = make(max_capacity=32)
+    emb = make(max_capacity=32, device=device)
     emb.track_removed(limit=8)
     start = emb.table.clock
     train(emb, 6, gen)

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from veloce.embedding import DynamicEmbedding
-from veloce.ops.embedding import max_pool, pooled_lookup
 from veloce.ops.hash_table import initialize
 from veloce.serving.publisher import FORMAT, dense_tensors, sparse_tables
 from veloce.serving.store import ServingStore, VersionMissing
@@ -20,6 +19,9 @@ from veloce.sparse.inputs import InputChecks
 from veloce.table import HashTable, TableFullError
 
 __all__ = ["InferenceEmbedding", "inference_twin", "refresh"]
+
+#: Distinct ids read from the store, their rows and whether the version holds each.
+_Fetched = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _newest(store: ServingStore) -> int:
@@ -100,45 +102,80 @@ class InferenceEmbedding(InputChecks, nn.Module):
     @torch.no_grad()
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
-        """Pooled embeddings of ``input`` bags, as ``DynamicEmbedding`` in eval mode."""
+        """Pooled embeddings of ``input`` bags, as ``DynamicEmbedding`` in eval mode, pooled
+        straight from the cache's slots (the rows of the ids it lacks, read from the store,
+        ride along as the op's extra rows and are cached after it)."""
         ids, offsets, psw = self._bags(input, offsets, per_sample_weights)
-        distinct, inverse = torch.unique(ids, return_inverse=True)
-        rows = self.rows(distinct)
-        slots = inverse
-        if self.padding_idx is not None:
-            slots = slots.masked_fill(ids == self.padding_idx, -1)
+        slots, extra, fetched = self._slots(ids, self.padding_idx)
+        cache = self.table
         if self.mode == "max":
-            return max_pool(rows, slots, offsets, self.include_last_offset, None)[0]
-        return pooled_lookup(rows, slots, offsets, psw, MODES[self.mode], self.include_last_offset, None,
-                             check_inputs=False)  # fmt: skip
+            out = cache.max_pooled(slots, offsets, self.include_last_offset, extra)[0]
+        else:  # the offsets passed _bags' checks and the slots come from the cache: no re-check
+            out = cache.pooled(slots, offsets, psw, MODES[self.mode], self.include_last_offset, extra,
+                               check_inputs=False)  # fmt: skip
+        if fetched is not None:
+            self._remember(*fetched)
+        return out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of distinct ``ids`` (N,) at this version: cached, read from the store, or
-        the rows of unknown ids; (N, D) in the table's dtype."""
+        """The rows of ``ids`` (N,) at this version: cached, read from the store, or the rows
+        of unknown ids; (N, D) in the table's dtype, on the cache's device."""
+        slots, extra, fetched = self._slots(ids, None)
+        cache = self.table
+        if extra is None:
+            out = cache.rows(slots)
+        else:
+            hit = slots < cache.capacity
+            out = torch.empty(ids.numel(), self.embedding_dim, dtype=cache.dtype, device=ids.device)
+            out[hit] = cache.rows(slots[hit])
+            out[~hit] = extra[slots[~hit] - cache.capacity]
+            self._remember(*fetched)
+        return out
+
+    def _slots(self, ids: torch.Tensor, padding_idx: Optional[int]) -> tuple[torch.Tensor, Optional[torch.Tensor],
+                                                                             Optional[_Fetched]]:  # fmt: skip
+        """The slots of ``ids`` for the pooling ops: the cache's slot of each cached id (its
+        LRU score set to this lookup's clock), -1 at ``padding_idx``, and for the others
+        ``capacity + k``, row ``k`` of the extra rows (their distinct ids' rows at this
+        version, read from the store in one batch and copied to the cache's device at
+        once). Returns ``(slots, extra, fetched)``: extra and fetched (what
+        :meth:`_remember` caches) are None when the cache held every id."""
         cache = self.table
         slots = cache.find(ids)
-        hit = slots >= 0
-        out = torch.empty(ids.numel(), self.embedding_dim, dtype=cache.dtype, device=ids.device)
-        hit_slots = slots[hit]
-        out[hit] = cache.rows(hit_slots)
+        missing = slots < 0
+        if padding_idx is not None:
+            pad = ids == padding_idx
+            slots = slots.masked_fill(pad, -1)
+            missing &= ~pad
+            n_missing, n_pad = torch.stack([missing.sum(), pad.sum()]).tolist()  # (one device read)
+        else:
+            n_missing, n_pad = int(missing.sum()), 0
+        counts = self.__dict__  # (plain attributes: nn.Module.__setattr__ costs microseconds a lookup)
+        counts["hits"] += ids.numel() - n_missing - n_pad
+        counts["misses"] += n_missing
         cache.clock += 1
-        cache.scores[hit_slots] = cache.clock  # read now: the last to go
-        missing = ~hit
-        n_hit = int(hit_slots.numel())
-        self.hits += n_hit
-        self.misses += ids.numel() - n_hit
-        if n_hit < ids.numel():
-            miss = ids[missing]
-            fetched, known = self._fetch(miss)
-            out[missing] = fetched
-            if self.default_row is not None:  # the default row changes with each version: not cached
-                miss, fetched = miss[known], fetched[known]
-            keep = min(miss.numel(), self.cache_rows)
-            try:
-                cache.insert(miss[:keep], fetched[:keep])
-            except TableFullError:  # buckets too full to place them all: start the cache over
-                cache.clear()
-        return out
+        if n_missing == 0 and n_pad == 0:  # every id cached (the warm path): no index of the hits to make
+            cache.scores.index_fill_(0, slots, cache.clock)  # read now: the last to go
+            return slots, None, None
+        cache.scores.index_fill_(0, slots[slots >= 0], cache.clock)
+        if n_missing == 0:
+            return slots, None, None
+        at = missing.nonzero().squeeze(1)
+        miss, inverse = torch.unique(ids[at], return_inverse=True)
+        extra, known = self._fetch(miss)
+        slots = slots.index_put((at,), inverse + cache.capacity)
+        return slots, extra, (miss, extra, known)
+
+    def _remember(self, ids: torch.Tensor, rows: torch.Tensor, known: torch.Tensor) -> None:
+        """Caches the rows of distinct ``ids`` read from the store (those of ids the version
+        lacks too, unless they read the version's default row)."""
+        if self.default_row is not None:  # the default row changes with each version: not cached
+            ids, rows = ids[known], rows[known]
+        keep = min(ids.numel(), self.cache_rows)
+        try:
+            self.table.insert(ids[:keep], rows[:keep])
+        except TableFullError:  # buckets too full to place them all: start the cache over
+            self.table.clear()
 
     def _manifest_of(self, version: int) -> dict[str, Any]:
         m = self._manifests.get(version)
@@ -147,9 +184,10 @@ class InferenceEmbedding(InputChecks, nn.Module):
         return m
 
     def _fetch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of ``ids`` at this version: each id's row in the newest version of the
-        chain (snapshot, then deltas) that holds it or removed it, else the row of an
-        unknown id; and which ids the version holds."""
+        """The rows of ``ids`` at this version, on their device: each id's row in the newest
+        version of the chain (snapshot, then deltas) that holds it or removed it, read on
+        the host and copied in one batch, else the row of an unknown id; and which ids the
+        version holds."""
         parts = []
         for v in reversed(self.manifest["chain"]):
             m = self._manifest_of(v)
@@ -159,22 +197,32 @@ class InferenceEmbedding(InputChecks, nn.Module):
                 break  # every row of the table is here: older versions do not count
         host = ids.cpu()
         dtype = self.table.dtype
-        if self.unknown == "zeros":
-            rows = torch.zeros(host.numel(), self.embedding_dim, dtype=dtype)
-        elif self.default_row is not None:  # the table admits ids: the others read its default row
-            rows = self.default_row.to(dtype).expand(host.numel(), -1).clone()
-        else:
-            rows = initialize(host, self.embedding_dim, self.seed, int(self.init_kind), float(self.init_a),
-                              float(self.init_b), dtype)  # fmt: skip
+        read = torch.empty(host.numel(), self.embedding_dim, dtype=dtype)  # (the rows of unknown ids follow)
         decided = torch.zeros(host.numel(), dtype=torch.bool)
         known = torch.zeros(host.numel(), dtype=torch.bool)
         for found, got, removed in self.store.lookup(parts, host):
             take = found & ~decided
             if bool(take.any()):
-                rows[take] = got[take].to(dtype)
+                read[take] = got[take].to(dtype)
                 known |= take
             decided |= found | removed
-        return rows.to(ids.device), known.to(ids.device)
+        rows = read.to(ids.device)
+        if not bool(known.all()):
+            unknown = (~known).nonzero().squeeze(1).to(ids.device)
+            rows[unknown] = self._unknown_rows(ids[unknown])
+        return rows, known.to(ids.device)
+
+    def _unknown_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """What the training table gives ``ids`` it does not hold in eval mode, made on their
+        device as it makes them there (the initializer's rows of the CPU and the GPU may
+        differ in the last bit)."""
+        dtype, n = self.table.dtype, ids.numel()
+        if self.unknown == "zeros":
+            return torch.zeros(n, self.embedding_dim, dtype=dtype, device=ids.device)
+        if self.default_row is not None:  # the table admits ids: the others read its default row
+            return self.default_row.to(device=ids.device, dtype=dtype).expand(n, -1)
+        return initialize(ids, self.embedding_dim, self.seed, int(self.init_kind), float(self.init_a),
+                          float(self.init_b), dtype)  # fmt: skip
 
     # ---- versions ------------------------------------------------------------------------------
     def refresh(self, version: Optional[int] = None) -> bool:
