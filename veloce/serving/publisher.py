@@ -265,8 +265,8 @@ class Publisher:
                         pass
                 if versions and not emb.table.tracks_removed():
                     emb.track_removed()  # before the export: no removal between them goes unlisted
-                rows = emb.export(values_only=True)
-                keys, weights, removed = rows["keys"], rows["weights"], torch.empty(0, dtype=torch.long)
+                rows = emb.export(values_only=True)  # on the table's device; the stores write host tensors
+                keys, weights, removed = rows["keys"].cpu(), rows["weights"].cpu(), torch.empty(0, dtype=torch.long)
                 if changes is not None:
                     self.store.write_part(version, f"c/{name}/r{self.rank}", {"ids": changes.unique()})
             else:
