@@ -327,7 +327,10 @@ def _step_shared_defaults(tables: Sequence[TableModule], updates: Sequence[Optio
         entry = shared.get(id(t))
         if entry is None:
             continue
-        hparams = None if _capture.ACTIVE is None else _capture.ACTIVE.hparams_of([t])
+        capture = _capture.ACTIVE
+        hparams = None
+        if capture is not None:  # a captured step: the rows' update advanced the table's device step already
+            hparams = capture.hparams[id(t)] if u is not None else capture.hparams_of([t])
         t._step_default_row(u if u is not None else t._scalar_update(lr), skip, hparams, entry)
 
 
