@@ -63,14 +63,17 @@ def run_steps(model, opt, steps, world: int, rank: int, delayed: bool = False, c
     ``delayed``: one process applying each step's table gradient one step late, as async
     sharding with staleness 1 does (the dense gradient at once, as DDP). ``clip``: a list;
     each step's gradients are clipped to norm 0.05 (veloce.clip_grad_norm_, the default
-    row's gradient included) and the total norm appended."""
+    row's gradient included) and the total norm appended; ``"value"``: clamped to 0.002
+    (veloce.clip_grad_value_)."""
     preds, late = [], None
     for step in steps:
         ids, offsets, label, size = rank_slice(step, rank, world)
         out = model(ids, offsets)
         loss = nn.functional.binary_cross_entropy_with_logits(out, label, reduction="sum")
         (loss * world / size).backward()
-        if clip is not None:
+        if clip == "value":
+            veloce.clip_grad_value_(model, 0.002)
+        elif clip is not None:
             clip.append(float(veloce.clip_grad_norm_(model, 0.05)))
         if delayed:
             emb = model.emb
@@ -151,7 +154,7 @@ def _train_body(rank, world, sparse, dedup, clip):
     model = Model()
     hp = HybridParallel(model, sparse=sparse, staleness=1, dedup=dedup)
     opt = make_opt(hp)
-    norms = [] if clip else None
+    norms = [] if clip == "norm" else clip
     preds = run_steps(hp, opt, STEPS, world, rank, clip=norms)
     hp.flush()
     return {**shard_results(model, hp, preds), "norms": norms}
@@ -159,7 +162,7 @@ def _train_body(rank, world, sparse, dedup, clip):
 
 def _reference(delayed: bool, clip: bool) -> dict:
     model = Model()
-    norms = [] if clip else None
+    norms = [] if clip == "norm" else clip
     preds = run_steps(model, make_opt(model), STEPS, 1, 0, delayed=delayed, clip=norms)
     return {**shard_results(model, None, preds), "norms": norms}
 
@@ -181,14 +184,15 @@ def check_equal(results, ref) -> None:
         assert results[0]["stats"][key] + results[1]["stats"][key] == ref["stats"][key]
 
 
-@pytest.mark.parametrize("sparse, dedup, clip", [("sync", False, True), ("sync", True, False), ("async", False, False)],
-                         ids=["sync-clipped", "sync-dedup", "async"])  # fmt: skip
+@pytest.mark.parametrize("sparse, dedup, clip", [("sync", False, "norm"), ("sync", True, "value"),
+                                                 ("async", False, None)],
+                         ids=["sync-clip-norm", "sync-dedup-clip-value", "async"])  # fmt: skip
 def test_two_ranks_train_like_one_process(sparse, dedup, clip):
     check_no_collision(STEPS)
     results = run_ranks(_train_body, 2, sparse, dedup, clip, timeout=90)
     ref = _reference(delayed=sparse == "async", clip=clip)
     check_equal(results, ref)
-    if clip:  # the same total norm on every rank as in one process, and some steps clipped
+    if clip == "norm":  # the same total norm on every rank as in one process, and some steps clipped
         for r in results:
             torch.testing.assert_close(r["norms"], ref["norms"], rtol=1e-5, atol=1e-7)
         assert max(ref["norms"]) > 0.05

@@ -187,8 +187,14 @@ def clip_grad_value_(
     grads, clipped = _clip_targets(parameters, tables, "veloce.clip_grad_value_")
     for g in grads:
         g.clamp_(-clip_value, clip_value)
+    shared = agreed_default_gradients(clipped)  # a sharded table's default row: its parts summed first
     for t in clipped:
         t._clamp_pending(clip_value)
+        entry = shared.get(id(t))
+        if entry is not None:  # rank 0 keeps the clamped sum, the others nothing: the step's sum is it
+            if t.backend.rank != 0:
+                entry = entry._replace(slots=torch.full_like(entry.slots, -2), grad=torch.zeros_like(entry.grad))
+            t._pending_default = [entry._replace(grad=entry.grad.clamp(-clip_value, clip_value))]
 
 
 def _refusing_tables(name: str, torch_fn: Callable[..., Any]) -> Callable[..., Any]:
