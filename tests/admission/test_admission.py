@@ -373,3 +373,24 @@ def test_eval_under_compile_reads_default_row():
     x, offsets = torch.tensor([1, 5, 6]), torch.tensor([0, 1])
     torch.testing.assert_close(torch.compile(emb, fullgraph=True)(x, offsets), emb(x, offsets))
     torch.testing.assert_close(emb(x, offsets)[0], emb.table.default_rows()[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sightings_stand_for_repeated_positions(device):
+    """A position given n sightings counts as n occurrences (a deduplicated sharded insert):
+    the same sketch, estimates, admissions and telemetry as the repeated ids."""
+    ids = torch.tensor([4, 4, 4, 9, 5], device=device)
+    distinct, counts = torch.tensor([4, 9, 5], device=device), torch.tensor([3, 1, 1], device=device)
+    a = torch.zeros(4, 64, dtype=torch.int32, device=device)
+    b = torch.zeros_like(a)
+    est = count_sightings(a, ids, 0)
+    est_d = count_sightings(b, distinct, 0, torch.tensor([True, True, False], device=device), counts)
+    assert est[0].item() == est_d[0].item() == 3 and est_d[2].item() == 0  # position 2: not counted
+    whole, dedup = _emb(device, Frequency(min_count=3)), _emb(device, Frequency(min_count=3))
+    whole.table.find_or_insert(torch.tensor([4, 4, 4, 9], device=device))
+    dedup.table.find_or_insert(torch.tensor([4, 9], device=device), sightings=torch.tensor([3, 1], device=device))
+    sketches = [t.table.admission_state()["admission_counts"] for t in (whole, dedup)]
+    assert torch.equal(*sketches)
+    assert _found(whole, [4, 9], device) == _found(dedup, [4, 9], device) == [True, False]
+    for key in ("admitted", "refused"):
+        assert whole.table.admission_stats()[key] == dedup.table.admission_stats()[key]

@@ -161,7 +161,9 @@ def step_tables(tables: Sequence[TableModule], lrs: Optional[Sequence[Optional[f
     ``skip`` argument, and the host reads the flags while the GPU runs them. A table whose
     flag is set takes the per-table path, which counts its bad bags and raises; nothing is
     applied to any table (the queued updates skipped themselves on the device). Every rank
-    must step its sharded tables in the same calls and order.
+    must step its sharded tables in the same calls and order. The default rows of sharded
+    tables with admission are replicated: their gradients are summed over the ranks in one
+    all-reduce per process group (:mod:`veloce.sparse.default_row`) before the updates.
 
     The updates themselves are grouped: tables on one device with the same dtype, embedding
     dim, pooling of their pending gradient, optimizer kind and hyperparameters, learning
