@@ -81,7 +81,7 @@ def run_steps(model, opt, steps, world: int, rank: int, delayed: bool = False, c
             emb.restore_pending_state(late)
             late = now
         opt.step()
-        opt.zero_grad(set_to_none=False) if delayed else opt.zero_grad()
+        opt.zero_grad()
         preds.append(out.detach())
     if delayed and late is not None:
         model.emb.restore_pending_state(late)
@@ -93,7 +93,7 @@ def keys_of(model) -> set:
     return set(model.emb.export()["keys"].tolist())
 
 
-def shard_results(model, hp, preds) -> dict:
+def shard_results(model, preds) -> dict:
     emb = model.emb
     return {"preds": preds, "keys": keys_of(model), "default": emb.table.default_rows().clone(),
             "default_state": emb.table._buffers["default_state"].clone(),
@@ -157,14 +157,14 @@ def _train_body(rank, world, sparse, dedup, clip):
     norms = [] if clip == "norm" else clip
     preds = run_steps(hp, opt, STEPS, world, rank, clip=norms)
     hp.flush()
-    return {**shard_results(model, hp, preds), "norms": norms}
+    return {**shard_results(model, preds), "norms": norms}
 
 
 def _reference(delayed: bool, clip: bool) -> dict:
     model = Model()
     norms = [] if clip == "norm" else clip
     preds = run_steps(model, make_opt(model), STEPS, 1, 0, delayed=delayed, clip=norms)
-    return {**shard_results(model, None, preds), "norms": norms}
+    return {**shard_results(model, preds), "norms": norms}
 
 
 def check_equal(results, ref) -> None:
