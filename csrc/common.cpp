@@ -202,7 +202,7 @@ void check_cuda_table(const char* op, const at::Tensor& keys, const at::Tensor& 
 }
 
 void check_sketch_count(const char* op, const at::Tensor& counters, const at::Tensor& ids,
-                        const c10::optional<at::Tensor>& counted) {
+                        const c10::optional<at::Tensor>& counted, const c10::optional<at::Tensor>& sightings) {
   check_dtype(op, "counters", counters, at::kInt);
   check_dim(op, "counters", counters, 2);
   TORCH_CHECK(counters.size(0) >= 1 && counters.size(1) >= 1, op,
@@ -218,6 +218,12 @@ void check_sketch_count(const char* op, const at::Tensor& counters, const at::Te
     check_dim(op, "counted", *counted, 1);
     check_same_device(op, "counted", *counted, "counters", counters);
     check_size(op, "counted", *counted, 0, ids.numel(), "the number of ids");
+  }
+  if (sightings.has_value()) {
+    check_dtype(op, "sightings", *sightings, at::kLong);
+    check_dim(op, "sightings", *sightings, 1);
+    check_same_device(op, "sightings", *sightings, "counters", counters);
+    check_size(op, "sightings", *sightings, 0, ids.numel(), "the number of ids");
   }
 }
 

@@ -113,13 +113,15 @@ TORCH_LIBRARY(veloce, m) {
   // int64 tensor on keys' device. One pass over the slots, no host sync.
   m.def("expire(Tensor keys, Tensor(a!) digests, Tensor scores, int before) -> Tensor");
   // ---- sketch: feature admission's count-min sketch -------------------------------------
-  // Adds one sighting per position of ids (none where counted is false) to the (depth,
-  // width) int32 counters, in place: in row d, the counter of id is
+  // Adds each position's sightings of ids (one, or sightings[i] >= 0; none where counted is
+  // false) to the (depth, width) int32 counters, in place: in row d, the counter of id is
   // (splitmix64(id ^ salt_d) & (2^63 - 1)) % width, salt_d = splitmix64(seed * 1000003 + d)
   // (veloce/admission.py, sketch_slots). Returns each position's estimate after every add of
   // the call, the minimum of its id's counters, (N,) int64; counters saturate at 2^30 - 1.
-  // Fewer than 2^30 ids per call. No host sync.
-  m.def("sketch_count(Tensor(a!) counters, Tensor ids, int seed, Tensor? counted=None) -> Tensor");
+  // Fewer than 2^30 ids (and sightings) per call. No host sync.
+  m.def(
+      "sketch_count(Tensor(a!) counters, Tensor ids, int seed, Tensor? counted=None, Tensor? sightings=None) "
+      "-> Tensor");
   // The entries of the occupied slots in [start, end), in slot order:
   // keys (M,), weights (M, D), opt_state (M, S), scores (M,).
   m.def(

@@ -27,12 +27,24 @@ add: with ``N`` sightings in all, an id's estimate exceeds its true count by at 
 2005). A too-high estimate admits an id early (a false admission); it never refuses one
 that earned its row. Counters saturate at :data:`COUNT_LIMIT` (never overflow).
 
-**Shards and world sizes.** Tables sharded by :class:`veloce.distributed.HybridParallel`
-refuse admission (the owner-side decision is not built). A checkpoint keeps each saved
+**Shards and world sizes.** On a table sharded by :class:`veloce.distributed.HybridParallel`
+the owner of an id decides: its shard's sketch counts every occurrence the ranks' lookups
+send it (with ``dedup=True`` each distinct id travels once with its number of
+occurrences), so the k-th sighting inserts whichever ranks the sightings come from. A
+shard's sketch counts only its own ids: it has fewer collisions than one process's sketch
+of the same shape, so the admissions are those of one process except where that
+process's sketch overcounted (an id admitted early there is admitted at its k-th sighting
+here). The default row is one row for the whole table: every rank keeps a replica (the
+owners serve it for the ids they refuse), and each step sums its gradient over the ranks
+before applying it, so the replicas stay identical (:mod:`veloce.sparse.default_row`).
+The admission telemetry of ``stats()`` is per shard (each owner books the sightings it
+counted; the shards' counts add up to one process's). A checkpoint keeps each saved
 shard's sketch; a load sums them: counts of disjoint id sets add, and two ids of
 different shards that share a counter add there exactly as they would in one sketch of
 the whole table, so the sum is that sketch (the same admissions after the load, whatever
-the world size). The default row is rank 0's.
+the world size). Every shard then holds the loaded sketch, and ranks other than 0 save
+only what they count themselves after it (``HashTable.own_sketch``), so a later sum
+counts each sighting once. The default row is rank 0's, and every rank loads it.
 
 The decision runs on the table's device with torch ops (a splitmix64 hash in int64
 arithmetic, an ``index_add_`` of the batch's sightings, a gather and a minimum): no host
@@ -124,10 +136,11 @@ def sketch_slots(ids: torch.Tensor, depth: int, width: int, seed: int) -> torch.
     return torch.stack(rows) if rows else ids.new_empty(0, ids.numel())
 
 
-def count_sightings(counters: torch.Tensor, ids: torch.Tensor, seed: int,
-                    counted: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
-    """Adds one sighting per position of ``ids`` to the sketch ``counters`` (in place) and
-    returns each position's estimate after it: the minimum of its id's counters, (N,) int64.
+def count_sightings(counters: torch.Tensor, ids: torch.Tensor, seed: int, counted: Optional[torch.Tensor] = None,
+                    sightings: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
+    """Adds one sighting per position of ``ids`` (``sightings[i]`` at position ``i`` when
+    given) to the sketch ``counters`` (in place) and returns each position's estimate
+    after it: the minimum of its id's counters, (N,) int64.
 
     Args:
         counters: (depth, width) int32 counters, on ids' device (changed in place).
@@ -136,10 +149,13 @@ def count_sightings(counters: torch.Tensor, ids: torch.Tensor, seed: int,
         counted: optional (N,) bool, false where a position is no sighting (padding, or a
             lookup the caller's input check refused): it adds nothing (its estimate is still
             read).
+        sightings: optional (N,) integer tensor >= 0, the occurrences each position stands
+            for (a lookup that sent each distinct id once with its multiplicity,
+            ``HybridParallel(dedup=True)``), together fewer than 2^30; None: one each.
     """
     if ids.numel() >= _MAX_IDS:
         raise ValueError(f"admission: a lookup of {ids.numel()} ids; the sketch counts fewer than 2^30 per lookup")
-    return sketch_count(counters, ids, seed, counted)
+    return sketch_count(counters, ids, seed, counted, sightings)
 
 
 class AdmissionPolicy:

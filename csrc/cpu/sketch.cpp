@@ -1,6 +1,6 @@
 // CPU kernel of sketch_count: feature admission's count-min sketch (semantics: csrc/ops.cpp,
-// docs/ops.md). Two parallel passes: every counted position adds one to its id's counter in
-// each sketch row (relaxed atomic adds), then every position reads the minimum of its
+// docs/ops.md). Two parallel passes: every counted position adds its sightings to its id's
+// counter in each sketch row (relaxed atomic adds), then every position reads the minimum of its
 // counters after the whole lookup's adds, saturating them at kSketchCountLimit.
 
 #include <ATen/ATen.h>
@@ -18,9 +18,9 @@ namespace veloce {
 namespace {
 
 at::Tensor sketch_count_cpu(at::Tensor& counters, const at::Tensor& ids, int64_t seed,
-                            const c10::optional<at::Tensor>& counted) {
+                            const c10::optional<at::Tensor>& counted, const c10::optional<at::Tensor>& sightings) {
   constexpr const char* op = "veloce::sketch_count";
-  check_sketch_count(op, counters, ids, counted);
+  check_sketch_count(op, counters, ids, counted, sightings);
   const int64_t n = ids.numel(), depth = counters.size(0), width = counters.size(1);
   at::Tensor estimate = at::empty({n}, ids.options());
   if (n == 0) return estimate;
@@ -30,12 +30,18 @@ at::Tensor sketch_count_cpu(at::Tensor& counters, const at::Tensor& ids, int64_t
   const int64_t* const id = ids_c.data_ptr<int64_t>();
   const at::Tensor counted_c = counted.has_value() ? counted->contiguous() : at::Tensor();
   const bool* const take = counted_c.defined() ? counted_c.data_ptr<bool>() : nullptr;
+  const at::Tensor sightings_c = sightings.has_value() ? sightings->contiguous() : at::Tensor();
+  const int64_t* const times = sightings_c.defined() ? sightings_c.data_ptr<int64_t>() : nullptr;
   int32_t* const c = counters.data_ptr<int32_t>();
   const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, depth));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       if (take != nullptr && !take[i]) continue;
-      for (int64_t d = 0; d < depth; ++d) __atomic_fetch_add(c + sketch_slot(id[i], salts[d], d, width), 1, __ATOMIC_RELAXED);
+      const int32_t add = times != nullptr ? static_cast<int32_t>(times[i]) : 1;
+      if (add == 0) continue;
+      for (int64_t d = 0; d < depth; ++d) {
+        __atomic_fetch_add(c + sketch_slot(id[i], salts[d], d, width), add, __ATOMIC_RELAXED);
+      }
     }
   });
   int64_t* const est = estimate.data_ptr<int64_t>();

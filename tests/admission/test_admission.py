@@ -197,12 +197,14 @@ def test_false_admission_rate_within_bound():
     assert ((est >= k).double().mean().item()) <= math.exp(-depth)
 
 
-def _reference_count(counters, ids, seed, counted=None):
+def _reference_count(counters, ids, seed, counted=None, sightings=None):
     """The sketch in torch ops (sketch_slots' layout): the specification sketch_count fuses."""
     depth, _ = counters.shape
     idx = veloce.admission.sketch_slots(ids, depth, counters.shape[1], seed).reshape(-1)
     flat = counters.view(-1)
-    add = torch.ones(ids.numel(), dtype=counters.dtype, device=ids.device) if counted is None else counted.int()
+    add = torch.ones(ids.numel(), dtype=counters.dtype) if sightings is None else sightings.int()
+    if counted is not None:
+        add = add * counted.int()
     flat.index_add_(0, idx, add.repeat(depth))
     values = flat[idx].clamp_(max=veloce.admission.COUNT_LIMIT)
     flat[idx] = values
@@ -211,16 +213,19 @@ def _reference_count(counters, ids, seed, counted=None):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("masked", [False, True])
-def test_sketch_count_equals_the_torch_reference(device, masked):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sketch_count_equals_the_torch_reference(device, masked, weighted):
     gen = torch.Generator().manual_seed(3)
     ids = torch.cat([torch.randint(-(1 << 62), 1 << 62, (3000,), generator=gen), torch.arange(50).repeat(7)])
     counted = torch.rand(ids.shape, generator=gen) < 0.7 if masked else None
+    sightings = torch.randint(0, 4, ids.shape, generator=gen) if weighted else None
     start = torch.randint(0, 5, (3, 257), generator=gen, dtype=torch.int32)
     start[0, :9] = veloce.admission.COUNT_LIMIT - 2  # some counters saturate
     got_counters, want_counters = start.to(device), start.clone()
     for seed in (0, -7, 1 << 40):
-        got = count_sightings(got_counters, ids.to(device), seed, None if counted is None else counted.to(device))
-        want = _reference_count(want_counters, ids, seed, counted)
+        got = count_sightings(got_counters, ids.to(device), seed, None if counted is None else counted.to(device),
+                              None if sightings is None else sightings.to(device))  # fmt: skip
+        want = _reference_count(want_counters, ids, seed, counted, sightings)
         assert torch.equal(got.cpu(), want)
         assert torch.equal(got_counters.cpu(), want_counters)
     empty = count_sightings(got_counters, ids[:0].to(device), 0)
@@ -413,3 +418,24 @@ def test_eval_under_compile_reads_default_row():
     x, offsets = torch.tensor([1, 5, 6]), torch.tensor([0, 1])
     torch.testing.assert_close(torch.compile(emb, fullgraph=True)(x, offsets), emb(x, offsets))
     torch.testing.assert_close(emb(x, offsets)[0], emb.table.default_rows()[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sightings_stand_for_repeated_positions(device):
+    """A position given n sightings counts as n occurrences (a deduplicated sharded insert):
+    the same sketch, estimates, admissions and telemetry as the repeated ids."""
+    ids = torch.tensor([4, 4, 4, 9, 5], device=device)
+    distinct, counts = torch.tensor([4, 9, 5], device=device), torch.tensor([3, 1, 1], device=device)
+    a = torch.zeros(4, 64, dtype=torch.int32, device=device)
+    b = torch.zeros_like(a)
+    est = count_sightings(a, ids, 0)
+    est_d = count_sightings(b, distinct, 0, torch.tensor([True, True, False], device=device), counts)
+    assert est[0].item() == est_d[0].item() == 3 and est_d[2].item() == 0  # position 2: not counted
+    whole, dedup = _emb(device, Frequency(min_count=3)), _emb(device, Frequency(min_count=3))
+    whole.table.find_or_insert(torch.tensor([4, 4, 4, 9], device=device))
+    dedup.table.find_or_insert(torch.tensor([4, 9], device=device), sightings=torch.tensor([3, 1], device=device))
+    sketches = [t.table.admission_state()["admission_counts"] for t in (whole, dedup)]
+    assert torch.equal(*sketches)
+    assert _found(whole, [4, 9], device) == _found(dedup, [4, 9], device) == [True, False]
+    for key in ("admitted", "refused"):
+        assert whole.table.admission_stats()[key] == dedup.table.admission_stats()[key]

@@ -42,10 +42,10 @@ def test_a_store_of_another_model_names_what_differs(published):
     other = torch.nn.Module()  # another architecture: one table under another name
     other.emb = TwoTables().a
     with pytest.raises(ValueError, match=r"holds the tables \['a', 'tables.0'\], the model has \['emb'\]: a store of "
-                                         r"another model"):  # fmt: skip
+                                         r"another model; construct the architecture that published it"):  # fmt: skip
         inference_twin(other, store)
     with pytest.raises(ValueError, match=r"table 'a' was published with dim 8 and mode 'sum', the model's has 4 "
-                                         r"and 'sum'"):  # fmt: skip
+                                         r"and 'sum': construct the model with the published table's dim and mode"):  # fmt: skip
         inference_twin(TwoTables(dim=4), store)
     with pytest.raises(ValueError, match=r"table 'tables.0' was published with dim 8 and mode 'max', the model's "
                                          r"has 8 and 'mean'"):  # fmt: skip
@@ -60,7 +60,7 @@ def test_a_store_of_another_model_names_what_differs(published):
     with pytest.raises(ValueError, match=r"2 of the model's not published \['out.bias', 'out.weight'\]"):
         inference_twin(extra, store)
     with pytest.raises(ValueError, match=r"holds no table 'emb' \(it holds \['a', 'tables.0'\]\): a store of another "
-                                         r"model"):  # fmt: skip
+                                         r"model; pass the name of a published table"):  # fmt: skip
         InferenceEmbedding(store, "emb")
 
 

@@ -229,7 +229,9 @@ def _write_rank_files(tmp: Path, rank: int, model: nn.Module, optimizer) -> dict
         else:
             files[fname] = _io.write_safetensors(tmp / fname, tensors)
         # Admission (veloce.admission): each table's sketch and default row, a small file per rank.
-        admission = {f"{name}/{k}": v for name, m in mine.items() for k, v in m.table.admission_state().items()}
+        # A shard saves the sightings it counted (the load sums the shards' sketches).
+        admission = {f"{name}/{k}": (m.table.own_sketch() if k == "admission_counts" else v)
+                     for name, m in mine.items() for k, v in m.table.admission_state().items()}  # fmt: skip
         if admission:
             aname = f"admission.rank{rank:05d}.safetensors"
             files[aname] = _io.write_safetensors(tmp / aname, admission)

@@ -354,6 +354,9 @@ def apply(plan: Plan, optimizer) -> None:
         m.restore_pending_state(None)
         if name in plan.admission:
             m.table.load_admission_state(plan.admission[name])  # shapes checked by read()
+            rank, world = shard_of(m)
+            if world > 1 and rank != 0:  # every shard holds the loaded sketch; rank 0 saves it again
+                m.table.mark_sketch_shared()
     for target, value in plan.dense.values():
         target.copy_(value)
     if plan.optimizer is not None:
@@ -375,7 +378,7 @@ class Undo:
         self.tables = [
             (m, m.table.snapshot(), m.step_count, m.pending_state()) for m, *_ in plan.tables.values()
         ]
-        self.admission = [(m, {k: v.clone() for k, v in m.table.admission_state().items()})
+        self.admission = [(m, {k: v.clone() for k, v in m.table.admission_state().items()}, m.table._sketch_base)
                           for m, *_ in plan.tables.values()]  # fmt: skip
         self.dense = [(target, target.detach().clone()) for target, _ in plan.dense.values()]
         self.optimizer = optimizer
@@ -388,8 +391,9 @@ class Undo:
             m.table.restore(table)
             m.step_count = step
             m.restore_pending_state(pending)  # with a "raise_next" error the failed load had dropped
-        for m, state in self.admission:
+        for m, state, base in self.admission:
             m.table.load_admission_state(state)
+            m.table._sketch_base = base
         for target, value in self.dense:
             target.copy_(value)
         if self.opt_state is not None:

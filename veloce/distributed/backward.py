@@ -87,13 +87,23 @@ def _psw_grads(ex: Any, per_table: Sequence[torch.Tensor], psw_grad: list[bool])
 
     g = ex.shard.group
     mine = [
-        m.table.psw_grad(current_slots(m, s), s.offsets, gk, False) if s is not None
+        _owner_psw_grad(m, s, gk) if s is not None
         else gk.new_zeros(sum(n))  # a failed owner (lookup_errors="raise_next"): the step raises anyway
         for m, s, gk, n in zip(ex.modules, ex.served, per_table, ex.recv_ids_nk)
     ]  # fmt: skip
     back = all_to_all(g, received_order(mine, ex.recv_ids_nk), ex.recv_ids_n, ex.id_splits)
     flat = torch.zeros(ex.perm.numel(), dtype=back.dtype, device=back.device).index_copy_(0, ex.perm, back)
     return split_psw_grads(flat, ex.batch.kept, ex.batch.num_ids, psw_grad)
+
+
+def _owner_psw_grad(module: Any, served: Served, grad: torch.Tensor) -> torch.Tensor:
+    """The owner's per-sample-weight gradients of its served ids: the positions the default
+    row served (admission) read it as the lookup did (slot ``C``, extra row 0)."""
+    table, slots = module.table, current_slots(module, served)
+    if served.refused is None:
+        return table.psw_grad(slots, served.offsets, grad, False)
+    return table.psw_grad(slots.masked_fill(served.refused, table.capacity), served.offsets, grad, False,
+                          table.default_rows())  # fmt: skip
 
 
 def drop_failed_gradients(modules: Sequence) -> None:

@@ -1,9 +1,10 @@
 """The deduplicated exchange of a sharded lookup (``HybridParallel(dedup=True)``).
 
 Each distinct (table, id) of a batch travels once: the requester sends its distinct ids
-to their owners, owners send back one row per id, and the requester pools its bags
-locally from those rows (``pooled_lookup`` over the received rows, so sums run in
-position order exactly as on one process). In backward the requester sums each distinct
+to their owners (for tables with admission, with the number of times each occurs: the
+owner counts every occurrence as a sighting), owners send back one row per id, and the
+requester pools its bags locally from those rows (``pooled_lookup`` over the received
+rows, so sums run in position order exactly as on one process). In backward the requester sums each distinct
 row's gradient (``accumulate_grad``) and sends one gradient row per id back.
 
 It moves ``U`` rows each way instead of one partial sum per (bag, owner): a win when ids
@@ -141,8 +142,14 @@ def forward_rows(shard: Any, modules: list, bags: Sequence[tuple], psw_grad: boo
     recv_ids = all_to_all(g, u_ids[send_order], id_splits, recv_ids_n)
     ids_per_table = [sum(c) for c in recv_ids_nk]
     t_ids = table_major(recv_ids, recv_ids_nk).split(ids_per_table)
+    sightings = None
+    if any(m.table.admits for m in modules):  # (every rank's tables admit alike) each id's occurrences, counted
+        counts = torch.bincount(inverse, minlength=first.numel())
+        recv_counts = all_to_all(g, counts[send_order], id_splits, recv_ids_n)
+        sightings = table_major(recv_counts, recv_ids_nk).split(ids_per_table)
     every = torch.arange(max(ids_per_table, default=0), device=dev)  # parts of one id each: part i starts at i
-    served, rows = serve_tables(modules, t_ids, [every[:n] for n in ids_per_table], [None] * K, training)
+    served, rows = serve_tables(modules, t_ids, [every[:n] for n in ids_per_table], [None] * K, training,
+                                sightings)  # fmt: skip
     back = received_order(rows, recv_ids_nk, wire)  # narrowed for the wire in the regrouping
 
     got = all_to_all_rows(g, back, recv_ids_n, id_splits, wire).to(dtype)  # rows in the order sent

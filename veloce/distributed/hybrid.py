@@ -138,6 +138,12 @@ class HybridParallel(nn.Module):
         process_group: the ranks to shard over (default: the whole world).
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters``).
 
+    Tables with feature admission (``admission=``, :mod:`veloce.admission`) count each id's
+    sightings on its owner, which decides (the k-th sighting on any rank inserts), and share
+    one default row: every rank keeps a replica, and each step applies the gradient of
+    the refused ids summed over the ranks to every replica (one all-reduce of the row per
+    process group and step), so the replicas stay identical (``docs/admission.md``).
+
     Tables with ``mode="max"`` are refused over several ranks. Over a ``process_group`` of
     one rank (in a larger world) nothing is sharded, and each rank's tables become its own
     (``per_rank=True``).
@@ -207,12 +213,6 @@ class HybridParallel(nn.Module):
                 f"HybridParallel: table(s) {maxed} pool with mode='max', which sharded tables do not support (an "
                 f"owner pools only its part of a bag); use mode='sum' or 'mean' for tables sharded over ranks"
             )
-        admitting = [n for n, m in self.tables if m.table.admits]
-        if admitting and self.world_size > 1:
-            raise ValueError(
-                f"HybridParallel: table(s) {admitting} have feature admission (admission=...), which sharded tables "
-                f"do not support; pass admission=None for tables sharded over ranks"
-            )  # fmt: skip
         if self.world_size > 1:
             self._shard_tables(process_group)
         elif dist.get_world_size() > 1:
@@ -260,6 +260,8 @@ class HybridParallel(nn.Module):
             m.backend = Shard(lookup_group, tag, self.sparse, self.staleness, grad_group, self.dedup,
                              self.lookup_errors, dispatch_group, self.exchange_dtype, weakref.ref(self))  # fmt: skip
             m.table.hold_pins(self.staleness)  # a tiered shard keeps rows until their late gradients land
+            if self.rank != 0:  # every rank's copy of the sketch so far is the whole table's: rank 0 saves it
+                m.table.mark_sketch_shared()
         modules = [m for _, m in self.tables]
         lookup_group.on_failure = lambda: drop_failed_gradients(modules)
 

@@ -30,12 +30,17 @@ class Served:
     offsets: torch.Tensor  # (Q,) start of each received part
     psw: Optional[torch.Tensor]  # (R,) received per-sample weights
     version: int  # the table version of slots
+    # (R,) bool: the positions the table's default row served (admission; -2 in ``slots``), or None
+    refused: Optional[torch.Tensor] = None
 
 
-def insert_tables(modules: list, ids: Sequence[torch.Tensor],
-                   training: tuple[bool, ...]) -> tuple[list, Optional[Exception]]:  # fmt: skip
+def insert_tables(modules: list, ids: Sequence[torch.Tensor], training: tuple[bool, ...],
+                   sightings: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                   ) -> tuple[list, Optional[Exception]]:  # fmt: skip
     """The owner inserts the received ids of the tables whose lookup is a training lookup
-    (``training[k]``): one op for all of them.
+    (``training[k]``): one op for all of them. ``sightings``: per table, the occurrences
+    each received id stands for (deduplicated ids: the owner's admission counts every
+    occurrence); None: one each.
     Returns per table the slots (None for evaluation tables, and for a table listed twice,
     or shared by two modules, after its first: it inserts on its own when served, after
     its first part is, since an insert may move its rows), and the error that stopped the
@@ -46,7 +51,9 @@ def insert_tables(modules: list, ids: Sequence[torch.Tensor],
         train = [k for k, m in enumerate(modules) if training[k] and first.setdefault(id(m.table), k) == k]
         # Never deferred (DynamicEmbedding(defer_inserts=)): a full owner must fail this step on every rank.
         tables = [modules[k].table for k in train]
-        for k, s in zip(train, find_or_insert_many(tables, [ids[k] for k in train], allow_defer=False)):
+        counts = None if sightings is None else [sightings[k] for k in train]
+        for k, s in zip(train, find_or_insert_many(tables, [ids[k] for k in train], allow_defer=False,
+                                                   sightings=counts)):  # fmt: skip
             slots[k] = s
     except Exception as e:  # e.g. TableFullError on this owner: every rank must stop, not wait
         return slots, e
@@ -54,17 +61,19 @@ def insert_tables(modules: list, ids: Sequence[torch.Tensor],
 
 
 def serve_tables(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[torch.Tensor],
-                  psw: Sequence[Optional[torch.Tensor]], training: tuple[bool, ...]) -> tuple[list, list]:  # fmt: skip
+                  psw: Sequence[Optional[torch.Tensor]], training: tuple[bool, ...],
+                  sightings: Optional[Sequence[Optional[torch.Tensor]]] = None) -> tuple[list, list]:  # fmt: skip
     """The owner's half of a grouped lookup: each table serves its block (parts starting
     at ``starts[k]`` in ``ids[k]``). Returns per table its :class:`Served` and its pooled
-    parts (:func:`insert_tables`, then :func:`serve_inserted`)."""
-    slots, error = insert_tables(modules, ids, training)
-    return serve_inserted(modules, ids, starts, psw, slots, error, training)
+    parts (:func:`insert_tables`, then :func:`serve_inserted`; ``sightings`` as there)."""
+    slots, error = insert_tables(modules, ids, training, sightings)
+    return serve_inserted(modules, ids, starts, psw, slots, error, training, sightings)
 
 
 def serve_inserted(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[torch.Tensor],
                     psw: Sequence[Optional[torch.Tensor]], slots: list, error: Optional[Exception],
-                    training: tuple[bool, ...]) -> tuple[list, list]:  # fmt: skip
+                    training: tuple[bool, ...],
+                    sightings: Optional[Sequence[Optional[torch.Tensor]]] = None) -> tuple[list, list]:  # fmt: skip
     """The owner's lookups after :func:`insert_tables` (its ``slots`` and ``error``), and
     the owners' agreement on whether any failed.
 
@@ -86,7 +95,8 @@ def serve_inserted(modules: list, ids: Sequence[torch.Tensor], starts: Sequence[
                 slots = list(slots)
                 for k, (m, ids_k, starts_k, psw_k) in enumerate(zip(modules, ids, starts, psw)):
                     if training[k] and slots[k] is None:
-                        slots[k] = m.table.find_or_insert(ids_k, allow_defer=False)
+                        slots[k] = m.table.find_or_insert(ids_k, allow_defer=False,
+                                                          sightings=None if sightings is None else sightings[k])
                     s, p = serve_all([m], [ids_k], [starts_k], [psw_k], [slots[k]])
                     served += s
                     pooled += p
@@ -124,23 +134,32 @@ def serve_all(modules: list, ids: Sequence[torch.Tensor], offsets: Sequence[torc
     """The owner's half of a lookup for tables ``modules``: per table its :class:`Served`
     and the sum of each received part (parts start at ``offsets[k]``), from the received
     ids' ``slots[k]`` (training: inserted already) or, for None, the slots of an evaluation
-    lookup. One lookup op for all tables (:func:`veloce.table.pooled_many`)."""
+    lookup. One lookup op for all tables (:func:`veloce.table.pooled_many`). With admission,
+    a training lookup's refused ids (slot ``C``) read the table's default row, and their
+    :class:`Served` slots are -2, marked ``refused`` (their gradient trains that row)."""
     extra: list = [None] * len(modules)
+    refused: list = [None] * len(modules)
     slots = list(slots)
     for k, m in enumerate(modules):
         if slots[k] is None:
             slots[k], extra[k] = eval_slots(m, ids[k])
+        elif m.table.admits:
+            extra[k] = m.table.default_rows()
+            refused[k] = slots[k] == m.table.capacity
     tables = [m.table for m in modules]
     partial = pooled_many(tables, slots, offsets, psw, [SUM] * len(modules), [False] * len(modules), extra)
-    served = [Served(i, s, o, p, t.version) for t, i, s, o, p in zip(tables, ids, slots, offsets, psw)]
+    served = [Served(i, s if r is None else s.masked_fill(r, -2), o, p, t.version, r)
+              for t, i, s, o, p, r in zip(tables, ids, slots, offsets, psw, refused)]  # fmt: skip
     return served, partial
 
 
 def current_slots(module, served: Served) -> torch.Tensor:
+    """The served slots under the table's current mapping (re-resolved by id if it changed;
+    the positions the default row served stay -2)."""
     if served.version == module.table.version:
         return served.slots
 
-    return reresolve(module.table, served.ids, served.slots)
+    return reresolve(module.table, served.ids, served.slots, served.refused)
 
 
 def record(modules: Sequence, served: Sequence[Optional[Served]], grads: Sequence[torch.Tensor],
@@ -152,4 +171,5 @@ def record(modules: Sequence, served: Sequence[Optional[Served]], grads: Sequenc
 
     for module, s, grad in zip(modules, served, grads):
         if s is not None:
-            keep_gradient(module, Pending(s.ids, s.slots, s.offsets, s.psw, grad, SUM, False, s.version), noted)
+            keep_gradient(module, Pending(s.ids, s.slots, s.offsets, s.psw, grad, SUM, False, s.version, s.refused),
+                          noted)  # fmt: skip

@@ -89,7 +89,8 @@ class InferenceEmbedding(InputChecks, nn.Module):
         tables = manifest["tables"]
         if self.name not in tables:
             raise ValueError(f"{self.store!r} version {manifest['version']} holds no table {self.name!r} (it holds "
-                             f"{sorted(tables)}): a store of another model")  # fmt: skip
+                             f"{sorted(tables)}): a store of another model; pass the name of a published table, or open the "
+                             f"store that model published to")  # fmt: skip
         return tables[self.name]
 
     def extra_repr(self) -> str:
@@ -307,12 +308,14 @@ def inference_twin(model: nn.Module, store: ServingStore, version: Optional[int]
     published = manifest["tables"]
     if set(tables) != set(published):
         raise ValueError(f"{store!r} version {version} holds the tables {sorted(published)}, the model has "
-                         f"{sorted(tables)}: a store of another model")  # fmt: skip
+                         f"{sorted(tables)}: a store of another model; construct the architecture that published it, or "
+                         f"open the store this model published to")  # fmt: skip
     for name, emb in tables.items():
         meta = published[name]
         if int(meta["dim"]) != emb.embedding_dim or meta["mode"] != emb.mode:
             raise ValueError(f"{store!r}: table {name!r} was published with dim {meta['dim']} and mode "
-                             f"{meta['mode']!r}, the model's has {emb.embedding_dim} and {emb.mode!r}")  # fmt: skip
+                             f"{meta['mode']!r}, the model's has {emb.embedding_dim} and {emb.mode!r}: construct the model with "
+                             f"the published table's dim and mode, or open the store this model published to")  # fmt: skip
         twin = InferenceEmbedding(store, name, version, cache_rows, device=emb.table.device)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, twin)

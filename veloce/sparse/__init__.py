@@ -7,6 +7,8 @@
 - :mod:`~veloce.sparse.autograd`: the lookups' autograd node;
 - :mod:`~veloce.sparse.pending`: the pending gradient a backward pass leaves in a table;
 - :mod:`~veloce.sparse.step`: the fused sparse updates (:func:`step_tables`);
+- :mod:`~veloce.sparse.default_row`: the default row of a sharded table with admission,
+  its gradient summed over the ranks;
 - :mod:`~veloce.sparse.nonfinite`: the NaN/Inf gradient policy;
 - :mod:`~veloce.sparse.compile`: lookups as one opaque op under ``torch.compile``;
 - :mod:`~veloce.sparse.combined`: :class:`CombinedOptimizer`;

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from veloce.sparse.default_row import default_entry
 from veloce.sparse.pending import Pending
 
 __all__ = [
@@ -148,8 +149,12 @@ def eval_slots(module: Any, ids: torch.Tensor) -> tuple[torch.Tensor, Optional[t
 
 def keep_gradient(module: Any, entry: Pending, noted: bool = False) -> None:
     """Keeps one backward pass's gradient of ``module``'s rows until its step().
-    ``noted``: the pass was counted by :func:`note_backward` when its gradient was sent."""
+    ``noted``: the pass was counted by :func:`note_backward` when its gradient was sent.
+    With admission, ``entry.refused`` marks the positions the table's default row served
+    (-2 in ``entry.slots``): their gradient is kept for the default row."""
     module._accumulate(entry, noted)
+    if entry.refused is not None:
+        module._accumulate_default(default_entry(entry))
 
 
 def note_backward(module: Any) -> None:

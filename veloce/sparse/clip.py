@@ -13,6 +13,7 @@ from torch import nn
 
 from veloce.sparse.base import TableModule
 from veloce.sparse.combined import sparse_modules
+from veloce.sparse.default_row import agreed_default_gradients
 from veloce.sparse.pending import waiting_tables
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_"]
@@ -67,9 +68,12 @@ def _table_norms(tables: Sequence[Any], norm_type: float) -> list[torch.Tensor]:
     """Per table, the norm of its pending row gradients; over all ranks for a table sharded
     by HybridParallel (each rank holds the gradients of the rows it owns: one all-reduce
     per process group)."""
-    # the default row's gradient (admission) is one row more of its table's
+    # the default row's gradient (admission) is one row more of its table's; a sharded table's
+    # replicated default row holds a part of it on each rank: its norm is that of the parts' sum
+    shared = agreed_default_gradients(tables)
     norms = [torch.linalg.vector_norm(torch.cat([t._pending_rows()[1], t._default_grad_rows()[1]]), norm_type)
-             if t._pending_default else torch.linalg.vector_norm(t._pending_rows()[1], norm_type)
+             if t._pending_default and id(t) not in shared
+             else torch.linalg.vector_norm(t._pending_rows()[1], norm_type)
              for t in tables]  # fmt: skip
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(tables):
@@ -84,6 +88,11 @@ def _table_norms(tables: Sequence[Any], norm_type: float) -> list[torch.Tensor]:
             total = shard.agree_all(local.pow(norm_type)).pow(1.0 / norm_type)
         for k, i in enumerate(idx):
             norms[i] = total[k].to(norms[i].device, norms[i].dtype)
+    for i, t in enumerate(tables):
+        entry = shared.get(id(t))
+        if entry is not None:  # (a row no rank's lookups reached has slot -2: no gradient)
+            row = torch.linalg.vector_norm(entry.grad * (entry.slots >= 0).to(entry.grad.dtype), norm_type)
+            norms[i] = torch.linalg.vector_norm(torch.stack([norms[i], row.to(norms[i].dtype)]), norm_type)
     return norms
 
 
@@ -178,8 +187,14 @@ def clip_grad_value_(
     grads, clipped = _clip_targets(parameters, tables, "veloce.clip_grad_value_")
     for g in grads:
         g.clamp_(-clip_value, clip_value)
+    shared = agreed_default_gradients(clipped)  # a sharded table's default row: its parts summed first
     for t in clipped:
         t._clamp_pending(clip_value)
+        entry = shared.get(id(t))
+        if entry is not None:  # rank 0 keeps the clamped sum, the others nothing: the step's sum is it
+            if t.backend.rank != 0:
+                entry = entry._replace(slots=torch.full_like(entry.slots, -2), grad=torch.zeros_like(entry.grad))
+            t._pending_default = [entry._replace(grad=entry.grad.clamp(-clip_value, clip_value))]
 
 
 def _refusing_tables(name: str, torch_fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -13,8 +13,9 @@ from veloce.ops.optimizer import HyperparameterBuffer, accumulate_and_update, ac
 from veloce.optim import Adam
 from veloce.runtime import capture as _capture
 from veloce.runtime.update_stream import run_update
-from veloce.sparse.base import TableModule
-from veloce.sparse.pending import merge_entries
+from veloce.sparse.base import MODES, TableModule
+from veloce.sparse.default_row import agreed_default_gradients
+from veloce.sparse.pending import Pending, merge_entries
 from veloce.table import UpdateTarget
 from veloce.sparse.nonfinite import (
     CHECKED, DeferredCheck, FiniteCheck, drop_bags, raise_deferred, raise_nonfinite,
@@ -59,8 +60,10 @@ class Stepping:
         """Applies the pending gradient (its nonfinite_grad check included) and books the step."""
         raise_deferred([self])
         update = self._prepare_update(lr)
+        shared = agreed_default_gradients([self])
         if update is not None:
-            _apply_updates([self], [update])
+            _apply_updates([self], [update], shared=shared)
+        _step_shared_defaults([self], [update], [lr], shared)
         self._book(update)
 
     def _prepare_update(self, lr: Optional[float], known_finite: bool = False) -> Optional["_Update"]:
@@ -117,14 +120,23 @@ class Stepping:
             self._had_backward = False
 
 
+    def _scalar_update(self, lr: Optional[float]) -> "_Update":
+        """The scalar arguments of this step's update (no rows, no gradient): what the
+        default row's update of a shard that received no gradient of its own needs
+        (:func:`_step_shared_defaults`)."""
+        opt = self.optimizer
+        return _Update(None, None, None, None, None, MODES["sum"], opt.kind, float(opt.lr if lr is None else lr),
+                       tuple(opt.hyperparameters()), float(opt.weight_decay), self._steps + 1, lr)  # fmt: skip
+
     def _step_default_row(self, update: "_Update", skip: Optional[torch.Tensor] = None,
-                          hparams: Optional[torch.Tensor] = None) -> None:  # fmt: skip
+                          hparams: Optional[torch.Tensor] = None, entry: Optional[Pending] = None) -> None:  # fmt: skip
         """Applies the default row's pending gradient (admission: the gradient of the
         positions it served) with the step's optimizer, hyperparameters (``hparams``: a
         captured step's device tensor) and ``skip`` flag: the fused update over the
         ``(1, D)`` row and its ``(1, S)`` state, queued on the current stream (the stream
-        that reads the row next)."""
-        e = merge_entries(self._pending_default, lambda x: x.slots, 0)
+        that reads the row next). ``entry``: the gradient to apply instead of the pending
+        one (a sharded table's, summed over its ranks: :mod:`veloce.sparse.default_row`)."""
+        e = entry if entry is not None else merge_entries(self._pending_default, lambda x: x.slots, 0)
         self._pending_default = []
         table = self.table
         weights, state = table.default_rows(), table._buffers["default_state"]
@@ -149,7 +161,9 @@ def step_tables(tables: Sequence[TableModule], lrs: Optional[Sequence[Optional[f
     ``skip`` argument, and the host reads the flags while the GPU runs them. A table whose
     flag is set takes the per-table path, which counts its bad bags and raises; nothing is
     applied to any table (the queued updates skipped themselves on the device). Every rank
-    must step its sharded tables in the same calls and order.
+    must step its sharded tables in the same calls and order. The default rows of sharded
+    tables with admission are replicated: their gradients are summed over the ranks in one
+    all-reduce per process group (:mod:`veloce.sparse.default_row`) before the updates.
 
     The updates themselves are grouped: tables on one device with the same dtype, embedding
     dim, pooling of their pending gradient, optimizer kind and hyperparameters, learning
@@ -187,10 +201,14 @@ def step_tables(tables: Sequence[TableModule], lrs: Optional[Sequence[Optional[f
     if skip is None:
         raise_nonfinite(tables, check.result())
     updates = [t._prepare_update(lr, known_finite=t.nonfinite_grad in CHECKED) for t, lr in zip(tables, lrs)]
+    # Sharded tables with admission: their default rows' gradients summed over the ranks
+    # (after _prepare_update, whose nonfinite_grad="skip" filter drops bad bags per rank).
+    shared = agreed_default_gradients(tables)
     ready = [i for i, u in enumerate(updates) if u is not None]
     applied: list[int] = []  # indices into ready, of the updates whose op call returned
     try:
-        _apply_updates([tables[i] for i in ready], [updates[i] for i in ready], skip, applied)
+        _apply_updates([tables[i] for i in ready], [updates[i] for i in ready], skip, applied, shared)
+        _step_shared_defaults(tables, updates, lrs, shared, skip)
     except BaseException:
         # (a captured step reads no check: its capture fails, and nothing was booked)
         if capture is None and (skip is None or all(check.result().values())):  # the calls that ran did apply
@@ -253,12 +271,13 @@ class _Update(NamedTuple):
 
 def _apply_updates(
     tables: Sequence[TableModule], updates: Sequence[_Update], skip: Optional[torch.Tensor] = None,
-    applied: Optional[list[int]] = None,
+    applied: Optional[list[int]] = None, shared: Optional[dict[int, Pending]] = None,
 ) -> None:
     """Runs the prepared updates of ``tables`` (one each): those with equal group keys in
     one accumulate_and_update_many, a lone one in accumulate_and_update, every call with
     the ``skip`` flag. Appends to ``applied`` the index of each update whose call
-    returned (the caller books them: :meth:`DynamicEmbedding._book`). The offsets passed
+    returned (the caller books them: :meth:`DynamicEmbedding._book`). The default rows of
+    the tables in ``shared`` are left to :func:`_step_shared_defaults`. The offsets passed
     _bags' checks and the slots come from the tables: no input checks (on CUDA, no host
     sync)."""
     groups: dict[tuple, list[int]] = {}
@@ -291,10 +310,30 @@ def _apply_updates(
             for i in idx:
                 tables[i].table.track_update(fence)
         for i in idx:  # admission: the default rows of these tables, after their rows' update was queued
-            if tables[i]._pending_default:
+            if tables[i]._pending_default and (not shared or id(tables[i]) not in shared):
                 tables[i]._step_default_row(updates[i], skip, hparams)
         if applied is not None:  # a failed call leaves its tables' steps pending
             applied.extend(idx)
+
+
+def _step_shared_defaults(tables: Sequence[TableModule], updates: Sequence[Optional[_Update]],
+                          lrs: Sequence[Optional[float]], shared: dict[int, Pending],
+                          skip: Optional[torch.Tensor] = None) -> None:  # fmt: skip
+    """Applies the summed default-row gradient of each table in ``shared``
+    (:func:`~veloce.sparse.default_row.agreed_default_gradients`) on this rank's replica, with
+    the table's update arguments (``updates[i]``; a shard without a gradient of its own
+    takes its scalar ones): every rank applies the same update, its lookups or none."""
+    if not shared:
+        return
+    for t, u, lr in zip(tables, updates, lrs):
+        entry = shared.get(id(t))
+        if entry is None:
+            continue
+        capture = _capture.ACTIVE
+        hparams = None
+        if capture is not None:  # a captured step: the rows' update advanced the table's device step already
+            hparams = capture.hparams[id(t)] if u is not None else capture.hparams_of([t])
+        t._step_default_row(u if u is not None else t._scalar_update(lr), skip, hparams, entry)
 
 
 # The hyperparameter tensors of the eager updates: one per (device, optimizer), refreshed in

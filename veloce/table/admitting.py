@@ -39,6 +39,8 @@ class Admitting:
 
     admission: AdmissionPolicy = NoAdmission()
     _buffers: dict[str, torch.Tensor]
+    # The counts this shard holds but did not count itself (mark_sketch_shared), or None.
+    _sketch_base: Optional[torch.Tensor] = None
 
     def set_admission(self, admission: Any) -> None:
         """Sets the table's admission policy (:func:`veloce.admission.resolve` of
@@ -51,6 +53,7 @@ class Admitting:
         """
         policy = resolve(admission)
         self.admission = policy
+        self._sketch_base = None
         if policy.admits_all:
             for name in (*ADMISSION_STATE, "admission_telemetry"):
                 self._buffers.pop(name, None)
@@ -77,11 +80,12 @@ class Admitting:
         None (slot ``C`` reads extra row 0)."""
         return self._buffers["default_weights"] if not self.admission.admits_all else None
 
-    def _admit_of(self, ids: torch.Tensor, padding_id: Optional[int],
-                  bad_input: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # fmt: skip
+    def _admit_of(self, ids: torch.Tensor, padding_id: Optional[int], bad_input: Optional[torch.Tensor],
+                  sightings: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:  # fmt: skip
         """Counts a training insert's sightings and returns the op's ``admit`` (None: the
         table admits every id). Padding positions and a lookup refused for ``bad_input``
-        count nothing (the flag is read on the device)."""
+        count nothing (the flag is read on the device). ``sightings``: the occurrences each
+        position stands for (:func:`~veloce.admission.count_sightings`); None: one each."""
         policy = self.admission
         if policy.admits_all:
             return None
@@ -91,16 +95,21 @@ class Admitting:
         if bad_input is not None:
             ok = ~bad_input.reshape(())
             counted = ok.expand(ids.shape) if counted is None else counted & ok
-        estimate = count_sightings(self._buffers["admission_counts"], ids, policy.seed, counted)
+        estimate = count_sightings(self._buffers["admission_counts"], ids, policy.seed, counted, sightings)
         return policy.admit(ids, estimate)
 
-    def _note_admission(self, slots: torch.Tensor) -> None:
+    def _note_admission(self, slots: torch.Tensor, sightings: Optional[torch.Tensor] = None) -> None:
         """Books a training insert's slots in the telemetry: positions with a row of their
-        own (``0 <= slot < C``) and those the default row serves (``slot == C``)."""
+        own (``0 <= slot < C``) and those the default row serves (``slot == C``), each
+        counted ``sightings`` times when given (once each otherwise)."""
         if self.admission.admits_all:
             return
         cap = self.capacity  # type: ignore[attr-defined]
-        now = torch.stack([((slots >= 0) & (slots < cap)).sum(), (slots == cap).sum()])
+        own, refused = (slots >= 0) & (slots < cap), slots == cap
+        if sightings is None:
+            now = torch.stack([own.sum(), refused.sum()])
+        else:
+            now = torch.stack([(own * sightings).sum(), (refused * sightings).sum()]).long()
         stats = self._buffers["admission_telemetry"]
         stats[:2] += now
         stats[2:] = now
@@ -130,6 +139,25 @@ class Admitting:
         self._join_update()  # type: ignore[attr-defined]
         return {name: self._buffers[name] for name in ADMISSION_STATE}
 
+    def mark_sketch_shared(self) -> None:
+        """Notes that the sketch's counts so far are held by every shard of a sharded table
+        (each rank's copy of a whole table's sketch, at sharding or after a checkpoint
+        load): :meth:`own_sketch` then leaves them out, so that a checkpoint, which sums its
+        shards' sketches, counts them once (rank 0 keeps them). Nothing to note for an
+        empty sketch."""
+        if self.admission.admits_all:
+            return
+        counts = self._buffers["admission_counts"]
+        self._sketch_base = counts.clone() if bool(counts.any()) else None
+
+    def own_sketch(self) -> torch.Tensor:
+        """The sketch's counts less those :meth:`mark_sketch_shared` noted: the sightings
+        this shard counted itself (what a checkpoint of several shards saves)."""
+        self._join_update()  # type: ignore[attr-defined]
+        counts = self._buffers["admission_counts"]
+        base = self._sketch_base
+        return counts if base is None else (counts - base).clamp_(min=0)
+
     def load_admission_state(self, state: dict[str, torch.Tensor]) -> None:
         """Puts back :meth:`admission_state`'s tensors (checked first: nothing changes on an
         error). Sketches of several shards of one table are summed by the caller: counts of
@@ -152,3 +180,4 @@ class Admitting:
         for name in ADMISSION_STATE:
             buf = self._buffers[name]
             buf.copy_(state[name].to(buf.device, buf.dtype))
+        self._sketch_base = None

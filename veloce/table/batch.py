@@ -32,6 +32,7 @@ def find_or_insert_many(
     bad_input: torch.Tensor | None = None,
     on_refused: Callable[[], None] | None = None,
     allow_defer: bool = True,
+    sightings: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """``[t.find_or_insert(i, p) for t, i, p in zip(tables, ids, padding_ids)]`` in one op.
 
@@ -48,9 +49,11 @@ def find_or_insert_many(
     true, ``ValueError`` is raised and no table changes. It rides on the one op call, so
     every table must be on its device. When every table defers (:class:`HashTable`,
     ``defer``), the call reads nothing back and a set flag is raised later, as
-    :meth:`HashTable.find_or_insert` says (``on_refused``, ``allow_defer``).
+    :meth:`HashTable.find_or_insert` says (``on_refused``, ``allow_defer``). ``sightings``:
+    per table, :meth:`HashTable.find_or_insert`'s (None: one sighting per position).
     """
     padding_ids = [None] * len(tables) if padding_ids is None else list(padding_ids)
+    sightings = [None] * len(tables) if sightings is None else list(sightings)
     if not len(tables) == len(ids) == len(padding_ids):
         raise ValueError(
             f"find_or_insert_many: one entry per table: {len(tables)} tables, {len(ids)} id tensors, "
@@ -74,10 +77,11 @@ def find_or_insert_many(
     for batch in by_device.values():
         if len(batch) == 1:
             out[batch[0]] = tables[batch[0]].find_or_insert(ids[batch[0]], padding_ids[batch[0]], bad_input,
-                                                            on_refused, allow_defer)  # fmt: skip
+                                                            on_refused, allow_defer, sightings[batch[0]])  # fmt: skip
             continue
         slots = _find_or_insert_batch([tables[k] for k in batch], [ids[k] for k in batch],
-                                      [padding_ids[k] for k in batch], bad_input, on_refused, allow_defer)  # fmt: skip
+                                      [padding_ids[k] for k in batch], bad_input, on_refused, allow_defer,
+                                      [sightings[k] for k in batch])  # fmt: skip
         for k, s in zip(batch, slots):
             out[k] = s
     return out  # type: ignore[return-value]
@@ -85,17 +89,18 @@ def find_or_insert_many(
 
 def _find_or_insert_batch(tables: Sequence[HashTable], ids: Sequence[torch.Tensor],
                           padding_ids: Sequence[int | None], bad_input: torch.Tensor | None = None,
-                          on_refused: Callable[[], None] | None = None,
-                          allow_defer: bool = True) -> list[torch.Tensor]:  # fmt: skip
+                          on_refused: Callable[[], None] | None = None, allow_defer: bool = True,
+                          sightings: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:  # fmt: skip
     """find_or_insert_many over distinct tables: one op call, then per-table growth retries
     (or one deferred op call, when every table may defer)."""
     _ext.require()
+    sightings = [None] * len(tables) if sightings is None else sightings
     for t, i, p in zip(tables, ids, padding_ids):
         t.prepare_insert(i, p, bad_input)
-    admits = [t._admit_of(i, p, bad_input) for t, i, p in zip(tables, ids, padding_ids)]
+    admits = [t._admit_of(i, p, bad_input, n) for t, i, p, n in zip(tables, ids, padding_ids, sightings)]
     out = _insert_batch(tables, ids, padding_ids, bad_input, on_refused, allow_defer, admits)
-    for t, s in zip(tables, out):
-        t._note_admission(s)
+    for t, s, n in zip(tables, out, sightings):
+        t._note_admission(s, n)
     return out
 
 

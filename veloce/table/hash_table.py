@@ -345,6 +345,7 @@ class HashTable(RowStore, RowVersions, StoreHooks, TableHealth, DeferredInserts,
         bad_input: torch.Tensor | None = None,
         on_refused: Callable[[], None] | None = None,
         allow_defer: bool = True,
+        sightings: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Slots of ``ids``, inserting missing ids (growing or evicting as needed).
 
@@ -368,10 +369,12 @@ class HashTable(RowStore, RowVersions, StoreHooks, TableHealth, DeferredInserts,
 
         With an admission policy (:meth:`set_admission`), the call counts its ids'
         sightings and an absent id the policy refuses is not inserted: its slot is the
-        capacity ``C``, which the lookups serve from :meth:`default_rows`.
+        capacity ``C``, which the lookups serve from :meth:`default_rows`. ``sightings``:
+        optional (N,) integer tensor, the occurrences each position stands for (a sharded
+        owner's insert of deduplicated ids; :func:`veloce.admission.count_sightings`).
         """
         self.prepare_insert(ids, padding_id, bad_input)
-        admit = self._admit_of(ids, padding_id, bad_input)
+        admit = self._admit_of(ids, padding_id, bad_input, sightings)
         with _ticked_clocks([self]) as booked:
             if allow_defer and self._deferrable([ids], bad_input):
                 (slots,) = _insert_deferred([self], [ids], [padding_id], bad_input, on_refused, [admit])
@@ -379,7 +382,7 @@ class HashTable(RowStore, RowVersions, StoreHooks, TableHealth, DeferredInserts,
                 slots = self._insert(self._find_or_insert_call(ids, padding_id, bad_input, admit), bad_input=bad_input,
                                      ids=ids, padding_id=padding_id)  # fmt: skip
             booked.add(id(self))
-        self._note_admission(slots)
+        self._note_admission(slots, sightings)
         return slots
 
 

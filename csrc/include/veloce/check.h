@@ -57,9 +57,9 @@ void check_table_rows(const char* op, const at::Tensor& weights, const at::Tenso
 void check_ids(const char* op, const at::Tensor& ids, const at::Tensor& keys);
 
 // sketch_count's arguments: counters (depth, width) int32 contiguous, ids (N,) int64 with
-// N < 2^30 and counted (N,) bool, both on counters' device.
+// N < 2^30, counted (N,) bool and sightings (N,) int64, all on counters' device.
 void check_sketch_count(const char* op, const at::Tensor& counters, const at::Tensor& ids,
-                        const c10::optional<at::Tensor>& counted);
+                        const c10::optional<at::Tensor>& counted, const c10::optional<at::Tensor>& sightings);
 
 // Initializer arguments: kind in 0..3, finite a and b, a <= b for uniform, std >= 0 for normal.
 void check_init(const char* op, int64_t kind, double a, double b);
