@@ -97,7 +97,7 @@ def cache_rows(fraction: float, rows_total: int) -> int:
 def fill(emb, rows_total: int, device) -> None:
     """Inserts every id of the run (the table is warm), in chunks a tiered table's cache
     holds: each chunk's rows are pinned until ``after_step`` (a no-op for a Device table)."""
-    chunk = min(1 << 21, getattr(emb.table, "cache_rows", 1 << 21))
+    chunk = min(1 << 21, max(1, getattr(emb.table, "cache_rows", 1 << 23) // 4))
     for ids in torch.arange(rows_total, device=device).split(chunk):
         emb.table.find_or_insert(ids * SCRAMBLE)
         emb.table.after_step()
@@ -215,7 +215,7 @@ def main() -> None:
     if args.memory_fraction is not None:
         if device.type != "cuda" or not 0 < args.memory_fraction <= 1:
             p.error("--memory-fraction takes a fraction in (0, 1] of a CUDA device's memory")
-        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device.index or torch.cuda.current_device())
     gen = torch.Generator().manual_seed(0)
     steps_cpu = make_ids(args, gen)
     rows_total = args.features * args.ids_per_feature
