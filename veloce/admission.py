@@ -189,6 +189,11 @@ class AdmissionPolicy:
         """The memory of a table's sketch, in bytes (``4 * depth * width``)."""
         return 4 * self.depth * self.width
 
+    def false_admission(self, counters: torch.Tensor) -> Optional[float]:
+        """The estimated probability that the sketch ``counters`` admits an id at its first
+        sighting, though it needs more (None where the question does not apply)."""
+        return None
+
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and vars(other) == vars(self)
 
@@ -257,6 +262,16 @@ class Frequency(AdmissionPolicy):
 
     def admit(self, ids: torch.Tensor, estimate: torch.Tensor) -> torch.Tensor:
         return estimate >= self.min_count
+
+    def false_admission(self, counters: torch.Tensor) -> Optional[float]:
+        """An id never seen is admitted at its first sighting when each of its ``depth``
+        counters already holds ``min_count - 1`` sightings of other ids: the product over
+        the sketch's rows of the share of counters at or above it (one pass over the
+        sketch; a host sync). None for ``min_count=1``, which admits every id anyway."""
+        if self.min_count <= 1:
+            return None
+        share = (counters >= self.min_count - 1).double().mean(dim=1)
+        return float(share.prod())
 
 
 class Probability(AdmissionPolicy):

@@ -5,6 +5,7 @@ arguments, rates and the sketch's bounds."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -439,3 +440,29 @@ def test_sightings_stand_for_repeated_positions(device):
     assert _found(whole, [4, 9], device) == _found(dedup, [4, 9], device) == [True, False]
     for key in ("admitted", "refused"):
         assert whole.table.admission_stats()[key] == dedup.table.admission_stats()[key]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_saturated_sketch_is_reported_and_warned_once(device):
+    """1,000 distinct ids in a sketch of 64 counters a row: after one batch every counter
+    holds 2 or more, so each id was admitted at its first sighting; stats() says so and
+    warns once. A wide sketch reports a rate near 0 and does not warn."""
+    narrow = _emb(device, Frequency(min_count=2, width=64))
+    ids = torch.arange(1000, device=device)
+    _lookup(narrow, ids.tolist(), device)
+    assert all(_found(narrow, ids.tolist(), device))  # every id got a row at its first sighting
+    with pytest.warns(UserWarning, match=r"sketch of this table .* is saturated: an id is admitted at its first "
+                                         r"sighting with probability about 1.00.*width=256"):  # fmt: skip
+        stats = narrow.stats()
+    assert stats["false_admission"] == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert narrow.stats()["false_admission"] == 1.0  # once per table
+        wide = _emb(device, Frequency(min_count=2))
+        _lookup(wide, ids.tolist(), device)
+        assert wide.stats()["false_admission"] < 1e-6
+        assert not any(_found(wide, ids.tolist(), device))
+        three = _emb(device, Frequency(min_count=3, width=64))
+        _lookup(three, ids[:40].tolist(), device)  # at most 40 of 64 counters of a row reach 2
+        assert three.stats()["false_admission"] < 0.1
+    assert "false_admission" not in _emb(device, Probability(0.5)).stats()

@@ -10,6 +10,7 @@ which the pooling kernels serve from the lookup's first extra row, the default r
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -28,6 +29,10 @@ __all__ = ["ADMISSION_STATE", "Admitting"]
 
 #: The admission state a checkpoint keeps (the names of the buffers and of the state-dict entries).
 ADMISSION_STATE = ("admission_counts", "default_weights", "default_state")
+
+#: The estimated false-admission rate (:meth:`AdmissionPolicy.false_admission`) past which
+#: reading the telemetry warns that the sketch is too narrow.
+SATURATED = 0.1
 
 # Admission telemetry, one int64 each: sightings served by a row of their own and by the
 # default row, in all since the last reset and in the last training insert.
@@ -118,18 +123,35 @@ class Admitting:
         """The admission telemetry (empty without admission): ``admitted`` and ``refused``
         (training sightings served by a row of their own and by the default row, since the
         last reset), ``admitted_last`` and ``refused_last`` (the last training insert's),
-        ``default_row_share`` (refused / (admitted + refused), 0.0 before any lookup) and
-        ``sketch_bytes``. Reading it is a host sync."""
-        if self.admission.admits_all:
+        ``default_row_share`` (refused / (admitted + refused), 0.0 before any lookup),
+        ``sketch_bytes`` and, for :class:`~veloce.admission.Frequency`, ``false_admission``:
+        the estimated probability that an id is admitted at its first sighting though it
+        needs more, because its counters are full of other ids' sightings. Past
+        :data:`SATURATED` it warns once per table: the sketch is too narrow for the ids it
+        counts. Reading it is a host sync."""
+        policy = self.admission
+        if policy.admits_all:
             return {}
         stats = self._buffers["admission_telemetry"]
         admitted, refused, admitted_last, refused_last = stats.tolist()
         if reset:
             stats[:2] = 0
         seen = admitted + refused
-        return {"admitted": admitted, "refused": refused, "admitted_last": admitted_last,
-                "refused_last": refused_last, "default_row_share": refused / seen if seen else 0.0,
-                "sketch_bytes": self.admission.sketch_bytes}  # fmt: skip
+        out = {"admitted": admitted, "refused": refused, "admitted_last": admitted_last,
+               "refused_last": refused_last, "default_row_share": refused / seen if seen else 0.0,
+               "sketch_bytes": policy.sketch_bytes}  # fmt: skip
+        rate = policy.false_admission(self._buffers["admission_counts"])
+        if rate is not None:
+            out["false_admission"] = rate
+            if rate > SATURATED and not getattr(self, "_warned_saturated", False):
+                self.__dict__["_warned_saturated"] = True
+                width = policy.width * 4  # type: ignore[attr-defined]
+                warnings.warn(
+                    f"admission: the sketch of this table ({policy!r}) is saturated: an id is admitted at its first "
+                    f"sighting with probability about {rate:.2f}, as its counters already hold other ids' sightings. "
+                    f"Pass a wider sketch (e.g. width={width}, {4 * policy.depth * width / 2**20:.3g} MiB a table) or "  # type: ignore[attr-defined]
+                    f"a smaller min_count; stats()['false_admission'] follows it", stacklevel=3)  # fmt: skip
+        return out
 
     def admission_state(self) -> dict[str, torch.Tensor]:
         """The sketch and the default row (weights, optimizer state), as a checkpoint keeps
