@@ -46,9 +46,9 @@ the world size). Every shard then holds the loaded sketch, and ranks other than 
 only what they count themselves after it (``HashTable.own_sketch``), so a later sum
 counts each sighting once. The default row is rank 0's, and every rank loads it.
 
-The decision runs on the table's device with torch ops (a splitmix64 hash in int64
-arithmetic, an ``index_add_`` of the batch's sightings, a gather and a minimum): no host
-sync. The counters are saved with the table (``state_dict``, ``veloce.checkpoint``).
+The decision runs on the table's device: one fused op, ``veloce::sketch_count``
+(``docs/ops.md``), adds the batch's sightings to the counters and reads each id's minimum,
+with no host sync. The counters are saved with the table (``state_dict``, ``veloce.checkpoint``).
 """
 
 from __future__ import annotations
@@ -152,9 +152,12 @@ def count_sightings(counters: torch.Tensor, ids: torch.Tensor, seed: int, counte
         sightings: optional (N,) integer tensor >= 0, the occurrences each position stands
             for (a lookup that sent each distinct id once with its multiplicity,
             ``HybridParallel(dedup=True)``), together fewer than 2^30; None: one each.
+            Each is clamped to ``[0, COUNT_LIMIT]`` on the device.
     """
     if ids.numel() >= _MAX_IDS:
         raise ValueError(f"admission: a lookup of {ids.numel()} ids; the sketch counts fewer than 2^30 per lookup")
+    if sightings is not None:  # a count outside [0, COUNT_LIMIT] would wrap the int32 counters
+        sightings = sightings.clamp(0, COUNT_LIMIT)
     return sketch_count(counters, ids, seed, counted, sightings)
 
 

@@ -647,6 +647,8 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         except ValueError as exc:
             error_msgs.append(f"while loading DynamicEmbedding {prefix!r}: {exc}")
             return
+        if admission and self.backend.world_size > 1 and self.backend.rank != 0:
+            self.table.mark_sketch_shared()  # every shard holds the loaded sketch; rank 0 saves it again
         self.step_count = counters["step"]  # drops the last step's unread check
         self.table.clock = counters["clock"]
         self._forget_gradient()  # a backward before the load books no step after it

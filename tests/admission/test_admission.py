@@ -466,3 +466,13 @@ def test_a_saturated_sketch_is_reported_and_warned_once(device):
         _lookup(three, ids[:40].tolist(), device)  # at most 40 of 64 counters of a row reach 2
         assert three.stats()["false_admission"] < 0.1
     assert "false_admission" not in _emb(device, Probability(0.5)).stats()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sightings_out_of_range_cannot_wrap_the_counters(device):
+    counters = torch.zeros(2, 16, dtype=torch.int32, device=device)
+    ids = torch.tensor([1, 2, 3], device=device)
+    est = count_sightings(counters, ids, 0, sightings=torch.tensor([-5, 1, (1 << 32) + 3], device=device))
+    limit = veloce.admission.COUNT_LIMIT
+    assert int(counters.min()) >= 0  # a negative count adds nothing
+    assert est[0] >= 0 and est[2] == limit  # a huge one saturates instead of wrapping to 3

@@ -260,3 +260,36 @@ def test_two_ranks_publish_one_default_row(tmp_path):
     assert torch.equal(torch.tensor([meta["default_row"]]), row0.float())  # one row: rank 0's replica
     twin = inference_twin(Model(), store, version=v0)
     assert torch.equal(twin.emb.default_row, row0.view_as(twin.emb.default_row))
+
+
+# ---- loading a state dict, and ranks that disagree -----------------------------------------------
+def _state_dict_body(rank, world, state, out):
+    model = Model()
+    hp = HybridParallel(model)
+    model.load_state_dict(torch.load(state, weights_only=True))  # every rank loads the whole sketch
+    veloce.checkpoint.save(out, hp, make_opt(hp), step=3)
+
+
+def test_a_state_dict_loaded_on_two_ranks_saves_each_sighting_once(tmp_path):
+    one = Model()
+    run_steps(one, make_opt(one), range(3), 1, 0)
+    torch.save(one.state_dict(), tmp_path / "one.pt")
+    run_ranks(_state_dict_body, 2, str(tmp_path / "one.pt"), str(tmp_path / "ckpt"), timeout=90)
+    back = Model()
+    veloce.checkpoint.load(tmp_path / "ckpt", back, make_opt(back))
+    assert int(one.emb.table.own_sketch().sum()) > 0
+    assert torch.equal(back.emb.table.own_sketch(), one.emb.table.own_sketch())  # not twice
+
+
+def _disagree_body(rank, world):
+    model = Model(min_count=2 + rank)
+    try:
+        HybridParallel(model)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_whose_tables_differ_in_admission_are_refused():
+    messages = run_ranks(_disagree_body, 2, timeout=90)
+    assert all(m is not None and "differ in feature admission" in m and "min_count=3" in m for m in messages)

@@ -240,7 +240,23 @@ class HybridParallel(nn.Module):
         object.__setattr__(self, "_ddp", ddp)  # not a submodule: model's state appears once
         self._process_group = process_group
 
+    def _check_same_admission(self, process_group: Optional[dist.ProcessGroup]) -> None:
+        """Raises on every rank when the ranks' tables differ in admission policy: the owners
+        would decide differently, and the extra exchanges of admitting tables (sighting
+        counts, the default row's gradient) would run on some ranks only and hang."""
+        mine = [(n, repr(m.table.admission)) for n, m in self.tables]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=process_group)
+        for rank, theirs in enumerate(every):
+            if theirs != mine:
+                differ = [f"{n!r}: {a} here, {b} on rank {rank}" for (n, a), (_, b) in zip(mine, theirs) if a != b]
+                raise ValueError(
+                    f"HybridParallel: the ranks' tables differ in feature admission ({'; '.join(differ) or theirs}); "
+                    f"give every rank's tables the same admission= policy (type, min_count or p, width, depth, seed)"
+                )  # fmt: skip
+
     def _shard_tables(self, process_group: Optional[dist.ProcessGroup]) -> None:
+        self._check_same_admission(process_group)  # once, at wrap time: every rank takes part
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
         backend = dist.get_backend(process_group)
         # Sparse exchanges get their own groups: they never queue behind DDP's all-reduces,

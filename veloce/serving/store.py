@@ -41,10 +41,22 @@ class LeaseHeld(RuntimeError):
         self.holder = holder
 
 
+def _process_space() -> Optional[str]:
+    """What makes a process id mean one process: this boot of the kernel and this process
+    id namespace (containers sharing a host name have their own), or None where unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
 def lease_record(owner: str, expires: float) -> dict[str, Any]:
     """A lease as a store keeps it: its owner, its end, and the process that took it (so
     that a publisher restarted on the same host can tell that the holder is gone)."""
-    return {"owner": owner, "expires": float(expires), "host": socket.gethostname(), "pid": os.getpid()}
+    return {"owner": owner, "expires": float(expires), "host": socket.gethostname(), "pid": os.getpid(),
+            "pid_space": _process_space()}  # fmt: skip
 
 
 def lease_held(store: ServingStore, holder: dict[str, Any]) -> LeaseHeld:
@@ -65,9 +77,13 @@ def lease_held(store: ServingStore, holder: dict[str, Any]) -> LeaseHeld:
 
 def lease_holder_gone(holder: dict[str, Any]) -> bool:
     """Whether the process that took the lease ``holder`` is known to be gone: it ran on
-    this host (by name) and no process of its id runs here now."""
-    pid = holder.get("pid")
+    this host (by name), in this boot and process id namespace (a container sharing the
+    host's name has its own), and no process of its id runs here now. Anything unknown
+    counts as alive."""
+    pid, space = holder.get("pid"), _process_space()
     if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    if space is None or holder.get("pid_space") != space:
         return False
     try:
         os.kill(pid, 0)
