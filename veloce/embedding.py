@@ -603,6 +603,19 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
         """Drops the tombstones stamped at or before clock ``upto`` (once published)."""
         self.table.forget_removed(upto)
 
+    def load_admission_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Puts back the table's admission state, the sketch and the default row
+        (:meth:`~veloce.table.HashTable.load_admission_state`, checked first). Every shard of
+        a sharded table loads the whole sketch; ranks other than 0 note it as shared, so that
+        the next checkpoint, which sums the shards' sketches, counts each sighting once.
+
+        Raises:
+            ValueError: a tensor is missing or its shape does not fit the table's policy.
+        """
+        self.table.load_admission_state(state)
+        if self.table.admits and self.backend.world_size > 1 and self.backend.rank != 0:
+            self.table.mark_sketch_shared()
+
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for name, value in self.export().items():
@@ -642,13 +655,11 @@ class DynamicEmbedding(InputChecks, LocalLookup, PendingGradient, NonfinitePolic
             entries = self.backend.owned_entries(self, entries)
         admission = {n: state_dict[prefix + n] for n in self.table.admission_state()}
         try:
-            self.table.load_admission_state(admission)  # checked before the rows change
+            self.load_admission_state(admission)  # checked before the rows change
             self.table.load_entries(entries)
         except ValueError as exc:
             error_msgs.append(f"while loading DynamicEmbedding {prefix!r}: {exc}")
             return
-        if admission and self.backend.world_size > 1 and self.backend.rank != 0:
-            self.table.mark_sketch_shared()  # every shard holds the loaded sketch; rank 0 saves it again
         self.step_count = counters["step"]  # drops the last step's unread check
         self.table.clock = counters["clock"]
         self._forget_gradient()  # a backward before the load books no step after it

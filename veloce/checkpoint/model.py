@@ -353,10 +353,7 @@ def apply(plan: Plan, optimizer) -> None:
         m.step_count, m.table.clock = step, clock  # drops the last step's unread check
         m.restore_pending_state(None)
         if name in plan.admission:
-            m.table.load_admission_state(plan.admission[name])  # shapes checked by read()
-            rank, world = shard_of(m)
-            if world > 1 and rank != 0:  # every shard holds the loaded sketch; rank 0 saves it again
-                m.table.mark_sketch_shared()
+            m.load_admission_state(plan.admission[name])  # shapes checked by read()
     for target, value in plan.dense.values():
         target.copy_(value)
     if plan.optimizer is not None:
