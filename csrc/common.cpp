@@ -227,4 +227,31 @@ void check_sketch_count(const char* op, const at::Tensor& counters, const at::Te
   }
 }
 
+void check_sketch_admit(const char* op, const at::Tensor& counters, const at::Tensor& ids,
+                        const c10::optional<at::Tensor>& counted, const c10::optional<at::Tensor>& sightings,
+                        int64_t min_count, double p, const c10::optional<at::Tensor>& skip) {
+  check_sketch_count(op, counters, ids, counted, sightings);
+  TORCH_CHECK_VALUE(min_count >= 0, op, ": min_count must be >= 0, got ", min_count);
+  TORCH_CHECK_VALUE(p > 0.0 && p <= 1.0, op, ": p must be a probability in (0, 1], got ", p);
+  if (skip.has_value()) check_flag(op, "skip", *skip, "counters", counters);
+}
+
+void check_admission_tally(const char* op, const at::Tensor& stats, const at::Tensor& slots, int64_t capacity,
+                           const c10::optional<at::Tensor>& sightings) {
+  check_dtype(op, "stats", stats, at::kLong);
+  TORCH_CHECK_VALUE(stats.dim() == 1 && stats.size(0) == 4 && stats.is_contiguous(), op,
+                    ": stats must be a contiguous (4,) int64 tensor (admitted, refused, admitted_last, "
+                    "refused_last), got shape ", shape_str(stats));
+  check_dtype(op, "slots", slots, at::kLong);
+  check_dim(op, "slots", slots, 1);
+  check_same_device(op, "slots", slots, "stats", stats);
+  TORCH_CHECK_VALUE(capacity >= 0, op, ": capacity must be >= 0, got ", capacity);
+  if (sightings.has_value()) {
+    check_dtype(op, "sightings", *sightings, at::kLong);
+    check_dim(op, "sightings", *sightings, 1);
+    check_same_device(op, "sightings", *sightings, "stats", stats);
+    check_size(op, "sightings", *sightings, 0, slots.numel(), "the number of slots");
+  }
+}
+
 }  // namespace veloce

@@ -326,20 +326,86 @@ void check_grad_output_for_weights(const char* op, const at::Tensor& grad_output
 
 std::string table_op_name(const char* op, int64_t k) { return std::string(op) + " (table " + std::to_string(k) + ")"; }
 
+int64_t check_extra_update_rows(const char* op, const char* rows_name, const char* state_name,
+                                const at::Tensor* extra_rows, const at::Tensor* extra_state,
+                                const at::Tensor& weights, const at::Tensor& opt_state) {
+  TORCH_CHECK_VALUE((extra_rows == nullptr) == (extra_state == nullptr), op, ": ", rows_name, " and ", state_name,
+                    " go together (the extra rows and their optimizer state); got only ",
+                    extra_rows != nullptr ? rows_name : state_name);
+  if (extra_rows == nullptr) return 0;
+  const at::Tensor& e = *extra_rows;
+  const at::Tensor& es = *extra_state;
+  check_dim(op, rows_name, e, 2);
+  check_same_device(op, rows_name, e, "weights", weights);
+  TORCH_CHECK_VALUE(e.scalar_type() == weights.scalar_type(), op, ": ", rows_name, " must have the dtype of weights (",
+                    dtype_name(weights.scalar_type()), "), got ", dtype_name(e.scalar_type()));
+  check_size(op, rows_name, e, 1, weights.size(1), "weights.size(1)");
+  TORCH_CHECK_VALUE(e.is_contiguous(), op, ": ", rows_name, " must be contiguous (it is updated in place)");
+  check_dim(op, state_name, es, 2);
+  check_same_device(op, state_name, es, "weights", weights);
+  check_dtype(op, state_name, es, opt_state.scalar_type());
+  check_size(op, state_name, es, 0, e.size(0), (std::string(rows_name) + ".size(0)").c_str());
+  check_size(op, state_name, es, 1, opt_state.size(1), "opt_state.size(1)");
+  TORCH_CHECK_VALUE(es.is_contiguous(), op, ": ", state_name, " must be contiguous (it is updated in place)");
+  return e.size(0);
+}
+
+void check_disjoint_writes(const char* op, const std::vector<std::pair<std::string, const at::Tensor*>>& written) {
+  // Sort the byte ranges (exact: every written tensor is contiguous, checked before) and
+  // compare neighbours.
+  std::vector<std::tuple<uintptr_t, uintptr_t, size_t>> spans;  // [begin, end), index in written
+  spans.reserve(written.size());
+  for (size_t i = 0; i < written.size(); ++i) {
+    const at::Tensor& t = *written[i].second;
+    if (t.nbytes() == 0) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+    spans.emplace_back(begin, begin + t.nbytes(), i);
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    const auto& [b0, e0, i0] = spans[i - 1];
+    const auto& [b1, e1, i1] = spans[i];
+    TORCH_CHECK(b1 >= e0, op, ": ", written[i0].first, " and ", written[i1].first, " share memory; each table may ",
+                "appear once in a call (its gradients are applied together), so merge a table's batches into one ",
+                "entry, and give its extra rows tensors of their own");
+  }
+}
+
+// accumulate_and_update's extra rows, checked (check_extra_update_rows) with the written
+// tensors' memory (check_disjoint_writes).
+void check_extra_update(const char* op, const at::Tensor& weights, const at::Tensor& opt_state,
+                        const std::optional<at::Tensor>& extra_rows, const std::optional<at::Tensor>& extra_state) {
+  if (!extra_rows.has_value() && !extra_state.has_value()) return;
+  check_extra_update_rows(op, "extra_rows", "extra_state", extra_rows ? &*extra_rows : nullptr,
+                          extra_state ? &*extra_state : nullptr, weights, opt_state);
+  check_disjoint_writes(op, {{"weights", &weights}, {"opt_state", &opt_state}, {"extra_rows", &*extra_rows},
+                             {"extra_state", &*extra_state}});
+}
+
 ManyTables check_update_many_args(const char* op, at::TensorList weights, at::TensorList opt_state,
                                   at::TensorList grad_output, at::TensorList slots, at::TensorList offsets,
                                   const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
-                                  bool include_last_offset, int64_t optimizer, const at::Tensor& hparams) {
+                                  bool include_last_offset, int64_t optimizer, const at::Tensor& hparams,
+                                  const std::optional<at::TensorList>& extra_rows,
+                                  const std::optional<at::TensorList>& extra_state) {
   const int64_t K = check_list_lengths(op, "weights", weights.size(),
                                        {{"opt_state", opt_state.size()}, {"grad_output", grad_output.size()},
                                         {"slots", slots.size()}, {"offsets", offsets.size()},
                                         {"per_sample_weights (None for a table without them)",
                                          per_sample_weights.size()}});
+  TORCH_CHECK_VALUE(extra_rows.has_value() == extra_state.has_value(), op,
+                    ": extra_rows and extra_state go together (None, or one entry per table each)");
+  if (extra_rows.has_value()) {
+    check_list_lengths(op, "weights", K,
+                       {{"extra_rows ((0, D) for a table without extra rows)", extra_rows->size()},
+                        {"extra_state ((0, S) for a table without extra rows)", extra_state->size()}});
+  }
   optim::check_optimizer_id(op, optimizer);
   if (K > 0) check_hparams(op, hparams, optimizer, "weights[0]", weights[0]);
   ManyTables out;
   out.names.reserve(K);
   out.num_bags.reserve(K);
+  out.num_extra.assign(K, 0);
   for (int64_t k = 0; k < K; ++k) {
     out.names.push_back(table_op_name(op, k));
     const char* name = out.names.back().c_str();
@@ -350,6 +416,10 @@ ManyTables check_update_many_args(const char* op, at::TensorList weights, at::Te
     const int64_t B = check_offsets_shape(name, offsets[k], slots[k].numel(), include_last_offset);
     check_grad_output_rows(name, grad_output[k], B);
     out.num_bags.push_back(B);
+    if (extra_rows.has_value()) {
+      out.num_extra[k] = check_extra_update_rows(name, "extra_rows", "extra_state", &(*extra_rows)[k],
+                                                 &(*extra_state)[k], weights[k], opt_state[k]);
+    }
     if (k == 0) continue;
     TORCH_CHECK(weights[k].device() == weights[0].device(), op, ": weights[", k, "] is on ", weights[k].device(),
                 " but weights[0] is on ", weights[0].device(),
@@ -361,25 +431,19 @@ ManyTables check_update_many_args(const char* op, at::TensorList weights, at::Te
                 weights[k].size(1), " but weights[0] has ", weights[0].size(1),
                 "; the tables of one call share the embedding dim (call once per dim)");
   }
-  // The mutated tensors must not share memory: sort their byte ranges (exact: both are
-  // contiguous, checked above) and compare neighbours.
-  std::vector<std::tuple<uintptr_t, uintptr_t, const char*, int64_t>> spans;  // [begin, end), list, k
-  spans.reserve(2 * K);
+  // The mutated tensors must not share memory.
+  std::vector<std::pair<std::string, const at::Tensor*>> written;
+  written.reserve(4 * K);
   for (int64_t k = 0; k < K; ++k) {
-    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"weights", &weights[k]},
-                                  std::pair<const char*, const at::Tensor*>{"opt_state", &opt_state[k]}}) {
-      if (t->nbytes() == 0) continue;
-      const auto begin = reinterpret_cast<uintptr_t>(t->data_ptr());
-      spans.emplace_back(begin, begin + t->nbytes(), name, k);
+    const std::string at = "[" + std::to_string(k) + "]";
+    written.emplace_back("weights" + at, &weights[k]);
+    written.emplace_back("opt_state" + at, &opt_state[k]);
+    if (extra_rows.has_value()) {
+      written.emplace_back("extra_rows" + at, &(*extra_rows)[k]);
+      written.emplace_back("extra_state" + at, &(*extra_state)[k]);
     }
   }
-  std::sort(spans.begin(), spans.end());
-  for (size_t i = 1; i < spans.size(); ++i) {
-    const auto& [b0, e0, n0, k0] = spans[i - 1];
-    const auto& [b1, e1, n1, k1] = spans[i];
-    TORCH_CHECK(b1 >= e0, op, ": ", n0, "[", k0, "] and ", n1, "[", k1, "] share memory; each table may appear ",
-                "once in a call (its gradients are applied together), so merge a table's batches into one entry");
-  }
+  check_disjoint_writes(op, written);
   return out;
 }
 

@@ -122,6 +122,19 @@ TORCH_LIBRARY(veloce, m) {
   m.def(
       "sketch_count(Tensor(a!) counters, Tensor ids, int seed, Tensor? counted=None, Tensor? sightings=None) "
       "-> Tensor");
+  // sketch_count's adds (none at all when skip, a (1,) bool, holds true: read on the device),
+  // then each position's admission as a (N,) bool instead of its estimate e: e >= min_count
+  // and, for p < 1, a draw below p, deterministic per (draw_seed, id, e) (veloce.admission's
+  // Frequency: min_count = k, p = 1; Probability: min_count = 0). One pass less than
+  // sketch_count and the test, and no (N,) int64 estimate written. No host sync.
+  m.def(
+      "sketch_admit(Tensor(a!) counters, Tensor ids, int seed, int min_count, float p, int draw_seed, "
+      "Tensor? counted=None, Tensor? sightings=None, Tensor? skip=None) -> Tensor");
+  // Feature admission's telemetry of one training insert's slots, in place: stats (4,) int64
+  // gets += the positions with a row of their own (0 <= slot < capacity) in stats[0] and
+  // those its default row serves (slot == capacity) in stats[1], each counted sightings[i]
+  // times when given; stats[2:4] = this call's two counts. One pass, no host sync.
+  m.def("admission_tally(Tensor(a!) stats, Tensor slots, int capacity, Tensor? sightings=None) -> ()");
   // The entries of the occupied slots in [start, end), in slot order:
   // keys (M,), weights (M, D), opt_state (M, S), scores (M,).
   m.def(
@@ -226,20 +239,27 @@ TORCH_LIBRARY(veloce, m) {
   // it holds true the op changes nothing. It is read on the device (on CUDA by the fused
   // kernel: no host sync), so a caller can queue the update behind a device-side check of
   // the gradient (DynamicEmbedding's NaN/Inf check) and read that check's result later.
+  // extra_rows (E, D) and extra_state (E, S), both or neither: rows past the table's own,
+  // updated as rows of it: slot C + e (C = weights.size(0)) is extra row e, as pooled_lookup
+  // reads it (a table's default row under admission, trained in the table's own pass).
   m.def(
       "accumulate_and_update(Tensor(a!) weights, Tensor(b!) opt_state, Tensor grad_output, Tensor slots, "
       "Tensor offsets, Tensor? per_sample_weights, int pooling, bool include_last_offset, int optimizer, "
-      "Tensor hparams, bool check_inputs=True, Tensor? skip=None) -> ()");
+      "Tensor hparams, bool check_inputs=True, Tensor? skip=None, Tensor(c!)? extra_rows=None, "
+      "Tensor(d!)? extra_state=None) -> ()");
   // accumulate_and_update of K tables in one call: the same as calling it for each k on
   // (weights[k], opt_state[k], grad_output[k], slots[k], offsets[k], per_sample_weights[k])
   // with the other arguments shared. The tables share device, dtype and embedding dim (and
   // may differ in rows and batch sizes); no table may appear twice. On CUDA one sort and one
   // fused kernel serve every table (what DynamicEmbedding's step_tables runs); K = 0 is a
   // no-op. check_inputs as for pooled_lookup (one read-back for all tables on CUDA).
+  // extra_rows, extra_state: None, or one entry per table ((0, D) and (0, S) for a table
+  // without extra rows).
   m.def(
       "accumulate_and_update_many(Tensor(a!)[] weights, Tensor(b!)[] opt_state, Tensor[] grad_output, "
       "Tensor[] slots, Tensor[] offsets, Tensor?[] per_sample_weights, int pooling, bool include_last_offset, "
-      "int optimizer, Tensor hparams, bool check_inputs=True, Tensor? skip=None) -> ()");
+      "int optimizer, Tensor hparams, bool check_inputs=True, Tensor? skip=None, Tensor(c!)[]? extra_rows=None, "
+      "Tensor(d!)[]? extra_state=None) -> ()");
   // flags (num_owners + 1,) bool on the tensors' device: flags[k] is true when a tensor i
   // with owner[i] == k holds a NaN or an infinity (an exponent of all ones: the test
   // std::isfinite makes, on the bits), flags[num_owners] when any tensor does. One read of
@@ -297,7 +317,8 @@ void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ke
 
 TORCH_LIBRARY_IMPL(veloce, ADInplaceOrView, m) {
   for (const char* name : {"find_or_insert", "find_or_insert_many", "insert_or_assign", "erase", "expire",
-                           "sketch_count", "sparse_update", "accumulate_and_update", "accumulate_and_update_many"}) {
+                           "sketch_count", "sketch_admit", "admission_tally", "sparse_update", "accumulate_and_update",
+                           "accumulate_and_update_many"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&veloce::bump_written_versions>());
   }
 }

@@ -46,9 +46,10 @@ the world size). Every shard then holds the loaded sketch, and ranks other than 
 only what they count themselves after it (``HashTable.own_sketch``), so a later sum
 counts each sighting once. The default row is rank 0's, and every rank loads it.
 
-The decision runs on the table's device: one fused op, ``veloce::sketch_count``
-(``docs/ops.md``), adds the batch's sightings to the counters and reads each id's minimum,
-with no host sync. The counters are saved with the table (``state_dict``, ``veloce.checkpoint``).
+The decision runs on the table's device: one fused op, ``veloce::sketch_admit``
+(``docs/ops.md``), adds the batch's sightings to the counters, reads each id's minimum and
+decides (:meth:`AdmissionPolicy.fused_rule`), with no host sync; ``veloce::admission_tally``
+books the insert's outcome in the telemetry in one more pass. The counters are saved with the table (``state_dict``, ``veloce.checkpoint``).
 """
 
 from __future__ import annotations
@@ -152,12 +153,11 @@ def count_sightings(counters: torch.Tensor, ids: torch.Tensor, seed: int, counte
         sightings: optional (N,) integer tensor >= 0, the occurrences each position stands
             for (a lookup that sent each distinct id once with its multiplicity,
             ``HybridParallel(dedup=True)``), together fewer than 2^30; None: one each.
-            Each is clamped to ``[0, COUNT_LIMIT]`` on the device.
+            Each is clamped to ``[0, COUNT_LIMIT]`` in the kernel (a count outside would
+            wrap the int32 counters).
     """
     if ids.numel() >= _MAX_IDS:
         raise ValueError(f"admission: a lookup of {ids.numel()} ids; the sketch counts fewer than 2^30 per lookup")
-    if sightings is not None:  # a count outside [0, COUNT_LIMIT] would wrap the int32 counters
-        sightings = sightings.clamp(0, COUNT_LIMIT)
     return sketch_count(counters, ids, seed, counted, sightings)
 
 
@@ -186,6 +186,13 @@ class AdmissionPolicy:
                 estimate, :func:`count_sightings`).
         """
         raise NotImplementedError
+
+    def fused_rule(self) -> Optional[tuple[int, float]]:
+        """``(min_count, p)`` when :meth:`admit` is ``estimate >= min_count`` and, for
+        ``p < 1``, the draw of :class:`Probability` below ``p`` (seeded by ``seed``): then a
+        table counts and decides in one op (:func:`veloce.ops.sketch.sketch_admit`). None: the
+        table counts with :func:`count_sightings` and calls :meth:`admit`."""
+        return None
 
     @property
     def sketch_bytes(self) -> int:
@@ -266,6 +273,9 @@ class Frequency(AdmissionPolicy):
     def admit(self, ids: torch.Tensor, estimate: torch.Tensor) -> torch.Tensor:
         return estimate >= self.min_count
 
+    def fused_rule(self) -> tuple[int, float]:
+        return self.min_count, 1.0
+
     def false_admission(self, counters: torch.Tensor) -> Optional[float]:
         """An id never seen is admitted at its first sighting when each of its ``depth``
         counters already holds ``min_count - 1`` sightings of other ids: the product over
@@ -309,6 +319,9 @@ class Probability(AdmissionPolicy):
         h = _splitmix(_splitmix(ids ^ _splitmix_int(self.seed)) + estimate * _GOLDEN)
         u = _shr(h, 11).double() * (1.0 / (1 << 53))  # uniform in [0, 1)
         return u < self.p
+
+    def fused_rule(self) -> tuple[int, float]:
+        return 0, self.p
 
 
 _NAMES: dict[str, type[AdmissionPolicy]] = {"none": NoAdmission}

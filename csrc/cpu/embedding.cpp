@@ -489,20 +489,28 @@ std::tuple<at::Tensor, at::Tensor> accumulate_grad_cpu(const at::Tensor& grad_ou
 // accumulate_grad and sparse_update in one pass: each unique row's gradient is summed in
 // registers and applied at once, never written out (no (U, D) buffer). Arguments checked
 // by the caller but for the slot values (with_backward checks those); `op` names the
-// table in messages.
+// table in messages. extra_rows / extra_state (checked, or undefined): the rows of slots
+// C, C + 1, ... past the table's C rows.
 void fused_update(const char* op, const at::Tensor& weights, const at::Tensor& opt_state,
                   const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
                   const c10::optional<at::Tensor>& per_sample_weights, int64_t mode, int64_t B, int64_t optimizer,
-                  const double* hparams) {
+                  const double* hparams, const at::Tensor& extra_rows, const at::Tensor& extra_state) {
   const int64_t D = weights.size(1);
   const int64_t S = opt_state.size(1);
-  with_backward(op, grad_output, slots, offsets, per_sample_weights, mode, B, weights.size(0),
+  const int64_t C = weights.size(0);
+  const int64_t E = extra_rows.defined() ? extra_rows.size(0) : 0;
+  with_backward(op, grad_output, slots, offsets, per_sample_weights, mode, B, C + E,
                 [&](const Segments& seg, const auto* g, const auto* psw, const auto* scale) {
                   using scalar_t = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
                   using acc_t = at::opmath_type<scalar_t>;
                   if (seg.U == 0 || D == 0) return;
-                  scalar_t* w = weights.data_ptr<scalar_t>();
-                  acc_t* st = opt_state.data_ptr<acc_t>();
+                  scalar_t* const w = weights.data_ptr<scalar_t>();
+                  acc_t* const st = opt_state.data_ptr<acc_t>();
+                  scalar_t* const ew = E > 0 ? extra_rows.data_ptr<scalar_t>() : nullptr;
+                  acc_t* const est = E > 0 ? extra_state.data_ptr<acc_t>() : nullptr;
+                  // The row and state of a slot: the table's, or past its C rows an extra row.
+                  auto row = [&](int64_t slot) { return slot < C ? w + slot * D : ew + (slot - C) * D; };
+                  auto state = [&](int64_t slot) { return slot < C ? st + slot * S : est + (slot - C) * S; };
                   optim::dispatch(optimizer, [&](auto rule) {
                     using R = decltype(rule);
                     const auto p = R::template make<acc_t>(hparams);
@@ -510,12 +518,12 @@ void fused_update(const char* op, const at::Tensor& weights, const at::Tensor& o
                         seg, g, D, psw, scale,
                         [&](int64_t u, acc_t* a) {
                           const int64_t slot = seg.slot(u);
-                          optim::apply_row<R>(p, w + slot * D, st + slot * S, a, D);
+                          optim::apply_row<R>(p, row(slot), state(slot), a, D);
                         },
                         [&](int64_t v) {  // the rows the update of segment v reads and writes
                           const int64_t slot = seg.slot(v);
-                          prefetch_row<1>(w + slot * D, D * sizeof(scalar_t));
-                          prefetch_row<1>(st + slot * S, S * sizeof(acc_t));
+                          prefetch_row<1>(row(slot), D * sizeof(scalar_t));
+                          prefetch_row<1>(state(slot), S * sizeof(acc_t));
                         });
                   });
                 });
@@ -534,16 +542,18 @@ void accumulate_and_update_cpu(const at::Tensor& weights, const at::Tensor& opt_
                                const c10::optional<at::Tensor>& per_sample_weights, int64_t mode,
                                bool include_last_offset, int64_t optimizer, const at::Tensor& hparams,
                                bool /*check_inputs: the checks read host memory, no sync to save*/,
-                               const std::optional<at::Tensor>& skip) {
+                               const std::optional<at::Tensor>& skip, const std::optional<at::Tensor>& extra_rows,
+                               const std::optional<at::Tensor>& extra_state) {
   constexpr const char* op = "veloce::accumulate_and_update";
   check_update_args(op, weights, opt_state, optimizer, hparams);
   check_hparam_values(op, hparams, optimizer);
   const int64_t B = check_backward_args(op, grad_output, slots, offsets, per_sample_weights, mode, include_last_offset);
   check_grad_output_for_weights(op, grad_output, weights);
+  check_extra_update(op, weights, opt_state, extra_rows, extra_state);
   if (skipped(op, skip, "weights", weights)) return;
   const at::Tensor h = hparams.contiguous();
   fused_update(op, weights, opt_state, grad_output, slots, offsets, per_sample_weights, mode, B, optimizer,
-               h.data_ptr<double>());
+               h.data_ptr<double>(), extra_rows.value_or(at::Tensor()), extra_state.value_or(at::Tensor()));
 }
 
 // accumulate_and_update over K tables: the specification of the grouped op (the CUDA one
@@ -555,10 +565,13 @@ void accumulate_and_update_many_cpu(at::TensorList weights, at::TensorList opt_s
                                     const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
                                     bool include_last_offset, int64_t optimizer, const at::Tensor& hparams,
                                     bool /*check_inputs: as accumulate_and_update_cpu*/,
-                                    const std::optional<at::Tensor>& skip) {
+                                    const std::optional<at::Tensor>& skip,
+                                    const std::optional<at::TensorList>& extra_rows,
+                                    const std::optional<at::TensorList>& extra_state) {
   constexpr const char* op = "veloce::accumulate_and_update_many";
   const ManyTables tables = check_update_many_args(op, weights, opt_state, grad_output, slots, offsets,
-                                                   per_sample_weights, mode, include_last_offset, optimizer, hparams);
+                                                   per_sample_weights, mode, include_last_offset, optimizer, hparams,
+                                                   extra_rows, extra_state);
   if (!weights.empty()) check_hparam_values(op, hparams, optimizer);
   const size_t K = weights.size();
   for (size_t k = 0; k < K; ++k) {
@@ -571,7 +584,8 @@ void accumulate_and_update_many_cpu(at::TensorList weights, at::TensorList opt_s
   const at::Tensor h = K > 0 ? hparams.contiguous() : at::Tensor();
   for (size_t k = 0; k < K; ++k) {
     fused_update(tables.names[k].c_str(), weights[k], opt_state[k], grad_output[k], slots[k], offsets[k],
-                 per_sample_weights.get(k), mode, tables.num_bags[k], optimizer, h.data_ptr<double>());
+                 per_sample_weights.get(k), mode, tables.num_bags[k], optimizer, h.data_ptr<double>(),
+                 extra_rows ? (*extra_rows)[k] : at::Tensor(), extra_state ? (*extra_state)[k] : at::Tensor());
   }
 }
 

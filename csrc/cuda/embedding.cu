@@ -401,6 +401,10 @@ std::vector<at::Tensor> pooled_lookup_many_cuda(at::TensorList weights, at::Tens
 // then never span tables, each run keeps its table's position order, and every table gets
 // bit for bit what the single-table op gives it.
 //
+// A table's keys cover its own rows and then its extra rows (accumulate_and_update's
+// extra_rows: slot C + e is extra row e), whose row and state the update kernel finds
+// through the table's extra pointers.
+//
 // The group travels as a kernel parameter (no host-to-device copy, nothing to allocate):
 // per table its bases and pointers. The single-table ops use MaxK = 1, a parameter as small
 // as the arguments it replaces; larger groups are cut into launches of kMaxGroup tables.
@@ -419,16 +423,21 @@ struct TableGroup {
   const void* grad[MaxK];        // (B_k, D) scalar_t: grad_output
   void* weights[MaxK];           // (C_k, D) scalar_t (null for accumulate_grad)
   void* state[MaxK];             // (C_k, S) acc_t (null when S = 0)
+  int32_t extra[MaxK];           // E_k: the last E_k of table k's keys are its extra rows
+  void* extra_weights[MaxK];     // (E_k, D) scalar_t, or null
+  void* extra_state[MaxK];       // (E_k, S) acc_t, or null
 };
 // Kernel parameters are limited to 4 KiB; the fused kernel's other arguments take ~200 bytes.
-static_assert(sizeof(TableGroup<kMaxGroup>) <= 3 * 1024, "TableGroup<kMaxGroup> is too large for a kernel parameter");
+static_assert(sizeof(TableGroup<kMaxGroup>) <= 3584, "TableGroup<kMaxGroup> is too large for a kernel parameter");
 
 // One table of a group, checked: contiguous inputs and sizes.
 struct TableArgs {
   at::Tensor weights, opt_state;  // updated in place (undefined for accumulate_grad)
   at::Tensor g, s, o, p;          // grad_output, slots, offsets, per_sample_weights (undefined: none)
-  int64_t rows = 0;               // keys of the table: weights.size(0) (accumulate_grad: num_rows)
+  int64_t rows = 0;               // keys of the table: weights.size(0) + E (accumulate_grad: num_rows)
   int64_t N = 0, B = 0;           // positions, bags
+  at::Tensor extra_w, extra_s;    // (E, D), (E, S): the extra rows, updated in place (undefined: none)
+  int64_t E = 0;                  // extra rows: keys [rows - E, rows)
 };
 
 // The kernel parameter of tables t[0..K) (1 <= K <= MaxK; positions and bags in all < 2^31).
@@ -447,6 +456,9 @@ TableGroup<MaxK> make_group(const TableArgs* const* t, int K) {
     tg.grad[k] = a.g.data_ptr();
     tg.weights[k] = a.weights.defined() ? a.weights.data_ptr() : nullptr;
     tg.state[k] = a.opt_state.defined() && a.opt_state.numel() > 0 ? a.opt_state.data_ptr() : nullptr;
+    tg.extra[k] = static_cast<int32_t>(a.E);
+    tg.extra_weights[k] = a.E > 0 ? a.extra_w.data_ptr() : nullptr;
+    tg.extra_state[k] = a.E > 0 && a.extra_s.numel() > 0 ? a.extra_s.data_ptr() : nullptr;
   }
   return tg;
 }
@@ -1003,9 +1015,13 @@ __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>
     // The run's row and its state. A run of one chunk loads them now, so that these loads
     // are in flight with the gradient gather below (they do not depend on it); a long
     // run's last chunk loads them once its sum is complete.
+    // (Past the table's own rows: its extra rows.)
     const int64_t slot = key - tg.row_base[tb];
-    scalar_t* __restrict__ w_row = static_cast<scalar_t*>(tg.weights[tb]) + slot * D;
-    acc_t* __restrict__ st = static_cast<acc_t*>(tg.state[tb]) + slot * S;
+    const int64_t own = tg.row_base[tb + 1] - tg.row_base[tb] - tg.extra[tb];
+    scalar_t* __restrict__ w_row = slot < own ? static_cast<scalar_t*>(tg.weights[tb]) + slot * D
+                                              : static_cast<scalar_t*>(tg.extra_weights[tb]) + (slot - own) * D;
+    acc_t* __restrict__ st = slot < own ? static_cast<acc_t*>(tg.state[tb]) + slot * S
+                                        : static_cast<acc_t*>(tg.extra_state[tb]) + (slot - own) * S;
     Pack<scalar_t, V> w[ITER];
     StatePack<R, acc_t, V> sp[ITER];
     auto load_row = [&]() {
@@ -1236,14 +1252,24 @@ void accumulate_and_update_fused(const TableArgs* const* t, int K, int64_t mode,
 }
 
 // Rows too wide for the fused kernel's registers: the gradient rows are written out
-// (accumulate_grad), then applied (sparse_update).
+// (accumulate_grad), then applied (sparse_update), the extra rows' (the last unique slots,
+// from C on) to the extra rows.
 void update_wide(const TableArgs& t, int64_t mode, int64_t optimizer, const at::Tensor& hparams) {
   auto [unique_slots, grad_rows] = with_sort_key(t.rows, [&](auto key) { return accumulate<decltype(key)>(t, mode); });
   static auto update = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("veloce::sparse_update", "")
                            .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                        int64_t, const at::Tensor&)>();
-  update.call(t.weights, t.opt_state, unique_slots, grad_rows, optimizer, hparams);
+  if (t.E == 0) {
+    update.call(t.weights, t.opt_state, unique_slots, grad_rows, optimizer, hparams);
+    return;
+  }
+  const int64_t C = t.rows - t.E;
+  const int64_t own = (unique_slots < C).sum().item<int64_t>();  // ascending slots; a sync, as accumulate's
+  const int64_t U = unique_slots.numel();
+  update.call(t.weights, t.opt_state, unique_slots.slice(0, 0, own), grad_rows.slice(0, 0, own), optimizer, hparams);
+  update.call(t.extra_w, t.extra_s, unique_slots.slice(0, own, U) - C, grad_rows.slice(0, own, U), optimizer,
+              hparams);
 }
 
 // Applies the gradients of checked tables that share device, dtype and D (the weights and
@@ -1270,7 +1296,8 @@ void update_tables(const std::vector<TableArgs>& tables, int64_t mode, int64_t o
     // 16-byte packs when D and every row pointer allow them (RowWiseAdagrad's one state
     // value per row is read alone).
     const bool vec = D % elems16 == 0 && aligned16(t.weights.data_ptr()) && aligned16(t.g.data_ptr()) &&
-                     (S <= 1 || aligned16(t.opt_state.data_ptr()));
+                     (S <= 1 || aligned16(t.opt_state.data_ptr())) &&
+                     (t.E == 0 || (aligned16(t.extra_w.data_ptr()) && (S <= 1 || aligned16(t.extra_s.data_ptr()))));
     const int64_t V = vec ? elems16 : 1;
     if (ceil_div(D, lanes_for(D, static_cast<int>(V)) * V) > kMaxIter) {
       wide.push_back(&t);
@@ -1318,11 +1345,14 @@ void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt
                                 const at::Tensor& grad_output, const at::Tensor& slots, const at::Tensor& offsets,
                                 const std::optional<at::Tensor>& per_sample_weights, int64_t mode,
                                 bool include_last_offset, int64_t optimizer, const at::Tensor& hparams,
-                                bool check_inputs, const std::optional<at::Tensor>& skip) {
+                                bool check_inputs, const std::optional<at::Tensor>& skip,
+                                const std::optional<at::Tensor>& extra_rows,
+                                const std::optional<at::Tensor>& extra_state) {
   constexpr const char* op = "veloce::accumulate_and_update";
   check_update_args(op, weights, opt_state, optimizer, hparams);
   check_backward_inputs(op, grad_output, slots, offsets, per_sample_weights, mode);
   check_grad_output_for_weights(op, grad_output, weights);
+  check_extra_update(op, weights, opt_state, extra_rows, extra_state);
   if (skip.has_value()) check_flag(op, "skip", *skip, "weights", weights);
   const c10::cuda::CUDAGuard guard(weights.device());
   const int64_t N = slots.numel();
@@ -1335,12 +1365,14 @@ void accumulate_and_update_cuda(const at::Tensor& weights, const at::Tensor& opt
                                  : check_offsets_shape(op, o, N, include_last_offset);
   check_grad_output_rows(op, grad_output, B);
   check_num_bags_cuda(op, B);
-  if (N == 0 || weights.size(1) == 0 || weights.size(0) == 0) return;
+  const int64_t E = extra_rows.has_value() ? extra_rows->size(0) : 0;
+  if (N == 0 || weights.size(1) == 0 || weights.size(0) + E == 0) return;
   const at::Tensor g = grad_output.contiguous();
   const at::Tensor p = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
   // The group of one table: the same kernels as accumulate_and_update_many.
-  update_tables({TableArgs{weights, opt_state, g, s, o, p, weights.size(0), N, B}}, mode, optimizer,
-                hparams.contiguous(), skip.value_or(at::Tensor()));
+  update_tables({TableArgs{weights, opt_state, g, s, o, p, weights.size(0) + E, N, B, extra_rows.value_or(at::Tensor()),
+                           extra_state.value_or(at::Tensor()), E}},
+                mode, optimizer, hparams.contiguous(), skip.value_or(at::Tensor()));
 }
 
 // check_bags_and_slots_cuda (no upper slot limit: accumulate_and_update skips slots past
@@ -1387,10 +1419,13 @@ void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_
                                      at::TensorList slots, at::TensorList offsets,
                                      const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
                                      bool include_last_offset, int64_t optimizer, const at::Tensor& hparams,
-                                     bool check_inputs, const std::optional<at::Tensor>& skip) {
+                                     bool check_inputs, const std::optional<at::Tensor>& skip,
+                                     const std::optional<at::TensorList>& extra_rows,
+                                     const std::optional<at::TensorList>& extra_state) {
   constexpr const char* op = "veloce::accumulate_and_update_many";
-  const ManyTables checked = check_update_many_args(op, weights, opt_state, grad_output, slots, offsets,
-                                                    per_sample_weights, mode, include_last_offset, optimizer, hparams);
+  const ManyTables checked =
+      check_update_many_args(op, weights, opt_state, grad_output, slots, offsets, per_sample_weights, mode,
+                             include_last_offset, optimizer, hparams, extra_rows, extra_state);
   const size_t K = weights.size();
   if (K == 0) return;
   if (skip.has_value()) check_flag(op, "skip", *skip, "weights[0]", weights[0]);
@@ -1413,7 +1448,12 @@ void accumulate_and_update_many_cuda(at::TensorList weights, at::TensorList opt_
     TableArgs& t = tables[k];
     t.weights = weights[k];
     t.opt_state = opt_state[k];
-    t.rows = weights[k].size(0);
+    t.E = checked.num_extra[k];
+    t.rows = weights[k].size(0) + t.E;
+    if (t.E > 0) {
+      t.extra_w = (*extra_rows)[k];
+      t.extra_s = (*extra_state)[k];
+    }
     t.g = grad_output[k].contiguous();
     const std::optional<at::Tensor> psw = per_sample_weights.get(k);
     t.p = psw.has_value() ? psw->contiguous() : at::Tensor();

@@ -331,6 +331,8 @@ def accumulate_and_update(
     lr_step: torch.Tensor | None = None,
     *,
     hparams: Optional[torch.Tensor] = None,
+    extra_rows: Optional[torch.Tensor] = None,
+    extra_state: Optional[torch.Tensor] = None,
     **hyper: float,
 ) -> None:
     """The backward of ``pooled_lookup`` and the optimizer step in one pass, in place.
@@ -363,6 +365,12 @@ def accumulate_and_update(
             when given it replaces ``lr`` and ``step`` (it becomes the head of the
             ``hparams`` built on the device, without a host read). The CPU checks the
             values as it checks ``lr`` and ``step``; on CUDA they are the caller's.
+        extra_rows, extra_state: ``(E, D)`` rows of ``weights``' dtype and their ``(E, S)``
+            optimizer state, contiguous and on ``weights``' device, both or neither (None):
+            rows past the table's own, updated in place as rows of it: slot ``C + e`` is
+            extra row ``e``, as :func:`veloce.ops.pooled_lookup` reads ``extra_rows``. The
+            result is that of the op on the concatenated rows ``[weights; extra_rows]`` and
+            states. A table with admission trains its default row so, in its own pass.
 
     On CUDA the whole op runs without a host synchronization when ``check_inputs`` is
     False: the sort, run-length encode and the fused reduce + update keep every size on
@@ -370,14 +378,15 @@ def accumulate_and_update(
 
     Shape:
         - weights: ``(C, D)``; opt_state: ``(C, S)``; grad_output: ``(B, D)``; slots: ``(N,)``;
-          offsets: ``(B,)`` or ``(B + 1,)``; per_sample_weights: ``(N,)``
+          offsets: ``(B,)`` or ``(B + 1,)``; per_sample_weights: ``(N,)``; extra_rows:
+          ``(E, D)``; extra_state: ``(E, S)``
     """
     _ext.require()
     h = _hparams_arg("accumulate_and_update", optimizer, weights, lr, eps, beta1, beta2, weight_decay, step, hparams,
                      hyper, lr_step)  # fmt: skip
     torch.ops.veloce.accumulate_and_update(
         weights, opt_state, grad_output, slots, offsets, per_sample_weights, _mode_id(mode), include_last_offset,
-        _optimizer_id(optimizer), h, check_inputs, skip,
+        _optimizer_id(optimizer), h, check_inputs, skip, extra_rows, extra_state,
     )  # fmt: skip
 
 
@@ -402,6 +411,8 @@ def accumulate_and_update_many(
     lr_step: torch.Tensor | None = None,
     *,
     hparams: Optional[torch.Tensor] = None,
+    extra_rows: Optional[Sequence[torch.Tensor]] = None,
+    extra_state: Optional[Sequence[torch.Tensor]] = None,
     **hyper: float,
 ) -> None:
     """:func:`accumulate_and_update` of K tables in one call, in place.
@@ -427,6 +438,9 @@ def accumulate_and_update_many(
             check_inputs, skip, lr_step, hparams, hyper: as :func:`accumulate_and_update`,
             for every table (``skip``, ``lr_step`` and ``hparams`` on the tables' device;
             with ``skip`` every table is updated, or none).
+        extra_rows, extra_state: None, or one entry per table each, as
+            :func:`accumulate_and_update` takes them (``(0, D)`` and ``(0, S)`` for a table
+            without extra rows).
 
     Shape:
         - per table k: weights ``(C_k, D)``; opt_state ``(C_k, S)``; grad_output ``(B_k, D)``;
@@ -454,6 +468,7 @@ def accumulate_and_update_many(
     torch.ops.veloce.accumulate_and_update_many(
         weights, opt_state, list(grad_output), list(slots), list(offsets), psw, _mode_id(mode), include_last_offset,
         _optimizer_id(optimizer), h, check_inputs, skip,
+        None if extra_rows is None else list(extra_rows), None if extra_state is None else list(extra_state),
     )  # fmt: skip
 
 
@@ -514,19 +529,26 @@ def _check_hparams_fake(op: str, optimizer: int, hparams_: torch.Tensor, ref: to
 
 
 def _fake_accumulate_and_update(weights, opt_state, grad_output, slots, offsets, psw, mode, ilo, optimizer, hparams,
-                                check_inputs=True, skip=None):  # fmt: skip
+                                check_inputs=True, skip=None, extra_rows=None, extra_state=None):  # fmt: skip
     torch._check(weights.dim() == 2, lambda: f"weights must be 2-D, got {weights.dim()}-D")
     torch._check(grad_output.dim() == 2, lambda: f"grad_output must be 2-D, got {grad_output.dim()}-D")
     _check_hparams_fake("accumulate_and_update", optimizer, hparams, weights)
+    if (extra_rows is None) != (extra_state is None):
+        raise ValueError("accumulate_and_update: extra_rows and extra_state go together")
 
 
 def _fake_accumulate_and_update_many(weights, opt_state, grad_output, slots, offsets, psw, pooling, ilo, optimizer,
-                                     hparams, check_inputs=True, skip=None):  # fmt: skip
+                                     hparams, check_inputs=True, skip=None, extra_rows=None, extra_state=None):  # fmt: skip
     if len(weights):
         _check_hparams_fake("accumulate_and_update_many", optimizer, hparams, weights[0])
     k = len(weights)
-    for name, lst in (("opt_state", opt_state), ("grad_output", grad_output), ("slots", slots), ("offsets", offsets),
-                      ("per_sample_weights", psw)):  # fmt: skip
+    if (extra_rows is None) != (extra_state is None):
+        raise ValueError("accumulate_and_update_many: extra_rows and extra_state go together")
+    lists = [("opt_state", opt_state), ("grad_output", grad_output), ("slots", slots), ("offsets", offsets),
+             ("per_sample_weights", psw)]  # fmt: skip
+    if extra_rows is not None:
+        lists += [("extra_rows", extra_rows), ("extra_state", extra_state)]
+    for name, lst in lists:
         if len(lst) != k:  # list lengths and ranks are static, even under tracing
             raise RuntimeError(f"weights has {k} entries but {name} has {len(lst)}")
     for w, g in zip(weights, grad_output):

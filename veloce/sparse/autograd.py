@@ -124,7 +124,6 @@ def _table_backward(module: TableModule, ids: torch.Tensor, slots: torch.Tensor,
     refused = None
     if table.admits:
         refused = slots == (table.capacity if capacity is None else capacity)
-        defaults = _default_codes(slots, refused)
         slots = slots.masked_fill(refused, -2)
     if version != table.version:  # the table grew or evicted since forward
         slots = reresolve(table, ids, slots, refused)
@@ -134,23 +133,16 @@ def _table_backward(module: TableModule, ids: torch.Tensor, slots: torch.Tensor,
         positions = torch.arange(slots.numel(), device=slots.device)
         module._accumulate(Pending(ids, slots, positions, None, grad_rows, MODES["sum"], False, table.version, refused))
         if refused is not None:
-            module._accumulate_default(Pending(None, defaults, positions, None, grad_rows, MODES["sum"], False, 0))
+            module._accumulate_default(Pending(None, slots, positions, None, grad_rows, MODES["sum"], False, 0, refused))
     elif trains:
         module._accumulate(Pending(ids, slots, offsets, psw, grad_out, MODES[module.mode], ilo, table.version, refused))
         if refused is not None:
-            module._accumulate_default(Pending(None, defaults, offsets, psw, grad_out, MODES[module.mode], ilo, 0))
+            module._accumulate_default(Pending(None, slots, offsets, psw, grad_out, MODES[module.mode], ilo, 0, refused))
     if psw is None or not psw_grad:
         return None
     if refused is not None:  # the default row's value at the refused positions: the slot C, extra row 0
         return table.psw_grad(slots.masked_fill(refused, table.capacity), offsets, grad_out, ilo, table.default_rows())
     return table.psw_grad(slots, offsets, grad_out, ilo)
-
-
-def _default_codes(slots: torch.Tensor, refused: torch.Tensor) -> torch.Tensor:
-    """The slots of a lookup's positions in the default row's one-row table: 0 where it
-    served the position, -1 at padding, -2 elsewhere (counted by mean pooling, no
-    gradient)."""
-    return torch.where(refused, 0, torch.where(slots == -1, -1, -2))
 
 
 _WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)

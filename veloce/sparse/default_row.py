@@ -31,10 +31,10 @@ def shares_default_row(t: TableModule) -> bool:
 
 def default_entry(entry: Pending) -> Pending:
     """The default row's part of one backward pass's ``entry`` whose ``refused`` positions
-    the default row served: slot 0 there, -1 at padding, -2 elsewhere (counted by mean
-    pooling, no gradient), as :meth:`~veloce.sparse.PendingGradient._accumulate_default` keeps it."""
-    codes = torch.where(entry.refused, 0, torch.where(entry.slots == -1, -1, -2))
-    return Pending(None, codes, entry.offsets, entry.psw, entry.grad, entry.mode, entry.include_last_offset, 0)
+    the default row served, as :meth:`~veloce.sparse.PendingGradient._accumulate_default`
+    keeps it: the entry itself, its ``refused`` marking the row's positions
+    (:func:`~veloce.sparse.pending.default_codes` gives its slots in the one-row table)."""
+    return entry._replace(ids=None, version=0)
 
 
 def _dense_gradient(entries: Sequence[Pending], dim: int, dtype: torch.dtype,
@@ -49,7 +49,7 @@ def _dense_gradient(entries: Sequence[Pending], dim: int, dtype: torch.dtype,
         offsets = e.offsets[:-1] if e.include_last_offset else e.offsets
         n = e.slots.numel()
         bag = bag_of(offsets, n)
-        hit = e.slots == 0
+        hit = e.refused if e.refused is not None else e.slots == 0
         w = hit.to(dtype) if e.psw is None else hit.to(dtype) * e.psw.to(dtype)
         if e.mode == MODES["mean"]:
             counts = torch.zeros(offsets.numel(), dtype=dtype, device=dev).index_add_(0, bag, (e.slots != -1).to(dtype))

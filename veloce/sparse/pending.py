@@ -14,7 +14,7 @@ from veloce.sparse.base import MODES, TableModule
 from veloce.sparse.torch_steps import torch_step_count
 from veloce.table import HashTable
 
-__all__ = ["LIVE", "Pending", "PendingGradient", "PendingState", "reresolve", "waiting_tables"]
+__all__ = ["LIVE", "Pending", "PendingGradient", "PendingState", "default_codes", "reresolve", "waiting_tables"]
 
 # Every DynamicEmbedding alive in the process: torch's gradient clipping asks which hold a
 # gradient it cannot see (veloce.sparse.clip).
@@ -67,13 +67,30 @@ def reresolve(table: HashTable, ids: torch.Tensor, slots: torch.Tensor,
     return fresh if refused is None else fresh.masked_fill(refused, -2)
 
 
+def default_codes(entry: Pending) -> torch.Tensor:
+    """The slots of a pending default-row ``entry`` in the row's one-row table: 0 where it
+    served the position, -1 at padding, -2 elsewhere (counted by mean pooling, no
+    gradient). An entry with ``refused`` marks holds its table's slots (the positions the
+    row served among them, :func:`default_entry`): the codes are made from them; one
+    without holds the codes already (a clamped or summed gradient)."""
+    if entry.refused is None:
+        return entry.slots
+    return torch.where(entry.refused, 0, torch.where(entry.slots == -1, -1, -2))
+
+
 def merge_entries(entries: Sequence[Pending], resolved: Callable[[Pending], torch.Tensor], version: int) -> Pending:
     """One batch equivalent to ``entries``: mean bags become sum bags with per-position
     weights 1 / len(bag), offsets are shifted and concatenated; ``resolved(e)`` gives each
-    entry's slots."""
+    entry's slots. The ``refused`` marks are concatenated (none where an entry has none),
+    None when no entry has them."""
     if len(entries) == 1:
         return entries[0]
     slots, offsets, psw, grads = [], [], [], []
+    refused = None
+    if any(e.refused is not None for e in entries):
+        refused = torch.cat([e.refused if e.refused is not None else torch.zeros(e.slots.shape, dtype=torch.bool,
+                                                                                 device=e.slots.device)
+                             for e in entries])  # fmt: skip
     base = 0
     for e in entries:
         s = resolved(e)
@@ -91,7 +108,7 @@ def merge_entries(entries: Sequence[Pending], resolved: Callable[[Pending], torc
         base += s.numel()
     return Pending(
         ids=None, slots=torch.cat(slots), offsets=torch.cat(offsets), psw=torch.cat(psw),
-        grad=torch.cat(grads), mode=MODES["sum"], include_last_offset=False, version=version,
+        grad=torch.cat(grads), mode=MODES["sum"], include_last_offset=False, version=version, refused=refused,
     )  # fmt: skip
 
 
@@ -213,11 +230,12 @@ class PendingGradient:
         return merge_entries(self._pending, self._resolved, self.table.version)
 
     def _accumulate_default(self, entry: "Pending") -> None:
-        """Keeps one backward pass's gradient of the table's default row until step():
-        ``entry.slots`` are 0 where the default row served a position, -2 at the others
-        (counted by mean pooling, no gradient) and -1 at padding. Kept beside the table's
-        entry of the same pass (both or neither), so that a filter of the passes' bags
-        (nonfinite_grad="skip") applies to both alike."""
+        """Keeps one backward pass's gradient of the table's default row until step(): the
+        table's entry of the pass, ``refused`` marking the positions the row served
+        (:func:`~veloce.sparse.default_row.default_entry`; :func:`default_codes`
+        makes its slots in the one-row table only where a path needs them). Kept beside the
+        table's entry of the same pass (both or neither), so that a filter of the passes'
+        bags (nonfinite_grad="skip") applies to both alike."""
         if entry.slots.numel():
             self._pending_default.append(entry)
 
@@ -229,4 +247,4 @@ class PendingGradient:
             return (torch.empty(0, dtype=torch.long, device=dev),
                     torch.empty(0, self.embedding_dim, dtype=self.table.dtype, device=dev))  # fmt: skip
         e = merge_entries(self._pending_default, lambda x: x.slots, 0)
-        return accumulate_grad(e.grad, e.slots, e.offsets, e.psw, e.mode, e.include_last_offset, 1)
+        return accumulate_grad(e.grad, default_codes(e), e.offsets, e.psw, e.mode, e.include_last_offset, 1)

@@ -14,8 +14,8 @@ from veloce.optim import Adam
 from veloce.runtime import capture as _capture
 from veloce.runtime.update_stream import run_update
 from veloce.sparse.base import MODES, TableModule
-from veloce.sparse.default_row import agreed_default_gradients
-from veloce.sparse.pending import Pending, merge_entries
+from veloce.sparse.default_row import agreed_default_gradients, shares_default_row
+from veloce.sparse.pending import Pending, default_codes, merge_entries
 from veloce.table import UpdateTarget
 from veloce.sparse.nonfinite import (
     CHECKED, DeferredCheck, FiniteCheck, drop_bags, raise_deferred, raise_nonfinite,
@@ -83,6 +83,13 @@ class Stepping:
                 self._pending_default = [drop_bags(e, b) for e, b in zip(self._pending_default, bad)]
         e = self._merged()
         slots = self._resolved(e) if e.ids is not None else e.slots
+        target = self.table.update_target()
+        extra = None
+        if self._folds_default():
+            # The default row is the row past the table's own (slot C) in the table's update:
+            # one sort and one kernel for both, where an update of its own sorted every position again.
+            slots = slots.masked_fill(e.refused, target.tensors[0].shape[0])
+            extra = self.table.default_update_target()
         opt = self.optimizer
         # include_last_offset=True becomes False with the last offset dropped (a view; the
         # offsets passed _bags' checks, so the last one is N): the same bags, and one value
@@ -91,10 +98,19 @@ class Stepping:
         # The step count as step_count reads it: both callers read the last step's check
         # first (raise_deferred), so there is none left to read.
         return _Update(
-            self.table.update_target(), e.grad, slots, offsets, e.psw, e.mode, opt.kind,
-            float(opt.lr if lr is None else lr), tuple(opt.hyperparameters()), float(opt.weight_decay),
-            self._steps + 1, lr,
+            target, e.grad, slots, offsets, e.psw, e.mode, opt.kind, float(opt.lr if lr is None else lr),
+            tuple(opt.hyperparameters()), float(opt.weight_decay), self._steps + 1, lr, extra,
         )  # fmt: skip
+
+    def _folds_default(self) -> bool:
+        """Whether this step trains the default row (admission) in the table's own update: the
+        table is not sharded (a sharded one's default row takes the gradient summed over its
+        ranks, :mod:`veloce.sparse.default_row`) and its pending default entries mirror the
+        table's, one per pass with the same gradient (``refused`` marks the positions): not
+        so after ``clip_grad_value_``, which keeps the clamped sums of the rows instead."""
+        pending, default = self._pending, self._pending_default
+        return (bool(default) and len(default) == len(pending) and all(e.refused is not None for e in pending)
+                and not shares_default_row(self))  # fmt: skip
 
     def _book(self, update: Optional["_Update"]) -> None:
         """Counts a step once its update is applied (``update``), or when there was nothing
@@ -137,9 +153,10 @@ class Stepping:
         that reads the row next). ``entry``: the gradient to apply instead of the pending
         one (a sharded table's, summed over its ranks: :mod:`veloce.sparse.default_row`)."""
         e = entry if entry is not None else merge_entries(self._pending_default, lambda x: x.slots, 0)
+        e = e._replace(slots=default_codes(e))
         self._pending_default = []
         table = self.table
-        weights, state = table.default_rows(), table._buffers["default_state"]
+        weights, state = table.default_update_target()
         offsets = e.offsets[:-1] if e.include_last_offset else e.offsets
         if hparams is None:
             hparams = _HPARAMS.fill(weights.device, update.kind, update.hparams())
@@ -250,6 +267,8 @@ class _Update(NamedTuple):
     weight_decay: float
     step: int  # the table's step count once this update is applied
     requested_lr: Optional[float]  # step()'s lr argument (None: the optimizer's own)
+    # (weights, state) of the default row trained in this update as slot C (admission), or None
+    extra: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def group_key(self) -> tuple:
         """Updates with equal keys share every scalar argument of one
@@ -310,7 +329,9 @@ def _apply_updates(
             for i in idx:
                 tables[i].table.track_update(fence)
         for i in idx:  # admission: the default rows of these tables, after their rows' update was queued
-            if tables[i]._pending_default and (not shared or id(tables[i]) not in shared):
+            if updates[i].extra is not None:  # trained in that update
+                tables[i]._pending_default = []
+            elif tables[i]._pending_default and (not shared or id(tables[i]) not in shared):
                 tables[i]._step_default_row(updates[i], skip, hparams)
         if applied is not None:  # a failed call leaves its tables' steps pending
             applied.extend(idx)
@@ -348,13 +369,19 @@ def _launch_update(group: Sequence[_Update], skip: torch.Tensor | None, hparams:
     if hparams is None:
         hparams = _HPARAMS.fill(u.target.layout[0], u.kind, u.hparams())
     if len(group) == 1:
+        extra = u.extra if u.extra is not None else (None, None)
         accumulate_and_update(
             *u.target.tensors, u.grad, u.slots, u.offsets, u.psw, u.mode, False, u.kind, check_inputs=False,
-            skip=skip, hparams=hparams,
+            skip=skip, hparams=hparams, extra_rows=extra[0], extra_state=extra[1],
         )  # fmt: skip
     else:
+        extras = None
+        if any(v.extra is not None for v in group):  # (0, D) and (0, S) for the tables without
+            extras = [v.extra if v.extra is not None else tuple(t.new_empty((0, t.shape[1])) for t in v.target.tensors)
+                      for v in group]  # fmt: skip
         accumulate_and_update_many(
             *map(list, zip(*[v.target.tensors for v in group])), [v.grad for v in group],
             [v.slots for v in group], [v.offsets for v in group], [v.psw for v in group], u.mode, False, u.kind,
-            check_inputs=False, skip=skip, hparams=hparams,
+            check_inputs=False, skip=skip, hparams=hparams, extra_rows=None if extras is None else [x for x, _ in extras],
+            extra_state=None if extras is None else [x for _, x in extras],
         )  # fmt: skip

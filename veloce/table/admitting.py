@@ -24,6 +24,7 @@ from veloce.admission import (
     resolve,
 )
 from veloce.ops.hash_table import initialize
+from veloce.ops.sketch import admission_tally, sketch_admit
 
 __all__ = ["ADMISSION_STATE", "Admitting"]
 
@@ -82,8 +83,17 @@ class Admitting:
 
     def default_rows(self) -> Optional[torch.Tensor]:
         """The lookups' extra rows: the ``(1, D)`` default row when the table admits, else
-        None (slot ``C`` reads extra row 0)."""
-        return self._buffers["default_weights"] if not self.admission.admits_all else None
+        None (slot ``C`` reads extra row 0). After the update in flight, which trains it."""
+        if self.admission.admits_all:
+            return None
+        if self._update_fence is not None:  # type: ignore[attr-defined]
+            self._join_update()  # type: ignore[attr-defined]
+        return self._buffers["default_weights"]
+
+    def default_update_target(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The default row and its optimizer state, ``(1, D)`` and ``(1, S)``, as the fused
+        update of the table's rows trains them (its extra row, slot ``C``)."""
+        return self._buffers["default_weights"], self._buffers["default_state"]
 
     def _admit_of(self, ids: torch.Tensor, padding_id: Optional[int], bad_input: Optional[torch.Tensor],
                   sightings: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:  # fmt: skip
@@ -94,13 +104,16 @@ class Admitting:
         policy = self.admission
         if policy.admits_all:
             return None
-        counted = None
-        if padding_id is not None:
-            counted = ids != padding_id
+        counted = None if padding_id is None else ids != padding_id
+        counters = self._buffers["admission_counts"]
+        rule = policy.fused_rule()
+        if rule is not None:  # one op counts and decides; a refused lookup's flag is read by it
+            skip = None if bad_input is None else bad_input.reshape(1)
+            return sketch_admit(counters, ids, policy.seed, rule[0], rule[1], policy.seed, counted, sightings, skip)
         if bad_input is not None:
             ok = ~bad_input.reshape(())
             counted = ok.expand(ids.shape) if counted is None else counted & ok
-        estimate = count_sightings(self._buffers["admission_counts"], ids, policy.seed, counted, sightings)
+        estimate = count_sightings(counters, ids, policy.seed, counted, sightings)
         return policy.admit(ids, estimate)
 
     def _note_admission(self, slots: torch.Tensor, sightings: Optional[torch.Tensor] = None) -> None:
@@ -109,15 +122,7 @@ class Admitting:
         counted ``sightings`` times when given (once each otherwise)."""
         if self.admission.admits_all:
             return
-        cap = self.capacity  # type: ignore[attr-defined]
-        own, refused = (slots >= 0) & (slots < cap), slots == cap
-        if sightings is None:
-            now = torch.stack([own.sum(), refused.sum()])
-        else:
-            now = torch.stack([(own * sightings).sum(), (refused * sightings).sum()]).long()
-        stats = self._buffers["admission_telemetry"]
-        stats[:2] += now
-        stats[2:] = now
+        admission_tally(self._buffers["admission_telemetry"], slots, self.capacity, sightings)  # type: ignore[attr-defined]
 
     def admission_stats(self, reset: bool = False) -> dict[str, Any]:
         """The admission telemetry (empty without admission): ``admitted`` and ``refused``

@@ -60,6 +60,15 @@ void check_ids(const char* op, const at::Tensor& ids, const at::Tensor& keys);
 // N < 2^30, counted (N,) bool and sightings (N,) int64, all on counters' device.
 void check_sketch_count(const char* op, const at::Tensor& counters, const at::Tensor& ids,
                         const c10::optional<at::Tensor>& counted, const c10::optional<at::Tensor>& sightings);
+// sketch_admit's: check_sketch_count's, min_count >= 0, p in (0, 1], skip a (1,) bool on
+// counters' device.
+void check_sketch_admit(const char* op, const at::Tensor& counters, const at::Tensor& ids,
+                        const c10::optional<at::Tensor>& counted, const c10::optional<at::Tensor>& sightings,
+                        int64_t min_count, double p, const c10::optional<at::Tensor>& skip);
+// admission_tally's: stats a contiguous (4,) int64, slots (N,) int64 and sightings (N,) int64
+// on its device, capacity >= 0.
+void check_admission_tally(const char* op, const at::Tensor& stats, const at::Tensor& slots, int64_t capacity,
+                           const c10::optional<at::Tensor>& sightings);
 
 // Initializer arguments: kind in 0..3, finite a and b, a <= b for uniform, std >= 0 for normal.
 void check_init(const char* op, int64_t kind, double a, double b);

@@ -143,14 +143,19 @@ std::string table_op_name(const char* op, int64_t k);
 // table on weights[0]'s device, of its dtype and embedding dim; and no two tables' weights
 // or opt_state in the same memory (the tables are updated at once, so one table given
 // twice would not be updated twice). Returns per table its name and number of bags.
+// extra_rows, extra_state: None, or one entry per table each (check_extra_update_rows; the
+// extra rows of table k are num_extra[k], 0 for a table without them).
 struct ManyTables {
   std::vector<std::string> names;  // table_op_name(op, k)
   std::vector<int64_t> num_bags;   // B_k
+  std::vector<int64_t> num_extra;  // E_k
 };
 ManyTables check_update_many_args(const char* op, at::TensorList weights, at::TensorList opt_state,
                                   at::TensorList grad_output, at::TensorList slots, at::TensorList offsets,
                                   const c10::List<std::optional<at::Tensor>>& per_sample_weights, int64_t mode,
-                                  bool include_last_offset, int64_t optimizer, const at::Tensor& hparams);
+                                  bool include_last_offset, int64_t optimizer, const at::Tensor& hparams,
+                                  const std::optional<at::TensorList>& extra_rows,
+                                  const std::optional<at::TensorList>& extra_state);
 
 // Every slot s[0..n) must be -1, -2 or in [0, limit) (limit < 0: no upper bound). Host
 // pointer; the CUDA kernels call it on a host copy once a device reduction found a bad slot.
@@ -222,6 +227,20 @@ void check_hparam_values(const char* op, const at::Tensor& hparams, int64_t opti
 // updates rows (messages name `op`).
 int64_t check_update_args(const char* op, const at::Tensor& weights, const at::Tensor& opt_state, int64_t optimizer,
                           const at::Tensor& hparams);
+
+// accumulate_and_update(_many)'s extra rows of one table: extra_rows (E, D) of weights' dtype
+// and extra_state (E, S) of opt_state's, contiguous, on weights' device, both given or neither;
+// returns E (0 for neither). rows_name and state_name name them in messages.
+int64_t check_extra_update_rows(const char* op, const char* rows_name, const char* state_name,
+                                const at::Tensor* extra_rows, const at::Tensor* extra_state,
+                                const at::Tensor& weights, const at::Tensor& opt_state);
+// accumulate_and_update's extra rows (None, or both): check_extra_update_rows, then
+// check_disjoint_writes over the four written tensors.
+void check_extra_update(const char* op, const at::Tensor& weights, const at::Tensor& opt_state,
+                        const std::optional<at::Tensor>& extra_rows, const std::optional<at::Tensor>& extra_state);
+// The tensors an update writes share no memory (a table given twice, or extra rows inside
+// its own rows, would not be updated as the op promises); names[i] names tensors[i].
+void check_disjoint_writes(const char* op, const std::vector<std::pair<std::string, const at::Tensor*>>& written);
 
 // sparse_update: slots (U,) int64 and grads (U, D) of weights' dtype, on weights' device.
 void check_update_grads(const char* op, const at::Tensor& weights, const at::Tensor& slots,

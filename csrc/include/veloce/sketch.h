@@ -26,4 +26,24 @@ VELOCE_HD int64_t sketch_slot(int64_t id, uint64_t salt, int64_t d, int64_t widt
   return static_cast<int64_t>(h % static_cast<uint64_t>(width)) + d * width;
 }
 
+// The sightings one position adds: 1, or its sightings count clamped to [0, kSketchCountLimit]
+// (so that a bad count cannot wrap the counters).
+VELOCE_HD int32_t sketch_add(const int64_t* sightings, int64_t i) {
+  if (sightings == nullptr) return 1;
+  const int64_t v = sightings[i];
+  return static_cast<int32_t>(v < 0 ? 0 : v > kSketchCountLimit ? kSketchCountLimit : v);
+}
+
+// sketch_admit's decision for an absent id with sketch estimate `estimate`: at least
+// min_count, and (p < 1) a draw below p, the draw a hash of (draw_salt, id, estimate)
+// (veloce.admission.Probability.admit: u = (h >> 11) / 2^53 with
+// h = splitmix64(splitmix64(id ^ draw_salt) + estimate * golden), draw_salt = splitmix64(seed)).
+VELOCE_HD bool sketch_decide(int64_t id, int64_t estimate, int64_t min_count, double p, uint64_t draw_salt) {
+  if (estimate < min_count) return false;
+  if (p >= 1.0) return true;
+  const uint64_t h = splitmix64(splitmix64(static_cast<uint64_t>(id) ^ draw_salt) +
+                                static_cast<uint64_t>(estimate) * 0x9e3779b97f4a7c15ULL);
+  return static_cast<double>(h >> 11) * (1.0 / 9007199254740992.0) < p;
+}
+
 }  // namespace veloce
