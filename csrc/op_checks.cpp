@@ -341,6 +341,8 @@ int64_t check_extra_update_rows(const char* op, const char* rows_name, const cha
                     dtype_name(weights.scalar_type()), "), got ", dtype_name(e.scalar_type()));
   check_size(op, rows_name, e, 1, weights.size(1), "weights.size(1)");
   TORCH_CHECK_VALUE(e.is_contiguous(), op, ": ", rows_name, " must be contiguous (it is updated in place)");
+  TORCH_CHECK_VALUE(e.size(0) <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 ", rows_name,
+                    ", got ", e.size(0));
   check_dim(op, state_name, es, 2);
   check_same_device(op, state_name, es, "weights", weights);
   check_dtype(op, state_name, es, opt_state.scalar_type());

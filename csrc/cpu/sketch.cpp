@@ -123,23 +123,19 @@ void admission_tally_cpu(at::Tensor& stats, const at::Tensor& slots, int64_t cap
   const int64_t* const w = long_ptr(w_c);
   const int64_t n = s_c.numel();
   // Integer sums: any split over threads gives the same counts.
-  std::vector<std::array<int64_t, 2>> parts(std::max<int64_t>(1, at::get_num_threads()), {0, 0});
-  at::parallel_for(0, n, at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
-    int64_t own = 0, refused = 0;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t times = w != nullptr ? w[i] : 1;
-      own += (s[i] >= 0 && s[i] < capacity) ? times : 0;
-      refused += s[i] == capacity ? times : 0;
-    }
-    auto& part = parts[at::get_thread_num()];
-    part[0] += own;
-    part[1] += refused;
-  });
-  int64_t own = 0, refused = 0;
-  for (const auto& part : parts) {
-    own += part[0];
-    refused += part[1];
-  }
+  using Counts = std::array<int64_t, 2>;  // own, refused
+  const Counts total = at::parallel_reduce(
+      0, n, at::internal::GRAIN_SIZE, Counts{0, 0},
+      [&](int64_t begin, int64_t end, Counts acc) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t times = w != nullptr ? w[i] : 1;
+          acc[0] += (s[i] >= 0 && s[i] < capacity) ? times : 0;
+          acc[1] += s[i] == capacity ? times : 0;
+        }
+        return acc;
+      },
+      [](Counts a, const Counts& b) { return Counts{a[0] + b[0], a[1] + b[1]}; });
+  const int64_t own = total[0], refused = total[1];
   int64_t* const out = stats.data_ptr<int64_t>();
   out[0] += own;
   out[1] += refused;

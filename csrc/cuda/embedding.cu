@@ -1047,13 +1047,13 @@ __global__ void __launch_bounds__(kThreads, update_min_blocks<scalar_t, V, ITER>
     if (p.chunks > 1) {
       // One chunk of a long run: store its sum; the last of the run's chunks to finish
       // adds them all, in chunk order.
-      acc_t* own = partial + (static_cast<int64_t>(f.partials) + k) * D;
+      acc_t* mine = partial + (static_cast<int64_t>(f.partials) + k) * D;
 #pragma unroll
       for (int it = 0; it < ITER; ++it) {
         const int64_t c = (static_cast<int64_t>(it) * lanes + lane) * V;
         if (c < D) {
 #pragma unroll
-          for (int j = 0; j < V; ++j) own[c + j] = g[it][j];
+          for (int j = 0; j < V; ++j) mine[c + j] = g[it][j];
         }
       }
       __threadfence();  // release: this lane's partial columns, before the count

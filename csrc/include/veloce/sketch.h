@@ -23,11 +23,16 @@ VELOCE_HD uint64_t sketch_salt(int64_t seed, int64_t d) {
 // (depth, width) sketch.
 VELOCE_HD int64_t sketch_slot(int64_t id, uint64_t salt, int64_t d, int64_t width) {
   const uint64_t h = splitmix64(static_cast<uint64_t>(id) ^ salt) & 0x7fffffffffffffffULL;
-  return static_cast<int64_t>(h % static_cast<uint64_t>(width)) + d * width;
+  const uint64_t w = static_cast<uint64_t>(width);
+  // A power-of-two width (the default) takes a mask, the same index as the remainder without
+  // a 64-bit division (tens of cycles on a CPU, a long emulated sequence on a GPU).
+  const uint64_t r = (w & (w - 1)) == 0 ? (h & (w - 1)) : h % w;
+  return static_cast<int64_t>(r) + d * width;
 }
 
 // The sightings one position adds: 1, or its sightings count clamped to [0, kSketchCountLimit]
-// (so that a bad count cannot wrap the counters).
+// (a negative or huge count of one position adds nothing or at most the limit; the call's
+// counts together stay under 2^30, the op's contract, so no counter passes 2^31 - 1).
 VELOCE_HD int32_t sketch_add(const int64_t* sightings, int64_t i) {
   if (sightings == nullptr) return 1;
   const int64_t v = sightings[i];
