@@ -103,6 +103,20 @@ at::Tensor contiguous_or_undefined(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->contiguous() : at::Tensor();
 }
 
+// The adds of sketch_count and sketch_admit (n > 0 positions of contiguous ids), on the
+// current stream.
+void launch_adds(at::Tensor& counters, const at::Tensor& ids_c, const c10::optional<at::Tensor>& counted,
+                 const c10::optional<at::Tensor>& sightings, const bool* skip, int64_t seed) {
+  const int64_t n = ids_c.numel();
+  const at::Tensor counted_c = contiguous_or_undefined(counted);
+  const at::Tensor sightings_c = contiguous_or_undefined(sightings);
+  sketch_add_kernel<<<grid_for(n), kThreads, 0, stream()>>>(
+      counters.data_ptr<int32_t>(), ids_c.data_ptr<int64_t>(), counted_c.defined() ? counted_c.data_ptr<bool>() : nullptr,
+      sightings_c.defined() ? sightings_c.data_ptr<int64_t>() : nullptr, skip, n, counters.size(0),
+      counters.size(1), seed);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 at::Tensor sketch_count_cuda(at::Tensor& counters, const at::Tensor& ids, int64_t seed,
                              const c10::optional<at::Tensor>& counted, const c10::optional<at::Tensor>& sightings) {
   constexpr const char* op = "veloce::sketch_count";
@@ -112,12 +126,7 @@ at::Tensor sketch_count_cuda(at::Tensor& counters, const at::Tensor& ids, int64_
   at::Tensor estimate = at::empty({n}, ids.options());
   if (n == 0) return estimate;
   const at::Tensor ids_c = ids.contiguous();
-  const at::Tensor counted_c = contiguous_or_undefined(counted);
-  const at::Tensor sightings_c = contiguous_or_undefined(sightings);
-  sketch_add_kernel<<<grid_for(n), kThreads, 0, stream()>>>(
-      counters.data_ptr<int32_t>(), ids_c.data_ptr<int64_t>(), counted_c.defined() ? counted_c.data_ptr<bool>() : nullptr,
-      sightings_c.defined() ? sightings_c.data_ptr<int64_t>() : nullptr, nullptr, n, depth, width, seed);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_adds(counters, ids_c, counted, sightings, nullptr, seed);
   sketch_estimate_kernel<<<grid_for(n), kThreads, 0, stream()>>>(counters.data_ptr<int32_t>(),
                                                                  ids_c.data_ptr<int64_t>(),
                                                                  estimate.data_ptr<int64_t>(), n, depth, width, seed);
@@ -135,13 +144,7 @@ at::Tensor sketch_admit_cuda(at::Tensor& counters, const at::Tensor& ids, int64_
   at::Tensor admit = at::empty({n}, ids.options().dtype(at::kBool));
   if (n == 0) return admit;
   const at::Tensor ids_c = ids.contiguous();
-  const at::Tensor counted_c = contiguous_or_undefined(counted);
-  const at::Tensor sightings_c = contiguous_or_undefined(sightings);
-  sketch_add_kernel<<<grid_for(n), kThreads, 0, stream()>>>(
-      counters.data_ptr<int32_t>(), ids_c.data_ptr<int64_t>(), counted_c.defined() ? counted_c.data_ptr<bool>() : nullptr,
-      sightings_c.defined() ? sightings_c.data_ptr<int64_t>() : nullptr,
-      skip.has_value() ? skip->data_ptr<bool>() : nullptr, n, depth, width, seed);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_adds(counters, ids_c, counted, sightings, skip.has_value() ? skip->data_ptr<bool>() : nullptr, seed);
   sketch_decide_kernel<<<grid_for(n), kThreads, 0, stream()>>>(
       counters.data_ptr<int32_t>(), ids_c.data_ptr<int64_t>(), admit.data_ptr<bool>(), n, depth, width, seed,
       min_count, p, splitmix64(static_cast<uint64_t>(draw_seed)));
