@@ -10,6 +10,7 @@ import torch
 
 from veloce.ops.embedding import max_pool_position_grad
 from veloce.runtime import capture as _capture
+from veloce.sparse.backend import keep_gradient
 from veloce.sparse.base import MODES, TableModule
 from veloce.sparse.pending import Pending, reresolve
 from veloce.table import pooled_many
@@ -131,13 +132,11 @@ def _table_backward(module: TableModule, ids: torch.Tensor, slots: torch.Tensor,
     if trains and argmax is not None:
         grad_rows = max_pool_position_grad(grad_out, argmax, offsets, slots.numel(), ilo)
         positions = torch.arange(slots.numel(), device=slots.device)
-        module._accumulate(Pending(ids, slots, positions, None, grad_rows, MODES["sum"], False, table.version, refused))
-        if refused is not None:
-            module._accumulate_default(Pending(None, slots, positions, None, grad_rows, MODES["sum"], False, 0, refused))
+        keep_gradient(module, Pending(ids, slots, positions, None, grad_rows, MODES["sum"], False, table.version,
+                                      refused))  # fmt: skip
     elif trains:
-        module._accumulate(Pending(ids, slots, offsets, psw, grad_out, MODES[module.mode], ilo, table.version, refused))
-        if refused is not None:
-            module._accumulate_default(Pending(None, slots, offsets, psw, grad_out, MODES[module.mode], ilo, 0, refused))
+        keep_gradient(module, Pending(ids, slots, offsets, psw, grad_out, MODES[module.mode], ilo, table.version,
+                                      refused))  # fmt: skip
     if psw is None or not psw_grad:
         return None
     if refused is not None:  # the default row's value at the refused positions: the slot C, extra row 0
